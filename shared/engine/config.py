@@ -1,0 +1,82 @@
+"""Model architecture and engine settings (plain dataclasses: no I/O, no environment)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Llama-family architecture. Field names follow Hugging Face `config.json` semantics."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    max_position: int = 2048
+    tie_embeddings: bool = True
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+
+    @classmethod
+    def tiny(cls, vocab_size: int = 512) -> "ModelConfig":
+        """A few-layer random-weight model for fast unit tests (same code paths as the real one)."""
+        return cls(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_layers=3,
+                   num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
+                   max_position=1024, eos_token_ids=(2,))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs a loaded model.
+
+    The KV pool is sized either in blocks (`num_blocks`) or in GiB (`kv_cache_gib`); one of
+    them must be set. `max_batched_tokens` bounds the tokens of one forward pass; a prompt
+    longer than `prefill_chunk` is prefilled in chunks of that many tokens.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_gib: float | None = None
+    max_num_seqs: int = 64
+    max_batched_tokens: int = 2048
+    prefill_chunk: int = 512
+    enable_prefix_cache: bool = True
+    device: str = "cpu"
+    dtype: torch.dtype | None = None  # default: float32 on CPU, bfloat16 on CUDA
+    kernels: str = "auto"  # auto | torch | triton
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if (self.num_blocks is None) == (self.kv_cache_gib is None):
+            raise ValueError("set exactly one of num_blocks and kv_cache_gib")
+        if self.prefill_chunk < self.block_size or self.prefill_chunk > self.max_batched_tokens:
+            raise ValueError("need block_size <= prefill_chunk <= max_batched_tokens")
+        if self.kernels not in ("auto", "torch", "triton"):
+            raise ValueError(f"unknown kernels backend {self.kernels!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype is not None:
+            return self.dtype
+        return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+
+    def blocks_for(self, model: ModelConfig) -> int:
+        """Pool size in blocks: K and V for every layer of one block of tokens."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        elem = torch.empty((), dtype=self.torch_dtype).element_size()
+        per_block = 2 * model.num_layers * self.block_size * model.num_kv_heads * model.head_dim * elem
+        return max(1, int(self.kv_cache_gib * 2**30) // per_block)

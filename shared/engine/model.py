@@ -1,0 +1,172 @@
+"""Llama-architecture decoder over a paged KV cache (RMSNorm, RoPE, GQA, SwiGLU, tied embeddings).
+
+One forward pass takes a flat batch of new tokens from several sequences (`ForwardBatch`,
+built by runner.py): prompt chunks in a prefill pass, one token per sequence in a decode
+pass. Each layer writes its new K/V into the pool before attending, so attention reads
+cached prefix and new tokens alike from the pool. Weights use Hugging Face names at load
+time (`load_hf_weights`); q/k/v and gate/up are fused into single matmuls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from shared.engine.config import ModelConfig
+
+
+@dataclass
+class ForwardBatch:
+    """Tensors of one forward pass. T = new tokens in the batch, B = sequences."""
+
+    input_ids: torch.Tensor        # (T,)
+    positions: torch.Tensor        # (T,)
+    slots: torch.Tensor            # (T,) block * block_size + offset where each new KV goes
+    logits_index: torch.Tensor     # (B_out,) rows of T whose next-token logits are wanted
+    is_decode: bool
+    # decode: one token per sequence
+    block_tables: torch.Tensor | None = None  # (B, max_blocks)
+    context_lens: torch.Tensor | None = None  # (B,)
+    # prefill: per sequence (query start in T, query length, context length, block table)
+    chunks: list[tuple[int, int, int, torch.Tensor]] | None = None
+
+
+LayerHook = Callable[[int], None]  # called with the layer index once its KV is in the pool
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # computed in fp32 whatever the weight dtype, as the reference implementation does
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32)
+                                              / cfg.head_dim))
+        freqs = torch.outer(torch.arange(cfg.max_position, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)                   # (max_pos, hd)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x (T, heads, hd); rotate-half convention
+        cos = self.cos[positions].to(x.dtype)[:, None, :]
+        sin = self.sin[positions].to(x.dtype)[:, None, :]
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.h, self.kvh, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.kvh) * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.h * self.hd, cfg.hidden_size, bias=False)
+        self.scale = self.hd ** -0.5
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: torch.Tensor, rotary: Rotary,
+                ops: SimpleNamespace) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.h * self.hd, self.kvh * self.hd, self.kvh * self.hd], -1)
+        q = rotary(q.view(t, self.h, self.hd), batch.positions)
+        k = rotary(k.view(t, self.kvh, self.hd), batch.positions)
+        v = v.view(t, self.kvh, self.hd)
+        ops.write_kv(pool, batch.slots, k, v)
+        if batch.is_decode:
+            out = ops.paged_decode_attention(q, pool, batch.block_tables, batch.context_lens, self.scale)
+        else:
+            out = torch.empty_like(q)
+            for start, n, ctx, table in batch.chunks:
+                if ctx == n:  # no cached prefix: attend over the fresh K/V directly
+                    out[start:start + n] = ops.causal_attention(
+                        q[start:start + n], k[start:start + n], v[start:start + n], self.scale)
+                else:
+                    out[start:start + n] = ops.paged_prefill_attention(
+                        q[start:start + n], pool, table, ctx, self.scale)
+        return self.o_proj(out.view(t, self.h * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_pools: torch.Tensor, ops: SimpleNamespace,
+                layer_hook: LayerHook | None = None) -> torch.Tensor:
+        """Returns next-token logits (B_out, vocab) in fp32 for `batch.logits_index`.
+
+        kv_pools: (layers, num_blocks, 2, block_size, kv_heads, head_dim).
+        """
+        x = self.embed_tokens(batch.input_ids)                   # (T, D)
+        for i, layer in enumerate(self.layers):
+            x = x + layer.self_attn(layer.input_layernorm(x), batch, kv_pools[i], self.rotary, ops)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if layer_hook is not None:
+                layer_hook(i)
+        x = self.norm(x[batch.logits_index])
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, weight).float()
+
+    def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Load Hugging Face Llama names (`model.layers.N.self_attn.q_proj.weight`, …)."""
+        own = {}
+        for name, t in tensors.items():
+            name = name.removeprefix("model.")
+            if name == "lm_head.weight":
+                if self.lm_head is not None:
+                    own["lm_head.weight"] = t
+                continue
+            own[name] = t
+        for i in range(self.cfg.num_layers):
+            p = f"layers.{i}."
+            own[p + "self_attn.qkv_proj.weight"] = torch.cat(
+                [own.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            own[p + "mlp.gate_up_proj.weight"] = torch.cat(
+                [own.pop(p + "mlp.gate_proj.weight"), own.pop(p + "mlp.up_proj.weight")])
+        own.pop("rotary_emb.inv_freq", None)
+        missing, unexpected = self.load_state_dict(own, strict=False)
+        missing = [m for m in missing if not m.startswith("rotary.")]
+        if missing or unexpected:
+            raise ValueError(f"weights do not match the architecture: missing {missing}, "
+                             f"unexpected {unexpected}")

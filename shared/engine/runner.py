@@ -1,0 +1,60 @@
+"""Turn a Schedule into model inputs and run the forward pass; owns the KV pool tensor."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from shared.engine.config import EngineConfig, ModelConfig
+from shared.engine.kernels import select
+from shared.engine.model import ForwardBatch, LlamaModel
+from shared.engine.scheduler import Schedule
+from shared.engine.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, mcfg: ModelConfig, cfg: EngineConfig, num_blocks: int):
+        self.model, self.mcfg, self.cfg = model, mcfg, cfg
+        self.device = torch.device(cfg.device)
+        self.ops = select(cfg.kernels, cfg.device)
+        # (layers, num_blocks, 2, block_size, kv_heads, head_dim): one block of one layer is
+        # contiguous, K then V
+        self.kv = torch.zeros((mcfg.num_layers, num_blocks, 2, cfg.block_size, mcfg.num_kv_heads,
+                               mcfg.head_dim), dtype=cfg.torch_dtype, device=self.device)
+
+    def run(self, sched: Schedule, layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Forward one scheduled pass; returns logits (n_out, vocab) for the sequences whose
+        next token is due (every decode sequence; prefill sequences whose prompt is done)."""
+        batch = self._decode_batch(sched.chunks) if sched.is_decode else self._prefill_batch(sched.chunks)
+        return self.model(batch, self.kv, self.ops, layer_hook)
+
+    def _slot(self, seq: Sequence, pos: int) -> int:
+        bs = self.cfg.block_size
+        return seq.block_table[pos // bs] * bs + pos % bs
+
+    def _tensor(self, data) -> torch.Tensor:
+        return torch.tensor(data, dtype=torch.long, device=self.device)
+
+    def _prefill_batch(self, chunks: list[tuple[Sequence, int]]) -> ForwardBatch:
+        ids, pos, slots, out_rows, meta = [], [], [], [], []
+        for seq, n in chunks:
+            start, end = seq.num_computed, seq.num_computed + n
+            meta.append((len(ids), n, end, self._tensor(seq.block_table[:-(-end // self.cfg.block_size)])))
+            ids += seq.token_ids[start:end]
+            pos += range(start, end)
+            slots += [self._slot(seq, p) for p in range(start, end)]
+            if end == len(seq.token_ids):
+                out_rows.append(len(ids) - 1)
+        return ForwardBatch(self._tensor(ids), self._tensor(pos), self._tensor(slots),
+                            self._tensor(out_rows), is_decode=False, chunks=meta)
+
+    def _decode_batch(self, chunks: list[tuple[Sequence, int]]) -> ForwardBatch:
+        seqs = [seq for seq, _ in chunks]
+        width = max(len(s.block_table) for s in seqs)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+        pos = [len(s.token_ids) - 1 for s in seqs]
+        return ForwardBatch(self._tensor([s.last_token for s in seqs]), self._tensor(pos),
+                            self._tensor([self._slot(s, p) for s, p in zip(seqs, pos)]),
+                            self._tensor(list(range(len(seqs)))), is_decode=True,
+                            block_tables=self._tensor(tables), context_lens=self._tensor([p + 1 for p in pos]))

@@ -1,0 +1,106 @@
+"""Which sequences run in the next forward pass (continuous batching, chunked prefill).
+
+Each step is either a prefill pass (prompt chunks of waiting sequences, up to
+`max_batched_tokens`, long prompts split into `prefill_chunk`-token pieces) or a decode pass
+(one token for every running sequence). When both kinds of work are pending the two
+alternate, so a long prompt delays running streams by one chunk at a time, never by a whole
+prompt. When a decode step has no block for a sequence, the newest running sequence is
+preempted: its blocks are freed and it goes back to the front of the queue, to be
+recomputed (mostly from the prefix cache) later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from shared.engine.block_manager import BlockManager, OutOfBlocks
+from shared.engine.config import EngineConfig
+from shared.engine.sequence import Sequence, Status
+
+
+@dataclass
+class Schedule:
+    is_decode: bool
+    chunks: list[tuple[Sequence, int]]  # (sequence, number of new tokens this pass)
+    preempted: list[Sequence] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig, blocks: BlockManager):
+        self.cfg = cfg
+        self.blocks = blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._last_was_decode = True
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def join_running(self, seq: Sequence) -> None:
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Schedule | None:
+        if self.waiting and (not self.running or self._last_was_decode):
+            prefill = self._schedule_prefill()
+            if prefill.chunks:
+                self._last_was_decode = False
+                return prefill
+        if self.running:
+            self._last_was_decode = True
+            return self._schedule_decode()
+        return None
+
+    def _schedule_prefill(self) -> Schedule:
+        budget = self.cfg.max_batched_tokens
+        chunks: list[tuple[Sequence, int]] = []
+        for seq in self.waiting:
+            if len(self.running) + len(chunks) >= self.cfg.max_num_seqs or budget == 0:
+                break
+            if not seq.block_table:
+                try:
+                    seq.block_table, seq.num_cached = self.blocks.allocate(seq.token_ids, len(seq.token_ids))
+                except OutOfBlocks:
+                    break  # first come, first served: later prompts wait too
+                seq.num_computed = seq.num_cached
+            n = min(len(seq.token_ids) - seq.num_computed, self.cfg.prefill_chunk, budget)
+            chunks.append((seq, n))
+            budget -= n
+        return Schedule(is_decode=False, chunks=chunks)
+
+    def _schedule_decode(self) -> Schedule:
+        preempted: list[Sequence] = []
+        batch: list[Sequence] = []
+        for seq in list(self.running):
+            if seq in preempted:
+                continue
+            while True:
+                try:
+                    self.blocks.append_slot(seq.block_table, len(seq.token_ids))
+                    batch.append(seq)
+                    break
+                except OutOfBlocks:
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is seq:
+                        break
+        return Schedule(is_decode=True, chunks=[(s, 1) for s in batch], preempted=preempted)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.block_table)
+        seq.num_computed = seq.num_cached = 0
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)

@@ -1,0 +1,69 @@
+"""One request inside the engine: its tokens, its blocks, its sampling settings and its state."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from shared.engine.detokenizer import TextStream
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0      # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0                # 0 = off
+    seed: int | None = None       # per-request: same seed, same tokens, wherever they are sampled
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError("min_tokens must be between 0 and max_tokens")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"        # needs (more) prefill
+    RUNNING = "running"        # in the decode batch
+    PARKED = "parked"          # prefill done, blocks held for export (prefill-only requests)
+    IMPORTING = "importing"    # blocks reserved, KV arriving from a prefill engine
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    token_ids: list[int]
+    num_prompt: int
+    params: SamplingParams
+    prefill_only: bool = False
+    status: Status = Status.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0          # tokens whose KV is in the cache
+    num_cached: int = 0            # of those, taken from the prefix cache at admission
+    finish_reason: str | None = None
+    text: TextStream | None = None
+    seed: int = 0                  # params.seed, or drawn by the engine when unset
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]

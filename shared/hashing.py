@@ -1,0 +1,30 @@
+"""Chained content hashes of full KV blocks: `h_i = H(h_{i-1}, tokens of block i)`.
+
+The engine, the router's prefix index and the KV transfer all call this one function, so a
+block hash means the same thing everywhere. xxh3-64 over the parent hash and the block's
+token ids as little-endian int32: stable across processes and machines (never `hash()`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+ROOT_HASH = 0  # parent of the first block
+
+
+def block_hash(parent: int, tokens: Sequence[int]) -> int:
+    h = xxhash.xxh3_64(parent.to_bytes(8, "little"))
+    h.update(np.asarray(tokens, dtype="<i4").tobytes())
+    return h.intdigest()
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Hashes of every full block of `token_ids`; a trailing partial block has none."""
+    out, parent = [], ROOT_HASH
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = block_hash(parent, token_ids[start:start + block_size])
+        out.append(parent)
+    return out
