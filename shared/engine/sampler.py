@@ -14,9 +14,10 @@ from shared.engine.sequence import Sequence
 
 
 def step_seed(seed: int, index: int) -> int:
-    return xxhash.xxh64_intdigest(f"{seed}:{index}") & 0x7FFF_FFFF_FFFF_FFFF
+    return xxhash.xxh64_intdigest(f"{seed}:{index}".encode()) & 0x7FFF_FFFF_FFFF_FFFF
 
 
+@torch.inference_mode()
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -> list[int]:
     """logits (B, vocab) fp32, one row per sequence in `seqs` order. Returns B token ids."""
     for row, seq in enumerate(seqs):

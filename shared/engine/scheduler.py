@@ -33,6 +33,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._last_was_decode = True
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -99,6 +100,7 @@ class Scheduler:
         return Schedule(is_decode=True, chunks=[(s, 1) for s in batch], preempted=preempted)
 
     def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
         self.running.remove(seq)
         self.blocks.free(seq.block_table)
         seq.num_computed = seq.num_cached = 0

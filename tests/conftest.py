@@ -1,0 +1,38 @@
+"""Shared fixtures. The real model and the transformers reference load once per session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Triton kernels run interpreted on CPU; must be set before triton is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    from shared.engine.loader import load
+
+    return load("tiny")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from shared.engine.loader import load
+
+    return load("smollm2")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    import gguf
+
+    from shared.engine.loader import smollm2_path
+    from shared.engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(gguf.GGUFReader(smollm2_path()))

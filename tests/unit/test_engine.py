@@ -1,0 +1,153 @@
+"""Engine behaviour on the tiny random-weight model (same code paths as the real one)."""
+
+import random
+
+import pytest
+
+from helpers import GREEDY, generate, run_all, tokens, transfer
+from shared.engine.block_manager import OutOfBlocks
+from shared.engine.config import EngineConfig
+from shared.engine.engine import Engine
+from shared.engine.sequence import SamplingParams
+
+
+def prompts(n, lo=5, hi=70, seed=0):
+    rng = random.Random(seed)
+    return {f"r{i}": [rng.randrange(3, 512) for _ in range(rng.randint(lo, hi))] for i in range(n)}
+
+
+def test_batched_decode_equals_each_sequence_alone(tiny):
+    ps = prompts(8)
+    together = generate(tiny, ps)
+    for rid, ids in ps.items():
+        assert generate(tiny, {rid: ids})[rid] == together[rid]
+    assert len({tuple(v) for v in together.values()}) == 8
+
+
+def test_chunked_prefill_equals_unchunked(tiny):
+    ps = prompts(3, lo=100, hi=150)
+    whole = generate(tiny, ps, max_batched_tokens=512, prefill_chunk=512)
+    chunked = generate(tiny, ps, max_batched_tokens=64, prefill_chunk=32)
+    assert chunked == whole
+
+
+def test_preemption_under_a_small_pool_keeps_tokens_and_frees_blocks(tiny):
+    ps = prompts(6, lo=20, hi=40)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    roomy = generate(tiny, ps, params)
+    small = Engine(tiny, EngineConfig(num_blocks=14))  # 6 x ~5 blocks do not fit at once
+    assert generate(tiny, ps, params, engine=small) == roomy
+    assert small.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("shared_prefix", [False, True])
+def test_export_import_continues_exactly(tiny, shared_prefix):
+    prompt = prompts(1, lo=70, hi=70, seed=3)["r0"]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    reference = generate(tiny, {"x": prompt}, params)["x"]
+    src = Engine(tiny, EngineConfig(num_blocks=64))
+    dst = Engine(tiny, EngineConfig(num_blocks=64))
+    if shared_prefix:  # the receiver already holds the first 48 tokens in its prefix cache
+        dst.add_request("warm", prompt[:48] + [7, 7, 7], params)
+        run_all(dst)
+    first = transfer(src, dst, "x", prompt, params)
+    assert dst.seqs["x"].num_cached == (48 if shared_prefix else 0)
+    assert src.num_free_blocks == 64  # sender released its blocks after the handoff
+    got = first.new_token_ids + tokens(run_all(dst)["x"])
+    assert got == reference
+    assert dst.num_free_blocks == 64
+
+
+def test_seeded_sampling_is_reproducible_across_a_transfer(tiny):
+    prompt = prompts(1, lo=40, hi=40, seed=5)["r0"]
+    params = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
+    colocated = generate(tiny, {"s": prompt}, params)["s"]
+    assert generate(tiny, {"s": prompt}, params)["s"] == colocated
+    other = generate(tiny, {"s": prompt}, SamplingParams(**{**params.__dict__, "seed": 8}))["s"]
+    assert other != colocated
+    src, dst = Engine(tiny, EngineConfig(num_blocks=32)), Engine(tiny, EngineConfig(num_blocks=32))
+    first = transfer(src, dst, "s", prompt, params)
+    assert first.new_token_ids + tokens(run_all(dst)["s"]) == colocated
+
+
+def test_top_k_one_is_greedy(tiny):
+    p = prompts(1, seed=9)
+    greedy = generate(tiny, p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert generate(tiny, p, SamplingParams(max_tokens=12, temperature=1.5, top_k=1, ignore_eos=True)) == greedy
+
+
+def test_stop_conditions(tiny):
+    p = prompts(1, seed=11)["r0"]
+    free_run = generate(tiny, {"a": p}, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))["a"]
+    stop_tok = free_run[5]
+    eng = Engine(tiny, EngineConfig(num_blocks=64))
+    eng.add_request("stop", p, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True,
+                                             stop_token_ids=(stop_tok,)))
+    eng.add_request("len", p, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    # eos made likely by banning nothing and asking for at least 10 tokens: min_tokens bans eos
+    eng.add_request("min", p, SamplingParams(max_tokens=30, temperature=0, stop_token_ids=(stop_tok,),
+                                            min_tokens=10, ignore_eos=True))
+    outs = run_all(eng)
+    assert tokens(outs["stop"]) == free_run[:free_run.index(stop_tok) + 1]
+    assert outs["stop"][-1].finish_reason == "stop"
+    assert len(tokens(outs["len"])) == 4 and outs["len"][-1].finish_reason == "length"
+    assert stop_tok not in tokens(outs["min"])[:10] and len(tokens(outs["min"])) >= 10
+    assert eng.num_free_blocks == 64
+
+
+def test_abort_in_every_state_frees_blocks(tiny):
+    eng = Engine(tiny, EngineConfig(num_blocks=64, max_batched_tokens=32, prefill_chunk=16))
+    ps = prompts(3, lo=60, hi=60, seed=2)
+    eng.add_request("waiting", ps["r0"], GREEDY)
+    eng.add_request("running", ps["r1"], GREEDY)
+    eng.add_request("parked", ps["r2"], GREEDY, prefill_only=True)
+    eng.step()  # the first chunk of "waiting"
+    assert eng.num_free_blocks < 64
+    eng.abort("waiting")
+    while "parked" in eng.seqs and eng.seqs["parked"].status.value != "parked":
+        eng.step()
+    eng.reserve("importing", ps["r0"], GREEDY)
+    for rid in ("running", "parked", "importing", "unknown"):
+        eng.abort(rid)
+    assert eng.num_free_blocks == 64 and not eng.seqs and not eng.has_work()
+
+
+def test_layer_hook_sees_each_layer_once_its_kv_is_written(tiny):
+    eng = Engine(tiny, EngineConfig(num_blocks=32))
+    prompt = prompts(1, lo=40, hi=40)["r0"]
+    seen = []
+    eng.layer_hook = lambda layer: seen.append((layer, eng.runner.kv[layer].clone()))
+    eng.add_request("h", prompt, GREEDY, prefill_only=True)
+    eng.step()
+    assert [layer for layer, _ in seen] == list(range(tiny.config.num_layers))
+    export = eng.export_kv("h")
+    table = eng.seqs["h"].block_table
+    for layer, snapshot in seen:  # a layer's KV was final when its hook ran
+        assert (snapshot[table[:export.num_blocks]] == export.layer(layer)).all()
+    eng.free("h")
+
+
+def test_admission_refuses_what_cannot_fit_and_bad_input(tiny):
+    eng = Engine(tiny, EngineConfig(num_blocks=8, max_num_seqs=2))
+    with pytest.raises(ValueError, match="does not fit"):
+        eng.add_request("big", [5] * 200, GREEDY)
+    with pytest.raises(ValueError, match="empty"):
+        eng.add_request("e", [], GREEDY)
+    with pytest.raises(ValueError, match="vocabulary"):
+        eng.add_request("v", [1, 99999], GREEDY)
+    eng.reserve("a", [5] * 60, GREEDY)
+    with pytest.raises(OutOfBlocks):
+        eng.reserve("b", [6] * 70, GREEDY)  # 5 blocks wanted, 4 free
+    assert "b" not in eng.seqs
+    eng.abort("a")
+    assert eng.num_free_blocks == 8
+
+
+def test_fingerprint_and_kv_events(tiny):
+    a = Engine(tiny, EngineConfig(num_blocks=16))
+    assert a.fingerprint == Engine(tiny, EngineConfig(num_blocks=32)).fingerprint
+    assert a.fingerprint != Engine(tiny, EngineConfig(num_blocks=16, block_size=32, prefill_chunk=32)).fingerprint
+    a.add_request("k", list(range(3, 40)), SamplingParams(max_tokens=1, temperature=0))
+    run_all(a)
+    events = a.drain_kv_events()
+    assert [e.kind for e in events] == ["stored", "stored"]  # 37 tokens: 2 full blocks

@@ -1,0 +1,71 @@
+"""Triton kernels (interpreted on CPU) and torch kernels against plain attention."""
+
+import math
+
+import pytest
+import torch
+
+from shared.engine.kernels import torch_ref
+
+triton_kernels = pytest.importorskip("shared.engine.kernels.triton_kernels")
+
+
+def _pool(num_blocks=12, bs=4, kvh=2, hd=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(num_blocks, 2, bs, kvh, hd, generator=g)
+
+
+def _naive_attention(q, k, v, scale):
+    """q (H, hd) against k, v (L, kvh, hd) with repeated KV heads."""
+    rep = q.shape[0] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    w = torch.einsum("hd,lhd->hl", q, k) * scale
+    return torch.einsum("hl,lhd->hd", w.softmax(-1), v)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_gather_scatter_round_trip(impl):
+    mod = torch_ref if impl == "torch" else triton_kernels
+    pool = _pool()
+    ids = torch.tensor([7, 2, 11, 0])
+    buf = mod.gather_blocks(pool, ids)
+    assert buf.shape == (4, *pool.shape[1:]) and buf.is_contiguous()
+    assert torch.equal(buf[1], pool[2])
+    dst = torch.zeros_like(pool)
+    mod.scatter_blocks(dst, torch.tensor([1, 3, 5, 9]), buf.view(torch.uint8).view(pool.dtype))
+    assert torch.equal(dst[5], pool[11]) and torch.equal(dst[0], torch.zeros_like(pool[0]))
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_attention_matches_naive(impl, dtype):
+    mod = torch_ref if impl == "torch" else triton_kernels
+    bs, kvh, hd, h = 4, 2, 8, 6
+    pool = _pool(bs=bs, kvh=kvh, hd=hd).to(dtype)
+    tables = torch.tensor([[3, 7, 1, 0], [5, 0, 0, 0], [11, 2, 4, 9]])
+    lens = torch.tensor([10, 3, 16])
+    q = torch.randn(3, h, hd, generator=torch.Generator().manual_seed(1)).to(dtype)
+    scale = 1 / math.sqrt(hd)
+    out = mod.paged_decode_attention(q, pool, tables, lens, scale)
+    for b in range(3):
+        kv = pool[tables[b]].float()  # (nb, 2, bs, kvh, hd)
+        k = kv[:, 0].reshape(-1, kvh, hd)[:lens[b]]
+        v = kv[:, 1].reshape(-1, kvh, hd)[:lens[b]]
+        ref = _naive_attention(q[b].float(), k, v, scale)
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(out[b].float(), ref, atol=tol, rtol=tol)
+
+
+def test_write_kv_and_prefill_attention_with_cached_prefix():
+    bs, kvh, hd, h = 4, 1, 8, 2
+    pool = torch.zeros(6, 2, bs, kvh, hd)
+    table = torch.tensor([4, 1, 3])
+    k, v = torch.randn(10, kvh, hd), torch.randn(10, kvh, hd)
+    slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(10)])
+    torch_ref.write_kv(pool, slots, k, v)
+    assert torch.equal(pool[1, 0, 2], k[6]) and torch.equal(pool[3, 1, 1], v[9])
+    q = torch.randn(3, h, hd)  # the last 3 positions of a 10-token context
+    out = torch_ref.paged_prefill_attention(q, pool, table, 10, 0.5)
+    for i in range(3):
+        ref = _naive_attention(q[i], k[:8 + i], v[:8 + i], 0.5)
+        torch.testing.assert_close(out[i], ref, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,48 @@
+"""Tokenizer, chat template and incremental detokenization on the real SmolLM2 vocabulary."""
+
+from shared.engine.detokenizer import TextStream
+
+
+def test_chat_template_has_default_system_prompt(tokenizer):
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    ids = tokenizer.encode(text)
+    assert ids[0] == tokenizer.tok.token_to_id("<|im_start|>") == 1
+    assert tokenizer.eos_token_id == 2 and tokenizer.tok.id_to_token(2) == "<|im_end|>"
+
+
+def test_encode_decode_round_trip_and_digits(tokenizer):
+    text = "Prices rose 12345 times in 2024 — naïve café, 東京 🙂!"
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    digits = tokenizer.encode("12345")
+    assert len(digits) == 5  # the smollm pre-tokenizer splits numbers into single digits
+
+
+def _stream(tokenizer, text, stop=()):
+    ids = tokenizer.encode(text)
+    s = TextStream(tokenizer, 0, stop)
+    pieces = [s.push(ids[:i + 1]) for i in range(len(ids))]
+    return pieces, s
+
+
+def test_incremental_detokenization_never_splits_a_character(tokenizer):
+    text = "emoji 🙂🎉 and 東京 done"
+    pieces, s = _stream(tokenizer, text)
+    assert "".join(pieces) + s.flush() == text
+    assert all("\ufffd" not in p for p in pieces)
+    assert tokenizer.decode(tokenizer.encode("🙂")[:1]).endswith("\ufffd")  # really split in tokens
+
+
+def test_stop_string_is_cut_and_never_emitted_in_part(tokenizer):
+    pieces, s = _stream(tokenizer, "The answer is 42. END of story", stop=("END",))
+    assert s.stopped
+    out = "".join(pieces) + s.flush()
+    assert out == "The answer is 42. "
+    assert not any("E" in p for p in pieces)
+
+
+def test_held_back_text_is_flushed_when_stop_never_comes(tokenizer):
+    pieces, s = _stream(tokenizer, "ends with EN", stop=("END",))
+    assert not s.stopped and "".join(pieces) == "ends with "
+    assert s.flush() == "EN"
