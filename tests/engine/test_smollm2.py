@@ -1,0 +1,113 @@
+"""The real SmolLM2-135M-Instruct through the engine, against transformers on the same GGUF."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import generate, run_all, tokens, transfer
+from shared.engine.config import EngineConfig
+from shared.engine.engine import Engine
+from shared.engine.loader import smollm2_path
+from shared.engine.sequence import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 32
+DOCUMENT = " ".join(
+    f"Section {i}. The river town of Alder kept records of its {thing} for many years, and the "
+    f"council met every {day} to discuss the harvest, the bridges and the school."
+    for i, (thing, day) in enumerate(zip(
+        ["mills", "boats", "orchards", "markets", "wells", "roads", "bells", "bakeries",
+         "ferries", "gardens", "forges", "lamps"] * 2,
+        ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday"] * 4)))
+
+CONVERSATIONS = {
+    "short": [{"role": "user", "content": "What is the capital of France?"}],
+    "greeting": [{"role": "user", "content": "Hi!"}],
+    "system": [{"role": "system", "content": "You are a terse Python expert."},
+               {"role": "user", "content": "How do I reverse a list in Python? Show code."}],
+    "multi_turn": [{"role": "user", "content": "Name three primary colors."},
+                   {"role": "assistant", "content": "Red, yellow and blue."},
+                   {"role": "user", "content": "Which of them is used for stop signs, and why?"}],
+    "document": [{"role": "user", "content": DOCUMENT + "\n\nSummarize the text above in one sentence."}],
+}
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2):
+    tok = smollm2.tokenizer
+    return {name: tok.encode(tok.apply_chat_template(msgs)) for name, msgs in CONVERSATIONS.items()}
+
+
+@pytest.fixture(scope="module")
+def reference(prompts):
+    """Greedy tokens from transformers loading the same GGUF (an independent implementation)."""
+    from transformers import AutoModelForCausalLM
+
+    path = smollm2_path()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    out = {}
+    with torch.no_grad():
+        for name, ids in prompts.items():
+            res = model(torch.tensor([ids]), use_cache=True)
+            got = [int(res.logits[0, -1].argmax())]
+            for _ in range(NEW_TOKENS - 1):
+                res = model(torch.tensor([got[-1:]]), past_key_values=res.past_key_values, use_cache=True)
+                got.append(int(res.logits[0, -1].argmax()))
+            out[name] = got
+    return out
+
+
+def test_prompts_cover_lengths_and_turns(prompts):
+    assert len(prompts) >= 5
+    assert len(prompts["document"]) > 400 and len(prompts["greeting"]) < 40
+
+
+def test_greedy_tokens_equal_transformers(smollm2, prompts, reference):
+    ours = generate(smollm2, prompts, GREEDY)
+    for name in prompts:
+        assert ours[name] == reference[name], name
+
+
+def test_answers_paris(smollm2, prompts):
+    eng = Engine(smollm2, EngineConfig(num_blocks=64))
+    eng.add_request("p", prompts["short"], SamplingParams(max_tokens=24, temperature=0))
+    outs = run_all(eng)["p"]
+    assert "Paris" in "".join(o.text for o in outs) and outs[-1].finish_reason == "stop"
+
+
+def test_chunked_prefill_equals_transformers(smollm2, prompts, reference):
+    ours = generate(smollm2, {"document": prompts["document"]}, GREEDY, max_batched_tokens=128,
+                    prefill_chunk=64)
+    assert ours["document"] == reference["document"]
+
+
+@pytest.mark.parametrize("receiver_has_prefix", [False, True])
+def test_export_import_continues_like_an_uninterrupted_run(smollm2, prompts, reference, receiver_has_prefix):
+    src = Engine(smollm2, EngineConfig(num_blocks=128))
+    dst = Engine(smollm2, EngineConfig(num_blocks=128))
+    if receiver_has_prefix:  # same system prompt and document, different question: shared blocks
+        other = prompts["document"][:-20] + prompts["short"][-20:]
+        generate(smollm2, {"warm": other}, SamplingParams(max_tokens=2, temperature=0), engine=dst)
+    for name in ("document", "multi_turn"):
+        first = transfer(src, dst, name, prompts[name], GREEDY)
+        if receiver_has_prefix and name == "document":
+            assert dst.seqs[name].num_cached >= 16 * 20  # most of the prompt was not sent
+        got = first.new_token_ids + tokens(run_all(dst)[name])
+        assert got == reference[name], name
+    assert src.num_free_blocks == src.num_blocks and dst.num_free_blocks == dst.num_blocks
+
+
+def test_batch_of_eight_equals_each_alone(smollm2, prompts):
+    tok = smollm2.tokenizer
+    questions = ["Why is the sky blue?", "Write a haiku about rain.", "What is 17 times 3?",
+                 "List two uses of copper.", "Who wrote Hamlet?", "Explain recursion briefly.",
+                 "Translate 'good morning' to French.", "What do bees make?"]
+    ps = {f"q{i}": tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
+          for i, q in enumerate(questions)}
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    together = generate(smollm2, ps, params, num_blocks=256)
+    for rid, ids in ps.items():
+        assert generate(smollm2, {rid: ids}, params, num_blocks=64)[rid] == together[rid], rid
