@@ -62,10 +62,13 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (T, 1, hd) for the batch's positions: looked up once per forward pass."""
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x (T, heads, hd); rotate-half convention
-        cos = self.cos[positions].to(x.dtype)[:, None, :]
-        sin = self.sin[positions].to(x.dtype)[:, None, :]
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
@@ -79,12 +82,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.h * self.hd, cfg.hidden_size, bias=False)
         self.scale = self.hd ** -0.5
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: torch.Tensor, rotary: Rotary,
-                ops: SimpleNamespace) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor], ops: SimpleNamespace) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.h * self.hd, self.kvh * self.hd, self.kvh * self.hd], -1)
-        q = rotary(q.view(t, self.h, self.hd), batch.positions)
-        k = rotary(k.view(t, self.kvh, self.hd), batch.positions)
+        q = Rotary.apply(q.view(t, self.h, self.hd), *rope)
+        k = Rotary.apply(k.view(t, self.kvh, self.hd), *rope)
         v = v.view(t, self.kvh, self.hd)
         ops.write_kv(pool, batch.slots, k, v)
         if batch.is_decode:
@@ -139,8 +142,9 @@ class LlamaModel(nn.Module):
         kv_pools: (layers, num_blocks, 2, block_size, kv_heads, head_dim).
         """
         x = self.embed_tokens(batch.input_ids)                   # (T, D)
+        rope = self.rotary.tables(batch.positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = x + layer.self_attn(layer.input_layernorm(x), batch, kv_pools[i], self.rotary, ops)
+            x = x + layer.self_attn(layer.input_layernorm(x), batch, kv_pools[i], rope, ops)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if layer_hook is not None:
                 layer_hook(i)

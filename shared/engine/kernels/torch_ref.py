@@ -38,15 +38,17 @@ def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, block_tables: to
     """
     b, h, hd = q.shape
     kvh = pool.shape[3]
-    kv = pool[block_tables]                                   # (B, mb, 2, bs, kvh, hd)
-    length = kv.shape[1] * kv.shape[3]
-    k = kv[:, :, 0].reshape(b, length, kvh, hd).transpose(1, 2)  # (B, kvh, L, hd)
-    v = kv[:, :, 1].reshape(b, length, kvh, hd).transpose(1, 2)
-    mask = torch.arange(length, device=q.device)[None, :] < context_lens[:, None]  # (B, L)
-    # Heads that share a KV head become extra query rows: no K/V repeat needed.
-    qg = q.view(b, kvh, h // kvh, hd)                          # (B, kvh, g, hd)
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask[:, None, None, :], scale=scale)
-    return out.reshape(b, h, hd)
+    flat = block_tables.flatten()
+    length = block_tables.shape[1] * pool.shape[2]
+    # one gather each for K and V straight into (B, L, kvh, hd); blocks are contiguous
+    k = pool[:, 0].index_select(0, flat).view(b, length, kvh, hd).permute(0, 2, 3, 1)  # (B, kvh, hd, L)
+    v = pool[:, 1].index_select(0, flat).view(b, length, kvh, hd).transpose(1, 2)      # (B, kvh, L, hd)
+    # heads that share a KV head become extra query rows: no K/V repeat needed
+    qg = q.view(b, kvh, h // kvh, hd)                                                    # (B, kvh, g, hd)
+    scores = torch.matmul(qg, k) * scale                                                 # (B, kvh, g, L)
+    pad = torch.arange(length, device=q.device)[None, :] >= context_lens[:, None]        # (B, L)
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    return torch.matmul(scores.softmax(-1), v).reshape(b, h, hd)
 
 
 def paged_prefill_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor,
