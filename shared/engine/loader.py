@@ -152,12 +152,16 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
         raise ValueError(f"{path}: model_type {hf.get('model_type')!r} is not supported (llama only)")
     eos = hf.get("eos_token_id")
     heads = hf["num_attention_heads"]
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}  # newer configs nest rope_theta
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"{path}: RoPE scaling {rope_type!r} is not supported yet (plain RoPE only)")
     cfg = ModelConfig(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
         intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
         num_heads=heads, num_kv_heads=hf.get("num_key_value_heads", heads),
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        rope_theta=float(hf.get("rope_theta", 10000.0)), rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+        rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))), rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
         max_position=hf.get("max_position_embeddings", 2048),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         bos_token_id=hf.get("bos_token_id"),

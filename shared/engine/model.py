@@ -39,6 +39,14 @@ class ForwardBatch:
 LayerHook = Callable[[int], None]  # called with the layer index once its KV is in the pool
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, min_rows: int = 16) -> torch.Tensor:
+    """x (M, in) @ weight(out, in).T. On CPU, MKL runs it faster as (weight @ x.T).T once
+    M reaches a few rows (measured: 25% at M=32, 2x for the vocabulary projection at M=8)."""
+    if x.device.type == "cpu" and x.shape[0] >= min_rows:
+        return (weight @ x.t()).t().contiguous()
+    return F.linear(x, weight)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -85,7 +93,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor], ops: SimpleNamespace) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.h * self.hd, self.kvh * self.hd, self.kvh * self.hd], -1)
+        q, k, v = linear(x, self.qkv_proj.weight).split([self.h * self.hd, self.kvh * self.hd, self.kvh * self.hd], -1)
         q = Rotary.apply(q.view(t, self.h, self.hd), *rope)
         k = Rotary.apply(k.view(t, self.kvh, self.hd), *rope)
         v = v.view(t, self.kvh, self.hd)
@@ -101,7 +109,7 @@ class Attention(nn.Module):
                 else:
                     out[start:start + n] = ops.paged_prefill_attention(
                         q[start:start + n], pool, table, ctx, self.scale)
-        return self.o_proj(out.view(t, self.h * self.hd))
+        return linear(out.view(t, self.h * self.hd), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -111,8 +119,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = linear(x, self.gate_up_proj.weight).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -150,7 +158,7 @@ class LlamaModel(nn.Module):
                 layer_hook(i)
         x = self.norm(x[batch.logits_index])
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, weight).float()
+        return linear(x, weight, min_rows=2).float()
 
     def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load Hugging Face Llama names (`model.layers.N.self_attn.q_proj.weight`, …)."""

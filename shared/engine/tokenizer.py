@@ -84,7 +84,9 @@ class Tokenizer:
         cfg_file = path / "tokenizer_config.json"
         cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
         token = lambda v: v.get("content") if isinstance(v, dict) else v  # noqa: E731
-        return cls(tok, cfg.get("chat_template"), token(cfg.get("bos_token")),
+        template_file = path / "chat_template.jinja"  # newer layout: the template on its own
+        template = template_file.read_text() if template_file.exists() else cfg.get("chat_template")
+        return cls(tok, template, token(cfg.get("bos_token")),
                    token(cfg.get("eos_token")), bool(cfg.get("add_bos_token", False)))
 
 

@@ -8,7 +8,7 @@ import torch
 from helpers import generate, run_all, tokens, transfer
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
-from shared.engine.loader import smollm2_path
+from shared.engine.loader import load, smollm2_path
 from shared.engine.sequence import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -42,12 +42,17 @@ def prompts(smollm2):
 
 
 @pytest.fixture(scope="module")
-def reference(prompts):
-    """Greedy tokens from transformers loading the same GGUF (an independent implementation)."""
+def hf_model():
     from transformers import AutoModelForCausalLM
 
     path = smollm2_path()
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def reference(prompts, hf_model):
+    """Greedy tokens from transformers loading the same GGUF (an independent implementation)."""
+    model = hf_model
     out = {}
     with torch.no_grad():
         for name, ids in prompts.items():
@@ -111,3 +116,24 @@ def test_batch_of_eight_equals_each_alone(smollm2, prompts):
     together = generate(smollm2, ps, params, num_blocks=256)
     for rid, ids in ps.items():
         assert generate(smollm2, {rid: ids}, params, num_blocks=64)[rid] == together[rid], rid
+
+
+def test_safetensors_directory_loads_the_same_model(hf_model, prompts, reference, tmp_path):
+    """The GPU user's path: a Hugging Face directory (config.json + safetensors + tokenizer)."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    weights = {k: v.contiguous() for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}
+    save_file(weights, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(hf_model.config.to_dict(), default=str))
+
+    path = smollm2_path()
+    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp_path)
+    loaded = load(str(tmp_path))
+    assert loaded.config.num_layers == 30 and loaded.config.num_kv_heads == 3
+    ours = generate(loaded, {"multi_turn": prompts["multi_turn"]}, GREEDY)
+    assert ours["multi_turn"] == reference["multi_turn"]
+    text = loaded.tokenizer.apply_chat_template(CONVERSATIONS["short"])
+    assert loaded.tokenizer.encode(text) == prompts["short"]
