@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -56,8 +56,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: torch.dtype | None = None  # default: float32 on CPU, bfloat16 on CUDA
     kernels: str = "auto"  # auto | torch | triton
-    seed: int = 0
-    extra: dict = field(default_factory=dict)
+    seed: int = 0  # for requests without a seed of their own
 
     def __post_init__(self) -> None:
         if (self.num_blocks is None) == (self.kv_cache_gib is None):
