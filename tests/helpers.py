@@ -5,6 +5,7 @@ from __future__ import annotations
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine, RequestOutput
 from shared.engine.sequence import SamplingParams
+from shared.hashing import block_hashes
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -44,6 +45,7 @@ def transfer(src: Engine, dst: Engine, rid: str, prompt: list[int], params: Samp
         first = next((o for o in src.step() if o.request_id == rid), None)
     export = src.export_kv(rid, first_block=reservation.first_block)
     assert export.num_blocks == reservation.num_blocks - reservation.first_block
+    assert export.block_hashes == block_hashes(prompt, src.cfg.block_size)
     for layer in range(export.num_layers):
         dst.import_layer(rid, layer, export.layer_bytes(layer), reservation.first_block)
     src.free(rid)

@@ -89,16 +89,13 @@ class BlockManager:
             raise OutOfBlocks(f"need {need} blocks, {self.num_free} free")
         table.extend(self._take() for _ in range(need))
 
-    def commit_full_blocks(self, table: list[int], token_ids: list[int], num_tokens: int) -> None:
-        """Enter the full blocks among the first `num_tokens` (content final) in the prefix index."""
+    def commit_full_blocks(self, blocks: list[int], hashes: list[int]) -> None:
+        """Enter full blocks whose content is final in the prefix index, with their hashes."""
         if not self.enable_prefix_cache:
             return
-        for i, h in enumerate(block_hashes(token_ids[:num_tokens], self.block_size)):
-            block = table[i]
-            if self.block_hash[block] is not None:
-                continue
-            if h in self.hash_to_block:  # same content already indexed in another block
-                continue
+        for block, h in zip(blocks, hashes, strict=True):
+            if self.block_hash[block] is not None or h in self.hash_to_block:
+                continue  # already indexed, or the same content already lives in another block
             self.block_hash[block] = h
             self.hash_to_block[h] = block
             self._events.append(KVEvent("stored", h))

@@ -42,7 +42,6 @@ from shared.engine.runner import ModelRunner
 from shared.engine.sampler import sample
 from shared.engine.scheduler import Scheduler
 from shared.engine.sequence import SamplingParams, Sequence, Status
-from shared.hashing import block_hashes
 
 
 @dataclass
@@ -100,7 +99,7 @@ class Engine:
         due: list[Sequence] = []
         for seq, n in sched.chunks:
             seq.num_computed += n
-            self.blocks.commit_full_blocks(seq.block_table, seq.token_ids, seq.num_computed)
+            self._commit_blocks(seq)
             if seq.num_computed == len(seq.token_ids):
                 due.append(seq)
         outputs = []
@@ -130,9 +129,10 @@ class Engine:
             raise ValueError(f"{request_id}: only a parked sequence can be exported ({seq.status})")
         prompt = seq.token_ids[:seq.num_prompt]
         table = seq.block_table[:self.blocks.blocks_needed(seq.num_prompt)]
+        hashes = seq.full_block_hashes(self.cfg.block_size, seq.num_prompt)
         ids = torch.tensor(table[first_block:], dtype=torch.long, device=self.runner.device)
         gather = lambda layer: self.runner.ops.gather_blocks(self.runner.kv[layer], ids)  # noqa: E731
-        return KVExport(request_id, self.fingerprint, prompt, block_hashes(prompt, self.cfg.block_size),
+        return KVExport(request_id, self.fingerprint, prompt, hashes,
                         first_block, len(table) - first_block, self.model_config.num_layers, gather)
 
     # -- decode side of a transfer ---------------------------------------------------------
@@ -174,7 +174,7 @@ class Engine:
         if seq.status is not Status.IMPORTING:
             raise ValueError(f"{request_id}: not reserved for import ({seq.status})")
         seq.num_computed = seq.num_prompt
-        self.blocks.commit_full_blocks(seq.block_table, seq.token_ids, seq.num_computed)
+        self._commit_blocks(seq)
         self.scheduler.join_running(seq)
         out = self._append_token(seq, first_token)
         out.text = ""  # the prefill side already emitted the first token's text
@@ -200,6 +200,15 @@ class Engine:
             seq.text = TextStream(self.tokenizer, len(prompt), params.stop)
         self.seqs[request_id] = seq
         return seq
+
+    def _commit_blocks(self, seq: Sequence) -> None:
+        """Index blocks that became full since the last call (their KV is final)."""
+        full = seq.num_computed // self.cfg.block_size
+        if full > seq.num_committed_blocks:
+            hashes = seq.full_block_hashes(self.cfg.block_size, seq.num_computed)
+            done = seq.num_committed_blocks
+            self.blocks.commit_full_blocks(seq.block_table[done:full], hashes[done:full])
+            seq.num_committed_blocks = full
 
     def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
         seq.token_ids.append(token)

@@ -103,6 +103,6 @@ class Scheduler:
         self.num_preemptions += 1
         self.running.remove(seq)
         self.blocks.free(seq.block_table)
-        seq.num_computed = seq.num_cached = 0
+        seq.num_computed = seq.num_cached = seq.num_committed_blocks = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)

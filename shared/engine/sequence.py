@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from shared.engine.detokenizer import TextStream
+from shared.hashing import ROOT_HASH, block_hash
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,15 @@ class Sequence:
     finish_reason: str | None = None
     text: TextStream | None = None
     seed: int = 0                  # params.seed, or drawn by the engine when unset
+    hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks, grown as they fill
+    num_committed_blocks: int = 0  # leading blocks already entered in the prefix index
+
+    def full_block_hashes(self, block_size: int, num_tokens: int) -> list[int]:
+        """Hashes of the full blocks among the first `num_tokens` (each computed once)."""
+        for i in range(len(self.hashes), num_tokens // block_size):
+            parent = self.hashes[-1] if self.hashes else ROOT_HASH
+            self.hashes.append(block_hash(parent, self.token_ids[i * block_size:(i + 1) * block_size]))
+        return self.hashes[:num_tokens // block_size]
 
     @property
     def num_generated(self) -> int:

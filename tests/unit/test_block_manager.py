@@ -20,7 +20,7 @@ def test_prefix_hit_reuses_committed_blocks_and_refcounts():
     bm = make()
     prompt = list(range(12))
     a, _ = bm.allocate(prompt, 12)
-    bm.commit_full_blocks(a, prompt, 12)
+    bm.commit_full_blocks(a, block_hashes(prompt, 4))
     events = bm.drain_events()
     assert [e.kind for e in events] == ["stored"] * 3
     assert [e.block_hash for e in events] == block_hashes(prompt, 4)
@@ -38,7 +38,7 @@ def test_lru_eviction_emits_events_and_prefers_plain_blocks():
     bm = make(4)
     p = list(range(8))
     a, _ = bm.allocate(p, 8)
-    bm.commit_full_blocks(a, p, 8)
+    bm.commit_full_blocks(a, block_hashes(p, 4))
     bm.drain_events()
     bm.free(a)
     assert bm.num_free == 4
