@@ -87,8 +87,11 @@ class Engine:
 
     # -- colocated / prefill -------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prefill_only: bool = False) -> None:
-        seq = self._new_sequence(request_id, prompt_token_ids, params, prefill_only)
+                    prefill_only: bool = False, generated_token_ids: list[int] = ()) -> None:
+        """Queue a request. `generated_token_ids` resumes one that another engine had started
+        (failover): they are prefilled with the prompt and count as already generated, so
+        max_tokens, seeded sampling and the text stream continue where they stopped."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params, prefill_only, generated_token_ids)
         self.scheduler.add(seq)
 
     def step(self) -> list[RequestOutput]:
@@ -182,22 +185,27 @@ class Engine:
 
     # -- internals -----------------------------------------------------------------------
     def _new_sequence(self, request_id: str, prompt: list[int], params: SamplingParams,
-                      prefill_only: bool) -> Sequence:
+                      prefill_only: bool, generated: list[int] = ()) -> Sequence:
         if request_id in self.seqs:
             raise ValueError(f"request {request_id!r} already exists")
         if not prompt:
             raise ValueError("empty prompt")
         limit = self.model_config.max_position
-        if len(prompt) >= limit:
-            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in the {limit}-token context")
-        if self.blocks.blocks_needed(len(prompt) + 1) > self.num_blocks:
-            raise ValueError(f"prompt of {len(prompt)} tokens does not fit in the KV pool")
-        if any(not 0 <= t < self.model_config.vocab_size for t in prompt):
+        total = len(prompt) + len(generated)
+        if total >= limit:
+            raise ValueError(f"prompt of {total} tokens leaves no room in the {limit}-token context")
+        if self.blocks.blocks_needed(total + 1) > self.num_blocks:
+            raise ValueError(f"prompt of {total} tokens does not fit in the KV pool")
+        if len(generated) >= params.max_tokens:
+            raise ValueError("nothing left to generate: generated_token_ids reach max_tokens")
+        if any(not 0 <= t < self.model_config.vocab_size for t in (*prompt, *generated)):
             raise ValueError("prompt has token ids outside the vocabulary")
-        seq = Sequence(request_id, list(prompt), len(prompt), params, prefill_only=prefill_only)
+        seq = Sequence(request_id, [*prompt, *generated], len(prompt), params, prefill_only=prefill_only)
         seq.seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         if self.tokenizer is not None:
             seq.text = TextStream(self.tokenizer, len(prompt), params.stop)
+            for end in range(len(prompt) + 1, total + 1):  # already streamed by the engine before
+                seq.text.push(seq.token_ids[:end])
         self.seqs[request_id] = seq
         return seq
 

@@ -137,3 +137,19 @@ def test_safetensors_directory_loads_the_same_model(hf_model, prompts, reference
     assert ours["multi_turn"] == reference["multi_turn"]
     text = loaded.tokenizer.apply_chat_template(CONVERSATIONS["short"])
     assert loaded.tokenizer.encode(text) == prompts["short"]
+
+
+def test_resumed_request_streams_the_same_text(smollm2, prompts):
+    """Failover on the real vocabulary: text streamed before + after the move = one run's text."""
+    params = SamplingParams(max_tokens=40, temperature=0, stop=("Paris",))
+    eng = Engine(smollm2, EngineConfig(num_blocks=64))
+    eng.add_request("a", prompts["short"], params)
+    outs = run_all(eng)["a"]
+    cut = 3
+    before = "".join(o.text for o in outs[:cut])
+    eng.add_request("b", prompts["short"], params, generated_token_ids=tokens(outs[:cut]))
+    after = run_all(eng)["b"]
+    assert tokens(outs) == tokens(outs[:cut]) + tokens(after)
+    assert before + "".join(o.text for o in after) == "".join(o.text for o in outs)
+    assert after[-1].finish_reason == outs[-1].finish_reason == "stop"  # the stop string, cut
+    assert "Paris" not in "".join(o.text for o in outs)

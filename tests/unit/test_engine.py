@@ -151,3 +151,18 @@ def test_fingerprint_and_kv_events(tiny):
     run_all(a)
     events = a.drain_kv_events()
     assert [e.kind for e in events] == ["stored", "stored"]  # 37 tokens: 2 full blocks
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_resume_with_generated_tokens_continues_the_same_stream(tiny, temperature):
+    """Failover: a fresh engine given prompt + tokens so far produces the rest unchanged."""
+    prompt = prompts(1, lo=30, hi=30, seed=21)["r0"]
+    params = SamplingParams(max_tokens=24, temperature=temperature, seed=3, ignore_eos=True)
+    whole = generate(tiny, {"r": prompt}, params)["r"]
+    eng = Engine(tiny, EngineConfig(num_blocks=64))
+    eng.add_request("r", prompt, params, generated_token_ids=whole[:10])
+    outs = run_all(eng)["r"]
+    assert whole[:10] + tokens(outs) == whole
+    assert outs[-1].num_generated_tokens == 24 and outs[-1].finish_reason == "length"
+    with pytest.raises(ValueError, match="max_tokens"):
+        eng.add_request("done", prompt, params, generated_token_ids=whole)
