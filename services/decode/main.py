@@ -1,0 +1,188 @@
+"""Decode worker: receives a request's KV, generates its tokens in a continuous batch.
+
+1. Start: load the model, build the engine, open the UCX transport, register in Redis with a
+   heartbeat lease (free blocks, running sequences, UCX address) — only once all of that
+   works — and subscribe to `pd.decode.<id>.admit` and `pd.cancel.*`.
+2. Admit (router → here): mode "remote" reserves the prompt's blocks (reusing this worker's
+   prefix cache) and replies with the first block to send and a UCX tag, then waits for the
+   KV; mode "local" queues the whole prompt here (colocated, or the fallback). No room →
+   refuse, so the router tries another worker before any prefill work is spent.
+3. KV arrives (prefill → here, UCX): check the model fingerprint and every layer's checksum,
+   write the layers into the reserved blocks, join the batch with the first token, ack the
+   prefill worker (`pd.kv.ack.<rid>`) so it frees its copy. KV late or bad → drop the
+   reservation and prefill locally (the client sees no gap: chunks carry sequence numbers).
+4. Loop: step the engine; publish each output as a TokenChunk on `pd.tokens.<rid>`.
+5. Cancel: abort the request wherever it is; its blocks return to the pool.
+6. SIGTERM: leave the registry, refuse new admits, finish running sequences, drain NATS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from contextlib import AsyncExitStack
+
+import numpy as np
+import torch
+from nats.aio.msg import Msg
+from opentelemetry import trace
+
+from shared import subjects, tracing
+from shared.bus import Bus, context_of
+from shared.config import DecodeSettings
+from shared.engine.block_manager import OutOfBlocks
+from shared.engine.engine import Engine, RequestOutput
+from shared.engine_host import EngineHost
+from shared.kv import KVTransport, checksum, make
+from shared.messages import AdmitReply, AdmitRequest, Cancel, KVAck, KVHeader, TokenChunk
+from shared.service import heartbeat, setup_logging, stop_event
+from shared.worker import build_engine, worker_id, worker_info
+from shared.state import State
+
+log = logging.getLogger("decode")
+
+
+class DecodeWorker:
+    def __init__(self, settings: DecodeSettings, engine: Engine, bus: Bus, state: State,
+                 transport: KVTransport, tracer: trace.Tracer):
+        self.settings, self.engine, self.bus, self.state = settings, engine, bus, state
+        self.transport, self.tracer = transport, tracer
+        self.id = worker_id(settings, "decode")
+        self.host = EngineHost(engine)
+        self.spans: dict[str, trace.Span] = {}
+        self.receiving: dict[str, asyncio.Task] = {}
+        self.draining = False
+        bs, mc = engine.cfg.block_size, engine.model_config
+        self.block_nbytes = 2 * bs * mc.num_kv_heads * mc.head_dim * engine.runner.kv.element_size()
+
+    def info(self):
+        return worker_info(self.engine, self.id, "decode", self.settings, self.transport.address)
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        await self.bus.subscribe(subjects.decode_admit(self.id), self.on_admit)
+        await self.bus.subscribe(subjects.CANCEL_ALL, self.on_cancel)
+        beat = asyncio.create_task(heartbeat(self.state, self.info, self.settings.heartbeat_s, stop))
+        engine_loop = asyncio.create_task(self.host.run(self.publish, stop))
+        log.info("decode worker %s ready: %d KV blocks", self.id, self.engine.num_blocks)
+        await stop.wait()
+        self.draining = True
+        await beat
+        await self.state.deregister(self.id)
+        await engine_loop  # after stop it returns once the running sequences are done
+        for task in list(self.receiving.values()):
+            task.cancel()
+        self.host.close()
+
+    # -- admission ---------------------------------------------------------------------------
+    async def on_admit(self, msg: Msg) -> None:
+        req = AdmitRequest.decode(msg.data)
+        parent = context_of(msg)
+        with self.tracer.start_as_current_span("decode.admit", context=parent) as span:
+            span.set_attributes({"request_id": req.request_id, "mode": req.mode, "worker": self.id})
+            reply = await self.admit(req)
+            span.set_attributes({"ok": reply.ok, "reason": reply.reason, "first_block": reply.first_block})
+            if reply.ok:
+                self.spans[req.request_id] = self.tracer.start_span("decode.generate", context=parent,
+                                                                    attributes={"request_id": req.request_id})
+            await self.bus.respond(msg, reply)
+
+    async def admit(self, req: AdmitRequest) -> AdmitReply:
+        rid, params = req.request_id, req.sampling.to_engine()
+        if self.draining:
+            return AdmitReply(request_id=rid, ok=False, reason="draining")
+        try:
+            if req.mode == "local":
+                await self.host.call(self.engine.add_request, rid, req.prompt_token_ids, params)
+                self.host.wake.set()
+                return AdmitReply(request_id=rid, ok=True, reason="local prefill")
+            res = await self.host.call(self.engine.reserve, rid, req.prompt_token_ids, params)
+        except OutOfBlocks as e:
+            return AdmitReply(request_id=rid, ok=False, reason=f"no room: {e}")
+        except ValueError as e:
+            return AdmitReply(request_id=rid, ok=False, reason=str(e))
+        kv_tag = random.getrandbits(47) << 16  # low 16 bits number the layers
+        self.receiving[rid] = asyncio.create_task(self.receive_kv(req, res.first_block, res.num_blocks, kv_tag))
+        return AdmitReply(request_id=rid, ok=True, first_block=res.first_block, num_blocks=res.num_blocks,
+                          kv_tag=kv_tag)
+
+    # -- KV arrival --------------------------------------------------------------------------
+    async def receive_kv(self, req: AdmitRequest, first_block: int, num_blocks: int, kv_tag: int) -> None:
+        rid = req.request_id
+        nbytes = (num_blocks - first_block) * self.block_nbytes
+        try:
+            header, layers = await asyncio.wait_for(
+                self.transport.receive(kv_tag, self.engine.model_config.num_layers, nbytes),
+                self.settings.kv_timeout_s)
+            self.verify(header, layers)
+            for i, payload in enumerate(layers):
+                await self.host.call(self.engine.import_layer, rid, i, torch.from_numpy(payload), first_block)
+            out = await self.host.call(self.engine.commit_import, rid, header.first_token)
+            await self.bus.publish(subjects.kv_ack(rid), KVAck(request_id=rid, ok=True))
+            if out.finished:
+                await self.publish([out])
+            self.host.wake.set()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # late, corrupt or mismatched KV: never decode from it
+            log.warning("%s: KV handoff failed (%s); prefilling locally", rid, e)
+            await self.bus.publish(subjects.kv_ack(rid), KVAck(request_id=rid, ok=False, error=str(e)))
+            await self.host.call(self.engine.abort, rid)
+            await self.host.call(self.engine.add_request, rid, req.prompt_token_ids, req.sampling.to_engine())
+            self.host.wake.set()
+        finally:
+            self.receiving.pop(rid, None)
+
+    def verify(self, header: KVHeader, layers: list[np.ndarray]) -> None:
+        if header.fingerprint != self.engine.fingerprint:
+            raise ValueError(f"model fingerprint {header.fingerprint} != {self.engine.fingerprint}")
+        for i, payload in enumerate(layers):
+            if checksum(payload) != header.checksums[i]:
+                raise ValueError(f"checksum mismatch in layer {i}")
+
+    # -- output and cancellation -----------------------------------------------------------
+    async def publish(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            await self.bus.publish(subjects.tokens(out.request_id), TokenChunk.from_output(out))
+            if out.finished and (span := self.spans.pop(out.request_id, None)) is not None:
+                span.set_attributes({"output_tokens": out.num_generated_tokens,
+                                     "finish_reason": out.finish_reason or ""})
+                span.end()
+
+    async def on_cancel(self, msg: Msg) -> None:
+        rid = Cancel.decode(msg.data).request_id
+        task = self.receiving.pop(rid, None)
+        if task is not None:  # release the prefill side's lease now rather than at its deadline
+            task.cancel()
+            await self.bus.publish(subjects.kv_ack(rid), KVAck(request_id=rid, ok=False, error="cancelled"))
+        if task is not None or rid in self.engine.seqs:
+            await self.host.call(self.engine.abort, rid)
+        if (span := self.spans.pop(rid, None)) is not None:
+            span.add_event("cancelled")
+            span.end()
+
+
+async def serve(settings: DecodeSettings) -> None:
+    tracer = tracing.setup("decode", settings.otlp_endpoint)
+    engine = build_engine(settings)
+    async with AsyncExitStack() as stack:
+        stop = stop_event()
+        bus = await Bus.connect(settings.nats_url, name="decode")
+        stack.push_async_callback(bus.close)
+        state = State.connect(settings.redis_url)
+        stack.push_async_callback(state.close)
+        transport = make("ucx")
+        stack.push_async_callback(transport.close)
+        worker = DecodeWorker(settings, engine, bus, state, transport, tracer)
+        await worker.serve(stop)
+    tracing.shutdown()
+
+
+def main() -> None:
+    settings = DecodeSettings()
+    setup_logging(settings.log_level, "decode")
+    asyncio.run(serve(settings))
+
+
+if __name__ == "__main__":
+    main()

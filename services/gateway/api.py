@@ -1,0 +1,49 @@
+"""Routes: OpenAI-compatible generation, the model list, liveness and readiness."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from services.gateway.deps import GatewayDep
+from services.gateway.generate import generate
+from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request, gw: GatewayDep):
+    return await generate(gw, request, body, "chat")
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request, gw: GatewayDep):
+    return await generate(gw, request, body, "text")
+
+
+@router.get("/v1/models")
+async def models(gw: GatewayDep):
+    return {"object": "list", "data": [{"id": gw.settings.model_name, "object": "model", "created": 0,
+                                         "owned_by": "pdserve", "max_model_len": gw.model_config.max_position}]}
+
+
+@router.get("/health")
+async def health():
+    return {"status": "ok"}
+
+
+@router.get("/ready")
+async def ready(gw: GatewayDep):
+    """Ready when NATS is connected and a router and the worker pools are registered."""
+    try:
+        workers = await gw.state.workers()
+    except Exception as e:  # Redis unreachable
+        return JSONResponse({"ready": False, "reason": f"state store: {e}"}, status_code=503)
+    count = {role: sum(w.role == role for w in workers) for role in ("router", "prefill", "decode")}
+    missing = [role for role, n in count.items()
+               if n == 0 and (role != "prefill" or gw.settings.require_prefill)]
+    if not gw.bus.nc.is_connected:
+        missing.append("nats")
+    body = {"ready": not missing, "workers": count, "missing": missing}
+    return JSONResponse(body, status_code=503 if missing else 200)

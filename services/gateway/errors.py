@@ -1,0 +1,52 @@
+"""API errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+          413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "api_error"), "param": param, "code": code}}
+
+
+def response(err: APIError) -> JSONResponse:
+    return JSONResponse(body(err.status, err.message, err.param, err.code), status_code=err.status)
+
+
+def _describe(errors: list[dict]) -> tuple[str, str | None]:
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return "The request body is not valid JSON.", None
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid value")
+    return (f"Invalid value for '{param}': {msg}." if param else f"Invalid request: {msg}."), param
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, err: APIError):
+        return response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, err: RequestValidationError):
+        message, param = _describe(json.loads(json.dumps(err.errors(), default=str)))
+        return JSONResponse(body(400, message, param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, err: StarletteHTTPException):
+        return JSONResponse(body(err.status_code, str(err.detail)), status_code=err.status_code)

@@ -1,0 +1,73 @@
+"""Gateway: the OpenAI-compatible HTTP front door.
+
+1. Start: load the tokenizer and chat template (no weights), connect to NATS and Redis,
+   serve HTTP on `gateway_host:gateway_port`.
+2. Request: validate (4xx in OpenAI's error shape, nothing reaches a worker), render the
+   chat template, tokenize, check the context length, open the root span.
+3. Subscribe to `pd.tokens.<rid>`, then ask the router for a placement (`pd.router.route`).
+4. Relay the token chunks in sequence order as SSE or one JSON body, with usage and
+   finish_reason; request id and trace id go back in the `x-request-id` / `x-trace-id` headers.
+5. A client that disconnects cancels the request everywhere (`pd.cancel.<rid>`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from shared import tracing
+from shared.bus import Bus
+from shared.config import GatewaySettings
+from shared.engine.loader import inspect
+from shared.service import setup_logging
+from shared.state import State
+from services.gateway import errors
+from services.gateway.api import router
+from services.gateway.deps import Gateway
+from services.gateway.relay import Relay
+
+
+def create_app(settings: GatewaySettings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        tracer = tracing.setup("gateway", settings.otlp_endpoint)
+        model_config, tokenizer = await asyncio.to_thread(inspect, settings.model)
+        if tokenizer is None:
+            raise RuntimeError(f"model {settings.model!r} has no tokenizer; the gateway needs one")
+        bus = await Bus.connect(settings.nats_url, name="gateway")
+        state = State.connect(settings.redis_url)
+        app.state.gateway = Gateway(settings, bus, state, tokenizer, model_config,
+                                    Relay(bus, settings.route_timeout_s, settings.token_timeout_s), tracer)
+        yield
+        await bus.close()
+        await state.close()
+        tracing.shutdown()
+
+    app = FastAPI(title="pdserve", version="0.1.0", lifespan=lifespan)
+    errors.install(app)
+    app.include_router(router)
+
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next):
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > settings.max_request_bytes:
+            return JSONResponse(errors.body(413, f"Request body over {settings.max_request_bytes} bytes."),
+                                status_code=413)
+        return await call_next(request)
+
+    return app
+
+
+def main() -> None:
+    settings = GatewaySettings()
+    setup_logging(settings.log_level, "gateway")
+    uvicorn.run(create_app(settings), host=settings.gateway_host, port=settings.gateway_port,
+                log_level=settings.log_level.lower(), timeout_graceful_shutdown=30)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""NATS: connect, publish / request / respond with trace headers, the prefill work queue, drain."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import nats
+from nats.aio.msg import Msg
+from nats.js.api import RetentionPolicy, StreamConfig
+from opentelemetry import context
+
+from shared import subjects, tracing
+from shared.messages import Message
+
+log = logging.getLogger(__name__)
+M = TypeVar("M", bound=Message)
+
+
+class Bus:
+    def __init__(self, nc: nats.NATS):
+        self.nc = nc
+        self.js = nc.jetstream()
+
+    @classmethod
+    async def connect(cls, url: str, name: str) -> "Bus":
+        async def on_error(e: Exception) -> None:
+            log.warning("nats: %s", e)
+
+        nc = await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                                error_cb=on_error)
+        return cls(nc)
+
+    async def publish(self, subject: str, msg: Message, ctx: context.Context | None = None) -> None:
+        await self.nc.publish(subject, msg.encode(), headers=tracing.inject(ctx))
+
+    async def request(self, subject: str, msg: Message, reply_type: type[M], timeout: float) -> M:
+        reply = await self.nc.request(subject, msg.encode(), timeout=timeout, headers=tracing.inject())
+        return reply_type.decode(reply.data)
+
+    async def respond(self, request: Msg, msg: Message) -> None:
+        await self.nc.publish(request.reply, msg.encode(), headers=tracing.inject())
+
+    async def subscribe(self, subject: str, handler: Callable[[Msg], Awaitable[None]], queue: str = ""):
+        return await self.nc.subscribe(subject, queue=queue, cb=handler)
+
+    async def ensure_prefill_stream(self) -> None:
+        """The work queue of prefill jobs: each job is delivered to one consumer, kept until acked."""
+        await self.js.add_stream(StreamConfig(name=subjects.PREFILL_STREAM, subjects=[subjects.PREFILL_JOBS],
+                                              retention=RetentionPolicy.WORK_QUEUE))
+
+    async def close(self) -> None:
+        if self.nc.is_connected:
+            await self.nc.drain()
+
+
+def context_of(msg: Msg) -> context.Context:
+    """The trace context a message carried."""
+    return tracing.extract(dict(msg.headers or {}))

@@ -1,0 +1,58 @@
+"""One settings class per service, from the environment (prefix PD_) or arguments.
+
+Validated once at start in each service's main and passed down; nothing below main reads
+the environment. OpenTelemetry reads its own standard variables (OTEL_EXPORTER_OTLP_ENDPOINT…).
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Common(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PD_", extra="ignore")
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    model: str = Field("smollm2", description="smollm2, a .gguf path or a safetensors directory")
+    model_name: str = Field("SmolLM2-135M-Instruct", description="the id clients ask for")
+    log_level: str = "INFO"
+    heartbeat_s: float = Field(1.0, gt=0, description="worker heartbeat period; the lease is 3x this")
+    otlp_endpoint: str | None = Field(None, validation_alias="OTEL_EXPORTER_OTLP_ENDPOINT",
+                                      description="OTLP/HTTP collector (Jaeger: http://host:4318)")
+
+
+class GatewaySettings(Common):
+    gateway_host: str = "127.0.0.1"
+    gateway_port: int = 8000
+    route_timeout_s: float = Field(10.0, gt=0, description="router reply deadline")
+    token_timeout_s: float = Field(120.0, gt=0, description="longest wait for the next token")
+    max_request_bytes: int = 1 << 20
+    default_max_tokens: int = Field(512, gt=0, description="max_tokens when a request sets none")
+    require_prefill: bool = Field(True, description="/ready waits for a prefill worker (off: colocated)")
+
+
+class RouterSettings(Common):
+    admit_timeout_s: float = Field(5.0, gt=0)
+    local_prefill_below: int = Field(0, ge=0, description="prompts shorter than this are prefilled "
+                                     "on the decode worker (0: always remote when a prefill worker is up)")
+
+
+class WorkerSettings(Common):
+    worker_id: str = ""                       # default: <role>-<random>
+    device: str = "cpu"
+    kv_blocks: int = Field(2048, gt=0, description="KV pool size in blocks of 16 tokens")
+    max_num_seqs: int = 64
+    max_batched_tokens: int = 2048
+    prefill_chunk: int = 512
+    threads: int = Field(0, ge=0, description="torch threads (0: torch's default)")
+
+
+class PrefillSettings(WorkerSettings):
+    max_jobs: int = Field(8, gt=0, description="prefill jobs taken at once")
+    kv_ack_timeout_s: float = Field(30.0, gt=0, description="lease: blocks are kept this long for the decode side")
+
+
+class DecodeSettings(WorkerSettings):
+    kv_timeout_s: float = Field(30.0, gt=0, description="wait for remote KV before prefilling locally")

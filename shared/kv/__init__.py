@@ -1,0 +1,3 @@
+"""KV transfer between engines: one interface (base.py), backends `ucx` and `fake`."""
+
+from shared.kv.base import HEADER_BYTES, KVTransport, checksum, make  # noqa: F401

@@ -1,0 +1,55 @@
+"""KV transport over UCX (ucxx): tagged messages between worker addresses.
+
+Endpoints are made from the peer's exchanged worker address, without UCX endpoint error
+handling: that is the path that reaches shared-memory speed on one host. Peer failure is
+detected by the application's deadlines and leases instead.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import ucxx
+
+from shared.kv.base import KVTransport, pack_header
+from shared.messages import KVHeader
+
+
+class UcxTransport(KVTransport):
+    name = "ucx"
+
+    def __init__(self) -> None:
+        self._address = bytes(ucxx.get_worker_address()).hex()
+        self._endpoints: dict[str, object] = {}
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    async def _endpoint(self, peer: str):
+        ep = self._endpoints.get(peer)
+        if ep is None:
+            addr = ucxx.get_ucx_address_from_buffer(bytes.fromhex(peer))
+            ep = self._endpoints[peer] = await ucxx.create_endpoint_from_worker_address(addr)
+        return ep
+
+    async def send(self, peer: str, kv_tag: int, header: KVHeader, layers: list[np.ndarray]) -> int:
+        ep = await self._endpoint(peer)
+        try:
+            await ep.send(pack_header(header), tag=kv_tag, force_tag=True)
+            for i, payload in enumerate(layers):
+                await ep.send(payload, tag=kv_tag + 1 + i, force_tag=True)
+        except Exception:
+            self._endpoints.pop(peer, None)  # never reuse an endpoint that failed
+            raise
+        return sum(p.nbytes for p in layers)
+
+    async def recv(self, kv_tag: int, out: np.ndarray) -> None:
+        await ucxx.recv(out, tag=kv_tag)
+
+    async def close(self) -> None:
+        for ep in self._endpoints.values():
+            try:
+                await ep.close()
+            except Exception:  # the peer may already be gone; nothing to release on our side
+                pass
+        self._endpoints.clear()

@@ -1,0 +1,156 @@
+"""Typed, versioned messages that cross a process boundary, grouped by the service that
+receives them. Each carries `request_id`; the trace context travels in the NATS headers
+(and in `KVHeader.trace` over UCX). Encode with `.encode()`, decode with `Model.decode(b)`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from shared.engine.sequence import SamplingParams
+
+if TYPE_CHECKING:
+    from shared.engine.engine import RequestOutput
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    v: Literal[1] = 1
+
+    def encode(self) -> bytes:
+        return self.model_dump_json().encode()
+
+    @classmethod
+    def decode(cls, data: bytes):
+        return cls.model_validate_json(data)
+
+
+class Sampling(Message):
+    """Wire form of the engine's SamplingParams."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    ignore_eos: bool = False
+
+    def to_engine(self) -> SamplingParams:
+        return SamplingParams(**self.model_dump(exclude={"v"}))
+
+
+# -- to the router ------------------------------------------------------------------------
+class RouteRequest(Message):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: Sampling
+    model: str
+
+
+# -- to the gateway -----------------------------------------------------------------------
+class RouteReply(Message):
+    request_id: str
+    ok: bool
+    mode: Literal["remote", "local"] | None = None   # where the prompt is prefilled
+    reason: str = ""                                 # why this placement, or why refused
+    prefill_worker: str | None = None
+    decode_worker: str | None = None
+
+
+class TokenChunk(Message):
+    """One step of output. `seq` is the index of the first token in `token_ids` among the
+    generated tokens, so the gateway sees duplicates and gaps."""
+
+    request_id: str
+    seq: int
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+
+    @classmethod
+    def from_output(cls, out: RequestOutput) -> "TokenChunk":
+        return cls(request_id=out.request_id, seq=out.num_generated_tokens - len(out.new_token_ids),
+                   token_ids=out.new_token_ids, text=out.text, finished=out.finished,
+                   finish_reason=out.finish_reason, prompt_tokens=out.num_prompt_tokens,
+                   completion_tokens=out.num_generated_tokens, cached_tokens=out.num_cached_tokens)
+
+
+# -- to a decode worker -------------------------------------------------------------------
+class AdmitRequest(Message):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: Sampling
+    mode: Literal["remote", "local"]
+    prefill_worker: str | None = None
+
+
+class AdmitReply(Message):
+    request_id: str
+    ok: bool
+    reason: str = ""
+    first_block: int = 0      # blocks before this one are cached here: not to be sent
+    num_blocks: int = 0       # blocks for the whole prompt
+    kv_tag: int = 0           # UCX tag base for this request's KV messages
+
+
+class KVHeader(Message):
+    """First UCX message of a KV handoff; the layer payloads follow on tags kv_tag+1+i."""
+
+    request_id: str
+    fingerprint: str
+    first_block: int
+    num_blocks: int
+    num_layers: int
+    layer_nbytes: int
+    checksums: list[int]      # xxh3-64 of each layer's bytes
+    first_token: int
+    first_text: str = ""
+    trace: dict[str, str] = Field(default_factory=dict)
+
+
+# -- to a prefill worker ------------------------------------------------------------------
+class PrefillJob(Message):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: Sampling
+    decode_worker: str
+    decode_address: str       # the decode worker's UCX worker address, hex
+    first_block: int
+    kv_tag: int
+
+
+class KVAck(Message):
+    request_id: str
+    ok: bool
+    error: str = ""
+
+
+# -- to every worker ----------------------------------------------------------------------
+class Cancel(Message):
+    request_id: str
+    reason: str = "client disconnected"
+
+
+# -- in the state store ---------------------------------------------------------------------
+class WorkerInfo(Message):
+    """A worker's registry entry (Redis, with a heartbeat lease)."""
+
+    worker_id: str
+    role: Literal["prefill", "decode", "router"]
+    model: str = ""
+    fingerprint: str = ""
+    ucx_address: str = ""     # hex of the UCX worker address (decode workers)
+    total_blocks: int = 0
+    free_blocks: int = 0
+    running: int = 0
+    waiting: int = 0

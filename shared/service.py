@@ -1,0 +1,39 @@
+"""Running a service process: logging, signals, the registry heartbeat."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from shared.state import State
+
+log = logging.getLogger(__name__)
+
+
+def setup_logging(level: str, service: str) -> None:
+    logging.basicConfig(level=level.upper(),
+                        format=f"%(asctime)s %(levelname)s {service} %(name)s: %(message)s")
+
+
+def stop_event() -> asyncio.Event:
+    """Set on SIGINT / SIGTERM: the service stops taking work, finishes what it has, exits."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def heartbeat(state: State, info, period_s: float, stop: asyncio.Event) -> None:
+    """Refresh the registry entry (`info()` gives the current one) until stopped; the lease is
+    three periods, so a worker that dies vanishes from the registry by itself."""
+    while not stop.is_set():
+        try:
+            await state.heartbeat(info(), lease_s=3 * period_s)
+        except Exception as e:  # Redis down: keep serving, retry next period
+            log.warning("heartbeat failed: %s", e)
+        try:
+            await asyncio.wait_for(stop.wait(), period_s)
+        except asyncio.TimeoutError:
+            pass

@@ -1,0 +1,63 @@
+"""Redis keys (prefix `pd:`) and typed accessors.
+
+    pd:worker:<id>   WorkerInfo JSON, expires with the heartbeat lease (a dead worker vanishes)
+    pd:req:<id>      hash: the request's phase, workers, timestamps (expires after a day)
+"""
+
+from __future__ import annotations
+
+import time
+
+import redis.asyncio as aioredis
+
+from shared.messages import WorkerInfo
+
+REQUEST_TTL_S = 24 * 3600
+
+
+def worker_key(worker_id: str) -> str:
+    return f"pd:worker:{worker_id}"
+
+
+def request_key(request_id: str) -> str:
+    return f"pd:req:{request_id}"
+
+
+class State:
+    def __init__(self, r: aioredis.Redis):
+        self.r = r
+
+    @classmethod
+    def connect(cls, url: str) -> "State":
+        return cls(aioredis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5))
+
+    async def close(self) -> None:
+        await self.r.aclose()
+
+    # -- worker registry -------------------------------------------------------------------
+    async def heartbeat(self, info: WorkerInfo, lease_s: float) -> None:
+        await self.r.set(worker_key(info.worker_id), info.encode(), px=int(lease_s * 1000))
+
+    async def deregister(self, worker_id: str) -> None:
+        await self.r.delete(worker_key(worker_id))
+
+    async def workers(self, role: str | None = None) -> list[WorkerInfo]:
+        keys = [k async for k in self.r.scan_iter(match=worker_key("*"), count=100)]
+        if not keys:
+            return []
+        infos = [WorkerInfo.decode(v) for v in await self.r.mget(keys) if v is not None]
+        return sorted((w for w in infos if role is None or w.role == role), key=lambda w: w.worker_id)
+
+    # -- request state ---------------------------------------------------------------------
+    async def record(self, request_id: str, phase: str, **fields: str | int) -> None:
+        """Move a request to `phase`, stamping the time it entered it."""
+        key = request_key(request_id)
+        mapping = {"phase": phase, f"t_{phase}": f"{time.time():.6f}", **{k: str(v) for k, v in fields.items()}}
+        async with self.r.pipeline(transaction=False) as p:
+            p.hset(key, mapping=mapping)
+            p.expire(key, REQUEST_TTL_S)
+            await p.execute()
+
+    async def request(self, request_id: str) -> dict[str, str]:
+        raw = await self.r.hgetall(request_key(request_id))
+        return {k.decode(): v.decode() for k, v in raw.items()}

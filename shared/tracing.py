@@ -1,0 +1,48 @@
+"""OpenTelemetry: one tracer provider per process, W3C trace context in message headers.
+
+Spans are exported over OTLP/HTTP when an endpoint is configured (the standard
+OTEL_EXPORTER_OTLP_ENDPOINT, e.g. Jaeger's http://localhost:4318); otherwise they are
+created and dropped, so the code path is the same either way.
+"""
+
+from __future__ import annotations
+
+from opentelemetry import context, propagate, trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+_provider: TracerProvider | None = None
+
+
+def setup(service: str, otlp_endpoint: str | None) -> trace.Tracer:
+    global _provider
+    _provider = TracerProvider(resource=Resource.create({"service.name": f"pdserve-{service}"}))
+    if otlp_endpoint:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        exporter = OTLPSpanExporter(endpoint=otlp_endpoint.rstrip("/") + "/v1/traces")
+        _provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=200))
+    trace.set_tracer_provider(_provider)
+    return trace.get_tracer(f"pdserve.{service}")
+
+
+def shutdown() -> None:
+    """Flush spans still in the exporter's queue."""
+    if _provider is not None:
+        _provider.shutdown()
+
+
+def inject(ctx: context.Context | None = None) -> dict[str, str]:
+    """The current (or given) trace context as W3C headers."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=ctx)
+    return carrier
+
+
+def extract(headers: dict[str, str] | None) -> context.Context:
+    return propagate.extract(headers or {})
+
+
+def trace_id_hex(span: trace.Span) -> str:
+    return format(span.get_span_context().trace_id, "032x")
