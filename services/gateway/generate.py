@@ -75,13 +75,16 @@ async def generate(gw: Gateway, request: Request, body: ChatCompletionRequest | 
     meta = {"id": rid, "created": int(time.time()), "model": body.model}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_sse(chunks, meta, kind, include_usage, span), media_type="text/event-stream",
-                                 headers=headers)
+        return StreamingResponse(_sse(chunks, meta, kind, include_usage, body.return_token_ids, span),
+                                 media_type="text/event-stream", headers=headers)
     try:
-        text, last = await _gather(request, chunks)
+        text, ids, last = await _gather(request, chunks)
     finally:
         span.end()
-    return JSONResponse(_full_body(meta, kind, text, last), headers=headers)
+    full = _full_body(meta, kind, text, last)
+    if body.return_token_ids:
+        full["choices"][0]["token_ids"] = ids
+    return JSONResponse(full, headers=headers)
 
 
 def _usage(last: TokenChunk) -> dict:
@@ -99,13 +102,14 @@ def _full_body(meta: dict, kind: Kind, text: str, last: TokenChunk) -> dict:
     return {**meta, "object": "text_completion", "choices": [choice], "usage": _usage(last)}
 
 
-async def _gather(request: Request, chunks: AsyncIterator[TokenChunk]) -> tuple[str, TokenChunk]:
+async def _gather(request: Request, chunks: AsyncIterator[TokenChunk]) -> tuple[str, list[int], TokenChunk]:
     """Collect the whole answer; a client that hangs up cancels the request."""
     async def collect():
-        parts, last = [], None
+        parts, ids, last = [], [], None
         async for last in chunks:
             parts.append(last.text)
-        return "".join(parts), last
+            ids += last.token_ids
+        return "".join(parts), ids, last
 
     async def hung_up():
         while not await request.is_disconnected():
@@ -126,16 +130,18 @@ def _event(obj) -> bytes:
 
 
 async def _sse(chunks: AsyncIterator[TokenChunk], meta: dict, kind: Kind, include_usage: bool,
-               span: trace.Span) -> AsyncIterator[bytes]:
+               token_ids: bool, span: trace.Span) -> AsyncIterator[bytes]:
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
     extra = {"usage": None} if include_usage else {}
 
-    def frame(text: str | None, finish: str | None, first: bool = False) -> bytes:
+    def frame(text: str | None, finish: str | None, ids: list[int] | None = None, first: bool = False) -> bytes:
         if kind == "chat":
             delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        if token_ids and ids is not None:
+            choice["token_ids"] = ids
         return _event({**meta, "object": obj, "choices": [choice], **extra})
 
     try:
@@ -144,8 +150,8 @@ async def _sse(chunks: AsyncIterator[TokenChunk], meta: dict, kind: Kind, includ
         last = None
         try:
             async for last in chunks:
-                if last.text or last.finished:
-                    yield frame(last.text, last.finish_reason if last.finished else None)
+                if last.text or last.finished or token_ids:
+                    yield frame(last.text, last.finish_reason if last.finished else None, last.token_ids)
         except APIError as e:
             yield _event({"error": {"message": e.message, "type": "server_error", "code": e.code}})
             return

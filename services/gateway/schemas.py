@@ -41,6 +41,7 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False                         # benchmark extension
     min_tokens: int = Field(0, ge=0)                 # benchmark extension
+    return_token_ids: bool = False                   # extension: generated token ids in each choice
     user: str | None = None
 
     @field_validator("stop")

@@ -1,0 +1,61 @@
+"""An in-process OTLP/HTTP trace receiver for tests: services export to it, tests read spans."""
+
+from __future__ import annotations
+
+import gzip
+import threading
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+
+@dataclass(frozen=True)
+class Span:
+    service: str
+    name: str
+    trace_id: str
+    span_id: str
+    parent_id: str
+    attributes: dict
+
+
+class OtlpReceiver:
+    def __init__(self) -> None:
+        self.spans: list[Span] = []
+        self._lock = threading.Lock()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 (http.server's naming)
+                data = self.rfile.read(int(self.headers.get("content-length", 0)))
+                if self.headers.get("content-encoding") == "gzip":
+                    data = gzip.decompress(data)
+                receiver._ingest(ExportTraceServiceRequest.FromString(data))
+                self.send_response(200)
+                self.send_header("content-type", "application/x-protobuf")
+                self.end_headers()
+
+            def log_message(self, *args):
+                return None
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def _ingest(self, req: ExportTraceServiceRequest) -> None:
+        for rs in req.resource_spans:
+            service = next((a.value.string_value for a in rs.resource.attributes if a.key == "service.name"), "")
+            for ss in rs.scope_spans:
+                for s in ss.spans:
+                    attrs = {a.key: getattr(a.value, a.value.WhichOneof("value")) for a in s.attributes}
+                    span = Span(service, s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(), attrs)
+                    with self._lock:
+                        self.spans.append(span)
+
+    def trace(self, trace_id: str) -> list[Span]:
+        with self._lock:
+            return [s for s in self.spans if s.trace_id == trace_id]
+
+    def close(self) -> None:
+        self._server.shutdown()

@@ -1,0 +1,34 @@
+"""The real stack as processes on free ports: nats-server, redis-server, router, gateway, workers."""
+
+from __future__ import annotations
+
+import pytest
+
+from deploy.local.stack import Stack, StackConfig
+from otlp_receiver import OtlpReceiver
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="session")
+def otlp():
+    receiver = OtlpReceiver()
+    yield receiver
+    receiver.close()
+
+
+@pytest.fixture(scope="session")
+def stack(otlp, tmp_path_factory):
+    """1 prefill + 1 decode worker, exporting traces to the in-process receiver."""
+    cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=1024,
+                                    log_dir=tmp_path_factory.mktemp("stack-logs"),
+                                    env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.url})
+    with Stack(cfg) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def client(stack):
+    from openai import OpenAI
+
+    return OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120)

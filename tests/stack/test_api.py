@@ -1,0 +1,123 @@
+"""The OpenAI-compatible API through the real stack (1 prefill + 1 decode worker)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import nats
+import pytest
+
+from conftest import MODEL
+from helpers import generate
+from shared.engine.sequence import SamplingParams
+
+pytestmark = pytest.mark.slow
+PARIS = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_chat_non_streaming_names_paris_with_ids_in_headers(client):
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=PARIS, temperature=0, max_tokens=32)
+    resp = raw.parse()
+    assert "Paris" in resp.choices[0].message.content
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.usage.prompt_tokens > 20 and 0 < resp.usage.completion_tokens <= 32
+    assert raw.headers["x-request-id"] == resp.id and len(raw.headers["x-trace-id"]) == 32
+
+
+def test_chat_streaming_matches_non_streaming(client):
+    messages = [{"role": "user", "content": "Write a haiku about rain."}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content and text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_completions_with_text_and_token_prompts(client, smollm2):
+    text = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    ids = smollm2.tokenizer.encode("The capital of France is")
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    assert text.choices[0].text == by_ids.choices[0].text and text.usage.completion_tokens == 8
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=8, temperature=0, stream=True))
+    assert streamed == text.choices[0].text
+
+
+def test_greedy_tokens_equal_the_engine_in_process(client, smollm2):
+    tok = smollm2.tokenizer
+    questions = ["Name three rivers in Europe.", "What is 2 + 2?", "Why do cats purr?"]
+    for q in questions:
+        messages = [{"role": "user", "content": q}]
+        ids = tok.encode(tok.apply_chat_template(messages))
+        expected = generate(smollm2, {"q": ids}, SamplingParams(max_tokens=20, temperature=0))["q"]
+        resp = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=20,
+                                              extra_body={"return_token_ids": True})
+        assert resp.choices[0].model_extra["token_ids"] == expected, q
+
+
+def test_seeded_sampling_is_reproducible_through_the_stack(client):
+    kw = dict(model=MODEL, messages=PARIS, temperature=1.0, top_p=0.9, seed=1234, max_tokens=20)
+    a, b = client.chat.completions.create(**kw), client.chat.completions.create(**kw)
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
+def test_models_health_ready(stack):
+    assert httpx.get(stack.url + "/health").json() == {"status": "ok"}
+    ready = httpx.get(stack.url + "/ready").json()
+    assert ready["ready"] and ready["workers"] == {"router": 1, "prefill": 1, "decode": 1}
+    models = httpx.get(stack.url + "/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+
+
+BAD = [
+    ("missing messages", {"model": MODEL}, 400, "messages"),
+    ("empty messages", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("negative max_tokens", {"model": MODEL, "messages": PARIS, "max_tokens": -5}, 400, "max_tokens"),
+    ("temperature too high", {"model": MODEL, "messages": PARIS, "temperature": 7}, 400, "temperature"),
+    ("n > 1", {"model": MODEL, "messages": PARIS, "n": 3}, 400, "n"),
+    ("bad role", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages"),
+    ("unknown model", {"model": "gpt-9", "messages": PARIS}, 404, "model"),
+    ("prompt over the context", {"model": MODEL, "messages": [{"role": "user", "content": "hello " * 9000}]},
+     400, "messages"),
+    ("max_tokens over the context", {"model": MODEL, "messages": PARIS, "max_tokens": 9000}, 400, "messages"),
+]
+
+
+def test_bad_requests_get_4xx_and_reach_no_worker(stack):
+    async def run():
+        nc = await nats.connect(f"nats://127.0.0.1:{stack.cfg.nats_port}")
+        seen = []
+
+        async def record(msg):
+            seen.append(msg.subject)
+
+        await nc.subscribe("pd.>", cb=record)
+        async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
+            results = [(name, await http.post("/v1/chat/completions", json=body), status, param)
+                       for name, body, status, param in BAD]
+            results.append(("malformed JSON", await http.post(
+                "/v1/chat/completions", content=b'{"model": "x", "messages": [', headers={
+                    "content-type": "application/json"}), 400, None))
+            results.append(("bad completions prompt", await http.post(
+                "/v1/completions", json={"model": MODEL, "prompt": [1, 99999999]}), 400, "prompt"))
+        await asyncio.sleep(0.3)
+        await nc.close()
+        return results, seen
+
+    results, seen = asyncio.run(run())
+    for name, resp, status, param in results:
+        assert resp.status_code == status, (name, resp.text)
+        err = resp.json()["error"]
+        assert err["message"] and err["type"], name
+        if param:
+            assert param in (err["param"] or "") or param in err["message"], (name, err)
+    context = next(r for n, r, *_ in results if n == "prompt over the context").json()["error"]
+    assert "8192" in context["message"] and context["code"] == "context_length_exceeded"
+    assert not [s for s in seen if not s.startswith("pd.kv.events")], seen

@@ -1,0 +1,40 @@
+"""One trace per request across the gateway, router, prefill and decode processes."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from conftest import MODEL
+
+pytestmark = pytest.mark.slow
+
+
+def test_one_trace_spans_every_service_with_parent_links(client, otlp):
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], temperature=0, max_tokens=8)
+    trace_id = raw.headers["x-trace-id"]
+    wanted = {"gateway.request", "router.route", "decode.admit", "prefill.queue", "prefill.compute",
+              "kv.transfer", "decode.generate"}
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not wanted <= {s.name for s in otlp.trace(trace_id)}:
+        time.sleep(0.2)
+    spans = {s.name: s for s in otlp.trace(trace_id)}
+    assert wanted <= set(spans), sorted(spans)
+    assert {s.service for s in spans.values()} == {"pdserve-gateway", "pdserve-router", "pdserve-prefill",
+                                                   "pdserve-decode"}
+    by_id = {s.span_id: s for s in otlp.trace(trace_id)}
+    parent = lambda name: by_id[spans[name].parent_id].name  # noqa: E731
+    roots = [s for s in otlp.trace(trace_id) if s.parent_id == ""]
+    assert [r.service for r in roots] == ["pdserve-gateway"]  # one root: the HTTP request
+    assert spans["gateway.request"].parent_id == "" or by_id[spans["gateway.request"].parent_id].service \
+        == "pdserve-gateway"
+    assert parent("router.route") == "gateway.request"
+    assert parent("decode.admit") == "router.route"
+    assert parent("prefill.compute") == "router.route"
+    assert parent("kv.transfer") == "prefill.compute"
+    assert parent("decode.generate") == "router.route"
+    transfer = spans["kv.transfer"].attributes
+    assert transfer["bytes"] > 0 and transfer["transport"] == "ucx" and transfer["acked"] is True
+    assert spans["router.route"].attributes["mode"] == "remote"
