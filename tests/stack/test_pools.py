@@ -1,0 +1,57 @@
+"""Several workers per pool under concurrent load, and the colocated mode."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from conftest import MODEL
+from deploy.local.stack import Stack, StackConfig
+from helpers import generate
+from shared.engine.sequence import SamplingParams
+
+pytestmark = pytest.mark.slow
+QUESTIONS = ["What is the capital of {}?".format(c) for c in
+             ["France", "Spain", "Italy", "Japan", "Peru", "Kenya", "Canada", "Egypt", "Chile", "Norway"]] + \
+            [f"Give one fact about the number {n}." for n in range(10)]
+
+
+def _expected(smollm2, max_tokens: int) -> dict[str, list[int]]:
+    tok = smollm2.tokenizer
+    prompts = {q: tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS}
+    return generate(smollm2, prompts, SamplingParams(max_tokens=max_tokens, temperature=0))
+
+
+async def _ask_all(url: str, max_tokens: int) -> dict[str, dict]:
+    async with httpx.AsyncClient(base_url=url, timeout=300) as http:
+        async def one(q):
+            r = await http.post("/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": q}], "temperature": 0,
+                "max_tokens": max_tokens, "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            return q, r.json()
+        return dict(await asyncio.gather(*(one(q) for q in QUESTIONS)))
+
+
+def test_two_prefill_two_decode_serve_20_concurrent_requests(smollm2, tmp_path):
+    cfg = StackConfig.on_free_ports(prefill=2, decode=2, kv_blocks=512, threads=1, log_dir=tmp_path)
+    with Stack(cfg) as stack:
+        answers = asyncio.run(_ask_all(stack.url, 12))
+        ready = httpx.get(stack.url + "/ready").json()
+    expected = _expected(smollm2, 12)
+    for q in QUESTIONS:
+        assert answers[q]["choices"][0]["token_ids"] == expected[q], q
+    assert ready["workers"] == {"router": 1, "prefill": 2, "decode": 2}
+
+
+def test_colocated_mode_serves_without_a_prefill_pool(smollm2, tmp_path):
+    cfg = StackConfig.on_free_ports(decode=1, colocated=True, kv_blocks=512, log_dir=tmp_path)
+    with Stack(cfg) as stack:
+        r = httpx.post(stack.url + "/v1/chat/completions", timeout=120, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "temperature": 0, "max_tokens": 16, "return_token_ids": True})
+        ready = httpx.get(stack.url + "/ready").json()
+    assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]
+    assert ready["ready"] and ready["workers"]["prefill"] == 0

@@ -1,0 +1,40 @@
+"""The compose stack names real modules and real settings (and `docker compose config` passes
+where the compose plugin exists)."""
+
+import importlib.util
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shared.config import DecodeSettings, GatewaySettings, PrefillSettings, RouterSettings
+
+COMPOSE = Path(__file__).parents[2] / "deploy" / "compose" / "compose.yaml"
+SETTINGS = {"router": RouterSettings, "gateway": GatewaySettings, "prefill": PrefillSettings,
+            "decode": DecodeSettings}
+
+
+def test_compose_services_and_settings_exist():
+    spec = yaml.safe_load(COMPOSE.read_text())
+    services = spec["services"]
+    assert {"nats", "redis", "jaeger", *SETTINGS} <= set(services)
+    assert "-js" in services["nats"]["command"]
+    for name, settings in SETTINGS.items():
+        module = services[name]["command"][-1]
+        assert importlib.util.find_spec(module) is not None, module
+        fields = {f"PD_{f}".upper() for f in settings.model_fields}
+        env = services[name].get("environment") or spec["x-service"]["environment"]
+        unknown = [k for k in env if k.startswith("PD_") and k not in fields]
+        assert not unknown, (name, unknown)
+    assert "replicas" in services["prefill"]["deploy"] and "replicas" in services["decode"]["deploy"]
+
+
+def test_docker_compose_config_validates():
+    docker = shutil.which("docker")
+    if docker is None or subprocess.run([docker, "compose", "version"], capture_output=True).returncode != 0:
+        pytest.skip("no docker compose plugin on this machine")
+    result = subprocess.run([docker, "compose", "-f", str(COMPOSE), "config", "--quiet"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
