@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 from shared.engine.sequence import SamplingParams
 
@@ -104,7 +104,8 @@ class AdmitReply(Message):
 
 
 class KVHeader(Message):
-    """First UCX message of a KV handoff; the layer payloads follow on tags kv_tag+1+i."""
+    """Announces a KV handoff (over NATS, with the trace context in its headers); the layer
+    payloads follow over the KV transport on tags kv_tag+1+i."""
 
     request_id: str
     fingerprint: str
@@ -114,8 +115,6 @@ class KVHeader(Message):
     layer_nbytes: int
     checksums: list[int]      # xxh3-64 of each layer's bytes
     first_token: int
-    first_text: str = ""
-    trace: dict[str, str] = Field(default_factory=dict)
 
 
 # -- to a prefill worker ------------------------------------------------------------------

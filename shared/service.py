@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Coroutine
+
+import uvloop
 
 from shared.state import State
 
@@ -14,6 +17,11 @@ log = logging.getLogger(__name__)
 def setup_logging(level: str, service: str) -> None:
     logging.basicConfig(level=level.upper(),
                         format=f"%(asctime)s %(levelname)s {service} %(name)s: %(message)s")
+
+
+def run(main: Coroutine) -> None:
+    """Run a service's main coroutine on uvloop (fewer microseconds per message hop)."""
+    uvloop.run(main)
 
 
 def stop_event() -> asyncio.Event:

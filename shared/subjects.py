@@ -17,6 +17,11 @@ def decode_admit(worker: str) -> str:
     return f"pd.decode.{worker}.admit"
 
 
+def decode_kv(worker: str) -> str:
+    """prefill -> decode worker: a KV handoff's header (the payloads follow over UCX)."""
+    return f"pd.decode.{worker}.kv"
+
+
 def tokens(request_id: str) -> str:
     """Token chunks of one request, with sequence numbers, to the gateway."""
     return f"pd.tokens.{request_id}"

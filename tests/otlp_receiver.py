@@ -18,6 +18,12 @@ class Span:
     span_id: str
     parent_id: str
     attributes: dict
+    start_ns: int = 0
+    end_ns: int = 0
+
+    @property
+    def duration_ms(self) -> float:
+        return (self.end_ns - self.start_ns) / 1e6
 
 
 class OtlpReceiver:
@@ -49,7 +55,8 @@ class OtlpReceiver:
             for ss in rs.scope_spans:
                 for s in ss.spans:
                     attrs = {a.key: getattr(a.value, a.value.WhichOneof("value")) for a in s.attributes}
-                    span = Span(service, s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(), attrs)
+                    span = Span(service, s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(), attrs,
+                                s.start_time_unix_nano, s.end_time_unix_nano)
                     with self._lock:
                         self.spans.append(span)
 

@@ -7,10 +7,12 @@
    prefix cache) and replies with the first block to send and a UCX tag, then waits for the
    KV; mode "local" queues the whole prompt here (colocated, or the fallback). No room →
    refuse, so the router tries another worker before any prefill work is spent.
-3. KV arrives (prefill → here, UCX): check the model fingerprint and every layer's checksum,
-   write the layers into the reserved blocks, join the batch with the first token, ack the
-   prefill worker (`pd.kv.ack.<rid>`) so it frees its copy. KV late or bad → drop the
-   reservation and prefill locally (the client sees no gap: chunks carry sequence numbers).
+3. KV arrives: its header on `pd.decode.<id>.kv` (NATS), then the layer payloads over UCX,
+   received only once the header is here. Check the model fingerprint, the layout and every
+   layer's checksum, write the layers into the reserved blocks, join the batch with the first
+   token, ack the prefill worker (`pd.kv.ack.<rid>`) so it frees its copy. KV late or bad →
+   drop the reservation and prefill locally (no gap for the client: chunks carry sequence
+   numbers, the gateway drops duplicates).
 4. Loop: step the engine; publish each output as a TokenChunk on `pd.tokens.<rid>`.
 5. Cancel: abort the request wherever it is; its blocks return to the pool.
 6. SIGTERM: leave the registry, refuse new admits, finish running sequences, drain NATS.
@@ -36,7 +38,7 @@ from shared.engine.engine import Engine, RequestOutput
 from shared.engine_host import EngineHost
 from shared.kv import KVTransport, checksum, make
 from shared.messages import AdmitReply, AdmitRequest, Cancel, KVAck, KVHeader, TokenChunk
-from shared.service import heartbeat, setup_logging, stop_event
+from shared.service import heartbeat, run, setup_logging, stop_event
 from shared.worker import build_engine, worker_id, worker_info
 from shared.state import State
 
@@ -52,6 +54,7 @@ class DecodeWorker:
         self.host = EngineHost(engine)
         self.spans: dict[str, trace.Span] = {}
         self.receiving: dict[str, asyncio.Task] = {}
+        self.headers: dict[str, asyncio.Future] = {}  # rid -> the KVHeader, once announced
         self.draining = False
         bs, mc = engine.cfg.block_size, engine.model_config
         self.block_nbytes = 2 * bs * mc.num_kv_heads * mc.head_dim * engine.runner.kv.element_size()
@@ -61,6 +64,7 @@ class DecodeWorker:
 
     async def serve(self, stop: asyncio.Event) -> None:
         await self.bus.subscribe(subjects.decode_admit(self.id), self.on_admit)
+        await self.bus.subscribe(subjects.decode_kv(self.id), self.on_kv_header)
         await self.bus.subscribe(subjects.CANCEL_ALL, self.on_cancel)
         beat = asyncio.create_task(heartbeat(self.state, self.info, self.settings.heartbeat_s, stop))
         engine_loop = asyncio.create_task(self.host.run(self.publish, stop))
@@ -102,18 +106,30 @@ class DecodeWorker:
         except ValueError as e:
             return AdmitReply(request_id=rid, ok=False, reason=str(e))
         kv_tag = random.getrandbits(47) << 16  # low 16 bits number the layers
+        self.headers[rid] = asyncio.get_running_loop().create_future()
         self.receiving[rid] = asyncio.create_task(self.receive_kv(req, res.first_block, res.num_blocks, kv_tag))
         return AdmitReply(request_id=rid, ok=True, first_block=res.first_block, num_blocks=res.num_blocks,
                           kv_tag=kv_tag)
 
     # -- KV arrival --------------------------------------------------------------------------
+    async def on_kv_header(self, msg: Msg) -> None:
+        header = KVHeader.decode(msg.data)
+        waiter = self.headers.get(header.request_id)
+        if waiter is None or waiter.done():  # cancelled, expired or a duplicate
+            await self.bus.publish(subjects.kv_ack(header.request_id),
+                                   KVAck(request_id=header.request_id, ok=False, error="no reservation"))
+            return
+        waiter.set_result(header)
+
     async def receive_kv(self, req: AdmitRequest, first_block: int, num_blocks: int, kv_tag: int) -> None:
         rid = req.request_id
-        nbytes = (num_blocks - first_block) * self.block_nbytes
+        deadline = asyncio.get_running_loop().time() + self.settings.kv_timeout_s
         try:
-            header, layers = await asyncio.wait_for(
-                self.transport.receive(kv_tag, self.engine.model_config.num_layers, nbytes),
-                self.settings.kv_timeout_s)
+            header = await asyncio.wait_for(self.headers[rid], self.settings.kv_timeout_s)
+            self.check_layout(header, first_block, num_blocks)
+            remaining = deadline - asyncio.get_running_loop().time()
+            layers = await asyncio.wait_for(
+                self.transport.receive(kv_tag, header.num_layers, header.layer_nbytes), remaining)
             self.verify(header, layers)
             for i, payload in enumerate(layers):
                 await self.host.call(self.engine.import_layer, rid, i, torch.from_numpy(payload), first_block)
@@ -125,17 +141,24 @@ class DecodeWorker:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # late, corrupt or mismatched KV: never decode from it
-            log.warning("%s: KV handoff failed (%s); prefilling locally", rid, e)
+            log.warning("%s: KV handoff failed (%s); prefilling locally", rid, e or type(e).__name__)
             await self.bus.publish(subjects.kv_ack(rid), KVAck(request_id=rid, ok=False, error=str(e)))
             await self.host.call(self.engine.abort, rid)
             await self.host.call(self.engine.add_request, rid, req.prompt_token_ids, req.sampling.to_engine())
             self.host.wake.set()
         finally:
             self.receiving.pop(rid, None)
+            self.headers.pop(rid, None)
 
-    def verify(self, header: KVHeader, layers: list[np.ndarray]) -> None:
+    def check_layout(self, header: KVHeader, first_block: int, num_blocks: int) -> None:
         if header.fingerprint != self.engine.fingerprint:
             raise ValueError(f"model fingerprint {header.fingerprint} != {self.engine.fingerprint}")
+        expected = (self.engine.model_config.num_layers, (num_blocks - first_block) * self.block_nbytes, first_block)
+        got = (header.num_layers, header.layer_nbytes, header.first_block)
+        if got != expected:
+            raise ValueError(f"KV layout (layers, bytes, first block) {got} != reserved {expected}")
+
+    def verify(self, header: KVHeader, layers: list[np.ndarray]) -> None:
         for i, payload in enumerate(layers):
             if checksum(payload) != header.checksums[i]:
                 raise ValueError(f"checksum mismatch in layer {i}")
@@ -181,7 +204,7 @@ async def serve(settings: DecodeSettings) -> None:
 def main() -> None:
     settings = DecodeSettings()
     setup_logging(settings.log_level, "decode")
-    asyncio.run(serve(settings))
+    run(serve(settings))
 
 
 if __name__ == "__main__":

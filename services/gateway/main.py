@@ -16,7 +16,7 @@ import asyncio
 from contextlib import asynccontextmanager
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from shared import tracing
@@ -51,15 +51,25 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     errors.install(app)
     app.include_router(router)
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > settings.max_request_bytes:
-            return JSONResponse(errors.body(413, f"Request body over {settings.max_request_bytes} bytes."),
-                                status_code=413)
-        return await call_next(request)
-
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
     return app
+
+
+class BodyLimit:
+    """413 for a declared body over the limit (plain ASGI: no per-request task, unlike
+    Starlette's BaseHTTPMiddleware)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            size = dict(scope["headers"]).get(b"content-length", b"")
+            if size.isdigit() and int(size) > self.max_bytes:
+                response = JSONResponse(errors.body(413, f"Request body over {self.max_bytes} bytes."),
+                                        status_code=413)
+                return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 def main() -> None:

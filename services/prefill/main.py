@@ -7,8 +7,9 @@
 3. Step the engine: queued prompts are prefilled together, long ones in chunks. A prompt
    that completes yields its first token, published at once on `pd.tokens.<rid>` (seq 0),
    so time to first token never waits for the decode side.
-4. Hand off: export the KV blocks the decode worker lacks, send header + layers over UCX,
-   wait for its ack (the lease: `kv_ack_timeout_s`), then free the blocks and ack the job.
+4. Hand off: export the KV blocks the decode worker lacks, announce them with a KVHeader on
+   `pd.decode.<id>.kv` (fingerprint, layout, checksums, first token), send the layers over
+   UCX, wait for the ack (the lease: `kv_ack_timeout_s`), then free the blocks, ack the job.
    A request that finished on its first token releases the decode side's reservation.
 5. Cancel: abort the request wherever it is.
 6. SIGTERM: leave the registry, stop pulling jobs, finish the ones taken, drain NATS.
@@ -33,7 +34,7 @@ from shared.engine_host import EngineHost
 from shared.kv import KVTransport, checksum, make
 from shared.engine.sequence import Status
 from shared.messages import Cancel, KVAck, KVHeader, PrefillJob, TokenChunk
-from shared.service import heartbeat, setup_logging, stop_event
+from shared.service import heartbeat, run, setup_logging, stop_event
 from shared.worker import build_engine, worker_id, worker_info
 from shared.state import State
 
@@ -121,11 +122,11 @@ class PrefillWorker:
                 header = KVHeader(request_id=rid, fingerprint=export.fingerprint, first_block=job.first_block,
                                   num_blocks=export.num_blocks, num_layers=export.num_layers,
                                   layer_nbytes=layers[0].nbytes if layers else 0,
-                                  checksums=[checksum(p) for p in layers], first_token=out.new_token_ids[0],
-                                  first_text=out.text, trace=tracing.inject())
+                                  checksums=[checksum(p) for p in layers], first_token=out.new_token_ids[0])
                 ack_sub = await self.bus.nc.subscribe(subjects.kv_ack(rid), max_msgs=1)
                 start = time.perf_counter()
-                sent = await self.transport.send(job.decode_address, job.kv_tag, header, layers)
+                await self.bus.publish(subjects.decode_kv(job.decode_worker), header)
+                sent = await self.transport.send(job.decode_address, job.kv_tag, layers)
                 elapsed = time.perf_counter() - start
                 span.set_attributes({"request_id": rid, "bytes": sent, "blocks": export.num_blocks,
                                      "layers": export.num_layers, "transport": self.transport.name,
@@ -178,7 +179,7 @@ async def serve(settings: PrefillSettings) -> None:
 def main() -> None:
     settings = PrefillSettings()
     setup_logging(settings.log_level, "prefill")
-    asyncio.run(serve(settings))
+    run(serve(settings))
 
 
 if __name__ == "__main__":

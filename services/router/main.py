@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from contextlib import AsyncExitStack
 
@@ -27,17 +28,35 @@ from shared import subjects, tracing
 from shared.bus import Bus, context_of
 from shared.config import RouterSettings
 from shared.messages import AdmitReply, AdmitRequest, PrefillJob, RouteReply, RouteRequest, WorkerInfo
-from shared.service import heartbeat, setup_logging, stop_event
+from shared.service import heartbeat, run, setup_logging, stop_event
 from shared.state import State
 from services.router import policy
 
 log = logging.getLogger("router")
 BLOCK_SIZE = 16
+WORKERS_TTL_S = 0.2
 
 
 class Router:
     def __init__(self, settings: RouterSettings, bus: Bus, state: State, tracer: trace.Tracer):
         self.settings, self.bus, self.state, self.tracer = settings, bus, state, tracer
+        self._workers: tuple[float, list[WorkerInfo]] = (0.0, [])
+        self._background: set[asyncio.Task] = set()
+
+    async def workers(self) -> list[WorkerInfo]:
+        """The live registry, re-read at most every WORKERS_TTL_S (heartbeats are 1 s apart;
+        a stale entry costs one refused admit, which moves on to the next candidate)."""
+        fetched_at, workers = self._workers
+        now = time.monotonic()
+        if now - fetched_at > WORKERS_TTL_S:
+            workers = [w for w in await self.state.workers() if w.role != "router"]
+            self._workers = (now, workers)
+        return workers
+
+    def in_background(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def serve(self, stop: asyncio.Event) -> None:
         await self.bus.ensure_prefill_stream()
@@ -66,7 +85,7 @@ class Router:
 
     async def route(self, req: RouteRequest) -> RouteReply:
         rid = req.request_id
-        workers = [w for w in await self.state.workers() if w.model == req.model and w.role != "router"]
+        workers = [w for w in await self.workers() if w.model == req.model]
         prefills = [w for w in workers if w.role == "prefill"]
         blocks = -(-(len(req.prompt_token_ids) + 1) // BLOCK_SIZE)
         for decode in policy.decode_candidates([w for w in workers if w.role == "decode"], blocks):
@@ -80,15 +99,22 @@ class Router:
                 job = PrefillJob(request_id=rid, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
                                  decode_worker=decode.worker_id, decode_address=decode.ucx_address,
                                  first_block=admit.first_block, kv_tag=admit.kv_tag)
-                await self.bus.js.publish(subjects.prefill_jobs(prefill.worker_id), job.encode(),
-                                          headers=tracing.inject())
-            await self.state.record(rid, "routed", mode=mode, reason=reason, decode=decode.worker_id,
-                                    prefill=prefill.worker_id if mode == "remote" else "")
+                # not awaited: the reply need not wait for the queue's ack; if the job is lost,
+                # the decode worker's KV deadline turns the request into a local prefill
+                self.in_background(self.dispatch(prefill.worker_id, job))
+            self.in_background(self.state.record(rid, "routed", mode=mode, reason=reason, decode=decode.worker_id,
+                                                 prefill=prefill.worker_id if mode == "remote" else ""))
             return RouteReply(request_id=rid, ok=True, mode=mode, reason=reason, decode_worker=decode.worker_id,
                               prefill_worker=prefill.worker_id if mode == "remote" else None)
         reason = "no decode worker is up" if not any(w.role == "decode" for w in workers) else \
             "no decode worker has room for this request now"
         return RouteReply(request_id=rid, ok=False, reason=reason)
+
+    async def dispatch(self, prefill_worker: str, job: PrefillJob) -> None:
+        try:
+            await self.bus.js.publish(subjects.prefill_jobs(prefill_worker), job.encode(), headers=tracing.inject())
+        except Exception as e:
+            log.warning("%s: prefill job not queued (%s); the decode worker will prefill it", job.request_id, e)
 
     async def admit(self, decode: WorkerInfo, req: RouteRequest, mode: str,
                     prefill: WorkerInfo | None) -> AdmitReply | None:
@@ -117,7 +143,7 @@ async def serve(settings: RouterSettings) -> None:
 def main() -> None:
     settings = RouterSettings()
     setup_logging(settings.log_level, "router")
-    asyncio.run(serve(settings))
+    run(serve(settings))
 
 
 if __name__ == "__main__":

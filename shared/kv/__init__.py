@@ -1,3 +1,3 @@
 """KV transfer between engines: one interface (base.py), backends `ucx` and `fake`."""
 
-from shared.kv.base import HEADER_BYTES, KVTransport, checksum, make  # noqa: F401
+from shared.kv.base import KVTransport, checksum, layer_tag, make  # noqa: F401

@@ -1,38 +1,27 @@
-"""The KV transport interface.
+"""The KV transport interface: bulk bytes only.
 
-A handoff is one header (a KVHeader, fixed-size frame) on tag `kv_tag`, then one payload per
-layer on tag `kv_tag + 1 + layer`. The receiver posts its receives for a tag it chose at
-admission, so it needs no endpoint back to the sender; the sender opens (and caches) an
-endpoint per peer address — a restarted peer has a new address, so never a stale endpoint.
+The handoff's typed header (KVHeader: fingerprint, layout, checksums, first token) goes over
+NATS; the transport carries one payload per layer on tag `kv_tag + 1 + layer`. The receiver
+posts its receives when the header arrives — a UCX receive left posted keeps a progress
+thread spinning on a core — for a tag it chose at admission, so it needs no endpoint back
+to the sender; the sender opens (and caches) an endpoint per peer address: a restarted
+peer has a new address, so never a stale endpoint.
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
 
 import numpy as np
 import xxhash
-
-from shared.messages import KVHeader
-
-HEADER_BYTES = 16384
-
 
 def checksum(payload: np.ndarray) -> int:
     return xxhash.xxh3_64_intdigest(memoryview(payload).cast("B"))
 
 
-def pack_header(header: KVHeader) -> np.ndarray:
-    raw = header.encode()
-    if len(raw) > HEADER_BYTES:
-        raise ValueError(f"KV header of {len(raw)} bytes exceeds {HEADER_BYTES}")
-    frame = np.full(HEADER_BYTES, ord(" "), dtype=np.uint8)
-    frame[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-    return frame
-
-
-def unpack_header(frame: np.ndarray) -> KVHeader:
-    return KVHeader.decode(frame.tobytes().rstrip(b" "))
+def layer_tag(kv_tag: int, layer: int) -> int:
+    return kv_tag + 1 + layer
 
 
 class KVTransport(abc.ABC):
@@ -44,25 +33,18 @@ class KVTransport(abc.ABC):
         """This process's address, as peers use it (hex string)."""
 
     @abc.abstractmethod
-    async def send(self, peer: str, kv_tag: int, header: KVHeader, layers: list[np.ndarray]) -> int:
-        """Send a header and its layer payloads (uint8 arrays) to a peer; returns bytes sent."""
+    async def send(self, peer: str, kv_tag: int, layers: list[np.ndarray]) -> int:
+        """Send layer payloads (uint8 arrays) to a peer; returns bytes sent."""
 
     @abc.abstractmethod
     async def recv(self, kv_tag: int, out: np.ndarray) -> None:
         """Receive the message on `kv_tag` into `out` (uint8, exactly the message's size)."""
 
-    async def receive(self, kv_tag: int, num_layers: int, layer_nbytes: int) -> tuple[KVHeader, list[np.ndarray]]:
-        """Receive a whole handoff: the header, then every layer."""
-        frame = np.empty(HEADER_BYTES, dtype=np.uint8)
-        await self.recv(kv_tag, frame)
-        header = unpack_header(frame)
-        if header.num_layers != num_layers or header.layer_nbytes != layer_nbytes:
-            raise ValueError(f"{header.request_id}: KV layout {header.num_layers}x{header.layer_nbytes} B, "
-                             f"expected {num_layers}x{layer_nbytes} B")
+    async def receive(self, kv_tag: int, num_layers: int, layer_nbytes: int) -> list[np.ndarray]:
+        """Receive every layer of a handoff (posted together; they complete in any order)."""
         layers = [np.empty(layer_nbytes, dtype=np.uint8) for _ in range(num_layers)]
-        for i, buf in enumerate(layers):
-            await self.recv(kv_tag + 1 + i, buf)
-        return header, layers
+        await asyncio.gather(*(self.recv(layer_tag(kv_tag, i), buf) for i, buf in enumerate(layers)))
+        return layers
 
     async def close(self) -> None:
         return None

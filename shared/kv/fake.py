@@ -9,8 +9,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from shared.kv.base import KVTransport, pack_header
-from shared.messages import KVHeader
+from shared.kv.base import KVTransport, layer_tag
 
 _peers: dict[str, "FakeTransport"] = {}
 _ids = itertools.count()
@@ -28,13 +27,12 @@ class FakeTransport(KVTransport):
     def address(self) -> str:
         return self._address
 
-    async def send(self, peer: str, kv_tag: int, header: KVHeader, layers: list[np.ndarray]) -> int:
+    async def send(self, peer: str, kv_tag: int, layers: list[np.ndarray]) -> int:
         target = _peers.get(peer)
         if target is None:
             raise ConnectionError(f"no fake peer {peer}")
-        target._inbox[kv_tag].put_nowait(pack_header(header).copy())
         for i, payload in enumerate(layers):
-            target._inbox[kv_tag + 1 + i].put_nowait(np.array(payload, copy=True))
+            target._inbox[layer_tag(kv_tag, i)].put_nowait(np.array(payload, copy=True))
         return sum(p.nbytes for p in layers)
 
     async def recv(self, kv_tag: int, out: np.ndarray) -> None:

@@ -10,8 +10,7 @@ from __future__ import annotations
 import numpy as np
 import ucxx
 
-from shared.kv.base import KVTransport, pack_header
-from shared.messages import KVHeader
+from shared.kv.base import KVTransport, layer_tag
 
 
 class UcxTransport(KVTransport):
@@ -32,12 +31,11 @@ class UcxTransport(KVTransport):
             ep = self._endpoints[peer] = await ucxx.create_endpoint_from_worker_address(addr)
         return ep
 
-    async def send(self, peer: str, kv_tag: int, header: KVHeader, layers: list[np.ndarray]) -> int:
+    async def send(self, peer: str, kv_tag: int, layers: list[np.ndarray]) -> int:
         ep = await self._endpoint(peer)
         try:
-            await ep.send(pack_header(header), tag=kv_tag, force_tag=True)
             for i, payload in enumerate(layers):
-                await ep.send(payload, tag=kv_tag + 1 + i, force_tag=True)
+                await ep.send(payload, tag=layer_tag(kv_tag, i), force_tag=True)
         except Exception:
             self._endpoints.pop(peer, None)  # never reuse an endpoint that failed
             raise

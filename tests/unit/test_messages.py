@@ -14,7 +14,7 @@ EXAMPLES = [
     m.AdmitRequest(request_id="r", prompt_token_ids=[1], sampling=SAMPLING, mode="local"),
     m.AdmitReply(request_id="r", ok=True, first_block=2, num_blocks=4, kv_tag=1 << 20),
     m.KVHeader(request_id="r", fingerprint="f", first_block=0, num_blocks=1, num_layers=2, layer_nbytes=8,
-               checksums=[1, 2], first_token=5, trace={"traceparent": "00-ab-cd-01"}),
+               checksums=[1, 2], first_token=5),
     m.PrefillJob(request_id="r", prompt_token_ids=[1], sampling=SAMPLING, decode_worker="d",
                  decode_address="00ff", first_block=0, kv_tag=65536),
     m.KVAck(request_id="r", ok=False, error="bad checksum"),
