@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
-from opentelemetry import trace
 
 from shared.bus import Bus
 from shared.config import GatewaySettings
@@ -24,7 +23,6 @@ class Gateway:
     tokenizer: Tokenizer
     model_config: ModelConfig
     relay: Relay
-    tracer: trace.Tracer
 
 
 def _gateway(request: Request) -> Gateway:

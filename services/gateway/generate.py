@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Literal
 
@@ -14,7 +13,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from opentelemetry import trace
 
-from shared import tracing
 from shared.messages import RouteRequest, TokenChunk
 from services.gateway.deps import Gateway
 from services.gateway.errors import APIError
@@ -58,33 +56,28 @@ async def generate(gw: Gateway, request: Request, body: ChatCompletionRequest | 
         sampling = body.sampling(max_tokens(gw, body, len(ids)))
     except ValueError as e:
         raise APIError(400, str(e), param="min_tokens") from None
-    rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-    span = gw.tracer.start_span("gateway.request", attributes={
-        "request_id": rid, "prompt_tokens": len(ids), "stream": body.stream, "max_tokens": sampling.max_tokens})
-    headers = {"x-request-id": rid, "x-trace-id": tracing.trace_id_hex(span)}
+    rid = request.state.request_id  # set with the root span by middleware.RequestContext
+    span = trace.get_current_span()
+    span.set_attributes({"prompt_tokens": len(ids), "stream": body.stream, "max_tokens": sampling.max_tokens})
     try:
-        with trace.use_span(span, end_on_exit=False):
-            placement, chunks = await gw.relay.run(RouteRequest(request_id=rid, prompt_token_ids=ids,
-                                                                sampling=sampling, model=body.model))
-        span.set_attributes({"mode": placement.mode or "", "decode_worker": placement.decode_worker or "",
-                             "prefill_worker": placement.prefill_worker or ""})
+        placement, chunks = await gw.relay.run(RouteRequest(request_id=rid, prompt_token_ids=ids,
+                                                            sampling=sampling, model=body.model))
     except APIError as e:
         span.set_attribute("error", e.message)
-        span.end()
         raise
-    meta = {"id": rid, "created": int(time.time()), "model": body.model}
+    span.set_attributes({"mode": placement.mode or "", "decode_worker": placement.decode_worker or "",
+                         "prefill_worker": placement.prefill_worker or ""})
+    meta = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{rid}", "created": int(time.time()),
+            "model": body.model}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_sse(chunks, meta, kind, include_usage, body.return_token_ids, span),
-                                 media_type="text/event-stream", headers=headers)
-    try:
-        text, ids, last = await _gather(request, chunks)
-    finally:
-        span.end()
+        return StreamingResponse(_sse(chunks, meta, kind, include_usage, body.return_token_ids),
+                                 media_type="text/event-stream")
+    text, ids, last = await _gather(request, chunks)
     full = _full_body(meta, kind, text, last)
     if body.return_token_ids:
         full["choices"][0]["token_ids"] = ids
-    return JSONResponse(full, headers=headers)
+    return JSONResponse(full)
 
 
 def _usage(last: TokenChunk) -> dict:
@@ -130,7 +123,7 @@ def _event(obj) -> bytes:
 
 
 async def _sse(chunks: AsyncIterator[TokenChunk], meta: dict, kind: Kind, include_usage: bool,
-               token_ids: bool, span: trace.Span) -> AsyncIterator[bytes]:
+               token_ids: bool) -> AsyncIterator[bytes]:
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
     extra = {"usage": None} if include_usage else {}
 
@@ -144,19 +137,16 @@ async def _sse(chunks: AsyncIterator[TokenChunk], meta: dict, kind: Kind, includ
             choice["token_ids"] = ids
         return _event({**meta, "object": obj, "choices": [choice], **extra})
 
+    if kind == "chat":
+        yield frame(None, None, first=True)
+    last = None
     try:
-        if kind == "chat":
-            yield frame(None, None, first=True)
-        last = None
-        try:
-            async for last in chunks:
-                if last.text or last.finished or token_ids:
-                    yield frame(last.text, last.finish_reason if last.finished else None, last.token_ids)
-        except APIError as e:
-            yield _event({"error": {"message": e.message, "type": "server_error", "code": e.code}})
-            return
-        if include_usage and last is not None:
-            yield _event({**meta, "object": obj, "choices": [], "usage": _usage(last)})
-        yield b"data: [DONE]\n\n"
-    finally:
-        span.end()
+        async for last in chunks:
+            if last.text or last.finished or token_ids:
+                yield frame(last.text, last.finish_reason if last.finished else None, last.token_ids)
+    except APIError as e:  # the status line is gone already: report in the stream, as OpenAI does
+        yield _event({"error": {"message": e.message, "type": "server_error", "code": e.code}})
+        return
+    if include_usage and last is not None:
+        yield _event({**meta, "object": obj, "choices": [], "usage": _usage(last)})
+    yield b"data: [DONE]\n\n"

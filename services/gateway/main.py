@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 
 import uvicorn
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from opentelemetry import trace
 
 from shared import tracing
 from shared.bus import Bus
@@ -28,20 +28,21 @@ from shared.state import State
 from services.gateway import errors
 from services.gateway.api import router
 from services.gateway.deps import Gateway
+from services.gateway.middleware import RequestContext
 from services.gateway.relay import Relay
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        tracer = tracing.setup("gateway", settings.otlp_endpoint)
+        tracing.setup("gateway", settings.otlp_endpoint)
         model_config, tokenizer = await asyncio.to_thread(inspect, settings.model)
         if tokenizer is None:
             raise RuntimeError(f"model {settings.model!r} has no tokenizer; the gateway needs one")
         bus = await Bus.connect(settings.nats_url, name="gateway")
         state = State.connect(settings.redis_url)
         app.state.gateway = Gateway(settings, bus, state, tokenizer, model_config,
-                                    Relay(bus, settings.route_timeout_s, settings.token_timeout_s), tracer)
+                                    Relay(bus, settings.route_timeout_s, settings.token_timeout_s))
         yield
         await bus.close()
         await state.close()
@@ -51,25 +52,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     errors.install(app)
     app.include_router(router)
 
-    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
+    app.add_middleware(RequestContext, tracer=trace.get_tracer("pdserve.gateway"),
+                       max_bytes=settings.max_request_bytes)
     return app
-
-
-class BodyLimit:
-    """413 for a declared body over the limit (plain ASGI: no per-request task, unlike
-    Starlette's BaseHTTPMiddleware)."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            size = dict(scope["headers"]).get(b"content-length", b"")
-            if size.isdigit() and int(size) > self.max_bytes:
-                response = JSONResponse(errors.body(413, f"Request body over {self.max_bytes} bytes."),
-                                        status_code=413)
-                return await response(scope, receive, send)
-        return await self.app(scope, receive, send)
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ def test_chat_non_streaming_names_paris_with_ids_in_headers(client):
     assert "Paris" in resp.choices[0].message.content
     assert resp.choices[0].finish_reason == "stop"
     assert resp.usage.prompt_tokens > 20 and 0 < resp.usage.completion_tokens <= 32
-    assert raw.headers["x-request-id"] == resp.id and len(raw.headers["x-trace-id"]) == 32
+    assert resp.id == "chatcmpl-" + raw.headers["x-request-id"] and len(raw.headers["x-trace-id"]) == 32
 
 
 def test_chat_streaming_matches_non_streaming(client):
@@ -116,6 +116,7 @@ def test_bad_requests_get_4xx_and_reach_no_worker(stack):
         assert resp.status_code == status, (name, resp.text)
         err = resp.json()["error"]
         assert err["message"] and err["type"], name
+        assert resp.headers["x-request-id"] and len(resp.headers["x-trace-id"]) == 32, name
         if param:
             assert param in (err["param"] or "") or param in err["message"], (name, err)
     context = next(r for n, r, *_ in results if n == "prompt over the context").json()["error"]
