@@ -141,8 +141,9 @@ class DecodeWorker:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # late, corrupt or mismatched KV: never decode from it
-            log.warning("%s: KV handoff failed (%s); prefilling locally", rid, e or type(e).__name__)
-            await self.bus.publish(subjects.kv_ack(rid), KVAck(request_id=rid, ok=False, error=str(e)))
+            reason = "deadline passed" if isinstance(e, asyncio.TimeoutError) else str(e) or type(e).__name__
+            log.warning("%s: KV handoff failed (%s); prefilling locally", rid, reason)
+            await self.bus.publish(subjects.kv_ack(rid), KVAck(request_id=rid, ok=False, error=reason))
             await self.host.call(self.engine.abort, rid)
             await self.host.call(self.engine.add_request, rid, req.prompt_token_ids, req.sampling.to_engine())
             self.host.wake.set()

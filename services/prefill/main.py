@@ -126,14 +126,23 @@ class PrefillWorker:
                 ack_sub = await self.bus.nc.subscribe(subjects.kv_ack(rid), max_msgs=1)
                 start = time.perf_counter()
                 await self.bus.publish(subjects.decode_kv(job.decode_worker), header)
-                sent = await self.transport.send(job.decode_address, job.kv_tag, layers)
-                elapsed = time.perf_counter() - start
-                span.set_attributes({"request_id": rid, "bytes": sent, "blocks": export.num_blocks,
-                                     "layers": export.num_layers, "transport": self.transport.name,
-                                     "gbps": sent / max(elapsed, 1e-9) / 1e9, "skipped_blocks": job.first_block})
-                ack = KVAck.decode((await ack_sub.next_msg(timeout=self.settings.kv_ack_timeout_s)).data)
+                sending = asyncio.create_task(self.transport.send(job.decode_address, job.kv_tag, layers))
+                try:
+                    # the ack comes after the import, or early as a refusal (the decode side's
+                    # deadline passed, or it was cancelled): then stop sending what no one receives
+                    ack = KVAck.decode((await ack_sub.next_msg(timeout=self.settings.kv_ack_timeout_s)).data)
+                finally:
+                    if not sending.done():
+                        sending.cancel()
+                        await self.transport.forget(job.decode_address)
                 span.set_attribute("acked", ack.ok)
-                if not ack.ok:
+                if ack.ok:
+                    sent = sending.result()
+                    elapsed = time.perf_counter() - start
+                    span.set_attributes({"request_id": rid, "bytes": sent, "blocks": export.num_blocks,
+                                         "layers": export.num_layers, "transport": self.transport.name,
+                                         "gbps": sent / max(elapsed, 1e-9) / 1e9, "skipped_blocks": job.first_block})
+                else:
                     log.warning("%s: decode side refused the KV: %s", rid, ack.error)
             except Exception as e:  # the decode side falls back to a local prefill on its deadline
                 log.warning("%s: KV handoff failed: %s", rid, e)

@@ -46,6 +46,10 @@ class KVTransport(abc.ABC):
         await asyncio.gather(*(self.recv(layer_tag(kv_tag, i), buf) for i, buf in enumerate(layers)))
         return layers
 
+    async def forget(self, peer: str) -> None:
+        """Drop any connection state for `peer` (after an aborted send): the next send starts fresh."""
+        return None
+
     async def close(self) -> None:
         return None
 

@@ -41,6 +41,14 @@ class UcxTransport(KVTransport):
             raise
         return sum(p.nbytes for p in layers)
 
+    async def forget(self, peer: str) -> None:
+        ep = self._endpoints.pop(peer, None)
+        if ep is not None:
+            try:
+                await ep.close()
+            except Exception:  # already broken: dropping our reference is all that is left
+                pass
+
     async def recv(self, kv_tag: int, out: np.ndarray) -> None:
         await ucxx.recv(out, tag=kv_tag)
 

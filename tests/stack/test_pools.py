@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -55,3 +56,38 @@ def test_colocated_mode_serves_without_a_prefill_pool(smollm2, tmp_path):
         ready = httpx.get(stack.url + "/ready").json()
     assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]
     assert ready["ready"] and ready["workers"]["prefill"] == 0
+
+
+def test_a_stalled_prefill_worker_costs_a_deadline_not_the_request(smollm2, tmp_path):
+    """Prefill frozen mid-flight: the decode worker's KV deadline passes, it prefills locally,
+    the answer is the same; when the prefill worker wakes, its late KV is refused and freed."""
+    import json
+    import signal
+
+    import redis
+
+    cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=512, log_dir=tmp_path,
+                                    env={"PD_KV_TIMEOUT_S": "2"})
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    tok = smollm2.tokenizer
+    expected = generate(smollm2, {"q": tok.encode(tok.apply_chat_template(messages))},
+                        SamplingParams(max_tokens=12, temperature=0))["q"]
+    with Stack(cfg) as stack:
+        prefill = stack.procs["prefill-0"]
+        prefill.send_signal(signal.SIGSTOP)
+        try:
+            r = httpx.post(stack.url + "/v1/chat/completions", timeout=60, json={
+                "model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 12,
+                "return_token_ids": True})
+        finally:
+            prefill.send_signal(signal.SIGCONT)
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == expected
+        store = redis.Redis(port=cfg.redis_port)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            infos = [json.loads(store.get(k)) for k in store.keys("pd:worker:*")]
+            workers = [w for w in infos if w["role"] in ("prefill", "decode")]
+            if len(workers) == 2 and all(w["free_blocks"] == w["total_blocks"] for w in workers):
+                break
+            time.sleep(0.5)
+        assert len(workers) == 2 and all(w["free_blocks"] == w["total_blocks"] for w in workers), workers

@@ -1,0 +1,47 @@
+"""`make run`'s launcher: up to ready, a working answer, and Ctrl-C leaves no process behind."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+import pytest
+
+from conftest import MODEL
+from deploy.local.stack import free_port
+
+pytestmark = pytest.mark.slow
+
+
+def test_launcher_starts_everything_and_ctrl_c_stops_everything(tmp_path):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.local.stack", "--port", str(port), "--nats-port",
+                             str(free_port()), "--redis-port", str(free_port())], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("ready in") or "failed" in line:
+                break
+        assert any(line.startswith("ready in") for line in lines), "".join(lines)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        names = " ".join(" ".join(c.cmdline()) for c in children)
+        for part in ("nats-server", "redis-server", "services.router", "services.gateway",
+                     "services.prefill", "services.decode"):
+            assert part in names, part
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 16, "temperature": 0})
+        assert "Paris" in r.json()["choices"][0]["message"]["content"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+        time.sleep(0.5)
+        assert [c.pid for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE] == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
