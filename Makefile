@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # CPU build of torch (from the local wheel cache when present); GPU users: TORCH_SPEC=torch
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup run test test-fast bench-engine gpu-check clean
+.PHONY: setup run test test-fast bench-engine bench-stack gpu-check clean
 
 setup: $(STAMP)
 
@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 run: setup
 	$(BIN)/python -m deploy.local.stack $(RUN_ARGS)
 
-## test: the whole suite (unit tests on a tiny model, engine tests on SmolLM2 vs transformers)
+## test: the whole suite (unit, engine vs transformers, the stack as real processes)
 test: setup
 	$(BIN)/python -m pytest -q tests
 
@@ -33,6 +33,10 @@ test-fast: setup
 ## bench-engine: our engine vs transformers, same model, same threads, side by side
 bench-engine: setup
 	$(BIN)/python -m bench.engine_bench
+
+## bench-stack: time to first token through the stack minus the in-process engine's
+bench-stack: setup
+	$(BIN)/python -m bench.stack_overhead
 
 ## gpu-check: Triton kernels and the engine on CUDA (run on a GPU machine)
 gpu-check:
