@@ -9,9 +9,22 @@ from collections.abc import Coroutine
 
 import uvloop
 
+from contextlib import AsyncExitStack
+
+from shared.bus import Bus
+from shared.config import Common
 from shared.state import State
 
 log = logging.getLogger(__name__)
+
+
+async def connect(stack: AsyncExitStack, settings: Common, name: str) -> tuple[Bus, State]:
+    """NATS and Redis for a service, closed (NATS drained) when `stack` unwinds."""
+    bus = await Bus.connect(settings.nats_url, name=name)
+    stack.push_async_callback(bus.close)
+    state = State.connect(settings.redis_url)
+    stack.push_async_callback(state.close)
+    return bus, state
 
 
 def setup_logging(level: str, service: str) -> None:

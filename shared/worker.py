@@ -1,12 +1,16 @@
-"""What prefill and decode workers share: their id, their engine, their registry entry."""
+"""What prefill and decode workers share: their id, engine, registry entry and start-up."""
 
 from __future__ import annotations
 
 import uuid
+from contextlib import AsyncExitStack
 
 import torch
 
+from shared import tracing
 from shared.config import WorkerSettings
+from shared.kv import make
+from shared.service import connect, stop_event
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.loader import load
@@ -32,3 +36,17 @@ def worker_info(engine: Engine, wid: str, role: str, settings: WorkerSettings, u
                       ucx_address=ucx_address, total_blocks=engine.num_blocks,
                       free_blocks=engine.num_free_blocks, running=len(engine.scheduler.running),
                       waiting=len(engine.scheduler.waiting))
+
+
+async def serve_worker(role: str, settings: WorkerSettings, worker_cls) -> None:
+    """Build the engine, connect NATS, Redis and the UCX transport, run `worker_cls(...).serve`
+    until SIGTERM/SIGINT, then unwind in reverse (transport closed, Redis closed, NATS drained)."""
+    tracer = tracing.setup(role, settings.otlp_endpoint)
+    engine = build_engine(settings)
+    async with AsyncExitStack() as stack:
+        stop = stop_event()
+        bus, state = await connect(stack, settings, role)
+        transport = make("ucx")
+        stack.push_async_callback(transport.close)
+        await worker_cls(settings, engine, bus, state, transport, tracer).serve(stop)
+    tracing.shutdown()

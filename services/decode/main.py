@@ -23,23 +23,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from contextlib import AsyncExitStack
 
 import numpy as np
 import torch
 from nats.aio.msg import Msg
 from opentelemetry import trace
 
-from shared import subjects, tracing
+from shared import subjects
 from shared.bus import Bus, context_of
 from shared.config import DecodeSettings
 from shared.engine.block_manager import OutOfBlocks
 from shared.engine.engine import Engine, RequestOutput
 from shared.engine_host import EngineHost
-from shared.kv import KVTransport, checksum, make
+from shared.kv import KVTransport, checksum
 from shared.messages import AdmitReply, AdmitRequest, Cancel, KVAck, KVHeader, TokenChunk
-from shared.service import heartbeat, run, setup_logging, stop_event
-from shared.worker import build_engine, worker_id, worker_info
+from shared.service import heartbeat, run, setup_logging
+from shared.worker import serve_worker, worker_id, worker_info
 from shared.state import State
 
 log = logging.getLogger("decode")
@@ -186,26 +185,10 @@ class DecodeWorker:
             span.end()
 
 
-async def serve(settings: DecodeSettings) -> None:
-    tracer = tracing.setup("decode", settings.otlp_endpoint)
-    engine = build_engine(settings)
-    async with AsyncExitStack() as stack:
-        stop = stop_event()
-        bus = await Bus.connect(settings.nats_url, name="decode")
-        stack.push_async_callback(bus.close)
-        state = State.connect(settings.redis_url)
-        stack.push_async_callback(state.close)
-        transport = make("ucx")
-        stack.push_async_callback(transport.close)
-        worker = DecodeWorker(settings, engine, bus, state, transport, tracer)
-        await worker.serve(stop)
-    tracing.shutdown()
-
-
 def main() -> None:
     settings = DecodeSettings()
     setup_logging(settings.log_level, "decode")
-    run(serve(settings))
+    run(serve_worker("decode", settings, DecodeWorker))
 
 
 if __name__ == "__main__":

@@ -20,22 +20,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from contextlib import AsyncExitStack
 
 import nats.errors
 from nats.aio.msg import Msg
 from opentelemetry import trace
 
-from shared import subjects, tracing
+from shared import subjects
 from shared.bus import Bus, context_of
 from shared.config import PrefillSettings
 from shared.engine.engine import Engine, RequestOutput
 from shared.engine_host import EngineHost
-from shared.kv import KVTransport, checksum, make
+from shared.kv import KVTransport, checksum
 from shared.engine.sequence import Status
 from shared.messages import Cancel, KVAck, KVHeader, PrefillJob, TokenChunk
-from shared.service import heartbeat, run, setup_logging, stop_event
-from shared.worker import build_engine, worker_id, worker_info
+from shared.service import heartbeat, run, setup_logging
+from shared.worker import serve_worker, worker_id, worker_info
 from shared.state import State
 
 log = logging.getLogger("prefill")
@@ -170,25 +169,10 @@ class PrefillWorker:
             await jmsg.ack()
 
 
-async def serve(settings: PrefillSettings) -> None:
-    tracer = tracing.setup("prefill", settings.otlp_endpoint)
-    engine = build_engine(settings)
-    async with AsyncExitStack() as stack:
-        stop = stop_event()
-        bus = await Bus.connect(settings.nats_url, name="prefill")
-        stack.push_async_callback(bus.close)
-        state = State.connect(settings.redis_url)
-        stack.push_async_callback(state.close)
-        transport = make("ucx")
-        stack.push_async_callback(transport.close)
-        await PrefillWorker(settings, engine, bus, state, transport, tracer).serve(stop)
-    tracing.shutdown()
-
-
 def main() -> None:
     settings = PrefillSettings()
     setup_logging(settings.log_level, "prefill")
-    run(serve(settings))
+    run(serve_worker("prefill", settings, PrefillWorker))
 
 
 if __name__ == "__main__":

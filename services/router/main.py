@@ -28,7 +28,7 @@ from shared import subjects, tracing
 from shared.bus import Bus, context_of
 from shared.config import RouterSettings
 from shared.messages import AdmitReply, AdmitRequest, PrefillJob, RouteReply, RouteRequest, WorkerInfo
-from shared.service import heartbeat, run, setup_logging, stop_event
+from shared.service import connect, heartbeat, run, setup_logging, stop_event
 from shared.state import State
 from services.router import policy
 
@@ -132,10 +132,7 @@ async def serve(settings: RouterSettings) -> None:
     tracer = tracing.setup("router", settings.otlp_endpoint)
     async with AsyncExitStack() as stack:
         stop = stop_event()
-        bus = await Bus.connect(settings.nats_url, name="router")
-        stack.push_async_callback(bus.close)
-        state = State.connect(settings.redis_url)
-        stack.push_async_callback(state.close)
+        bus, state = await connect(stack, settings, "router")
         await Router(settings, bus, state, tracer).serve(stop)
     tracing.shutdown()
 
