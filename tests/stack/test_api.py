@@ -121,3 +121,31 @@ def test_bad_requests_get_4xx_and_reach_no_worker(stack):
     context = next(r for n, r, *_ in results if n == "prompt over the context").json()["error"]
     assert "8192" in context["message"] and context["code"] == "context_length_exceeded"
     assert not [s for s in seen if not s.startswith("pd.kv.events")], seen
+
+
+def test_client_that_leaves_mid_stream_frees_its_blocks(stack):
+    import json as _json
+    import time
+
+    import redis
+
+    store = redis.Redis(port=stack.cfg.redis_port)
+
+    def free_blocks():
+        infos = [_json.loads(store.get(k)) for k in store.keys("pd:worker:*")]
+        return {w["worker_id"]: (w["free_blocks"], w["total_blocks"]) for w in infos if w["role"] != "router"}
+
+    with httpx.Client(base_url=stack.url, timeout=60) as http:
+        with http.stream("POST", "/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}],
+                "max_tokens": 4000, "ignore_eos": True, "stream": True}) as r:
+            frames = 0
+            for line in r.iter_lines():
+                frames += line.startswith("data: ")
+                if frames == 4:
+                    break  # hang up mid-stream
+    deadline = time.monotonic() + 5  # generating 4000 tokens would take minutes here
+    while time.monotonic() < deadline and any(f != t for f, t in free_blocks().values()):
+        time.sleep(0.3)
+    assert all(f == t for f, t in free_blocks().values()), free_blocks()
+    assert len(free_blocks()) == 2
