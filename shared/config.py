@@ -6,6 +6,8 @@ the environment. OpenTelemetry reads its own standard variables (OTEL_EXPORTER_O
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -47,6 +49,8 @@ class WorkerSettings(Common):
     max_batched_tokens: int = 2048
     prefill_chunk: int = 512
     threads: int = Field(0, ge=0, description="torch threads (0: torch's default)")
+    ucx_progress_mode: Literal["blocking", "polling", "thread", "thread-polling"] = Field(
+        "thread", description="ucxx progress; blocking/polling are faster per transfer but spin a core after one")
 
 
 class PrefillSettings(WorkerSettings):

@@ -46,7 +46,7 @@ async def serve_worker(role: str, settings: WorkerSettings, worker_cls) -> None:
     async with AsyncExitStack() as stack:
         stop = stop_event()
         bus, state = await connect(stack, settings, role)
-        transport = make("ucx")
+        transport = make("ucx", settings.ucx_progress_mode)
         stack.push_async_callback(transport.close)
         await worker_cls(settings, engine, bus, state, transport, tracer).serve(stop)
     tracing.shutdown()

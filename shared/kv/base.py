@@ -54,11 +54,11 @@ class KVTransport(abc.ABC):
         return None
 
 
-def make(name: str) -> KVTransport:
+def make(name: str, ucx_progress_mode: str = "thread") -> KVTransport:
     if name == "ucx":
         from shared.kv.ucx import UcxTransport
 
-        return UcxTransport()
+        return UcxTransport(ucx_progress_mode)
     if name == "fake":
         from shared.kv.fake import FakeTransport
 
