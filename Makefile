@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # CPU build of torch (from the local wheel cache when present); GPU users: TORCH_SPEC=torch
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup run test test-fast bench-engine bench-stack gpu-check clean
+.PHONY: setup run test test-fast bench-engine bench-stack bench-transfer gpu-check clean
 
 setup: $(STAMP)
 
@@ -37,6 +37,10 @@ bench-engine: setup
 ## bench-stack: time to first token through the stack minus the in-process engine's
 bench-stack: setup
 	$(BIN)/python -m bench.stack_overhead
+
+## bench-transfer: KV bytes over memcpy, UCX (shared memory, TCP), a socket and NATS; writes bench/results/transfer.json
+bench-transfer: setup
+	$(BIN)/python -m bench.transfer_bench
 
 ## gpu-check: Triton kernels and the engine on CUDA (run on a GPU machine)
 gpu-check:
