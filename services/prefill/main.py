@@ -59,6 +59,13 @@ class PrefillWorker:
         pull = await self.bus.js.pull_subscribe(subjects.prefill_jobs(self.id), durable=self.id)
         await self.bus.subscribe(subjects.CANCEL_ALL, self.on_cancel)
         beat = asyncio.create_task(heartbeat(self.state, self.info, self.settings.heartbeat_s, stop))
+
+        async def leave_registry():  # on stop, at once: the router sends no more jobs here
+            await stop.wait()
+            await beat
+            await self.state.deregister(self.id)
+
+        leaving = asyncio.create_task(leave_registry())
         log.info("prefill worker %s ready", self.id)
         while not stop.is_set() or self.jobs or self.handoffs:
             if not stop.is_set() and len(self.jobs) < self.settings.max_jobs:
@@ -68,8 +75,7 @@ class PrefillWorker:
                     await self.on_first_token(out)
             elif self.handoffs:
                 await asyncio.wait(self.handoffs, timeout=0.05)
-        await beat
-        await self.state.deregister(self.id)
+        await leaving
         self.host.close()
 
     async def take_jobs(self, pull, wait_s: float) -> None:
