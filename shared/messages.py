@@ -135,6 +135,9 @@ class KVAck(Message):
 
 
 # -- to every worker ----------------------------------------------------------------------
+FINISHED_IN_PREFILL = "finished in prefill"  # Cancel.reason: only the decode side's reservation ends
+
+
 class Cancel(Message):
     request_id: str
     reason: str = "client disconnected"

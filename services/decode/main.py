@@ -96,8 +96,7 @@ class DecodeWorker:
             return AdmitReply(request_id=rid, ok=False, reason="draining")
         try:
             if req.mode == "local":
-                await self.host.call(self.engine.add_request, rid, req.prompt_token_ids, params)
-                self.host.wake.set()
+                await self.prefill_locally(req)
                 return AdmitReply(request_id=rid, ok=True, reason="local prefill")
             res = await self.host.call(self.engine.reserve, rid, req.prompt_token_ids, params)
         except OutOfBlocks as e:
@@ -109,6 +108,11 @@ class DecodeWorker:
         self.receiving[rid] = asyncio.create_task(self.receive_kv(req, res.first_block, res.num_blocks, kv_tag))
         return AdmitReply(request_id=rid, ok=True, first_block=res.first_block, num_blocks=res.num_blocks,
                           kv_tag=kv_tag)
+
+    async def prefill_locally(self, req: AdmitRequest) -> None:
+        """The whole prompt runs here (colocated mode, or the fallback from a failed handoff)."""
+        await self.host.call(self.engine.add_request, req.request_id, req.prompt_token_ids, req.sampling.to_engine())
+        self.host.wake.set()
 
     # -- KV arrival --------------------------------------------------------------------------
     async def on_kv_header(self, msg: Msg) -> None:
@@ -144,8 +148,7 @@ class DecodeWorker:
             log.warning("%s: KV handoff failed (%s); prefilling locally", rid, reason)
             await self.bus.publish(subjects.kv_ack(rid), KVAck(request_id=rid, ok=False, error=reason))
             await self.host.call(self.engine.abort, rid)
-            await self.host.call(self.engine.add_request, rid, req.prompt_token_ids, req.sampling.to_engine())
-            self.host.wake.set()
+            await self.prefill_locally(req)
         finally:
             self.receiving.pop(rid, None)
             self.headers.pop(rid, None)

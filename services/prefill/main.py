@@ -32,7 +32,7 @@ from shared.engine.engine import Engine, RequestOutput
 from shared.engine_host import EngineHost
 from shared.kv import KVTransport, checksum
 from shared.engine.sequence import Status
-from shared.messages import Cancel, KVAck, KVHeader, PrefillJob, TokenChunk
+from shared.messages import FINISHED_IN_PREFILL, Cancel, KVAck, KVHeader, PrefillJob, TokenChunk
 from shared.service import heartbeat, run, setup_logging
 from shared.worker import serve_worker, worker_id, worker_info
 from shared.state import State
@@ -111,7 +111,7 @@ class PrefillWorker:
         if out.finished:  # done on its first token: nothing to hand off
             del self.jobs[out.request_id]
             await self.bus.publish(subjects.cancel(out.request_id),
-                                   Cancel(request_id=out.request_id, reason="finished in prefill"))
+                                   Cancel(request_id=out.request_id, reason=FINISHED_IN_PREFILL))
             await msg.ack()
             return
         task = asyncio.create_task(self.handoff(job, msg, out, trace.set_span_in_context(span)))
@@ -159,7 +159,7 @@ class PrefillWorker:
 
     async def on_cancel(self, msg: Msg) -> None:
         cancel = Cancel.decode(msg.data)
-        if cancel.reason == "finished in prefill":
+        if cancel.reason == FINISHED_IN_PREFILL:
             return
         self.cancelled.add(cancel.request_id)
         if len(self.cancelled) > 10_000:
