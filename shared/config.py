@@ -51,6 +51,12 @@ class WorkerSettings(Common):
     threads: int = Field(0, ge=0, description="torch threads (0: torch's default)")
     ucx_progress_mode: Literal["blocking", "polling", "thread", "thread-polling"] = Field(
         "thread", description="ucxx progress; blocking/polling are faster per transfer but spin a core after one")
+    kv_max_attempts: int = Field(3, ge=1, description="sends of a KV block that fails its checksum, then "
+                                 "the decode worker prefills locally")
+    kv_fault_corrupt_rate: float = Field(0.0, ge=0, le=1, description="fault injection: fraction of KV "
+                                         "payloads sent with one byte flipped (0: off)")
+    kv_fault_corrupt_attempts: int = Field(1, ge=0, description="fault injection: corrupt only attempts below this")
+    kv_fault_delay_s: float = Field(0.0, ge=0, description="fault injection: hold each KV payload send this long")
 
 
 class PrefillSettings(WorkerSettings):

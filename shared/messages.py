@@ -1,6 +1,6 @@
 """Typed, versioned messages that cross a process boundary, grouped by the service that
-receives them. Each carries `request_id`; the trace context travels in the NATS headers
-(and in `KVHeader.trace` over UCX). Encode with `.encode()`, decode with `Model.decode(b)`.
+receives them. Each carries `request_id`; the trace context travels in the NATS headers.
+Encode with `.encode()`, decode with `Model.decode(b)`.
 """
 
 from __future__ import annotations
@@ -103,18 +103,39 @@ class AdmitReply(Message):
     kv_tag: int = 0           # UCX tag base for this request's KV messages
 
 
-class KVHeader(Message):
-    """Announces a KV handoff (over NATS, with the trace context in its headers); the layer
-    payloads follow over the KV transport on tags kv_tag+1+i."""
+class KVLayer(Message):
+    """prefill → decode: one layer of a run of blocks is on its way over the KV transport
+    (payload on `tag`). The receiver posts its receive when this arrives, checks the layout
+    against its reservation and every block against its checksum before writing it."""
 
     request_id: str
-    fingerprint: str
+    fingerprint: str          # model, dtype and block layout of the sender
+    tag: int                  # transport tag of the payload: kv_tag <= tag < kv_tag + TAG_SPAN
+    layer: int
+    first_block: int          # index among the prompt's blocks
+    num_blocks: int
+    checksums: list[int]      # xxh3-64 of each block's bytes, in order
+    attempt: int = 0          # 0, then 1.. for re-sends
+
+
+class KVEnd(Message):
+    """prefill → decode: the last layer is sent (ok, with the first token), or the prefill side
+    gives the handoff up (not ok: cancelled, fingerprint mismatch, send failure)."""
+
+    request_id: str
+    ok: bool
+    first_token: int = -1
+    error: str = ""
+
+
+class KVResend(Message):
+    """decode → prefill: blocks that failed their checksum; send them again."""
+
+    request_id: str
+    layer: int
     first_block: int
     num_blocks: int
-    num_layers: int
-    layer_nbytes: int
-    checksums: list[int]      # xxh3-64 of each layer's bytes
-    first_token: int
+    attempt: int              # the attempt this re-send is
 
 
 # -- to a prefill worker ------------------------------------------------------------------
@@ -124,6 +145,7 @@ class PrefillJob(Message):
     sampling: Sampling
     decode_worker: str
     decode_address: str       # the decode worker's UCX worker address, hex
+    decode_fingerprint: str   # its model/dtype/block layout: the prefill side refuses a mismatch
     first_block: int
     kv_tag: int
 

@@ -18,8 +18,13 @@ def decode_admit(worker: str) -> str:
 
 
 def decode_kv(worker: str) -> str:
-    """prefill -> decode worker: a KV handoff's header (the payloads follow over UCX)."""
+    """prefill -> decode worker: KVLayer notices (each payload goes over the KV transport)."""
     return f"pd.decode.{worker}.kv"
+
+
+def decode_kv_end(worker: str) -> str:
+    """prefill -> decode worker: KVEnd, the handoff's last word (first token, or failure)."""
+    return f"pd.decode.{worker}.kv.end"
 
 
 def tokens(request_id: str) -> str:
@@ -32,9 +37,18 @@ def events(request_id: str) -> str:
     return f"pd.events.{request_id}"
 
 
+KV_ACK_ALL = "pd.kv.ack.*"
+KV_RESEND_ALL = "pd.kv.resend.*"
+
+
 def kv_ack(request_id: str) -> str:
     """decode -> prefill: the KV arrived and was verified (the prefill side may free it)."""
     return f"pd.kv.ack.{request_id}"
+
+
+def kv_resend(request_id: str) -> str:
+    """decode -> prefill: KVResend, blocks that failed their checksum."""
+    return f"pd.kv.resend.{request_id}"
 
 
 def kv_events(worker: str) -> str:

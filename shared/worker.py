@@ -9,7 +9,7 @@ import torch
 
 from shared import tracing
 from shared.config import WorkerSettings
-from shared.kv import make
+from shared.kv import Faults, make
 from shared.service import connect, stop_event
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
@@ -46,7 +46,9 @@ async def serve_worker(role: str, settings: WorkerSettings, worker_cls) -> None:
     async with AsyncExitStack() as stack:
         stop = stop_event()
         bus, state = await connect(stack, settings, role)
-        transport = make("ucx", settings.ucx_progress_mode)
+        transport = make("ucx", settings.ucx_progress_mode,
+                         Faults(settings.kv_fault_corrupt_rate, settings.kv_fault_corrupt_attempts,
+                                settings.kv_fault_delay_s))
         stack.push_async_callback(transport.close)
         await worker_cls(settings, engine, bus, state, transport, tracer).serve(stop)
     tracing.shutdown()

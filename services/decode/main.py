@@ -7,10 +7,12 @@
    prefix cache) and replies with the first block to send and a UCX tag, then waits for the
    KV; mode "local" queues the whole prompt here (colocated, or the fallback). No room →
    refuse, so the router tries another worker before any prefill work is spent.
-3. KV arrives: its header on `pd.decode.<id>.kv` (NATS), then the layer payloads over UCX,
-   received only once the header is here. Check the model fingerprint, the layout and every
-   layer's checksum, write the layers into the reserved blocks, join the batch with the first
-   token, ack the prefill worker (`pd.kv.ack.<rid>`) so it frees its copy. KV late or bad →
+3. KV arrives layer by layer while the prefill runs (shared/kv/receiver.py): a KVLayer notice
+   on `pd.decode.<id>.kv` (NATS), then its payload over UCX, received only once the notice is
+   here; fingerprint, layout and every block's checksum are checked before the blocks are
+   written into the reservation (a corrupt block is asked for again). KVEnd brings the first
+   token; once every block of every layer is in, the sequence joins the batch and the prefill
+   worker gets its ack (`pd.kv.ack.<rid>`) and frees its copy. KV late, refused or still bad →
    drop the reservation and prefill locally (no gap for the client: chunks carry sequence
    numbers, the gateway drops duplicates).
 4. Loop: step the engine; publish each output as a TokenChunk on `pd.tokens.<rid>`.
@@ -24,8 +26,6 @@ import asyncio
 import logging
 import random
 
-import numpy as np
-import torch
 from nats.aio.msg import Msg
 from opentelemetry import trace
 
@@ -35,8 +35,9 @@ from shared.config import DecodeSettings
 from shared.engine.block_manager import OutOfBlocks
 from shared.engine.engine import Engine, RequestOutput
 from shared.engine_host import EngineHost
-from shared.kv import KVTransport, checksum
-from shared.messages import AdmitReply, AdmitRequest, Cancel, KVAck, KVHeader, TokenChunk
+from shared.kv import TAG_SPAN, KVTransport
+from shared.kv.receiver import KVReceiver
+from shared.messages import AdmitReply, AdmitRequest, Cancel, KVAck, KVEnd, KVLayer, TokenChunk
 from shared.service import heartbeat, run, setup_logging
 from shared.worker import serve_worker, worker_id, worker_info
 from shared.state import State
@@ -53,7 +54,8 @@ class DecodeWorker:
         self.host = EngineHost(engine)
         self.spans: dict[str, trace.Span] = {}
         self.receiving: dict[str, asyncio.Task] = {}
-        self.headers: dict[str, asyncio.Future] = {}  # rid -> the KVHeader, once announced
+        self.receivers: dict[str, KVReceiver] = {}
+        self.refused: set[str] = set()  # handoffs told "no reservation" (once each)
         self.draining = False
         bs, mc = engine.cfg.block_size, engine.model_config
         self.block_nbytes = 2 * bs * mc.num_kv_heads * mc.head_dim * engine.runner.kv.element_size()
@@ -63,7 +65,8 @@ class DecodeWorker:
 
     async def serve(self, stop: asyncio.Event) -> None:
         await self.bus.subscribe(subjects.decode_admit(self.id), self.on_admit)
-        await self.bus.subscribe(subjects.decode_kv(self.id), self.on_kv_header)
+        await self.bus.subscribe(subjects.decode_kv(self.id), self.on_kv_layer)
+        await self.bus.subscribe(subjects.decode_kv_end(self.id), self.on_kv_end)
         await self.bus.subscribe(subjects.CANCEL_ALL, self.on_cancel)
         beat = asyncio.create_task(heartbeat(self.state, self.info, self.settings.heartbeat_s, stop))
         engine_loop = asyncio.create_task(self.host.run(self.publish, stop))
@@ -103,9 +106,11 @@ class DecodeWorker:
             return AdmitReply(request_id=rid, ok=False, reason=f"no room: {e}")
         except ValueError as e:
             return AdmitReply(request_id=rid, ok=False, reason=str(e))
-        kv_tag = random.getrandbits(47) << 16  # low 16 bits number the layers
-        self.headers[rid] = asyncio.get_running_loop().create_future()
-        self.receiving[rid] = asyncio.create_task(self.receive_kv(req, res.first_block, res.num_blocks, kv_tag))
+        kv_tag = random.getrandbits(63 - TAG_SPAN.bit_length()) * TAG_SPAN  # the sender numbers within
+        self.receivers[rid] = KVReceiver(res, kv_tag, self.engine.fingerprint, self.engine.model_config.num_layers,
+                                         self.block_nbytes, self.transport, self.engine.write_kv, self.bus,
+                                         self.settings.kv_max_attempts)
+        self.receiving[rid] = asyncio.create_task(self.receive_kv(req))
         return AdmitReply(request_id=rid, ok=True, first_block=res.first_block, num_blocks=res.num_blocks,
                           kv_tag=kv_tag)
 
@@ -115,56 +120,51 @@ class DecodeWorker:
         self.host.wake.set()
 
     # -- KV arrival --------------------------------------------------------------------------
-    async def on_kv_header(self, msg: Msg) -> None:
-        header = KVHeader.decode(msg.data)
-        waiter = self.headers.get(header.request_id)
-        if waiter is None or waiter.done():  # cancelled, expired or a duplicate
-            await self.bus.publish(subjects.kv_ack(header.request_id),
-                                   KVAck(request_id=header.request_id, ok=False, error="no reservation"))
-            return
-        waiter.set_result(header)
+    async def on_kv_layer(self, msg: Msg) -> None:
+        notice = KVLayer.decode(msg.data)
+        rx = self.receivers.get(notice.request_id)
+        if rx is not None:
+            rx.on_layer(notice)
+        elif notice.request_id not in self.refused:  # cancelled, expired, or never admitted here
+            self.refused.add(notice.request_id)
+            if len(self.refused) > 10_000:
+                self.refused.clear()
+            await self.bus.publish(subjects.kv_ack(notice.request_id),
+                                   KVAck(request_id=notice.request_id, ok=False, error="no reservation"))
 
-    async def receive_kv(self, req: AdmitRequest, first_block: int, num_blocks: int, kv_tag: int) -> None:
-        rid = req.request_id
-        deadline = asyncio.get_running_loop().time() + self.settings.kv_timeout_s
-        try:
-            header = await asyncio.wait_for(self.headers[rid], self.settings.kv_timeout_s)
-            self.check_layout(header, first_block, num_blocks)
-            remaining = deadline - asyncio.get_running_loop().time()
-            layers = await asyncio.wait_for(
-                self.transport.receive(kv_tag, header.num_layers, header.layer_nbytes), remaining)
-            self.verify(header, layers)
-            for i, payload in enumerate(layers):
-                await self.host.call(self.engine.import_layer, rid, i, torch.from_numpy(payload), first_block)
-            out = await self.host.call(self.engine.commit_import, rid, header.first_token)
-            await self.bus.publish(subjects.kv_ack(rid), KVAck(request_id=rid, ok=True))
-            if out.finished:
-                await self.publish([out])
-            self.host.wake.set()
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # late, corrupt or mismatched KV: never decode from it
-            reason = "deadline passed" if isinstance(e, asyncio.TimeoutError) else str(e) or type(e).__name__
-            log.warning("%s: KV handoff failed (%s); prefilling locally", rid, reason)
-            await self.bus.publish(subjects.kv_ack(rid), KVAck(request_id=rid, ok=False, error=reason))
-            await self.host.call(self.engine.abort, rid)
-            await self.prefill_locally(req)
-        finally:
-            self.receiving.pop(rid, None)
-            self.headers.pop(rid, None)
+    async def on_kv_end(self, msg: Msg) -> None:
+        end = KVEnd.decode(msg.data)
+        if (rx := self.receivers.get(end.request_id)) is not None:
+            rx.on_end(end)
 
-    def check_layout(self, header: KVHeader, first_block: int, num_blocks: int) -> None:
-        if header.fingerprint != self.engine.fingerprint:
-            raise ValueError(f"model fingerprint {header.fingerprint} != {self.engine.fingerprint}")
-        expected = (self.engine.model_config.num_layers, (num_blocks - first_block) * self.block_nbytes, first_block)
-        got = (header.num_layers, header.layer_nbytes, header.first_block)
-        if got != expected:
-            raise ValueError(f"KV layout (layers, bytes, first block) {got} != reserved {expected}")
-
-    def verify(self, header: KVHeader, layers: list[np.ndarray]) -> None:
-        for i, payload in enumerate(layers):
-            if checksum(payload) != header.checksums[i]:
-                raise ValueError(f"checksum mismatch in layer {i}")
+    async def receive_kv(self, req: AdmitRequest) -> None:
+        rid, rx = req.request_id, self.receivers[req.request_id]
+        parent = trace.set_span_in_context(self.spans[rid]) if rid in self.spans else None
+        with self.tracer.start_as_current_span("kv.receive", context=parent) as span:
+            try:
+                first_token = await asyncio.wait_for(rx.wait(), self.settings.kv_timeout_s)
+                out = await self.host.call(self.engine.commit_import, rid, first_token)
+                await self.bus.publish(subjects.kv_ack(rid), KVAck(request_id=rid, ok=True))
+                span.set_attribute("ok", True)
+                if out.finished:
+                    await self.publish([out])
+                self.host.wake.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # late, corrupt, refused or mismatched KV: never decode from it
+                reason = "deadline passed" if isinstance(e, asyncio.TimeoutError) else str(e) or type(e).__name__
+                log.warning("%s: KV handoff failed (%s); prefilling locally", rid, reason)
+                span.set_attributes({"ok": False, "error": reason})
+                rx.close()
+                await self.bus.publish(subjects.kv_ack(rid), KVAck(request_id=rid, ok=False, error=reason))
+                await self.host.call(self.engine.abort, rid)
+                await self.prefill_locally(req)
+            finally:
+                rx.close()
+                span.set_attributes({"bytes": rx.bytes_received, "pieces": rx.pieces, "bad_blocks": rx.bad_blocks,
+                                     "resends": rx.resends, "blocks": int(rx.have.shape[1])})
+                self.receiving.pop(rid, None)
+                self.receivers.pop(rid, None)
 
     # -- output and cancellation -----------------------------------------------------------
     async def publish(self, outputs: list[RequestOutput]) -> None:
@@ -180,6 +180,8 @@ class DecodeWorker:
         task = self.receiving.pop(rid, None)
         if task is not None:  # release the prefill side's lease now rather than at its deadline
             task.cancel()
+            if (rx := self.receivers.pop(rid, None)) is not None:
+                rx.close()
             await self.bus.publish(subjects.kv_ack(rid), KVAck(request_id=rid, ok=False, error="cancelled"))
         if task is not None or rid in self.engine.seqs:
             await self.host.call(self.engine.abort, rid)

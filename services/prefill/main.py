@@ -1,17 +1,19 @@
-"""Prefill worker: runs prompts, publishes each first token, hands the KV to a decode worker.
+"""Prefill worker: runs prompts, publishes each first token, streams the KV to a decode worker.
 
 1. Start: load the model, build the engine, open the UCX transport, make sure the prefill
    work queue exists, register in Redis with a heartbeat lease, pull from this worker's
    durable consumer (`pd.prefill.jobs.<id>`).
-2. Take jobs (up to `max_jobs` in flight); a job cancelled before it starts is dropped.
-3. Step the engine: queued prompts are prefilled together, long ones in chunks. A prompt
-   that completes yields its first token, published at once on `pd.tokens.<rid>` (seq 0),
-   so time to first token never waits for the decode side.
-4. Hand off: export the KV blocks the decode worker lacks, announce them with a KVHeader on
-   `pd.decode.<id>.kv` (fingerprint, layout, checksums, first token), send the layers over
-   UCX, wait for the ack (the lease: `kv_ack_timeout_s`), then free the blocks, ack the job.
-   A request that finished on its first token releases the decode side's reservation.
-5. Cancel: abort the request wherever it is.
+2. Take jobs (up to `max_jobs` in flight); a job cancelled before it starts is dropped. Each
+   job opens a KV handoff to its decode worker (shared/kv/sender.py; refused at once if the
+   decode worker's fingerprint differs) and is queued with the engine streaming its KV.
+3. Step the engine: queued prompts are prefilled together, long ones in chunks. As each layer
+   of each pass is computed, its new blocks go to the decode worker (KVLayer notice on NATS,
+   payload over UCX), overlapping the rest of the pass. A prompt that completes yields its
+   first token, published at once on `pd.tokens.<rid>` (seq 0).
+4. Hand off: KVEnd with the first token; the blocks stay until the decode side acks (the
+   lease: `kv_ack_timeout_s`), re-sending any block it reports corrupt; then free, ack the
+   job. A request that finished on its first token releases the decode side's reservation.
+5. Cancel: abort the request wherever it is; a handoff in progress ends with KVEnd(not ok).
 6. SIGTERM: leave the registry, stop pulling jobs, finish the ones taken, drain NATS.
 """
 
@@ -30,9 +32,10 @@ from shared.bus import Bus, context_of
 from shared.config import PrefillSettings
 from shared.engine.engine import Engine, RequestOutput
 from shared.engine_host import EngineHost
-from shared.kv import KVTransport, checksum
+from shared.kv import KVTransport
+from shared.kv.sender import KVSender
 from shared.engine.sequence import Status
-from shared.messages import FINISHED_IN_PREFILL, Cancel, KVAck, KVHeader, PrefillJob, TokenChunk
+from shared.messages import FINISHED_IN_PREFILL, Cancel, PrefillJob, TokenChunk
 from shared.service import heartbeat, run, setup_logging
 from shared.worker import serve_worker, worker_id, worker_info
 from shared.state import State
@@ -48,6 +51,8 @@ class PrefillWorker:
         self.id = worker_id(settings, "prefill")
         self.host = EngineHost(engine)
         self.jobs: dict[str, tuple[PrefillJob, Msg, trace.Span]] = {}
+        self.kv_spans: dict[str, trace.Span] = {}
+        self.sender = KVSender(transport, bus, engine.fingerprint, self.read_blocks, settings.kv_max_attempts)
         self.cancelled: set[str] = set()
         self.handoffs: set[asyncio.Task] = set()
 
@@ -58,6 +63,7 @@ class PrefillWorker:
         await self.bus.ensure_prefill_stream()
         pull = await self.bus.js.pull_subscribe(subjects.prefill_jobs(self.id), durable=self.id)
         await self.bus.subscribe(subjects.CANCEL_ALL, self.on_cancel)
+        await self.sender.start()
         beat = asyncio.create_task(heartbeat(self.state, self.info, self.settings.heartbeat_s, stop))
 
         async def leave_registry():  # on stop, at once: the router sends no more jobs here
@@ -85,7 +91,7 @@ class PrefillWorker:
             return
         for msg in msgs:
             job = PrefillJob.decode(msg.data)
-            if job.request_id in self.cancelled or job.request_id in self.jobs:
+            if job.request_id in self.cancelled or job.request_id in self.sender.handoffs:
                 await msg.ack()  # cancelled before it started, or a redelivery of a job in hand
                 continue
             ctx = context_of(msg)
@@ -93,83 +99,92 @@ class PrefillWorker:
             self.tracer.start_span("prefill.queue", context=ctx, start_time=int(queued * 1e9)).end()
             span = self.tracer.start_span("prefill.compute", context=ctx, attributes={
                 "request_id": job.request_id, "prompt_tokens": len(job.prompt_token_ids), "worker": self.id})
+            kv_span = self.tracer.start_span("kv.transfer", context=ctx, attributes={
+                "request_id": job.request_id, "decode_worker": job.decode_worker, "transport": self.transport.name})
+            sink = await self.sender.open(job, trace.set_span_in_context(kv_span))
+            kv_span.set_attribute("new_endpoint", self.sender.handoffs[job.request_id].new_endpoint)
             try:
-                await self.host.call(self.engine.add_request, job.request_id, job.prompt_token_ids,
-                                     job.sampling.to_engine(), prefill_only=True)
+                await self.host.call(self.queue, job, sink)
             except ValueError as e:  # the router validated it; a mismatch here is a bug, not a retry
-                span.record_exception(e)
-                span.end()
+                await self.sender.cancel(job.request_id, f"prefill refused the prompt: {e}")
+                self.sender.drop(job.request_id)
+                for s in (span, kv_span):
+                    s.record_exception(e)
+                    s.end()
                 await msg.term()
                 continue
             self.jobs[job.request_id] = (job, msg, span)
+            self.kv_spans[job.request_id] = kv_span
+
+    def queue(self, job: PrefillJob, sink) -> None:
+        """On the engine thread: the prompt, streaming its KV from the decode worker's first
+        missing block (not at all if the handoff was refused)."""
+        self.engine.add_request(job.request_id, job.prompt_token_ids, job.sampling.to_engine(), prefill_only=True)
+        if sink is not None:
+            self.engine.stream_kv(job.request_id, job.first_block, sink)
+
+    async def read_blocks(self, rid: str, layer: int, first_block: int, num_blocks: int):
+        return await self.host.call(self.engine.kv_blocks, rid, layer, first_block, num_blocks)
 
     async def on_first_token(self, out: RequestOutput) -> None:
-        job, msg, span = self.jobs[out.request_id]
+        if out.request_id not in self.jobs:  # cancelled while its last pass ran
+            return
+        job, msg, span = self.jobs.pop(out.request_id)  # from here the handoff (or nothing) owns it
         span.set_attribute("cached_tokens", out.num_cached_tokens)
         span.end()
         await self.bus.publish(subjects.tokens(out.request_id), TokenChunk.from_output(out), ctx=trace.set_span_in_context(span))
         if out.finished:  # done on its first token: nothing to hand off
-            del self.jobs[out.request_id]
+            self.sender.drop(out.request_id)
+            self.end_kv_span(out.request_id, acked=False, error="finished in prefill")
             await self.bus.publish(subjects.cancel(out.request_id),
                                    Cancel(request_id=out.request_id, reason=FINISHED_IN_PREFILL))
             await msg.ack()
             return
-        task = asyncio.create_task(self.handoff(job, msg, out, trace.set_span_in_context(span)))
+        task = asyncio.create_task(self.handoff(job, msg, out.new_token_ids[0]))
         self.handoffs.add(task)
         task.add_done_callback(self.handoffs.discard)
 
-    async def handoff(self, job: PrefillJob, msg: Msg, out: RequestOutput, ctx) -> None:
+    async def handoff(self, job: PrefillJob, msg: Msg, first_token: int) -> None:
+        """The lease: the blocks stay until the decode side answers (or time runs out)."""
         rid = job.request_id
-        with self.tracer.start_as_current_span("kv.transfer", context=ctx) as span:
-            try:
-                export = await self.host.call(self.engine.export_kv, rid, job.first_block)
-                layers = [(await self.host.call(export.layer_bytes, i)).numpy() for i in range(export.num_layers)]
-                header = KVHeader(request_id=rid, fingerprint=export.fingerprint, first_block=job.first_block,
-                                  num_blocks=export.num_blocks, num_layers=export.num_layers,
-                                  layer_nbytes=layers[0].nbytes if layers else 0,
-                                  checksums=[checksum(p) for p in layers], first_token=out.new_token_ids[0])
-                ack_sub = await self.bus.nc.subscribe(subjects.kv_ack(rid), max_msgs=1)
-                start = time.perf_counter()
-                await self.bus.publish(subjects.decode_kv(job.decode_worker), header)
-                sending = asyncio.create_task(self.transport.send(job.decode_address, job.kv_tag, layers))
-                try:
-                    # the ack comes after the import, or early as a refusal (the decode side's
-                    # deadline passed, or it was cancelled): then stop sending what no one receives
-                    ack = KVAck.decode((await ack_sub.next_msg(timeout=self.settings.kv_ack_timeout_s)).data)
-                finally:
-                    if not sending.done():
-                        sending.cancel()
-                        await self.transport.forget(job.decode_address)
-                span.set_attribute("acked", ack.ok)
-                if ack.ok:
-                    sent = sending.result()
-                    elapsed = time.perf_counter() - start
-                    span.set_attributes({"request_id": rid, "bytes": sent, "blocks": export.num_blocks,
-                                         "layers": export.num_layers, "transport": self.transport.name,
-                                         "gbps": sent / max(elapsed, 1e-9) / 1e9, "skipped_blocks": job.first_block})
-                else:
-                    log.warning("%s: decode side refused the KV: %s", rid, ack.error)
-            except Exception as e:  # the decode side falls back to a local prefill on its deadline
-                log.warning("%s: KV handoff failed: %s", rid, e)
-                span.record_exception(e)
-            finally:
-                await self.host.call(self.engine.free, rid)
-                self.jobs.pop(rid, None)
-                await msg.ack()
+        h = self.sender.handoffs[rid]
+        try:
+            ack = await self.sender.finish(rid, first_token, self.settings.kv_ack_timeout_s)
+            if not ack.ok:
+                log.warning("%s: KV handoff ended without the decode side's ack: %s", rid, ack.error)
+            self.end_kv_span(rid, acked=ack.ok, error=ack.error, bytes=h.bytes_sent, pieces=h.pieces,
+                             resent_blocks=h.resent_blocks, skipped_blocks=job.first_block)
+        except Exception as e:  # the decode side falls back to a local prefill on its deadline
+            log.warning("%s: KV handoff failed: %s", rid, e)
+            self.end_kv_span(rid, acked=False, error=str(e))
+        finally:
+            await self.host.call(self.engine.free, rid)
+            await msg.ack()
+
+    def end_kv_span(self, rid: str, acked: bool, error: str = "", **attributes) -> None:
+        span = self.kv_spans.pop(rid, None)
+        if span is not None:
+            span.set_attributes({"acked": acked, "error": error, **attributes})
+            span.end()
 
     async def on_cancel(self, msg: Msg) -> None:
         cancel = Cancel.decode(msg.data)
+        rid = cancel.request_id
         if cancel.reason == FINISHED_IN_PREFILL:
             return
-        self.cancelled.add(cancel.request_id)
+        self.cancelled.add(rid)
         if len(self.cancelled) > 10_000:
             self.cancelled.clear()
-        seq = self.engine.seqs.get(cancel.request_id)
-        if cancel.request_id in self.jobs and seq is not None and seq.status is Status.WAITING:
-            # still prefilling; once parked, the handoff owns the job and the decode side's
-            # refusal (or the lease) ends it
-            await self.host.call(self.engine.abort, cancel.request_id)
-            job, jmsg, span = self.jobs.pop(cancel.request_id)
+        await self.sender.cancel(rid, "cancelled")  # a handoff waiting for its ack ends now
+        seq = self.engine.seqs.get(rid)
+        if rid in self.jobs and seq is not None and seq.status is Status.WAITING:  # still prefilling
+            await self.host.call(self.engine.abort, rid)
+            entry = self.jobs.pop(rid, None)
+            if entry is None:  # its last pass finished meanwhile: the handoff owns it, ends on the cancel
+                return
+            self.sender.drop(rid)
+            self.end_kv_span(rid, acked=False, error="cancelled")
+            job, jmsg, span = entry
             span.add_event("cancelled")
             span.end()
             await jmsg.ack()

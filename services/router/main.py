@@ -98,6 +98,7 @@ class Router:
             if mode == "remote":
                 job = PrefillJob(request_id=rid, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
                                  decode_worker=decode.worker_id, decode_address=decode.ucx_address,
+                                 decode_fingerprint=decode.fingerprint,
                                  first_block=admit.first_block, kv_tag=admit.kv_tag)
                 # not awaited: the reply need not wait for the queue's ack; if the job is lost,
                 # the decode worker's KV deadline turns the request into a local prefill

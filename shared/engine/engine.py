@@ -9,15 +9,17 @@ Colocated (prefill and decode in one engine):
 
 Prefill side of a disaggregated request:
     engine.add_request(rid, prompt_ids, params, prefill_only=True)
+    engine.stream_kv(rid, reservation.first_block, sink)  # sink(KVPiece) once each layer of
+                                 # each pass is computed, called on the engine's thread
     engine.step() ...            # until an output for rid arrives: it carries the first token;
                                  # the sequence is then parked, its blocks held
-    export = engine.export_kv(rid, first_block=reservation.first_block)
-    ... send export.layer_bytes(i) for every layer ...
+    engine.kv_blocks(rid, layer, first, n)                # again, for a re-send
     engine.free(rid)             # once the decode side has confirmed (or the lease expired)
+  (or, not streamed: export = engine.export_kv(rid, first_block) after the prefill)
 
 Decode side:
     reservation = engine.reserve(rid, prompt_ids, params)   # raises OutOfBlocks to refuse
-    engine.import_layer(rid, layer, buffer, reservation.first_block)  # for every layer
+    engine.write_kv(layer, block_ids, data)   # each verified piece into reservation.block_ids
     engine.commit_import(rid, first_token)                  # joins the decode batch
     engine.step() ...                                       # streams the rest
 
@@ -29,6 +31,7 @@ Decode side:
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +39,7 @@ import torch
 from shared.engine.block_manager import BlockManager, KVEvent, OutOfBlocks
 from shared.engine.config import EngineConfig
 from shared.engine.detokenizer import TextStream
-from shared.engine.kv_io import KVExport, Reservation
+from shared.engine.kv_io import KVExport, KVPiece, Reservation
 from shared.engine.loader import LoadedModel
 from shared.engine.runner import ModelRunner
 from shared.engine.sampler import sample
@@ -72,6 +75,7 @@ class Engine:
         self.eos_token_ids = tuple(sorted(eos))
         self.seqs: dict[str, Sequence] = {}
         self.layer_hook = None
+        self._streams: dict[str, _Stream] = {}
         self._rng = random.Random(cfg.seed)
 
     # -- queries -------------------------------------------------------------------------
@@ -98,7 +102,7 @@ class Engine:
         sched = self.scheduler.schedule()
         if sched is None:
             return []
-        logits = self.runner.run(sched, self.layer_hook)
+        logits = self.runner.run(sched, self._hook_for(sched))
         due: list[Sequence] = []
         for seq, n in sched.chunks:
             seq.num_computed += n
@@ -124,6 +128,21 @@ class Engine:
             self._finish(seq)
 
     free = abort  # a parked sequence whose KV the decode side has confirmed
+
+    def stream_kv(self, request_id: str, first_block: int, sink: Callable[[KVPiece], None]) -> None:
+        """Hand `sink` each layer of the prompt's blocks from `first_block` on as soon as a
+        forward pass has computed it (blocks already cached here go with the first pass)."""
+        seq = self.seqs[request_id]
+        if not seq.prefill_only or seq.status is not Status.WAITING:
+            raise ValueError(f"{request_id}: only a queued prefill-only request can be streamed")
+        self._streams[request_id] = _Stream(first_block, sink)
+
+    def kv_blocks(self, request_id: str, layer: int, first_block: int, num_blocks: int) -> torch.Tensor:
+        """Layer `layer` of prompt blocks [first_block, first_block + num_blocks) (a re-send)."""
+        seq = self.seqs[request_id]
+        if first_block < 0 or first_block + num_blocks > self.blocks.blocks_needed(seq.num_computed):
+            raise ValueError(f"{request_id}: blocks {first_block}+{num_blocks} are not computed")
+        return self._blocks_view(layer, seq.block_table[first_block:first_block + num_blocks])
 
     def export_kv(self, request_id: str, first_block: int = 0) -> KVExport:
         """The prompt's KV blocks from `first_block` on, of a parked (prefilled) sequence."""
@@ -154,22 +173,32 @@ class Engine:
             raise
         seq.num_computed = seq.num_cached
         seq.status = Status.IMPORTING
-        return Reservation(request_id, len(seq.block_table), seq.num_cached // self.cfg.block_size)
+        first = seq.num_cached // self.cfg.block_size
+        return Reservation(request_id, len(seq.block_table), first, tuple(seq.block_table[first:]))
+
+    def write_kv(self, layer: int, block_ids: list[int], data: torch.Tensor) -> None:
+        """Write received blocks (n, 2, bs, kvh, hd), or their bytes, into pool blocks.
+
+        Touches only the pool, never engine state: the caller may run it off the engine thread
+        for the blocks of a reservation (no pass reads them before `commit_import`)."""
+        pool = self.runner.kv[layer]
+        data = data.to(self.runner.device)
+        data = data.view(pool.dtype) if data.dtype == torch.uint8 else data
+        data = data.reshape(-1, *pool.shape[1:])
+        if data.shape[0] != len(block_ids):
+            raise ValueError(f"{data.shape[0]} blocks of data for {len(block_ids)} block ids")
+        self.runner.ops.scatter_blocks(pool, torch.tensor(block_ids, dtype=torch.long, device=self.runner.device),
+                                       data)
 
     def import_layer(self, request_id: str, layer: int, buffer: torch.Tensor, first_block: int) -> None:
-        """Write one layer of received blocks (n, 2, bs, kvh, hd) or its bytes into the pool."""
+        """Write one whole layer of an export (KVExport.layer) into a reserved sequence."""
         seq = self.seqs[request_id]
         if seq.status is not Status.IMPORTING:
             raise ValueError(f"{request_id}: not reserved for import ({seq.status})")
-        pool = self.runner.kv[layer]
-        data = buffer.to(self.runner.device)
-        data = data.view(pool.dtype) if data.dtype == torch.uint8 else data
-        data = data.view(-1, *pool.shape[1:])
-        ids = torch.tensor(seq.block_table[first_block:first_block + data.shape[0]], dtype=torch.long,
-                           device=self.runner.device)
-        if ids.numel() != data.shape[0]:
-            raise ValueError(f"{request_id}: {data.shape[0]} blocks received, {ids.numel()} reserved")
-        self.runner.ops.scatter_blocks(pool, ids, data)
+        n = buffer.numel() * buffer.element_size() // self.runner.kv[layer][0].nbytes
+        if first_block + n > len(seq.block_table):
+            raise ValueError(f"{request_id}: {n} blocks received, {len(seq.block_table) - first_block} reserved")
+        self.write_kv(layer, seq.block_table[first_block:first_block + n], buffer)
 
     def commit_import(self, request_id: str, first_token: int) -> RequestOutput:
         """All layers are in: the sequence joins the decode batch with its first token."""
@@ -184,6 +213,42 @@ class Engine:
         return out
 
     # -- internals -----------------------------------------------------------------------
+    def _blocks_view(self, layer: int, block_ids: list[int]) -> torch.Tensor:
+        """Layer `layer` of these blocks: a view of the pool when they are adjacent, else a gather."""
+        pool = self.runner.kv[layer]
+        if block_ids and block_ids[-1] - block_ids[0] == len(block_ids) - 1 and \
+                all(b - a == 1 for a, b in zip(block_ids, block_ids[1:])):
+            return pool[block_ids[0]:block_ids[-1] + 1]
+        return self.runner.ops.gather_blocks(pool, torch.tensor(block_ids, dtype=torch.long, device=pool.device))
+
+    def _hook_for(self, sched):
+        """The pass's layer hook: the user's, plus the KV pieces this pass completes."""
+        bs, pieces = self.cfg.block_size, []
+        for seq, n in sched.chunks:
+            stream = self._streams.get(seq.request_id)
+            if stream is None:
+                continue
+            end = seq.num_computed + n
+            upto = -(-end // bs) if end == seq.num_prompt else end // bs  # full blocks, or the prompt's end
+            if upto > stream.sent_upto:
+                pieces.append((seq.request_id, stream.segment, stream.sent_upto,
+                               seq.block_table[stream.sent_upto:upto], stream.sink))
+                stream.sent_upto, stream.segment = upto, stream.segment + 1
+        if not pieces:
+            return self.layer_hook
+        cuda = self.runner.device.type == "cuda"
+
+        def hook(layer: int) -> None:
+            if self.layer_hook is not None:
+                self.layer_hook(layer)
+            for rid, segment, first, ids, sink in pieces:
+                data = self._blocks_view(layer, ids)
+                ready = torch.cuda.Event() if cuda else None
+                if ready is not None:
+                    ready.record()
+                sink(KVPiece(rid, segment, layer, first, data, ready))
+        return hook
+
     def _new_sequence(self, request_id: str, prompt: list[int], params: SamplingParams,
                       prefill_only: bool, generated: list[int] = ()) -> Sequence:
         if request_id in self.seqs:
@@ -242,7 +307,15 @@ class Engine:
         return None
 
     def _finish(self, seq: Sequence) -> None:
+        self._streams.pop(seq.request_id, None)
         self.scheduler.remove(seq)
         self.blocks.free(seq.block_table)
         seq.status = Status.FINISHED
         del self.seqs[seq.request_id]
+
+
+@dataclass
+class _Stream:
+    sent_upto: int            # prompt blocks before this one are streamed (or not wanted)
+    sink: Callable[[KVPiece], None]
+    segment: int = 0

@@ -1,10 +1,15 @@
 """What crosses the prefill → decode boundary: a sequence's KV blocks, layer by layer.
 
-The sender builds a KVExport for the blocks the receiver lacks (`first_block` onwards, as the
-receiver's Reservation says); `layer(i)` gathers layer i of those blocks into one contiguous
-buffer (n_blocks, 2, block_size, kv_heads, head_dim) and `layer_bytes(i)` views it as bytes
-with no further copy, ready for a transport. The receiver writes each buffer with
-`Engine.import_layer` and finishes with `Engine.commit_import`.
+Streaming (what the services do): the sender registers `Engine.stream_kv(rid, first_block,
+sink)`; during every forward pass that computes part of the prompt, once layer i is in the
+pool, the engine hands `sink` a KVPiece: layer i of the blocks that pass completed (from the
+receiver's `first_block` on). Its `data` is (n_blocks, 2, block_size, kv_heads, head_dim): a
+view of the pool when the blocks are adjacent (no copy), else one gather.
+
+Whole (tests, tools): `export_kv` gathers every layer after the prefill (KVExport).
+
+The receiver reserves the blocks (Reservation: which of its blocks to fill), writes each
+verified piece with `Engine.write_kv` and finishes with `Engine.commit_import`.
 """
 
 from __future__ import annotations
@@ -22,6 +27,27 @@ class Reservation:
     request_id: str
     num_blocks: int          # blocks for the whole prompt
     first_block: int         # blocks before this one are already in the receiver's prefix cache
+    block_ids: tuple[int, ...] = ()  # the receiver's blocks to fill, for prompt blocks first_block..
+
+
+@dataclass
+class KVPiece:
+    """One layer of a run of a sequence's blocks, ready for a transport (streaming)."""
+
+    request_id: str
+    segment: int             # the forward pass (prompt chunk) that completed these blocks, from 0
+    layer: int
+    first_block: int         # index among the prompt's blocks
+    data: torch.Tensor       # (n_blocks, 2, block_size, kv_heads, head_dim)
+    ready: object = None     # a CUDA event to wait on before reading `data` (None on CPU)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.data.shape[0]
+
+    def payload(self) -> torch.Tensor:
+        """The blocks as a (n_blocks, block_nbytes) uint8 view (no copy)."""
+        return self.data.reshape(self.data.shape[0], -1).view(torch.uint8)
 
 
 @dataclass

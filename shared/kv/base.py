@@ -1,66 +1,99 @@
-"""The KV transport interface: bulk bytes only.
+"""The KV transport interface: bulk bytes only, one tagged message at a time.
 
-The handoff's typed header (KVHeader: fingerprint, layout, checksums, first token) goes over
-NATS; the transport carries one payload per layer on tag `kv_tag + 1 + layer`. The receiver
-posts its receives when the header arrives — a UCX receive left posted keeps a progress
-thread spinning on a core — for a tag it chose at admission, so it needs no endpoint back
-to the sender; the sender opens (and caches) an endpoint per peer address: a restarted
-peer has a new address, so never a stale endpoint.
+What a payload is, and whether it arrived intact, is said over NATS (KVLayer notices with
+per-block checksums; see shared/kv/sender.py and receiver.py). The receiver posts a receive
+only when a notice says its payload is on the way — a UCX receive left posted keeps a
+progress thread spinning on a core — on a tag inside the range it chose at admission, so it
+needs no endpoint back to the sender. The sender opens (and caches) one endpoint per peer
+address: a restarted peer has a new address, so it is never reached through a stale one.
+
+Fault injection (tests and drills, off by default): `corrupt_rate` flips one byte in that
+fraction of payloads whose attempt is below `corrupt_attempts` (on a copy: the pool is never
+touched); `delay_s` holds each send that long.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
+import random
+from dataclasses import dataclass
 
 import numpy as np
 import xxhash
 
+TAG_SPAN = 1 << 20  # tags of one handoff: kv_tag .. kv_tag + TAG_SPAN - 1
+
+
 def checksum(payload: np.ndarray) -> int:
-    return xxhash.xxh3_64_intdigest(memoryview(payload).cast("B"))
+    return xxhash.xxh3_64_intdigest(memoryview(np.ascontiguousarray(payload)).cast("B"))
 
 
-def layer_tag(kv_tag: int, layer: int) -> int:
-    return kv_tag + 1 + layer
+def block_checksums(blocks: np.ndarray) -> list[int]:
+    """xxh3-64 of each row of a (n_blocks, block_nbytes) uint8 array."""
+    return [xxhash.xxh3_64_intdigest(memoryview(row)) for row in blocks]
+
+
+@dataclass
+class Faults:
+    corrupt_rate: float = 0.0
+    corrupt_attempts: int = 1
+    delay_s: float = 0.0
+
+    def apply(self, payload: np.ndarray, attempt: int) -> tuple[np.ndarray, bool]:
+        if attempt < self.corrupt_attempts and self.corrupt_rate > 0 and random.random() < self.corrupt_rate:
+            payload = np.array(payload, copy=True).reshape(-1)
+            payload[random.randrange(payload.size)] ^= 0xFF
+            return payload, True
+        return payload, False
 
 
 class KVTransport(abc.ABC):
     name: str
 
+    def __init__(self, faults: Faults | None = None) -> None:
+        self.faults = faults or Faults()
+        self.corrupted = 0  # payloads that fault injection corrupted
+
     @property
     @abc.abstractmethod
     def address(self) -> str:
-        """This process's address, as peers use it (hex string)."""
+        """This process's address, as peers use it."""
+
+    async def send(self, peer: str, tag: int, payload: np.ndarray, attempt: int = 0) -> int:
+        """Send one uint8 payload to a peer on `tag`; returns bytes sent."""
+        payload, corrupted = self.faults.apply(payload, attempt)
+        self.corrupted += corrupted
+        if self.faults.delay_s:
+            await asyncio.sleep(self.faults.delay_s)
+        await self._send(peer, tag, payload)
+        return payload.nbytes
 
     @abc.abstractmethod
-    async def send(self, peer: str, kv_tag: int, layers: list[np.ndarray]) -> int:
-        """Send layer payloads (uint8 arrays) to a peer; returns bytes sent."""
+    async def _send(self, peer: str, tag: int, payload: np.ndarray) -> None: ...
 
     @abc.abstractmethod
-    async def recv(self, kv_tag: int, out: np.ndarray) -> None:
-        """Receive the message on `kv_tag` into `out` (uint8, exactly the message's size)."""
+    async def recv(self, tag: int, out: np.ndarray) -> None:
+        """Receive the message on `tag` into `out` (uint8, exactly the message's size)."""
 
-    async def receive(self, kv_tag: int, num_layers: int, layer_nbytes: int) -> list[np.ndarray]:
-        """Receive every layer of a handoff (posted together; they complete in any order)."""
-        layers = [np.empty(layer_nbytes, dtype=np.uint8) for _ in range(num_layers)]
-        await asyncio.gather(*(self.recv(layer_tag(kv_tag, i), buf) for i, buf in enumerate(layers)))
-        return layers
+    def has_endpoint(self, peer: str) -> bool:
+        return False
 
     async def forget(self, peer: str) -> None:
-        """Drop any connection state for `peer` (after an aborted send): the next send starts fresh."""
+        """Drop any connection state for `peer` (it stopped answering): the next send starts fresh."""
         return None
 
     async def close(self) -> None:
         return None
 
 
-def make(name: str, ucx_progress_mode: str = "thread") -> KVTransport:
+def make(name: str, ucx_progress_mode: str = "thread", faults: Faults | None = None) -> KVTransport:
     if name == "ucx":
         from shared.kv.ucx import UcxTransport
 
-        return UcxTransport(ucx_progress_mode)
+        return UcxTransport(ucx_progress_mode, faults)
     if name == "fake":
         from shared.kv.fake import FakeTransport
 
-        return FakeTransport()
+        return FakeTransport(faults)
     raise ValueError(f"unknown KV transport {name!r} (ucx, fake)")

@@ -9,7 +9,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from shared.kv.base import KVTransport, layer_tag
+from shared.kv.base import Faults, KVTransport
 
 _peers: dict[str, "FakeTransport"] = {}
 _ids = itertools.count()
@@ -18,7 +18,8 @@ _ids = itertools.count()
 class FakeTransport(KVTransport):
     name = "fake"
 
-    def __init__(self) -> None:
+    def __init__(self, faults: Faults | None = None) -> None:
+        super().__init__(faults)
         self._address = f"fake-{next(_ids)}"
         self._inbox: dict[int, asyncio.Queue] = defaultdict(asyncio.Queue)
         _peers[self._address] = self
@@ -27,18 +28,16 @@ class FakeTransport(KVTransport):
     def address(self) -> str:
         return self._address
 
-    async def send(self, peer: str, kv_tag: int, layers: list[np.ndarray]) -> int:
+    async def _send(self, peer: str, tag: int, payload: np.ndarray) -> None:
         target = _peers.get(peer)
         if target is None:
             raise ConnectionError(f"no fake peer {peer}")
-        for i, payload in enumerate(layers):
-            target._inbox[layer_tag(kv_tag, i)].put_nowait(np.array(payload, copy=True))
-        return sum(p.nbytes for p in layers)
+        target._inbox[tag].put_nowait(np.array(payload, copy=True))
 
-    async def recv(self, kv_tag: int, out: np.ndarray) -> None:
-        data = await self._inbox[kv_tag].get()
-        out[:] = data.reshape(-1).view(np.uint8)
-        self._inbox.pop(kv_tag, None)
+    async def recv(self, tag: int, out: np.ndarray) -> None:
+        data = await self._inbox[tag].get()
+        out.reshape(-1)[:] = data.reshape(-1).view(np.uint8)
+        self._inbox.pop(tag, None)
 
     async def close(self) -> None:
         _peers.pop(self._address, None)

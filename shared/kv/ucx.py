@@ -10,13 +10,14 @@ from __future__ import annotations
 import numpy as np
 import ucxx
 
-from shared.kv.base import KVTransport, layer_tag
+from shared.kv.base import Faults, KVTransport
 
 
 class UcxTransport(KVTransport):
     name = "ucx"
 
-    def __init__(self, progress_mode: str = "thread") -> None:
+    def __init__(self, progress_mode: str = "thread", faults: Faults | None = None) -> None:
+        super().__init__(faults)
         # Measured here, 64 MiB between two processes: "blocking" and "polling" reach 17-18
         # GB/s but then keep both processes at ~100% CPU after a transfer; "thread" reaches
         # 8.5 GB/s and idles at ~2% (it spins only while a receive is posted).
@@ -41,15 +42,16 @@ class UcxTransport(KVTransport):
             self._endpoints[peer] = ep
         return ep
 
-    async def send(self, peer: str, kv_tag: int, layers: list[np.ndarray]) -> int:
+    def has_endpoint(self, peer: str) -> bool:
+        return peer in self._endpoints
+
+    async def _send(self, peer: str, tag: int, payload: np.ndarray) -> None:
         ep = await self._endpoint(peer)
         try:
-            for i, payload in enumerate(layers):
-                await ep.send(payload, tag=layer_tag(kv_tag, i), force_tag=True)
+            await ep.send(payload, tag=tag, force_tag=True)
         except Exception:
             self._endpoints.pop(peer, None)  # never reuse an endpoint that failed
             raise
-        return sum(p.nbytes for p in layers)
 
     async def forget(self, peer: str) -> None:
         ep = self._endpoints.pop(peer, None)
@@ -59,8 +61,8 @@ class UcxTransport(KVTransport):
             except Exception:  # already broken: dropping our reference is all that is left
                 pass
 
-    async def recv(self, kv_tag: int, out: np.ndarray) -> None:
-        await ucxx.recv(out, tag=kv_tag)
+    async def recv(self, tag: int, out: np.ndarray) -> None:
+        await ucxx.recv(out, tag=tag)
 
     async def close(self) -> None:
         for ep in self._endpoints.values():

@@ -16,7 +16,7 @@ def test_one_trace_spans_every_service_with_parent_links(client, otlp):
         model=MODEL, messages=[{"role": "user", "content": "Say hello."}], temperature=0, max_tokens=8)
     trace_id = raw.headers["x-trace-id"]
     wanted = {"gateway.request", "router.route", "decode.admit", "prefill.queue", "prefill.compute",
-              "kv.transfer", "decode.generate"}
+              "kv.transfer", "kv.receive", "decode.generate"}
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and not wanted <= {s.name for s in otlp.trace(trace_id)}:
         time.sleep(0.2)
@@ -33,8 +33,11 @@ def test_one_trace_spans_every_service_with_parent_links(client, otlp):
     assert by_id[spans["router.route"].parent_id].service == "pdserve-gateway"
     assert parent("decode.admit") == "router.route"
     assert parent("prefill.compute") == "router.route"
-    assert parent("kv.transfer") == "prefill.compute"
+    assert parent("kv.transfer") == "router.route"   # alongside the prefill: layers stream as computed
     assert parent("decode.generate") == "router.route"
-    transfer = spans["kv.transfer"].attributes
+    assert parent("kv.receive") == "decode.generate"
+    transfer, receive = spans["kv.transfer"].attributes, spans["kv.receive"].attributes
     assert transfer["bytes"] > 0 and transfer["transport"] == "ucx" and transfer["acked"] is True
+    assert receive["bytes"] == transfer["bytes"] and receive["ok"] is True and receive["bad_blocks"] == 0
+    assert spans["kv.transfer"].start_ns < spans["prefill.compute"].end_ns
     assert spans["router.route"].attributes["mode"] == "remote"

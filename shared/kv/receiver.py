@@ -1,0 +1,144 @@
+"""Decode side of one request's KV handoff: nothing unverified ever reaches the pool.
+
+1. Made at admission, with the reservation (which of this engine's blocks to fill) and the
+   tag range the sender must use.
+2. Each KVLayer notice: check the fingerprint, tag and layout against the reservation, then
+   receive the payload (posted only now: a waiting UCX receive spins a core) into a staging
+   buffer and check every block against its checksum. Good blocks are written into the
+   reservation; bad ones are asked for again (KVResend, fresh tag) up to `max_attempts`
+   sends in all, then the handoff fails.
+3. KVEnd: the first token — or the sender's explicit failure.
+4. `wait()` returns the first token once every layer of every expected block is verified and
+   written and KVEnd(ok) is in; it raises KVFailed on any failure. The caller owns the
+   deadline, the commit and the ack.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from shared import subjects
+from shared.bus import Bus
+from shared.engine.kv_io import Reservation
+from shared.kv.base import TAG_SPAN, KVTransport, block_checksums
+from shared.messages import KVEnd, KVLayer, KVResend
+
+log = logging.getLogger("kv.receiver")
+WriteBlocks = Callable[[int, list[int], torch.Tensor], None]  # layer, block ids, data
+
+
+class KVFailed(RuntimeError):
+    pass
+
+
+class KVReceiver:
+    def __init__(self, reservation: Reservation, kv_tag: int, fingerprint: str, num_layers: int,
+                 block_nbytes: int, transport: KVTransport, write: WriteBlocks, bus: Bus, max_attempts: int = 3):
+        self.res, self.kv_tag, self.fingerprint = reservation, kv_tag, fingerprint
+        self.block_nbytes, self.transport, self.write, self.bus = block_nbytes, transport, write, bus
+        self.max_attempts = max_attempts
+        self.have = np.zeros((num_layers, reservation.num_blocks - reservation.first_block), dtype=bool)
+        self.first_token: int | None = None
+        self.done: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.tasks: set[asyncio.Task] = set()
+        self.bytes_received = self.pieces = self.bad_blocks = self.resends = 0
+
+    @property
+    def rid(self) -> str:
+        return self.res.request_id
+
+    async def wait(self) -> int:
+        self._check_done()
+        return await self.done
+
+    def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        if not self.done.done():
+            self.done.cancel()
+
+    # -- notices -------------------------------------------------------------------------------
+    def on_layer(self, notice: KVLayer) -> None:
+        if self.done.done():
+            return
+        task = asyncio.create_task(self._receive(notice))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def on_end(self, end: KVEnd) -> None:
+        if not end.ok:
+            self._fail(f"prefill side gave up: {end.error}")
+            return
+        self.first_token = end.first_token
+        self._check_done()
+
+    # -- one payload ---------------------------------------------------------------------------
+    async def _receive(self, n: KVLayer) -> None:
+        try:
+            start = self._check(n)
+            buf = np.empty((n.num_blocks, self.block_nbytes), dtype=np.uint8)
+            await self.transport.recv(n.tag, buf)
+            self.pieces += 1
+            self.bytes_received += buf.nbytes
+            good = np.array([a == b for a, b in zip(block_checksums(buf), n.checksums)])
+            for a, b in _runs(good, True):  # verified blocks go into the reservation
+                ids = list(self.res.block_ids[start + a:start + b])
+                self.write(n.layer, ids, torch.from_numpy(buf[a:b]))
+                self.have[n.layer, start + a:start + b] = True
+            bad = _runs(good, False)
+            if bad:
+                self.bad_blocks += int((~good).sum())
+                if n.attempt + 1 >= self.max_attempts:
+                    raise KVFailed(f"layer {n.layer}: {int((~good).sum())} blocks still corrupt after "
+                                   f"{n.attempt + 1} sends")
+                log.warning("%s: layer %d: %d corrupt blocks; asking for them again", self.rid, n.layer, (~good).sum())
+                for a, b in bad:
+                    self.resends += 1
+                    await self.bus.publish(subjects.kv_resend(self.rid), KVResend(
+                        request_id=self.rid, layer=n.layer, first_block=n.first_block + a, num_blocks=b - a,
+                        attempt=n.attempt + 1))
+            self._check_done()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._fail(str(e) or type(e).__name__)
+
+    def _check(self, n: KVLayer) -> int:
+        """The notice against the reservation; returns its first block's index in `have`."""
+        if n.fingerprint != self.fingerprint:
+            raise KVFailed(f"model fingerprint {n.fingerprint} != {self.fingerprint}")
+        if not self.kv_tag <= n.tag < self.kv_tag + TAG_SPAN:
+            raise KVFailed(f"tag {n.tag} outside this handoff's range")
+        start = n.first_block - self.res.first_block
+        if not (0 <= n.layer < self.have.shape[0] and 0 <= start and n.num_blocks > 0
+                and start + n.num_blocks <= self.have.shape[1] and len(n.checksums) == n.num_blocks):
+            raise KVFailed(f"layer {n.layer}, blocks {n.first_block}+{n.num_blocks}: outside the reservation "
+                           f"({self.have.shape[0]} layers, blocks {self.res.first_block}..{self.res.num_blocks})")
+        return start
+
+    def _check_done(self) -> None:
+        if not self.done.done() and self.first_token is not None and self.have.all():
+            self.done.set_result(self.first_token)
+
+    def _fail(self, reason: str) -> None:
+        if not self.done.done():
+            self.done.set_exception(KVFailed(reason))
+
+
+def _runs(mask: np.ndarray, value: bool) -> list[tuple[int, int]]:
+    """[start, end) runs where mask == value."""
+    runs, start = [], None
+    for i, m in enumerate(mask):
+        if m == value and start is None:
+            start = i
+        elif m != value and start is not None:
+            runs.append((start, i))
+            start = None
+    if start is not None:
+        runs.append((start, len(mask)))
+    return runs

@@ -1,0 +1,171 @@
+"""Prefill side of KV handoffs: stream each computed layer to the decode worker, keep the
+blocks until it acknowledges (the lease), answer its re-send requests.
+
+One Handoff per request:
+1. `open(job, ctx)` before the prompt is queued: returns the sink for `Engine.stream_kv`, or
+   None when the decode worker's fingerprint (model, dtype, block layout) differs from ours —
+   then KVEnd(not ok) goes out at once and nothing streams.
+2. Each KVPiece (handed over from the engine thread while the pass goes on): per-block
+   checksums, a KVLayer notice on NATS, then the payload over the transport on a fresh tag.
+3. `finish(rid, first_token, lease_s)` after the prompt's last pass: KVEnd(ok, first token),
+   then wait for the KVAck; KVResend requests are answered meanwhile (re-read from the pool,
+   attempt n, fresh tag). The lease ends at the ack, at `lease_s`, or at `cancel`.
+4. `cancel(rid, reason)`: KVEnd(not ok) — the explicit failure message — and the lease ends.
+The caller frees the request's blocks once `finish` returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from nats.aio.msg import Msg
+
+from shared import subjects
+from shared.bus import Bus
+from shared.engine.kv_io import KVPiece
+from shared.kv.base import TAG_SPAN, KVTransport, block_checksums
+from shared.messages import KVAck, KVEnd, KVLayer, KVResend, PrefillJob
+
+log = logging.getLogger("kv.sender")
+ReadBlocks = Callable[[str, int, int, int], Awaitable[torch.Tensor]]  # rid, layer, first, n
+
+
+@dataclass
+class Handoff:
+    job: PrefillJob
+    ctx: object                                  # trace context carried by the notices
+    acked: asyncio.Future                        # the decode side's KVAck
+    new_endpoint: bool                           # no endpoint to this peer existed before
+    next_tag: int = 0
+    sends: set[asyncio.Task] = field(default_factory=set)
+    pieces: int = 0
+    bytes_sent: int = 0
+    resent_blocks: int = 0
+    error: str = ""                              # why the prefill side gave it up
+    ended: bool = False                          # KVEnd published
+
+
+class KVSender:
+    def __init__(self, transport: KVTransport, bus: Bus, fingerprint: str, read_blocks: ReadBlocks,
+                 max_attempts: int = 3):
+        self.transport, self.bus, self.fingerprint = transport, bus, fingerprint
+        self.read_blocks, self.max_attempts = read_blocks, max_attempts
+        self.handoffs: dict[str, Handoff] = {}
+
+    async def start(self) -> None:
+        await self.bus.subscribe(subjects.KV_ACK_ALL, self.on_ack)
+        await self.bus.subscribe(subjects.KV_RESEND_ALL, self.on_resend)
+
+    # -- 1. open -------------------------------------------------------------------------------
+    async def open(self, job: PrefillJob, ctx=None) -> Callable[[KVPiece], None] | None:
+        loop = asyncio.get_running_loop()
+        h = Handoff(job, ctx, loop.create_future(), not self.transport.has_endpoint(job.decode_address))
+        self.handoffs[job.request_id] = h
+        if job.decode_fingerprint != self.fingerprint:
+            await self.cancel(job.request_id, f"fingerprint mismatch: decode {job.decode_fingerprint}, "
+                                              f"prefill {self.fingerprint}")
+            return None
+        return lambda piece: loop.call_soon_threadsafe(self._start_send, h, piece.layer, piece.first_block,
+                                                       piece.data, piece.ready, 0)
+
+    # -- 2. pieces -----------------------------------------------------------------------------
+    def _start_send(self, h: Handoff, layer: int, first_block: int, data: torch.Tensor, ready, attempt: int) -> None:
+        if h.acked.done() or h.error:
+            return
+        task = asyncio.create_task(self._send(h, layer, first_block, data, ready, attempt))
+        h.sends.add(task)
+        task.add_done_callback(h.sends.discard)
+
+    async def _send(self, h: Handoff, layer: int, first_block: int, data: torch.Tensor, ready, attempt: int) -> None:
+        try:
+            if ready is not None:  # the gather or the layer's kernels may still be running
+                await asyncio.to_thread(ready.synchronize)
+            blocks = data.reshape(data.shape[0], -1).view(torch.uint8)
+            # checksums are computed on host bytes: a device tensor is staged to the host first
+            host = blocks.numpy() if blocks.device.type == "cpu" else blocks.cpu().numpy()
+            if h.next_tag >= TAG_SPAN:
+                raise RuntimeError("handoff used up its tag range")
+            tag, h.next_tag = h.job.kv_tag + h.next_tag, h.next_tag + 1
+            notice = KVLayer(request_id=h.job.request_id, fingerprint=self.fingerprint, tag=tag, layer=layer,
+                             first_block=first_block, num_blocks=host.shape[0], checksums=block_checksums(host),
+                             attempt=attempt)
+            await self.bus.publish(subjects.decode_kv(h.job.decode_worker), notice, ctx=h.ctx)
+            h.pieces += 1
+            h.bytes_sent += host.nbytes  # counted when handed over: the ack may beat the send's completion
+            await self.transport.send(h.job.decode_address, tag, np.ascontiguousarray(host).reshape(-1), attempt)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.warning("%s: KV send failed: %s", h.job.request_id, e)
+            await self.cancel(h.job.request_id, f"send failed: {e}")
+
+    async def on_resend(self, msg: Msg) -> None:
+        req = KVResend.decode(msg.data)
+        h = self.handoffs.get(req.request_id)
+        if h is None or h.acked.done() or req.attempt >= self.max_attempts:
+            return
+        try:
+            data = await self.read_blocks(req.request_id, req.layer, req.first_block, req.num_blocks)
+        except (KeyError, ValueError) as e:  # freed meanwhile, or a range we never sent
+            await self.cancel(req.request_id, f"cannot re-send: {e}")
+            return
+        h.resent_blocks += req.num_blocks
+        self._start_send(h, req.layer, req.first_block, data, None, req.attempt)
+
+    # -- 3. finish: the lease ------------------------------------------------------------------
+    async def finish(self, rid: str, first_token: int, lease_s: float) -> KVAck:
+        """KVEnd(ok), then the decode side's answer; the handoff is over when this returns."""
+        h = self.handoffs[rid]
+        try:
+            if not h.error:
+                await self._end(h, True, first_token=first_token)
+            try:
+                return await asyncio.wait_for(asyncio.shield(h.acked), lease_s)
+            except asyncio.TimeoutError:
+                stuck = any(not t.done() for t in h.sends)
+                await self._end(h, False, error="lease expired")
+                if stuck:  # payloads never left: do not reuse that peer's endpoint
+                    await self.transport.forget(h.job.decode_address)
+                return KVAck(request_id=rid, ok=False, error=f"lease of {lease_s:g} s expired")
+        finally:
+            for task in h.sends:
+                task.cancel()
+            self.handoffs.pop(rid, None)
+
+    def drop(self, rid: str) -> Handoff | None:
+        """Forget a handoff whose request ended before its last pass (its sends stop)."""
+        h = self.handoffs.pop(rid, None)
+        if h is not None:
+            for task in h.sends:
+                task.cancel()
+        return h
+
+    # -- 4. failure ----------------------------------------------------------------------------
+    async def cancel(self, rid: str, reason: str) -> None:
+        h = self.handoffs.get(rid)
+        if h is None:
+            return
+        h.error = h.error or reason
+        await self._end(h, False, error=reason)
+        if not h.acked.done():
+            h.acked.set_result(KVAck(request_id=rid, ok=False, error=reason))
+
+    async def on_ack(self, msg: Msg) -> None:
+        ack = KVAck.decode(msg.data)
+        h = self.handoffs.get(ack.request_id)
+        if h is not None and not h.acked.done():
+            h.acked.set_result(ack)
+
+    async def _end(self, h: Handoff, ok: bool, first_token: int = -1, error: str = "") -> None:
+        if h.ended:
+            return
+        h.ended = True
+        h.error = h.error or error
+        await self.bus.publish(subjects.decode_kv_end(h.job.decode_worker),
+                               KVEnd(request_id=h.job.request_id, ok=ok, first_token=first_token, error=error),
+                               ctx=h.ctx)

@@ -1,0 +1,40 @@
+"""An in-process stand-in for shared.bus.Bus (publish / subscribe, `*` as the last token),
+delivering asynchronously like NATS, for protocol tests without a server."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LocalMsg:
+    subject: str
+    data: bytes
+    headers: dict = field(default_factory=dict)
+
+
+class LocalBus:
+    def __init__(self) -> None:
+        self.subs: list[tuple[str, object]] = []
+        self.sent: list[tuple[str, object]] = []   # (subject, message) in publish order
+        self.tasks: set[asyncio.Task] = set()
+
+    async def subscribe(self, subject: str, handler, queue: str = ""):
+        self.subs.append((subject, handler))
+
+    async def publish(self, subject: str, msg, ctx=None) -> None:
+        self.sent.append((subject, msg))
+        for pattern, handler in self.subs:
+            if _match(pattern, subject):
+                task = asyncio.create_task(handler(LocalMsg(subject, msg.encode())))
+                self.tasks.add(task)
+                task.add_done_callback(self.tasks.discard)
+
+    def of_type(self, cls) -> list:
+        return [m for _, m in self.sent if isinstance(m, cls)]
+
+
+def _match(pattern: str, subject: str) -> bool:
+    p, s = pattern.split("."), subject.split(".")
+    return len(p) == len(s) and all(a in ("*", b) for a, b in zip(p, s))

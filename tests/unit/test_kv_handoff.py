@@ -1,0 +1,149 @@
+"""The KV handoff protocol (shared/kv/sender.py → receiver.py) between two tiny engines in one
+process: fake transport, in-process bus. The same code runs over UCX and NATS in the stack."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from helpers import run_all, tokens
+from localbus import LocalBus
+from shared import subjects
+from shared.engine.config import EngineConfig
+from shared.engine.engine import Engine
+from shared.engine.sequence import SamplingParams
+from shared.kv import Faults, make
+from shared.kv.receiver import KVFailed, KVReceiver
+from shared.kv.sender import KVSender
+from shared.messages import KVAck, KVEnd, KVLayer, KVResend, PrefillJob, Sampling
+
+PARAMS = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+PROMPT = list(range(3, 90))   # 87 tokens: 6 blocks of 16
+CHUNKED = dict(num_blocks=64, prefill_chunk=32, max_batched_tokens=32)   # 3 passes
+
+
+def expected(tiny, prompt=PROMPT):
+    ref = Engine(tiny, EngineConfig(num_blocks=64))
+    ref.add_request("r", prompt, PARAMS)
+    return tokens(run_all(ref)["r"])
+
+
+async def handoff(src: Engine, dst: Engine, prompt=PROMPT, rid="r", faults: Faults | None = None,
+                  fingerprint: str | None = None, max_attempts: int = 3):
+    """Prefill on src streaming to dst; returns (tokens, sender handoff, receiver, bus)."""
+    bus = LocalBus()
+    tx, rx_transport = make("fake", faults=faults), make("fake")
+
+    async def read_blocks(r, layer, first, n):
+        return src.kv_blocks(r, layer, first, n)
+
+    sender = KVSender(tx, bus, src.fingerprint, read_blocks, max_attempts)
+    await sender.start()
+    res = dst.reserve(rid, prompt, PARAMS)
+    block_nbytes = dst.runner.kv[0][0].nbytes
+    rx = KVReceiver(res, 1 << 20, dst.fingerprint, dst.model_config.num_layers, block_nbytes, rx_transport,
+                    dst.write_kv, bus, max_attempts)
+
+    async def on_layer(msg):
+        rx.on_layer(KVLayer.decode(msg.data))
+
+    async def on_end(msg):
+        rx.on_end(KVEnd.decode(msg.data))
+
+    await bus.subscribe(subjects.decode_kv("d"), on_layer)
+    await bus.subscribe(subjects.decode_kv_end("d"), on_end)
+    job = PrefillJob(request_id=rid, prompt_token_ids=prompt, sampling=Sampling(), decode_worker="d",
+                     decode_address=rx_transport.address, decode_fingerprint=fingerprint or dst.fingerprint,
+                     first_block=res.first_block, kv_tag=1 << 20)
+    sink = await sender.open(job)
+    h = sender.handoffs[rid]
+    src.add_request(rid, prompt, PARAMS, prefill_only=True)
+    if sink is not None:
+        src.stream_kv(rid, res.first_block, sink)
+    first = None
+    while first is None:
+        first = next(iter(src.step()), None)
+        await asyncio.sleep(0)  # the worker's event loop runs between passes
+    finishing = asyncio.create_task(sender.finish(rid, first.new_token_ids[0], lease_s=10))
+    try:
+        first_token = await asyncio.wait_for(rx.wait(), 10)
+    except KVFailed:
+        await bus.publish(subjects.kv_ack(rid), KVAck(request_id=rid, ok=False, error="failed"))
+        await finishing
+        src.free(rid)
+        dst.abort(rid)
+        raise
+    out = dst.commit_import(rid, first_token)
+    await bus.publish(subjects.kv_ack(rid), KVAck(request_id=rid, ok=True))
+    ack = await finishing
+    assert ack.ok
+    src.free(rid)
+    return out.new_token_ids + tokens(run_all(dst).get(rid, [])), h, rx, bus
+
+
+def test_layers_stream_per_pass_and_the_output_is_unchanged(tiny):
+    src, dst = Engine(tiny, EngineConfig(**CHUNKED)), Engine(tiny, EngineConfig(num_blocks=64))
+    out, h, rx, bus = asyncio.run(handoff(src, dst))
+    assert out == expected(tiny)
+    layers = tiny.config.num_layers
+    notices = bus.of_type(KVLayer)
+    # pass 1 completes blocks 0-1 (tokens 0-31), pass 2 blocks 2-3, pass 3 blocks 4-5 (the last partial)
+    assert sorted({(n.first_block, n.num_blocks) for n in notices}) == [(0, 2), (2, 2), (4, 2)]
+    assert len(notices) == 3 * layers and h.pieces == 3 * layers
+    block_nbytes = dst.runner.kv[0][0].nbytes
+    assert h.bytes_sent == rx.bytes_received == 6 * layers * block_nbytes
+    assert src.num_free_blocks == src.num_blocks and dst.num_free_blocks == dst.num_blocks
+
+
+def test_streamed_pieces_equal_the_pool_after_the_prefill(tiny):
+    eng = Engine(tiny, EngineConfig(**CHUNKED))
+    pieces = []
+    eng.add_request("r", PROMPT, PARAMS, prefill_only=True)
+    eng.stream_kv("r", 1, lambda p: pieces.append((p.layer, p.first_block, p.data.clone())))
+    while not eng.step():
+        pass
+    export = eng.export_kv("r", first_block=1)
+    for layer in range(tiny.config.num_layers):
+        got = sorted((first, data) for lay, first, data in pieces if lay == layer)
+        assert [f for f, _ in got] == [1, 2, 4]   # block 0 is the receiver's already
+        assert np.array_equal(np.concatenate([d.numpy() for _, d in got]), export.layer(layer).numpy())
+
+
+def test_a_corrupted_byte_is_caught_every_time_and_resent(tiny):
+    """Every first send of every layer has one byte flipped: each is caught by its block
+    checksum, only the bad block is sent again, and the output is unchanged."""
+    src, dst = Engine(tiny, EngineConfig(**CHUNKED)), Engine(tiny, EngineConfig(num_blocks=64))
+    out, h, rx, bus = asyncio.run(handoff(src, dst, faults=Faults(corrupt_rate=1.0, corrupt_attempts=1)))
+    assert out == expected(tiny)
+    first_sends = 3 * tiny.config.num_layers
+    assert rx.bad_blocks == first_sends == rx.resends == len(bus.of_type(KVResend))
+    assert h.resent_blocks == first_sends   # one block per corrupted payload, not the whole layer
+    assert all(n.attempt == 1 for n in bus.of_type(KVLayer)[first_sends:])
+
+
+def test_kv_that_stays_corrupt_fails_after_bounded_tries(tiny):
+    src, dst = Engine(tiny, EngineConfig(**CHUNKED)), Engine(tiny, EngineConfig(num_blocks=64))
+    with pytest.raises(KVFailed, match="still corrupt after 2 sends"):
+        asyncio.run(handoff(src, dst, faults=Faults(corrupt_rate=1.0, corrupt_attempts=99), max_attempts=2))
+    assert src.num_free_blocks == src.num_blocks and dst.num_free_blocks == dst.num_blocks
+
+
+def test_a_fingerprint_mismatch_is_refused_before_any_byte_moves(tiny):
+    src, dst = Engine(tiny, EngineConfig(**CHUNKED)), Engine(tiny, EngineConfig(num_blocks=64))
+    with pytest.raises(KVFailed, match="fingerprint mismatch"):
+        asyncio.run(handoff(src, dst, fingerprint="other-model"))
+    assert src.num_free_blocks == src.num_blocks and dst.num_free_blocks == dst.num_blocks
+
+
+def test_only_the_blocks_the_receiver_lacks_cross(tiny):
+    """Second turn: the decode engine holds the first turn's blocks; only the rest is sent."""
+    src, dst = Engine(tiny, EngineConfig(**CHUNKED)), Engine(tiny, EngineConfig(num_blocks=64))
+    turn1 = PROMPT[:50]
+    out1, h1, _, _ = asyncio.run(handoff(src, dst, prompt=turn1, rid="t1"))
+    out2, h2, rx, _ = asyncio.run(handoff(src, dst, prompt=PROMPT, rid="t2"))
+    assert out2 == expected(tiny)
+    block_nbytes, layers = dst.runner.kv[0][0].nbytes, tiny.config.num_layers
+    assert h1.bytes_sent == 4 * layers * block_nbytes          # 50 tokens: 4 blocks
+    assert h2.bytes_sent == (6 - 3) * layers * block_nbytes    # 3 full blocks cached on dst
