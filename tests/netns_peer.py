@@ -1,0 +1,92 @@
+"""One side of a KV handoff, run inside a network namespace by tests/stack/test_netns.py.
+
+    python tests/netns_peer.py decode NATS_URL DIR     # reserve, receive, commit, generate
+    python tests/netns_peer.py prefill NATS_URL DIR    # prefill, streaming the KV to decode
+
+Both use the services' handoff code (KVSender / KVReceiver) and the UCX transport, with the
+tiny model; they meet through files in DIR and NATS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+from shared import subjects
+from shared.bus import Bus
+from shared.engine.config import EngineConfig
+from shared.engine.engine import Engine
+from shared.engine.loader import load
+from shared.engine.sequence import SamplingParams
+from shared.kv import TAG_SPAN, make
+from shared.kv.receiver import KVReceiver
+from shared.kv.sender import KVSender
+from shared.messages import KVAck, KVEnd, KVLayer, PrefillJob, Sampling
+
+PROMPT = [(7 * i) % 200 + 3 for i in range(600)]
+PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+CONFIG = dict(num_blocks=64, prefill_chunk=128, max_batched_tokens=128)
+
+
+async def decode(url: str, work: Path) -> None:
+    engine = Engine(load("tiny"), EngineConfig(**CONFIG))
+    bus, transport = await Bus.connect(url, "netns-decode"), make("ucx")
+    res = engine.reserve("r", PROMPT, PARAMS)
+    rx = KVReceiver(res, TAG_SPAN, engine.fingerprint, engine.model_config.num_layers,
+                    engine.runner.kv[0][0].nbytes, transport, engine.write_kv, bus)
+
+    async def on_layer(msg):
+        rx.on_layer(KVLayer.decode(msg.data))
+
+    async def on_end(msg):
+        rx.on_end(KVEnd.decode(msg.data))
+
+    await bus.subscribe(subjects.decode_kv("d"), on_layer)
+    await bus.subscribe(subjects.decode_kv_end("d"), on_end)
+    await bus.nc.flush()
+    (work / "decode.json").write_text(json.dumps({"address": transport.address, "fingerprint": engine.fingerprint,
+                                                  "first_block": res.first_block, "kv_tag": TAG_SPAN}))
+    first = await asyncio.wait_for(rx.wait(), 60)
+    out = engine.commit_import("r", first)
+    await bus.publish(subjects.kv_ack("r"), KVAck(request_id="r", ok=True))
+    tokens = list(out.new_token_ids)
+    while engine.has_work():
+        tokens += [t for o in engine.step() for t in o.new_token_ids]
+    (work / "result.json").write_text(json.dumps({"tokens": tokens, "bytes": rx.bytes_received,
+                                                  "bad_blocks": rx.bad_blocks}))
+    await bus.close()
+
+
+async def prefill(url: str, work: Path) -> None:
+    engine = Engine(load("tiny"), EngineConfig(**CONFIG))
+    while not (work / "decode.json").exists():
+        await asyncio.sleep(0.05)
+    peer = json.loads((work / "decode.json").read_text())
+    bus = await Bus.connect(url, "netns-prefill")
+
+    async def read_blocks(rid, layer, first, n):
+        return engine.kv_blocks(rid, layer, first, n)
+
+    sender = KVSender(make("ucx"), bus, engine.fingerprint, read_blocks)
+    await sender.start()
+    job = PrefillJob(request_id="r", prompt_token_ids=PROMPT, sampling=Sampling(), decode_worker="d",
+                     decode_address=peer["address"], decode_fingerprint=peer["fingerprint"],
+                     first_block=peer["first_block"], kv_tag=peer["kv_tag"])
+    sink = await sender.open(job)
+    engine.add_request("r", PROMPT, PARAMS, prefill_only=True)
+    engine.stream_kv("r", job.first_block, sink)
+    while not (outs := engine.step()):
+        await asyncio.sleep(0)
+    h = sender.handoffs["r"]
+    ack = await sender.finish("r", outs[0].new_token_ids[0], lease_s=60)
+    (work / "prefill.json").write_text(json.dumps({"ok": ack.ok, "error": ack.error, "bytes": h.bytes_sent}))
+    await bus.close()
+
+
+if __name__ == "__main__":
+    role, url, work = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    start = time.monotonic()
+    asyncio.run({"decode": decode, "prefill": prefill}[role](url, work))
