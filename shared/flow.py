@@ -14,19 +14,23 @@ that handles each step. (Documentation only; nothing to import.)
     Mode "local": the decode worker queues the whole prompt itself (colocated / fallback).
  5. Remote: the router puts a PrefillJob on JetStream `pd.prefill.jobs.<p>` (stream
     PD_PREFILL, work queue), records `pd:req:<rid>` and replies to the gateway.
- 6. services/prefill/main.py pulls the job, runs the prompt (`prefill_only=True`), publishes
-    the first token on `pd.tokens.<rid>` (seq 0) at once.
- 7. Handoff: export the blocks from `first_block` on (kv_io.py), publish a KVHeader on
-    `pd.decode.<w>.kv` (fingerprint, layout, checksums, first token), send the layers over
-    UCX (shared/kv/ucx.py, tags kv_tag+1+layer), wait for `pd.kv.ack.<rid>`, free, ack the job.
- 8. services/decode/main.py posts the UCX receives when the header arrives, verifies
-    fingerprint, layout and checksums, imports the layers, commits with the first token, acks.
-    Late or bad KV → local prefill (the gateway drops the duplicate seq 0).
+ 6. services/prefill/main.py pulls the job, opens a KV handoff (shared/kv/sender.py; refused
+    at once if the decode worker's fingerprint differs) and runs the prompt
+    (`prefill_only=True`, `stream_kv`); the first token goes out on `pd.tokens.<rid>` (seq 0)
+    as soon as the last pass ends.
+ 7. Handoff, during the prefill: after each layer of each pass, a KVLayer notice on
+    `pd.decode.<w>.kv` (block range, per-block checksums, tag) and the payload over UCX
+    (shared/kv/ucx.py); KVEnd on `pd.decode.<w>.kv.end` with the first token; re-sends on
+    `pd.kv.resend.<rid>`; the blocks are freed at `pd.kv.ack.<rid>` (or the lease).
+ 8. services/decode/main.py (shared/kv/receiver.py) posts each receive when its notice
+    arrives, verifies fingerprint, range and every block's checksum, writes good blocks into
+    the reservation, commits with the first token, acks. Late or bad KV → local prefill
+    (the gateway drops the duplicate seq 0).
  9. Decode steps the continuous batch (shared/engine_host.py runs the engine on one thread)
     and publishes TokenChunks (seq = index of the first token in the chunk).
 10. The gateway relays chunks in seq order (duplicates dropped) as SSE or one JSON body.
     A client that leaves → `pd.cancel.<rid>`: both workers abort and free the blocks.
 
-Trace: gateway.request → router.route → decode.admit, prefill.queue, prefill.compute →
-kv.transfer; decode.generate. Context rides in NATS headers (shared/tracing.py).
+Trace: gateway.request → router.route → decode.admit, prefill.queue, prefill.compute,
+kv.transfer (alongside the compute); decode.generate → kv.receive. Context rides in NATS headers (shared/tracing.py).
 """
