@@ -268,7 +268,6 @@ def _decode_side(url, cmd_q, reply_q):
     from shared.messages import KVAck, KVEnd, KVLayer
 
     engine = _engine()
-    block_nbytes = engine.runner.kv[0][0].nbytes
 
     async def run():
         bus, transport, receivers = await Bus.connect(url, "bench-decode"), make("ucx"), {}
@@ -290,8 +289,7 @@ def _decode_side(url, cmd_q, reply_q):
             rid, prompt = cmd
             res = engine.reserve(rid, prompt, _params())
             kv_tag = (len(receivers) + 1) * TAG_SPAN
-            receivers[rid] = KVReceiver(res, kv_tag, engine.fingerprint, engine.model_config.num_layers,
-                                        block_nbytes, transport, engine.write_kv, bus)
+            receivers[rid] = KVReceiver.for_engine(engine, res, kv_tag, transport, bus)
             cpu0, wall0 = time.process_time(), time.time()
             reply_q.put((res.first_block, kv_tag))
             first = await asyncio.wait_for(receivers[rid].wait(), 120)
@@ -388,6 +386,56 @@ def exposed_fraction_1k(rounds: int = 3) -> dict:
             "exposed_transfer_fraction_1k": (handoff_s - prefill_s) / prefill_s}
 
 
+# -- the quality cost of int8 KV on the wire ------------------------------------------------
+def int8_quality(new_tokens: int = 32) -> dict:
+    """Each held conversation handed off twice — KV as it is, and through the int8 codec — then
+    decoded greedily on the receiving engine: token agreement, and the largest logit difference
+    over the steps where both runs had seen the same tokens."""
+    from bench.held_prompts import CONVERSATIONS
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import Engine
+    from shared.engine.loader import load
+    from shared.engine.sequence import SamplingParams
+    from shared.kv import codec
+
+    loaded = load("smollm2")
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    per_prompt = {}
+    for name, messages in CONVERSATIONS.items():
+        prompt = loaded.tokenizer.encode(loaded.tokenizer.apply_chat_template(messages))
+        runs = {}
+        for encoding in ("native", "int8"):
+            src, dst = (Engine(loaded, EngineConfig(num_blocks=256)) for _ in range(2))
+            res = dst.reserve("r", prompt, params)
+            src.add_request("r", prompt, params, prefill_only=True)
+            while not (outs := src.step()):
+                pass
+            export = src.export_kv("r", res.first_block)
+            pool = dst.runner.kv
+            for layer in range(export.num_layers):
+                rows = codec.encode(encoding, export.layer(layer))
+                dst.write_kv(layer, list(res.block_ids), codec.decode(encoding, rows, tuple(pool.shape[2:]), pool.dtype))
+            logits, run = [], dst.runner.run
+            dst.runner.run = lambda sched, hook=None: logits.append(run(sched, hook)) or logits[-1]  # noqa: E731
+            out = dst.commit_import("r", outs[0].new_token_ids[0])
+            toks = list(out.new_token_ids)
+            while dst.has_work():
+                toks += [t for o in dst.step() for t in o.new_token_ids]
+            runs[encoding] = (toks, [x[0] for x in logits])
+        (t0, l0), (t1, l1) = runs["native"], runs["int8"]
+        same = next((i for i, (a, b) in enumerate(zip(t0, t1)) if a != b), len(t0))
+        # logits of step i come from tokens[:i+1]: comparable while those agree
+        diffs = [float((a - b).abs().max()) for a, b in zip(l0[:same], l1[:same])]
+        per_prompt[name] = {"prompt_tokens": len(prompt), "agreement": sum(a == b for a, b in zip(t0, t1)) / len(t0),
+                            "first_difference": same if same < len(t0) else None,
+                            "max_logit_diff": max(diffs), "max_abs_logit": float(max(x.abs().max() for x in l0))}
+    shape, dtype = tuple(pool.shape[2:]), pool.dtype
+    return {"per_prompt": per_prompt,
+            "int8_greedy_token_agreement": statistics.mean(r["agreement"] for r in per_prompt.values()),
+            "int8_max_logit_diff": max(r["max_logit_diff"] for r in per_prompt.values()),
+            "int8_bytes_over_native": codec.block_nbytes("int8", shape, dtype) / codec.block_nbytes("native", shape, dtype)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="up to 16 MiB only")
@@ -403,6 +451,7 @@ def main() -> None:
                "ucx_tcp": bench_ucx(sizes, {"UCX_TLS": "tcp,self", **TCP_DEFAULTS}), "socket": bench_socket(sizes),
                "nats": bench_nats(sizes)}
     exposed = exposed_fraction_1k()
+    int8 = int8_quality()
 
     big = [s for s in sizes if s >= MIB]
     # memory speed: memcpy of payloads past the caches (a 4 MiB copy repeated runs from cache)
@@ -413,7 +462,8 @@ def main() -> None:
                "ucx_local_over_memcpy": ratio("ucx_local"), "ucx_polling_over_memcpy": ratio("ucx_polling"),
                "ucx_tcp_over_memcpy": ratio("ucx_tcp"),
                "socket_over_memcpy": ratio("socket"), "nats_over_memcpy": ratio("nats"),
-               "exposed_transfer_fraction_1k": exposed["exposed_transfer_fraction_1k"]}
+               "exposed_transfer_fraction_1k": exposed["exposed_transfer_fraction_1k"],
+               **{k: v for k, v in int8.items() if k.startswith("int8_")}}
 
     label = lambda s: {LAYER_1K: "1k-tok layer", LAYER_4K: "4k-tok layer"}.get(s, f"{s // KIB} KiB")  # noqa: E731
     print(f"\nGB/s, two processes on one host ({os.cpu_count()} cores); ratios: median over payloads >= 1 MiB "
@@ -426,13 +476,16 @@ def main() -> None:
           f"{exposed['prefill_and_handoff_s'] * 1e3:.0f} ms; KV ready {exposed['kv_ready_after_prefill_s'] * 1e3:.1f} ms "
           f"after the prefill's last pass; decode process busy {exposed['decode_side_cpu_cores']:.2f} cores meanwhile "
           "(receives are posted only for payloads on their way)")
+    print(f"int8 KV on the wire ({len(int8['per_prompt'])} held conversations, 32 greedy tokens each): " +
+          ", ".join(f"{n} {r['agreement']:.2f} (max logit diff {r['max_logit_diff']:.3f})"
+                    for n, r in int8["per_prompt"].items()))
     for k, v in summary.items():
         print(f"{k:32} {v:8.3f}")
     print("targets: ucx_local_over_memcpy >= 0.8, ucx_tcp_over_memcpy >= 0.25, exposed_transfer_fraction_1k <= 0.05")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"summary": summary, "gbps": {m: {str(s): v for s, v in r.items()}
                                                                   for m, r in results.items()},
-                                   "handoff_1k": exposed}, indent=2))
+                                   "handoff_1k": exposed, "int8_quality": int8}, indent=2))
     print(f"wrote {RESULTS}")
 
 

@@ -114,8 +114,9 @@ class KVLayer(Message):
     layer: int
     first_block: int          # index among the prompt's blocks
     num_blocks: int
-    checksums: list[int]      # xxh3-64 of each block's bytes, in order
+    checksums: list[int]      # xxh3-64 of each block's bytes as sent (encoded), in order
     attempt: int = 0          # 0, then 1.. for re-sends
+    encoding: Literal["native", "int8"] = "native"   # shared/kv/codec.py
 
 
 class KVEnd(Message):

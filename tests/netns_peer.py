@@ -35,8 +35,7 @@ async def decode(url: str, work: Path) -> None:
     engine = Engine(load("tiny"), EngineConfig(**CONFIG))
     bus, transport = await Bus.connect(url, "netns-decode"), make("ucx")
     res = engine.reserve("r", PROMPT, PARAMS)
-    rx = KVReceiver(res, TAG_SPAN, engine.fingerprint, engine.model_config.num_layers,
-                    engine.runner.kv[0][0].nbytes, transport, engine.write_kv, bus)
+    rx = KVReceiver.for_engine(engine, res, TAG_SPAN, transport, bus)
 
     async def on_layer(msg):
         rx.on_layer(KVLayer.decode(msg.data))

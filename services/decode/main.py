@@ -57,8 +57,6 @@ class DecodeWorker:
         self.receivers: dict[str, KVReceiver] = {}
         self.refused: set[str] = set()  # handoffs told "no reservation" (once each)
         self.draining = False
-        bs, mc = engine.cfg.block_size, engine.model_config
-        self.block_nbytes = 2 * bs * mc.num_kv_heads * mc.head_dim * engine.runner.kv.element_size()
 
     def info(self):
         return worker_info(self.engine, self.id, "decode", self.settings, self.transport.address)
@@ -107,9 +105,8 @@ class DecodeWorker:
         except ValueError as e:
             return AdmitReply(request_id=rid, ok=False, reason=str(e))
         kv_tag = random.getrandbits(63 - TAG_SPAN.bit_length()) * TAG_SPAN  # the sender numbers within
-        self.receivers[rid] = KVReceiver(res, kv_tag, self.engine.fingerprint, self.engine.model_config.num_layers,
-                                         self.block_nbytes, self.transport, self.engine.write_kv, self.bus,
-                                         self.settings.kv_max_attempts)
+        self.receivers[rid] = KVReceiver.for_engine(self.engine, res, kv_tag, self.transport, self.bus,
+                                                    self.settings.kv_max_attempts)
         self.receiving[rid] = asyncio.create_task(self.receive_kv(req))
         return AdmitReply(request_id=rid, ok=True, first_block=res.first_block, num_blocks=res.num_blocks,
                           kv_tag=kv_tag)

@@ -52,7 +52,8 @@ class PrefillWorker:
         self.host = EngineHost(engine)
         self.jobs: dict[str, tuple[PrefillJob, Msg, trace.Span]] = {}
         self.kv_spans: dict[str, trace.Span] = {}
-        self.sender = KVSender(transport, bus, engine.fingerprint, self.read_blocks, settings.kv_max_attempts)
+        self.sender = KVSender(transport, bus, engine.fingerprint, self.read_blocks, settings.kv_max_attempts,
+                               settings.kv_transfer_encoding)
         self.cancelled: set[str] = set()
         self.handoffs: set[asyncio.Task] = set()
 

@@ -4,8 +4,8 @@
    tag range the sender must use.
 2. Each KVLayer notice: check the fingerprint, tag and layout against the reservation, then
    receive the payload (posted only now: a waiting UCX receive spins a core) into a staging
-   buffer and check every block against its checksum. Good blocks are written into the
-   reservation; bad ones are asked for again (KVResend, fresh tag) up to `max_attempts`
+   buffer and check every block against its checksum. Good blocks are decoded (native or
+   int8, shared/kv/codec.py) and written into the reservation; bad ones are asked for again (KVResend, fresh tag) up to `max_attempts`
    sends in all, then the handoff fails.
 3. KVEnd: the first token — or the sender's explicit failure.
 4. `wait()` returns the first token once every layer of every expected block is verified and
@@ -24,7 +24,9 @@ import torch
 
 from shared import subjects
 from shared.bus import Bus
+from shared.engine.engine import Engine
 from shared.engine.kv_io import Reservation
+from shared.kv import codec
 from shared.kv.base import TAG_SPAN, KVTransport, block_checksums
 from shared.messages import KVEnd, KVLayer, KVResend
 
@@ -38,15 +40,24 @@ class KVFailed(RuntimeError):
 
 class KVReceiver:
     def __init__(self, reservation: Reservation, kv_tag: int, fingerprint: str, num_layers: int,
-                 block_nbytes: int, transport: KVTransport, write: WriteBlocks, bus: Bus, max_attempts: int = 3):
+                 block_shape: tuple[int, ...], dtype: torch.dtype, transport: KVTransport, write: WriteBlocks,
+                 bus: Bus, max_attempts: int = 3):
         self.res, self.kv_tag, self.fingerprint = reservation, kv_tag, fingerprint
-        self.block_nbytes, self.transport, self.write, self.bus = block_nbytes, transport, write, bus
+        self.block_shape, self.dtype = block_shape, dtype
+        self.transport, self.write, self.bus = transport, write, bus
         self.max_attempts = max_attempts
         self.have = np.zeros((num_layers, reservation.num_blocks - reservation.first_block), dtype=bool)
         self.first_token: int | None = None
         self.done: asyncio.Future = asyncio.get_running_loop().create_future()
         self.tasks: set[asyncio.Task] = set()
         self.bytes_received = self.pieces = self.bad_blocks = self.resends = 0
+
+    @classmethod
+    def for_engine(cls, engine: Engine, reservation: Reservation, kv_tag: int, transport: KVTransport,
+                   bus: Bus, max_attempts: int = 3) -> "KVReceiver":
+        pool = engine.runner.kv
+        return cls(reservation, kv_tag, engine.fingerprint, pool.shape[0], tuple(pool.shape[2:]), pool.dtype,
+                   transport, engine.write_kv, bus, max_attempts)
 
     @property
     def rid(self) -> str:
@@ -81,14 +92,14 @@ class KVReceiver:
     async def _receive(self, n: KVLayer) -> None:
         try:
             start = self._check(n)
-            buf = np.empty((n.num_blocks, self.block_nbytes), dtype=np.uint8)
+            buf = np.empty((n.num_blocks, codec.block_nbytes(n.encoding, self.block_shape, self.dtype)), dtype=np.uint8)
             await self.transport.recv(n.tag, buf)
             self.pieces += 1
             self.bytes_received += buf.nbytes
             good = np.array([a == b for a, b in zip(block_checksums(buf), n.checksums)])
             for a, b in _runs(good, True):  # verified blocks go into the reservation
                 ids = list(self.res.block_ids[start + a:start + b])
-                self.write(n.layer, ids, torch.from_numpy(buf[a:b]))
+                self.write(n.layer, ids, codec.decode(n.encoding, buf[a:b], self.block_shape, self.dtype))
                 self.have[n.layer, start + a:start + b] = True
             bad = _runs(good, False)
             if bad:

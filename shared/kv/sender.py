@@ -5,8 +5,8 @@ One Handoff per request:
 1. `open(job, ctx)` before the prompt is queued: returns the sink for `Engine.stream_kv`, or
    None when the decode worker's fingerprint (model, dtype, block layout) differs from ours —
    then KVEnd(not ok) goes out at once and nothing streams.
-2. Each KVPiece (handed over from the engine thread while the pass goes on): per-block
-   checksums, a KVLayer notice on NATS, then the payload over the transport on a fresh tag.
+2. Each KVPiece (handed over from the engine thread while the pass goes on): encoded
+   (shared/kv/codec.py), per-block checksums, a KVLayer notice on NATS, then the payload over the transport on a fresh tag.
 3. `finish(rid, first_token, lease_s)` after the prompt's last pass: KVEnd(ok, first token),
    then wait for the KVAck; KVResend requests are answered meanwhile (re-read from the pool,
    attempt n, fresh tag). The lease ends at the ack, at `lease_s`, or at `cancel`.
@@ -28,6 +28,7 @@ from nats.aio.msg import Msg
 from shared import subjects
 from shared.bus import Bus
 from shared.engine.kv_io import KVPiece
+from shared.kv import codec
 from shared.kv.base import TAG_SPAN, KVTransport, block_checksums
 from shared.messages import KVAck, KVEnd, KVLayer, KVResend, PrefillJob
 
@@ -52,9 +53,9 @@ class Handoff:
 
 class KVSender:
     def __init__(self, transport: KVTransport, bus: Bus, fingerprint: str, read_blocks: ReadBlocks,
-                 max_attempts: int = 3):
+                 max_attempts: int = 3, encoding: codec.Encoding = "native"):
         self.transport, self.bus, self.fingerprint = transport, bus, fingerprint
-        self.read_blocks, self.max_attempts = read_blocks, max_attempts
+        self.read_blocks, self.max_attempts, self.encoding = read_blocks, max_attempts, encoding
         self.handoffs: dict[str, Handoff] = {}
 
     async def start(self) -> None:
@@ -85,15 +86,15 @@ class KVSender:
         try:
             if ready is not None:  # the gather or the layer's kernels may still be running
                 await asyncio.to_thread(ready.synchronize)
-            blocks = data.reshape(data.shape[0], -1).view(torch.uint8)
-            # checksums are computed on host bytes: a device tensor is staged to the host first
-            host = blocks.numpy() if blocks.device.type == "cpu" else blocks.cpu().numpy()
+            # (n_blocks, bytes) on the host: a view of the pool for "native" on CPU; a device
+            # tensor is staged to the host (checksums are computed on host bytes)
+            host = codec.encode(self.encoding, data)
             if h.next_tag >= TAG_SPAN:
                 raise RuntimeError("handoff used up its tag range")
             tag, h.next_tag = h.job.kv_tag + h.next_tag, h.next_tag + 1
             notice = KVLayer(request_id=h.job.request_id, fingerprint=self.fingerprint, tag=tag, layer=layer,
                              first_block=first_block, num_blocks=host.shape[0], checksums=block_checksums(host),
-                             attempt=attempt)
+                             attempt=attempt, encoding=self.encoding)
             await self.bus.publish(subjects.decode_kv(h.job.decode_worker), notice, ctx=h.ctx)
             h.pieces += 1
             h.bytes_sent += host.nbytes  # counted when handed over: the ack may beat the send's completion

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.held_prompts import CONVERSATIONS
 from helpers import generate, run_all, tokens, transfer
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
@@ -14,24 +15,6 @@ from shared.engine.sequence import SamplingParams
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 32
-DOCUMENT = " ".join(
-    f"Section {i}. The river town of Alder kept records of its {thing} for many years, and the "
-    f"council met every {day} to discuss the harvest, the bridges and the school."
-    for i, (thing, day) in enumerate(zip(
-        ["mills", "boats", "orchards", "markets", "wells", "roads", "bells", "bakeries",
-         "ferries", "gardens", "forges", "lamps"] * 2,
-        ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday"] * 4)))
-
-CONVERSATIONS = {
-    "short": [{"role": "user", "content": "What is the capital of France?"}],
-    "greeting": [{"role": "user", "content": "Hi!"}],
-    "system": [{"role": "system", "content": "You are a terse Python expert."},
-               {"role": "user", "content": "How do I reverse a list in Python? Show code."}],
-    "multi_turn": [{"role": "user", "content": "Name three primary colors."},
-                   {"role": "assistant", "content": "Red, yellow and blue."},
-                   {"role": "user", "content": "Which of them is used for stop signs, and why?"}],
-    "document": [{"role": "user", "content": DOCUMENT + "\n\nSummarize the text above in one sentence."}],
-}
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 
 

@@ -7,6 +7,7 @@ import asyncio
 
 import numpy as np
 import pytest
+import torch
 
 from helpers import run_all, tokens
 from localbus import LocalBus
@@ -31,7 +32,7 @@ def expected(tiny, prompt=PROMPT):
 
 
 async def handoff(src: Engine, dst: Engine, prompt=PROMPT, rid="r", faults: Faults | None = None,
-                  fingerprint: str | None = None, max_attempts: int = 3):
+                  fingerprint: str | None = None, max_attempts: int = 3, encoding="native"):
     """Prefill on src streaming to dst; returns (tokens, sender handoff, receiver, bus)."""
     bus = LocalBus()
     tx, rx_transport = make("fake", faults=faults), make("fake")
@@ -39,12 +40,10 @@ async def handoff(src: Engine, dst: Engine, prompt=PROMPT, rid="r", faults: Faul
     async def read_blocks(r, layer, first, n):
         return src.kv_blocks(r, layer, first, n)
 
-    sender = KVSender(tx, bus, src.fingerprint, read_blocks, max_attempts)
+    sender = KVSender(tx, bus, src.fingerprint, read_blocks, max_attempts, encoding)
     await sender.start()
     res = dst.reserve(rid, prompt, PARAMS)
-    block_nbytes = dst.runner.kv[0][0].nbytes
-    rx = KVReceiver(res, 1 << 20, dst.fingerprint, dst.model_config.num_layers, block_nbytes, rx_transport,
-                    dst.write_kv, bus, max_attempts)
+    rx = KVReceiver.for_engine(dst, res, 1 << 20, rx_transport, bus, max_attempts)
 
     async def on_layer(msg):
         rx.on_layer(KVLayer.decode(msg.data))
@@ -147,3 +146,57 @@ def test_only_the_blocks_the_receiver_lacks_cross(tiny):
     block_nbytes, layers = dst.runner.kv[0][0].nbytes, tiny.config.num_layers
     assert h1.bytes_sent == 4 * layers * block_nbytes          # 50 tokens: 4 blocks
     assert h2.bytes_sent == (6 - 3) * layers * block_nbytes    # 3 full blocks cached on dst
+
+
+def test_int8_encoding_moves_a_quarter_of_the_bytes_and_stays_within_half_a_step(tiny):
+    src, dst = Engine(tiny, EngineConfig(**CHUNKED)), Engine(tiny, EngineConfig(num_blocks=64))
+    written = {}
+    write = dst.write_kv
+
+    def spy(layer, ids, data):
+        written.setdefault(layer, []).append((ids[0], data.clone()))
+        write(layer, ids, data)
+
+    dst.write_kv = spy
+    out, h, rx, bus = asyncio.run(handoff(src, dst, encoding="int8"))
+    layers, kvh, hd = tiny.config.num_layers, tiny.config.num_kv_heads, tiny.config.head_dim
+    int8_block = 2 * 16 * kvh * hd + (kvh * hd + 16 * kvh) * 4     # values + fp32 scales: K per channel, V per token
+    assert h.bytes_sent == rx.bytes_received == 6 * layers * int8_block
+    assert int8_block < dst.runner.kv[0][0].nbytes / 2.5                 # fp32 pool
+    assert all(n.encoding == "int8" for n in bus.of_type(KVLayer)) and len(out) == PARAMS.max_tokens
+    ref = Engine(tiny, EngineConfig(num_blocks=64))
+    ref.add_request("x", PROMPT, PARAMS, prefill_only=True)
+    while not ref.step():
+        pass
+    exact = ref.export_kv("x")
+    for layer in range(layers):
+        got = torch.cat([data for _, data in sorted(written[layer], key=lambda w: w[0])])
+        want = exact.layer(layer)
+        assert ((got - want).abs() <= _half_steps(want) + 1e-6).all() and not torch.equal(got, want)
+
+
+def test_a_corrupted_int8_block_is_caught_too(tiny):
+    src, dst = Engine(tiny, EngineConfig(**CHUNKED)), Engine(tiny, EngineConfig(num_blocks=64))
+    _, h, rx, _ = asyncio.run(handoff(src, dst, encoding="int8", faults=Faults(corrupt_rate=1.0)))
+    assert rx.bad_blocks == h.resent_blocks == 3 * tiny.config.num_layers
+
+
+def test_codec_round_trips():
+    from shared.kv import codec
+
+    blocks = torch.randn(5, 2, 16, 3, 8) * torch.tensor([1.0, 10.0]).reshape(1, 2, 1, 1, 1)
+    native = codec.encode("native", blocks)
+    assert native.shape == (5, codec.block_nbytes("native", (2, 16, 3, 8), torch.float32))
+    assert torch.equal(codec.decode("native", native, (2, 16, 3, 8), torch.float32), blocks)
+    blocks[:, 0, :, :, 5] *= 30    # an outlier key channel: per-channel scales keep the others fine
+    q = codec.encode("int8", blocks)
+    assert q.shape == (5, codec.block_nbytes("int8", (2, 16, 3, 8), torch.float32)) == (5, 768 + (24 + 48) * 4)
+    back = codec.decode("int8", q, (2, 16, 3, 8), torch.float32)
+    assert ((back - blocks).abs() <= _half_steps(blocks) + 1e-6).all() and not torch.equal(back, blocks)
+
+
+def _half_steps(blocks: torch.Tensor) -> torch.Tensor:
+    """Half a quantization step for every value: keys per channel, values per token."""
+    k = blocks[:, 0].abs().amax(dim=1, keepdim=True).expand_as(blocks[:, 0])
+    v = blocks[:, 1].abs().amax(dim=3, keepdim=True).expand_as(blocks[:, 1])
+    return torch.stack([k, v], dim=1) / 127 / 2
