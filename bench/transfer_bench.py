@@ -264,35 +264,26 @@ def _decode_side(url, cmd_q, reply_q):
     from shared import subjects
     from shared.bus import Bus
     from shared.kv import TAG_SPAN, make
-    from shared.kv.receiver import KVReceiver
-    from shared.messages import KVAck, KVEnd, KVLayer
+    from shared.kv.receiver import KVInbox, KVReceiver
+    from shared.messages import KVAck
 
     engine = _engine()
 
     async def run():
-        bus, transport, receivers = await Bus.connect(url, "bench-decode"), make("ucx"), {}
-
-        async def on_layer(msg):
-            n = KVLayer.decode(msg.data)
-            receivers[n.request_id].on_layer(n)
-
-        async def on_end(msg):
-            e = KVEnd.decode(msg.data)
-            receivers[e.request_id].on_end(e)
-
-        await bus.subscribe(subjects.decode_kv("bench-d"), on_layer)
-        await bus.subscribe(subjects.decode_kv_end("bench-d"), on_end)
+        bus, transport = await Bus.connect(url, "bench-decode"), make("ucx")
+        inbox = KVInbox(bus, "bench-d")
+        await inbox.start()
         await bus.nc.flush()
         reply_q.put((transport.address, engine.fingerprint))
         loop = asyncio.get_running_loop()
         while (cmd := await loop.run_in_executor(None, cmd_q.get)) is not None:
             rid, prompt = cmd
             res = engine.reserve(rid, prompt, _params())
-            kv_tag = (len(receivers) + 1) * TAG_SPAN
-            receivers[rid] = KVReceiver.for_engine(engine, res, kv_tag, transport, bus)
+            kv_tag = (len(inbox.receivers) + 1) * TAG_SPAN
+            inbox.add(KVReceiver.for_engine(engine, res, kv_tag, transport, bus))
             cpu0, wall0 = time.process_time(), time.time()
             reply_q.put((res.first_block, kv_tag))
-            first = await asyncio.wait_for(receivers[rid].wait(), 120)
+            first = await asyncio.wait_for(inbox.receivers[rid].wait(), 120)
             engine.commit_import(rid, first)
             landed = time.time()
             # CPU of this whole process (event loop, ucxx threads) while it waited for and took the KV

@@ -22,9 +22,9 @@ from shared.engine.engine import Engine
 from shared.engine.loader import load
 from shared.engine.sequence import SamplingParams
 from shared.kv import TAG_SPAN, make
-from shared.kv.receiver import KVReceiver
+from shared.kv.receiver import KVInbox, KVReceiver
 from shared.kv.sender import KVSender
-from shared.messages import KVAck, KVEnd, KVLayer, PrefillJob, Sampling
+from shared.messages import KVAck, PrefillJob, Sampling
 
 PROMPT = [(7 * i) % 200 + 3 for i in range(600)]
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -35,16 +35,9 @@ async def decode(url: str, work: Path) -> None:
     engine = Engine(load("tiny"), EngineConfig(**CONFIG))
     bus, transport = await Bus.connect(url, "netns-decode"), make("ucx")
     res = engine.reserve("r", PROMPT, PARAMS)
-    rx = KVReceiver.for_engine(engine, res, TAG_SPAN, transport, bus)
-
-    async def on_layer(msg):
-        rx.on_layer(KVLayer.decode(msg.data))
-
-    async def on_end(msg):
-        rx.on_end(KVEnd.decode(msg.data))
-
-    await bus.subscribe(subjects.decode_kv("d"), on_layer)
-    await bus.subscribe(subjects.decode_kv_end("d"), on_end)
+    inbox = KVInbox(bus, "d")
+    rx = inbox.add(KVReceiver.for_engine(engine, res, TAG_SPAN, transport, bus))
+    await inbox.start()
     await bus.nc.flush()
     (work / "decode.json").write_text(json.dumps({"address": transport.address, "fingerprint": engine.fingerprint,
                                                   "first_block": res.first_block, "kv_tag": TAG_SPAN}))

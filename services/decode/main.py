@@ -36,8 +36,8 @@ from shared.engine.block_manager import OutOfBlocks
 from shared.engine.engine import Engine, RequestOutput
 from shared.engine_host import EngineHost
 from shared.kv import TAG_SPAN, KVTransport
-from shared.kv.receiver import KVReceiver
-from shared.messages import AdmitReply, AdmitRequest, Cancel, KVAck, KVEnd, KVLayer, TokenChunk
+from shared.kv.receiver import KVInbox, KVReceiver
+from shared.messages import AdmitReply, AdmitRequest, Cancel, KVAck, TokenChunk
 from shared.service import heartbeat, run, setup_logging
 from shared.worker import serve_worker, worker_id, worker_info
 from shared.state import State
@@ -54,8 +54,7 @@ class DecodeWorker:
         self.host = EngineHost(engine)
         self.spans: dict[str, trace.Span] = {}
         self.receiving: dict[str, asyncio.Task] = {}
-        self.receivers: dict[str, KVReceiver] = {}
-        self.refused: set[str] = set()  # handoffs told "no reservation" (once each)
+        self.inbox = KVInbox(bus, self.id)
         self.draining = False
 
     def info(self):
@@ -63,8 +62,7 @@ class DecodeWorker:
 
     async def serve(self, stop: asyncio.Event) -> None:
         await self.bus.subscribe(subjects.decode_admit(self.id), self.on_admit)
-        await self.bus.subscribe(subjects.decode_kv(self.id), self.on_kv_layer)
-        await self.bus.subscribe(subjects.decode_kv_end(self.id), self.on_kv_end)
+        await self.inbox.start()
         await self.bus.subscribe(subjects.CANCEL_ALL, self.on_cancel)
         beat = asyncio.create_task(heartbeat(self.state, self.info, self.settings.heartbeat_s, stop))
         engine_loop = asyncio.create_task(self.host.run(self.publish, stop))
@@ -105,8 +103,8 @@ class DecodeWorker:
         except ValueError as e:
             return AdmitReply(request_id=rid, ok=False, reason=str(e))
         kv_tag = random.getrandbits(63 - TAG_SPAN.bit_length()) * TAG_SPAN  # the sender numbers within
-        self.receivers[rid] = KVReceiver.for_engine(self.engine, res, kv_tag, self.transport, self.bus,
-                                                    self.settings.kv_max_attempts)
+        self.inbox.add(KVReceiver.for_engine(self.engine, res, kv_tag, self.transport, self.bus,
+                                             self.settings.kv_max_attempts))
         self.receiving[rid] = asyncio.create_task(self.receive_kv(req))
         return AdmitReply(request_id=rid, ok=True, first_block=res.first_block, num_blocks=res.num_blocks,
                           kv_tag=kv_tag)
@@ -117,25 +115,8 @@ class DecodeWorker:
         self.host.wake.set()
 
     # -- KV arrival --------------------------------------------------------------------------
-    async def on_kv_layer(self, msg: Msg) -> None:
-        notice = KVLayer.decode(msg.data)
-        rx = self.receivers.get(notice.request_id)
-        if rx is not None:
-            rx.on_layer(notice)
-        elif notice.request_id not in self.refused:  # cancelled, expired, or never admitted here
-            self.refused.add(notice.request_id)
-            if len(self.refused) > 10_000:
-                self.refused.clear()
-            await self.bus.publish(subjects.kv_ack(notice.request_id),
-                                   KVAck(request_id=notice.request_id, ok=False, error="no reservation"))
-
-    async def on_kv_end(self, msg: Msg) -> None:
-        end = KVEnd.decode(msg.data)
-        if (rx := self.receivers.get(end.request_id)) is not None:
-            rx.on_end(end)
-
     async def receive_kv(self, req: AdmitRequest) -> None:
-        rid, rx = req.request_id, self.receivers[req.request_id]
+        rid, rx = req.request_id, self.inbox.receivers[req.request_id]
         parent = trace.set_span_in_context(self.spans[rid]) if rid in self.spans else None
         with self.tracer.start_as_current_span("kv.receive", context=parent) as span:
             try:
@@ -161,7 +142,7 @@ class DecodeWorker:
                 span.set_attributes({"bytes": rx.bytes_received, "pieces": rx.pieces, "bad_blocks": rx.bad_blocks,
                                      "resends": rx.resends, "blocks": int(rx.have.shape[1])})
                 self.receiving.pop(rid, None)
-                self.receivers.pop(rid, None)
+                self.inbox.receivers.pop(rid, None)
 
     # -- output and cancellation -----------------------------------------------------------
     async def publish(self, outputs: list[RequestOutput]) -> None:
@@ -177,8 +158,7 @@ class DecodeWorker:
         task = self.receiving.pop(rid, None)
         if task is not None:  # release the prefill side's lease now rather than at its deadline
             task.cancel()
-            if (rx := self.receivers.pop(rid, None)) is not None:
-                rx.close()
+            self.inbox.close(rid)
             await self.bus.publish(subjects.kv_ack(rid), KVAck(request_id=rid, ok=False, error="cancelled"))
         if task is not None or rid in self.engine.seqs:
             await self.host.call(self.engine.abort, rid)

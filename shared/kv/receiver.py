@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+from nats.aio.msg import Msg
 
 from shared import subjects
 from shared.bus import Bus
@@ -28,7 +29,7 @@ from shared.engine.engine import Engine
 from shared.engine.kv_io import Reservation
 from shared.kv import codec
 from shared.kv.base import TAG_SPAN, KVTransport, block_checksums
-from shared.messages import KVEnd, KVLayer, KVResend
+from shared.messages import KVAck, KVEnd, KVLayer, KVResend
 
 log = logging.getLogger("kv.receiver")
 WriteBlocks = Callable[[int, list[int], torch.Tensor], None]  # layer, block ids, data
@@ -139,6 +140,45 @@ class KVReceiver:
     def _fail(self, reason: str) -> None:
         if not self.done.done():
             self.done.set_exception(KVFailed(reason))
+
+
+class KVInbox:
+    """One decode worker's KV notices (`pd.decode.<w>.kv`, `.kv.end`), routed to the receiver
+    of their request; a notice for a request with no receiver (cancelled, expired, never
+    admitted here) is refused once with KVAck(not ok), which ends the sender's lease."""
+
+    def __init__(self, bus: Bus, worker_id: str):
+        self.bus, self.worker_id = bus, worker_id
+        self.receivers: dict[str, KVReceiver] = {}
+        self._refused: set[str] = set()
+
+    async def start(self) -> None:
+        await self.bus.subscribe(subjects.decode_kv(self.worker_id), self.on_layer)
+        await self.bus.subscribe(subjects.decode_kv_end(self.worker_id), self.on_end)
+
+    def add(self, rx: KVReceiver) -> KVReceiver:
+        self.receivers[rx.rid] = rx
+        return rx
+
+    def close(self, rid: str) -> None:
+        if (rx := self.receivers.pop(rid, None)) is not None:
+            rx.close()
+
+    async def on_layer(self, msg: Msg) -> None:
+        notice = KVLayer.decode(msg.data)
+        if (rx := self.receivers.get(notice.request_id)) is not None:
+            rx.on_layer(notice)
+        elif notice.request_id not in self._refused:
+            if len(self._refused) > 10_000:
+                self._refused.clear()
+            self._refused.add(notice.request_id)
+            await self.bus.publish(subjects.kv_ack(notice.request_id),
+                                   KVAck(request_id=notice.request_id, ok=False, error="no reservation"))
+
+    async def on_end(self, msg: Msg) -> None:
+        end = KVEnd.decode(msg.data)
+        if (rx := self.receivers.get(end.request_id)) is not None:
+            rx.on_end(end)
 
 
 def _runs(mask: np.ndarray, value: bool) -> list[tuple[int, int]]:

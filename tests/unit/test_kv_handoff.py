@@ -16,9 +16,9 @@ from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.sequence import SamplingParams
 from shared.kv import Faults, make
-from shared.kv.receiver import KVFailed, KVReceiver
+from shared.kv.receiver import KVFailed, KVInbox, KVReceiver
 from shared.kv.sender import KVSender
-from shared.messages import KVAck, KVEnd, KVLayer, KVResend, PrefillJob, Sampling
+from shared.messages import KVAck, KVLayer, KVResend, PrefillJob, Sampling
 
 PARAMS = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 PROMPT = list(range(3, 90))   # 87 tokens: 6 blocks of 16
@@ -43,16 +43,9 @@ async def handoff(src: Engine, dst: Engine, prompt=PROMPT, rid="r", faults: Faul
     sender = KVSender(tx, bus, src.fingerprint, read_blocks, max_attempts, encoding)
     await sender.start()
     res = dst.reserve(rid, prompt, PARAMS)
-    rx = KVReceiver.for_engine(dst, res, 1 << 20, rx_transport, bus, max_attempts)
-
-    async def on_layer(msg):
-        rx.on_layer(KVLayer.decode(msg.data))
-
-    async def on_end(msg):
-        rx.on_end(KVEnd.decode(msg.data))
-
-    await bus.subscribe(subjects.decode_kv("d"), on_layer)
-    await bus.subscribe(subjects.decode_kv_end("d"), on_end)
+    inbox = KVInbox(bus, "d")
+    rx = inbox.add(KVReceiver.for_engine(dst, res, 1 << 20, rx_transport, bus, max_attempts))
+    await inbox.start()
     job = PrefillJob(request_id=rid, prompt_token_ids=prompt, sampling=Sampling(), decode_worker="d",
                      decode_address=rx_transport.address, decode_fingerprint=fingerprint or dst.fingerprint,
                      first_block=res.first_block, kv_tag=1 << 20)
