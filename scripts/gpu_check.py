@@ -87,6 +87,33 @@ def engine_on_cuda() -> None:
     check("export/import on CUDA continues exactly", moved == whole)
     check("no block leaks", src.num_free_blocks == src.num_blocks and dst.num_free_blocks == dst.num_blocks)
 
+    # streamed, as the services do it: pieces from the layer hook (CUDA events), each encoded
+    # on the host (native and int8) and written into the reservation on the device
+    from shared.kv import codec
+
+    for encoding in ("native", "int8"):
+        src = Engine(loaded, EngineConfig(num_blocks=4096, device="cuda", prefill_chunk=64))
+        dst = Engine(loaded, EngineConfig(num_blocks=4096, device="cuda"))
+        res = dst.reserve("s", long_prompt, params)
+        pieces = []
+        src.add_request("s", long_prompt, params, prefill_only=True)
+        src.stream_kv("s", res.first_block, pieces.append)
+        while not (outs := src.step()):
+            pass
+        shape, dtype = tuple(dst.runner.kv.shape[2:]), dst.runner.kv.dtype
+        for piece in pieces:
+            piece.ready.synchronize()
+            rows = codec.encode(encoding, piece.data)
+            start = piece.first_block - res.first_block
+            dst.write_kv(piece.layer, list(res.block_ids[start:start + piece.num_blocks]),
+                         codec.decode(encoding, rows, shape, dtype))
+        src.free("s")
+        dst.commit_import("s", outs[0].new_token_ids[0])
+        streamed = outs[0].new_token_ids + [t for o in iter(dst.step, []) for t in o.new_token_ids]
+        same = sum(x == y for x, y in zip(streamed, whole))
+        check(f"streamed handoff on CUDA ({encoding})", streamed == whole if encoding == "native" else same >= 24,
+              f"{same}/32 tokens equal, {len(pieces)} pieces")
+
     for backend in ("triton", "torch"):
         eng = Engine(loaded, EngineConfig(num_blocks=8192, device="cuda", kernels=backend, max_num_seqs=64))
         for batch in (1, 8, 32):
