@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # CPU build of torch (from the local wheel cache when present); GPU users: TORCH_SPEC=torch
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup run test test-fast bench-engine bench-stack bench-transfer gpu-check clean
+.PHONY: setup run test test-fast bench-engine bench-stack bench-transfer eval-router gpu-check clean
 
 setup: $(STAMP)
 
@@ -41,6 +41,10 @@ bench-stack: setup
 ## bench-transfer: KV bytes over memcpy, UCX (shared memory, TCP), a socket and NATS; writes bench/results/transfer.json
 bench-transfer: setup
 	$(BIN)/python -m bench.transfer_bench
+
+## eval-router: replay ../shared/traces/mooncake_conversation.jsonl through the prefill placement policies; writes bench/results/router.json
+eval-router: setup
+	$(BIN)/python -m bench.router_eval
 
 ## gpu-check: Triton kernels and the engine on CUDA (run on a GPU machine)
 gpu-check:

@@ -24,3 +24,36 @@ def test_prefill_choice_requires_the_same_model_fingerprint():
     pool = [w("p1", "prefill", waiting=3), w("p2", "prefill", waiting=1), w("p3", "prefill", fp="other")]
     assert policy.choose_prefill(pool, "f").worker_id == "p2"
     assert policy.choose_prefill(pool, "nope") is None
+
+
+def test_prefill_cost_prefers_the_worker_holding_the_prefix_unless_it_is_swamped():
+    from services.router.policy import PrefillCandidate, choose_prefill_by_cost, predicted_prefill_s
+
+    warm = PrefillCandidate("warm", cached_tokens=3000, queued_tokens=2000, tokens_per_s=1000)
+    idle = PrefillCandidate("idle", cached_tokens=0, queued_tokens=0, tokens_per_s=1000)
+    assert predicted_prefill_s(warm, 4000) == 3.0 and predicted_prefill_s(idle, 4000) == 4.0
+    assert choose_prefill_by_cost([idle, warm], 4000)[0].worker_id == "warm"
+    swamped = PrefillCandidate("warm", cached_tokens=3000, queued_tokens=60_000, tokens_per_s=1000)
+    best, reason = choose_prefill_by_cost([idle, swamped], 4000)
+    assert best.worker_id == "idle" and "0 of 4000 tokens cached" in reason
+    # greedy (weight 0) leaves a moderately busy warm worker; the default weight stays with it
+    busy = PrefillCandidate("warm", cached_tokens=3000, queued_tokens=5000, tokens_per_s=1000)
+    assert choose_prefill_by_cost([idle, busy], 4000, recompute_weight=0)[0].worker_id == "idle"
+    assert choose_prefill_by_cost([idle, busy], 4000)[0].worker_id == "warm"
+    assert choose_prefill_by_cost([], 10) == (None, "no prefill worker")
+
+
+def test_trace_replay_keeps_sessions_on_their_cache():
+    """A synthetic conversation trace (7 sessions of 6 growing turns, a shared first block):
+    ours reaches the oracle's hit rate, round-robin scatters the sessions."""
+    from bench.router_eval import Request, oracle, replay
+
+    requests = []
+    for turn in range(6):
+        for session in range(7):
+            blocks = [0] + [session * 100 + i for i in range(1, 2 + 2 * turn)]   # each turn extends the last
+            requests.append(Request(t=turn * 10 + session * 0.5, prompt_tokens=512 * len(blocks), hash_ids=blocks))
+    ours = replay(requests, "ours", workers=4, cache_blocks=256, tokens_per_s=5000)
+    rr = replay(requests, "round_robin", workers=4, cache_blocks=256, tokens_per_s=5000)
+    best = oracle(requests)["hit_rate"]
+    assert ours["hit_rate"] >= 0.95 * best and ours["hit_rate"] > 1.5 * rr["hit_rate"], (ours, rr, best)
