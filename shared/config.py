@@ -39,6 +39,11 @@ class RouterSettings(Common):
     admit_timeout_s: float = Field(5.0, gt=0)
     local_prefill_below: int = Field(0, ge=0, description="prompts shorter than this are prefilled "
                                      "on the decode worker (0: always remote when a prefill worker is up)")
+    recompute_weight: float = Field(8.0, ge=0, description="prefill placement: weight of recomputing tokens "
+                                    "another worker already caches (0: fastest first token per request; "
+                                    "`make eval-router` sweeps it)")
+    default_prefill_tokens_per_s: float = Field(1000.0, gt=0, description="prefill rate assumed for a worker "
+                                                "that has not measured its own yet")
 
 
 class WorkerSettings(Common):

@@ -8,17 +8,37 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from shared.engine.block_manager import KVEvent
 from shared.engine.engine import Engine, RequestOutput
 
 
 class EngineHost:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, on_kv_events: Callable[[list[KVEvent]], None] | None = None):
         self.engine = engine
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self.wake = asyncio.Event()
+        self.on_kv_events = on_kv_events       # the step's prefix-cache changes (prefix index)
+        self.prefill_tokens_per_s = 0.0        # recent prefill passes, smoothed
+
+    async def step(self) -> list[RequestOutput]:
+        """One engine step on the engine thread; measures prefill passes, hands on KV events."""
+        def run():
+            start = time.perf_counter()
+            outputs = self.engine.step()
+            return outputs, self.engine.drain_kv_events(), self.engine.last_pass, time.perf_counter() - start
+
+        outputs, events, (was_decode, tokens), elapsed = await self.call(run)
+        if not was_decode and tokens >= 16 and elapsed > 0:
+            rate = tokens / elapsed
+            self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else \
+                0.8 * self.prefill_tokens_per_s + 0.2 * rate
+        if events and self.on_kv_events is not None:
+            self.on_kv_events(events)
+        return outputs
 
     async def call(self, fn: Callable, *args, **kwargs):
         """Run `fn(*args, **kwargs)` on the engine thread, after every call queued before it."""
@@ -39,7 +59,7 @@ class EngineHost:
                 for w in pending:
                     w.cancel()
                 continue
-            outputs = await self.call(self.engine.step)
+            outputs = await self.step()
             if outputs:
                 await on_outputs(outputs)
 

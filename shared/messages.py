@@ -175,7 +175,10 @@ class WorkerInfo(Message):
     model: str = ""
     fingerprint: str = ""
     ucx_address: str = ""     # hex of the UCX worker address (decode workers)
+    block_size: int = 16
     total_blocks: int = 0
     free_blocks: int = 0
     running: int = 0
     waiting: int = 0
+    queued_tokens: int = 0            # prompt tokens waiting to be computed
+    prefill_tokens_per_s: float = 0.0  # measured (recent prefill passes); 0: not yet measured

@@ -31,11 +31,13 @@ def build_engine(settings: WorkerSettings) -> Engine:
     return Engine(loaded, cfg)
 
 
-def worker_info(engine: Engine, wid: str, role: str, settings: WorkerSettings, ucx_address: str = "") -> WorkerInfo:
+def worker_info(engine: Engine, wid: str, role: str, settings: WorkerSettings, ucx_address: str = "",
+                prefill_tokens_per_s: float = 0.0) -> WorkerInfo:
     return WorkerInfo(worker_id=wid, role=role, model=settings.model_name, fingerprint=engine.fingerprint,
-                      ucx_address=ucx_address, total_blocks=engine.num_blocks,
+                      ucx_address=ucx_address, block_size=engine.cfg.block_size, total_blocks=engine.num_blocks,
                       free_blocks=engine.num_free_blocks, running=len(engine.scheduler.running),
-                      waiting=len(engine.scheduler.waiting))
+                      waiting=len(engine.scheduler.waiting), queued_tokens=engine.queued_tokens,
+                      prefill_tokens_per_s=prefill_tokens_per_s)
 
 
 async def serve_worker(role: str, settings: WorkerSettings, worker_cls) -> None:

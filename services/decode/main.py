@@ -38,6 +38,7 @@ from shared.engine_host import EngineHost
 from shared.kv import TAG_SPAN, KVTransport
 from shared.kv.receiver import KVInbox, KVReceiver
 from shared.messages import AdmitReply, AdmitRequest, Cancel, KVAck, TokenChunk
+from shared.prefix_index import PrefixPublisher
 from shared.service import heartbeat, run, setup_logging
 from shared.worker import serve_worker, worker_id, worker_info
 from shared.state import State
@@ -51,7 +52,8 @@ class DecodeWorker:
         self.settings, self.engine, self.bus, self.state = settings, engine, bus, state
         self.transport, self.tracer = transport, tracer
         self.id = worker_id(settings, "decode")
-        self.host = EngineHost(engine)
+        self.prefix = PrefixPublisher(state, self.id, lease_s=3 * settings.heartbeat_s)
+        self.host = EngineHost(engine, self.prefix.publish)
         self.spans: dict[str, trace.Span] = {}
         self.receiving: dict[str, asyncio.Task] = {}
         self.inbox = KVInbox(bus, self.id)
@@ -63,6 +65,7 @@ class DecodeWorker:
     async def serve(self, stop: asyncio.Event) -> None:
         await self.bus.subscribe(subjects.decode_admit(self.id), self.on_admit)
         await self.inbox.start()
+        await self.prefix.start()
         await self.bus.subscribe(subjects.CANCEL_ALL, self.on_cancel)
         beat = asyncio.create_task(heartbeat(self.state, self.info, self.settings.heartbeat_s, stop))
         engine_loop = asyncio.create_task(self.host.run(self.publish, stop))
@@ -71,6 +74,7 @@ class DecodeWorker:
         self.draining = True
         await beat
         await self.state.deregister(self.id)
+        await self.prefix.close()
         await engine_loop  # after stop it returns once the running sequences are done
         for task in list(self.receiving.values()):
             task.cancel()

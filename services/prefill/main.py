@@ -1,8 +1,9 @@
 """Prefill worker: runs prompts, publishes each first token, streams the KV to a decode worker.
 
 1. Start: load the model, build the engine, open the UCX transport, make sure the prefill
-   work queue exists, register in Redis with a heartbeat lease, pull from this worker's
-   durable consumer (`pd.prefill.jobs.<id>`).
+   work queue exists, register in Redis with a heartbeat lease (queued tokens, measured
+   prefill rate), pull from this worker's durable consumer (`pd.prefill.jobs.<id>`). Each
+   step's prefix-cache changes go to its set in the prefix index (shared/prefix_index.py).
 2. Take jobs (up to `max_jobs` in flight); a job cancelled before it starts is dropped. Each
    job opens a KV handoff to its decode worker (shared/kv/sender.py; refused at once if the
    decode worker's fingerprint differs) and is queued with the engine streaming its KV.
@@ -36,6 +37,7 @@ from shared.kv import KVTransport
 from shared.kv.sender import KVSender
 from shared.engine.sequence import Status
 from shared.messages import FINISHED_IN_PREFILL, Cancel, PrefillJob, TokenChunk
+from shared.prefix_index import PrefixPublisher
 from shared.service import heartbeat, run, setup_logging
 from shared.worker import serve_worker, worker_id, worker_info
 from shared.state import State
@@ -49,7 +51,8 @@ class PrefillWorker:
         self.settings, self.engine, self.bus, self.state = settings, engine, bus, state
         self.transport, self.tracer = transport, tracer
         self.id = worker_id(settings, "prefill")
-        self.host = EngineHost(engine)
+        self.prefix = PrefixPublisher(state, self.id, lease_s=3 * settings.heartbeat_s)
+        self.host = EngineHost(engine, self.prefix.publish)
         self.jobs: dict[str, tuple[PrefillJob, Msg, trace.Span]] = {}
         self.kv_spans: dict[str, trace.Span] = {}
         self.sender = KVSender(transport, bus, engine.fingerprint, self.read_blocks, settings.kv_max_attempts,
@@ -58,19 +61,22 @@ class PrefillWorker:
         self.handoffs: set[asyncio.Task] = set()
 
     def info(self):
-        return worker_info(self.engine, self.id, "prefill", self.settings)
+        return worker_info(self.engine, self.id, "prefill", self.settings,
+                           prefill_tokens_per_s=self.host.prefill_tokens_per_s)
 
     async def serve(self, stop: asyncio.Event) -> None:
         await self.bus.ensure_prefill_stream()
         pull = await self.bus.js.pull_subscribe(subjects.prefill_jobs(self.id), durable=self.id)
         await self.bus.subscribe(subjects.CANCEL_ALL, self.on_cancel)
         await self.sender.start()
+        await self.prefix.start()
         beat = asyncio.create_task(heartbeat(self.state, self.info, self.settings.heartbeat_s, stop))
 
         async def leave_registry():  # on stop, at once: the router sends no more jobs here
             await stop.wait()
             await beat
             await self.state.deregister(self.id)
+            await self.prefix.close()
 
         leaving = asyncio.create_task(leave_registry())
         log.info("prefill worker %s ready", self.id)
@@ -78,7 +84,7 @@ class PrefillWorker:
             if not stop.is_set() and len(self.jobs) < self.settings.max_jobs:
                 await self.take_jobs(pull, wait_s=0.005 if self.jobs else 0.5)
             if self.engine.has_work():
-                for out in await self.host.call(self.engine.step):
+                for out in await self.host.step():
                     await self.on_first_token(out)
             elif self.handoffs:
                 await asyncio.wait(self.handoffs, timeout=0.05)

@@ -3,7 +3,9 @@
 1. Start: make sure the prefill work queue exists; join the `router` queue group on
    `pd.router.route` (several replicas share the requests).
 2. Route (gateway → here): read the live workers from the registry (leases: a dead worker
-   is simply absent), decide local or remote prefill (policy.py), pick the decode worker.
+   is simply absent) and how much of the prompt each prefill worker already caches (the
+   prefix index, shared/prefix_index.py); decide local or remote prefill and pick the
+   decode worker and the prefill worker by cost (policy.py).
 3. Admit on the decode worker first (it reserves KV blocks, or refuses and the next
    candidate is asked), so no prefill is spent on a request that has nowhere to decode.
 4. Remote: put the prefill job on the chosen prefill worker's queue (JetStream, kept until
@@ -27,13 +29,14 @@ from opentelemetry import trace
 from shared import subjects, tracing
 from shared.bus import Bus, context_of
 from shared.config import RouterSettings
+from shared.hashing import block_hashes
 from shared.messages import AdmitReply, AdmitRequest, PrefillJob, RouteReply, RouteRequest, WorkerInfo
+from shared.prefix_index import cached_blocks
 from shared.service import connect, heartbeat, run, setup_logging, stop_event
 from shared.state import State
 from services.router import policy
 
 log = logging.getLogger("router")
-BLOCK_SIZE = 16
 WORKERS_TTL_S = 0.2
 
 
@@ -41,6 +44,9 @@ class Router:
     def __init__(self, settings: RouterSettings, bus: Bus, state: State, tracer: trace.Tracer):
         self.settings, self.bus, self.state, self.tracer = settings, bus, state, tracer
         self._workers: tuple[float, list[WorkerInfo]] = (0.0, [])
+        # prefill tokens sent to each worker lately, (when, tokens): counted on top of the queue its
+        # registry entry shows until that entry has surely caught up (two heartbeats)
+        self.sent: dict[str, list[tuple[float, int]]] = {}
         self._background: set[asyncio.Task] = set()
 
     async def workers(self) -> list[WorkerInfo]:
@@ -52,6 +58,12 @@ class Router:
             workers = [w for w in await self.state.workers() if w.role != "router"]
             self._workers = (now, workers)
         return workers
+
+    def recently_sent(self) -> dict[str, int]:
+        horizon = time.monotonic() - 2 * self.settings.heartbeat_s
+        for worker, sent in self.sent.items():
+            sent[:] = [(t, n) for t, n in sent if t > horizon]
+        return {worker: sum(n for _, n in sent) for worker, sent in self.sent.items()}
 
     def in_background(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -84,31 +96,42 @@ class Router:
             await self.bus.respond(msg, reply)
 
     async def route(self, req: RouteRequest) -> RouteReply:
-        rid = req.request_id
+        rid, prompt = req.request_id, req.prompt_token_ids
         workers = [w for w in await self.workers() if w.model == req.model]
         prefills = [w for w in workers if w.role == "prefill"]
-        blocks = -(-(len(req.prompt_token_ids) + 1) // BLOCK_SIZE)
-        for decode in policy.decode_candidates([w for w in workers if w.role == "decode"], blocks):
-            prefill = policy.choose_prefill(prefills, decode.fingerprint)
-            mode, reason = policy.prefill_mode(len(req.prompt_token_ids), int(prefill is not None),
-                                               self.settings.local_prefill_below)
-            admit = await self.admit(decode, req, mode, prefill)
+        decodes = [w for w in workers if w.role == "decode"]
+        block_size = workers[0].block_size if workers else 16
+        # the engine always computes the last prompt token: only the blocks before it can hit
+        cached = await cached_blocks(self.state, [p.worker_id for p in prefills],
+                                     block_hashes(prompt[:-1], block_size))
+        blocks = -(-(len(prompt) + 1) // block_size)
+        for decode in policy.decode_candidates(decodes, blocks):
+            candidates = policy.prefill_candidates(prefills, decode.fingerprint, cached, self.recently_sent(),
+                                                   self.settings.default_prefill_tokens_per_s)
+            prefill, why = policy.choose_prefill_by_cost(candidates, len(prompt), self.settings.recompute_weight)
+            mode, reason = policy.prefill_mode(len(prompt), int(prefill is not None), self.settings.local_prefill_below)
+            admit = await self.admit(decode, req, mode, prefill.worker_id if prefill else None)
             if admit is None or not admit.ok:
                 continue
+            span = trace.get_current_span()
             if mode == "remote":
-                job = PrefillJob(request_id=rid, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
+                reason = why
+                self.sent.setdefault(prefill.worker_id, []).append((time.monotonic(), len(prompt) - prefill.cached_tokens))
+                span.set_attributes({"prefill_cached_tokens": prefill.cached_tokens,
+                                     "prefill_queued_tokens": prefill.queued_tokens})
+                job = PrefillJob(request_id=rid, prompt_token_ids=prompt, sampling=req.sampling,
                                  decode_worker=decode.worker_id, decode_address=decode.ucx_address,
                                  decode_fingerprint=decode.fingerprint,
                                  first_block=admit.first_block, kv_tag=admit.kv_tag)
                 # not awaited: the reply need not wait for the queue's ack; if the job is lost,
                 # the decode worker's KV deadline turns the request into a local prefill
                 self.in_background(self.dispatch(prefill.worker_id, job))
+            prefill_id = prefill.worker_id if mode == "remote" else None
             self.in_background(self.state.record(rid, "routed", mode=mode, reason=reason, decode=decode.worker_id,
-                                                 prefill=prefill.worker_id if mode == "remote" else ""))
+                                                 prefill=prefill_id or ""))
             return RouteReply(request_id=rid, ok=True, mode=mode, reason=reason, decode_worker=decode.worker_id,
-                              prefill_worker=prefill.worker_id if mode == "remote" else None)
-        reason = "no decode worker is up" if not any(w.role == "decode" for w in workers) else \
-            "no decode worker has room for this request now"
+                              prefill_worker=prefill_id)
+        reason = "no decode worker is up" if not decodes else "no decode worker has room for this request now"
         return RouteReply(request_id=rid, ok=False, reason=reason)
 
     async def dispatch(self, prefill_worker: str, job: PrefillJob) -> None:
@@ -118,9 +141,9 @@ class Router:
             log.warning("%s: prefill job not queued (%s); the decode worker will prefill it", job.request_id, e)
 
     async def admit(self, decode: WorkerInfo, req: RouteRequest, mode: str,
-                    prefill: WorkerInfo | None) -> AdmitReply | None:
+                    prefill_worker: str | None) -> AdmitReply | None:
         msg = AdmitRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
-                           mode=mode, prefill_worker=prefill.worker_id if prefill else None)
+                           mode=mode, prefill_worker=prefill_worker)
         try:
             return await self.bus.request(subjects.decode_admit(decode.worker_id), msg, AdmitReply,
                                           timeout=self.settings.admit_timeout_s)

@@ -33,18 +33,22 @@ def decode_candidates(workers: list[WorkerInfo], blocks_needed: int) -> list[Wor
     return sorted(fit, key=lambda w: (w.running + w.waiting, -w.free_blocks, w.worker_id))
 
 
-def choose_prefill(workers: list[WorkerInfo], fingerprint: str) -> WorkerInfo | None:
-    """The least busy prefill worker whose KV the decode worker can take (same fingerprint)."""
-    same = [w for w in workers if w.fingerprint == fingerprint]
-    return min(same, key=lambda w: (w.running + w.waiting, w.worker_id), default=None)
-
-
 @dataclass(frozen=True)
 class PrefillCandidate:
     worker_id: str
     cached_tokens: int        # leading prompt tokens already in this worker's prefix cache
     queued_tokens: int        # prefill work waiting there before this prompt (tokens to compute)
     tokens_per_s: float       # its measured prefill rate
+
+
+def prefill_candidates(workers: list[WorkerInfo], fingerprint: str, cached_blocks: dict[str, int],
+                       assigned_tokens: dict[str, int], default_tokens_per_s: float) -> list[PrefillCandidate]:
+    """Prefill workers whose KV the decode worker can take (same fingerprint), as numbers:
+    cached tokens from the prefix index, queue from the registry plus what was sent since."""
+    return [PrefillCandidate(w.worker_id, cached_blocks.get(w.worker_id, 0) * w.block_size,
+                             w.queued_tokens + assigned_tokens.get(w.worker_id, 0),
+                             w.prefill_tokens_per_s or default_tokens_per_s)
+            for w in workers if w.fingerprint == fingerprint]
 
 
 def predicted_prefill_s(c: PrefillCandidate, prompt_tokens: int) -> float:

@@ -76,6 +76,7 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}
         self.layer_hook = None
         self._streams: dict[str, _Stream] = {}
+        self.last_pass: tuple[bool, int] = (False, 0)  # (was a decode pass, tokens computed)
         self._rng = random.Random(cfg.seed)
 
     # -- queries -------------------------------------------------------------------------
@@ -88,6 +89,11 @@ class Engine:
 
     def drain_kv_events(self) -> list[KVEvent]:
         return self.blocks.drain_events()
+
+    @property
+    def queued_tokens(self) -> int:
+        """Prompt tokens queued and not yet computed (a snapshot: safe from another thread)."""
+        return sum(len(s.token_ids) - s.num_computed for s in list(self.scheduler.waiting))
 
     # -- colocated / prefill -------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -102,6 +108,7 @@ class Engine:
         sched = self.scheduler.schedule()
         if sched is None:
             return []
+        self.last_pass = (sched.is_decode, sum(n for _, n in sched.chunks))
         logits = self.runner.run(sched, self._hook_for(sched))
         due: list[Sequence] = []
         for seq, n in sched.chunks:

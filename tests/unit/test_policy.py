@@ -20,10 +20,13 @@ def test_decode_candidates_need_room_and_prefer_the_least_loaded():
     assert policy.decode_candidates(workers, blocks_needed=1000) == []
 
 
-def test_prefill_choice_requires_the_same_model_fingerprint():
+def test_prefill_candidates_require_the_same_model_fingerprint_and_count_recent_work():
     pool = [w("p1", "prefill", waiting=3), w("p2", "prefill", waiting=1), w("p3", "prefill", fp="other")]
-    assert policy.choose_prefill(pool, "f").worker_id == "p2"
-    assert policy.choose_prefill(pool, "nope") is None
+    pool[0] = pool[0].copy(update={"queued_tokens": 300, "prefill_tokens_per_s": 2000.0})
+    cands = policy.prefill_candidates(pool, "f", {"p1": 4}, {"p1": 100, "p2": 50}, default_tokens_per_s=1000)
+    assert [(c.worker_id, c.cached_tokens, c.queued_tokens, c.tokens_per_s) for c in cands] == [
+        ("p1", 64, 400, 2000.0), ("p2", 0, 50, 1000)]
+    assert policy.prefill_candidates(pool, "nope", {}, {}, 1000) == []
 
 
 def test_prefill_cost_prefers_the_worker_holding_the_prefix_unless_it_is_swamped():

@@ -1,0 +1,54 @@
+"""The prefix index against a real redis-server: a worker's events in, a router's question out."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import tempfile
+import time
+
+import pytest
+
+from deploy.local.stack import _binary, free_port
+from shared.engine.block_manager import KVEvent
+from shared.prefix_index import PrefixPublisher, cached_blocks, net_changes, prefix_key
+from shared.state import State
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    port = free_port()
+    with tempfile.TemporaryDirectory() as d:
+        proc = subprocess.Popen([_binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                 "--appendonly", "no", "--dir", d], stdout=subprocess.DEVNULL)
+        time.sleep(0.3)
+        yield f"redis://127.0.0.1:{port}/0"
+        proc.terminate()
+        proc.wait()
+
+
+def test_the_last_event_per_block_wins():
+    events = [KVEvent("stored", 1), KVEvent("stored", 2), KVEvent("evicted", 1), KVEvent("evicted", 3),
+              KVEvent("stored", 3)]
+    assert net_changes(events) == ([2, 3], [1])
+
+
+def test_a_worker_publishes_and_a_router_reads_leading_blocks(redis_url):
+    async def run():
+        state = State.connect(redis_url)
+        await state.r.sadd(prefix_key("w1"), 99)          # left over from a previous life of w1
+        pub = PrefixPublisher(state, "w1", lease_s=3)
+        await pub.start()
+        pub.publish([KVEvent("stored", h) for h in (11, 12, 13)])
+        pub.publish([KVEvent("evicted", 12)])
+        await asyncio.sleep(0.2)
+        got = await cached_blocks(State.connect(redis_url), ["w1", "w2"], [11, 12, 13, 99])
+        ttl = await state.r.pttl(prefix_key("w1"))
+        await pub.close()
+        gone = await state.r.exists(prefix_key("w1"))
+        await state.close()
+        return got, ttl, gone
+
+    got, ttl, gone = asyncio.run(run())
+    assert got == {"w1": 1, "w2": 0}       # 12 was evicted: only the first block leads; 99 was reset
+    assert 0 < ttl <= 3000 and gone == 0   # expires with the lease; removed when the worker stops
