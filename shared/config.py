@@ -44,6 +44,10 @@ class RouterSettings(Common):
                                     "`make eval-router` sweeps it)")
     default_prefill_tokens_per_s: float = Field(1000.0, gt=0, description="prefill rate assumed for a worker "
                                                 "that has not measured its own yet")
+    session_ttl_s: float = Field(3600.0, gt=0, description="a conversation's decode worker is remembered this "
+                                 "long after its last turn")
+    affinity_slack: int = Field(4, ge=0, description="a conversation stays on its decode worker while that "
+                                "runs at most this many more sequences than the least loaded")
 
 
 class WorkerSettings(Common):

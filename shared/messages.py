@@ -50,6 +50,7 @@ class RouteRequest(Message):
     prompt_token_ids: list[int]
     sampling: Sampling
     model: str
+    session_id: str | None = None   # turns of one conversation (decode affinity)
 
 
 # -- to the gateway -----------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
     pd:worker:<id>   WorkerInfo JSON, expires with the heartbeat lease (a dead worker vanishes)
     pd:req:<id>      hash: the request's phase, workers, timestamps (expires after a day)
+    pd:session:<id>  the decode worker of a conversation's last turn (expires when idle)
+    pd:prefix:<id>   a worker's cached block hashes (shared/prefix_index.py)
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ def worker_key(worker_id: str) -> str:
 
 def request_key(request_id: str) -> str:
     return f"pd:req:{request_id}"
+
+
+def session_key(session_id: str) -> str:
+    return f"pd:session:{session_id}"
 
 
 class State:
@@ -61,3 +67,13 @@ class State:
     async def request(self, request_id: str) -> dict[str, str]:
         raw = await self.r.hgetall(request_key(request_id))
         return {k.decode(): v.decode() for k, v in raw.items()}
+
+    # -- sessions --------------------------------------------------------------------------
+    async def session_worker(self, session_id: str | None) -> str | None:
+        if not session_id:
+            return None
+        v = await self.r.get(session_key(session_id))
+        return v.decode() if v is not None else None
+
+    async def set_session_worker(self, session_id: str, worker_id: str, ttl_s: float) -> None:
+        await self.r.set(session_key(session_id), worker_id, px=int(ttl_s * 1000))

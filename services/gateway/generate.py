@@ -60,8 +60,9 @@ async def generate(gw: Gateway, request: Request, body: ChatCompletionRequest | 
     span = trace.get_current_span()
     span.set_attributes({"prompt_tokens": len(ids), "stream": body.stream, "max_tokens": sampling.max_tokens})
     try:
-        placement, chunks = await gw.relay.run(RouteRequest(request_id=rid, prompt_token_ids=ids,
-                                                            sampling=sampling, model=body.model))
+        session = body.session_id or request.headers.get("x-session-id") or None
+        placement, chunks = await gw.relay.run(RouteRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling,
+                                                            model=body.model, session_id=session))
     except APIError as e:
         span.set_attribute("error", e.message)
         raise

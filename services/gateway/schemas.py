@@ -43,6 +43,8 @@ class _Common(BaseModel):
     min_tokens: int = Field(0, ge=0)                 # benchmark extension
     return_token_ids: bool = False                   # extension: generated token ids in each choice
     user: str | None = None
+    session_id: str | None = Field(None, min_length=1, max_length=200)   # extension (or header x-session-id):
+                                                                        # a conversation's turns share a decode worker
 
     @field_validator("stop")
     @classmethod

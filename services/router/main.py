@@ -102,10 +102,12 @@ class Router:
         decodes = [w for w in workers if w.role == "decode"]
         block_size = workers[0].block_size if workers else 16
         # the engine always computes the last prompt token: only the blocks before it can hit
-        cached = await cached_blocks(self.state, [p.worker_id for p in prefills],
-                                     block_hashes(prompt[:-1], block_size))
+        cached = await cached_blocks(self.state, [w.worker_id for w in workers], block_hashes(prompt[:-1], block_size))
+        session_worker = await self.state.session_worker(req.session_id)
         blocks = -(-(len(prompt) + 1) // block_size)
-        for decode in policy.decode_candidates(decodes, blocks):
+        ranked = policy.decode_candidates(decodes, blocks, {w: n * block_size for w, n in cached.items()},
+                                          len(prompt), session_worker, self.settings.affinity_slack)
+        for decode in ranked:
             candidates = policy.prefill_candidates(prefills, decode.fingerprint, cached, self.recently_sent(),
                                                    self.settings.default_prefill_tokens_per_s)
             prefill, why = policy.choose_prefill_by_cost(candidates, len(prompt), self.settings.recompute_weight)
@@ -127,6 +129,11 @@ class Router:
                 # the decode worker's KV deadline turns the request into a local prefill
                 self.in_background(self.dispatch(prefill.worker_id, job))
             prefill_id = prefill.worker_id if mode == "remote" else None
+            span.set_attributes({"decode_cached_tokens": cached.get(decode.worker_id, 0) * block_size,
+                                 "session_worker": session_worker or ""})
+            if req.session_id:
+                self.in_background(self.state.set_session_worker(req.session_id, decode.worker_id,
+                                                                 self.settings.session_ttl_s))
             self.in_background(self.state.record(rid, "routed", mode=mode, reason=reason, decode=decode.worker_id,
                                                  prefill=prefill_id or ""))
             return RouteReply(request_id=rid, ok=True, mode=mode, reason=reason, decode_worker=decode.worker_id,

@@ -4,7 +4,8 @@ Prefill: the worker that would finish the prompt soonest — its queued work plu
 the prompt it does not already hold in its prefix cache, at its measured rate
 (`choose_prefill_by_cost`). The same functions drive the live router and the trace replay of
 `make eval-router` (bench/router_eval.py).
-Decode: least loaded with room. Prompts below a length threshold, or any prompt when no
+Decode: the worker holding the conversation (session or prefix cache) unless it is much
+busier than the least loaded, else the least loaded with room. Prompts below a length threshold, or any prompt when no
 prefill worker is up, are prefilled on the decode worker itself.
 """
 
@@ -27,10 +28,27 @@ def prefill_mode(prompt_tokens: int, prefill_workers: int, local_below: int) -> 
     return "remote", "prefill pool"
 
 
-def decode_candidates(workers: list[WorkerInfo], blocks_needed: int) -> list[WorkerInfo]:
-    """Decode workers that have room for the prompt, least loaded first."""
+def decode_candidates(workers: list[WorkerInfo], blocks_needed: int, cached_tokens: dict[str, int] | None = None,
+                      prompt_tokens: int = 0, session_worker: str | None = None,
+                      affinity_slack: int = 4) -> list[WorkerInfo]:
+    """Decode workers that have room for the prompt, best first.
+
+    A worker is *affine* when it holds the request's conversation — it is the session's
+    worker, or its prefix cache holds at least half the prompt — and its load (running +
+    waiting sequences) is within `affinity_slack` of the least loaded: affine workers come
+    first, most cached tokens first (a follow-up turn goes back to its KV, and only its new
+    blocks cross). Then the rest, least loaded first."""
+    cached = cached_tokens or {}
     fit = [w for w in workers if w.free_blocks >= blocks_needed]
-    return sorted(fit, key=lambda w: (w.running + w.waiting, -w.free_blocks, w.worker_id))
+    if not fit:
+        return []
+    least = min(w.running + w.waiting for w in fit)
+
+    def key(w: WorkerInfo):
+        load, held = w.running + w.waiting, cached.get(w.worker_id, 0)
+        affine = (w.worker_id == session_worker or 2 * held >= prompt_tokens > 0) and load <= least + affinity_slack
+        return (not affine, -held if affine else 0, load, -w.free_blocks, w.worker_id)
+    return sorted(fit, key=key)
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ SYSTEM = "You are the archive assistant of the river town of Alder. " + " ".join
 
 
 def _ask(url: str, messages, max_tokens=4) -> httpx.Response:
-    r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
-        "model": MODEL, "temperature": 0, "max_tokens": max_tokens, "messages": messages})
+    r = httpx.post(url + "/v1/chat/completions", timeout=120, json={   # busy for exactly max_tokens steps
+        "model": MODEL, "temperature": 0, "max_tokens": max_tokens, "ignore_eos": True, "messages": messages})
     assert r.status_code == 200, r.text
     return r
 
@@ -54,3 +54,52 @@ def test_shared_system_prompts_stay_on_the_worker_that_caches_them(otlp, tmp_pat
     for s in spans[1:]:
         assert s["router.route"]["prefill_cached_tokens"] >= system_tokens // 16 * 16 - 16, s["router.route"]
         assert s["prefill.compute"]["cached_tokens"] == s["router.route"]["prefill_cached_tokens"]
+
+
+def test_turns_of_a_conversation_follow_their_kv_across_a_router_restart(otlp, tmp_path):
+    """decode-0 is busy when turn 1 comes, so it goes to decode-1; turns 2 and 3 go back there
+    (both decode workers idle by then) and send only their new blocks — turn 3 through a
+    router restarted in between, which kept nothing in memory."""
+    cfg = StackConfig.on_free_ports(prefill=1, decode=2, kv_blocks=1024, log_dir=tmp_path,
+                                    env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.url, "PD_HEARTBEAT_S": "0.3"})
+    convo = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which mill ground the most?"}]
+    results = []
+
+    def turn(stack):
+        r = httpx.post(stack.url + "/v1/chat/completions", timeout=120, headers={"x-session-id": "conv-1"}, json={
+            "model": MODEL, "temperature": 0, "max_tokens": 8, "messages": convo})
+        assert r.status_code == 200, r.text
+        convo.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+        convo.append({"role": "user", "content": f"And after that ({len(convo)})?"})
+        results.append((r.headers["x-trace-id"], r.json()["usage"]["prompt_tokens"]))
+
+    with Stack(cfg) as stack, ThreadPoolExecutor(1) as pool:
+        busy = pool.submit(_ask, stack.url, [{"role": "user", "content": "Count slowly from one to fifty."}], 48)
+        time.sleep(0.8)
+        turn(stack)
+        busy.result()
+        turn(stack)
+        router = stack.procs["router"]
+        router.terminate()
+        router.wait(30)
+        stack.service("router", "services.router.main")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            ready = httpx.get(stack.url + "/ready").json()
+            if ready.get("ready") and ready["workers"].get("router") == 1:
+                break
+            time.sleep(0.3)
+        time.sleep(1)   # the old router's registry entry is gone, the new one is in
+        turn(stack)
+    spans = []
+    for trace_id, _ in results:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not {"router.route", "kv.transfer"} <= \
+                {s.name for s in otlp.trace(trace_id)}:
+            time.sleep(0.2)
+        spans.append({s.name: s.attributes for s in otlp.trace(trace_id)})
+    assert [s["router.route"]["decode_worker"] for s in spans] == ["decode-1"] * 3
+    for (_, before), (_, now), s in zip(results, results[1:], spans[1:]):
+        sent = s["kv.transfer"]
+        assert sent["skipped_blocks"] >= before // 16 - 1                     # the last turn's KV stayed
+        assert sent["bytes"] == (-(-now // 16) - sent["skipped_blocks"]) * 30 * 2 * 16 * 3 * 64 * 4

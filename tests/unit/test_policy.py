@@ -20,6 +20,16 @@ def test_decode_candidates_need_room_and_prefer_the_least_loaded():
     assert policy.decode_candidates(workers, blocks_needed=1000) == []
 
 
+def test_a_follow_up_turn_goes_back_to_its_kv_unless_that_worker_is_swamped():
+    workers = [w("a", running=2), w("b", running=0), w("c", running=1)]
+    order = lambda **kw: [x.worker_id for x in policy.decode_candidates(workers, 10, **kw)]  # noqa: E731
+    assert order() == ["b", "c", "a"]
+    assert order(cached_tokens={"a": 900, "c": 200}, prompt_tokens=1000) == ["a", "b", "c"]
+    assert order(cached_tokens={"a": 300}, prompt_tokens=1000) == ["b", "c", "a"]   # a shared preamble only
+    assert order(session_worker="c") == ["c", "b", "a"]
+    assert order(session_worker="a", affinity_slack=1) == ["b", "c", "a"]          # too busy: move on
+
+
 def test_prefill_candidates_require_the_same_model_fingerprint_and_count_recent_work():
     pool = [w("p1", "prefill", waiting=3), w("p2", "prefill", waiting=1), w("p3", "prefill", fp="other")]
     pool[0] = pool[0].copy(update={"queued_tokens": 300, "prefill_tokens_per_s": 2000.0})
