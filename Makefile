@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # CPU build of torch (from the local wheel cache when present); GPU users: TORCH_SPEC=torch
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup run test test-fast bench-engine bench-stack bench-transfer eval-router gpu-check clean
+.PHONY: setup run test test-fast bench-engine bench-stack bench-transfer eval-router bench-router gpu-check clean
 
 setup: $(STAMP)
 
@@ -45,6 +45,10 @@ bench-transfer: setup
 ## eval-router: replay ../shared/traces/mooncake_conversation.jsonl through the prefill placement policies; writes bench/results/router.json
 eval-router: setup
 	$(BIN)/python -m bench.router_eval
+
+## bench-router: prefix-aware vs round-robin prefill placement on the live stack (shared system prompts); writes bench/results/router_live.json
+bench-router: setup
+	$(BIN)/python -m bench.router_live
 
 ## gpu-check: Triton kernels and the engine on CUDA (run on a GPU machine)
 gpu-check:

@@ -94,7 +94,8 @@ def replay(requests: list[Request], policy: str, workers: int, cache_blocks: int
             w = rng.choice(pool)
         else:
             candidates = [PrefillCandidate(w.worker_id, cached_tokens(w.cached_blocks(req.hash_ids), req.prompt_tokens),
-                                           int(max(0.0, w.busy_until - req.t) * tokens_per_s), tokens_per_s)
+                                           int(max(0.0, w.busy_until - req.t) * tokens_per_s), tokens_per_s,
+                                           len(w.blocks))
                           for w in pool]
             best, _ = choose_prefill_by_cost(candidates, req.prompt_tokens, recompute_weight)
             w = next(x for x in pool if x.worker_id == best.worker_id)

@@ -39,6 +39,8 @@ class RouterSettings(Common):
     admit_timeout_s: float = Field(5.0, gt=0)
     local_prefill_below: int = Field(0, ge=0, description="prompts shorter than this are prefilled "
                                      "on the decode worker (0: always remote when a prefill worker is up)")
+    prefill_policy: Literal["cost", "round_robin"] = Field("cost", description="prefill placement: by cost "
+                                                           "(prefix cache, queues, rates) or round-robin (baseline)")
     recompute_weight: float = Field(8.0, ge=0, description="prefill placement: weight of recomputing tokens "
                                     "another worker already caches (0: fastest first token per request; "
                                     "`make eval-router` sweeps it)")

@@ -9,7 +9,7 @@ set when it starts (its cache starts empty). There is therefore no sequence numb
 and no resync to run: a restarted worker rewrites its set from scratch, a dead one's set
 expires with its lease, and any router replica — or a restarted router — reads the same
 state. Routers ask `cached_blocks(workers, hashes)`: per worker, how many leading blocks of
-a prompt it holds (one SMISMEMBER per worker, pipelined).
+a prompt it holds and how full its cache is (SMISMEMBER + SCARD per worker, pipelined).
 """
 
 from __future__ import annotations
@@ -77,20 +77,23 @@ class PrefixPublisher:
         await self.state.r.delete(self.key)
 
 
-async def cached_blocks(state: State, worker_ids: list[str], hashes: list[int]) -> dict[str, int]:
-    """How many leading blocks of `hashes` each worker holds."""
-    if not hashes or not worker_ids:
-        return {w: 0 for w in worker_ids}
+async def cached_blocks(state: State, worker_ids: list[str], hashes: list[int]) -> dict[str, tuple[int, int]]:
+    """Per worker: (how many leading blocks of `hashes` it holds, how many blocks its cache holds)."""
+    if not worker_ids:
+        return {}
     async with state.r.pipeline(transaction=False) as p:
         for w in worker_ids:
-            p.smismember(prefix_key(w), hashes)
+            if hashes:
+                p.smismember(prefix_key(w), hashes)
+            p.scard(prefix_key(w))
         answers = await p.execute()
-    out = {}
-    for w, held in zip(worker_ids, answers):
+    out, it = {}, iter(answers)
+    for w in worker_ids:
+        held = next(it) if hashes else []
         n = 0
         for h in held:
             if not h:
                 break
             n += 1
-        out[w] = n
+        out[w] = (n, next(it))
     return out

@@ -53,6 +53,7 @@ class StackConfig:
     redis_port: int = 6379
     model: str = "smollm2"
     kv_blocks: int = 2048
+    prefill_kv_blocks: int = 0         # KV pool of prefill workers (0: kv_blocks)
     threads: int = 0                   # torch threads per worker (0: cores / workers)
     log_dir: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
@@ -106,7 +107,8 @@ class Stack:
         for i in range(c.decode):
             self.service(f"decode-{i}", "services.decode.main", PD_WORKER_ID=f"decode-{i}")
         for i in range(0 if c.colocated else c.prefill):
-            self.service(f"prefill-{i}", "services.prefill.main", PD_WORKER_ID=f"prefill-{i}")
+            self.service(f"prefill-{i}", "services.prefill.main", PD_WORKER_ID=f"prefill-{i}",
+                         PD_KV_BLOCKS=str(c.prefill_kv_blocks or c.kv_blocks))
         self.service("gateway", "services.gateway.main")
         self.wait_ready(ready_timeout_s)
         return self

@@ -47,6 +47,7 @@ class Router:
         # prefill tokens sent to each worker lately, (when, tokens): counted on top of the queue its
         # registry entry shows until that entry has surely caught up (two heartbeats)
         self.sent: dict[str, list[tuple[float, int]]] = {}
+        self.turn = 0  # remote placements so far (round-robin baseline)
         self._background: set[asyncio.Task] = set()
 
     async def workers(self) -> list[WorkerInfo]:
@@ -105,19 +106,22 @@ class Router:
         cached = await cached_blocks(self.state, [w.worker_id for w in workers], block_hashes(prompt[:-1], block_size))
         session_worker = await self.state.session_worker(req.session_id)
         blocks = -(-(len(prompt) + 1) // block_size)
-        ranked = policy.decode_candidates(decodes, blocks, {w: n * block_size for w, n in cached.items()},
+        ranked = policy.decode_candidates(decodes, blocks, {w: n * block_size for w, (n, _) in cached.items()},
                                           len(prompt), session_worker, self.settings.affinity_slack)
         for decode in ranked:
             candidates = policy.prefill_candidates(prefills, decode.fingerprint, cached, self.recently_sent(),
                                                    self.settings.default_prefill_tokens_per_s)
-            prefill, why = policy.choose_prefill_by_cost(candidates, len(prompt), self.settings.recompute_weight)
+            if self.settings.prefill_policy == "round_robin":
+                prefill, why = policy.choose_round_robin(candidates, self.turn)
+            else:
+                prefill, why = policy.choose_prefill_by_cost(candidates, len(prompt), self.settings.recompute_weight)
             mode, reason = policy.prefill_mode(len(prompt), int(prefill is not None), self.settings.local_prefill_below)
             admit = await self.admit(decode, req, mode, prefill.worker_id if prefill else None)
             if admit is None or not admit.ok:
                 continue
             span = trace.get_current_span()
             if mode == "remote":
-                reason = why
+                reason, self.turn = why, self.turn + 1
                 self.sent.setdefault(prefill.worker_id, []).append((time.monotonic(), len(prompt) - prefill.cached_tokens))
                 span.set_attributes({"prefill_cached_tokens": prefill.cached_tokens,
                                      "prefill_queued_tokens": prefill.queued_tokens})
@@ -129,7 +133,7 @@ class Router:
                 # the decode worker's KV deadline turns the request into a local prefill
                 self.in_background(self.dispatch(prefill.worker_id, job))
             prefill_id = prefill.worker_id if mode == "remote" else None
-            span.set_attributes({"decode_cached_tokens": cached.get(decode.worker_id, 0) * block_size,
+            span.set_attributes({"decode_cached_tokens": cached.get(decode.worker_id, (0, 0))[0] * block_size,
                                  "session_worker": session_worker or ""})
             if req.session_id:
                 self.in_background(self.state.set_session_worker(req.session_id, decode.worker_id,

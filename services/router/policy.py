@@ -57,15 +57,17 @@ class PrefillCandidate:
     cached_tokens: int        # leading prompt tokens already in this worker's prefix cache
     queued_tokens: int        # prefill work waiting there before this prompt (tokens to compute)
     tokens_per_s: float       # its measured prefill rate
+    cache_blocks: int = 0     # blocks in its prefix cache: on a tie, new prefixes go to the emptier
 
 
-def prefill_candidates(workers: list[WorkerInfo], fingerprint: str, cached_blocks: dict[str, int],
+def prefill_candidates(workers: list[WorkerInfo], fingerprint: str, index: dict[str, tuple[int, int]],
                        assigned_tokens: dict[str, int], default_tokens_per_s: float) -> list[PrefillCandidate]:
     """Prefill workers whose KV the decode worker can take (same fingerprint), as numbers:
-    cached tokens from the prefix index, queue from the registry plus what was sent since."""
-    return [PrefillCandidate(w.worker_id, cached_blocks.get(w.worker_id, 0) * w.block_size,
+    from the prefix index (leading blocks of the prompt held, blocks held in all), the queue
+    from the registry plus what was sent there since."""
+    return [PrefillCandidate(w.worker_id, index.get(w.worker_id, (0, 0))[0] * w.block_size,
                              w.queued_tokens + assigned_tokens.get(w.worker_id, 0),
-                             w.prefill_tokens_per_s or default_tokens_per_s)
+                             w.prefill_tokens_per_s or default_tokens_per_s, index.get(w.worker_id, (0, 0))[1])
             for w in workers if w.fingerprint == fingerprint]
 
 
@@ -81,7 +83,8 @@ def choose_prefill_by_cost(candidates: list[PrefillCandidate], prompt_tokens: in
     that work delays every prompt queued behind it and spreads a session's blocks over
     several caches. (Weight 0 is greedy per request; `make eval-router` sweeps it: on the
     Mooncake trace 4-16 gives both the lowest time to first token and most of the oracle's
-    hit rate.) Ties: more cached tokens, then the id."""
+    hit rate.) Ties: more cached tokens, then the emptier cache (new prefixes spread over the
+    pool instead of piling onto one worker), then the id."""
     if not candidates:
         return None, "no prefill worker"
     most = max(c.cached_tokens for c in candidates)
@@ -89,6 +92,14 @@ def choose_prefill_by_cost(candidates: list[PrefillCandidate], prompt_tokens: in
     def cost(c: PrefillCandidate) -> float:
         return predicted_prefill_s(c, prompt_tokens) + recompute_weight * (most - c.cached_tokens) / max(c.tokens_per_s, 1e-9)
 
-    best = min(candidates, key=lambda c: (cost(c), -c.cached_tokens, c.worker_id))
+    best = min(candidates, key=lambda c: (cost(c), -c.cached_tokens, c.cache_blocks, c.worker_id))
     return best, (f"{best.worker_id}: first token in ~{predicted_prefill_s(best, prompt_tokens):.2f} s "
                   f"({best.cached_tokens} of {prompt_tokens} tokens cached, {best.queued_tokens} queued)")
+
+
+def choose_round_robin(candidates: list[PrefillCandidate], turn: int) -> tuple[PrefillCandidate | None, str]:
+    """The baseline placement (PD_PREFILL_POLICY=round_robin), for side-by-side measurements."""
+    if not candidates:
+        return None, "no prefill worker"
+    best = sorted(candidates, key=lambda c: c.worker_id)[turn % len(candidates)]
+    return best, f"{best.worker_id}: round-robin"

@@ -33,9 +33,9 @@ def test_a_follow_up_turn_goes_back_to_its_kv_unless_that_worker_is_swamped():
 def test_prefill_candidates_require_the_same_model_fingerprint_and_count_recent_work():
     pool = [w("p1", "prefill", waiting=3), w("p2", "prefill", waiting=1), w("p3", "prefill", fp="other")]
     pool[0] = pool[0].copy(update={"queued_tokens": 300, "prefill_tokens_per_s": 2000.0})
-    cands = policy.prefill_candidates(pool, "f", {"p1": 4}, {"p1": 100, "p2": 50}, default_tokens_per_s=1000)
-    assert [(c.worker_id, c.cached_tokens, c.queued_tokens, c.tokens_per_s) for c in cands] == [
-        ("p1", 64, 400, 2000.0), ("p2", 0, 50, 1000)]
+    cands = policy.prefill_candidates(pool, "f", {"p1": (4, 9)}, {"p1": 100, "p2": 50}, default_tokens_per_s=1000)
+    assert [(c.worker_id, c.cached_tokens, c.queued_tokens, c.tokens_per_s, c.cache_blocks) for c in cands] == [
+        ("p1", 64, 400, 2000.0, 9), ("p2", 0, 50, 1000, 0)]
     assert policy.prefill_candidates(pool, "nope", {}, {}, 1000) == []
 
 
@@ -54,6 +54,8 @@ def test_prefill_cost_prefers_the_worker_holding_the_prefix_unless_it_is_swamped
     assert choose_prefill_by_cost([idle, busy], 4000, recompute_weight=0)[0].worker_id == "idle"
     assert choose_prefill_by_cost([idle, busy], 4000)[0].worker_id == "warm"
     assert choose_prefill_by_cost([], 10) == (None, "no prefill worker")
+    full, empty = (PrefillCandidate(n, 0, 0, 1000, blocks) for n, blocks in (("a", 500), ("b", 20)))
+    assert choose_prefill_by_cost([full, empty], 4000)[0].worker_id == "b"      # a new prefix: the emptier cache
 
 
 def test_trace_replay_keeps_sessions_on_their_cache():

@@ -50,5 +50,5 @@ def test_a_worker_publishes_and_a_router_reads_leading_blocks(redis_url):
         return got, ttl, gone
 
     got, ttl, gone = asyncio.run(run())
-    assert got == {"w1": 1, "w2": 0}       # 12 was evicted: only the first block leads; 99 was reset
+    assert got == {"w1": (1, 2), "w2": (0, 0)}   # 12 was evicted: only the first block leads; 99 was reset
     assert 0 < ttl <= 3000 and gone == 0   # expires with the lease; removed when the worker stops
