@@ -46,6 +46,8 @@ class RouterSettings(Common):
                                     "`make eval-router` sweeps it)")
     default_prefill_tokens_per_s: float = Field(1000.0, gt=0, description="prefill rate assumed for a worker "
                                                 "that has not measured its own yet")
+    ttft_slo_s: float = Field(0.0, ge=0, description="refuse (429, Retry-After) a request whose predicted time to "
+                              "first token exceeds this; 0: admit everything")
     session_ttl_s: float = Field(3600.0, gt=0, description="a conversation's decode worker is remembered this "
                                  "long after its last turn")
     affinity_slack: int = Field(4, ge=0, description="a conversation stays on its decode worker while that "

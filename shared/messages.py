@@ -61,6 +61,7 @@ class RouteReply(Message):
     reason: str = ""                                 # why this placement, or why refused
     prefill_worker: str | None = None
     decode_worker: str | None = None
+    retry_after_s: float = 0.0                        # refused as over the TTFT objective: retry then
 
 
 class TokenChunk(Message):

@@ -14,9 +14,10 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "inval
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
 
 def body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
@@ -24,7 +25,8 @@ def body(status: int, message: str, param: str | None = None, code: str | None =
 
 
 def response(err: APIError) -> JSONResponse:
-    return JSONResponse(body(err.status, err.message, err.param, err.code), status_code=err.status)
+    return JSONResponse(body(err.status, err.message, err.param, err.code), status_code=err.status,
+                        headers=err.headers)
 
 
 def _describe(errors: list[dict]) -> tuple[str, str | None]:

@@ -4,6 +4,7 @@ ask the router for a placement, then yield its token chunks in order, once each.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator
 
 import nats.errors
@@ -35,6 +36,10 @@ class Relay:
                            code="router_unavailable")
         if not reply.ok:
             await sub.unsubscribe()
+            if reply.retry_after_s > 0:  # would wait longer than the objective: say when to come back
+                raise APIError(429, f"The service is busy: {reply.reason}. Retry after "
+                                    f"{math.ceil(reply.retry_after_s)} s.", code="ttft_objective_exceeded",
+                               headers={"Retry-After": str(math.ceil(reply.retry_after_s))})
             raise APIError(503, f"The request could not be placed: {reply.reason}.", code="no_capacity")
         return reply, self._ordered(req.request_id, queue, sub)
 

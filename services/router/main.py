@@ -116,6 +116,11 @@ class Router:
             else:
                 prefill, why = policy.choose_prefill_by_cost(candidates, len(prompt), self.settings.recompute_weight)
             mode, reason = policy.prefill_mode(len(prompt), int(prefill is not None), self.settings.local_prefill_below)
+            if mode == "remote":
+                admit_ok, retry_after, why_not = policy.within_objective(
+                    policy.predicted_prefill_s(prefill, len(prompt)), self.settings.ttft_slo_s)
+                if not admit_ok:
+                    return RouteReply(request_id=rid, ok=False, reason=why_not, retry_after_s=retry_after)
             admit = await self.admit(decode, req, mode, prefill.worker_id if prefill else None)
             if admit is None or not admit.ok:
                 continue

@@ -103,3 +103,13 @@ def choose_round_robin(candidates: list[PrefillCandidate], turn: int) -> tuple[P
         return None, "no prefill worker"
     best = sorted(candidates, key=lambda c: c.worker_id)[turn % len(candidates)]
     return best, f"{best.worker_id}: round-robin"
+
+
+def within_objective(predicted_s: float, slo_s: float) -> tuple[bool, float, str]:
+    """Admission: (admit, retry after s, why). A request whose predicted time to first token
+    exceeds the objective is refused now (429 + Retry-After) rather than queued without end;
+    it may come back once the excess has drained. slo_s = 0: no objective."""
+    if slo_s <= 0 or predicted_s <= slo_s:
+        return True, 0.0, ""
+    return False, max(1.0, predicted_s - slo_s), (f"predicted time to first token {predicted_s:.1f} s exceeds "
+                                                  f"the {slo_s:g} s objective")

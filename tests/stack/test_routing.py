@@ -103,3 +103,15 @@ def test_turns_of_a_conversation_follow_their_kv_across_a_router_restart(otlp, t
         sent = s["kv.transfer"]
         assert sent["skipped_blocks"] >= before // 16 - 1                     # the last turn's KV stayed
         assert sent["bytes"] == (-(-now // 16) - sent["skipped_blocks"]) * 30 * 2 * 16 * 3 * 64 * 4
+
+
+def test_a_request_over_the_ttft_objective_is_refused_with_429_and_retry_after(tmp_path):
+    cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=512, log_dir=tmp_path,
+                                    env={"PD_TTFT_SLO_S": "0.001"})
+    with Stack(cfg) as stack:
+        r = httpx.post(stack.url + "/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+    err = r.json()["error"]
+    assert err["type"] == "rate_limit_error" and err["code"] == "ttft_objective_exceeded"
+    assert "exceeds the 0.001 s objective" in err["message"]

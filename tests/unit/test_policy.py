@@ -72,3 +72,11 @@ def test_trace_replay_keeps_sessions_on_their_cache():
     rr = replay(requests, "round_robin", workers=4, cache_blocks=256, tokens_per_s=5000)
     best = oracle(requests)["hit_rate"]
     assert ours["hit_rate"] >= 0.95 * best and ours["hit_rate"] > 1.5 * rr["hit_rate"], (ours, rr, best)
+
+
+def test_admission_refuses_what_would_miss_the_objective_and_says_when_to_retry():
+    assert policy.within_objective(3.0, 0) == (True, 0.0, "")
+    assert policy.within_objective(3.0, 5.0)[0] is True
+    ok, retry, why = policy.within_objective(12.5, 5.0)
+    assert not ok and retry == 7.5 and "12.5 s exceeds the 5 s objective" in why
+    assert policy.within_objective(5.2, 5.0)[1] == 1.0
