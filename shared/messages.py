@@ -39,6 +39,7 @@ class Sampling(Message):
     stop_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0
     ignore_eos: bool = False
+    priority: int = 0
 
     def to_engine(self) -> SamplingParams:
         return SamplingParams(**self.model_dump(exclude={"v"}))

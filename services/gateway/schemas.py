@@ -42,6 +42,7 @@ class _Common(BaseModel):
     ignore_eos: bool = False                         # benchmark extension
     min_tokens: int = Field(0, ge=0)                 # benchmark extension
     return_token_ids: bool = False                   # extension: generated token ids in each choice
+    priority: int = Field(0, ge=-100, le=100)        # extension, as vLLM's: lower is prefilled sooner
     user: str | None = None
     session_id: str | None = Field(None, min_length=1, max_length=200)   # extension (or header x-session-id):
                                                                         # a conversation's turns share a decode worker
@@ -59,7 +60,7 @@ class _Common(BaseModel):
             raise ValueError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({max_tokens})")
         return Sampling(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                         seed=self.seed, stop=tuple(self.stop or ()), min_tokens=self.min_tokens,
-                        ignore_eos=self.ignore_eos)
+                        ignore_eos=self.ignore_eos, priority=self.priority)
 
 
 class ChatCompletionRequest(_Common):

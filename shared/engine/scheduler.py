@@ -1,7 +1,9 @@
 """Which sequences run in the next forward pass (continuous batching, chunked prefill).
 
-Each step is either a prefill pass (prompt chunks of waiting sequences, up to
-`max_batched_tokens`, long prompts split into `prefill_chunk`-token pieces) or a decode pass
+Each step is either a prefill pass (prompt chunks of waiting sequences, lowest `priority`
+value first and first come within a level, up to `max_batched_tokens`, long prompts split
+into `prefill_chunk`-token pieces, so a short prompt shares the next pass with a long one
+instead of waiting for all of it) or a decode pass
 (one token for every running sequence). When both kinds of work are pending the two
 alternate, so a long prompt delays running streams by one chunk at a time, never by a whole
 prompt. When a decode step has no block for a sequence, the newest running sequence is
@@ -66,14 +68,14 @@ class Scheduler:
     def _schedule_prefill(self) -> Schedule:
         budget = self.cfg.max_batched_tokens
         chunks: list[tuple[Sequence, int]] = []
-        for seq in self.waiting:
+        for seq in sorted(self.waiting, key=lambda q: q.params.priority):  # stable: first come within a level
             if len(self.running) + len(chunks) >= self.cfg.max_num_seqs or budget == 0:
                 break
             if not seq.block_table:
                 try:
                     seq.block_table, seq.num_cached = self.blocks.allocate(seq.token_ids, len(seq.token_ids))
                 except OutOfBlocks:
-                    break  # first come, first served: later prompts wait too
+                    break  # in order: later prompts wait too
                 seq.num_computed = seq.num_cached
             n = min(len(seq.token_ids) - seq.num_computed, self.cfg.prefill_chunk, budget)
             chunks.append((seq, n))

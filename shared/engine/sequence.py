@@ -20,6 +20,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0
     ignore_eos: bool = False
+    priority: int = 0             # lower is sooner in the prefill queue (ties: first come)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -166,3 +166,15 @@ def test_resume_with_generated_tokens_continues_the_same_stream(tiny, temperatur
     assert outs[-1].num_generated_tokens == 24 and outs[-1].finish_reason == "length"
     with pytest.raises(ValueError, match="max_tokens"):
         eng.add_request("done", prompt, params, generated_token_ids=whole)
+
+
+def test_a_lower_priority_value_is_prefilled_first_then_first_come(tiny):
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import Engine
+    from shared.engine.sequence import SamplingParams
+
+    eng = Engine(tiny, EngineConfig(num_blocks=64, prefill_chunk=16, max_batched_tokens=16))
+    for rid, prio in (("a", 0), ("b", 5), ("c", -1), ("d", 0)):
+        eng.add_request(rid, list(range(3, 19)), SamplingParams(max_tokens=2, priority=prio), prefill_only=True)
+    order = [o.request_id for _ in range(4) for o in eng.step()]
+    assert order == ["c", "a", "d", "b"]
