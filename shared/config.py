@@ -39,6 +39,11 @@ class RouterSettings(Common):
     admit_timeout_s: float = Field(5.0, gt=0)
     local_prefill_below: int = Field(0, ge=0, description="prompts shorter than this are prefilled "
                                      "on the decode worker (0: always remote when a prefill worker is up)")
+    prefill_mode: Literal["remote", "cost"] = Field("remote", description="remote: the prefill pool whenever "
+                                                    "one is up (and the prompt is not below local_prefill_below); "
+                                                    "cost: on the decode worker when that is cheaper, stalls included")
+    stall_weight: float = Field(1.0, ge=0, description="prefill_mode=cost: weight of the delay a local prefill "
+                                "causes each running stream")
     prefill_policy: Literal["cost", "round_robin"] = Field("cost", description="prefill placement: by cost "
                                                            "(prefix cache, queues, rates) or round-robin (baseline)")
     recompute_weight: float = Field(8.0, ge=0, description="prefill placement: weight of recomputing tokens "

@@ -60,7 +60,8 @@ class DecodeWorker:
         self.draining = False
 
     def info(self):
-        return worker_info(self.engine, self.id, "decode", self.settings, self.transport.address)
+        return worker_info(self.engine, self.id, "decode", self.settings, self.transport.address,
+                           prefill_tokens_per_s=self.host.prefill_tokens_per_s)
 
     async def serve(self, stop: asyncio.Event) -> None:
         await self.bus.subscribe(subjects.decode_admit(self.id), self.on_admit)

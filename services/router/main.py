@@ -116,6 +116,11 @@ class Router:
             else:
                 prefill, why = policy.choose_prefill_by_cost(candidates, len(prompt), self.settings.recompute_weight)
             mode, reason = policy.prefill_mode(len(prompt), int(prefill is not None), self.settings.local_prefill_below)
+            if mode == "remote" and self.settings.prefill_mode == "cost":
+                mode, reason = policy.local_or_remote(
+                    len(prompt), cached.get(decode.worker_id, (0, 0))[0] * block_size, decode.running,
+                    decode.prefill_tokens_per_s or self.settings.default_prefill_tokens_per_s,
+                    policy.predicted_prefill_s(prefill, len(prompt)), self.settings.stall_weight)
             if mode == "remote":
                 admit_ok, retry_after, why_not = policy.within_objective(
                     policy.predicted_prefill_s(prefill, len(prompt)), self.settings.ttft_slo_s)

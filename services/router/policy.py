@@ -113,3 +113,21 @@ def within_objective(predicted_s: float, slo_s: float) -> tuple[bool, float, str
         return True, 0.0, ""
     return False, max(1.0, predicted_s - slo_s), (f"predicted time to first token {predicted_s:.1f} s exceeds "
                                                   f"the {slo_s:g} s objective")
+
+
+def local_or_remote(prompt_tokens: int, decode_cached_tokens: int, decode_running: int, decode_tokens_per_s: float,
+                    remote_s: float | None, stall_weight: float = 1.0, handoff_s: float = 0.01) -> tuple[Mode, str]:
+    """Prefill on the decode worker, or in the pool, whichever costs less (PD_PREFILL_MODE=cost).
+
+    Local: the uncached part at the decode worker's rate, plus the stall it causes — every
+    running stream waits through those prefill passes, weighted by `stall_weight` per stream.
+    Remote: the chosen prefill worker's predicted first-token time plus the handoff (the KV
+    streams during the prefill; what is left is a few ms)."""
+    if remote_s is None:
+        return "local", "no prefill worker available"
+    compute = max(0, prompt_tokens - decode_cached_tokens) / max(decode_tokens_per_s, 1e-9)
+    local_s = compute * (1 + stall_weight * decode_running)
+    if local_s < remote_s + handoff_s:
+        return "local", (f"local {local_s:.3f} s ({decode_running} streams stalled {compute:.3f} s) < "
+                         f"remote {remote_s + handoff_s:.3f} s")
+    return "remote", f"remote {remote_s + handoff_s:.3f} s <= local {local_s:.3f} s ({decode_running} streams)"

@@ -80,3 +80,14 @@ def test_admission_refuses_what_would_miss_the_objective_and_says_when_to_retry(
     ok, retry, why = policy.within_objective(12.5, 5.0)
     assert not ok and retry == 7.5 and "12.5 s exceeds the 5 s objective" in why
     assert policy.within_objective(5.2, 5.0)[1] == 1.0
+
+
+def test_local_prefill_when_cheaper_stalls_counted():
+    # idle decode worker, short prompt: local beats the hop
+    assert policy.local_or_remote(40, 0, 0, 1000, remote_s=0.04)[0] == "local"
+    # the same prompt with 8 streams running: each would wait through it
+    mode, why = policy.local_or_remote(40, 0, 8, 1000, remote_s=0.04)
+    assert mode == "remote" and "8 streams" in why
+    # a long prompt mostly cached on the decode worker (a follow-up turn) stays local
+    assert policy.local_or_remote(4000, 3968, 2, 1000, remote_s=4.0)[0] == "local"
+    assert policy.local_or_remote(40, 0, 0, 1000, remote_s=None) == ("local", "no prefill worker available")
