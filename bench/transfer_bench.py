@@ -15,21 +15,19 @@ holds the last byte:
   nats        the naive baseline: the payload as 1 MiB NATS messages through nats-server
 Then `exposed_transfer_fraction_1k`: a 1k-token prompt prefilled alone vs prefilled while its
 KV streams layer by layer to another process exactly as the services do it (see
-`exposed_fraction_1k`). Prints a table, writes bench/results/transfer.json.
+bench/handoff_bench.py), and the quality cost of optional int8 KV (bench/kv_int8_quality.py).
+Prints a table, writes bench/results/transfer.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import multiprocessing as mp
 import os
 import socket
 import statistics
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -195,7 +193,9 @@ def bench_socket(sizes):
 
 
 def bench_nats(sizes):
-    with _nats_server() as url:
+    from bench.handoff_bench import nats_server
+
+    with nats_server() as url:
         ctx = mp.get_context("spawn")
         ready_q, done_q = ctx.Queue(), ctx.Queue()
         proc = ctx.Process(target=_nats_receiver, args=(sizes, url, ready_q, done_q))
@@ -230,203 +230,6 @@ async def _nats_send(sizes, url, done_q):
     return out
 
 
-# -- the exposed part of a real handoff ------------------------------------------------------
-@contextlib.contextmanager
-def _nats_server():
-    from deploy.local.stack import _binary, free_port
-
-    port = free_port()
-    with tempfile.TemporaryDirectory() as d:
-        server = subprocess.Popen([_binary("nats-server"), "-a", "127.0.0.1", "-p", str(port), "-sd", d],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            time.sleep(0.5)
-            yield f"nats://127.0.0.1:{port}"
-        finally:
-            server.terminate()
-            server.wait()
-
-
-def _engine():
-    import torch
-
-    from shared.engine.config import EngineConfig
-    from shared.engine.engine import Engine
-    from shared.engine.loader import load
-
-    torch.set_num_threads(1)  # as `make run` gives each of two workers on this host
-    return Engine(load("smollm2"), EngineConfig(num_blocks=256, enable_prefix_cache=False))
-
-
-def _decode_side(url, cmd_q, reply_q):
-    """The decode worker's half of a handoff in its own process: reserve, then receive every
-    layer as its notice arrives, verify its blocks, write them into the pool, commit."""
-    from shared import subjects
-    from shared.bus import Bus
-    from shared.kv import TAG_SPAN, make
-    from shared.kv.receiver import KVInbox, KVReceiver
-    from shared.messages import KVAck
-
-    engine = _engine()
-
-    async def run():
-        bus, transport = await Bus.connect(url, "bench-decode"), make("ucx")
-        inbox = KVInbox(bus, "bench-d")
-        await inbox.start()
-        await bus.nc.flush()
-        reply_q.put((transport.address, engine.fingerprint))
-        loop = asyncio.get_running_loop()
-        while (cmd := await loop.run_in_executor(None, cmd_q.get)) is not None:
-            rid, prompt = cmd
-            res = engine.reserve(rid, prompt, _params())
-            kv_tag = (len(inbox.receivers) + 1) * TAG_SPAN
-            inbox.add(KVReceiver.for_engine(engine, res, kv_tag, transport, bus))
-            cpu0, wall0 = time.process_time(), time.time()
-            reply_q.put((res.first_block, kv_tag))
-            first = await asyncio.wait_for(inbox.receivers[rid].wait(), 120)
-            engine.commit_import(rid, first)
-            landed = time.time()
-            # CPU of this whole process (event loop, ucxx threads) while it waited for and took the KV
-            cpu = (time.process_time() - cpu0) / (landed - wall0)
-            await bus.publish(subjects.kv_ack(rid), KVAck(request_id=rid, ok=True))
-            engine.abort(rid)
-            reply_q.put((landed, cpu))
-        await bus.close()
-    asyncio.run(run())
-
-
-def _params():
-    from shared.engine.sequence import SamplingParams
-
-    return SamplingParams(max_tokens=2, temperature=0)
-
-
-def exposed_fraction_1k(rounds: int = 3) -> dict:
-    """A 1k-token prompt, prefilled alone vs prefilled while streaming its KV the services' way
-    (engine layer hook → KVSender → NATS notices + UCX payloads → KVReceiver in another
-    process, verified and written into its pool, committed), interleaved `rounds` times.
-    exposed = (prefill start → KV committed on the decode side) − prefill alone, over prefill alone."""
-    from shared.engine_host import EngineHost
-    from shared.bus import Bus
-    from shared.kv import make
-    from shared.kv.sender import KVSender
-    from shared.messages import PrefillJob, Sampling
-
-    engine = _engine()
-    prompt = [int(t) for t in np.random.default_rng(0).integers(100, 40000, 1024)]
-    with _nats_server() as url:
-        ctx = mp.get_context("spawn")
-        cmd_q, reply_q = ctx.Queue(), ctx.Queue()
-        proc = ctx.Process(target=_decode_side, args=(url, cmd_q, reply_q))
-        proc.start()
-        address, fingerprint = reply_q.get(timeout=120)
-
-        def prefill(rid, ids, sink=None):
-            engine.add_request(rid, ids, _params(), prefill_only=True)
-            if sink is not None:
-                engine.stream_kv(rid, 0, sink)
-            while not (outs := engine.step()):
-                pass
-            return outs[0].new_token_ids[0]
-
-        async def run():
-            host = EngineHost(engine)
-            bus = await Bus.connect(url, "bench-prefill")
-            sender = KVSender(make("ucx"), bus, engine.fingerprint,
-                              lambda *a: host.call(engine.kv_blocks, *a))
-            await sender.start()
-            loop = asyncio.get_running_loop()
-            alone, streamed, after = [], [], []
-            for i in range(rounds + 1):  # round 0 warms up both paths (short prompt)
-                ids = prompt if i else prompt[:64]
-                t0 = time.perf_counter()
-                await host.call(prefill, f"alone-{i}", ids)
-                alone_s = time.perf_counter() - t0
-                await host.call(engine.free, f"alone-{i}")
-                rid = f"kv-{i}"
-                cmd_q.put((rid, ids))
-                first_block, kv_tag = await loop.run_in_executor(None, reply_q.get, True, 60)
-                job = PrefillJob(request_id=rid, prompt_token_ids=ids, sampling=Sampling(), decode_worker="bench-d",
-                                 decode_address=address, decode_fingerprint=fingerprint, first_block=first_block,
-                                 kv_tag=kv_tag)
-                w0, t0 = time.time(), time.perf_counter()
-                sink = await sender.open(job)
-                first = await host.call(prefill, rid, ids, sink)
-                done_prefill = time.time()
-                finishing = asyncio.create_task(sender.finish(rid, first, 60))
-                landed, cpu = await loop.run_in_executor(None, reply_q.get, True, 120)
-                assert (await finishing).ok
-                await host.call(engine.free, rid)
-                if i:
-                    alone.append(alone_s)
-                    streamed.append(landed - w0)
-                    after.append(landed - done_prefill)
-                    cpus.append(cpu)
-            cmd_q.put(None)
-            await bus.close()
-            host.close()
-            return alone, streamed, after
-
-        cpus: list[float] = []
-        alone, streamed, after = asyncio.run(run())
-        proc.join(30)
-    prefill_s, handoff_s = statistics.median(alone), statistics.median(streamed)
-    return {"prefill_s": prefill_s, "prefill_and_handoff_s": handoff_s, "kv_ready_after_prefill_s":
-            statistics.median(after), "decode_side_cpu_cores": statistics.median(cpus), "rounds": rounds,
-            "layers": engine.model_config.num_layers,
-            "exposed_transfer_fraction_1k": (handoff_s - prefill_s) / prefill_s}
-
-
-# -- the quality cost of int8 KV on the wire ------------------------------------------------
-def int8_quality(new_tokens: int = 32) -> dict:
-    """Each held conversation handed off twice — KV as it is, and through the int8 codec — then
-    decoded greedily on the receiving engine: token agreement, and the largest logit difference
-    over the steps where both runs had seen the same tokens."""
-    from bench.held_prompts import CONVERSATIONS
-    from shared.engine.config import EngineConfig
-    from shared.engine.engine import Engine
-    from shared.engine.loader import load
-    from shared.engine.sequence import SamplingParams
-    from shared.kv import codec
-
-    loaded = load("smollm2")
-    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    per_prompt = {}
-    for name, messages in CONVERSATIONS.items():
-        prompt = loaded.tokenizer.encode(loaded.tokenizer.apply_chat_template(messages))
-        runs = {}
-        for encoding in ("native", "int8"):
-            src, dst = (Engine(loaded, EngineConfig(num_blocks=256)) for _ in range(2))
-            res = dst.reserve("r", prompt, params)
-            src.add_request("r", prompt, params, prefill_only=True)
-            while not (outs := src.step()):
-                pass
-            export = src.export_kv("r", res.first_block)
-            pool = dst.runner.kv
-            for layer in range(export.num_layers):
-                rows = codec.encode(encoding, export.layer(layer))
-                dst.write_kv(layer, list(res.block_ids), codec.decode(encoding, rows, tuple(pool.shape[2:]), pool.dtype))
-            logits, run = [], dst.runner.run
-            dst.runner.run = lambda sched, hook=None: logits.append(run(sched, hook)) or logits[-1]  # noqa: E731
-            out = dst.commit_import("r", outs[0].new_token_ids[0])
-            toks = list(out.new_token_ids)
-            while dst.has_work():
-                toks += [t for o in dst.step() for t in o.new_token_ids]
-            runs[encoding] = (toks, [x[0] for x in logits])
-        (t0, l0), (t1, l1) = runs["native"], runs["int8"]
-        same = next((i for i, (a, b) in enumerate(zip(t0, t1)) if a != b), len(t0))
-        # logits of step i come from tokens[:i+1]: comparable while those agree
-        diffs = [float((a - b).abs().max()) for a, b in zip(l0[:same], l1[:same])]
-        per_prompt[name] = {"prompt_tokens": len(prompt), "agreement": sum(a == b for a, b in zip(t0, t1)) / len(t0),
-                            "first_difference": same if same < len(t0) else None,
-                            "max_logit_diff": max(diffs), "max_abs_logit": float(max(x.abs().max() for x in l0))}
-    shape, dtype = tuple(pool.shape[2:]), pool.dtype
-    return {"per_prompt": per_prompt,
-            "int8_greedy_token_agreement": statistics.mean(r["agreement"] for r in per_prompt.values()),
-            "int8_max_logit_diff": max(r["max_logit_diff"] for r in per_prompt.values()),
-            "int8_bytes_over_native": codec.block_nbytes("int8", shape, dtype) / codec.block_nbytes("native", shape, dtype)}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="up to 16 MiB only")
@@ -435,6 +238,8 @@ def main() -> None:
     sizes = [64 * KIB, 256 * KIB, MIB, LAYER_1K, 4 * MIB, LAYER_4K, 16 * MIB, 64 * MIB, 256 * MIB]
     if args.quick:
         sizes = [s for s in sizes if s <= 16 * MIB]
+    from bench.handoff_bench import exposed_fraction_1k
+    from bench.kv_int8_quality import int8_quality
     from shared.kv.ucx import TCP_DEFAULTS
 
     results = {"memcpy": bench_memcpy(sizes), "ucx_local": bench_ucx(sizes, {}),

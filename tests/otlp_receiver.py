@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import threading
+import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -63,6 +64,18 @@ class OtlpReceiver:
     def trace(self, trace_id: str) -> list[Span]:
         with self._lock:
             return [s for s in self.spans if s.trace_id == trace_id]
+
+    def wait_for(self, trace_id: str, names, timeout_s: float = 20) -> list[Span]:
+        """The trace's spans once every name in `names` is among them (exporters batch), or
+        whatever arrived by the timeout."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not set(names) <= {s.name for s in self.trace(trace_id)}:
+            time.sleep(0.2)
+        return self.trace(trace_id)
+
+    def attributes(self, trace_id: str, names, timeout_s: float = 20) -> dict[str, dict]:
+        """Span name → attributes, after `wait_for`."""
+        return {s.name: s.attributes for s in self.wait_for(trace_id, names, timeout_s)}
 
     def close(self) -> None:
         self._server.shutdown()

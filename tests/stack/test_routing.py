@@ -41,13 +41,7 @@ def test_shared_system_prompts_stay_on_the_worker_that_caches_them(otlp, tmp_pat
             r = _ask(stack.url, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
             traces.append((r.headers["x-trace-id"], r.json()["usage"]["prompt_tokens"]))
             busy.result()
-    spans = []
-    for trace_id, _ in traces:
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and not {"router.route", "prefill.compute"} <= \
-                {s.name for s in otlp.trace(trace_id)}:
-            time.sleep(0.2)
-        spans.append({s.name: s.attributes for s in otlp.trace(trace_id)})
+    spans = [otlp.attributes(trace_id, {"router.route", "prefill.compute"}) for trace_id, _ in traces]
     workers = [s["router.route"]["prefill_worker"] for s in spans]
     assert workers == ["prefill-1"] * 4, workers
     system_tokens = traces[0][1] - 20                        # all but the question's few tokens
@@ -91,13 +85,7 @@ def test_turns_of_a_conversation_follow_their_kv_across_a_router_restart(otlp, t
             time.sleep(0.3)
         time.sleep(1)   # the old router's registry entry is gone, the new one is in
         turn(stack)
-    spans = []
-    for trace_id, _ in results:
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and not {"router.route", "kv.transfer"} <= \
-                {s.name for s in otlp.trace(trace_id)}:
-            time.sleep(0.2)
-        spans.append({s.name: s.attributes for s in otlp.trace(trace_id)})
+    spans = [otlp.attributes(trace_id, {"router.route", "kv.transfer"}) for trace_id, _ in results]
     assert [s["router.route"]["decode_worker"] for s in spans] == ["decode-1"] * 3
     for (_, before), (_, now), s in zip(results, results[1:], spans[1:]):
         sent = s["kv.transfer"]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from conftest import MODEL
@@ -17,10 +15,7 @@ def test_one_trace_spans_every_service_with_parent_links(client, otlp):
     trace_id = raw.headers["x-trace-id"]
     wanted = {"gateway.request", "router.route", "decode.admit", "prefill.queue", "prefill.compute",
               "kv.transfer", "kv.receive", "decode.generate"}
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and not wanted <= {s.name for s in otlp.trace(trace_id)}:
-        time.sleep(0.2)
-    spans = {s.name: s for s in otlp.trace(trace_id)}
+    spans = {s.name: s for s in otlp.wait_for(trace_id, wanted)}
     assert wanted <= set(spans), sorted(spans)
     assert {s.service for s in spans.values()} == {"pdserve-gateway", "pdserve-router", "pdserve-prefill",
                                                    "pdserve-decode"}

@@ -37,12 +37,8 @@ def _ask(stack: Stack, messages, max_tokens=8) -> httpx.Response:
     return r
 
 
-def _spans(otlp, response: httpx.Response, wanted=("kv.transfer", "kv.receive")) -> dict:
-    trace_id = response.headers["x-trace-id"]
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and not set(wanted) <= {s.name for s in otlp.trace(trace_id)}:
-        time.sleep(0.2)
-    return {s.name: s.attributes for s in otlp.trace(trace_id)}
+def _spans(otlp, response: httpx.Response) -> dict:
+    return otlp.attributes(response.headers["x-trace-id"], {"kv.transfer", "kv.receive"})
 
 
 def _expected(smollm2, messages, max_tokens=8) -> list[int]:
@@ -146,8 +142,5 @@ def test_a_cancel_during_transfer_frees_both_sides(faulty, otlp):
                 break   # the first token is out; its payloads are still held by the injected delay
     workers = _wait_all_blocks_free(faulty)
     assert all(w["free_blocks"] == w["total_blocks"] for w in workers), workers
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and "kv.transfer" not in {s.name for s in otlp.trace(trace_id)}:
-        time.sleep(0.2)
-    transfer = {s.name: s.attributes for s in otlp.trace(trace_id)}["kv.transfer"]
+    transfer = otlp.attributes(trace_id, {"kv.transfer"})["kv.transfer"]
     assert transfer["acked"] is False and "cancel" in transfer["error"]

@@ -1,0 +1,161 @@
+"""The exposed part of a real KV handoff, streamed layer by layer as the services do it
+(part of `make bench-transfer`): engine layer hook → KVSender → NATS notices + UCX payloads →
+KVReceiver in another process, verified, written into its pool, committed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing as mp
+import statistics
+import subprocess
+import tempfile
+import time
+
+import numpy as np
+
+
+@contextlib.contextmanager
+def nats_server():
+    from deploy.local.stack import _binary, free_port
+
+    port = free_port()
+    with tempfile.TemporaryDirectory() as d:
+        server = subprocess.Popen([_binary("nats-server"), "-a", "127.0.0.1", "-p", str(port), "-sd", d],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            time.sleep(0.5)
+            yield f"nats://127.0.0.1:{port}"
+        finally:
+            server.terminate()
+            server.wait()
+
+
+def _engine():
+    import torch
+
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import Engine
+    from shared.engine.loader import load
+
+    torch.set_num_threads(1)  # as `make run` gives each of two workers on this host
+    return Engine(load("smollm2"), EngineConfig(num_blocks=256, enable_prefix_cache=False))
+
+
+def _decode_side(url, cmd_q, reply_q):
+    """The decode worker's half of a handoff in its own process: reserve, then receive every
+    layer as its notice arrives, verify its blocks, write them into the pool, commit."""
+    from shared import subjects
+    from shared.bus import Bus
+    from shared.kv import TAG_SPAN, make
+    from shared.kv.receiver import KVInbox, KVReceiver
+    from shared.messages import KVAck
+
+    engine = _engine()
+
+    async def run():
+        bus, transport = await Bus.connect(url, "bench-decode"), make("ucx")
+        inbox = KVInbox(bus, "bench-d")
+        await inbox.start()
+        await bus.nc.flush()
+        reply_q.put((transport.address, engine.fingerprint))
+        loop = asyncio.get_running_loop()
+        while (cmd := await loop.run_in_executor(None, cmd_q.get)) is not None:
+            rid, prompt = cmd
+            res = engine.reserve(rid, prompt, _params())
+            kv_tag = (len(inbox.receivers) + 1) * TAG_SPAN
+            inbox.add(KVReceiver.for_engine(engine, res, kv_tag, transport, bus))
+            cpu0, wall0 = time.process_time(), time.time()
+            reply_q.put((res.first_block, kv_tag))
+            first = await asyncio.wait_for(inbox.receivers[rid].wait(), 120)
+            engine.commit_import(rid, first)
+            landed = time.time()
+            # CPU of this whole process (event loop, ucxx threads) while it waited for and took the KV
+            cpu = (time.process_time() - cpu0) / (landed - wall0)
+            await bus.publish(subjects.kv_ack(rid), KVAck(request_id=rid, ok=True))
+            engine.abort(rid)
+            reply_q.put((landed, cpu))
+        await bus.close()
+    asyncio.run(run())
+
+
+def _params():
+    from shared.engine.sequence import SamplingParams
+
+    return SamplingParams(max_tokens=2, temperature=0)
+
+
+def exposed_fraction_1k(rounds: int = 3) -> dict:
+    """A 1k-token prompt, prefilled alone vs prefilled while streaming its KV the services' way
+    (engine layer hook → KVSender → NATS notices + UCX payloads → KVReceiver in another
+    process, verified and written into its pool, committed), interleaved `rounds` times.
+    exposed = (prefill start → KV committed on the decode side) − prefill alone, over prefill alone."""
+    from shared.engine_host import EngineHost
+    from shared.bus import Bus
+    from shared.kv import make
+    from shared.kv.sender import KVSender
+    from shared.messages import PrefillJob, Sampling
+
+    engine = _engine()
+    prompt = [int(t) for t in np.random.default_rng(0).integers(100, 40000, 1024)]
+    with nats_server() as url:
+        ctx = mp.get_context("spawn")
+        cmd_q, reply_q = ctx.Queue(), ctx.Queue()
+        proc = ctx.Process(target=_decode_side, args=(url, cmd_q, reply_q))
+        proc.start()
+        address, fingerprint = reply_q.get(timeout=120)
+
+        def prefill(rid, ids, sink=None):
+            engine.add_request(rid, ids, _params(), prefill_only=True)
+            if sink is not None:
+                engine.stream_kv(rid, 0, sink)
+            while not (outs := engine.step()):
+                pass
+            return outs[0].new_token_ids[0]
+
+        async def run():
+            host = EngineHost(engine)
+            bus = await Bus.connect(url, "bench-prefill")
+            sender = KVSender(make("ucx"), bus, engine.fingerprint,
+                              lambda *a: host.call(engine.kv_blocks, *a))
+            await sender.start()
+            loop = asyncio.get_running_loop()
+            alone, streamed, after = [], [], []
+            for i in range(rounds + 1):  # round 0 warms up both paths (short prompt)
+                ids = prompt if i else prompt[:64]
+                t0 = time.perf_counter()
+                await host.call(prefill, f"alone-{i}", ids)
+                alone_s = time.perf_counter() - t0
+                await host.call(engine.free, f"alone-{i}")
+                rid = f"kv-{i}"
+                cmd_q.put((rid, ids))
+                first_block, kv_tag = await loop.run_in_executor(None, reply_q.get, True, 60)
+                job = PrefillJob(request_id=rid, prompt_token_ids=ids, sampling=Sampling(), decode_worker="bench-d",
+                                 decode_address=address, decode_fingerprint=fingerprint, first_block=first_block,
+                                 kv_tag=kv_tag)
+                w0, t0 = time.time(), time.perf_counter()
+                sink = await sender.open(job)
+                first = await host.call(prefill, rid, ids, sink)
+                done_prefill = time.time()
+                finishing = asyncio.create_task(sender.finish(rid, first, 60))
+                landed, cpu = await loop.run_in_executor(None, reply_q.get, True, 120)
+                assert (await finishing).ok
+                await host.call(engine.free, rid)
+                if i:
+                    alone.append(alone_s)
+                    streamed.append(landed - w0)
+                    after.append(landed - done_prefill)
+                    cpus.append(cpu)
+            cmd_q.put(None)
+            await bus.close()
+            host.close()
+            return alone, streamed, after
+
+        cpus: list[float] = []
+        alone, streamed, after = asyncio.run(run())
+        proc.join(30)
+    prefill_s, handoff_s = statistics.median(alone), statistics.median(streamed)
+    return {"prefill_s": prefill_s, "prefill_and_handoff_s": handoff_s, "kv_ready_after_prefill_s":
+            statistics.median(after), "decode_side_cpu_cores": statistics.median(cpus), "rounds": rounds,
+            "layers": engine.model_config.num_layers,
+            "exposed_transfer_fraction_1k": (handoff_s - prefill_s) / prefill_s}
