@@ -182,6 +182,6 @@ class WorkerInfo(Message):
     total_blocks: int = 0
     free_blocks: int = 0
     running: int = 0
-    waiting: int = 0
+    waiting: int = 0                  # queued, or (decode) waiting for their KV
     queued_tokens: int = 0            # prompt tokens waiting to be computed
     prefill_tokens_per_s: float = 0.0  # measured (recent prefill passes); 0: not yet measured

@@ -36,7 +36,7 @@ def worker_info(engine: Engine, wid: str, role: str, settings: WorkerSettings, u
     return WorkerInfo(worker_id=wid, role=role, model=settings.model_name, fingerprint=engine.fingerprint,
                       ucx_address=ucx_address, block_size=engine.cfg.block_size, total_blocks=engine.num_blocks,
                       free_blocks=engine.num_free_blocks, running=len(engine.scheduler.running),
-                      waiting=len(engine.scheduler.waiting), queued_tokens=engine.queued_tokens,
+                      waiting=len(engine.scheduler.waiting) + engine.num_importing, queued_tokens=engine.queued_tokens,
                       prefill_tokens_per_s=prefill_tokens_per_s)
 
 

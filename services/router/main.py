@@ -45,7 +45,7 @@ class Router:
         self.settings, self.bus, self.state, self.tracer = settings, bus, state, tracer
         self._workers: tuple[float, list[WorkerInfo]] = (0.0, [])
         # prefill tokens sent to each worker lately, (when, tokens): counted on top of the queue its
-        # registry entry shows until that entry has surely caught up (two heartbeats)
+        # registry entry shows until that entry has surely caught up (two heartbeats and a second)
         self.sent: dict[str, list[tuple[float, int]]] = {}
         self.turn = 0  # remote placements so far (round-robin baseline)
         self._background: set[asyncio.Task] = set()
@@ -61,7 +61,8 @@ class Router:
         return workers
 
     def recently_sent(self) -> dict[str, int]:
-        horizon = time.monotonic() - 2 * self.settings.heartbeat_s
+        # long enough for the worker to have pulled the job and reported it in a heartbeat
+        horizon = time.monotonic() - (2 * self.settings.heartbeat_s + 1.0)
         for worker, sent in self.sent.items():
             sent[:] = [(t, n) for t, n in sent if t > horizon]
         return {worker: sum(n for _, n in sent) for worker, sent in self.sent.items()}
@@ -109,18 +110,8 @@ class Router:
         ranked = policy.decode_candidates(decodes, blocks, {w: n * block_size for w, (n, _) in cached.items()},
                                           len(prompt), session_worker, self.settings.affinity_slack)
         for decode in ranked:
-            candidates = policy.prefill_candidates(prefills, decode.fingerprint, cached, self.recently_sent(),
-                                                   self.settings.default_prefill_tokens_per_s)
-            if self.settings.prefill_policy == "round_robin":
-                prefill, why = policy.choose_round_robin(candidates, self.turn)
-            else:
-                prefill, why = policy.choose_prefill_by_cost(candidates, len(prompt), self.settings.recompute_weight)
-            mode, reason = policy.prefill_mode(len(prompt), int(prefill is not None), self.settings.local_prefill_below)
-            if mode == "remote" and self.settings.prefill_mode == "cost":
-                mode, reason = policy.local_or_remote(
-                    len(prompt), cached.get(decode.worker_id, (0, 0))[0] * block_size, decode.running,
-                    decode.prefill_tokens_per_s or self.settings.default_prefill_tokens_per_s,
-                    policy.predicted_prefill_s(prefill, len(prompt)), self.settings.stall_weight)
+            prefill, mode, reason = self.place_prefill(len(prompt), decode, prefills, cached,
+                                                       cached.get(decode.worker_id, (0, 0))[0] * block_size)
             if mode == "remote":
                 admit_ok, retry_after, why_not = policy.within_objective(
                     policy.predicted_prefill_s(prefill, len(prompt)), self.settings.ttft_slo_s)
@@ -131,7 +122,7 @@ class Router:
                 continue
             span = trace.get_current_span()
             if mode == "remote":
-                reason, self.turn = why, self.turn + 1
+                self.turn += 1
                 self.sent.setdefault(prefill.worker_id, []).append((time.monotonic(), len(prompt) - prefill.cached_tokens))
                 span.set_attributes({"prefill_cached_tokens": prefill.cached_tokens,
                                      "prefill_queued_tokens": prefill.queued_tokens})
@@ -154,6 +145,25 @@ class Router:
                               prefill_worker=prefill_id)
         reason = "no decode worker is up" if not decodes else "no decode worker has room for this request now"
         return RouteReply(request_id=rid, ok=False, reason=reason)
+
+    def place_prefill(self, prompt_tokens: int, decode: WorkerInfo, prefills: list[WorkerInfo],
+                      cached: dict[str, tuple[int, int]], decode_cached_tokens: int
+                      ) -> tuple[policy.PrefillCandidate | None, str, str]:
+        """For a prompt bound to `decode`: the prefill worker, local or remote, and why."""
+        candidates = policy.prefill_candidates(prefills, decode.fingerprint, cached, self.recently_sent(),
+                                               self.settings.default_prefill_tokens_per_s)
+        if self.settings.prefill_policy == "round_robin":
+            prefill, why = policy.choose_round_robin(candidates, self.turn)
+        else:
+            prefill, why = policy.choose_prefill_by_cost(candidates, prompt_tokens, self.settings.recompute_weight)
+        mode, reason = policy.prefill_mode(prompt_tokens, int(prefill is not None), self.settings.local_prefill_below)
+        if mode == "remote" and self.settings.prefill_mode == "cost":
+            mode, reason = policy.local_or_remote(
+                prompt_tokens, decode_cached_tokens, decode.running,
+                decode.prefill_tokens_per_s or self.settings.default_prefill_tokens_per_s,
+                policy.predicted_prefill_s(prefill, prompt_tokens), self.settings.stall_weight)
+            return prefill, mode, (f"{why}; {reason}" if mode == "remote" else reason)
+        return prefill, mode, (why if mode == "remote" else reason)
 
     async def dispatch(self, prefill_worker: str, job: PrefillJob) -> None:
         try:

@@ -91,6 +91,11 @@ class Engine:
         return self.blocks.drain_events()
 
     @property
+    def num_importing(self) -> int:
+        """Sequences reserved for KV on its way: they run as soon as it lands."""
+        return sum(s.status is Status.IMPORTING for s in list(self.seqs.values()))
+
+    @property
     def queued_tokens(self) -> int:
         """Prompt tokens queued and not yet computed (a snapshot: safe from another thread)."""
         return sum(len(s.token_ids) - s.num_computed for s in list(self.scheduler.waiting))

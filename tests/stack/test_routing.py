@@ -3,11 +3,13 @@ the prefill worker that already holds it, and reuse its KV."""
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import redis
 
 from conftest import MODEL
 from deploy.local.stack import Stack, StackConfig
@@ -16,6 +18,20 @@ pytestmark = pytest.mark.slow
 SYSTEM = "You are the archive assistant of the river town of Alder. " + " ".join(
     f"Record {i}: the {c} mill ground {i * 13} sacks in week {i}." for i, c in
     enumerate(["north", "south", "east", "west", "old", "new"] * 5))
+
+
+def _wait_until_busy(stack: Stack, worker_id: str, timeout_s: float = 60) -> None:
+    """Until the registry shows work on that worker (queued prompt tokens, or sequences), and
+    the router's 0.2 s view of the registry has caught up."""
+    store = redis.Redis(port=stack.cfg.redis_port)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        info = json.loads(store.get(f"pd:worker:{worker_id}") or "{}")
+        if info.get("queued_tokens") or info.get("running") or info.get("waiting"):
+            time.sleep(0.3)
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{worker_id} never showed the work sent to it")
 
 
 def _ask(url: str, messages, max_tokens=4) -> httpx.Response:
@@ -35,7 +51,7 @@ def test_shared_system_prompts_stay_on_the_worker_that_caches_them(otlp, tmp_pat
     other = [{"role": "user", "content": SYSTEM.replace("Alder", "Birch") + " Summarize."}]
     with Stack(cfg) as stack, ThreadPoolExecutor(1) as pool:
         busy = pool.submit(_ask, stack.url, other, 1)
-        time.sleep(0.5)
+        _wait_until_busy(stack, "prefill-0")
         for q in ["Which mill ground the most?", "What happened in week 3?", "Name the mills.",
                   "How many records are there?"]:
             r = _ask(stack.url, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
@@ -69,7 +85,7 @@ def test_turns_of_a_conversation_follow_their_kv_across_a_router_restart(otlp, t
 
     with Stack(cfg) as stack, ThreadPoolExecutor(1) as pool:
         busy = pool.submit(_ask, stack.url, [{"role": "user", "content": "Count slowly from one to fifty."}], 48)
-        time.sleep(0.8)
+        _wait_until_busy(stack, "decode-0")
         turn(stack)
         busy.result()
         turn(stack)
