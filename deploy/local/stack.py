@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import os
 import shutil
 import signal
@@ -123,6 +124,10 @@ class Stack:
         raise TimeoutError(f"nothing listening on port {port} after {timeout_s} s; logs in {self.log_dir}")
 
     def wait_ready(self, timeout_s: float) -> None:
+        """Until the gateway is ready and every worker started here is registered (the gateway
+        is ready with one of each; placement tests and benchmarks need them all)."""
+        c = self.cfg
+        want = {"router": 1, "decode": c.decode, "prefill": 0 if c.colocated else c.prefill}
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             dead = [n for n, p in self.procs.items() if p.poll() is not None]
@@ -130,7 +135,8 @@ class Stack:
                 raise RuntimeError(f"{', '.join(dead)} exited during start; logs in {self.log_dir}")
             try:
                 with urllib.request.urlopen(self.url + "/ready", timeout=2) as r:
-                    if r.status == 200:
+                    workers = json.loads(r.read()).get("workers", {})
+                    if r.status == 200 and all(workers.get(k, 0) >= n for k, n in want.items()):
                         return
             except OSError:
                 pass
