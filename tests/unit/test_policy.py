@@ -32,7 +32,7 @@ def test_a_follow_up_turn_goes_back_to_its_kv_unless_that_worker_is_swamped():
 
 def test_prefill_candidates_require_the_same_model_fingerprint_and_count_recent_work():
     pool = [w("p1", "prefill", waiting=3), w("p2", "prefill", waiting=1), w("p3", "prefill", fp="other")]
-    pool[0] = pool[0].copy(update={"queued_tokens": 300, "prefill_tokens_per_s": 2000.0})
+    pool[0] = pool[0].model_copy(update={"queued_tokens": 300, "prefill_tokens_per_s": 2000.0})
     cands = policy.prefill_candidates(pool, "f", {"p1": (4, 9)}, {"p1": 100, "p2": 50}, default_tokens_per_s=1000)
     assert [(c.worker_id, c.cached_tokens, c.queued_tokens, c.tokens_per_s, c.cache_blocks) for c in cands] == [
         ("p1", 64, 400, 2000.0, 9), ("p2", 0, 50, 1000, 0)]
