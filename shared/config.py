@@ -36,6 +36,7 @@ class GatewaySettings(Common):
 
 
 class RouterSettings(Common):
+    router_id: str = ""                       # default: router-<random>
     admit_timeout_s: float = Field(5.0, gt=0)
     local_prefill_below: int = Field(0, ge=0, description="prompts shorter than this are prefilled "
                                      "on the decode worker (0: always remote when a prefill worker is up)")

@@ -48,6 +48,7 @@ def _binary(name: str) -> str:
 class StackConfig:
     prefill: int = 1
     decode: int = 1
+    routers: int = 1                   # replicas sharing the route requests (a NATS queue group)
     colocated: bool = False            # no prefill pool: decode workers prefill locally
     gateway_port: int = 8000
     nats_port: int = 4222
@@ -104,7 +105,9 @@ class Stack:
                              "--save", "", "--appendonly", "no", "--dir", str(self.data)])
         for port in (c.nats_port, c.redis_port):
             self.wait_port(port, 20)
-        self.service("router", "services.router.main")
+        for i in range(c.routers):
+            name = "router" if i == 0 else f"router-{i}"
+            self.service(name, "services.router.main", PD_ROUTER_ID=name)
         for i in range(c.decode):
             self.service(f"decode-{i}", "services.decode.main", PD_WORKER_ID=f"decode-{i}")
         for i in range(0 if c.colocated else c.prefill):
@@ -127,7 +130,7 @@ class Stack:
         """Until the gateway is ready and every worker started here is registered (the gateway
         is ready with one of each; placement tests and benchmarks need them all)."""
         c = self.cfg
-        want = {"router": 1, "decode": c.decode, "prefill": 0 if c.colocated else c.prefill}
+        want = {"router": c.routers, "decode": c.decode, "prefill": 0 if c.colocated else c.prefill}
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             dead = [n for n, p in self.procs.items() if p.poll() is not None]

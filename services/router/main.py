@@ -48,6 +48,7 @@ class Router:
         # registry entry shows until that entry has surely caught up (two heartbeats and a second)
         self.sent: dict[str, list[tuple[float, int]]] = {}
         self.turn = 0  # remote placements so far (round-robin baseline)
+        self.id = settings.router_id or f"router-{uuid.uuid4().hex[:8]}"
         self._background: set[asyncio.Task] = set()
 
     async def workers(self) -> list[WorkerInfo]:
@@ -75,7 +76,7 @@ class Router:
     async def serve(self, stop: asyncio.Event) -> None:
         await self.bus.ensure_prefill_stream()
         sub = await self.bus.subscribe(subjects.ROUTE, self.on_route, queue=subjects.ROUTER_QUEUE)
-        me = WorkerInfo(worker_id=f"router-{uuid.uuid4().hex[:8]}", role="router")
+        me = WorkerInfo(worker_id=self.id, role="router")
         beat = asyncio.create_task(heartbeat(self.state, lambda: me, self.settings.heartbeat_s, stop))
         log.info("router ready")
         await stop.wait()
@@ -86,7 +87,8 @@ class Router:
     async def on_route(self, msg: Msg) -> None:
         req = RouteRequest.decode(msg.data)
         with self.tracer.start_as_current_span("router.route", context=context_of(msg)) as span:
-            span.set_attributes({"request_id": req.request_id, "prompt_tokens": len(req.prompt_token_ids)})
+            span.set_attributes({"request_id": req.request_id, "prompt_tokens": len(req.prompt_token_ids),
+                                 "router": self.id})
             try:
                 reply = await self.route(req)
             except Exception as e:  # Redis or NATS trouble: refuse clearly rather than hang the client

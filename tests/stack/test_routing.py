@@ -44,8 +44,9 @@ def _ask(url: str, messages, max_tokens=4) -> httpx.Response:
 def test_shared_system_prompts_stay_on_the_worker_that_caches_them(otlp, tmp_path):
     """prefill-0 is busy with another long prompt when the first system-prompt request comes,
     so that one goes to prefill-1; every later one follows its cache there, though both
-    workers are idle by then (a least-loaded or round-robin choice would not)."""
-    cfg = StackConfig.on_free_ports(prefill=2, decode=1, kv_blocks=1024, log_dir=tmp_path,
+    workers are idle by then (a least-loaded or round-robin choice would not). Two router
+    replicas share the requests: what they decide from lives in Redis."""
+    cfg = StackConfig.on_free_ports(prefill=2, decode=1, routers=2, kv_blocks=1024, log_dir=tmp_path,
                                     env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.url, "PD_HEARTBEAT_S": "0.3"})
     traces = []
     other = [{"role": "user", "content": SYSTEM.replace("Alder", "Birch") + " Summarize."}]
@@ -57,9 +58,14 @@ def test_shared_system_prompts_stay_on_the_worker_that_caches_them(otlp, tmp_pat
             r = _ask(stack.url, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
             traces.append((r.headers["x-trace-id"], r.json()["usage"]["prompt_tokens"]))
             busy.result()
+            if len(traces) == 1:  # the replica that placed the first one leaves; the other decides alone
+                first_router = otlp.attributes(traces[0][0], {"router.route"})["router.route"]["router"]
+                stack.procs[first_router].terminate()
+                stack.procs[first_router].wait(30)
     spans = [otlp.attributes(trace_id, {"router.route", "prefill.compute"}) for trace_id, _ in traces]
     workers = [s["router.route"]["prefill_worker"] for s in spans]
     assert workers == ["prefill-1"] * 4, workers
+    assert {s["router.route"]["router"] for s in spans[1:]} == {"router", "router-1"} - {first_router}
     system_tokens = traces[0][1] - 20                        # all but the question's few tokens
     for s in spans[1:]:
         assert s["router.route"]["prefill_cached_tokens"] >= system_tokens // 16 * 16 - 16, s["router.route"]
