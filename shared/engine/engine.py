@@ -228,8 +228,7 @@ class Engine:
     def _blocks_view(self, layer: int, block_ids: list[int]) -> torch.Tensor:
         """Layer `layer` of these blocks: a view of the pool when they are adjacent, else a gather."""
         pool = self.runner.kv[layer]
-        if block_ids and block_ids[-1] - block_ids[0] == len(block_ids) - 1 and \
-                all(b - a == 1 for a, b in zip(block_ids, block_ids[1:])):
+        if block_ids and all(b - a == 1 for a, b in zip(block_ids, block_ids[1:])):
             return pool[block_ids[0]:block_ids[-1] + 1]
         return self.runner.ops.gather_blocks(pool, torch.tensor(block_ids, dtype=torch.long, device=pool.device))
 
@@ -243,9 +242,8 @@ class Engine:
             end = seq.num_computed + n
             upto = -(-end // bs) if end == seq.num_prompt else end // bs  # full blocks, or the prompt's end
             if upto > stream.sent_upto:
-                pieces.append((seq.request_id, stream.segment, stream.sent_upto,
-                               seq.block_table[stream.sent_upto:upto], stream.sink))
-                stream.sent_upto, stream.segment = upto, stream.segment + 1
+                pieces.append((seq.request_id, stream.sent_upto, seq.block_table[stream.sent_upto:upto], stream.sink))
+                stream.sent_upto = upto
         if not pieces:
             return self.layer_hook
         cuda = self.runner.device.type == "cuda"
@@ -253,12 +251,12 @@ class Engine:
         def hook(layer: int) -> None:
             if self.layer_hook is not None:
                 self.layer_hook(layer)
-            for rid, segment, first, ids, sink in pieces:
+            for rid, first, ids, sink in pieces:
                 data = self._blocks_view(layer, ids)
                 ready = torch.cuda.Event() if cuda else None
                 if ready is not None:
                     ready.record()
-                sink(KVPiece(rid, segment, layer, first, data, ready))
+                sink(KVPiece(rid, layer, first, data, ready))
         return hook
 
     def _new_sequence(self, request_id: str, prompt: list[int], params: SamplingParams,
@@ -330,4 +328,3 @@ class Engine:
 class _Stream:
     sent_upto: int            # prompt blocks before this one are streamed (or not wanted)
     sink: Callable[[KVPiece], None]
-    segment: int = 0

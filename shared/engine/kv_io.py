@@ -35,7 +35,6 @@ class KVPiece:
     """One layer of a run of a sequence's blocks, ready for a transport (streaming)."""
 
     request_id: str
-    segment: int             # the forward pass (prompt chunk) that completed these blocks, from 0
     layer: int
     first_block: int         # index among the prompt's blocks
     data: torch.Tensor       # (n_blocks, 2, block_size, kv_heads, head_dim)
@@ -44,10 +43,6 @@ class KVPiece:
     @property
     def num_blocks(self) -> int:
         return self.data.shape[0]
-
-    def payload(self) -> torch.Tensor:
-        """The blocks as a (n_blocks, block_nbytes) uint8 view (no copy)."""
-        return self.data.reshape(self.data.shape[0], -1).view(torch.uint8)
 
 
 @dataclass

@@ -5,8 +5,8 @@
 2. Each KVLayer notice: check the fingerprint, tag and layout against the reservation, then
    receive the payload (posted only now: a waiting UCX receive spins a core) into a staging
    buffer and check every block against its checksum. Good blocks are decoded (native or
-   int8, shared/kv/codec.py) and written into the reservation; bad ones are asked for again (KVResend, fresh tag) up to `max_attempts`
-   sends in all, then the handoff fails.
+   int8, shared/kv/codec.py) and written into the reservation; bad ones are asked for again
+   (KVResend, fresh tag) up to `max_attempts` sends in all, then the handoff fails.
 3. KVEnd: the first token — or the sender's explicit failure.
 4. `wait()` returns the first token once every layer of every expected block is verified and
    written and KVEnd(ok) is in; it raises KVFailed on any failure. The caller owns the
