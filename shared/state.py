@@ -3,6 +3,9 @@
     pd:worker:<id>   WorkerInfo JSON, expires with the heartbeat lease (a dead worker vanishes)
     pd:req:<id>      hash: the request's phase, workers, timestamps (expires after a day)
     pd:session:<id>  the decode worker of a conversation's last turn (expires when idle)
+    pd:route:<id>    hash: a request's placement as it is decided — its decode worker, then the
+                     router's reply (router replicas answer a repeated request from it)
+    pd:route:<id>:claim  the router placing the request now (expires: a dead router's lapses)
     pd:prefix:<id>   a worker's cached block hashes (shared/prefix_index.py)
 """
 
@@ -27,6 +30,10 @@ def request_key(request_id: str) -> str:
 
 def session_key(session_id: str) -> str:
     return f"pd:session:{session_id}"
+
+
+def route_key(request_id: str) -> str:
+    return f"pd:route:{request_id}"
 
 
 class State:
@@ -77,3 +84,32 @@ class State:
 
     async def set_session_worker(self, session_id: str, worker_id: str, ttl_s: float) -> None:
         await self.r.set(session_key(session_id), worker_id, px=int(ttl_s * 1000))
+
+    # -- placements (idempotent routing) -----------------------------------------------------
+    async def claim_route(self, request_id: str, router_id: str, lease_s: float) -> bool:
+        """Take the placing of a request, or renew this router's hold on it; False when
+        another router holds it."""
+        key = route_key(request_id) + ":claim"
+        if await self.r.set(key, router_id, nx=True, px=int(lease_s * 1000)):
+            return True
+        held = await self.r.get(key)
+        if held is not None and held.decode() == router_id:
+            await self.r.pexpire(key, int(lease_s * 1000))
+            return True
+        return False
+
+    async def release_route(self, request_id: str) -> None:
+        """Give up the placing (a refusal): the next attempt decides afresh."""
+        await self.r.delete(route_key(request_id) + ":claim", route_key(request_id))
+
+    async def note_route(self, request_id: str, ttl_s: float, **fields: str) -> None:
+        key = route_key(request_id)
+        async with self.r.pipeline(transaction=False) as p:
+            p.hset(key, mapping=fields)
+            p.pexpire(key, int(ttl_s * 1000))
+            await p.execute()
+
+    async def route(self, request_id: str) -> dict[str, str]:
+        """What is known of a request's placement: {"decode": worker, "reply": RouteReply JSON}."""
+        raw = await self.r.hgetall(route_key(request_id))
+        return {k.decode(): v.decode() for k, v in raw.items()}

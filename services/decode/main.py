@@ -6,7 +6,8 @@
 2. Admit (router → here): mode "remote" reserves the prompt's blocks (reusing this worker's
    prefix cache) and replies with the first block to send and a UCX tag, then waits for the
    KV; mode "local" queues the whole prompt here (colocated, or the fallback). No room →
-   refuse, so the router tries another worker before any prefill work is spent.
+   refuse, so the router tries another worker before any prefill work is spent. A repeated
+   admit of a request gets the first reply again.
 3. KV arrives layer by layer while the prefill runs (shared/kv/receiver.py): a KVLayer notice
    on `pd.decode.<id>.kv` (NATS), then its payload over UCX, received only once the notice is
    here; fingerprint, layout and every block's checksum are checked before the blocks are
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from collections import OrderedDict
 
 from nats.aio.msg import Msg
 from opentelemetry import trace
@@ -44,6 +46,7 @@ from shared.worker import serve_worker, worker_id, worker_info
 from shared.state import State
 
 log = logging.getLogger("decode")
+ADMITTED_KEPT = 10_000
 
 
 class DecodeWorker:
@@ -58,6 +61,7 @@ class DecodeWorker:
         self.receiving: dict[str, asyncio.Task] = {}
         self.inbox = KVInbox(bus, self.id)
         self.draining = False
+        self.admitted: OrderedDict[str, AdmitReply] = OrderedDict()  # recent admits, by request id
 
     def info(self):
         return worker_info(self.engine, self.id, "decode", self.settings, self.transport.address,
@@ -95,6 +99,18 @@ class DecodeWorker:
             await self.bus.respond(msg, reply)
 
     async def admit(self, req: AdmitRequest) -> AdmitReply:
+        """Idempotent: a request admitted already gets the same reply (a router that took over
+        a placement asks again), never a second reservation."""
+        if req.request_id in self.admitted:
+            return self.admitted[req.request_id]
+        reply = await self.reserve(req)
+        if reply.ok:
+            self.admitted[req.request_id] = reply
+            while len(self.admitted) > ADMITTED_KEPT:
+                self.admitted.popitem(last=False)
+        return reply
+
+    async def reserve(self, req: AdmitRequest) -> AdmitReply:
         rid, params = req.request_id, req.sampling.to_engine()
         if self.draining:
             return AdmitReply(request_id=rid, ok=False, reason="draining")

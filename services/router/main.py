@@ -11,6 +11,8 @@
 4. Remote: put the prefill job on the chosen prefill worker's queue (JetStream, kept until
    the worker acks it after the KV handoff). Record the request's state in Redis.
 5. Reply to the gateway with the placement and its reason (also on the `router.route` span).
+   Placement is idempotent by request id across replicas (a claim and the reply in Redis,
+   `Router.route`): a repeated request gets the same answer and no second admit or job.
 6. SIGTERM: leave the queue group, finish the routes in flight, drain NATS.
 """
 
@@ -38,6 +40,7 @@ from services.router import policy
 
 log = logging.getLogger("router")
 WORKERS_TTL_S = 0.2
+ROUTE_TTL_S = 600.0  # a placement is answered again for this long (a retried or repeated request)
 
 
 class Router:
@@ -100,6 +103,34 @@ class Router:
             await self.bus.respond(msg, reply)
 
     async def route(self, req: RouteRequest) -> RouteReply:
+        """Place a request once, whichever replica is asked and however often: a router claims
+        the request in Redis before deciding; a repeat gets the placement already made, or
+        waits while another replica decides. If that replica dies mid-decision its claim
+        lapses and this one takes over, trying the decode worker it had chosen first (an
+        admit is idempotent there, and the prefill job is deduplicated by its message id)."""
+        rid = req.request_id
+        lease_s = 2 * self.settings.admit_timeout_s + 1.0
+        while not await self.state.claim_route(rid, self.id, lease_s):
+            known = await self.state.route(rid)
+            if "reply" in known:
+                return self.repeated(known)
+            await asyncio.sleep(0.05)
+        known = await self.state.route(rid)
+        if "reply" in known:  # placed by a router whose claim has lapsed since
+            return self.repeated(known)
+        reply = await self.place(req, known.get("decode"), lease_s)
+        if reply.ok:
+            await self.state.note_route(rid, ROUTE_TTL_S, reply=reply.encode().decode())
+        else:  # refused: a later attempt decides afresh
+            await self.state.release_route(rid)
+        return reply
+
+    @staticmethod
+    def repeated(known: dict[str, str]) -> RouteReply:
+        trace.get_current_span().set_attribute("repeated", True)
+        return RouteReply.decode(known["reply"].encode())
+
+    async def place(self, req: RouteRequest, chosen_before: str | None, lease_s: float) -> RouteReply:
         rid, prompt = req.request_id, req.prompt_token_ids
         workers = [w for w in await self.workers() if w.model == req.model]
         prefills = [w for w in workers if w.role == "prefill"]
@@ -111,6 +142,9 @@ class Router:
         blocks = -(-(len(prompt) + 1) // block_size)
         ranked = policy.decode_candidates(decodes, blocks, {w: n * block_size for w, (n, _) in cached.items()},
                                           len(prompt), session_worker, self.settings.affinity_slack)
+        if chosen_before:  # taking over a placement: the worker already asked first (it may hold the request)
+            ranked = [w for w in decodes if w.worker_id == chosen_before] + [
+                w for w in ranked if w.worker_id != chosen_before]
         for decode in ranked:
             prefill, mode, reason = self.place_prefill(len(prompt), decode, prefills, cached,
                                                        cached.get(decode.worker_id, (0, 0))[0] * block_size)
@@ -119,6 +153,8 @@ class Router:
                     policy.predicted_prefill_s(prefill, len(prompt)), self.settings.ttft_slo_s)
                 if not admit_ok:
                     return RouteReply(request_id=rid, ok=False, reason=why_not, retry_after_s=retry_after)
+            await self.state.claim_route(rid, self.id, lease_s)  # renew: each admit may take its timeout
+            await self.state.note_route(rid, ROUTE_TTL_S, decode=decode.worker_id)
             admit = await self.admit(decode, req, mode, prefill.worker_id if prefill else None)
             if admit is None or not admit.ok:
                 continue
@@ -169,7 +205,9 @@ class Router:
 
     async def dispatch(self, prefill_worker: str, job: PrefillJob) -> None:
         try:
-            await self.bus.js.publish(subjects.prefill_jobs(prefill_worker), job.encode(), headers=tracing.inject())
+            # the stream drops a second job for the same request (JetStream de-duplication by id)
+            await self.bus.js.publish(subjects.prefill_jobs(prefill_worker), job.encode(),
+                                      headers={**tracing.inject(), "Nats-Msg-Id": f"prefill:{job.request_id}"})
         except Exception as e:
             log.warning("%s: prefill job not queued (%s); the decode worker will prefill it", job.request_id, e)
 

@@ -3,28 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import tempfile
-import time
 
-import pytest
-
-from deploy.local.stack import _binary, free_port
 from shared.engine.block_manager import KVEvent
 from shared.prefix_index import PrefixPublisher, cached_blocks, net_changes, prefix_key
 from shared.state import State
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    port = free_port()
-    with tempfile.TemporaryDirectory() as d:
-        proc = subprocess.Popen([_binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                 "--appendonly", "no", "--dir", d], stdout=subprocess.DEVNULL)
-        time.sleep(0.3)
-        yield f"redis://127.0.0.1:{port}/0"
-        proc.terminate()
-        proc.wait()
 
 
 def test_the_last_event_per_block_wins():
