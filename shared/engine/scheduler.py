@@ -1,9 +1,8 @@
 """Which sequences run in the next forward pass (continuous batching, chunked prefill).
 
-Each step is either a prefill pass (prompt chunks of waiting sequences, lowest `priority`
-value first and first come within a level, up to `max_batched_tokens`, long prompts split
-into `prefill_chunk`-token pieces, so a short prompt shares the next pass with a long one
-instead of waiting for all of it) or a decode pass
+Each step is either a prefill pass (prompt chunks of waiting sequences in `prefill_order`,
+up to `max_batched_tokens`, long prompts split into `prefill_chunk`-token pieces, so a short
+prompt shares the next pass with long ones instead of waiting for all of them) or a decode pass
 (one token for every running sequence). When both kinds of work are pending the two
 alternate, so a long prompt delays running streams by one chunk at a time, never by a whole
 prompt. When a decode step has no block for a sequence, the newest running sequence is
@@ -14,7 +13,9 @@ recomputed (mostly from the prefix cache) later.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import groupby
 
 from shared.engine.block_manager import BlockManager, OutOfBlocks
 from shared.engine.config import EngineConfig
@@ -26,6 +27,21 @@ class Schedule:
     is_decode: bool
     chunks: list[tuple[Sequence, int]]  # (sequence, number of new tokens this pass)
     preempted: list[Sequence] = field(default_factory=list)
+
+
+def prefill_order(waiting: Iterable[Sequence], chunk: int) -> list[Sequence]:
+    """The order in which waiting prompts take a prefill pass's token budget.
+
+    Lower `priority` value first. Within a level: the oldest long prompt (more than one chunk
+    left), which so advances by a chunk every pass and never starves; then the short ones,
+    which finish in this pass instead of queueing behind every long one; then the other long
+    ones. First come first within each tier."""
+    order: list[Sequence] = []
+    for _, level in groupby(sorted(waiting, key=lambda q: q.params.priority), key=lambda q: q.params.priority):
+        level = list(level)
+        long = [q for q in level if len(q.token_ids) - q.num_computed > chunk]
+        order += long[:1] + [q for q in level if q not in long] + long[1:]
+    return order
 
 
 class Scheduler:
@@ -68,7 +84,7 @@ class Scheduler:
     def _schedule_prefill(self) -> Schedule:
         budget = self.cfg.max_batched_tokens
         chunks: list[tuple[Sequence, int]] = []
-        for seq in sorted(self.waiting, key=lambda q: q.params.priority):  # stable: first come within a level
+        for seq in prefill_order(self.waiting, self.cfg.prefill_chunk):
             if len(self.running) + len(chunks) >= self.cfg.max_num_seqs or budget == 0:
                 break
             if not seq.block_table:

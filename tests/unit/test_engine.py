@@ -178,3 +178,29 @@ def test_a_lower_priority_value_is_prefilled_first_then_first_come(tiny):
         eng.add_request(rid, list(range(3, 19)), SamplingParams(max_tokens=2, priority=prio), prefill_only=True)
     order = [o.request_id for _ in range(4) for o in eng.step()]
     assert order == ["c", "a", "d", "b"]
+
+
+def test_a_short_prompt_is_not_stuck_behind_long_ones_and_the_oldest_long_one_keeps_moving(tiny):
+    """Four long prompts would fill every pass's budget for three passes; a short one that
+    comes after them is done in the first pass. Short prompts that fill the budget do not
+    stop the oldest long prompt: it advances a chunk per pass."""
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import Engine
+    from shared.engine.scheduler import prefill_order
+    from shared.engine.sequence import SamplingParams
+
+    params = SamplingParams(max_tokens=2)
+    eng = Engine(tiny, EngineConfig(num_blocks=256, prefill_chunk=16, max_batched_tokens=64, enable_prefix_cache=False))
+    for i in range(4):
+        eng.add_request(f"long{i}", [3 + i] * 48, params, prefill_only=True)
+    eng.add_request("short", [9] * 10, params, prefill_only=True)
+    assert [o.request_id for o in eng.step()] == ["short"]
+
+    eng = Engine(tiny, EngineConfig(num_blocks=256, prefill_chunk=16, max_batched_tokens=64, enable_prefix_cache=False))
+    eng.add_request("long", [3] * 48, params, prefill_only=True)
+    for i in range(12):
+        eng.add_request(f"short{i}", [4 + i] * 16, params, prefill_only=True)
+    done = [[o.request_id for o in eng.step()] for _ in range(3)]
+    assert done == [["short0", "short1", "short2"], ["short3", "short4", "short5"],   # 3 beside it per pass
+                    ["long", "short6", "short7", "short8"]]
+    assert [q.request_id for q in prefill_order(eng.scheduler.waiting, 16)] == ["short9", "short10", "short11"]
