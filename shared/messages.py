@@ -181,6 +181,7 @@ class WorkerInfo(Message):
     block_size: int = 16
     total_blocks: int = 0
     free_blocks: int = 0
+    growth_blocks: int = 0            # blocks its sequences may still take (each up to its max_tokens)
     running: int = 0
     waiting: int = 0                  # queued, or (decode) waiting for their KV
     queued_tokens: int = 0            # prompt tokens waiting to be computed

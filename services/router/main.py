@@ -141,7 +141,8 @@ class Router:
         session_worker = await self.state.session_worker(req.session_id)
         blocks = -(-(len(prompt) + 1) // block_size)
         ranked = policy.decode_candidates(decodes, blocks, {w: n * block_size for w, (n, _) in cached.items()},
-                                          len(prompt), session_worker, self.settings.affinity_slack)
+                                          len(prompt), session_worker, self.settings.affinity_slack,
+                                          output_blocks=-(-req.sampling.max_tokens // block_size))
         if chosen_before:  # taking over a placement: the worker already asked first (it may hold the request)
             ranked = [w for w in decodes if w.worker_id == chosen_before] + [
                 w for w in ranked if w.worker_id != chosen_before]

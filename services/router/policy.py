@@ -30,14 +30,17 @@ def prefill_mode(prompt_tokens: int, prefill_workers: int, local_below: int) -> 
 
 def decode_candidates(workers: list[WorkerInfo], blocks_needed: int, cached_tokens: dict[str, int] | None = None,
                       prompt_tokens: int = 0, session_worker: str | None = None,
-                      affinity_slack: int = 4) -> list[WorkerInfo]:
+                      affinity_slack: int = 4, output_blocks: int = 0) -> list[WorkerInfo]:
     """Decode workers that have room for the prompt, best first.
 
     A worker is *affine* when it holds the request's conversation — it is the session's
     worker, or its prefix cache holds at least half the prompt — and its load (running +
     waiting sequences) is within `affinity_slack` of the least loaded: affine workers come
     first, most cached tokens first (a follow-up turn goes back to its KV, and only its new
-    blocks cross). Then the rest, least loaded first."""
+    blocks cross). Then the rest: those with room for the whole request first — the prompt
+    and `output_blocks` of output, on top of what their own sequences may still take to reach
+    their max_tokens (`growth_blocks`): a worker short of that would preempt a stream later —
+    then least loaded first, most headroom first."""
     cached = cached_tokens or {}
     fit = [w for w in workers if w.free_blocks >= blocks_needed]
     if not fit:
@@ -45,9 +48,10 @@ def decode_candidates(workers: list[WorkerInfo], blocks_needed: int, cached_toke
     least = min(w.running + w.waiting for w in fit)
 
     def key(w: WorkerInfo):
-        load, held = w.running + w.waiting, cached.get(w.worker_id, 0)
+        load, held, headroom = w.running + w.waiting, cached.get(w.worker_id, 0), w.free_blocks - w.growth_blocks
         affine = (w.worker_id == session_worker or 2 * held >= prompt_tokens > 0) and load <= least + affinity_slack
-        return (not affine, -held if affine else 0, load, -w.free_blocks, w.worker_id)
+        return (not affine, -held if affine else 0, headroom < blocks_needed + output_blocks, load, -headroom,
+                w.worker_id)
     return sorted(fit, key=key)
 
 

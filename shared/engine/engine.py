@@ -96,6 +96,13 @@ class Engine:
         return sum(s.status is Status.IMPORTING for s in list(self.seqs.values()))
 
     @property
+    def growth_blocks(self) -> int:
+        """Blocks the unfinished sequences may still take, each until its max_tokens (a bound:
+        most stop earlier). A snapshot: safe from another thread."""
+        return sum(max(0, self.blocks.blocks_needed(s.num_prompt + s.params.max_tokens) - len(s.block_table))
+                   for s in list(self.seqs.values()) if s.status is not Status.FINISHED)
+
+    @property
     def queued_tokens(self) -> int:
         """Prompt tokens queued and not yet computed (a snapshot: safe from another thread)."""
         return sum(len(s.token_ids) - s.num_computed for s in list(self.scheduler.waiting))

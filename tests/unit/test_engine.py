@@ -204,3 +204,18 @@ def test_a_short_prompt_is_not_stuck_behind_long_ones_and_the_oldest_long_one_ke
     assert done == [["short0", "short1", "short2"], ["short3", "short4", "short5"],   # 3 beside it per pass
                     ["long", "short6", "short7", "short8"]]
     assert [q.request_id for q in prefill_order(eng.scheduler.waiting, 16)] == ["short9", "short10", "short11"]
+
+
+def test_growth_blocks_count_what_unfinished_sequences_may_still_take(tiny):
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import Engine
+    from shared.engine.sequence import SamplingParams
+
+    eng = Engine(tiny, EngineConfig(num_blocks=64, block_size=16, prefill_chunk=16, max_batched_tokens=64))
+    eng.add_request("a", [3] * 20, SamplingParams(max_tokens=30, ignore_eos=True))
+    assert eng.growth_blocks == 4                          # 50 tokens in 16-token blocks, none taken yet
+    eng.step()
+    assert eng.growth_blocks == 4 - len(eng.seqs["a"].block_table) == 2
+    while eng.has_work():
+        eng.step()
+    assert eng.growth_blocks == 0

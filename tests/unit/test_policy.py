@@ -2,9 +2,9 @@ from services.router import policy
 from shared.messages import WorkerInfo
 
 
-def w(wid, role="decode", free=100, running=0, waiting=0, fp="f"):
+def w(wid, role="decode", free=100, running=0, waiting=0, fp="f", growth=0):
     return WorkerInfo(worker_id=wid, role=role, model="m", fingerprint=fp, total_blocks=100,
-                      free_blocks=free, running=running, waiting=waiting)
+                      free_blocks=free, running=running, waiting=waiting, growth_blocks=growth)
 
 
 def test_prefill_mode():
@@ -18,6 +18,14 @@ def test_decode_candidates_need_room_and_prefer_the_least_loaded():
     workers = [w("a", running=5), w("b", running=1), w("c", free=2), w("d", running=1, free=50)]
     assert [x.worker_id for x in policy.decode_candidates(workers, blocks_needed=10)] == ["b", "d", "a"]
     assert policy.decode_candidates(workers, blocks_needed=1000) == []
+
+
+def test_decode_candidates_prefer_room_for_the_expected_output_over_a_lighter_load():
+    """a is idle but its streams may still take 85 of its 100 free blocks; b has 1 stream and
+    room for this request's prompt and 30 blocks of output on top of its own."""
+    workers = [w("a", free=100, growth=85), w("b", free=60, running=1, growth=10)]
+    assert [x.worker_id for x in policy.decode_candidates(workers, 10, output_blocks=30)] == ["b", "a"]
+    assert [x.worker_id for x in policy.decode_candidates(workers, 10, output_blocks=2)] == ["a", "b"]
 
 
 def test_a_follow_up_turn_goes_back_to_its_kv_unless_that_worker_is_swamped():
