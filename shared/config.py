@@ -79,7 +79,8 @@ class WorkerSettings(Common):
 
 
 class PrefillSettings(WorkerSettings):
-    max_jobs: int = Field(8, gt=0, description="prefill jobs taken at once")
+    max_jobs: int = Field(64, gt=0, description="prefill jobs taken at once (the engine orders those by "
+                          "priority and length; JetStream keeps the rest first come)")
     kv_ack_timeout_s: float = Field(30.0, gt=0, description="lease: blocks are kept this long for the decode side")
     kv_transfer_encoding: Literal["native", "int8"] = Field(
         "native", description="KV bytes on the wire: as in the pool, or int8 with per-block scales (4x fewer "

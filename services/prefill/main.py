@@ -4,9 +4,12 @@
    work queue exists, register in Redis with a heartbeat lease (queued tokens, measured
    prefill rate), pull from this worker's durable consumer (`pd.prefill.jobs.<id>`). Each
    step's prefix-cache changes go to its set in the prefix index (shared/prefix_index.py).
-2. Take jobs (up to `max_jobs` in flight); a job cancelled before it starts is dropped. Each
-   job opens a KV handoff to its decode worker (shared/kv/sender.py; refused at once if the
-   decode worker's fingerprint differs) and is queued with the engine streaming its KV.
+2. Take jobs (up to `max_jobs` in flight: the engine orders what it holds by priority and
+   length, so it takes deep; JetStream keeps the rest in order of arrival); a job cancelled
+   before it starts is dropped. Each job opens a KV handoff to its decode worker
+   (shared/kv/sender.py; refused at once if the decode worker's fingerprint differs) and is
+   queued with the engine streaming its KV. Jobs in hand are kept from redelivery
+   (`in_progress` every JOB_KEEPALIVE_S) until they are acked.
 3. Step the engine: queued prompts are prefilled together, long ones in chunks. As each layer
    of each pass is computed, its new blocks go to the decode worker (KVLayer notice on NATS,
    payload over UCX), overlapping the rest of the pass. A prompt that completes yields its
@@ -43,6 +46,7 @@ from shared.worker import serve_worker, worker_id, worker_info
 from shared.state import State
 
 log = logging.getLogger("prefill")
+JOB_KEEPALIVE_S = 10.0  # JetStream redelivers a job unacked for 30 s (its ack_wait)
 
 
 class PrefillWorker:
@@ -53,12 +57,13 @@ class PrefillWorker:
         self.id = worker_id(settings, "prefill")
         self.prefix = PrefixPublisher(state, self.id, lease_s=3 * settings.heartbeat_s)
         self.host = EngineHost(engine, self.prefix.publish)
-        self.jobs: dict[str, tuple[PrefillJob, Msg, trace.Span]] = {}
+        self.jobs: dict[str, tuple[PrefillJob, trace.Span]] = {}
         self.kv_spans: dict[str, trace.Span] = {}
         self.sender = KVSender(transport, bus, engine.fingerprint, self.read_blocks, settings.kv_max_attempts,
                                settings.kv_transfer_encoding)
         self.cancelled: set[str] = set()
         self.handoffs: set[asyncio.Task] = set()
+        self.in_hand: dict[str, Msg] = {}  # jobs taken and not yet acked
 
     def info(self):
         return worker_info(self.engine, self.id, "prefill", self.settings,
@@ -79,6 +84,7 @@ class PrefillWorker:
             await self.prefix.close()
 
         leaving = asyncio.create_task(leave_registry())
+        keepalive = asyncio.create_task(self.keep_jobs())
         log.info("prefill worker %s ready", self.id)
         while not stop.is_set() or self.jobs or self.handoffs:
             if not stop.is_set() and len(self.jobs) < self.settings.max_jobs:
@@ -88,8 +94,24 @@ class PrefillWorker:
                     await self.on_first_token(out)
             elif self.handoffs:
                 await asyncio.wait(self.handoffs, timeout=0.05)
+        keepalive.cancel()
         await leaving
         self.host.close()
+
+    async def keep_jobs(self) -> None:
+        while True:
+            await asyncio.sleep(JOB_KEEPALIVE_S)
+            for msg in list(self.in_hand.values()):
+                try:
+                    await msg.in_progress()
+                except Exception as e:  # noqa: BLE001 - NATS reconnecting: the next round tries again
+                    log.debug("in_progress: %s", e)
+
+    async def done(self, rid: str) -> None:
+        """The job is over (handed off, refused or cancelled): ack it, it leaves the queue."""
+        msg = self.in_hand.pop(rid, None)
+        if msg is not None:
+            await msg.ack()
 
     async def take_jobs(self, pull, wait_s: float) -> None:
         try:
@@ -120,7 +142,8 @@ class PrefillWorker:
                     s.end()
                 await msg.term()
                 continue
-            self.jobs[job.request_id] = (job, msg, span)
+            self.jobs[job.request_id] = (job, span)
+            self.in_hand[job.request_id] = msg
             self.kv_spans[job.request_id] = kv_span
 
     def queue(self, job: PrefillJob, sink) -> None:
@@ -136,7 +159,7 @@ class PrefillWorker:
     async def on_first_token(self, out: RequestOutput) -> None:
         if out.request_id not in self.jobs:  # cancelled while its last pass ran
             return
-        job, msg, span = self.jobs.pop(out.request_id)  # from here the handoff (or nothing) owns it
+        job, span = self.jobs.pop(out.request_id)  # from here the handoff (or nothing) owns it
         span.set_attribute("cached_tokens", out.num_cached_tokens)
         span.end()
         await self.bus.publish(subjects.tokens(out.request_id), TokenChunk.from_output(out), ctx=trace.set_span_in_context(span))
@@ -145,13 +168,13 @@ class PrefillWorker:
             self.end_kv_span(out.request_id, acked=False, error="finished in prefill")
             await self.bus.publish(subjects.cancel(out.request_id),
                                    Cancel(request_id=out.request_id, reason=FINISHED_IN_PREFILL))
-            await msg.ack()
+            await self.done(out.request_id)
             return
-        task = asyncio.create_task(self.handoff(job, msg, out.new_token_ids[0]))
+        task = asyncio.create_task(self.handoff(job, out.new_token_ids[0]))
         self.handoffs.add(task)
         task.add_done_callback(self.handoffs.discard)
 
-    async def handoff(self, job: PrefillJob, msg: Msg, first_token: int) -> None:
+    async def handoff(self, job: PrefillJob, first_token: int) -> None:
         """The lease: the blocks stay until the decode side answers (or time runs out)."""
         rid = job.request_id
         h = self.sender.handoffs[rid]
@@ -166,7 +189,7 @@ class PrefillWorker:
             self.end_kv_span(rid, acked=False, error=str(e))
         finally:
             await self.host.call(self.engine.free, rid)
-            await msg.ack()
+            await self.done(rid)
 
     def end_kv_span(self, rid: str, acked: bool, error: str = "", **attributes) -> None:
         span = self.kv_spans.pop(rid, None)
@@ -191,10 +214,10 @@ class PrefillWorker:
                 return
             self.sender.drop(rid)
             self.end_kv_span(rid, acked=False, error="cancelled")
-            job, jmsg, span = entry
+            job, span = entry
             span.add_event("cancelled")
             span.end()
-            await jmsg.ack()
+            await self.done(rid)
 
 
 def main() -> None:
