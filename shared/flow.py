@@ -6,7 +6,8 @@ that handles each step. (Documentation only; nothing to import.)
     services/gateway/generate.py renders the chat template, tokenizes, checks the context.
  2. services/gateway/relay.py subscribes to `pd.tokens.<rid>` *before* anything can produce a
     token, then asks `pd.router.route` (RouteRequest → RouteReply).
- 3. services/router/main.py reads the live workers (shared/state.py, `pd:worker:*`, leases),
+ 3. services/router/main.py claims the request (`pd:route:<rid>`: a repeat, to any replica,
+    gets the same placement) and reads the live workers (shared/state.py, `pd:worker:*`, leases),
     asks services/router/policy.py where to prefill and which decode worker to try first.
  4. Admit: `pd.decode.<w>.admit` (AdmitRequest → AdmitReply). services/decode/main.py
     reserves the prompt's KV blocks (shared/engine/engine.py `reserve`), reusing its prefix
