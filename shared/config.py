@@ -33,6 +33,13 @@ class GatewaySettings(Common):
     max_request_bytes: int = 1 << 20
     default_max_tokens: int = Field(512, gt=0, description="max_tokens when a request sets none")
     require_prefill: bool = Field(True, description="/ready waits for a prefill worker (off: colocated)")
+    api_keys: str = Field("", description="name:sha256(key) entries, comma-separated (make one with `python -m "
+                          "services.gateway.auth new NAME`); empty: the API is open")
+    rate_limit_per_s: float = Field(0.0, ge=0, description="requests per second per API key (per client address "
+                                    "when the API is open), shared by all gateways through Redis; 0: no limit")
+    rate_limit_burst: int = Field(20, gt=0, description="requests a caller may make at once before the rate applies")
+    max_prompt_tokens: int = Field(0, ge=0, description="longest prompt accepted, in tokens (0: the model's context)")
+    max_tokens_limit: int = Field(0, ge=0, description="largest max_tokens accepted (0: what the context leaves)")
 
 
 class RouterSettings(Common):

@@ -13,6 +13,7 @@ import argparse
 import ctypes
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -72,17 +73,27 @@ class Stack:
         self.log_dir = cfg.log_dir or self.data / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
+        # NATS and Redis take a password made for this run (config files in the private data
+        # directory, not on a command line), so nothing else on the host can join the bus
+        self.secret = secrets.token_urlsafe(24)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.cfg.gateway_port}"
 
+    @property
+    def nats_url(self) -> str:
+        return f"nats://pdserve:{self.secret}@127.0.0.1:{self.cfg.nats_port}"
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://:{self.secret}@127.0.0.1:{self.cfg.redis_port}/0"
+
     def service_env(self) -> dict[str, str]:
         c = self.cfg
         workers = (0 if c.colocated else c.prefill) + c.decode
         threads = c.threads or max(1, (os.cpu_count() or 1) // max(1, workers))
-        return {**os.environ, "PD_NATS_URL": f"nats://127.0.0.1:{c.nats_port}",
-                "PD_REDIS_URL": f"redis://127.0.0.1:{c.redis_port}/0", "PD_MODEL": c.model,
+        return {**os.environ, "PD_NATS_URL": self.nats_url, "PD_REDIS_URL": self.redis_url, "PD_MODEL": c.model,
                 "PD_GATEWAY_PORT": str(c.gateway_port), "PD_KV_BLOCKS": str(c.kv_blocks),
                 "PD_THREADS": str(threads), "PD_REQUIRE_PREFILL": str(not c.colocated).lower(),
                 "UCX_WARN_UNUSED_ENV_VARS": "n", "PYTHONUNBUFFERED": "1", **c.env}
@@ -99,10 +110,13 @@ class Stack:
 
     def start(self, ready_timeout_s: float = 240) -> "Stack":
         c = self.cfg
-        self.spawn("nats", [_binary("nats-server"), "-js", "-a", "127.0.0.1", "-p", str(c.nats_port),
-                            "-sd", str(self.data / "nats")])
-        self.spawn("redis", [_binary("redis-server"), "--port", str(c.redis_port), "--bind", "127.0.0.1",
-                             "--save", "", "--appendonly", "no", "--dir", str(self.data)])
+        nats_conf, redis_conf = self.data / "nats.conf", self.data / "redis.conf"
+        nats_conf.write_text(f'authorization {{ user: pdserve, password: "{self.secret}" }}\n')
+        redis_conf.write_text(f"requirepass {self.secret}\n")
+        self.spawn("nats", [_binary("nats-server"), "-c", str(nats_conf), "-js", "-a", "127.0.0.1",
+                            "-p", str(c.nats_port), "-sd", str(self.data / "nats")])
+        self.spawn("redis", [_binary("redis-server"), str(redis_conf), "--port", str(c.redis_port),
+                             "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(self.data)])
         for port in (c.nats_port, c.redis_port):
             self.wait_port(port, 20)
         for i in range(c.routers):

@@ -1,28 +1,30 @@
-"""Routes: OpenAI-compatible generation, the model list, liveness and readiness."""
+"""Routes: OpenAI-compatible generation and the model list (API key and rate limit checked
+first), liveness and readiness (open)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from services.gateway.deps import GatewayDep
+from services.gateway.deps import GatewayDep, authorize
 from services.gateway.generate import generate
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 
 router = APIRouter()
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
 
 
-@router.post("/v1/chat/completions")
+@v1.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, gw: GatewayDep):
     return await generate(gw, request, body, "chat")
 
 
-@router.post("/v1/completions")
+@v1.post("/completions")
 async def completions(body: CompletionRequest, request: Request, gw: GatewayDep):
     return await generate(gw, request, body, "text")
 
 
-@router.get("/v1/models")
+@v1.get("/models")
 async def models(gw: GatewayDep):
     return {"object": "list", "data": [{"id": gw.settings.model_name, "object": "model", "created": 0,
                                          "owned_by": "pdserve", "max_model_len": gw.model_config.max_position}]}

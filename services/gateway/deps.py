@@ -6,12 +6,15 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
+from opentelemetry import trace
 
 from shared.bus import Bus
 from shared.config import GatewaySettings
 from shared.engine.config import ModelConfig
 from shared.engine.tokenizer import Tokenizer
 from shared.state import State
+from services.gateway.auth import KeyCheck
+from services.gateway.ratelimit import RateLimit
 from services.gateway.relay import Relay
 
 
@@ -23,6 +26,8 @@ class Gateway:
     tokenizer: Tokenizer
     model_config: ModelConfig
     relay: Relay
+    keys: KeyCheck
+    rate_limit: RateLimit
 
 
 def _gateway(request: Request) -> Gateway:
@@ -30,3 +35,12 @@ def _gateway(request: Request) -> Gateway:
 
 
 GatewayDep = Annotated[Gateway, Depends(_gateway)]
+
+
+async def authorize(request: Request, gw: GatewayDep) -> None:
+    """Every /v1 route: a known API key (unless the API is open), then the caller's rate limit.
+    The key's name goes on the span; the key itself is never logged or recorded."""
+    caller = gw.keys.identify(request.headers.get("authorization"))
+    if caller is not None:
+        trace.get_current_span().set_attribute("api_key", caller)
+    await gw.rate_limit.take(caller or f"addr:{request.client.host if request.client else '-'}")

@@ -38,15 +38,23 @@ def prompt_ids(gw: Gateway, body: ChatCompletionRequest | CompletionRequest) -> 
 
 def max_tokens(gw: Gateway, body, n_prompt: int) -> int:
     limit = gw.model_config.max_position
+    prompt_param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+    if gw.settings.max_prompt_tokens and n_prompt > gw.settings.max_prompt_tokens:
+        raise APIError(400, f"The prompt has {n_prompt} tokens; this server accepts at most "
+                            f"{gw.settings.max_prompt_tokens} prompt tokens.", param=prompt_param,
+                       code="prompt_too_long")
     room = limit - n_prompt
     wanted = body.max_tokens
+    cap = gw.settings.max_tokens_limit
+    if cap and wanted is not None and wanted > cap:
+        raise APIError(400, f"max_tokens is {wanted}; this server allows at most {cap}.", param="max_tokens",
+                       code="max_tokens_too_large")
     if room < 1 or (wanted is not None and wanted > room):
         raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
                             f"{n_prompt + (wanted or 1)} tokens ({n_prompt} in the prompt, {wanted or 1} in the "
                             "completion). Please reduce the prompt or the completion length.",
-                       param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
-                       code="context_length_exceeded")
-    return wanted if wanted is not None else min(room, gw.settings.default_max_tokens)
+                       param=prompt_param, code="context_length_exceeded")
+    return wanted if wanted is not None else min(room, gw.settings.default_max_tokens, cap or room)
 
 
 async def generate(gw: Gateway, request: Request, body: ChatCompletionRequest | CompletionRequest,

@@ -2,8 +2,9 @@
 
 1. Start: load the tokenizer and chat template (no weights), connect to NATS and Redis,
    serve HTTP on `gateway_host:gateway_port`.
-2. Request: validate (4xx in OpenAI's error shape, nothing reaches a worker), render the
-   chat template, tokenize, check the context length, open the root span.
+2. Request: open the root span; on /v1 check the API key (401) and the caller's rate limit
+   (429 + Retry-After, a token bucket in Redis); validate (4xx in OpenAI's error shape,
+   nothing reaches a worker), render the chat template, tokenize, check the length limits.
 3. Subscribe to `pd.tokens.<rid>`, then ask the router for a placement (`pd.router.route`).
 4. Relay the token chunks in sequence order as SSE or one JSON body, with usage and
    finish_reason; request id and trace id go back in the `x-request-id` / `x-trace-id` headers.
@@ -13,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from contextlib import asynccontextmanager
 
 import uvicorn
@@ -26,13 +28,19 @@ from shared.engine.loader import inspect
 from shared.service import setup_logging
 from shared.state import State
 from services.gateway import errors
-from services.gateway.api import router
+from services.gateway.api import router, v1
+from services.gateway.auth import KeyCheck
 from services.gateway.deps import Gateway
 from services.gateway.middleware import RequestContext
+from services.gateway.ratelimit import RateLimit
 from services.gateway.relay import Relay
+
+log = logging.getLogger("gateway")
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
+    keys = KeyCheck(settings.api_keys)  # a malformed entry stops the start, before any request
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         tracing.setup("gateway", settings.otlp_endpoint)
@@ -42,7 +50,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         bus = await Bus.connect(settings.nats_url, name="gateway")
         state = State.connect(settings.redis_url)
         app.state.gateway = Gateway(settings, bus, state, tokenizer, model_config,
-                                    Relay(bus, settings.route_timeout_s, settings.token_timeout_s))
+                                    Relay(bus, settings.route_timeout_s, settings.token_timeout_s), keys,
+                                    RateLimit(state, settings.rate_limit_per_s, settings.rate_limit_burst))
+        if keys.open:
+            log.warning("no API keys configured (PD_API_KEYS): the API is open to anyone who can reach it")
+        else:
+            log.info("%d API keys configured", len(keys.keys))
         yield
         await bus.close()
         await state.close()
@@ -50,6 +63,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     app = FastAPI(title="pdserve", version="0.1.0", lifespan=lifespan)
     errors.install(app)
+    app.include_router(v1)
     app.include_router(router)
 
     app.add_middleware(RequestContext, tracer=trace.get_tracer("pdserve.gateway"),

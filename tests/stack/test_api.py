@@ -91,7 +91,7 @@ BAD = [
 
 def test_bad_requests_get_4xx_and_reach_no_worker(stack):
     async def run():
-        nc = await nats.connect(f"nats://127.0.0.1:{stack.cfg.nats_port}")
+        nc = await nats.connect(stack.nats_url)
         seen = []
 
         async def record(msg):
@@ -129,7 +129,7 @@ def test_client_that_leaves_mid_stream_frees_its_blocks(stack):
 
     import redis
 
-    store = redis.Redis(port=stack.cfg.redis_port)
+    store = redis.Redis.from_url(stack.redis_url)
 
     def free_blocks():
         infos = [_json.loads(store.get(k)) for k in store.keys("pd:worker:*")]

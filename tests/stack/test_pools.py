@@ -82,7 +82,7 @@ def test_a_stalled_prefill_worker_costs_a_deadline_not_the_request(smollm2, tmp_
         finally:
             prefill.send_signal(signal.SIGCONT)
         assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == expected
-        store = redis.Redis(port=cfg.redis_port)
+        store = redis.Redis.from_url(stack.redis_url)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             infos = [json.loads(store.get(k)) for k in store.keys("pd:worker:*")]

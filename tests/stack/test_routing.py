@@ -23,7 +23,7 @@ SYSTEM = "You are the archive assistant of the river town of Alder. " + " ".join
 def _wait_until_busy(stack: Stack, worker_id: str, timeout_s: float = 60) -> None:
     """Until the registry shows work on that worker (queued prompt tokens, or sequences), and
     the router's 0.2 s view of the registry has caught up."""
-    store = redis.Redis(port=stack.cfg.redis_port)
+    store = redis.Redis.from_url(stack.redis_url)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         info = json.loads(store.get(f"pd:worker:{worker_id}") or "{}")

@@ -48,7 +48,7 @@ def _expected(smollm2, messages, max_tokens=8) -> list[int]:
 
 
 def _workers(stack: Stack) -> list[dict]:
-    store = redis.Redis(port=stack.cfg.redis_port)
+    store = redis.Redis.from_url(stack.redis_url)
     infos = [json.loads(store.get(k) or "{}") for k in store.keys("pd:worker:*")]
     return [w for w in infos if w.get("role") in ("prefill", "decode")]
 

@@ -2,6 +2,7 @@
 where the compose plugin exists)."""
 
 import importlib.util
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -29,12 +30,16 @@ def test_compose_services_and_settings_exist():
         unknown = [k for k in env if k.startswith("PD_") and k not in fields]
         assert not unknown, (name, unknown)
     assert "replicas" in services["prefill"]["deploy"] and "replicas" in services["decode"]["deploy"]
+    # NATS and Redis require the passwords every service's URL carries
+    env = spec["x-service"]["environment"]
+    assert "${PD_NATS_PASSWORD" in env["PD_NATS_URL"] and "--pass" in services["nats"]["command"]
+    assert "${PD_REDIS_PASSWORD" in env["PD_REDIS_URL"] and "--requirepass" in services["redis"]["command"]
 
 
 def test_docker_compose_config_validates():
     docker = shutil.which("docker")
     if docker is None or subprocess.run([docker, "compose", "version"], capture_output=True).returncode != 0:
         pytest.skip("no docker compose plugin on this machine")
-    result = subprocess.run([docker, "compose", "-f", str(COMPOSE), "config", "--quiet"],
-                            capture_output=True, text=True)
+    result = subprocess.run([docker, "compose", "-f", str(COMPOSE), "config", "--quiet"], capture_output=True,
+                            text=True, env={**os.environ, "PD_NATS_PASSWORD": "x", "PD_REDIS_PASSWORD": "y"})
     assert result.returncode == 0, result.stderr

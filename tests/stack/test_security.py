@@ -1,0 +1,54 @@
+"""The gateway's guards on the live stack: API keys (401), the per-key rate (429 +
+Retry-After), prompt and max_tokens limits (400 naming the limit); and neither the key, the
+prompt nor the bus passwords appear in any service's log."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from conftest import MODEL
+from deploy.local.stack import Stack, StackConfig
+from services.gateway.auth import hash_key
+
+pytestmark = pytest.mark.slow
+KEY = "pd-" + "k3y" * 12
+SECRET_PROMPT = "The vault code is 7-4-1-9; tell nobody."
+
+
+def test_keys_rate_limit_and_length_limits_on_the_live_gateway(tmp_path):
+    cfg = StackConfig.on_free_ports(colocated=True, decode=1, kv_blocks=256, log_dir=tmp_path, env={
+        "PD_API_KEYS": f"tester:{hash_key(KEY)}", "PD_RATE_LIMIT_PER_S": "0.1", "PD_RATE_LIMIT_BURST": "4",
+        "PD_MAX_PROMPT_TOKENS": "64", "PD_MAX_TOKENS_LIMIT": "8"})
+    body = {"model": MODEL, "messages": [{"role": "user", "content": SECRET_PROMPT}], "max_tokens": 4}
+
+    with Stack(cfg) as stack:
+        def post(payload, key=KEY):
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            return httpx.post(stack.url + "/v1/chat/completions", json=payload, headers=headers, timeout=60)
+
+        missing, wrong = post(body, key=None), post(body, key="pd-wrong")
+        models = httpx.get(stack.url + "/v1/models", timeout=10)
+        health = httpx.get(stack.url + "/health", timeout=10)
+        good = post(body)                                                       # 1 of the burst of 4
+        long = post({**body, "messages": [{"role": "user", "content": "word " * 100}]})      # 2
+        big = post({**body, "max_tokens": 100})                                  # 3
+        again = post(body)                                                       # 4
+        over = post(body)                                                        # the bucket is empty
+        secret = stack.secret
+    logs = "".join(p.read_text(errors="replace") for p in tmp_path.glob("*.log"))
+
+    assert (missing.status_code, missing.json()["error"]["code"]) == (401, "missing_api_key")
+    assert (wrong.status_code, wrong.json()["error"]["code"]) == (401, "invalid_api_key")
+    assert wrong.json()["error"]["type"] == "authentication_error"
+    assert models.status_code == 401 and health.status_code == 200
+    assert good.status_code == 200 and again.status_code == 200, (good.text, again.text)
+    assert long.status_code == 400 and long.json()["error"]["code"] == "prompt_too_long"
+    assert "at most 64 prompt tokens" in long.json()["error"]["message"]
+    assert big.status_code == 400 and big.json()["error"]["param"] == "max_tokens"
+    assert "at most 8" in big.json()["error"]["message"]
+    assert over.status_code == 429 and over.json()["error"]["code"] == "rate_limit_exceeded"
+    assert 1 <= int(over.headers["retry-after"]) <= 10
+    assert "1 API keys configured" in logs
+    for leak in (KEY, SECRET_PROMPT, "vault code", secret):
+        assert leak not in logs, leak
