@@ -16,6 +16,7 @@ from shared.messages import Message
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
+PREFILL_JOB_MAX_AGE_S = 600.0
 
 
 class Bus:
@@ -46,9 +47,11 @@ class Bus:
         return await self.nc.subscribe(subject, queue=queue, cb=handler)
 
     async def ensure_prefill_stream(self) -> None:
-        """The work queue of prefill jobs: each job is delivered to one consumer, kept until acked."""
+        """The work queue of prefill jobs: each job is delivered to one consumer, kept until acked;
+        a job nobody acked within PREFILL_JOB_MAX_AGE_S (its worker died for good) is dropped —
+        its decode worker prefilled it long before."""
         await self.js.add_stream(StreamConfig(name=subjects.PREFILL_STREAM, subjects=[subjects.PREFILL_JOBS],
-                                              retention=RetentionPolicy.WORK_QUEUE))
+                                              retention=RetentionPolicy.WORK_QUEUE, max_age=PREFILL_JOB_MAX_AGE_S))
 
     async def close(self) -> None:
         if self.nc.is_connected:

@@ -186,3 +186,4 @@ class WorkerInfo(Message):
     waiting: int = 0                  # queued, or (decode) waiting for their KV
     queued_tokens: int = 0            # prompt tokens waiting to be computed
     prefill_tokens_per_s: float = 0.0  # measured (recent prefill passes); 0: not yet measured
+    draining: bool = False            # stopping: finishes what it holds, takes nothing new

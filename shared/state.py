@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 from shared.messages import WorkerInfo
 
 REQUEST_TTL_S = 24 * 3600
+OVER = ("prefill_local",)  # phases after which a request's prefill job has nothing left to do
 
 
 def worker_key(worker_id: str) -> str:
@@ -53,6 +54,10 @@ class State:
 
     async def deregister(self, worker_id: str) -> None:
         await self.r.delete(worker_key(worker_id))
+
+    async def alive(self, worker_id: str) -> bool:
+        """Its lease holds (it heartbeats, draining or not)."""
+        return bool(await self.r.exists(worker_key(worker_id)))
 
     async def workers(self, role: str | None = None) -> list[WorkerInfo]:
         keys = [k async for k in self.r.scan_iter(match=worker_key("*"), count=100)]

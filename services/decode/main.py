@@ -13,8 +13,9 @@
    here; fingerprint, layout and every block's checksum are checked before the blocks are
    written into the reservation (a corrupt block is asked for again). KVEnd brings the first
    token; once every block of every layer is in, the sequence joins the batch and the prefill
-   worker gets its ack (`pd.kv.ack.<rid>`) and frees its copy. KV late, refused or still bad →
-   drop the reservation and prefill locally (no gap for the client: chunks carry sequence
+   worker gets its ack (`pd.kv.ack.<rid>`) and frees its copy. KV late, refused or still bad,
+   or the prefill worker's lease lapsed (checked every heartbeat while waiting) → drop the
+   reservation, mark the request `prefill_local` in Redis, and prefill locally (no gap for the client: chunks carry sequence
    numbers, the gateway drops duplicates).
 4. Loop: step the engine; publish each output as a TokenChunk on `pd.tokens.<rid>`.
 5. Cancel: abort the request wherever it is; its blocks return to the pool.
@@ -26,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections import OrderedDict
 
 from nats.aio.msg import Msg
@@ -46,6 +48,11 @@ from shared.worker import serve_worker, worker_id, worker_info
 from shared.state import State
 
 log = logging.getLogger("decode")
+
+
+class PrefillWorkerLost(RuntimeError):
+    """The worker computing a request's KV lost its lease while the request waited for it."""
+
 ADMITTED_KEPT = 10_000
 
 
@@ -141,7 +148,7 @@ class DecodeWorker:
         parent = trace.set_span_in_context(self.spans[rid]) if rid in self.spans else None
         with self.tracer.start_as_current_span("kv.receive", context=parent) as span:
             try:
-                first_token = await asyncio.wait_for(rx.wait(), self.settings.kv_timeout_s)
+                first_token = await self.wait_kv(rx, req)
                 out = await self.host.call(self.engine.commit_import, rid, first_token)
                 await self.bus.publish(subjects.kv_ack(rid), KVAck(request_id=rid, ok=True))
                 span.set_attribute("ok", True)
@@ -153,6 +160,8 @@ class DecodeWorker:
             except Exception as e:  # late, corrupt, refused or mismatched KV: never decode from it
                 reason = "deadline passed" if isinstance(e, asyncio.TimeoutError) else str(e) or type(e).__name__
                 log.warning("%s: KV handoff failed (%s); prefilling locally", rid, reason)
+                # a prefill worker that gets this job later (it was down, or queued deep) drops it
+                await self.state.record(rid, "prefill_local", reason=reason)
                 span.set_attributes({"ok": False, "error": reason})
                 rx.close()
                 await self.bus.publish(subjects.kv_ack(rid), KVAck(request_id=rid, ok=False, error=reason))
@@ -164,6 +173,24 @@ class DecodeWorker:
                                      "resends": rx.resends, "blocks": int(rx.have.shape[1])})
                 self.receiving.pop(rid, None)
                 self.inbox.receivers.pop(rid, None)
+
+    async def wait_kv(self, rx: KVReceiver, req: AdmitRequest) -> int:
+        """The first token, once every block is in. Raises when the deadline passes or, sooner,
+        when the prefill worker's lease lapses (killed: nothing more will come from it)."""
+        waiting = asyncio.ensure_future(rx.wait())
+        deadline = time.monotonic() + self.settings.kv_timeout_s
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                done, _ = await asyncio.wait({waiting}, timeout=max(0.0, min(self.settings.heartbeat_s, left)))
+                if done:
+                    return waiting.result()
+                if left <= self.settings.heartbeat_s:
+                    raise asyncio.TimeoutError
+                if req.prefill_worker and not await self.state.alive(req.prefill_worker):
+                    raise PrefillWorkerLost(f"prefill worker {req.prefill_worker} is gone")
+        finally:
+            waiting.cancel()
 
     # -- output and cancellation -----------------------------------------------------------
     async def publish(self, outputs: list[RequestOutput]) -> None:

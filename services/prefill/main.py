@@ -18,7 +18,9 @@
    lease: `kv_ack_timeout_s`), re-sending any block it reports corrupt; then free, ack the
    job. A request that finished on its first token releases the decode side's reservation.
 5. Cancel: abort the request wherever it is; a handoff in progress ends with KVEnd(not ok).
-6. SIGTERM: leave the registry, stop pulling jobs, finish the ones taken, drain NATS.
+6. SIGTERM: mark the registry entry draining (the router sends nothing more), stop pulling
+   jobs, finish the ones taken, then leave the registry and drain NATS. Killed instead: the
+   lease lapses and the decode workers waiting for this worker's KV prefill locally at once.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from shared.messages import FINISHED_IN_PREFILL, Cancel, PrefillJob, TokenChunk
 from shared.prefix_index import PrefixPublisher
 from shared.service import heartbeat, run, setup_logging
 from shared.worker import serve_worker, worker_id, worker_info
-from shared.state import State
+from shared.state import OVER, State
 
 log = logging.getLogger("prefill")
 JOB_KEEPALIVE_S = 10.0  # JetStream redelivers a job unacked for 30 s (its ack_wait)
@@ -64,29 +66,30 @@ class PrefillWorker:
         self.cancelled: set[str] = set()
         self.handoffs: set[asyncio.Task] = set()
         self.in_hand: dict[str, Msg] = {}  # jobs taken and not yet acked
+        self.stopping = asyncio.Event()
 
     def info(self):
         return worker_info(self.engine, self.id, "prefill", self.settings,
-                           prefill_tokens_per_s=self.host.prefill_tokens_per_s)
+                           prefill_tokens_per_s=self.host.prefill_tokens_per_s, draining=self.stopping.is_set())
 
     async def serve(self, stop: asyncio.Event) -> None:
+        self.stopping = stop
         await self.bus.ensure_prefill_stream()
         pull = await self.bus.js.pull_subscribe(subjects.prefill_jobs(self.id), durable=self.id)
         await self.bus.subscribe(subjects.CANCEL_ALL, self.on_cancel)
         await self.sender.start()
         await self.prefix.start()
-        beat = asyncio.create_task(heartbeat(self.state, self.info, self.settings.heartbeat_s, stop))
-
-        async def leave_registry():  # on stop, at once: the router sends no more jobs here
-            await stop.wait()
-            await beat
-            await self.state.deregister(self.id)
-            await self.prefix.close()
-
-        leaving = asyncio.create_task(leave_registry())
+        # the lease lasts until the jobs in hand are done: decode workers waiting for their KV
+        # tell a draining worker (still registered, `draining`) from a dead one (gone)
+        gone = asyncio.Event()
+        beat = asyncio.create_task(heartbeat(self.state, self.info, self.settings.heartbeat_s, gone))
         keepalive = asyncio.create_task(self.keep_jobs())
+        announced = False
         log.info("prefill worker %s ready", self.id)
         while not stop.is_set() or self.jobs or self.handoffs:
+            if stop.is_set() and not announced:  # at once: the router sends no more jobs here
+                announced = True
+                await self.state.heartbeat(self.info(), lease_s=3 * self.settings.heartbeat_s)
             if not stop.is_set() and len(self.jobs) < self.settings.max_jobs:
                 await self.take_jobs(pull, wait_s=0.005 if self.jobs else 0.5)
             if self.engine.has_work():
@@ -95,7 +98,10 @@ class PrefillWorker:
             elif self.handoffs:
                 await asyncio.wait(self.handoffs, timeout=0.05)
         keepalive.cancel()
-        await leaving
+        gone.set()
+        await beat
+        await self.state.deregister(self.id)
+        await self.prefix.close()
         self.host.close()
 
     async def keep_jobs(self) -> None:
@@ -120,9 +126,10 @@ class PrefillWorker:
             return
         for msg in msgs:
             job = PrefillJob.decode(msg.data)
-            if job.request_id in self.cancelled or job.request_id in self.sender.handoffs:
-                await msg.ack()  # cancelled before it started, or a redelivery of a job in hand
-                continue
+            if (job.request_id in self.cancelled or job.request_id in self.sender.handoffs
+                    or (await self.state.request(job.request_id)).get("phase") in OVER):
+                await msg.ack()  # cancelled before it started, a redelivery of a job in hand, or the
+                continue         # decode worker gave up waiting and prefilled it (this worker's last life?)
             ctx = context_of(msg)
             queued = msg.metadata.timestamp.timestamp() if msg.metadata.timestamp else time.time()
             self.tracer.start_span("prefill.queue", context=ctx, start_time=int(queued * 1e9)).end()

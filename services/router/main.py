@@ -60,7 +60,7 @@ class Router:
         fetched_at, workers = self._workers
         now = time.monotonic()
         if now - fetched_at > WORKERS_TTL_S:
-            workers = [w for w in await self.state.workers() if w.role != "router"]
+            workers = [w for w in await self.state.workers() if w.role != "router" and not w.draining]
             self._workers = (now, workers)
         return workers
 

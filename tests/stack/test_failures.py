@@ -1,0 +1,111 @@
+"""Failures on the live stack: a prefill worker killed mid-job costs its lease, not the KV
+deadline, and not the request."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import redis
+
+from conftest import MODEL
+from deploy.local.stack import Stack, StackConfig
+from helpers import generate
+from shared.engine.sequence import SamplingParams
+
+pytestmark = pytest.mark.slow
+DOCUMENT = " ".join(f"Entry {i}: the {c} gate was opened {i * 7} times in season {i % 4}." for i, c in
+                    enumerate(["red", "blue", "green", "grey", "white", "black"] * 12))
+
+
+def test_a_prefill_worker_killed_mid_prompt_costs_its_lease_not_the_request(smollm2, tmp_path):
+    """kill -9 of the only prefill worker while it computes a long prompt: the decode worker
+    sees the lease lapse (~3 heartbeats), prefills locally at once instead of waiting out the
+    30 s KV deadline, and the answer equals the in-process engine's; no KV block stays taken."""
+    messages = [{"role": "user", "content": DOCUMENT + " Which gate was opened most?"}]
+    tok = smollm2.tokenizer
+    prompt = tok.encode(tok.apply_chat_template(messages))
+    expected = generate(smollm2, {"q": prompt}, SamplingParams(max_tokens=8, temperature=0))["q"]
+    cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=512, log_dir=tmp_path,
+                                    env={"PD_HEARTBEAT_S": "0.3", "PD_KV_TIMEOUT_S": "30"})
+    with Stack(cfg) as stack, ThreadPoolExecutor(1) as pool:
+        store = redis.Redis.from_url(stack.redis_url)
+        reply = pool.submit(httpx.post, stack.url + "/v1/chat/completions", timeout=120, json={
+            "model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 8, "return_token_ids": True})
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:   # until the prefill worker holds the prompt
+            if json.loads(store.get("pd:worker:prefill-0") or "{}").get("queued_tokens"):
+                break
+            time.sleep(0.05)
+        stack.procs["prefill-0"].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        r = reply.result()
+        recovered_s = time.monotonic() - killed
+        rid = r.headers["x-request-id"]
+        record = {k.decode(): v.decode() for k, v in store.hgetall(f"pd:req:{rid}").items()}
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            decode = json.loads(store.get("pd:worker:decode-0"))
+            if decode["free_blocks"] == decode["total_blocks"]:
+                break
+            time.sleep(0.2)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == expected
+    assert record["phase"] == "prefill_local" and "prefill worker prefill-0 is gone" in record["reason"], record
+    assert recovered_s < 20, recovered_s          # the deadline alone would take 30 s before the local prefill
+    assert decode["free_blocks"] == decode["total_blocks"], decode
+    print(f"prefill worker killed: request done {recovered_s:.1f} s later ({len(prompt)}-token prompt)")
+
+
+def test_200_streams_cancelled_at_random_points_leave_no_block_taken(tmp_path):
+    """Clients hang up at random moments — before the placement, during prefill or the KV
+    handoff, after some tokens — 25 at a time; afterwards every worker's KV pool is whole."""
+    import asyncio
+    import random
+
+    cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=1024, log_dir=tmp_path)
+    rng = random.Random(7)
+    plans = [("timeout", rng.uniform(0.02, 1.5)) if rng.random() < 0.35 else ("frames", rng.randint(0, 10))
+             for _ in range(200)]
+
+    async def run(url: str) -> dict[str, int]:
+        gate, seen = asyncio.Semaphore(25), {"timeout": 0, "frames": 0, "completed": 0}
+        async with httpx.AsyncClient(base_url=url) as http:
+            async def one(i: int, kind: str, arg):
+                body = {"model": MODEL, "stream": True, "max_tokens": 16, "ignore_eos": True,
+                        "messages": [{"role": "user", "content": f"Story {i % 17}: tell it {'slowly ' * (i % 5)}."}]}
+                async with gate:
+                    try:
+                        async with http.stream("POST", "/v1/chat/completions", json=body,
+                                               timeout=arg if kind == "timeout" else 120) as r:
+                            frames = 0
+                            async for line in r.aiter_lines():
+                                frames += line.startswith("data: ")
+                                if kind == "frames" and frames > arg:
+                                    seen["frames"] += 1
+                                    return   # hang up
+                            seen["completed"] += 1
+                    except httpx.TimeoutException:
+                        seen["timeout"] += 1
+            await asyncio.gather(*(one(i, kind, arg) for i, (kind, arg) in enumerate(plans)))
+        return seen
+
+    with Stack(cfg) as stack:
+        seen = asyncio.run(run(stack.url))
+        store = redis.Redis.from_url(stack.redis_url)
+
+        def pools():
+            infos = [json.loads(store.get(k)) for k in store.keys("pd:worker:*")]
+            return {w["worker_id"]: (w["free_blocks"], w["total_blocks"], w["running"], w["waiting"])
+                    for w in infos if w["role"] != "router"}
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(f != t or r or w for f, t, r, w in pools().values()):
+            time.sleep(0.3)
+        final = pools()
+    print(f"cancelled streams: {seen}; pools after: {final}")
+    assert seen["timeout"] + seen["frames"] >= 150 and sum(seen.values()) == 200, seen
+    assert len(final) == 2 and all(f == t and r == 0 and w == 0 for f, t, r, w in final.values()), final
