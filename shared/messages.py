@@ -52,6 +52,8 @@ class RouteRequest(Message):
     sampling: Sampling
     model: str
     session_id: str | None = None   # turns of one conversation (decode affinity)
+    attempt: int = 0                # placements before this one (failover after a decode worker was lost)
+    resume_token_ids: list[int] = []  # tokens already generated and streamed: continue after them
 
 
 # -- to the gateway -----------------------------------------------------------------------
@@ -95,6 +97,8 @@ class AdmitRequest(Message):
     sampling: Sampling
     mode: Literal["remote", "local"]
     prefill_worker: str | None = None
+    generated_token_ids: list[int] = []   # mode local, failover: prefilled with the prompt, count as generated
+    attempt: int = 0                      # the request's placement number (a failover is a new admit)
 
 
 class AdmitReply(Message):

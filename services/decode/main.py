@@ -68,7 +68,7 @@ class DecodeWorker:
         self.receiving: dict[str, asyncio.Task] = {}
         self.inbox = KVInbox(bus, self.id)
         self.draining = False
-        self.admitted: OrderedDict[str, AdmitReply] = OrderedDict()  # recent admits, by request id
+        self.admitted: OrderedDict[tuple[str, int], AdmitReply] = OrderedDict()  # recent admits: (id, attempt)
 
     def info(self):
         return worker_info(self.engine, self.id, "decode", self.settings, self.transport.address,
@@ -108,11 +108,12 @@ class DecodeWorker:
     async def admit(self, req: AdmitRequest) -> AdmitReply:
         """Idempotent: a request admitted already gets the same reply (a router that took over
         a placement asks again), never a second reservation."""
-        if req.request_id in self.admitted:
-            return self.admitted[req.request_id]
+        key = (req.request_id, req.attempt)
+        if key in self.admitted:
+            return self.admitted[key]
         reply = await self.reserve(req)
         if reply.ok:
-            self.admitted[req.request_id] = reply
+            self.admitted[key] = reply
             while len(self.admitted) > ADMITTED_KEPT:
                 self.admitted.popitem(last=False)
         return reply
@@ -138,8 +139,10 @@ class DecodeWorker:
                           kv_tag=kv_tag)
 
     async def prefill_locally(self, req: AdmitRequest) -> None:
-        """The whole prompt runs here (colocated mode, or the fallback from a failed handoff)."""
-        await self.host.call(self.engine.add_request, req.request_id, req.prompt_token_ids, req.sampling.to_engine())
+        """The whole prompt runs here (colocated mode, the fallback from a failed handoff, or a
+        failover: prompt + the tokens another decode worker generated before it was lost)."""
+        await self.host.call(self.engine.add_request, req.request_id, req.prompt_token_ids, req.sampling.to_engine(),
+                             generated_token_ids=req.generated_token_ids)
         self.host.wake.set()
 
     # -- KV arrival --------------------------------------------------------------------------

@@ -9,6 +9,8 @@
 4. Relay the token chunks in sequence order as SSE or one JSON body, with usage and
    finish_reason; request id and trace id go back in the `x-request-id` / `x-trace-id` headers.
 5. A client that disconnects cancels the request everywhere (`pd.cancel.<rid>`).
+6. A decode worker lost mid-stream (its lease lapsed while no token came): place the request
+   again with the tokens so far; another decode worker continues it (relay.py).
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         bus = await Bus.connect(settings.nats_url, name="gateway")
         state = State.connect(settings.redis_url)
         app.state.gateway = Gateway(settings, bus, state, tokenizer, model_config,
-                                    Relay(bus, settings.route_timeout_s, settings.token_timeout_s), keys,
+                                    Relay(bus, settings.route_timeout_s, settings.token_timeout_s, state.alive,
+                                          settings.failover_check_s), keys,
                                     RateLimit(state, settings.rate_limit_per_s, settings.rate_limit_burst))
         if keys.open:
             log.warning("no API keys configured (PD_API_KEYS): the API is open to anyone who can reach it")

@@ -1,23 +1,38 @@
 """One request's trip through the system, as the gateway sees it: subscribe to its tokens,
-ask the router for a placement, then yield its token chunks in order, once each."""
+ask the router for a placement, then yield its token chunks in order, once each — across a
+decode worker's death.
+
+Failover: when no chunk has come for `check_s`, the relay asks the registry whether the
+request's decode worker still holds its lease. If not, it places the request again with the
+tokens generated so far (`resume_token_ids`, a new `attempt`): another decode worker
+prefills prompt + those tokens and continues. Chunks carry the index of their first token,
+so the stream goes on with nothing repeated and nothing missing; greedy and seeded sampling
+continue exactly (the sampler's draw depends on the position, not the worker).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import nats.errors
+from opentelemetry import trace
 
 from shared import subjects
 from shared.bus import Bus
 from shared.messages import Cancel, RouteReply, RouteRequest, TokenChunk
 from services.gateway.errors import APIError
 
+MAX_ATTEMPTS = 4  # placements of one request: the first and up to three failovers
+
 
 class Relay:
-    def __init__(self, bus: Bus, route_timeout_s: float, token_timeout_s: float):
+    def __init__(self, bus: Bus, route_timeout_s: float, token_timeout_s: float,
+                 alive: Callable[[str], Awaitable[bool]] | None = None, check_s: float = 1.0):
         self.bus, self.route_timeout_s, self.token_timeout_s = bus, route_timeout_s, token_timeout_s
+        self.alive, self.check_s = alive, check_s
 
     async def run(self, req: RouteRequest) -> tuple[RouteReply, AsyncIterator[TokenChunk]]:
         """Place the request; returns the placement and its ordered token stream. The
@@ -29,30 +44,52 @@ class Relay:
 
         sub = await self.bus.subscribe(subjects.tokens(req.request_id), on_chunk)
         try:
-            reply = await self.bus.request(subjects.ROUTE, req, RouteReply, timeout=self.route_timeout_s)
-        except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+            reply = await self.place(req)
+        except APIError:
             await sub.unsubscribe()
-            raise APIError(503, "No router answered; the service is starting or overloaded. Retry shortly.",
-                           code="router_unavailable")
+            raise
+        return reply, self._ordered(req, reply, queue, sub)
+
+    async def place(self, req: RouteRequest) -> RouteReply:
+        """Ask a router; one more try if none answered in time (placement is idempotent by
+        request id and attempt, so a router that died mid-decision is taken over)."""
+        for tries_left in (1, 0):
+            try:
+                reply = await self.bus.request(subjects.ROUTE, req, RouteReply, timeout=self.route_timeout_s)
+                break
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+                if not tries_left:
+                    raise APIError(503, "No router answered; the service is starting or overloaded. Retry shortly.",
+                                   code="router_unavailable") from None
+                await asyncio.sleep(0.5)
         if not reply.ok:
-            await sub.unsubscribe()
             if reply.retry_after_s > 0:  # would wait longer than the objective: say when to come back
                 raise APIError(429, f"The service is busy: {reply.reason}. Retry after "
                                     f"{math.ceil(reply.retry_after_s)} s.", code="ttft_objective_exceeded",
                                headers={"Retry-After": str(math.ceil(reply.retry_after_s))})
             raise APIError(503, f"The request could not be placed: {reply.reason}.", code="no_capacity")
-        return reply, self._ordered(req.request_id, queue, sub)
+        return reply
 
-    async def _ordered(self, request_id: str, queue: asyncio.Queue, sub) -> AsyncIterator[TokenChunk]:
+    async def _ordered(self, req: RouteRequest, placement: RouteReply, queue: asyncio.Queue,
+                       sub) -> AsyncIterator[TokenChunk]:
         """Chunks in `seq` order; duplicates (a retried step, a failover) are dropped."""
-        next_seq, pending, done = 0, {}, False
+        next_seq, pending, done, generated, attempt = 0, {}, False, [], req.attempt
+        silent_since = time.monotonic()
         try:
             while not done:
                 try:
-                    chunk = await asyncio.wait_for(queue.get(), self.token_timeout_s)
+                    chunk = await asyncio.wait_for(queue.get(), self.check_s)
                 except asyncio.TimeoutError:
-                    raise APIError(504, f"No token for {self.token_timeout_s:.0f} s; the request was cancelled.",
-                                   code="timeout") from None
+                    if time.monotonic() - silent_since > self.token_timeout_s:
+                        raise APIError(504, f"No token for {self.token_timeout_s:.0f} s; the request was cancelled.",
+                                       code="timeout") from None
+                    if await self.decode_lost(placement):
+                        attempt += 1
+                        placement = await self.failover(req, placement, generated, attempt)
+                        pending.clear()
+                        silent_since = time.monotonic()
+                    continue
+                silent_since = time.monotonic()
                 if chunk.error:
                     raise APIError(503, f"The request failed: {chunk.error}", code="worker_error")
                 if chunk.seq >= next_seq:
@@ -60,6 +97,7 @@ class Relay:
                 while next_seq in pending:
                     chunk = pending.pop(next_seq)
                     next_seq += max(1, len(chunk.token_ids))
+                    generated += chunk.token_ids
                     yield chunk
                     if chunk.finished:
                         done = True
@@ -67,4 +105,21 @@ class Relay:
         finally:
             await sub.unsubscribe()
             if not done:  # client gone, timeout or error: stop the work everywhere
-                await self.bus.publish(subjects.cancel(request_id), Cancel(request_id=request_id))
+                await self.bus.publish(subjects.cancel(req.request_id), Cancel(request_id=req.request_id))
+
+    async def decode_lost(self, placement: RouteReply) -> bool:
+        if self.alive is None or not placement.decode_worker:
+            return False
+        try:
+            return not await self.alive(placement.decode_worker)
+        except Exception:  # noqa: BLE001 - the registry unreachable: no verdict, keep waiting
+            return False
+
+    async def failover(self, req: RouteRequest, lost: RouteReply, generated: list[int], attempt: int) -> RouteReply:
+        """Place the request again, to continue after `generated` (attempt > 0)."""
+        trace.get_current_span().add_event("failover", {"lost_worker": lost.decode_worker or "",
+                                                        "resumed_after_tokens": len(generated), "attempt": attempt})
+        if attempt >= MAX_ATTEMPTS:
+            raise APIError(503, f"The request's decode worker was lost {attempt} times; giving up.",
+                           code="worker_lost")
+        return await self.place(req.model_copy(update={"attempt": attempt, "resume_token_ids": list(generated)}))

@@ -91,7 +91,7 @@ class Router:
         req = RouteRequest.decode(msg.data)
         with self.tracer.start_as_current_span("router.route", context=context_of(msg)) as span:
             span.set_attributes({"request_id": req.request_id, "prompt_tokens": len(req.prompt_token_ids),
-                                 "router": self.id})
+                                 "router": self.id, "attempt": req.attempt})
             try:
                 reply = await self.route(req)
             except Exception as e:  # Redis or NATS trouble: refuse clearly rather than hang the client
@@ -108,21 +108,21 @@ class Router:
         waits while another replica decides. If that replica dies mid-decision its claim
         lapses and this one takes over, trying the decode worker it had chosen first (an
         admit is idempotent there, and the prefill job is deduplicated by its message id)."""
-        rid = req.request_id
+        key = f"{req.request_id}#{req.attempt}" if req.attempt else req.request_id  # a failover places anew
         lease_s = 2 * self.settings.admit_timeout_s + 1.0
-        while not await self.state.claim_route(rid, self.id, lease_s):
-            known = await self.state.route(rid)
+        while not await self.state.claim_route(key, self.id, lease_s):
+            known = await self.state.route(key)
             if "reply" in known:
                 return self.repeated(known)
             await asyncio.sleep(0.05)
-        known = await self.state.route(rid)
+        known = await self.state.route(key)
         if "reply" in known:  # placed by a router whose claim has lapsed since
             return self.repeated(known)
-        reply = await self.place(req, known.get("decode"), lease_s)
+        reply = await self.place(req, key, known.get("decode"), lease_s)
         if reply.ok:
-            await self.state.note_route(rid, ROUTE_TTL_S, reply=reply.encode().decode())
+            await self.state.note_route(key, ROUTE_TTL_S, reply=reply.encode().decode())
         else:  # refused: a later attempt decides afresh
-            await self.state.release_route(rid)
+            await self.state.release_route(key)
         return reply
 
     @staticmethod
@@ -130,8 +130,8 @@ class Router:
         trace.get_current_span().set_attribute("repeated", True)
         return RouteReply.decode(known["reply"].encode())
 
-    async def place(self, req: RouteRequest, chosen_before: str | None, lease_s: float) -> RouteReply:
-        rid, prompt = req.request_id, req.prompt_token_ids
+    async def place(self, req: RouteRequest, key: str, chosen_before: str | None, lease_s: float) -> RouteReply:
+        rid, prompt, resume = req.request_id, req.prompt_token_ids, req.resume_token_ids
         workers = [w for w in await self.workers() if w.model == req.model]
         prefills = [w for w in workers if w.role == "prefill"]
         decodes = [w for w in workers if w.role == "decode"]
@@ -139,7 +139,7 @@ class Router:
         # the engine always computes the last prompt token: only the blocks before it can hit
         cached = await cached_blocks(self.state, [w.worker_id for w in workers], block_hashes(prompt[:-1], block_size))
         session_worker = await self.state.session_worker(req.session_id)
-        blocks = -(-(len(prompt) + 1) // block_size)
+        blocks = -(-(len(prompt) + len(resume) + 1) // block_size)
         ranked = policy.decode_candidates(decodes, blocks, {w: n * block_size for w, (n, _) in cached.items()},
                                           len(prompt), session_worker, self.settings.affinity_slack,
                                           output_blocks=-(-req.sampling.max_tokens // block_size))
@@ -147,15 +147,18 @@ class Router:
             ranked = [w for w in decodes if w.worker_id == chosen_before] + [
                 w for w in ranked if w.worker_id != chosen_before]
         for decode in ranked:
-            prefill, mode, reason = self.place_prefill(len(prompt), decode, prefills, cached,
-                                                       cached.get(decode.worker_id, (0, 0))[0] * block_size)
+            if resume:  # failover: the new decode worker rebuilds the KV of prompt + generated itself
+                prefill, mode, reason = None, "local", f"resumed after {len(resume)} tokens (attempt {req.attempt})"
+            else:
+                prefill, mode, reason = self.place_prefill(len(prompt), decode, prefills, cached,
+                                                           cached.get(decode.worker_id, (0, 0))[0] * block_size)
             if mode == "remote":
                 admit_ok, retry_after, why_not = policy.within_objective(
                     policy.predicted_prefill_s(prefill, len(prompt)), self.settings.ttft_slo_s)
                 if not admit_ok:
                     return RouteReply(request_id=rid, ok=False, reason=why_not, retry_after_s=retry_after)
-            await self.state.claim_route(rid, self.id, lease_s)  # renew: each admit may take its timeout
-            await self.state.note_route(rid, ROUTE_TTL_S, decode=decode.worker_id)
+            await self.state.claim_route(key, self.id, lease_s)  # renew: each admit may take its timeout
+            await self.state.note_route(key, ROUTE_TTL_S, decode=decode.worker_id)
             admit = await self.admit(decode, req, mode, prefill.worker_id if prefill else None)
             if admit is None or not admit.ok:
                 continue
@@ -215,7 +218,8 @@ class Router:
     async def admit(self, decode: WorkerInfo, req: RouteRequest, mode: str,
                     prefill_worker: str | None) -> AdmitReply | None:
         msg = AdmitRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
-                           mode=mode, prefill_worker=prefill_worker)
+                           mode=mode, prefill_worker=prefill_worker, generated_token_ids=req.resume_token_ids,
+                           attempt=req.attempt)
         try:
             return await self.bus.request(subjects.decode_admit(decode.worker_id), msg, AdmitReply,
                                           timeout=self.settings.admit_timeout_s)

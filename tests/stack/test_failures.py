@@ -109,3 +109,48 @@ def test_200_streams_cancelled_at_random_points_leave_no_block_taken(tmp_path):
     print(f"cancelled streams: {seen}; pools after: {final}")
     assert seen["timeout"] + seen["frames"] >= 150 and sum(seen.values()) == 200, seen
     assert len(final) == 2 and all(f == t and r == 0 and w == 0 for f, t, r, w in final.values()), final
+
+
+def test_a_decode_worker_killed_mid_stream_is_continued_on_another(smollm2, tmp_path):
+    """kill -9 of the decode worker serving a stream after 8 tokens: the gateway sees its lease
+    lapse, the request is placed again with those 8 tokens, the other decode worker prefills
+    prompt + 8 and continues. The client's stream equals the in-process engine's greedy
+    output token for token (none repeated, none missing) and its text is whole."""
+    messages = [{"role": "user", "content": "List the planets of the solar system with one fact each."}]
+    tok = smollm2.tokenizer
+    prompt = tok.encode(tok.apply_chat_template(messages))
+    expected = generate(smollm2, {"q": prompt}, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))["q"]
+    cfg = StackConfig.on_free_ports(prefill=1, decode=2, kv_blocks=512, log_dir=tmp_path,
+                                    env={"PD_HEARTBEAT_S": "0.3", "PD_FAILOVER_CHECK_S": "0.3"})
+    ids, text, victim, killed, resumed_at = [], "", None, None, None
+    with Stack(cfg) as stack, httpx.Client(base_url=stack.url, timeout=120) as http:
+        store = redis.Redis.from_url(stack.redis_url)
+        with http.stream("POST", "/v1/chat/completions", json={
+                "model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 40, "ignore_eos": True,
+                "stream": True, "return_token_ids": True}) as r:
+            rid = r.headers["x-request-id"]
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choice = json.loads(line[6:])["choices"][0]
+                ids += choice.get("token_ids") or []
+                text += choice["delta"].get("content") or ""
+                if killed and resumed_at is None and choice.get("token_ids"):
+                    resumed_at = time.monotonic()
+                if len(ids) >= 8 and victim is None:
+                    victim = store.hget(f"pd:req:{rid}", "decode").decode()
+                    stack.procs[victim].send_signal(signal.SIGKILL)
+                    killed = time.monotonic()
+        survivor = ({"decode-0", "decode-1"} - {victim}).pop()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:   # the registry shows the pool within a heartbeat or two
+            info = json.loads(store.get(f"pd:worker:{survivor}"))
+            if info["free_blocks"] == info["total_blocks"]:
+                break
+            time.sleep(0.1)
+    assert ids == expected, (len(ids), len(expected))
+    assert text == tok.decode(expected)
+    assert info["free_blocks"] == info["total_blocks"] and info["running"] == 0
+    recovery_s = resumed_at - killed
+    assert recovery_s < 10, recovery_s
+    print(f"decode worker killed after 8 tokens: stream moving again {recovery_s:.1f} s later on {survivor}")

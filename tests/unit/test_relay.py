@@ -1,9 +1,13 @@
-"""The gateway's ordering of token chunks: in seq order, duplicates dropped, cancel when left early."""
+"""The gateway's ordering of token chunks: in seq order, duplicates dropped, cancel when left
+early, and a lost decode worker's request continued elsewhere after the tokens so far."""
 
 import asyncio
 
-from shared.messages import Cancel, TokenChunk
+from shared.messages import Cancel, RouteReply, RouteRequest, Sampling, TokenChunk
 from services.gateway.relay import Relay
+
+REQ = RouteRequest(request_id="r", prompt_token_ids=[1, 2, 3], sampling=Sampling(max_tokens=8), model="m")
+PLACED = RouteReply(request_id="r", ok=True, mode="remote", decode_worker="d0")
 
 
 class FakeBus:
@@ -22,7 +26,8 @@ class FakeSub:
 
 
 def chunk(seq, n=1, finished=False):
-    return TokenChunk(request_id="r", seq=seq, token_ids=list(range(n)), text=f"<{seq}>", finished=finished)
+    return TokenChunk(request_id="r", seq=seq, token_ids=[100 + seq + i for i in range(n)], text=f"<{seq}>",
+                      finished=finished)
 
 
 def collect(chunks, stop_after=None):
@@ -31,7 +36,7 @@ def collect(chunks, stop_after=None):
         for c in chunks:
             queue.put_nowait(c)
         got = []
-        gen = Relay(bus, 1, 0.2)._ordered("r", queue, sub)
+        gen = Relay(bus, 1, 0.2)._ordered(REQ, PLACED, queue, sub)
         async for c in gen:
             got.append(c.seq)
             if stop_after is not None and len(got) == stop_after:
@@ -51,3 +56,31 @@ def test_leaving_early_cancels_the_request_everywhere():
     got, published, _ = collect([chunk(0), chunk(1), chunk(2, finished=True)], stop_after=1)
     assert got == [0]
     assert published == [("pd.cancel.r", Cancel(request_id="r"))]
+
+
+def test_a_lost_decode_worker_is_replaced_and_the_stream_goes_on_without_gaps_or_repeats():
+    """d0 streams tokens 0-1 and dies (its lease lapsed); the relay asks for a new placement
+    with those tokens; d1 continues from token 2 (its replay of token 1 is dropped)."""
+    async def run():
+        queue, routed = asyncio.Queue(), []
+
+        class Bus(FakeBus):
+            async def request(self, subject, msg, reply_type, timeout):
+                routed.append(msg)
+                for c in (chunk(1), chunk(2), chunk(3, finished=True)):   # from d1
+                    queue.put_nowait(c)
+                return RouteReply(request_id="r", ok=True, mode="local", decode_worker="d1")
+
+        async def alive(worker):
+            return worker != "d0"
+
+        for c in (chunk(0), chunk(1)):
+            queue.put_nowait(c)
+        relay = Relay(Bus(), 1, 10, alive=alive, check_s=0.05)
+        got = [c.seq async for c in relay._ordered(REQ, PLACED, queue, FakeSub())]
+        return got, routed
+
+    got, routed = asyncio.run(run())
+    assert got == [0, 1, 2, 3]
+    assert len(routed) == 1 and routed[0].attempt == 1 and routed[0].resume_token_ids == [100, 101]
+    assert routed[0].request_id == "r" and routed[0].prompt_token_ids == [1, 2, 3]
