@@ -24,13 +24,21 @@ class Bus:
         self.nc = nc
         self.js = nc.jetstream()
 
+    @property
+    def reconnects(self) -> int:
+        """Reconnections so far: messages to or from this client around one may be lost."""
+        return self.nc.stats["reconnects"]
+
     @classmethod
     async def connect(cls, url: str, name: str) -> "Bus":
         async def on_error(e: Exception) -> None:
             log.warning("nats: %s", e)
 
+        async def on_reconnect() -> None:
+            log.warning("nats: reconnected")
+
         nc = await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                                error_cb=on_error)
+                                error_cb=on_error, reconnected_cb=on_reconnect)
         return cls(nc)
 
     async def publish(self, subject: str, msg: Message, ctx: context.Context | None = None) -> None:

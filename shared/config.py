@@ -30,6 +30,8 @@ class GatewaySettings(Common):
     gateway_port: int = 8000
     route_timeout_s: float = Field(10.0, gt=0, description="router reply deadline")
     token_timeout_s: float = Field(120.0, gt=0, description="longest wait for the next token")
+    placement_retry_s: float = Field(30.0, ge=0, description="while no decode worker can take a request (none up, "
+                                     "none with room, no router), keep asking this long before answering 503")
     failover_check_s: float = Field(1.0, gt=0, description="after this long without a token, check that the "
                                     "request's decode worker still holds its lease (lost: continue elsewhere)")
     max_request_bytes: int = 1 << 20

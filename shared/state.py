@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 from shared.messages import WorkerInfo
 
 REQUEST_TTL_S = 24 * 3600
+MAX_CONNECTIONS = 64  # per process
 OVER = ("prefill_local",)  # phases after which a request's prefill job has nothing left to do
 
 
@@ -43,7 +44,10 @@ class State:
 
     @classmethod
     def connect(cls, url: str) -> "State":
-        return cls(aioredis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5))
+        # a blocking pool: a burst of concurrent calls waits for a connection instead of failing
+        pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=MAX_CONNECTIONS, timeout=5,
+                                                        socket_timeout=5, socket_connect_timeout=5)
+        return cls(aioredis.Redis(connection_pool=pool))
 
     async def close(self) -> None:
         await self.r.aclose()

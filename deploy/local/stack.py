@@ -73,6 +73,7 @@ class Stack:
         self.log_dir = cfg.log_dir or self.data / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
+        self.argv: dict[str, tuple[list[str], dict[str, str] | None]] = {}
         # NATS and Redis take a password made for this run (config files in the private data
         # directory, not on a command line), so nothing else on the host can join the bus
         self.secret = secrets.token_urlsafe(24)
@@ -99,6 +100,7 @@ class Stack:
                 "UCX_WARN_UNUSED_ENV_VARS": "n", "PYTHONUNBUFFERED": "1", **c.env}
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        self.argv[name] = (argv, env)
         log = open(self.log_dir / f"{name}.log", "ab")
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env or self.service_env(),
                                 preexec_fn=_die_with_parent)
@@ -130,6 +132,14 @@ class Stack:
         self.service("gateway", "services.gateway.main")
         self.wait_ready(ready_timeout_s)
         return self
+
+    def restart(self, name: str, kill: bool = True) -> subprocess.Popen:
+        """Stop a process (SIGKILL, or SIGTERM and wait) and start it again as it was started."""
+        proc = self.procs[name]
+        proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+        proc.wait(60)
+        argv, env = self.argv[name]
+        return self.spawn(name, argv, env)
 
     def wait_port(self, port: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -62,7 +62,8 @@ class DecodeWorker:
         self.settings, self.engine, self.bus, self.state = settings, engine, bus, state
         self.transport, self.tracer = transport, tracer
         self.id = worker_id(settings, "decode")
-        self.prefix = PrefixPublisher(state, self.id, lease_s=3 * settings.heartbeat_s)
+        self.prefix = PrefixPublisher(state, self.id, lease_s=3 * settings.heartbeat_s,
+                                      snapshot=lambda: self.host.call(engine.cached_hashes))
         self.host = EngineHost(engine, self.prefix.publish)
         self.spans: dict[str, trace.Span] = {}
         self.receiving: dict[str, asyncio.Task] = {}
@@ -163,13 +164,15 @@ class DecodeWorker:
             except Exception as e:  # late, corrupt, refused or mismatched KV: never decode from it
                 reason = "deadline passed" if isinstance(e, asyncio.TimeoutError) else str(e) or type(e).__name__
                 log.warning("%s: KV handoff failed (%s); prefilling locally", rid, reason)
-                # a prefill worker that gets this job later (it was down, or queued deep) drops it
-                await self.state.record(rid, "prefill_local", reason=reason)
                 span.set_attributes({"ok": False, "error": reason})
                 rx.close()
                 await self.bus.publish(subjects.kv_ack(rid), KVAck(request_id=rid, ok=False, error=reason))
                 await self.host.call(self.engine.abort, rid)
                 await self.prefill_locally(req)
+                try:  # a prefill worker that gets this job later (it was down, or queued deep) drops it
+                    await self.state.record(rid, "prefill_local", reason=reason)
+                except Exception as e:  # noqa: BLE001 - Redis away: that worker would only waste a prefill
+                    log.warning("%s: could not mark the request prefilled here: %s", rid, e)
             finally:
                 rx.close()
                 span.set_attributes({"bytes": rx.bytes_received, "pieces": rx.pieces, "bad_blocks": rx.bad_blocks,
@@ -190,10 +193,24 @@ class DecodeWorker:
                     return waiting.result()
                 if left <= self.settings.heartbeat_s:
                     raise asyncio.TimeoutError
-                if req.prefill_worker and not await self.state.alive(req.prefill_worker):
+                if req.prefill_worker and not await self.lease_held(req.prefill_worker):
                     raise PrefillWorkerLost(f"prefill worker {req.prefill_worker} is gone")
         finally:
             waiting.cancel()
+
+    async def lease_held(self, worker: str) -> bool:
+        """Whether `worker` holds its lease; absent twice a heartbeat apart to count as gone (a
+        Redis that restarted empty shows every worker absent until its next heartbeat), and
+        Redis unreachable is no verdict."""
+        for check in range(2):
+            try:
+                if await self.state.alive(worker):
+                    return True
+            except Exception:  # noqa: BLE001
+                return True
+            if check == 0:
+                await asyncio.sleep(1.5 * self.settings.heartbeat_s)
+        return False
 
     # -- output and cancellation -----------------------------------------------------------
     async def publish(self, outputs: list[RequestOutput]) -> None:

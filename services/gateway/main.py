@@ -53,7 +53,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         state = State.connect(settings.redis_url)
         app.state.gateway = Gateway(settings, bus, state, tokenizer, model_config,
                                     Relay(bus, settings.route_timeout_s, settings.token_timeout_s, state.alive,
-                                          settings.failover_check_s), keys,
+                                          settings.failover_check_s, 1.5 * settings.heartbeat_s,
+                                          settings.placement_retry_s), keys,
                                     RateLimit(state, settings.rate_limit_per_s, settings.rate_limit_burst))
         if keys.open:
             log.warning("no API keys configured (PD_API_KEYS): the API is open to anyone who can reach it")

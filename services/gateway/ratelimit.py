@@ -3,15 +3,18 @@
 The bucket refills at `rate` requests per second up to `burst`; each request takes one. The
 arithmetic runs inside Redis (one Lua script, Redis's own clock), so replicas never race and
 their clocks need not agree. Over the rate → 429 with Retry-After (when one token is back).
+Redis unreachable: requests pass unchecked (logged), rather than every caller refused.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 
 from shared.state import State
 from services.gateway.errors import APIError
 
+log = logging.getLogger("gateway.ratelimit")
 BUCKET = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -42,7 +45,11 @@ class RateLimit:
         raises 429 when its bucket is empty."""
         if self.script is None:
             return
-        wait = float(await self.script(keys=[bucket_key(caller)], args=[self.rate, self.burst]))
+        try:
+            wait = float(await self.script(keys=[bucket_key(caller)], args=[self.rate, self.burst]))
+        except Exception as e:  # noqa: BLE001 - Redis away: serve rather than refuse everyone
+            log.warning("rate limit unchecked (Redis: %s)", e)
+            return
         if wait > 0:
             retry = max(1, math.ceil(wait))
             raise APIError(429, f"Rate limit reached: {self.rate:g} requests/s with bursts of {self.burst}. "

@@ -57,7 +57,8 @@ class PrefillWorker:
         self.settings, self.engine, self.bus, self.state = settings, engine, bus, state
         self.transport, self.tracer = transport, tracer
         self.id = worker_id(settings, "prefill")
-        self.prefix = PrefixPublisher(state, self.id, lease_s=3 * settings.heartbeat_s)
+        self.prefix = PrefixPublisher(state, self.id, lease_s=3 * settings.heartbeat_s,
+                                      snapshot=lambda: self.host.call(engine.cached_hashes))
         self.host = EngineHost(engine, self.prefix.publish)
         self.jobs: dict[str, tuple[PrefillJob, trace.Span]] = {}
         self.kv_spans: dict[str, trace.Span] = {}
@@ -119,6 +120,14 @@ class PrefillWorker:
         if msg is not None:
             await msg.ack()
 
+    async def taken_over(self, rid: str) -> bool:
+        """The decode side gave up waiting and prefilled it (Redis unreachable: assume not)."""
+        try:
+            return (await self.state.request(rid)).get("phase") in OVER
+        except Exception as e:  # noqa: BLE001
+            log.warning("%s: request state unreadable (%s); running the job", rid, e)
+            return False
+
     async def take_jobs(self, pull, wait_s: float) -> None:
         try:
             msgs = await pull.fetch(self.settings.max_jobs - len(self.jobs), timeout=wait_s)
@@ -127,7 +136,7 @@ class PrefillWorker:
         for msg in msgs:
             job = PrefillJob.decode(msg.data)
             if (job.request_id in self.cancelled or job.request_id in self.sender.handoffs
-                    or (await self.state.request(job.request_id)).get("phase") in OVER):
+                    or await self.taken_over(job.request_id)):
                 await msg.ack()  # cancelled before it started, a redelivery of a job in hand, or the
                 continue         # decode worker gave up waiting and prefilled it (this worker's last life?)
             ctx = context_of(msg)

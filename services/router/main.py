@@ -14,6 +14,7 @@
    Placement is idempotent by request id across replicas (a claim and the reply in Redis,
    `Router.route`): a repeated request gets the same answer and no second admit or job.
 6. SIGTERM: leave the queue group, finish the routes in flight, drain NATS.
+Routes run concurrently (a task each): an admit that waits on a dying worker delays only its own.
 """
 
 from __future__ import annotations
@@ -74,11 +75,17 @@ class Router:
     def in_background(self, coro) -> None:
         task = asyncio.create_task(coro)
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # Redis or NATS away: logged, not fatal
+            log.warning("background step failed: %s", task.exception())
 
     async def serve(self, stop: asyncio.Event) -> None:
         await self.bus.ensure_prefill_stream()
-        sub = await self.bus.subscribe(subjects.ROUTE, self.on_route, queue=subjects.ROUTER_QUEUE)
+        # each route in its own task: one slow admit (a worker that just died) holds up no other
+        sub = await self.bus.subscribe(subjects.ROUTE, self.start_route, queue=subjects.ROUTER_QUEUE)
         me = WorkerInfo(worker_id=self.id, role="router")
         beat = asyncio.create_task(heartbeat(self.state, lambda: me, self.settings.heartbeat_s, stop))
         log.info("router ready")
@@ -86,6 +93,10 @@ class Router:
         await beat
         await self.state.deregister(me.worker_id)
         await sub.drain()
+        await asyncio.gather(*self._background, return_exceptions=True)
+
+    async def start_route(self, msg: Msg) -> None:
+        self.in_background(self.on_route(msg))
 
     async def on_route(self, msg: Msg) -> None:
         req = RouteRequest.decode(msg.data)
@@ -157,15 +168,20 @@ class Router:
                     policy.predicted_prefill_s(prefill, len(prompt)), self.settings.ttft_slo_s)
                 if not admit_ok:
                     return RouteReply(request_id=rid, ok=False, reason=why_not, retry_after_s=retry_after)
+            # counted at once: routes decided while this admit is in flight see the work
+            booked = (time.monotonic(), len(prompt) - prefill.cached_tokens) if mode == "remote" else None
+            if booked:
+                self.sent.setdefault(prefill.worker_id, []).append(booked)
+                self.turn += 1
             await self.state.claim_route(key, self.id, lease_s)  # renew: each admit may take its timeout
             await self.state.note_route(key, ROUTE_TTL_S, decode=decode.worker_id)
             admit = await self.admit(decode, req, mode, prefill.worker_id if prefill else None)
             if admit is None or not admit.ok:
+                if booked and booked in self.sent.get(prefill.worker_id, []):
+                    self.sent[prefill.worker_id].remove(booked)
                 continue
             span = trace.get_current_span()
             if mode == "remote":
-                self.turn += 1
-                self.sent.setdefault(prefill.worker_id, []).append((time.monotonic(), len(prompt) - prefill.cached_tokens))
                 span.set_attributes({"prefill_cached_tokens": prefill.cached_tokens,
                                      "prefill_queued_tokens": prefill.queued_tokens})
                 job = PrefillJob(request_id=rid, prompt_token_ids=prompt, sampling=req.sampling,

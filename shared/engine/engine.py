@@ -90,6 +90,10 @@ class Engine:
     def drain_kv_events(self) -> list[KVEvent]:
         return self.blocks.drain_events()
 
+    def cached_hashes(self) -> list[int]:
+        """Every block hash in the prefix cache now (what the drained events add up to)."""
+        return list(self.blocks.hash_to_block)
+
     @property
     def num_importing(self) -> int:
         """Sequences reserved for KV on its way: they run as soon as it lands."""

@@ -34,3 +34,29 @@ def test_a_worker_publishes_and_a_router_reads_leading_blocks(redis_url):
     got, ttl, gone = asyncio.run(run())
     assert got == {"w1": (1, 2), "w2": (0, 0)}   # 12 was evicted: only the first block leads; 99 was reset
     assert 0 < ttl <= 3000 and gone == 0   # expires with the lease; removed when the worker stops
+
+
+def test_a_lost_set_is_rewritten_whole_from_the_engine_cache(redis_url):
+    """Redis restarted without persistence (here: FLUSHALL): at the next refresh the worker
+    finds its set gone and rewrites it from its cache, not from the events since."""
+    async def run():
+        state = State.connect(redis_url)
+        cache = {21, 22, 23}
+
+        async def snapshot():
+            return sorted(cache)
+
+        pub = PrefixPublisher(state, "w3", lease_s=0.6, snapshot=snapshot)
+        await pub.start()
+        pub.publish([KVEvent("stored", h) for h in sorted(cache)])
+        await asyncio.sleep(0.1)
+        await state.r.flushall()
+        cache.add(24)
+        pub.publish([KVEvent("stored", 24)])   # only this change comes as an event after the loss
+        await asyncio.sleep(0.8)
+        held = sorted(int(h) for h in await state.r.smembers(prefix_key("w3")))
+        await pub.close()
+        await state.close()
+        return held
+
+    assert asyncio.run(run()) == [21, 22, 23, 24]

@@ -1,0 +1,207 @@
+"""Faults under load, on the live stack: `make chaos`.
+
+    python -m bench.chaos [--requests 100] [--scenarios kill-prefill,kill-decode,restart-nats,restart-redis]
+
+One stack (2 prefill + 2 decode workers). First every request runs once with no fault: that
+is each request's reference output. Then, per scenario, all requests run again at once
+(greedy, streamed, token ids returned) and the fault strikes while they are in flight:
+
+  kill-prefill   kill -9 of the prefill worker with the most queued prompt tokens
+  kill-decode    kill -9 of the decode worker with the most running sequences
+  restart-nats   kill -9 of nats-server, started again (JetStream store kept)
+  restart-redis  kill -9 of redis-server, started again empty (no persistence)
+
+A request is *lost* if it does not complete (an error status or an error in the stream),
+*mismatched* if its tokens differ from its reference in any way (a repeated or missing token
+included). Afterwards every worker still up must return to an empty KV pool (*leaked
+blocks* otherwise). *Recovery* (`recovery_s`) is, over the streams that had begun before the
+fault, the longest wait from the fault to their next token; `extra_s` is how much longer the
+whole load took than without the fault (it includes requests that were queued or in prefill
+on the worker hit). The killed process is started again before the next scenario. One line
+per scenario:
+
+    chaos: requests=N lost=0 mismatched=0 leaked_blocks=0 scenario=... recovery_s=... extra_s=...
+
+Exit status 1 if any scenario lost, mismatched or leaked; writes bench/results/chaos.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import redis
+
+from deploy.local.stack import Stack, StackConfig
+
+MODEL = "SmolLM2-135M-Instruct"
+RESULTS = Path(__file__).parent / "results" / "chaos.json"
+SCENARIOS = ("kill-prefill", "kill-decode", "restart-nats", "restart-redis")
+ENV = {"PD_HEARTBEAT_S": "0.5", "PD_FAILOVER_CHECK_S": "0.5", "PD_KV_TIMEOUT_S": "30"}
+
+
+@dataclass
+class Outcome:
+    status: int = 0
+    ids: list[int] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)   # arrival of each frame with tokens
+    error: str = ""
+
+
+def prompts(n: int) -> list[list[dict]]:
+    topics = ["rivers", "mountains", "bridges", "comets", "forests", "harbours", "deserts", "glaciers"]
+    return [[{"role": "user", "content": f"Question {i}: name three facts about {topics[i % len(topics)]} "
+                                         f"and the number {i * 7}."}] for i in range(n)]
+
+
+async def run_all(url: str, requests: list[list[dict]], max_tokens: int,
+                  started: asyncio.Event | None = None, trigger_after: int = 0) -> list[Outcome]:
+    """Every request at once; `started` is set once `trigger_after` of them have a token."""
+    outcomes = [Outcome() for _ in requests]
+    with_tokens = 0
+    async with httpx.AsyncClient(base_url=url, timeout=300) as http:
+        async def one(i: int, messages) -> None:
+            nonlocal with_tokens
+            out = outcomes[i]
+            try:
+                async with http.stream("POST", "/v1/chat/completions", json={
+                        "model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                        "ignore_eos": True, "stream": True, "return_token_ids": True}) as r:
+                    out.status = r.status_code
+                    if r.status_code != 200:
+                        out.error = (await r.aread()).decode(errors="replace")[:200]
+                        return
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: {"):
+                            continue
+                        frame = json.loads(line[6:])
+                        if "error" in frame:
+                            out.error = frame["error"]["message"]
+                            return
+                        ids = frame["choices"][0].get("token_ids") or []
+                        if ids:
+                            if not out.ids:
+                                with_tokens += 1
+                                if started is not None and with_tokens >= trigger_after:
+                                    started.set()
+                            out.ids += ids
+                            out.times.append(time.monotonic())
+            except httpx.HTTPError as e:
+                out.error = f"{type(e).__name__}: {e}"
+        await asyncio.gather(*(one(i, m) for i, m in enumerate(requests)))
+    return outcomes
+
+
+def pools(stack: Stack) -> dict[str, dict]:
+    store = redis.Redis.from_url(stack.redis_url)
+    infos = [json.loads(v) for v in store.mget(store.keys("pd:worker:*")) if v] if store.keys("pd:worker:*") else []
+    return {w["worker_id"]: w for w in infos if w["role"] in ("prefill", "decode")}
+
+
+def settle(stack: Stack, expect: set[str], timeout_s: float = 45) -> dict[str, int]:
+    """Blocks still taken per worker once idle (waits until every expected worker is back and empty)."""
+    deadline = time.monotonic() + timeout_s
+    taken: dict[str, int] = {}
+    while time.monotonic() < deadline:
+        now = pools(stack)
+        taken = {w: now[w]["total_blocks"] - now[w]["free_blocks"] if w in now else -1 for w in expect}
+        busy = any(now.get(w, {}).get("running") or now.get(w, {}).get("waiting") for w in expect)
+        if not busy and all(n == 0 for n in taken.values()):
+            break
+        time.sleep(0.3)
+    return taken
+
+
+def strike(stack: Stack, scenario: str) -> str:
+    """The fault; returns the name of the process hit."""
+    now = pools(stack)
+    if scenario == "kill-prefill":
+        victim = max((w for w in now.values() if w["role"] == "prefill"), key=lambda w: w["queued_tokens"])["worker_id"]
+    elif scenario == "kill-decode":
+        victim = max((w for w in now.values() if w["role"] == "decode"),
+                     key=lambda w: w["running"] + w["waiting"])["worker_id"]
+    else:
+        victim = scenario.removeprefix("restart-")
+    stack.procs[victim].kill()
+    stack.procs[victim].wait(10)
+    if victim in ("nats", "redis"):   # the bus and the store come back at once; workers come back later
+        stack.restart(victim)
+    return victim
+
+
+async def scenario_run(stack: Stack, scenario: str, requests, reference: list[Outcome], max_tokens: int,
+                       reference_s: float) -> dict:
+    started = asyncio.Event()
+    trigger = max(1, len(requests) // (10 if scenario == "kill-prefill" else 3))
+    started_at = time.monotonic()
+    load = asyncio.create_task(run_all(stack.url, requests, max_tokens, started, trigger))
+    await asyncio.wait({asyncio.create_task(started.wait()), load}, return_when=asyncio.FIRST_COMPLETED)
+    fault_at = time.monotonic()
+    victim = await asyncio.to_thread(strike, stack, scenario)
+    outcomes = await load
+    took = time.monotonic() - started_at
+    lost = [i for i, o in enumerate(outcomes) if o.status != 200 or o.error]
+    mismatched = [i for i, o in enumerate(outcomes) if i not in lost and o.ids != reference[i].ids]
+    waits = [next(t - fault_at for t in o.times if t > fault_at) for o in outcomes
+             if o.times and o.times[0] <= fault_at < o.times[-1]]
+    survivors = {w for w in ("prefill-0", "prefill-1", "decode-0", "decode-1") if w != victim}
+    taken = await asyncio.to_thread(settle, stack, survivors)
+    if victim not in ("nats", "redis"):   # back for the next scenario
+        stack.restart(victim)
+        await asyncio.to_thread(settle, stack, survivors | {victim}, 120)
+    return {"scenario": scenario, "victim": victim, "requests": len(requests), "lost": len(lost),
+            "mismatched": len(mismatched), "leaked_blocks": sum(max(0, n) for n in taken.values()),
+            "recovery_s": round(max(waits, default=0.0), 2), "extra_s": round(took - reference_s, 2),
+            "streams_in_flight": len(waits), "lost_errors": [outcomes[i].error for i in lost][:5],
+            "mismatched_ids": mismatched[:10], "blocks_taken_after": taken}
+
+
+async def main_async(args) -> list[dict]:
+    requests = prompts(args.requests)
+    log_dir = Path(tempfile.mkdtemp(prefix="pdserve-chaos-"))
+    cfg = StackConfig.on_free_ports(prefill=2, decode=2, kv_blocks=args.kv_blocks, log_dir=log_dir, env=ENV)
+    results = []
+    with Stack(cfg) as stack:
+        print(f"stack up: 2 prefill + 2 decode; logs in {log_dir}", flush=True)
+        t0 = time.monotonic()
+        reference = await run_all(stack.url, requests, args.max_tokens)
+        reference_s = time.monotonic() - t0
+        bad = [i for i, o in enumerate(reference) if o.status != 200 or o.error or len(o.ids) != args.max_tokens]
+        if bad:
+            sys.exit(f"the run without faults failed for {len(bad)} requests: {reference[bad[0]].error}")
+        await asyncio.to_thread(settle, stack, {"prefill-0", "prefill-1", "decode-0", "decode-1"})
+        for scenario in args.scenarios:
+            r = await scenario_run(stack, scenario, requests, reference, args.max_tokens, reference_s)
+            results.append(r)
+            print(f"chaos: requests={r['requests']} lost={r['lost']} mismatched={r['mismatched']} "
+                  f"leaked_blocks={r['leaked_blocks']} scenario={scenario} recovery_s={r['recovery_s']} "
+                  f"extra_s={r['extra_s']} (load without faults: {reference_s:.1f} s)", flush=True)
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=100)
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--kv-blocks", type=int, default=1024)
+    ap.add_argument("--scenarios", type=lambda s: s.split(","), default=list(SCENARIOS))
+    args = ap.parse_args()
+    unknown = set(args.scenarios) - set(SCENARIOS)
+    if unknown:
+        sys.exit(f"unknown scenarios: {', '.join(sorted(unknown))}")
+    results = asyncio.run(main_async(args))
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({"config": vars(args), "scenarios": results}, indent=2))
+    print(f"wrote {RESULTS}")
+    sys.exit(1 if any(r["lost"] or r["mismatched"] or r["leaked_blocks"] for r in results) else 0)
+
+
+if __name__ == "__main__":
+    main()
