@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # CPU build of torch (from the local wheel cache when present); GPU users: TORCH_SPEC=torch
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup run test test-fast bench-engine bench-stack bench-transfer eval-router bench-router gpu-check clean
+.PHONY: setup run test test-fast bench-engine bench-stack bench-transfer eval-router bench-router chaos gpu-check clean
 
 setup: $(STAMP)
 
@@ -49,6 +49,10 @@ eval-router: setup
 ## bench-router: prefix-aware vs round-robin prefill placement on the live stack (shared system prompts); writes bench/results/router_live.json
 bench-router: setup
 	$(BIN)/python -m bench.router_live
+
+## chaos: 100 concurrent requests through kill -9 of a prefill and a decode worker, a NATS and a Redis restart; one summary line each; writes bench/results/chaos.json
+chaos: setup
+	$(BIN)/python -m bench.chaos
 
 ## gpu-check: Triton kernels and the engine on CUDA (run on a GPU machine)
 gpu-check:

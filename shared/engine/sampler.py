@@ -7,10 +7,14 @@ on a decode engine, or all in one place.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import xxhash
 
 from shared.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 
 def step_seed(seed: int, index: int) -> int:
@@ -29,7 +33,10 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...])
     out = logits.argmax(dim=-1).tolist()
     for row, seq in enumerate(seqs):
         if not seq.params.greedy:
-            out[row] = _sample_row(logits[row], seq)
+            try:
+                out[row] = _sample_row(logits[row], seq)
+            except RuntimeError as e:  # numerically degenerate parameters: this row, not the batch
+                log.warning("%s: sampling failed (%s); took the most likely token", seq.request_id, e)
     return out
 
 

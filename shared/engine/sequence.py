@@ -12,7 +12,7 @@ from shared.hashing import ROOT_HASH, block_hash
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0      # 0 = greedy
+    temperature: float = 1.0      # 0 (below MIN_TEMPERATURE) = greedy
     top_p: float = 1.0
     top_k: int = 0                # 0 = off
     seed: int | None = None       # per-request: same seed, same tokens, wherever they are sampled
@@ -36,7 +36,12 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """Below MIN_TEMPERATURE the distribution is argmax anyway, and dividing logits by it
+        would overflow to inf (NaN probabilities)."""
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
+
+
+MIN_TEMPERATURE = 1e-5
 
 
 class Status(enum.Enum):

@@ -219,3 +219,23 @@ def test_growth_blocks_count_what_unfinished_sequences_may_still_take(tiny):
     while eng.has_work():
         eng.step()
     assert eng.growth_blocks == 0
+
+
+def test_degenerate_sampling_parameters_neither_crash_nor_stall_the_batch(tiny):
+    """Found by the API fuzzer: temperature 1e-300 overflowed the logits to inf (NaN
+    probabilities) and the exception took the whole worker down. Now a temperature below
+    1e-5 is greedy, and a row that still cannot be sampled falls back to its argmax alone."""
+    prompt = list(range(3, 20))
+    greedy = generate(tiny, {"g": prompt}, SamplingParams(max_tokens=4, temperature=0))["g"]
+    for params in (SamplingParams(max_tokens=4, temperature=1e-300), SamplingParams(max_tokens=4, temperature=1e-6,
+                                                                                    top_p=5e-324)):
+        assert generate(tiny, {"x": prompt}, params)["x"] == greedy
+    import torch
+
+    from shared.engine.sampler import sample
+    from shared.engine.sequence import Sequence
+    seq = Sequence("n", prompt, len(prompt), SamplingParams(max_tokens=4, temperature=1.0))
+    seq.seed = 1
+    logits = torch.full((1, 512), float("nan"))
+    logits[0, 7] = 1.0
+    assert sample(logits, [seq], ()) in ([0], [7])   # argmax of a NaN row, no exception
