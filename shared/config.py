@@ -67,6 +67,10 @@ class RouterSettings(Common):
                               "first token exceeds this; 0: admit everything")
     session_ttl_s: float = Field(3600.0, gt=0, description="a conversation's decode worker is remembered this "
                                  "long after its last turn")
+    breaker_failures: int = Field(5, gt=0, description="failed KV handoffs on one prefill -> decode path within "
+                                  "breaker_window_s (and no fewer than its successes) that open its breaker")
+    breaker_window_s: float = Field(30.0, gt=0)
+    breaker_cooldown_s: float = Field(10.0, gt=0, description="an open path is avoided this long, then probed")
     affinity_slack: int = Field(4, ge=0, description="a conversation stays on its decode worker while that "
                                 "runs at most this many more sequences than the least loaded")
 

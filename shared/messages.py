@@ -164,6 +164,17 @@ class KVAck(Message):
     error: str = ""
 
 
+# -- to the routers -----------------------------------------------------------------------
+class KVOutcome(Message):
+    """How a KV handoff over one prefill → decode path ended (the routers' circuit breakers)."""
+
+    request_id: str
+    prefill_worker: str
+    decode_worker: str
+    ok: bool
+    reason: str = ""
+
+
 # -- to every worker ----------------------------------------------------------------------
 FINISHED_IN_PREFILL = "finished in prefill"  # Cancel.reason: only the decode side's reservation ends
 
@@ -171,6 +182,7 @@ FINISHED_IN_PREFILL = "finished in prefill"  # Cancel.reason: only the decode si
 class Cancel(Message):
     request_id: str
     reason: str = "client disconnected"
+    before_attempt: int | None = None   # a failover: only placements older than this one stop
 
 
 # -- in the state store ---------------------------------------------------------------------

@@ -37,6 +37,7 @@ def events(request_id: str) -> str:
     return f"pd.events.{request_id}"
 
 
+KV_OUTCOMES = "pd.kv.outcomes"                  # decode -> routers: how each KV handoff ended (breakers)
 KV_ACK_ALL = "pd.kv.ack.*"
 KV_RESEND_ALL = "pd.kv.resend.*"
 

@@ -19,7 +19,9 @@
    numbers, the gateway drops duplicates).
 4. Loop: step the engine; publish each output as a TokenChunk on `pd.tokens.<rid>`.
 5. Cancel: abort the request wherever it is; its blocks return to the pool.
-6. SIGTERM: leave the registry, refuse new admits, finish running sequences, drain NATS.
+6. SIGTERM: mark the registry entry draining (the router sends nothing more), refuse new
+   admits, finish the sequences it has (those still receiving their KV included), then leave
+   the registry and drain NATS.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from shared.engine.engine import Engine, RequestOutput
 from shared.engine_host import EngineHost
 from shared.kv import TAG_SPAN, KVTransport
 from shared.kv.receiver import KVInbox, KVReceiver
-from shared.messages import AdmitReply, AdmitRequest, Cancel, KVAck, TokenChunk
+from shared.messages import AdmitReply, AdmitRequest, Cancel, KVAck, KVOutcome, TokenChunk
 from shared.prefix_index import PrefixPublisher
 from shared.service import heartbeat, run, setup_logging
 from shared.worker import serve_worker, worker_id, worker_info
@@ -70,27 +72,36 @@ class DecodeWorker:
         self.inbox = KVInbox(bus, self.id)
         self.draining = False
         self.admitted: OrderedDict[tuple[str, int], AdmitReply] = OrderedDict()  # recent admits: (id, attempt)
+        self.attempts: dict[str, int] = {}  # placement number of each request here (engine thread writes)
 
     def info(self):
         return worker_info(self.engine, self.id, "decode", self.settings, self.transport.address,
-                           prefill_tokens_per_s=self.host.prefill_tokens_per_s)
+                           prefill_tokens_per_s=self.host.prefill_tokens_per_s, draining=self.draining)
 
     async def serve(self, stop: asyncio.Event) -> None:
         await self.bus.subscribe(subjects.decode_admit(self.id), self.on_admit)
         await self.inbox.start()
         await self.prefix.start()
         await self.bus.subscribe(subjects.CANCEL_ALL, self.on_cancel)
-        beat = asyncio.create_task(heartbeat(self.state, self.info, self.settings.heartbeat_s, stop))
-        engine_loop = asyncio.create_task(self.host.run(self.publish, stop))
+        # registered (as draining, after SIGTERM) until the last sequence is done: the gateway
+        # tells a draining worker from a dead one, and does not move its streams
+        gone, engine_stop = asyncio.Event(), asyncio.Event()
+        beat = asyncio.create_task(heartbeat(self.state, self.info, self.settings.heartbeat_s, gone))
+        engine_loop = asyncio.create_task(self.host.run(self.publish, engine_stop))
         log.info("decode worker %s ready: %d KV blocks", self.id, self.engine.num_blocks)
         await stop.wait()
         self.draining = True
+        await self.state.heartbeat(self.info(), lease_s=3 * self.settings.heartbeat_s)  # at once: no new admits
+        if self.receiving:  # KV still on its way: those sequences join the batch and finish too
+            await asyncio.wait(list(self.receiving.values()), timeout=self.settings.kv_timeout_s + 5)
+        engine_stop.set()
+        await engine_loop  # after engine_stop it returns once the running sequences are done
+        for task in list(self.receiving.values()):
+            task.cancel()
+        gone.set()
         await beat
         await self.state.deregister(self.id)
         await self.prefix.close()
-        await engine_loop  # after stop it returns once the running sequences are done
-        for task in list(self.receiving.values()):
-            task.cancel()
         self.host.close()
 
     # -- admission ---------------------------------------------------------------------------
@@ -142,8 +153,11 @@ class DecodeWorker:
     async def prefill_locally(self, req: AdmitRequest) -> None:
         """The whole prompt runs here (colocated mode, the fallback from a failed handoff, or a
         failover: prompt + the tokens another decode worker generated before it was lost)."""
-        await self.host.call(self.engine.add_request, req.request_id, req.prompt_token_ids, req.sampling.to_engine(),
-                             generated_token_ids=req.generated_token_ids)
+        def add() -> None:  # on the engine thread, in order with cancels (abort_older)
+            self.engine.add_request(req.request_id, req.prompt_token_ids, req.sampling.to_engine(),
+                                    generated_token_ids=req.generated_token_ids)
+            self.attempts[req.request_id] = req.attempt
+        await self.host.call(add)
         self.host.wake.set()
 
     # -- KV arrival --------------------------------------------------------------------------
@@ -155,6 +169,7 @@ class DecodeWorker:
                 first_token = await self.wait_kv(rx, req)
                 out = await self.host.call(self.engine.commit_import, rid, first_token)
                 await self.bus.publish(subjects.kv_ack(rid), KVAck(request_id=rid, ok=True))
+                await self.report(req, ok=True)
                 span.set_attribute("ok", True)
                 if out.finished:
                     await self.publish([out])
@@ -169,6 +184,8 @@ class DecodeWorker:
                 await self.bus.publish(subjects.kv_ack(rid), KVAck(request_id=rid, ok=False, error=reason))
                 await self.host.call(self.engine.abort, rid)
                 await self.prefill_locally(req)
+                if not isinstance(e, PrefillWorkerLost) and "cancelled" not in reason:  # the path's fault
+                    await self.report(req, ok=False, reason=reason)
                 try:  # a prefill worker that gets this job later (it was down, or queued deep) drops it
                     await self.state.record(rid, "prefill_local", reason=reason)
                 except Exception as e:  # noqa: BLE001 - Redis away: that worker would only waste a prefill
@@ -179,6 +196,12 @@ class DecodeWorker:
                                      "resends": rx.resends, "blocks": int(rx.have.shape[1])})
                 self.receiving.pop(rid, None)
                 self.inbox.receivers.pop(rid, None)
+
+    async def report(self, req: AdmitRequest, ok: bool, reason: str = "") -> None:
+        """How the handoff over this prefill → decode path went, for the routers' breakers."""
+        await self.bus.publish(subjects.KV_OUTCOMES, KVOutcome(request_id=req.request_id, ok=ok, reason=reason,
+                                                               prefill_worker=req.prefill_worker or "",
+                                                               decode_worker=self.id))
 
     async def wait_kv(self, rx: KVReceiver, req: AdmitRequest) -> int:
         """The first token, once every block is in. Raises when the deadline passes or, sooner,
@@ -216,23 +239,37 @@ class DecodeWorker:
     async def publish(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             await self.bus.publish(subjects.tokens(out.request_id), TokenChunk.from_output(out))
+            if out.finished:
+                self.attempts.pop(out.request_id, None)
             if out.finished and (span := self.spans.pop(out.request_id, None)) is not None:
                 span.set_attributes({"output_tokens": out.num_generated_tokens,
                                      "finish_reason": out.finish_reason or ""})
                 span.end()
 
     async def on_cancel(self, msg: Msg) -> None:
-        rid = Cancel.decode(msg.data).request_id
-        task = self.receiving.pop(rid, None)
+        cancel = Cancel.decode(msg.data)
+        rid = cancel.request_id
+        task = self.receiving.pop(rid, None)  # a remote KV wait: always the first placement
         if task is not None:  # release the prefill side's lease now rather than at its deadline
             task.cancel()
             self.inbox.close(rid)
             await self.bus.publish(subjects.kv_ack(rid), KVAck(request_id=rid, ok=False, error="cancelled"))
+        # checked and done on the engine thread, in order with admits: a failover's cancel never
+        # stops the placement it was sent for, whichever handler runs first
         if task is not None or rid in self.engine.seqs:
-            await self.host.call(self.engine.abort, rid)
-        if (span := self.spans.pop(rid, None)) is not None:
-            span.add_event("cancelled")
-            span.end()
+            if await self.host.call(self.abort_older, rid, cancel.before_attempt):
+                if (span := self.spans.pop(rid, None)) is not None:
+                    span.add_event("cancelled")
+                    span.end()
+
+    def abort_older(self, rid: str, before_attempt: int | None) -> bool:
+        """On the engine thread: abort the request unless it is a placement at or after
+        `before_attempt` (None: whatever it is)."""
+        if before_attempt is not None and self.attempts.get(rid, 0) >= before_attempt:
+            return False
+        self.engine.abort(rid)
+        self.attempts.pop(rid, None)
+        return True
 
 
 def main() -> None:

@@ -107,8 +107,9 @@ class Relay:
                     if lost_worker or pending or self.reconnects() != reconnects:
                         # the old placement may still run (chunks lost on the bus, or a lease that
                         # lapsed for a moment): stop it before the request goes elsewhere
-                        await self.bus.publish(subjects.cancel(req.request_id), Cancel(request_id=req.request_id))
                         attempt += 1
+                        await self.bus.publish(subjects.cancel(req.request_id), Cancel(
+                            request_id=req.request_id, reason="failover", before_attempt=attempt))
                         reconnects = self.reconnects()
                         placement = await self.failover(req, placement, generated, attempt,
                                                         "worker lost" if lost_worker else "stream interrupted")

@@ -13,7 +13,10 @@
 5. Reply to the gateway with the placement and its reason (also on the `router.route` span).
    Placement is idempotent by request id across replicas (a claim and the reply in Redis,
    `Router.route`): a repeated request gets the same answer and no second admit or job.
-6. SIGTERM: leave the queue group, finish the routes in flight, drain NATS.
+6. Breakers: every replica hears how each KV handoff ended (`pd.kv.outcomes`); a prefill →
+   decode path that keeps failing is avoided for a cooldown (another prefill worker, or a
+   local prefill), then probed (policy.Breaker).
+7. SIGTERM: leave the queue group, finish the routes in flight, drain NATS.
 Routes run concurrently (a task each): an admit that waits on a dying worker delays only its own.
 """
 
@@ -33,7 +36,8 @@ from shared import subjects, tracing
 from shared.bus import Bus, context_of
 from shared.config import RouterSettings
 from shared.hashing import block_hashes
-from shared.messages import AdmitReply, AdmitRequest, PrefillJob, RouteReply, RouteRequest, WorkerInfo
+from shared.messages import (AdmitReply, AdmitRequest, KVOutcome, PrefillJob, RouteReply, RouteRequest,
+                             WorkerInfo)
 from shared.prefix_index import cached_blocks
 from shared.service import connect, heartbeat, run, setup_logging, stop_event
 from shared.state import State
@@ -54,6 +58,7 @@ class Router:
         self.turn = 0  # remote placements so far (round-robin baseline)
         self.id = settings.router_id or f"router-{uuid.uuid4().hex[:8]}"
         self._background: set[asyncio.Task] = set()
+        self.breakers: dict[tuple[str, str], policy.Breaker] = {}  # (prefill, decode) KV paths
 
     async def workers(self) -> list[WorkerInfo]:
         """The live registry, re-read at most every WORKERS_TTL_S (heartbeats are 1 s apart;
@@ -86,6 +91,7 @@ class Router:
         await self.bus.ensure_prefill_stream()
         # each route in its own task: one slow admit (a worker that just died) holds up no other
         sub = await self.bus.subscribe(subjects.ROUTE, self.start_route, queue=subjects.ROUTER_QUEUE)
+        await self.bus.subscribe(subjects.KV_OUTCOMES, self.on_kv_outcome)  # every replica: all outcomes
         me = WorkerInfo(worker_id=self.id, role="router")
         beat = asyncio.create_task(heartbeat(self.state, lambda: me, self.settings.heartbeat_s, stop))
         log.info("router ready")
@@ -94,6 +100,22 @@ class Router:
         await self.state.deregister(me.worker_id)
         await sub.drain()
         await asyncio.gather(*self._background, return_exceptions=True)
+
+    def breaker(self, prefill: str, decode: str) -> policy.Breaker:
+        key = (prefill, decode)
+        if key not in self.breakers:
+            s = self.settings
+            self.breakers[key] = policy.Breaker(s.breaker_failures, s.breaker_window_s, s.breaker_cooldown_s)
+        return self.breakers[key]
+
+    async def on_kv_outcome(self, msg: Msg) -> None:
+        out = KVOutcome.decode(msg.data)
+        b = self.breaker(out.prefill_worker, out.decode_worker)
+        before = b.state
+        b.record(out.ok, time.monotonic())
+        if b.state != before:
+            log.warning("KV path %s -> %s: breaker %s (%s)", out.prefill_worker, out.decode_worker, b.state,
+                        out.reason or "ok")
 
     async def start_route(self, msg: Msg) -> None:
         self.in_background(self.on_route(msg))
@@ -173,6 +195,7 @@ class Router:
             if booked:
                 self.sent.setdefault(prefill.worker_id, []).append(booked)
                 self.turn += 1
+                self.breaker(prefill.worker_id, decode.worker_id).chosen(booked[0])
             await self.state.claim_route(key, self.id, lease_s)  # renew: each admit may take its timeout
             await self.state.note_route(key, ROUTE_TTL_S, decode=decode.worker_id)
             admit = await self.admit(decode, req, mode, prefill.worker_id if prefill else None)
@@ -208,7 +231,11 @@ class Router:
                       cached: dict[str, tuple[int, int]], decode_cached_tokens: int
                       ) -> tuple[policy.PrefillCandidate | None, str, str]:
         """For a prompt bound to `decode`: the prefill worker, local or remote, and why."""
-        candidates = policy.prefill_candidates(prefills, decode.fingerprint, cached, self.recently_sent(),
+        now = time.monotonic()
+        healthy = [p for p in prefills if self.breaker(p.worker_id, decode.worker_id).allow(now)]
+        if prefills and not healthy:  # every path to this decode worker failing: colocated until it heals
+            return None, "local", f"KV paths to {decode.worker_id} failing (breaker open): prefilled there"
+        candidates = policy.prefill_candidates(healthy, decode.fingerprint, cached, self.recently_sent(),
                                                self.settings.default_prefill_tokens_per_s)
         if self.settings.prefill_policy == "round_robin":
             prefill, why = policy.choose_round_robin(candidates, self.turn)

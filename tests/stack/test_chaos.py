@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_every_request_survives_each_fault_exactly():
-    results = asyncio.run(main_async(argparse.Namespace(requests=100, max_tokens=24, kv_blocks=1024,
+    results = asyncio.run(main_async(argparse.Namespace(requests=100, max_tokens=16, kv_blocks=1024,
                                                         scenarios=list(SCENARIOS))))
     assert [r["scenario"] for r in results] == list(SCENARIOS)
     for r in results:

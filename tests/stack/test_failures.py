@@ -154,3 +154,63 @@ def test_a_decode_worker_killed_mid_stream_is_continued_on_another(smollm2, tmp_
     recovery_s = resumed_at - killed
     assert recovery_s < 10, recovery_s
     print(f"decode worker killed after 8 tokens: stream moving again {recovery_s:.1f} s later on {survivor}")
+
+
+def test_a_failing_kv_path_opens_its_breaker_and_requests_go_colocated(tmp_path):
+    """Every KV payload arrives corrupt (fault injection, every attempt): each handoff fails
+    after its re-sends and the decode worker prefills locally. After 3 such failures the
+    routers' breaker for prefill-0 → decode-0 opens and the next requests are prefilled on the
+    decode worker from the start — no more doomed transfers; every answer still arrives."""
+    cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=512, log_dir=tmp_path, env={
+        "PD_KV_FAULT_CORRUPT_RATE": "1.0", "PD_KV_FAULT_CORRUPT_ATTEMPTS": "99", "PD_BREAKER_FAILURES": "3",
+        "PD_BREAKER_COOLDOWN_S": "300"})
+    modes, answers = [], []
+    with Stack(cfg) as stack:
+        store = redis.Redis.from_url(stack.redis_url)
+        for i in range(6):
+            r = httpx.post(stack.url + "/v1/chat/completions", timeout=120, json={
+                "model": MODEL, "temperature": 0, "max_tokens": 3,
+                "messages": [{"role": "user", "content": f"Name a colour ({i})."}]})
+            answers.append(r.status_code)
+            record = store.hgetall(f"pd:req:{r.headers['x-request-id']}")
+            modes.append((record[b"mode"].decode(), record[b"reason"].decode()))
+            time.sleep(0.2)   # the outcome reaches the router
+    assert answers == [200] * 6
+    assert [m for m, _ in modes] == ["remote"] * 3 + ["local"] * 3, modes
+    assert "breaker open" in modes[3][1]
+
+
+def test_sigterm_drains_a_decode_worker_its_streams_finish_there_new_ones_go_elsewhere(smollm2, tmp_path):
+    """SIGTERM to the decode worker serving a stream after 5 tokens: it stays registered as
+    draining, takes no new request (the next one goes to the other worker), finishes the
+    stream itself (no failover: no second placement), and exits once done."""
+    messages = [{"role": "user", "content": "Describe a lighthouse at night."}]
+    tok = smollm2.tokenizer
+    prompt = tok.encode(tok.apply_chat_template(messages))
+    expected = generate(smollm2, {"q": prompt}, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))["q"]
+    cfg = StackConfig.on_free_ports(prefill=1, decode=2, kv_blocks=512, log_dir=tmp_path,
+                                    env={"PD_HEARTBEAT_S": "0.3", "PD_FAILOVER_CHECK_S": "0.3"})
+    ids, victim, other = [], None, None
+    with Stack(cfg) as stack, httpx.Client(base_url=stack.url, timeout=120) as http:
+        store = redis.Redis.from_url(stack.redis_url)
+        with http.stream("POST", "/v1/chat/completions", json={
+                "model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 40, "ignore_eos": True,
+                "stream": True, "return_token_ids": True}) as r:
+            rid = r.headers["x-request-id"]
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    ids += json.loads(line[6:])["choices"][0].get("token_ids") or []
+                if len(ids) >= 5 and victim is None:
+                    victim = store.hget(f"pd:req:{rid}", "decode").decode()
+                    stack.procs[victim].send_signal(signal.SIGTERM)
+                    time.sleep(0.2)
+                    draining = json.loads(store.get(f"pd:worker:{victim}"))["draining"]
+                    other = http.post("/v1/chat/completions", json={
+                        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+        exit_code = stack.procs[victim].wait(60)
+        resumed = store.exists(f"pd:route:{rid}#1")
+        placed_other = store.hget(f"pd:req:{other.headers['x-request-id']}", "decode").decode()
+    assert draining is True
+    assert ids == expected and not resumed
+    assert other.status_code == 200 and placed_other != victim
+    assert exit_code == 0

@@ -99,3 +99,38 @@ def test_local_prefill_when_cheaper_stalls_counted():
     # a long prompt mostly cached on the decode worker (a follow-up turn) stays local
     assert policy.local_or_remote(4000, 3968, 2, 1000, remote_s=4.0)[0] == "local"
     assert policy.local_or_remote(40, 0, 0, 1000, remote_s=None) == ("local", "no prefill worker available")
+
+
+def test_a_breaker_opens_on_repeated_transfer_failures_then_probes_and_closes():
+    b = policy.Breaker(failures=3, window_s=10, cooldown_s=5)
+    for t in (0, 1):
+        b.record(False, t)
+    assert b.allow(2) and b.state == "closed"          # 2 failures: still closed
+    b.record(True, 2)
+    b.record(False, 3)                                  # 3 of 4 failed
+    assert b.state == "open" and not b.allow(4) and not b.allow(7.9)
+    assert b.allow(8.1)                                 # one probe after the cooldown...
+    b.chosen(8.1)
+    assert b.state == "half-open" and not b.allow(8.2)  # ...at a time
+    b.record(False, 9)                                  # the probe failed: open again
+    assert not b.allow(10) and b.allow(14.5)
+    b.chosen(14.5)
+    b.record(True, 15)                                  # the probe went through: closed
+    assert b.state == "closed" and b.allow(15) and b.allow(15)
+
+
+def test_old_failures_leave_the_window_and_successes_outweigh_failures():
+    b = policy.Breaker(failures=3, window_s=10, cooldown_s=5)
+    for t in (0, 1, 2):
+        b.record(False, t)
+    assert b.state == "open"
+    b = policy.Breaker(failures=3, window_s=10, cooldown_s=5)
+    for t in (0, 1):
+        b.record(False, t)
+    b.record(False, 20)                                 # the first two are out of the window
+    assert b.state == "closed"
+    for t in range(21, 26):
+        b.record(True, t)
+    for t in (26, 27):
+        b.record(False, t)
+    assert b.state == "closed"                          # 3 failures among 8: a healthy path
