@@ -111,23 +111,35 @@ def test_200_streams_cancelled_at_random_points_leave_no_block_taken(tmp_path):
     assert len(final) == 2 and all(f == t and r == 0 and w == 0 for f, t, r, w in final.values()), final
 
 
+def _greedy_40(smollm2, messages) -> list[int]:
+    """The in-process engine's 40 greedy tokens for a chat (EOS ignored)."""
+    tok = smollm2.tokenizer
+    prompt = tok.encode(tok.apply_chat_template(messages))
+    return generate(smollm2, {"q": prompt}, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))["q"]
+
+
+def _stream_40(messages) -> dict:
+    return {"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 40, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
+
+
+def _two_decode_workers(tmp_path) -> StackConfig:
+    return StackConfig.on_free_ports(prefill=1, decode=2, kv_blocks=512, log_dir=tmp_path,
+                                     env={"PD_HEARTBEAT_S": "0.3", "PD_FAILOVER_CHECK_S": "0.3"})
+
+
 def test_a_decode_worker_killed_mid_stream_is_continued_on_another(smollm2, tmp_path):
     """kill -9 of the decode worker serving a stream after 8 tokens: the gateway sees its lease
     lapse, the request is placed again with those 8 tokens, the other decode worker prefills
     prompt + 8 and continues. The client's stream equals the in-process engine's greedy
     output token for token (none repeated, none missing) and its text is whole."""
     messages = [{"role": "user", "content": "List the planets of the solar system with one fact each."}]
-    tok = smollm2.tokenizer
-    prompt = tok.encode(tok.apply_chat_template(messages))
-    expected = generate(smollm2, {"q": prompt}, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))["q"]
-    cfg = StackConfig.on_free_ports(prefill=1, decode=2, kv_blocks=512, log_dir=tmp_path,
-                                    env={"PD_HEARTBEAT_S": "0.3", "PD_FAILOVER_CHECK_S": "0.3"})
+    expected = _greedy_40(smollm2, messages)
+    cfg = _two_decode_workers(tmp_path)
     ids, text, victim, killed, resumed_at = [], "", None, None, None
     with Stack(cfg) as stack, httpx.Client(base_url=stack.url, timeout=120) as http:
         store = redis.Redis.from_url(stack.redis_url)
-        with http.stream("POST", "/v1/chat/completions", json={
-                "model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 40, "ignore_eos": True,
-                "stream": True, "return_token_ids": True}) as r:
+        with http.stream("POST", "/v1/chat/completions", json=_stream_40(messages)) as r:
             rid = r.headers["x-request-id"]
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -149,7 +161,7 @@ def test_a_decode_worker_killed_mid_stream_is_continued_on_another(smollm2, tmp_
                 break
             time.sleep(0.1)
     assert ids == expected, (len(ids), len(expected))
-    assert text == tok.decode(expected)
+    assert text == smollm2.tokenizer.decode(expected)
     assert info["free_blocks"] == info["total_blocks"] and info["running"] == 0
     recovery_s = resumed_at - killed
     assert recovery_s < 10, recovery_s
@@ -185,17 +197,12 @@ def test_sigterm_drains_a_decode_worker_its_streams_finish_there_new_ones_go_els
     draining, takes no new request (the next one goes to the other worker), finishes the
     stream itself (no failover: no second placement), and exits once done."""
     messages = [{"role": "user", "content": "Describe a lighthouse at night."}]
-    tok = smollm2.tokenizer
-    prompt = tok.encode(tok.apply_chat_template(messages))
-    expected = generate(smollm2, {"q": prompt}, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))["q"]
-    cfg = StackConfig.on_free_ports(prefill=1, decode=2, kv_blocks=512, log_dir=tmp_path,
-                                    env={"PD_HEARTBEAT_S": "0.3", "PD_FAILOVER_CHECK_S": "0.3"})
+    expected = _greedy_40(smollm2, messages)
+    cfg = _two_decode_workers(tmp_path)
     ids, victim, other = [], None, None
     with Stack(cfg) as stack, httpx.Client(base_url=stack.url, timeout=120) as http:
         store = redis.Redis.from_url(stack.redis_url)
-        with http.stream("POST", "/v1/chat/completions", json={
-                "model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 40, "ignore_eos": True,
-                "stream": True, "return_token_ids": True}) as r:
+        with http.stream("POST", "/v1/chat/completions", json=_stream_40(messages)) as r:
             rid = r.headers["x-request-id"]
             for line in r.iter_lines():
                 if line.startswith("data: {"):
