@@ -23,9 +23,15 @@ class Common(BaseSettings):
     heartbeat_s: float = Field(1.0, gt=0, description="worker heartbeat period; the lease is 3x this")
     otlp_endpoint: str | None = Field(None, validation_alias="OTEL_EXPORTER_OTLP_ENDPOINT",
                                       description="OTLP/HTTP collector (Jaeger: http://host:4318)")
+    stall_s: float = Field(30.0, gt=0, description="a request that does not advance this long (no token while "
+                                                   "decoding; past its allowance before the first token) is moved "
+                                                   "to another worker (the router's supervisor)")
+    stall_min_prefill_tokens_per_s: float = Field(50.0, gt=0, description="before the first token a request is "
+                                                  "allowed stall_s + its prompt at this rate")
 
 
 class GatewaySettings(Common):
+    gateway_id: str = Field("", description="registry id (default: gateway-<random>)")
     gateway_host: str = "127.0.0.1"
     gateway_port: int = 8000
     route_timeout_s: float = Field(10.0, gt=0, description="router reply deadline")
@@ -73,6 +79,7 @@ class RouterSettings(Common):
     breaker_cooldown_s: float = Field(10.0, gt=0, description="an open path is avoided this long, then probed")
     affinity_slack: int = Field(4, ge=0, description="a conversation stays on its decode worker while that "
                                 "runs at most this many more sequences than the least loaded")
+    supervise_s: float = Field(1.0, gt=0, description="the supervisor's round: overdue requests, lost gateways")
 
 
 class WorkerSettings(Common):
@@ -91,6 +98,8 @@ class WorkerSettings(Common):
                                          "payloads sent with one byte flipped (0: off)")
     kv_fault_corrupt_attempts: int = Field(1, ge=0, description="fault injection: corrupt only attempts below this")
     kv_fault_delay_s: float = Field(0.0, ge=0, description="fault injection: hold each KV payload send this long")
+    fault_engine_hang_after_steps: int = Field(0, ge=0, description="fault injection: the engine step after "
+                                               "this many never returns (heartbeats go on)")
 
 
 class PrefillSettings(WorkerSettings):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -17,18 +18,33 @@ from shared.engine.engine import Engine, RequestOutput
 
 
 class EngineHost:
-    def __init__(self, engine: Engine, on_kv_events: Callable[[list[KVEvent]], None] | None = None):
+    def __init__(self, engine: Engine, on_kv_events: Callable[[list[KVEvent]], None] | None = None,
+                 fault_hang_after_steps: int = 0):
         self.engine = engine
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self.wake = asyncio.Event()
         self.on_kv_events = on_kv_events       # the step's prefix-cache changes (prefix index)
         self.prefill_tokens_per_s = 0.0        # recent prefill passes, smoothed
+        self.steps, self.step_started = 0, 0.0  # monotonic start of the step running now (0: none)
+        self.fault_hang_after_steps = fault_hang_after_steps  # fault injection: a step that never ends
+
+    @property
+    def step_s(self) -> float:
+        """How long the current step has run (a hung step shows here while heartbeats go on)."""
+        started = self.step_started
+        return time.monotonic() - started if started else 0.0
 
     async def step(self) -> list[RequestOutput]:
         """One engine step on the engine thread; measures prefill passes, hands on KV events."""
         def run():
             start = time.perf_counter()
-            outputs = self.engine.step()
+            self.step_started, self.steps = time.monotonic(), self.steps + 1
+            if self.fault_hang_after_steps and self.steps > self.fault_hang_after_steps:
+                threading.Event().wait()
+            try:
+                outputs = self.engine.step()
+            finally:
+                self.step_started = 0.0
             return outputs, self.engine.drain_kv_events(), self.engine.last_pass, time.perf_counter() - start
 
         outputs, events, (was_decode, tokens), elapsed = await self.call(run)

@@ -185,12 +185,23 @@ class Cancel(Message):
     before_attempt: int | None = None   # a failover: only placements older than this one stop
 
 
+# -- to the gateway holding the request ------------------------------------------------------
+class Stalled(Message):
+    """The supervisor's word: the request's workers are alive but it has not advanced past
+    its phase's deadline. The gateway moves it as it would from a lost worker."""
+
+    request_id: str
+    attempt: int          # the placement that stalled (a later one ignores the word)
+    phase: str
+    worker: str = ""
+
+
 # -- in the state store ---------------------------------------------------------------------
 class WorkerInfo(Message):
     """A worker's registry entry (Redis, with a heartbeat lease)."""
 
     worker_id: str
-    role: Literal["prefill", "decode", "router"]
+    role: Literal["prefill", "decode", "router", "gateway"]
     model: str = ""
     fingerprint: str = ""
     ucx_address: str = ""     # hex of the UCX worker address (decode workers)
@@ -203,3 +214,4 @@ class WorkerInfo(Message):
     queued_tokens: int = 0            # prompt tokens waiting to be computed
     prefill_tokens_per_s: float = 0.0  # measured (recent prefill passes); 0: not yet measured
     draining: bool = False            # stopping: finishes what it holds, takes nothing new
+    step_s: float = 0.0               # how long the engine's current step has run (0: between steps)

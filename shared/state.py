@@ -1,7 +1,11 @@
 """Redis keys (prefix `pd:`) and typed accessors.
 
     pd:worker:<id>   WorkerInfo JSON, expires with the heartbeat lease (a dead worker vanishes)
-    pd:req:<id>      hash: the request's phase, workers, timestamps (expires after a day)
+    pd:req:<id>      hash: the latest event recorded (`phase`), the fields (mode, reason, workers) and a
+                     timestamp per phase (expires after a day)
+    pd:req:<id>:log  list: the request's events in order of arrival (shared/lifecycle.py)
+    pd:deadlines     sorted set: requests in flight, scored by when their phase is overdue
+    pd:owned:<gw>    set: requests whose client is connected to gateway <gw>
     pd:session:<id>  the decode worker of a conversation's last turn (expires when idle)
     pd:route:<id>    hash: a request's placement as it is decided — its decode worker, then the
                      router's reply (router replicas answer a repeated request from it)
@@ -11,12 +15,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 
 import redis.asyncio as aioredis
 
+from shared.lifecycle import TERMINAL, Event, deadline_s
 from shared.messages import WorkerInfo
 
+log = logging.getLogger(__name__)
 REQUEST_TTL_S = 24 * 3600
 MAX_CONNECTIONS = 64  # per process
 OVER = ("prefill_local",)  # phases after which a request's prefill job has nothing left to do
@@ -30,6 +38,17 @@ def request_key(request_id: str) -> str:
     return f"pd:req:{request_id}"
 
 
+def log_key(request_id: str) -> str:
+    return f"pd:req:{request_id}:log"
+
+
+DEADLINES = "pd:deadlines"
+
+
+def owned_key(gateway_id: str) -> str:
+    return f"pd:owned:{gateway_id}"
+
+
 def session_key(session_id: str) -> str:
     return f"pd:session:{session_id}"
 
@@ -39,17 +58,21 @@ def route_key(request_id: str) -> str:
 
 
 class State:
-    def __init__(self, r: aioredis.Redis):
+    def __init__(self, r: aioredis.Redis, stall_s: float = 30.0, min_prefill_tokens_per_s: float = 50.0):
         self.r = r
+        self.stall_s, self.min_prefill_tokens_per_s = stall_s, min_prefill_tokens_per_s  # phase deadlines
+        self._writes: set[asyncio.Task] = set()
 
     @classmethod
-    def connect(cls, url: str) -> "State":
+    def connect(cls, url: str, stall_s: float = 30.0, min_prefill_tokens_per_s: float = 50.0) -> "State":
         # a blocking pool: a burst of concurrent calls waits for a connection instead of failing
         pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=MAX_CONNECTIONS, timeout=5,
                                                         socket_timeout=5, socket_connect_timeout=5)
-        return cls(aioredis.Redis(connection_pool=pool))
+        return cls(aioredis.Redis(connection_pool=pool), stall_s, min_prefill_tokens_per_s)
 
     async def close(self) -> None:
+        if self._writes:
+            await asyncio.wait(list(self._writes), timeout=2)
         await self.r.aclose()
 
     # -- worker registry -------------------------------------------------------------------
@@ -71,18 +94,81 @@ class State:
         return sorted((w for w in infos if role is None or w.role == role), key=lambda w: w.worker_id)
 
     # -- request state ---------------------------------------------------------------------
-    async def record(self, request_id: str, phase: str, **fields: str | int) -> None:
-        """Move a request to `phase`, stamping the time it entered it."""
+    def note(self, request_id: str, phase: str, by: str = "", attempt: int = 0, prompt_tokens: int = 0,
+             **fields: str | int) -> None:
+        """`record` in the background, its deadline from the phase: the caller never waits on
+        Redis (a Redis away costs the request's history, logged, not its progress)."""
+        limit = deadline_s(phase, prompt_tokens, self.stall_s, self.min_prefill_tokens_per_s)
+        task = asyncio.create_task(self.record(request_id, phase, by, attempt, limit, **fields))
+        self._writes.add(task)
+        task.add_done_callback(self._written)
+
+    def _written(self, task: asyncio.Task) -> None:
+        self._writes.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("request state not recorded: %s", task.exception())
+
+    async def record(self, request_id: str, phase: str, by: str = "", attempt: int = 0,
+                     deadline_s: float | None = None, **fields: str | int) -> None:
+        """A request entered `phase` (or a mark: failover, stalled): append the event to its
+        log, update its summary, and set when the phase is overdue (or, at the end, clear it).
+        A `received` with `owner` files the request under its gateway."""
+        now = time.time()
+        event = Event(t=now, event=phase, attempt=attempt, by=by, **fields)
         key = request_key(request_id)
-        mapping = {"phase": phase, f"t_{phase}": f"{time.time():.6f}", **{k: str(v) for k, v in fields.items()}}
         async with self.r.pipeline(transaction=False) as p:
-            p.hset(key, mapping=mapping)
+            p.rpush(log_key(request_id), event.model_dump_json())
+            p.expire(log_key(request_id), REQUEST_TTL_S)
+            p.hset(key, mapping={"phase": phase, f"t_{phase}": f"{now:.6f}", "attempt": str(attempt),
+                                 **{k: str(v) for k, v in fields.items()}})
             p.expire(key, REQUEST_TTL_S)
+            if phase in TERMINAL:
+                p.zrem(DEADLINES, request_id)
+                if fields.get("owner"):
+                    p.srem(owned_key(str(fields["owner"])), request_id)
+            elif deadline_s is not None:
+                p.zadd(DEADLINES, {request_id: now + deadline_s})
+            if phase == "received" and fields.get("owner"):
+                p.sadd(owned_key(str(fields["owner"])), request_id)
             await p.execute()
 
     async def request(self, request_id: str) -> dict[str, str]:
         raw = await self.r.hgetall(request_key(request_id))
         return {k.decode(): v.decode() for k, v in raw.items()}
+
+    async def events(self, request_id: str) -> list[Event]:
+        return [Event.model_validate_json(e) for e in await self.r.lrange(log_key(request_id), 0, -1)]
+
+    async def progressed(self, request_ids: list[str], deadline_s: float) -> None:
+        """These requests advanced: push their deadlines on (only those still in flight)."""
+        if request_ids:
+            until = time.time() + deadline_s
+            await self.r.zadd(DEADLINES, {rid: until for rid in request_ids}, xx=True, gt=True)
+
+    async def overdue(self, limit: int = 100) -> list[str]:
+        return [r.decode() for r in await self.r.zrangebyscore(DEADLINES, "-inf", time.time(), start=0, num=limit)]
+
+    async def postpone(self, request_id: str, deadline_s: float) -> None:
+        await self.r.zadd(DEADLINES, {request_id: time.time() + deadline_s}, xx=True)
+
+    async def forget(self, request_id: str) -> None:
+        await self.r.zrem(DEADLINES, request_id)
+
+    async def claim_supervision(self, request_id: str, holder: str, lease_s: float) -> bool:
+        """One supervisor judges a request per lease (replicas skip it meanwhile)."""
+        return bool(await self.r.set(request_key(request_id) + ":supervisor", holder, nx=True,
+                                     px=int(lease_s * 1000)))
+
+    async def owners(self) -> list[str]:
+        """Gateways with requests filed under them."""
+        return [k.decode().split(":", 2)[2] async for k in self.r.scan_iter(match=owned_key("*"), count=100)]
+
+    async def owned(self, gateway_id: str) -> list[str]:
+        return [r.decode() for r in await self.r.smembers(owned_key(gateway_id))]
+
+    async def disown(self, gateway_id: str, request_ids: list[str]) -> None:
+        if request_ids:
+            await self.r.srem(owned_key(gateway_id), *request_ids)
 
     # -- sessions --------------------------------------------------------------------------
     async def session_worker(self, session_id: str | None) -> str | None:

@@ -60,6 +60,7 @@ class StackConfig:
     threads: int = 0                   # torch threads per worker (0: cores / workers)
     log_dir: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
+    worker_env: dict[str, dict[str, str]] = field(default_factory=dict)  # by process name, on top of env
 
     @classmethod
     def on_free_ports(cls, **kw) -> "StackConfig":
@@ -108,7 +109,8 @@ class Stack:
         return proc
 
     def service(self, name: str, module: str, **env: str) -> subprocess.Popen:
-        return self.spawn(name, [sys.executable, "-m", module], {**self.service_env(), **env})
+        return self.spawn(name, [sys.executable, "-m", module],
+                          {**self.service_env(), **env, **self.cfg.worker_env.get(name, {})})
 
     def start(self, ready_timeout_s: float = 240) -> "Stack":
         c = self.cfg
@@ -216,6 +218,9 @@ def main() -> None:
     print(f"starting pdserve: {pools} worker(s); logs in {stack.log_dir}/", flush=True)
     try:
         stack.start()
+        env_file = Path(".run/stack.env")  # for operator tools (python -m shared.tools.timeline)
+        env_file.touch(mode=0o600)
+        env_file.write_text(f"PD_NATS_URL={stack.nats_url}\nPD_REDIS_URL={stack.redis_url}\n")
         print(f"ready in {time.monotonic() - start:.1f} s at {stack.url}\n\n"
               f"  curl {stack.url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
               f"    -d '{{\"model\": \"SmolLM2-135M-Instruct\", \"messages\": "

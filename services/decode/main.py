@@ -66,17 +66,20 @@ class DecodeWorker:
         self.id = worker_id(settings, "decode")
         self.prefix = PrefixPublisher(state, self.id, lease_s=3 * settings.heartbeat_s,
                                       snapshot=lambda: self.host.call(engine.cached_hashes))
-        self.host = EngineHost(engine, self.prefix.publish)
+        self.host = EngineHost(engine, self.prefix.publish, settings.fault_engine_hang_after_steps)
         self.spans: dict[str, trace.Span] = {}
         self.receiving: dict[str, asyncio.Task] = {}
         self.inbox = KVInbox(bus, self.id)
         self.draining = False
         self.admitted: OrderedDict[tuple[str, int], AdmitReply] = OrderedDict()  # recent admits: (id, attempt)
         self.attempts: dict[str, int] = {}  # placement number of each request here (engine thread writes)
+        self.decoding: set[str] = set()     # requests that have had a token here
+        self.advanced: set[str] = set()     # ... since the last heartbeat (their deadlines move on)
 
     def info(self):
         return worker_info(self.engine, self.id, "decode", self.settings, self.transport.address,
-                           prefill_tokens_per_s=self.host.prefill_tokens_per_s, draining=self.draining)
+                           prefill_tokens_per_s=self.host.prefill_tokens_per_s, draining=self.draining,
+                           step_s=self.host.step_s)
 
     async def serve(self, stop: asyncio.Event) -> None:
         await self.bus.subscribe(subjects.decode_admit(self.id), self.on_admit)
@@ -88,6 +91,7 @@ class DecodeWorker:
         gone, engine_stop = asyncio.Event(), asyncio.Event()
         beat = asyncio.create_task(heartbeat(self.state, self.info, self.settings.heartbeat_s, gone))
         engine_loop = asyncio.create_task(self.host.run(self.publish, engine_stop))
+        deadlines = asyncio.create_task(self.keep_deadlines())
         log.info("decode worker %s ready: %d KV blocks", self.id, self.engine.num_blocks)
         await stop.wait()
         self.draining = True
@@ -99,6 +103,7 @@ class DecodeWorker:
         for task in list(self.receiving.values()):
             task.cancel()
         gone.set()
+        deadlines.cancel()
         await beat
         await self.state.deregister(self.id)
         await self.prefix.close()
@@ -186,10 +191,10 @@ class DecodeWorker:
                 await self.prefill_locally(req)
                 if not isinstance(e, PrefillWorkerLost) and "cancelled" not in reason:  # the path's fault
                     await self.report(req, ok=False, reason=reason)
-                try:  # a prefill worker that gets this job later (it was down, or queued deep) drops it
-                    await self.state.record(rid, "prefill_local", reason=reason)
-                except Exception as e:  # noqa: BLE001 - Redis away: that worker would only waste a prefill
-                    log.warning("%s: could not mark the request prefilled here: %s", rid, e)
+                # a prefill worker that gets this job later (it was down, or queued deep) drops it
+                # (Redis away: that worker would only waste a prefill)
+                self.state.note(rid, "prefill_local", by=self.id, attempt=req.attempt,
+                                prompt_tokens=len(req.prompt_token_ids), reason=reason)
             finally:
                 rx.close()
                 span.set_attributes({"bytes": rx.bytes_received, "pieces": rx.pieces, "bad_blocks": rx.bad_blocks,
@@ -235,12 +240,32 @@ class DecodeWorker:
                 await asyncio.sleep(1.5 * self.settings.heartbeat_s)
         return False
 
+    async def keep_deadlines(self) -> None:
+        """Each heartbeat, push on the deadlines of the requests that advanced here (one call
+        for all): a request that stops getting tokens becomes overdue for the supervisor."""
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_s)
+            advanced, self.advanced = list(self.advanced), set()
+            try:
+                await self.state.progressed(advanced, self.settings.stall_s)
+            except Exception as e:  # noqa: BLE001 - Redis away: the next round tries again
+                log.debug("deadlines not moved: %s", e)
+
     # -- output and cancellation -----------------------------------------------------------
     async def publish(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            await self.bus.publish(subjects.tokens(out.request_id), TokenChunk.from_output(out))
+            rid = out.request_id
+            if not out.finished and rid not in self.engine.seqs:  # cancelled since its step ran
+                continue
+            await self.bus.publish(subjects.tokens(rid), TokenChunk.from_output(out))
+            self.advanced.add(rid)
+            if rid not in self.decoding and not out.finished:  # (an abort's output is no first token)
+                self.decoding.add(rid)
+                self.state.note(rid, "decoding", by=self.id, attempt=self.attempts.get(rid, 0),
+                                prompt_tokens=out.num_prompt_tokens)
             if out.finished:
-                self.attempts.pop(out.request_id, None)
+                self.attempts.pop(rid, None)
+                self.decoding.discard(rid)
             if out.finished and (span := self.spans.pop(out.request_id, None)) is not None:
                 span.set_attributes({"output_tokens": out.num_generated_tokens,
                                      "finish_reason": out.finish_reason or ""})
@@ -269,6 +294,7 @@ class DecodeWorker:
             return False
         self.engine.abort(rid)
         self.attempts.pop(rid, None)
+        self.decoding.discard(rid)
         return True
 
 

@@ -8,7 +8,9 @@
 3. Subscribe to `pd.tokens.<rid>`, then ask the router for a placement (`pd.router.route`).
 4. Relay the token chunks in sequence order as SSE or one JSON body, with usage and
    finish_reason; request id and trace id go back in the `x-request-id` / `x-trace-id` headers.
-5. A client that disconnects cancels the request everywhere (`pd.cancel.<rid>`).
+5. A client that disconnects cancels the request everywhere (`pd.cancel.<rid>`). The gateway
+   heartbeats a registry lease (role `gateway`) and files each request under it: if the
+   gateway dies, the routers' supervisor cancels its requests.
 6. A decode worker lost mid-stream (its lease lapsed while no token came): place the request
    again with the tokens so far; another decode worker continues it (relay.py).
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from contextlib import asynccontextmanager
 
 import uvicorn
@@ -27,7 +30,8 @@ from shared import tracing
 from shared.bus import Bus
 from shared.config import GatewaySettings
 from shared.engine.loader import inspect
-from shared.service import setup_logging
+from shared.messages import WorkerInfo
+from shared.service import heartbeat, setup_logging
 from shared.state import State
 from services.gateway import errors
 from services.gateway.api import router, v1
@@ -50,17 +54,27 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         if tokenizer is None:
             raise RuntimeError(f"model {settings.model!r} has no tokenizer; the gateway needs one")
         bus = await Bus.connect(settings.nats_url, name="gateway")
-        state = State.connect(settings.redis_url)
+        state = State.connect(settings.redis_url, settings.stall_s, settings.stall_min_prefill_tokens_per_s)
+        me = WorkerInfo(worker_id=settings.gateway_id or f"gateway-{uuid.uuid4().hex[:8]}", role="gateway")
         app.state.gateway = Gateway(settings, bus, state, tokenizer, model_config,
                                     Relay(bus, settings.route_timeout_s, settings.token_timeout_s, state.alive,
                                           settings.failover_check_s, 1.5 * settings.heartbeat_s,
-                                          settings.placement_retry_s), keys,
+                                          settings.placement_retry_s, state.note, me.worker_id), keys,
                                     RateLimit(state, settings.rate_limit_per_s, settings.rate_limit_burst))
+        # the lease tells the routers' supervisors that someone still reads these requests' tokens
+        stop = asyncio.Event()
+        beat = asyncio.create_task(heartbeat(state, lambda: me, settings.heartbeat_s, stop))
         if keys.open:
             log.warning("no API keys configured (PD_API_KEYS): the API is open to anyone who can reach it")
         else:
             log.info("%d API keys configured", len(keys.keys))
         yield
+        stop.set()
+        await beat
+        try:
+            await state.deregister(me.worker_id)
+        except Exception as e:  # noqa: BLE001 - Redis away: the lease lapses by itself
+            log.warning("could not leave the registry: %s", e)
         await bus.close()
         await state.close()
         tracing.shutdown()

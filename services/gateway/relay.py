@@ -13,7 +13,11 @@ continue exactly (the sampler's draw depends on the position, not the worker).
 The same when chunks were lost on the bus (NATS restarted): a gap in the sequence that stays
 open for `check_s`, or silence for `check_s` after this gateway's connection came back. Then
 the old placement is cancelled first (in case it still runs) and the request continues from
-its last streamed token.
+its last streamed token. And when the router's supervisor says the placement stalled (its
+worker heartbeats but the request has not advanced past its phase's deadline: a hung step).
+
+The request's events go to Redis as it goes: received (with this gateway as its owner),
+failover, and how it ended — finished, failed or cancelled (shared/lifecycle.py).
 """
 
 from __future__ import annotations
@@ -22,13 +26,14 @@ import asyncio
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 import nats.errors
 from opentelemetry import trace
 
 from shared import subjects
 from shared.bus import Bus
-from shared.messages import Cancel, RouteReply, RouteRequest, TokenChunk
+from shared.messages import Cancel, RouteReply, RouteRequest, Stalled, TokenChunk
 from services.gateway.errors import APIError
 
 MAX_ATTEMPTS = 4  # placements of one request: the first and up to three failovers
@@ -37,27 +42,38 @@ MAX_ATTEMPTS = 4  # placements of one request: the first and up to three failove
 class Relay:
     def __init__(self, bus: Bus, route_timeout_s: float, token_timeout_s: float,
                  alive: Callable[[str], Awaitable[bool]] | None = None, check_s: float = 1.0,
-                 confirm_s: float = 1.5, placement_retry_s: float = 0.0):
+                 confirm_s: float = 1.5, placement_retry_s: float = 0.0,
+                 note: Callable[..., None] | None = None, owner: str = ""):
         self.bus, self.route_timeout_s, self.token_timeout_s = bus, route_timeout_s, token_timeout_s
         self.alive, self.check_s = alive, check_s
         self.confirm_s = confirm_s                    # absent this long from the registry = lost
         self.placement_retry_s = placement_retry_s    # keep asking while nothing can take the request
+        self.note = note or (lambda *a, **k: None)    # State.note: the request's events in Redis
+        self.owner = owner                            # this gateway's registry id
 
     async def run(self, req: RouteRequest) -> tuple[RouteReply, AsyncIterator[TokenChunk]]:
         """Place the request; returns the placement and its ordered token stream. The
-        subscription exists before anything can produce a token, so none is missed."""
-        queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
+        subscriptions exist before anything can produce a token (or a supervisor's word), so
+        none is missed."""
+        queue: asyncio.Queue[TokenChunk | Stalled] = asyncio.Queue()
 
         async def on_chunk(msg) -> None:
             queue.put_nowait(TokenChunk.decode(msg.data))
 
-        sub = await self.bus.subscribe(subjects.tokens(req.request_id), on_chunk)
+        async def on_event(msg) -> None:
+            queue.put_nowait(Stalled.decode(msg.data))
+
+        self.note(req.request_id, "received", by=self.owner, owner=self.owner,
+                  prompt_tokens=len(req.prompt_token_ids), max_tokens=req.sampling.max_tokens)
+        subs = Subscriptions([await self.bus.subscribe(subjects.tokens(req.request_id), on_chunk),
+                              await self.bus.subscribe(subjects.events(req.request_id), on_event)])
         try:
             reply = await self.place(req)
-        except APIError:
-            await sub.unsubscribe()
+        except APIError as e:
+            await subs.unsubscribe()
+            self.note(req.request_id, "failed", by=self.owner, owner=self.owner, reason=e.message)
             raise
-        return reply, self._ordered(req, reply, queue, sub)
+        return reply, self._ordered(req, reply, queue, subs)
 
     async def place(self, req: RouteRequest, retry_s: float | None = None) -> RouteReply:
         """Ask a router. While no router answers or none can place the request (no decode worker
@@ -88,35 +104,30 @@ class Relay:
 
     async def _ordered(self, req: RouteRequest, placement: RouteReply, queue: asyncio.Queue,
                        sub) -> AsyncIterator[TokenChunk]:
-        """Chunks in `seq` order; duplicates (a retried step, a failover) are dropped."""
+        """Chunks in `seq` order; duplicates (a retried step, a failover) are dropped. Silence,
+        a gap that stays open, or the supervisor's word moves the request (`interrupted`)."""
         next_seq, pending, done, generated, attempt = 0, {}, False, [], req.attempt
-        silent_since, reconnects, absent_since = time.monotonic(), self.reconnects(), None
+        watch = Watch(time.monotonic(), self.reconnects())
+        outcome, reason = "cancelled", "client gone"
         try:
             while not done:
                 try:
-                    chunk = await asyncio.wait_for(queue.get(), self.check_s)
+                    item = await asyncio.wait_for(queue.get(), self.check_s)
                 except asyncio.TimeoutError:
-                    if time.monotonic() - silent_since > self.token_timeout_s:
-                        raise APIError(504, f"No token for {self.token_timeout_s:.0f} s; the request was cancelled.",
-                                       code="timeout") from None
-                    if await self.absent(placement):  # twice, confirm_s apart: a Redis restart empties
-                        absent_since = absent_since or time.monotonic()  # the registry for a heartbeat
-                    else:
-                        absent_since = None
-                    lost_worker = absent_since is not None and time.monotonic() - absent_since >= self.confirm_s
-                    if lost_worker or pending or self.reconnects() != reconnects:
-                        # the old placement may still run (chunks lost on the bus, or a lease that
-                        # lapsed for a moment): stop it before the request goes elsewhere
-                        attempt += 1
-                        await self.bus.publish(subjects.cancel(req.request_id), Cancel(
-                            request_id=req.request_id, reason="failover", before_attempt=attempt))
-                        reconnects = self.reconnects()
-                        placement = await self.failover(req, placement, generated, attempt,
-                                                        "worker lost" if lost_worker else "stream interrupted")
-                        pending.clear()
-                        silent_since, absent_since = time.monotonic(), None
+                    item = None
+                why = await self.interrupted(item, placement, attempt, bool(pending), watch)
+                if why:
+                    # the old placement may still run (chunks lost on the bus, a lease that lapsed
+                    # for a moment, a hung step): stop it before the request goes elsewhere
+                    attempt += 1
+                    await self.bus.publish(subjects.cancel(req.request_id), Cancel(
+                        request_id=req.request_id, reason="failover", before_attempt=attempt))
+                    placement = await self.failover(req, placement, generated, attempt, why)
+                    pending.clear()
+                    watch = Watch(time.monotonic(), self.reconnects())
+                if not isinstance(item, TokenChunk):
                     continue
-                silent_since = time.monotonic()
+                chunk, watch.silent_since = item, time.monotonic()
                 if chunk.error:
                     raise APIError(503, f"The request failed: {chunk.error}", code="worker_error")
                 if chunk.seq >= next_seq:
@@ -129,10 +140,39 @@ class Relay:
                     if chunk.finished:
                         done = True
                         break
+        except APIError as e:
+            outcome, reason = "failed", e.message
+            raise
         finally:
             await sub.unsubscribe()
-            if not done:  # client gone, timeout or error: stop the work everywhere
+            if done:
+                outcome, reason = "finished", ""
+            else:  # client gone, timeout or error: stop the work everywhere
                 await self.bus.publish(subjects.cancel(req.request_id), Cancel(request_id=req.request_id))
+            self.note(req.request_id, outcome, by=self.owner, attempt=attempt, owner=self.owner,
+                      tokens=len(generated), reason=reason)
+
+    async def interrupted(self, item: TokenChunk | Stalled | None, placement: RouteReply, attempt: int,
+                          gap: bool, watch: "Watch") -> str:
+        """Why the request must move now ("" when it need not): its worker lost, its chunks
+        lost on the bus, or stalled (the supervisor's word about this placement). Called
+        with each chunk or word, and with None after `check_s` of silence."""
+        if isinstance(item, Stalled):
+            return f"stalled in {item.phase}" if item.attempt == attempt else ""
+        if item is not None:
+            return ""
+        if time.monotonic() - watch.silent_since > self.token_timeout_s:
+            raise APIError(504, f"No token for {self.token_timeout_s:.0f} s; the request was cancelled.",
+                           code="timeout")
+        if await self.absent(placement):  # twice, confirm_s apart: a Redis restart empties
+            watch.absent_since = watch.absent_since or time.monotonic()  # the registry for a heartbeat
+        else:
+            watch.absent_since = None
+        if watch.absent_since is not None and time.monotonic() - watch.absent_since >= self.confirm_s:
+            return "worker lost"
+        if gap or self.reconnects() != watch.reconnects:
+            return "stream interrupted"
+        return ""
 
     def reconnects(self) -> int:
         return getattr(self.bus, "reconnects", 0)
@@ -151,9 +191,31 @@ class Relay:
         """Place the request again, to continue after `generated` (attempt > 0)."""
         trace.get_current_span().add_event("failover", {"why": why, "decode_worker": lost.decode_worker or "",
                                                         "resumed_after_tokens": len(generated), "attempt": attempt})
+        self.note(req.request_id, "failover", by=self.owner, attempt=attempt, why=why,
+                  lost=lost.decode_worker or "", resumed_after_tokens=len(generated))
         if attempt >= MAX_ATTEMPTS:
             raise APIError(503, f"The request's decode worker was lost {attempt} times; giving up.",
                            code="worker_lost")
         # the client is mid-stream: wait for a place as long as it would wait for a token
         return await self.place(req.model_copy(update={"attempt": attempt, "resume_token_ids": list(generated)}),
                                 retry_s=max(self.placement_retry_s, self.token_timeout_s))
+
+
+@dataclass
+class Watch:
+    """One placement's signs of life, as the relay has seen them."""
+
+    silent_since: float                  # monotonic time of the last chunk (or of the placement)
+    reconnects: int                      # the bus's reconnections when it began
+    absent_since: float | None = None    # its decode worker first seen missing from the registry
+
+
+class Subscriptions:
+    """A request's subscriptions (its tokens, its events), ended together."""
+
+    def __init__(self, subs: list):
+        self.subs = subs
+
+    async def unsubscribe(self) -> None:
+        for sub in self.subs:
+            await sub.unsubscribe()

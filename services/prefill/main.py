@@ -59,7 +59,7 @@ class PrefillWorker:
         self.id = worker_id(settings, "prefill")
         self.prefix = PrefixPublisher(state, self.id, lease_s=3 * settings.heartbeat_s,
                                       snapshot=lambda: self.host.call(engine.cached_hashes))
-        self.host = EngineHost(engine, self.prefix.publish)
+        self.host = EngineHost(engine, self.prefix.publish, settings.fault_engine_hang_after_steps)
         self.jobs: dict[str, tuple[PrefillJob, trace.Span]] = {}
         self.kv_spans: dict[str, trace.Span] = {}
         self.sender = KVSender(transport, bus, engine.fingerprint, self.read_blocks, settings.kv_max_attempts,
@@ -71,7 +71,8 @@ class PrefillWorker:
 
     def info(self):
         return worker_info(self.engine, self.id, "prefill", self.settings,
-                           prefill_tokens_per_s=self.host.prefill_tokens_per_s, draining=self.stopping.is_set())
+                           prefill_tokens_per_s=self.host.prefill_tokens_per_s, draining=self.stopping.is_set(),
+                           step_s=self.host.step_s)
 
     async def serve(self, stop: asyncio.Event) -> None:
         self.stopping = stop
@@ -123,7 +124,8 @@ class PrefillWorker:
     async def taken_over(self, rid: str) -> bool:
         """The decode side gave up waiting and prefilled it (Redis unreachable: assume not)."""
         try:
-            return (await self.state.request(rid)).get("phase") in OVER
+            record = await self.state.request(rid)
+            return any(f"t_{phase}" in record for phase in OVER)
         except Exception as e:  # noqa: BLE001
             log.warning("%s: request state unreadable (%s); running the job", rid, e)
             return False
@@ -161,6 +163,7 @@ class PrefillWorker:
             self.jobs[job.request_id] = (job, span)
             self.in_hand[job.request_id] = msg
             self.kv_spans[job.request_id] = kv_span
+            self.state.note(job.request_id, "prefilling", by=self.id, prompt_tokens=len(job.prompt_token_ids))
 
     def queue(self, job: PrefillJob, sink) -> None:
         """On the engine thread: the prompt, streaming its KV from the decode worker's first
@@ -186,6 +189,8 @@ class PrefillWorker:
                                    Cancel(request_id=out.request_id, reason=FINISHED_IN_PREFILL))
             await self.done(out.request_id)
             return
+        self.state.note(out.request_id, "transferring", by=self.id, prompt_tokens=out.num_prompt_tokens,
+                        decode=job.decode_worker)
         task = asyncio.create_task(self.handoff(job, out.new_token_ids[0]))
         self.handoffs.add(task)
         task.add_done_callback(self.handoffs.discard)

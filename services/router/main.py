@@ -16,7 +16,9 @@
 6. Breakers: every replica hears how each KV handoff ended (`pd.kv.outcomes`); a prefill →
    decode path that keeps failing is avoided for a cooldown (another prefill worker, or a
    local prefill), then probed (policy.Breaker).
-7. SIGTERM: leave the queue group, finish the routes in flight, drain NATS.
+7. Supervisor (supervisor.py): requests past their phase's deadline with their workers alive
+   → the gateway is told to move them; requests whose gateway is gone → cancelled.
+8. SIGTERM: leave the queue group, finish the routes in flight, drain NATS.
 Routes run concurrently (a task each): an admit that waits on a dying worker delays only its own.
 """
 
@@ -42,6 +44,7 @@ from shared.prefix_index import cached_blocks
 from shared.service import connect, heartbeat, run, setup_logging, stop_event
 from shared.state import State
 from services.router import policy
+from services.router.supervisor import Supervisor
 
 log = logging.getLogger("router")
 WORKERS_TTL_S = 0.2
@@ -66,7 +69,8 @@ class Router:
         fetched_at, workers = self._workers
         now = time.monotonic()
         if now - fetched_at > WORKERS_TTL_S:
-            workers = [w for w in await self.state.workers() if w.role != "router" and not w.draining]
+            workers = [w for w in await self.state.workers() if w.role in ("prefill", "decode") and not w.draining
+                       and w.step_s < self.settings.stall_s]  # a step running that long: hung
             self._workers = (now, workers)
         return workers
 
@@ -94,9 +98,11 @@ class Router:
         await self.bus.subscribe(subjects.KV_OUTCOMES, self.on_kv_outcome)  # every replica: all outcomes
         me = WorkerInfo(worker_id=self.id, role="router")
         beat = asyncio.create_task(heartbeat(self.state, lambda: me, self.settings.heartbeat_s, stop))
+        supervisor = Supervisor(self.bus, self.state, self.id, self.settings.stall_s, 3 * self.settings.heartbeat_s)
+        supervising = asyncio.create_task(supervisor.run(stop, self.settings.supervise_s))
         log.info("router ready")
         await stop.wait()
-        await beat
+        await asyncio.gather(beat, supervising)
         await self.state.deregister(me.worker_id)
         await sub.drain()
         await asyncio.gather(*self._background, return_exceptions=True)
@@ -220,8 +226,8 @@ class Router:
             if req.session_id:
                 self.in_background(self.state.set_session_worker(req.session_id, decode.worker_id,
                                                                  self.settings.session_ttl_s))
-            self.in_background(self.state.record(rid, "routed", mode=mode, reason=reason, decode=decode.worker_id,
-                                                 prefill=prefill_id or ""))
+            self.state.note(rid, "routed", by=self.id, attempt=req.attempt, prompt_tokens=len(prompt) + len(resume),
+                            mode=mode, reason=reason, decode=decode.worker_id, prefill=prefill_id or "")
             return RouteReply(request_id=rid, ok=True, mode=mode, reason=reason, decode_worker=decode.worker_id,
                               prefill_worker=prefill_id)
         reason = "no decode worker is up" if not decodes else "no decode worker has room for this request now"

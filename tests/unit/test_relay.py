@@ -84,3 +84,38 @@ def test_a_lost_decode_worker_is_replaced_and_the_stream_goes_on_without_gaps_or
     assert got == [0, 1, 2, 3]
     assert len(routed) == 1 and routed[0].attempt == 1 and routed[0].resume_token_ids == [100, 101]
     assert routed[0].request_id == "r" and routed[0].prompt_token_ids == [1, 2, 3]
+
+
+def test_the_supervisors_word_moves_a_stalled_placement_once_and_a_stale_word_is_ignored():
+    """d0 heartbeats but its step hangs after token 1: the supervisor's Stalled (attempt 0)
+    moves the request like a lost worker, the old placement is cancelled first; a second word
+    about attempt 0 arriving after the move changes nothing. Its events say so."""
+    from shared.messages import Stalled
+
+    async def run():
+        queue, routed, notes = asyncio.Queue(), [], []
+
+        class Bus(FakeBus):
+            async def request(self, subject, msg, reply_type, timeout):
+                routed.append(msg)
+                for c in (Stalled(request_id="r", attempt=0, phase="decoding"), chunk(2), chunk(3, finished=True)):
+                    queue.put_nowait(c)
+                return RouteReply(request_id="r", ok=True, mode="local", decode_worker="d1")
+
+        async def alive(worker):
+            return True   # a hung worker keeps its lease
+
+        for c in (chunk(0), chunk(1), Stalled(request_id="r", attempt=0, phase="decoding", worker="d0")):
+            queue.put_nowait(c)
+        bus = Bus()
+        relay = Relay(bus, 1, 10, alive=alive, check_s=5, note=lambda rid, ev, **kw: notes.append((ev, kw)),
+                      owner="gw")
+        got = [c.seq async for c in relay._ordered(REQ, PLACED, queue, FakeSub())]
+        return got, routed, bus.published, notes
+
+    got, routed, published, notes = asyncio.run(run())
+    assert got == [0, 1, 2, 3]
+    assert len(routed) == 1 and routed[0].attempt == 1 and routed[0].resume_token_ids == [100, 101]
+    assert published == [("pd.cancel.r", Cancel(request_id="r", reason="failover", before_attempt=1))]
+    assert [e for e, _ in notes] == ["failover", "finished"]
+    assert notes[0][1]["why"] == "stalled in decoding" and notes[1][1]["attempt"] == 1

@@ -1,0 +1,92 @@
+"""The supervisor, in every router replica: requests that stopped advancing, and requests
+whose gateway is gone. One round every `supervise_s`:
+
+1. Lost gateways: a gateway with requests filed under it (`pd:owned:<gw>`) whose lease has
+   been gone for `confirm_s`. Nobody reads those requests' tokens: each is cancelled
+   everywhere (its blocks return on both workers) and recorded `failed`.
+2. Overdue requests (`pd:deadlines`): the request's events give its status and the registry
+   its workers' leases; lifecycle.verdict decides. Stalled (workers alive, no progress: a
+   hung step, a job that never ran) → a `Stalled` word on `pd.events.<rid>` to the gateway
+   holding the stream, which moves the request as from a lost worker. The deadline moves on
+   by `stall_s`, so each period says it once.
+
+Replicas share the work: a request is judged under a short claim in Redis, so one replica
+acts on it per period. Redis or NATS away: the round is skipped and logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from shared import lifecycle, subjects
+from shared.bus import Bus
+from shared.messages import Cancel, Stalled
+from shared.state import State
+
+log = logging.getLogger("router.supervisor")
+
+
+class Supervisor:
+    def __init__(self, bus: Bus, state: State, router_id: str, stall_s: float, confirm_s: float):
+        self.bus, self.state, self.id = bus, state, router_id
+        self.stall_s, self.confirm_s = stall_s, confirm_s
+        self.absent_since: dict[str, float] = {}   # gateways seen without a lease, since when
+
+    async def run(self, stop: asyncio.Event, period_s: float) -> None:
+        while not stop.is_set():
+            try:
+                await self.round()
+            except Exception as e:  # noqa: BLE001 - Redis or NATS away: next round
+                log.warning("supervisor round skipped: %s", e)
+            try:
+                await asyncio.wait_for(stop.wait(), period_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def round(self) -> None:
+        alive = {w.worker_id for w in await self.state.workers()}
+        await self.lost_gateways(alive)
+        for rid in await self.state.overdue():
+            if await self.state.claim_supervision(rid, self.id, self.stall_s):
+                await self.judge(rid, alive)
+
+    def gone(self, worker: str, alive: set[str]) -> bool:
+        """Absent from the registry for `confirm_s` (a Redis restarted empty shows everyone
+        absent until their next heartbeat)."""
+        if worker in alive:
+            self.absent_since.pop(worker, None)
+            return False
+        first = self.absent_since.setdefault(worker, time.monotonic())
+        return time.monotonic() - first >= self.confirm_s
+
+    async def lost_gateways(self, alive: set[str]) -> None:
+        for gateway in await self.state.owners():
+            if not self.gone(gateway, alive):
+                continue
+            rids = await self.state.owned(gateway)
+            for rid in rids:
+                await self.bus.publish(subjects.cancel(rid), Cancel(request_id=rid, reason="gateway lost"))
+                self.state.note(rid, "failed", by=self.id, owner=gateway, reason=f"gateway {gateway} lost")
+            await self.state.disown(gateway, rids)
+            if rids:
+                log.warning("gateway %s lost: %d of its requests cancelled", gateway, len(rids))
+
+    async def judge(self, rid: str, alive: set[str]) -> None:
+        s = lifecycle.status(await self.state.events(rid))
+        owner_alive = not s.owner or not self.gone(s.owner, alive)
+        verdict = lifecycle.verdict(s, owner_alive, decode_alive=s.decode in alive)
+        if verdict == "forget":
+            await self.state.forget(rid)
+            return
+        await self.state.postpone(rid, self.stall_s)
+        if verdict == "abandoned":
+            await self.bus.publish(subjects.cancel(rid), Cancel(request_id=rid, reason="gateway lost"))
+            self.state.note(rid, "failed", by=self.id, owner=s.owner, reason=f"gateway {s.owner} lost")
+        elif verdict == "stalled":
+            log.warning("%s: no progress in %s on %s (attempt %d); asking its gateway to move it",
+                        rid, s.phase, s.decode, s.attempt)
+            await self.bus.publish(subjects.events(rid), Stalled(request_id=rid, attempt=s.attempt,
+                                                                 phase=s.phase, worker=s.decode))
+            self.state.note(rid, "stalled", by=self.id, attempt=s.attempt, in_phase=s.phase, worker=s.decode)

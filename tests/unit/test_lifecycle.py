@@ -1,0 +1,53 @@
+"""A request's status from its events, phase deadlines, the supervisor's verdicts, and the
+timeline an operator reads."""
+
+from shared.lifecycle import Event, deadline_s, status, verdict
+from shared.tools.timeline import render
+
+
+def ev(t, event, attempt=0, by="", **fields):
+    return Event(t=t, event=event, attempt=attempt, by=by, **fields)
+
+
+REMOTE = [ev(0.0, "received", by="gw", owner="gw"), ev(0.1, "routed", by="router", decode="d0", prefill="p0"),
+          ev(0.2, "prefilling", by="p0"), ev(1.0, "transferring", by="p0"), ev(1.1, "decoding", by="d0")]
+
+
+def test_status_is_the_furthest_phase_of_the_latest_attempt_whatever_order_the_writes_landed_in():
+    s = status(list(reversed(REMOTE)))
+    assert (s.phase, s.attempt, s.owner, s.decode, s.prefill, s.since) == ("decoding", 0, "gw", "d0", "p0", 1.1)
+    # a failover starts again: routed under attempt 1 outranks attempt 0's decoding
+    moved = REMOTE + [ev(2.0, "failover", attempt=1, by="gw"), ev(2.1, "routed", attempt=1, decode="d1")]
+    s = status(moved)
+    assert (s.phase, s.attempt, s.decode, s.prefill) == ("routed", 1, "d1", "")
+    # a late write of the old attempt does not move it back
+    assert status(moved + [ev(2.2, "decoding", attempt=0, by="d0")]).phase == "routed"
+    assert status(moved + [ev(3.0, "finished", attempt=1)]).phase == "finished"
+
+
+def test_deadlines_allow_the_prompt_before_the_first_token_and_stall_s_between_tokens():
+    assert deadline_s("received", 1000, 30, 50) is None and deadline_s("finished", 10, 30, 50) is None
+    assert deadline_s("routed", 1000, 30, 50) == 30 + 5 + 20
+    assert deadline_s("prefilling", 0, 30, 50) == deadline_s("prefill_local", 0, 30, 50) == 35
+    assert deadline_s("decoding", 1000, 30, 50) == 30
+
+
+def test_verdicts():
+    decoding = status(REMOTE)
+    assert verdict(decoding, owner_alive=True, decode_alive=True) == "stalled"
+    assert verdict(decoding, owner_alive=True, decode_alive=False) == "wait"     # the gateway moves it on the lease
+    assert verdict(decoding, owner_alive=False, decode_alive=True) == "abandoned"
+    assert verdict(status(REMOTE[:1]), owner_alive=True, decode_alive=False) == "wait"   # being placed
+    assert verdict(status(REMOTE + [ev(5, "cancelled")]), owner_alive=False, decode_alive=False) == "forget"
+
+
+def test_the_timeline_lists_every_event_from_the_first_and_the_outcome():
+    text = render("r1", REMOTE + [ev(2.0, "failover", attempt=1, by="gw", why="worker lost"),
+                                  ev(2.1, "routed", attempt=1, by="router", decode="d1", mode="local"),
+                                  ev(2.5, "finished", attempt=1, by="gw", owner="gw", tokens=40)])
+    lines = text.splitlines()
+    assert lines[0] == "request r1: finished after 2.500 s; attempts 2; gateway gw"
+    assert [ln.split()[2] for ln in lines[1:]] == ["received", "routed", "prefilling", "transferring", "decoding",
+                                                   "failover#1", "routed#1", "finished#1"]
+    assert "   +2.000 s" in lines[6] and "why=worker lost" in lines[6] and "decode=d1 mode=local" in lines[7]
+    assert render("r2", []).startswith("request r2: no events")

@@ -1,0 +1,67 @@
+"""The routers' supervisor against real NATS and Redis: a request that stops advancing while
+its workers heartbeat is reported to its gateway once per period; the requests of a gateway
+whose lease is gone are cancelled everywhere and recorded failed; moving and finished
+requests are left alone."""
+
+from __future__ import annotations
+
+import asyncio
+
+from shared.bus import Bus
+from shared.messages import Cancel, Stalled, WorkerInfo
+from shared.state import DEADLINES, State, owned_key
+from services.router.supervisor import Supervisor
+
+
+async def _request(state: State, rid: str, gateway: str, deadline_s: float) -> None:
+    await state.record(rid, "received", by=gateway, owner=gateway)
+    await state.record(rid, "routed", by="router", decode="decode-0", deadline_s=deadline_s)
+    await state.record(rid, "decoding", by="decode-0", deadline_s=deadline_s)
+
+
+def test_stalled_requests_are_reported_and_orphans_cancelled(nats_url, redis_url):
+    async def run():
+        state = State.connect(redis_url)
+        await state.r.flushdb()
+        bus = await Bus.connect(nats_url, "test")
+        heard: list = []
+
+        async def on_cancel(msg):
+            heard.append(Cancel.decode(msg.data))
+
+        async def on_event(msg):
+            heard.append(Stalled.decode(msg.data))
+
+        await bus.subscribe("pd.cancel.*", on_cancel)
+        await bus.subscribe("pd.events.*", on_event)
+        for w in (WorkerInfo(worker_id="gw-a", role="gateway"), WorkerInfo(worker_id="decode-0", role="decode")):
+            await state.heartbeat(w, 60)
+        await _request(state, "stuck", "gw-a", 0.1)      # its worker lives, no token comes
+        await _request(state, "moving", "gw-a", 0.1)     # tokens keep coming (the decode worker pushes it on)
+        await _request(state, "orphan", "gw-b", 30)      # its gateway has no lease
+        await _request(state, "done", "gw-a", 0.1)
+        await state.record("done", "finished", by="gw-a", owner="gw-a")
+        await asyncio.sleep(0.2)
+        await state.progressed(["moving", "done"], 30)   # "done" ended: not put back
+        sup = Supervisor(bus, state, "router-t", stall_s=5.0, confirm_s=0.3)
+        for _ in range(5):
+            await sup.round()
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.2)
+        await bus.nc.flush()
+        stuck_status = (await state.request("stuck"))["phase"]
+        orphan = await state.events("orphan")
+        left = {m.decode() for m in await state.r.zrange(DEADLINES, 0, -1)}
+        owned_b = await state.r.exists(owned_key("gw-b"))
+        await bus.close()
+        await state.close()
+        return heard, stuck_status, orphan, left, owned_b
+
+    heard, stuck_status, orphan, left, owned_b = asyncio.run(run())
+    stalled = [m for m in heard if isinstance(m, Stalled)]
+    cancels = [m for m in heard if isinstance(m, Cancel)]
+    assert stalled == [Stalled(request_id="stuck", attempt=0, phase="decoding", worker="decode-0")]  # once a period
+    assert cancels == [Cancel(request_id="orphan", reason="gateway lost")]
+    assert stuck_status == "stalled"
+    assert orphan[-1].event == "failed" and orphan[-1].fields["reason"] == "gateway gw-b lost"
+    assert left == {"stuck", "moving"} and not owned_b   # stuck: due again after stall_s; orphan and done gone
