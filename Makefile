@@ -25,7 +25,7 @@ run: setup
 
 ## test: the whole suite (unit, engine vs transformers, the stack as real processes)
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=15 tests
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" tests

@@ -120,7 +120,7 @@ class State:
             p.rpush(log_key(request_id), event.model_dump_json())
             p.expire(log_key(request_id), REQUEST_TTL_S)
             p.hset(key, mapping={"phase": phase, f"t_{phase}": f"{now:.6f}", "attempt": str(attempt),
-                                 **{k: str(v) for k, v in fields.items()}})
+                                 **{k: str(v) for k, v in fields.items() if v not in ("", None)}})
             p.expire(key, REQUEST_TTL_S)
             if phase in TERMINAL:
                 p.zrem(DEADLINES, request_id)

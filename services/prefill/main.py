@@ -100,6 +100,10 @@ class PrefillWorker:
             elif self.handoffs:
                 await asyncio.wait(self.handoffs, timeout=0.05)
         keepalive.cancel()
+        try:  # a pull subscription left to the connection's drain holds it for the whole drain timeout
+            await pull.unsubscribe()
+        except Exception as e:  # noqa: BLE001 - NATS away: closing anyway
+            log.debug("pull subscription: %s", e)
         gone.set()
         await beat
         await self.state.deregister(self.id)

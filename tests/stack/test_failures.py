@@ -55,7 +55,7 @@ def test_a_prefill_worker_killed_mid_prompt_costs_its_lease_not_the_request(smol
             time.sleep(0.2)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["token_ids"] == expected
-    assert record["phase"] == "prefill_local" and "prefill worker prefill-0 is gone" in record["reason"], record
+    assert "t_prefill_local" in record and "prefill worker prefill-0 is gone" in record["reason"], record
     assert recovered_s < 20, recovered_s          # the deadline alone would take 30 s before the local prefill
     assert decode["free_blocks"] == decode["total_blocks"], decode
     print(f"prefill worker killed: request done {recovered_s:.1f} s later ({len(prompt)}-token prompt)")
@@ -101,7 +101,7 @@ def test_200_streams_cancelled_at_random_points_leave_no_block_taken(tmp_path):
         def pools():
             infos = [json.loads(store.get(k)) for k in store.keys("pd:worker:*")]
             return {w["worker_id"]: (w["free_blocks"], w["total_blocks"], w["running"], w["waiting"])
-                    for w in infos if w["role"] != "router"}
+                    for w in infos if w["role"] in ("prefill", "decode")}
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and any(f != t or r or w for f, t, r, w in pools().values()):
             time.sleep(0.3)
