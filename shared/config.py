@@ -23,6 +23,8 @@ class Common(BaseSettings):
     heartbeat_s: float = Field(1.0, gt=0, description="worker heartbeat period; the lease is 3x this")
     otlp_endpoint: str | None = Field(None, validation_alias="OTEL_EXPORTER_OTLP_ENDPOINT",
                                       description="OTLP/HTTP collector (Jaeger: http://host:4318)")
+    metrics_port: int = Field(9400, ge=0, description="router and workers: /metrics on this port (0: off); the "
+                              "gateway serves /metrics on its own port")
     stall_s: float = Field(30.0, gt=0, description="a request that does not advance this long (no token while "
                                                    "decoding; past its allowance before the first token) is moved "
                                                    "to another worker (the router's supervisor)")

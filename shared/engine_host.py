@@ -13,14 +13,15 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from shared import metrics
 from shared.engine.block_manager import KVEvent
 from shared.engine.engine import Engine, RequestOutput
 
 
 class EngineHost:
     def __init__(self, engine: Engine, on_kv_events: Callable[[list[KVEvent]], None] | None = None,
-                 fault_hang_after_steps: int = 0):
-        self.engine = engine
+                 fault_hang_after_steps: int = 0, role: str = "engine"):
+        self.engine, self.role = engine, role
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self.wake = asyncio.Event()
         self.on_kv_events = on_kv_events       # the step's prefix-cache changes (prefix index)
@@ -48,6 +49,7 @@ class EngineHost:
             return outputs, self.engine.drain_kv_events(), self.engine.last_pass, time.perf_counter() - start
 
         outputs, events, (was_decode, tokens), elapsed = await self.call(run)
+        metrics.STEP_SECONDS.labels(self.role, "decode" if was_decode else "prefill").observe(elapsed)
         if not was_decode and tokens >= 16 and elapsed > 0:
             rate = tokens / elapsed
             self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else \

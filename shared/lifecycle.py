@@ -53,7 +53,8 @@ class Event(BaseModel):
 
 class Status(BaseModel):
     phase: str = "unknown"
-    attempt: int = 0
+    attempt: int = 0            # the placement the phase belongs to
+    latest_attempt: int = 0     # the newest placement begun (a failover may be on its way)
     since: float = 0.0          # when the phase began
     owner: str = ""             # the gateway with the client
     decode: str = ""            # decode worker of the latest placement
@@ -67,14 +68,13 @@ def status(events: list[Event]) -> Status:
     for e in sorted(events, key=lambda e: e.t):
         f = e.fields
         s.owner = f.get("owner", s.owner)
+        s.latest_attempt = max(s.latest_attempt, e.attempt)
         if e.event in TERMINAL:
             return s.model_copy(update={"phase": e.event, "since": e.t, "attempt": max(s.attempt, e.attempt)})
         if e.event not in RANK:
-            s.attempt = max(s.attempt, e.attempt)
             continue
         if e.attempt > attempt_of_phase or (e.attempt == attempt_of_phase and RANK[e.event] >= RANK[s.phase]):
-            s.phase, s.since, attempt_of_phase = e.event, e.t, e.attempt
-            s.attempt = max(s.attempt, e.attempt)
+            s.phase, s.since, s.attempt, attempt_of_phase = e.event, e.t, e.attempt, e.attempt
             if e.event == "routed":
                 s.decode, s.prefill = f.get("decode", ""), f.get("prefill", "")
     return s
@@ -100,14 +100,14 @@ def verdict(s: Status, owner_alive: bool, decode_alive: bool) -> Verdict:
 
     forget     it has ended (its deadline entry is stale)
     abandoned  its gateway is gone: nobody reads its tokens; cancel it everywhere
-    wait       the gateway is placing it, or its decode worker is gone (the gateway moves it
-               on the lease; no second signal)
+    wait       the gateway is placing it (first or again after a failover), or its decode
+               worker is gone (the gateway moves it on the lease; no second signal)
     stalled    its workers are alive but it does not advance: tell the gateway to move it
     """
     if s.phase in TERMINAL:
         return "forget"
     if s.owner and not owner_alive:
         return "abandoned"
-    if s.phase in ("received", "unknown") or not decode_alive:
+    if s.phase in ("received", "unknown") or s.latest_attempt > s.attempt or not decode_alive:
         return "wait"
     return "stalled"

@@ -7,7 +7,7 @@ from contextlib import AsyncExitStack
 
 import torch
 
-from shared import tracing
+from shared import metrics, tracing
 from shared.config import WorkerSettings
 from shared.kv import Faults, make
 from shared.service import connect, stop_event
@@ -45,6 +45,7 @@ async def serve_worker(role: str, settings: WorkerSettings, worker_cls) -> None:
     """Build the engine, connect NATS, Redis and the UCX transport, run `worker_cls(...).serve`
     until SIGTERM/SIGINT, then unwind in reverse (transport closed, Redis closed, NATS drained)."""
     tracer = tracing.setup(role, settings.otlp_endpoint)
+    metrics.serve(settings.metrics_port)
     engine = build_engine(settings)
     async with AsyncExitStack() as stack:
         stop = stop_event()

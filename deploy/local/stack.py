@@ -74,6 +74,7 @@ class Stack:
         self.log_dir = cfg.log_dir or self.data / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
+        self.metrics_ports: dict[str, int] = {}  # router and workers (the gateway serves /metrics itself)
         self.argv: dict[str, tuple[list[str], dict[str, str] | None]] = {}
         # NATS and Redis take a password made for this run (config files in the private data
         # directory, not on a command line), so nothing else on the host can join the bus
@@ -109,8 +110,16 @@ class Stack:
         return proc
 
     def service(self, name: str, module: str, **env: str) -> subprocess.Popen:
+        if name != "gateway":
+            self.metrics_ports[name] = free_port()
+            env = {**env, "PD_METRICS_PORT": str(self.metrics_ports[name])}
         return self.spawn(name, [sys.executable, "-m", module],
                           {**self.service_env(), **env, **self.cfg.worker_env.get(name, {})})
+
+    def metrics_url(self, name: str) -> str:
+        if name == "gateway":
+            return self.url + "/metrics"
+        return f"http://127.0.0.1:{self.metrics_ports[name]}/metrics"
 
     def start(self, ready_timeout_s: float = 240) -> "Stack":
         c = self.cfg
@@ -225,6 +234,7 @@ def main() -> None:
               f"  curl {stack.url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
               f"    -d '{{\"model\": \"SmolLM2-135M-Instruct\", \"messages\": "
               f"[{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}]}}'\n\n"
+              f"  metrics: {', '.join(stack.metrics_url(n) for n in stack.procs if n not in ('nats', 'redis'))}\n\n"
               "Ctrl-C stops everything.", flush=True)
         while all(p.poll() is None for p in stack.procs.values()):
             time.sleep(0.5)

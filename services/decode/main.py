@@ -35,7 +35,7 @@ from collections import OrderedDict
 from nats.aio.msg import Msg
 from opentelemetry import trace
 
-from shared import subjects
+from shared import metrics, subjects
 from shared.bus import Bus, context_of
 from shared.config import DecodeSettings
 from shared.engine.block_manager import OutOfBlocks
@@ -66,14 +66,14 @@ class DecodeWorker:
         self.id = worker_id(settings, "decode")
         self.prefix = PrefixPublisher(state, self.id, lease_s=3 * settings.heartbeat_s,
                                       snapshot=lambda: self.host.call(engine.cached_hashes))
-        self.host = EngineHost(engine, self.prefix.publish, settings.fault_engine_hang_after_steps)
+        self.host = EngineHost(engine, self.prefix.publish, settings.fault_engine_hang_after_steps, "decode")
         self.spans: dict[str, trace.Span] = {}
         self.receiving: dict[str, asyncio.Task] = {}
         self.inbox = KVInbox(bus, self.id)
         self.draining = False
         self.admitted: OrderedDict[tuple[str, int], AdmitReply] = OrderedDict()  # recent admits: (id, attempt)
         self.attempts: dict[str, int] = {}  # placement number of each request here (engine thread writes)
-        self.decoding: set[str] = set()     # requests that have had a token here
+        self.decoding: dict[str, tuple[float, int]] = {}  # requests with a token here: (when, tokens) at the first
         self.advanced: set[str] = set()     # ... since the last heartbeat (their deadlines move on)
 
     def info(self):
@@ -118,8 +118,8 @@ class DecodeWorker:
             reply = await self.admit(req)
             span.set_attributes({"ok": reply.ok, "reason": reply.reason, "first_block": reply.first_block})
             if reply.ok:
-                self.spans[req.request_id] = self.tracer.start_span("decode.generate", context=parent,
-                                                                    attributes={"request_id": req.request_id})
+                self.spans[req.request_id] = self.tracer.start_span("decode.generate", context=parent, attributes={
+                    "request_id": req.request_id, "attempt": req.attempt, "mode": req.mode, "worker": self.id})
             await self.bus.respond(msg, reply)
 
     async def admit(self, req: AdmitRequest) -> AdmitReply:
@@ -176,6 +176,7 @@ class DecodeWorker:
                 await self.bus.publish(subjects.kv_ack(rid), KVAck(request_id=rid, ok=True))
                 await self.report(req, ok=True)
                 span.set_attribute("ok", True)
+                metrics.KV_RECEIVED.inc(rx.bytes_received)
                 if out.finished:
                     await self.publish([out])
                 self.host.wake.set()
@@ -260,15 +261,23 @@ class DecodeWorker:
             await self.bus.publish(subjects.tokens(rid), TokenChunk.from_output(out))
             self.advanced.add(rid)
             if rid not in self.decoding and not out.finished:  # (an abort's output is no first token)
-                self.decoding.add(rid)
+                self.decoding[rid] = (time.monotonic(), out.num_generated_tokens)
+                if (span := self.spans.get(rid)) is not None:
+                    span.add_event("first_token", {"generated_before": out.num_generated_tokens - 1})
+                if rid in self.attempts:  # prefilled here (local mode, a fallback, a failover)
+                    metrics.PROMPT_TOKENS.labels("decode").inc(out.num_prompt_tokens)
+                    metrics.CACHED_TOKENS.labels("decode").inc(out.num_cached_tokens)
                 self.state.note(rid, "decoding", by=self.id, attempt=self.attempts.get(rid, 0),
                                 prompt_tokens=out.num_prompt_tokens)
-            if out.finished:
-                self.attempts.pop(rid, None)
-                self.decoding.discard(rid)
-            if out.finished and (span := self.spans.pop(out.request_id, None)) is not None:
-                span.set_attributes({"output_tokens": out.num_generated_tokens,
-                                     "finish_reason": out.finish_reason or ""})
+            if not out.finished:
+                continue
+            self.attempts.pop(rid, None)
+            first = self.decoding.pop(rid, None)
+            if (span := self.spans.pop(rid, None)) is not None:
+                span.set_attributes({"output_tokens": out.num_generated_tokens, "finish_reason": out.finish_reason or ""})
+                if first is not None and out.num_generated_tokens > first[1]:  # tokens made here after the first
+                    span.set_attribute("time_per_output_token_ms", round(
+                        1e3 * (time.monotonic() - first[0]) / (out.num_generated_tokens - first[1]), 3))
                 span.end()
 
     async def on_cancel(self, msg: Msg) -> None:
@@ -294,7 +303,7 @@ class DecodeWorker:
             return False
         self.engine.abort(rid)
         self.attempts.pop(rid, None)
-        self.decoding.discard(rid)
+        self.decoding.pop(rid, None)
         return True
 
 

@@ -1,10 +1,12 @@
 """Routes: OpenAI-compatible generation and the model list (API key and rate limit checked
-first), liveness and readiness (open)."""
+first), liveness, readiness and Prometheus metrics (open)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import REGISTRY
+from prometheus_client.exposition import choose_encoder
 
 from services.gateway.deps import GatewayDep, authorize
 from services.gateway.generate import generate
@@ -28,6 +30,13 @@ async def completions(body: CompletionRequest, request: Request, gw: GatewayDep)
 async def models(gw: GatewayDep):
     return {"object": "list", "data": [{"id": gw.settings.model_name, "object": "model", "created": 0,
                                          "owned_by": "pdserve", "max_model_len": gw.model_config.max_position}]}
+
+
+@router.get("/metrics", include_in_schema=False)
+async def metrics(request: Request):
+    """Prometheus text, or OpenMetrics (with trace-id exemplars) when the scraper asks for it."""
+    encode, content_type = choose_encoder(request.headers.get("accept"))
+    return Response(encode(REGISTRY), media_type=content_type)
 
 
 @router.get("/health")

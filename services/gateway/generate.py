@@ -17,6 +17,8 @@ from shared.messages import RouteRequest, TokenChunk
 from services.gateway.deps import Gateway
 from services.gateway.errors import APIError
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from services.gateway.timing import timed
+from shared import tracing
 
 Kind = Literal["chat", "text"]
 
@@ -76,6 +78,7 @@ async def generate(gw: Gateway, request: Request, body: ChatCompletionRequest | 
         raise
     span.set_attributes({"mode": placement.mode or "", "decode_worker": placement.decode_worker or "",
                          "prefill_worker": placement.prefill_worker or ""})
+    chunks = timed(chunks, request.state.arrived, placement.mode or "", tracing.trace_id_hex(span))
     meta = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{rid}", "created": int(time.time()),
             "model": body.model}
     if body.stream:

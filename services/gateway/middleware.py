@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 
 from fastapi.responses import JSONResponse
@@ -19,10 +20,10 @@ class RequestContext:
         self.app, self.tracer, self.max_bytes = app, tracer, max_bytes
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["path"] == "/metrics":  # scrapes: no trace each few seconds
             return await self.app(scope, receive, send)
         request_id = uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
+        scope.setdefault("state", {}).update(request_id=request_id, arrived=time.monotonic())
         name = f"{scope['method']} {scope['path']}"
         with self.tracer.start_as_current_span("gateway.request", kind=trace.SpanKind.SERVER, attributes={
                 "request_id": request_id, "http.route": name}) as span:

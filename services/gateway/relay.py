@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import nats.errors
 from opentelemetry import trace
 
-from shared import subjects
+from shared import metrics, subjects
 from shared.bus import Bus
 from shared.messages import Cancel, RouteReply, RouteRequest, Stalled, TokenChunk
 from services.gateway.errors import APIError
@@ -72,6 +72,7 @@ class Relay:
         except APIError as e:
             await subs.unsubscribe()
             self.note(req.request_id, "failed", by=self.owner, owner=self.owner, reason=e.message)
+            metrics.REQUESTS.labels("failed").inc()
             raise
         return reply, self._ordered(req, reply, queue, subs)
 
@@ -151,6 +152,7 @@ class Relay:
                 await self.bus.publish(subjects.cancel(req.request_id), Cancel(request_id=req.request_id))
             self.note(req.request_id, outcome, by=self.owner, attempt=attempt, owner=self.owner,
                       tokens=len(generated), reason=reason)
+            metrics.REQUESTS.labels(outcome).inc()
 
     async def interrupted(self, item: TokenChunk | Stalled | None, placement: RouteReply, attempt: int,
                           gap: bool, watch: "Watch") -> str:
@@ -191,13 +193,17 @@ class Relay:
         """Place the request again, to continue after `generated` (attempt > 0)."""
         trace.get_current_span().add_event("failover", {"why": why, "decode_worker": lost.decode_worker or "",
                                                         "resumed_after_tokens": len(generated), "attempt": attempt})
+        metrics.FAILOVERS.labels(why.split(" in ")[0]).inc()   # worker lost, stream interrupted, stalled
         self.note(req.request_id, "failover", by=self.owner, attempt=attempt, why=why,
                   lost=lost.decode_worker or "", resumed_after_tokens=len(generated))
         if attempt >= MAX_ATTEMPTS:
             raise APIError(503, f"The request's decode worker was lost {attempt} times; giving up.",
                            code="worker_lost")
         # the client is mid-stream: wait for a place as long as it would wait for a token
-        return await self.place(req.model_copy(update={"attempt": attempt, "resume_token_ids": list(generated)}),
+        # a stalled worker still heartbeats: the router tries the others first
+        avoid = [lost.decode_worker] if why.startswith("stalled") and lost.decode_worker else []
+        return await self.place(req.model_copy(update={"attempt": attempt, "resume_token_ids": list(generated),
+                                                       "avoid_workers": avoid}),
                                 retry_s=max(self.placement_retry_s, self.token_timeout_s))
 
 

@@ -33,7 +33,7 @@ import nats.errors
 from nats.aio.msg import Msg
 from opentelemetry import trace
 
-from shared import subjects
+from shared import metrics, subjects
 from shared.bus import Bus, context_of
 from shared.config import PrefillSettings
 from shared.engine.engine import Engine, RequestOutput
@@ -59,7 +59,7 @@ class PrefillWorker:
         self.id = worker_id(settings, "prefill")
         self.prefix = PrefixPublisher(state, self.id, lease_s=3 * settings.heartbeat_s,
                                       snapshot=lambda: self.host.call(engine.cached_hashes))
-        self.host = EngineHost(engine, self.prefix.publish, settings.fault_engine_hang_after_steps)
+        self.host = EngineHost(engine, self.prefix.publish, settings.fault_engine_hang_after_steps, "prefill")
         self.jobs: dict[str, tuple[PrefillJob, trace.Span]] = {}
         self.kv_spans: dict[str, trace.Span] = {}
         self.sender = KVSender(transport, bus, engine.fingerprint, self.read_blocks, settings.kv_max_attempts,
@@ -67,6 +67,7 @@ class PrefillWorker:
         self.cancelled: set[str] = set()
         self.handoffs: set[asyncio.Task] = set()
         self.in_hand: dict[str, Msg] = {}  # jobs taken and not yet acked
+        self.finishing: dict[str, float] = {}  # when each handoff's last layer was computed
         self.stopping = asyncio.Event()
 
     def info(self):
@@ -183,6 +184,8 @@ class PrefillWorker:
         if out.request_id not in self.jobs:  # cancelled while its last pass ran
             return
         job, span = self.jobs.pop(out.request_id)  # from here the handoff (or nothing) owns it
+        metrics.PROMPT_TOKENS.labels("prefill").inc(out.num_prompt_tokens)
+        metrics.CACHED_TOKENS.labels("prefill").inc(out.num_cached_tokens)
         span.set_attribute("cached_tokens", out.num_cached_tokens)
         span.end()
         await self.bus.publish(subjects.tokens(out.request_id), TokenChunk.from_output(out), ctx=trace.set_span_in_context(span))
@@ -195,6 +198,7 @@ class PrefillWorker:
             return
         self.state.note(out.request_id, "transferring", by=self.id, prompt_tokens=out.num_prompt_tokens,
                         decode=job.decode_worker)
+        self.finishing[out.request_id] = time.monotonic()
         task = asyncio.create_task(self.handoff(job, out.new_token_ids[0]))
         self.handoffs.add(task)
         task.add_done_callback(self.handoffs.discard)
@@ -203,8 +207,10 @@ class PrefillWorker:
         """The lease: the blocks stay until the decode side answers (or time runs out)."""
         rid = job.request_id
         h = self.sender.handoffs[rid]
+        acked = False
         try:
             ack = await self.sender.finish(rid, first_token, self.settings.kv_ack_timeout_s)
+            acked = ack.ok
             if not ack.ok:
                 log.warning("%s: KV handoff ended without the decode side's ack: %s", rid, ack.error)
             self.end_kv_span(rid, acked=ack.ok, error=ack.error, bytes=h.bytes_sent, pieces=h.pieces,
@@ -213,6 +219,11 @@ class PrefillWorker:
             log.warning("%s: KV handoff failed: %s", rid, e)
             self.end_kv_span(rid, acked=False, error=str(e))
         finally:
+            metrics.KV_BYTES.labels(self.transport.name).inc(h.bytes_sent)
+            metrics.KV_RESENT.inc(h.resent_blocks)
+            metrics.KV_SECONDS.observe(time.monotonic() - self.finishing.pop(rid, time.monotonic()))
+            if not acked:
+                metrics.KV_FAILURES.inc()
             await self.host.call(self.engine.free, rid)
             await self.done(rid)
 

@@ -34,7 +34,7 @@ import nats.errors
 from nats.aio.msg import Msg
 from opentelemetry import trace
 
-from shared import subjects, tracing
+from shared import metrics, subjects, tracing
 from shared.bus import Bus, context_of
 from shared.config import RouterSettings
 from shared.hashing import block_hashes
@@ -131,11 +131,13 @@ class Router:
         with self.tracer.start_as_current_span("router.route", context=context_of(msg)) as span:
             span.set_attributes({"request_id": req.request_id, "prompt_tokens": len(req.prompt_token_ids),
                                  "router": self.id, "attempt": req.attempt})
+            start = time.perf_counter()
             try:
                 reply = await self.route(req)
             except Exception as e:  # Redis or NATS trouble: refuse clearly rather than hang the client
                 log.exception("%s: routing failed", req.request_id)
                 reply = RouteReply(request_id=req.request_id, ok=False, reason=f"routing failed: {e}")
+            metrics.ROUTE_SECONDS.observe(time.perf_counter() - start)
             span.set_attributes({"ok": reply.ok, "mode": reply.mode or "", "reason": reply.reason,
                                  "decode_worker": reply.decode_worker or "",
                                  "prefill_worker": reply.prefill_worker or ""})
@@ -182,19 +184,22 @@ class Router:
         ranked = policy.decode_candidates(decodes, blocks, {w: n * block_size for w, (n, _) in cached.items()},
                                           len(prompt), session_worker, self.settings.affinity_slack,
                                           output_blocks=-(-req.sampling.max_tokens // block_size))
+        ranked = sorted(ranked, key=lambda w: w.worker_id in req.avoid_workers)  # stable: avoided ones last
         if chosen_before:  # taking over a placement: the worker already asked first (it may hold the request)
             ranked = [w for w in decodes if w.worker_id == chosen_before] + [
                 w for w in ranked if w.worker_id != chosen_before]
         for decode in ranked:
             if resume:  # failover: the new decode worker rebuilds the KV of prompt + generated itself
-                prefill, mode, reason = None, "local", f"resumed after {len(resume)} tokens (attempt {req.attempt})"
+                prefill, mode, reason, kind = None, "local", f"resumed after {len(resume)} tokens " \
+                                                             f"(attempt {req.attempt})", "resumed"
             else:
-                prefill, mode, reason = self.place_prefill(len(prompt), decode, prefills, cached,
-                                                           cached.get(decode.worker_id, (0, 0))[0] * block_size)
+                prefill, mode, reason, kind = self.place_prefill(len(prompt), decode, prefills, cached,
+                                                                 cached.get(decode.worker_id, (0, 0))[0] * block_size)
             if mode == "remote":
                 admit_ok, retry_after, why_not = policy.within_objective(
                     policy.predicted_prefill_s(prefill, len(prompt)), self.settings.ttft_slo_s)
                 if not admit_ok:
+                    metrics.PLACEMENTS.labels("refused", "ttft_objective").inc()
                     return RouteReply(request_id=rid, ok=False, reason=why_not, retry_after_s=retry_after)
             # counted at once: routes decided while this admit is in flight see the work
             booked = (time.monotonic(), len(prompt) - prefill.cached_tokens) if mode == "remote" else None
@@ -226,21 +231,25 @@ class Router:
             if req.session_id:
                 self.in_background(self.state.set_session_worker(req.session_id, decode.worker_id,
                                                                  self.settings.session_ttl_s))
+            metrics.PLACEMENTS.labels(mode, kind).inc()
             self.state.note(rid, "routed", by=self.id, attempt=req.attempt, prompt_tokens=len(prompt) + len(resume),
                             mode=mode, reason=reason, decode=decode.worker_id, prefill=prefill_id or "")
             return RouteReply(request_id=rid, ok=True, mode=mode, reason=reason, decode_worker=decode.worker_id,
                               prefill_worker=prefill_id)
         reason = "no decode worker is up" if not decodes else "no decode worker has room for this request now"
+        metrics.PLACEMENTS.labels("refused", "no_decode_worker" if not decodes else "no_room").inc()
         return RouteReply(request_id=rid, ok=False, reason=reason)
 
     def place_prefill(self, prompt_tokens: int, decode: WorkerInfo, prefills: list[WorkerInfo],
                       cached: dict[str, tuple[int, int]], decode_cached_tokens: int
-                      ) -> tuple[policy.PrefillCandidate | None, str, str]:
-        """For a prompt bound to `decode`: the prefill worker, local or remote, and why."""
+                      ) -> tuple[policy.PrefillCandidate | None, str, str, str]:
+        """For a prompt bound to `decode`: the prefill worker, local or remote, why, and the
+        kind of reason (a metric label)."""
         now = time.monotonic()
         healthy = [p for p in prefills if self.breaker(p.worker_id, decode.worker_id).allow(now)]
         if prefills and not healthy:  # every path to this decode worker failing: colocated until it heals
-            return None, "local", f"KV paths to {decode.worker_id} failing (breaker open): prefilled there"
+            return None, "local", f"KV paths to {decode.worker_id} failing (breaker open): prefilled there", \
+                "breaker_open"
         candidates = policy.prefill_candidates(healthy, decode.fingerprint, cached, self.recently_sent(),
                                                self.settings.default_prefill_tokens_per_s)
         if self.settings.prefill_policy == "round_robin":
@@ -248,13 +257,17 @@ class Router:
         else:
             prefill, why = policy.choose_prefill_by_cost(candidates, prompt_tokens, self.settings.recompute_weight)
         mode, reason = policy.prefill_mode(prompt_tokens, int(prefill is not None), self.settings.local_prefill_below)
+        kind = ("round_robin" if self.settings.prefill_policy == "round_robin" else
+                "cached_prefix" if prefill.cached_tokens else "least_loaded") if mode == "remote" else \
+            ("no_prefill_worker" if prefill is None else "short_prompt")
         if mode == "remote" and self.settings.prefill_mode == "cost":
             mode, reason = policy.local_or_remote(
                 prompt_tokens, decode_cached_tokens, decode.running,
                 decode.prefill_tokens_per_s or self.settings.default_prefill_tokens_per_s,
                 policy.predicted_prefill_s(prefill, prompt_tokens), self.settings.stall_weight)
-            return prefill, mode, (f"{why}; {reason}" if mode == "remote" else reason)
-        return prefill, mode, (why if mode == "remote" else reason)
+            return prefill, mode, (f"{why}; {reason}" if mode == "remote" else reason), \
+                (kind if mode == "remote" else "cheaper_locally")
+        return prefill, mode, (why if mode == "remote" else reason), kind
 
     async def dispatch(self, prefill_worker: str, job: PrefillJob) -> None:
         try:
@@ -279,6 +292,7 @@ class Router:
 
 async def serve(settings: RouterSettings) -> None:
     tracer = tracing.setup("router", settings.otlp_endpoint)
+    metrics.serve(settings.metrics_port)
     async with AsyncExitStack() as stack:
         stop = stop_event()
         bus, state = await connect(stack, settings, "router")

@@ -20,7 +20,7 @@ import asyncio
 import logging
 import time
 
-from shared import lifecycle, subjects
+from shared import lifecycle, metrics, subjects
 from shared.bus import Bus
 from shared.messages import Cancel, Stalled
 from shared.state import State
@@ -66,6 +66,7 @@ class Supervisor:
             if not self.gone(gateway, alive):
                 continue
             rids = await self.state.owned(gateway)
+            metrics.SUPERVISOR_ACTIONS.labels("abandoned").inc(len(rids))
             for rid in rids:
                 await self.bus.publish(subjects.cancel(rid), Cancel(request_id=rid, reason="gateway lost"))
                 self.state.note(rid, "failed", by=self.id, owner=gateway, reason=f"gateway {gateway} lost")
@@ -81,6 +82,8 @@ class Supervisor:
             await self.state.forget(rid)
             return
         await self.state.postpone(rid, self.stall_s)
+        if verdict in ("abandoned", "stalled"):
+            metrics.SUPERVISOR_ACTIONS.labels(verdict).inc()
         if verdict == "abandoned":
             await self.bus.publish(subjects.cancel(rid), Cancel(request_id=rid, reason="gateway lost"))
             self.state.note(rid, "failed", by=self.id, owner=s.owner, reason=f"gateway {s.owner} lost")

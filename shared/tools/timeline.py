@@ -29,7 +29,7 @@ def render(request_id: str, events: list[Event]) -> str:
     s = lifecycle.status(events)
     t0 = events[0].t
     ended = f"{s.phase} after {events[-1].t - t0:.3f} s" if s.phase in lifecycle.TERMINAL else f"{s.phase} (in flight)"
-    lines = [f"request {request_id}: {ended}; attempts {s.attempt + 1}; gateway {s.owner or '-'}"]
+    lines = [f"request {request_id}: {ended}; attempts {s.latest_attempt + 1}; gateway {s.owner or '-'}"]
     for e in events:
         fields = " ".join(f"{k}={v}" for k, v in e.fields.items() if v not in ("", None))
         attempt = f"#{e.attempt}" if e.attempt else ""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from deploy.local.stack import Stack, StackConfig
-from otlp_receiver import OtlpReceiver
+from shared.tools.otlp_sink import OtlpReceiver
 
 MODEL = "SmolLM2-135M-Instruct"
 

@@ -24,9 +24,10 @@ HANG_AFTER = 24   # engine steps of decode-0: it hangs after ~25 tokens
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def stack(tmp_path_factory, otlp):
     cfg = StackConfig.on_free_ports(prefill=1, decode=2, kv_blocks=512, log_dir=tmp_path_factory.mktemp("logs"),
-                                    env={"PD_HEARTBEAT_S": "0.3", "PD_FAILOVER_CHECK_S": "0.3", "PD_STALL_S": "2"},
+                                    env={"PD_HEARTBEAT_S": "0.3", "PD_FAILOVER_CHECK_S": "0.3", "PD_STALL_S": "2",
+                                         "OTEL_EXPORTER_OTLP_ENDPOINT": otlp.url},
                                     worker_env={"decode-0": {"PD_FAULT_ENGINE_HANG_AFTER_STEPS": str(HANG_AFTER)}})
     with Stack(cfg) as s:
         yield s
@@ -37,7 +38,12 @@ def _blocks(store, worker: str) -> tuple[int, int, int]:
     return info.get("free_blocks", -1), info.get("total_blocks", 0), info.get("running", -1)
 
 
-def test_a_hung_decode_step_is_moved_by_the_supervisor_and_the_stream_stays_exact(stack, smollm2):
+def test_a_hung_decode_step_is_moved_by_the_supervisor_and_the_stream_stays_exact(stack, smollm2, otlp):
+    """decode-0's step hangs after 24 tokens while it heartbeats on: the supervisor sees the
+    request's decoding deadline pass and tells the gateway, which moves it to decode-1 (a
+    local prefill of prompt + 25 tokens). The stream equals the in-process engine's; the
+    timeline and the trace tell the story (failover event, a second route in local mode whose
+    decode.generate has no KV transfer)."""
     messages = [{"role": "user", "content": "Write a short story about a fox and a crow."}]
     tok = smollm2.tokenizer
     prompt = tok.encode(tok.apply_chat_template(messages))
@@ -48,7 +54,7 @@ def test_a_hung_decode_step_is_moved_by_the_supervisor_and_the_stream_stays_exac
     with httpx.Client(base_url=stack.url, timeout=120) as http, http.stream("POST", "/v1/chat/completions", json={
             "model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 40, "ignore_eos": True,
             "stream": True, "return_token_ids": True, "session_id": "hang"}) as r:
-        rid = r.headers["x-request-id"]
+        rid, trace_id = r.headers["x-request-id"], r.headers["x-trace-id"]
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 new = json.loads(line[6:])["choices"][0].get("token_ids") or []
@@ -70,6 +76,18 @@ def test_a_hung_decode_step_is_moved_by_the_supervisor_and_the_stream_stays_exac
     assert "why=stalled in decoding lost=decode-0" in timeline and "decode=decode-1" in timeline
     free, total, running = _blocks(store, survivor)
     assert free == total and running == 0
+    spans = otlp.wait_for(trace_id, {"gateway.request", "router.route", "decode.generate", "prefill.compute"})
+    by_id = {s.span_id: s for s in spans}
+    root = next(s for s in spans if s.name == "gateway.request")
+    failover = [attrs for name, attrs in root.events if name == "failover"]
+    assert failover and failover[0]["why"] == "stalled in decoding" and failover[0]["attempt"] == 1, root.events
+    routes = sorted((s for s in spans if s.name == "router.route"), key=lambda s: s.attributes["attempt"])
+    assert [(r.attributes["attempt"], r.attributes["mode"]) for r in routes] == [(0, "remote"), (1, "local")]
+    assert routes[1].attributes["decode_worker"] == "decode-1"
+    resumed = [s for s in spans if s.name == "decode.generate" and by_id[s.parent_id] is routes[1]]
+    assert len(resumed) == 1 and resumed[0].service == "pdserve-decode"
+    assert not [s for s in spans if s.name == "kv.receive" and s.parent_id == resumed[0].span_id]  # local prefill
+    assert resumed[0].attributes["output_tokens"] == 40
     stall = max(gaps)
     assert 2 <= stall < 10, stall   # stall_s, a supervisor round, the re-prefill (the token timeout is 120 s)
     print(f"hung step on {hung}: stream moved to {survivor}, longest gap {stall:.1f} s\n{timeline}")

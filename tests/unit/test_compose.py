@@ -20,7 +20,10 @@ SETTINGS = {"router": RouterSettings, "gateway": GatewaySettings, "prefill": Pre
 def test_compose_services_and_settings_exist():
     spec = yaml.safe_load(COMPOSE.read_text())
     services = spec["services"]
-    assert {"nats", "redis", "jaeger", *SETTINGS} <= set(services)
+    assert {"nats", "redis", "jaeger", "prometheus", "grafana", *SETTINGS} <= set(services)
+    for name in ("prometheus", "grafana"):   # their mounted configuration is in the repository
+        for volume in services[name]["volumes"]:
+            assert (COMPOSE.parent / volume.split(":")[0]).exists(), volume
     assert "-js" in services["nats"]["command"]
     for name, settings in SETTINGS.items():
         module = services[name]["command"][-1]

@@ -38,6 +38,10 @@ def test_verdicts():
     assert verdict(decoding, owner_alive=True, decode_alive=False) == "wait"     # the gateway moves it on the lease
     assert verdict(decoding, owner_alive=False, decode_alive=True) == "abandoned"
     assert verdict(status(REMOTE[:1]), owner_alive=True, decode_alive=False) == "wait"   # being placed
+    # moved by the gateway, the new placement not yet made: its old phase is no stall of the new one
+    moving = status(REMOTE + [ev(2.0, "failover", attempt=1, by="gw")])
+    assert (moving.phase, moving.attempt, moving.latest_attempt) == ("decoding", 0, 1)
+    assert verdict(moving, owner_alive=True, decode_alive=True) == "wait"
     assert verdict(status(REMOTE + [ev(5, "cancelled")]), owner_alive=False, decode_alive=False) == "forget"
 
 

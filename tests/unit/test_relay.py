@@ -119,3 +119,4 @@ def test_the_supervisors_word_moves_a_stalled_placement_once_and_a_stale_word_is
     assert published == [("pd.cancel.r", Cancel(request_id="r", reason="failover", before_attempt=1))]
     assert [e for e, _ in notes] == ["failover", "finished"]
     assert notes[0][1]["why"] == "stalled in decoding" and notes[1][1]["attempt"] == 1
+    assert routed[0].avoid_workers == ["d0"]   # it still heartbeats: tried last

@@ -1,4 +1,4 @@
-"""An in-process OTLP/HTTP trace receiver for tests: services export to it, tests read spans."""
+"""An in-process OTLP/HTTP trace receiver: services export to it; tests and benchmarks read the spans."""
 
 from __future__ import annotations
 
@@ -21,10 +21,15 @@ class Span:
     attributes: dict
     start_ns: int = 0
     end_ns: int = 0
+    events: tuple = ()          # (name, attributes) of each span event, in order
 
     @property
     def duration_ms(self) -> float:
         return (self.end_ns - self.start_ns) / 1e6
+
+
+def _attributes(kvs) -> dict:
+    return {a.key: getattr(a.value, a.value.WhichOneof("value")) for a in kvs}
 
 
 class OtlpReceiver:
@@ -55,9 +60,9 @@ class OtlpReceiver:
             service = next((a.value.string_value for a in rs.resource.attributes if a.key == "service.name"), "")
             for ss in rs.scope_spans:
                 for s in ss.spans:
-                    attrs = {a.key: getattr(a.value, a.value.WhichOneof("value")) for a in s.attributes}
-                    span = Span(service, s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(), attrs,
-                                s.start_time_unix_nano, s.end_time_unix_nano)
+                    events = tuple((e.name, _attributes(e.attributes)) for e in s.events)
+                    span = Span(service, s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(),
+                                _attributes(s.attributes), s.start_time_unix_nano, s.end_time_unix_nano, events)
                     with self._lock:
                         self.spans.append(span)
 

@@ -1,0 +1,87 @@
+"""Prometheus metrics of every service, in one place: names, labels, buckets.
+
+Each process exports the metrics of its role on `/metrics` (the gateway on its HTTP port;
+router and workers on `PD_METRICS_PORT`, default 9400). Latency histograms carry the
+request's trace id as an exemplar (shown in the OpenMetrics format, which Prometheus asks
+for), so a slow bucket leads to its trace in Jaeger.
+
+Definitions (as vLLM's serving benchmark): time to first token from the request's arrival;
+inter-token latency = the gap before each later chunk of tokens; time per output token =
+(end-to-end − TTFT) / (output tokens − 1).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+from shared.messages import WorkerInfo
+
+log = logging.getLogger(__name__)
+
+LATENCY = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0,
+           20.0, 30.0, 60.0, 120.0)
+TOKEN = (0.001, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.125, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0,
+         5.0)
+
+# -- gateway: each request as its client sees it (mode: remote or local, the last placement's) ---
+TTFT = Histogram("pd_time_to_first_token_seconds", "From the request's arrival to its first token",
+                 ["mode"], buckets=LATENCY)
+ITL = Histogram("pd_inter_token_latency_seconds", "Gap before each token chunk after the first", ["mode"],
+                buckets=TOKEN)
+TPOT = Histogram("pd_time_per_output_token_seconds", "(end-to-end - TTFT) / (output tokens - 1)", ["mode"],
+                 buckets=TOKEN)
+E2E = Histogram("pd_e2e_request_latency_seconds", "From the request's arrival to its last token", ["mode"],
+                buckets=LATENCY)
+REQUESTS = Counter("pd_requests", "Requests by how they ended", ["outcome"])  # finished, failed, cancelled
+OUTPUT_TOKENS = Counter("pd_output_tokens", "Tokens streamed to clients")
+FAILOVERS = Counter("pd_failovers", "Requests moved to another decode worker", ["why"])
+
+# -- router ------------------------------------------------------------------------------------
+PLACEMENTS = Counter("pd_placements", "Placement decisions", ["mode", "reason"])
+ROUTE_SECONDS = Histogram("pd_route_seconds", "Time to place a request (admit included)", buckets=LATENCY)
+SUPERVISOR_ACTIONS = Counter("pd_supervisor_actions", "Requests the supervisor acted on", ["action"])
+
+# -- workers (role: prefill or decode) ------------------------------------------------------------
+KV_BLOCKS = Gauge("pd_kv_blocks", "KV cache blocks", ["role", "state"])              # free, used
+SEQUENCES = Gauge("pd_sequences", "Sequences in the engine", ["role", "state"])      # running, waiting
+QUEUED_TOKENS = Gauge("pd_queued_prompt_tokens", "Prompt tokens waiting to be computed", ["role"])
+STEP_SECONDS = Histogram("pd_engine_step_seconds", "Engine steps", ["role", "kind"], buckets=LATENCY)
+PROMPT_TOKENS = Counter("pd_prompt_tokens", "Prompt tokens prefilled (cached ones included)", ["role"])
+CACHED_TOKENS = Counter("pd_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache", ["role"])
+
+# -- KV transfer (prefill side: sent; decode side: received) -------------------------------------
+KV_BYTES = Counter("pd_kv_transfer_bytes", "KV bytes sent to decode workers", ["transport"])
+KV_SECONDS = Histogram("pd_kv_transfer_seconds", "A handoff's exposed part: from the prefill's last layer to the "
+                       "decode side's ack (earlier layers stream while later ones compute)", buckets=LATENCY)
+KV_FAILURES = Counter("pd_kv_transfer_failures", "Handoffs that ended without the decode side's ack")
+KV_RESENT = Counter("pd_kv_transfer_resent_blocks", "Blocks sent again after a failed checksum")
+KV_RECEIVED = Counter("pd_kv_received_bytes", "KV bytes received and verified")
+
+
+def exemplar(trace_id: str | None) -> dict[str, str] | None:
+    return {"trace_id": trace_id} if trace_id else None
+
+
+def worker(info: WorkerInfo) -> None:
+    """A worker's gauges, from the registry entry it is about to publish."""
+    role = info.role
+    KV_BLOCKS.labels(role, "free").set(info.free_blocks)
+    KV_BLOCKS.labels(role, "used").set(info.total_blocks - info.free_blocks)
+    SEQUENCES.labels(role, "running").set(info.running)
+    SEQUENCES.labels(role, "waiting").set(info.waiting)
+    QUEUED_TOKENS.labels(role).set(info.queued_tokens)
+
+
+def serve(port: int, host: str = "0.0.0.0") -> int:
+    """`/metrics` on its own port (router and workers; the gateway mounts it on its app).
+    Returns the port, 0 when off or taken (logged: metrics are not worth a failed start)."""
+    if not port:
+        return 0
+    try:
+        start_http_server(port, addr=host)
+    except OSError as e:
+        log.warning("metrics not served on %s:%d: %s", host, port, e)
+        return 0
+    return port
