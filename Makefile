@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # CPU build of torch (from the local wheel cache when present); GPU users: TORCH_SPEC=torch
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup run test test-fast bench-engine bench-stack bench-transfer eval-router bench-router chaos gpu-check clean
+.PHONY: setup run test test-fast bench-engine bench-stack bench-transfer eval-router bench-router chaos bench-tracing compose-up compose-down gpu-check clean
 
 setup: $(STAMP)
 
@@ -53,6 +53,19 @@ bench-router: setup
 ## chaos: 100 concurrent requests through kill -9 of a prefill and a decode worker, a NATS and a Redis restart; one summary line each; writes bench/results/chaos.json
 chaos: setup
 	$(BIN)/python -m bench.chaos
+
+## bench-tracing: throughput with tracing on vs off, two stacks side by side; writes bench/results/tracing.json
+bench-tracing: setup
+	$(BIN)/python -m bench.tracing_overhead
+
+## compose-up / compose-down: the Docker Compose stack (NATS, Redis, Jaeger, Prometheus, Grafana, the services)
+COMPOSE := docker compose -f deploy/compose/compose.yaml
+compose-up:
+	$(COMPOSE) up --build -d
+	@echo "gateway :8000  Jaeger :16686  Prometheus :9090  Grafana :3000 (dashboard pdserve)"
+
+compose-down:
+	$(COMPOSE) down
 
 ## gpu-check: Triton kernels and the engine on CUDA (run on a GPU machine)
 gpu-check:

@@ -20,6 +20,8 @@ class Common(BaseSettings):
     model: str = Field("smollm2", description="smollm2, a .gguf path or a safetensors directory")
     model_name: str = Field("SmolLM2-135M-Instruct", description="the id clients ask for")
     log_level: str = "INFO"
+    log_format: Literal["text", "json"] = Field("text", description="json: one object per line, with trace_id "
+                                                "and request_id (text lines carry them too, when in a request)")
     heartbeat_s: float = Field(1.0, gt=0, description="worker heartbeat period; the lease is 3x this")
     otlp_endpoint: str | None = Field(None, validation_alias="OTEL_EXPORTER_OTLP_ENDPOINT",
                                       description="OTLP/HTTP collector (Jaeger: http://host:4318)")

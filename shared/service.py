@@ -11,7 +11,7 @@ import uvloop
 
 from contextlib import AsyncExitStack
 
-from shared import metrics
+from shared import logs, metrics
 from shared.bus import Bus
 from shared.config import Common
 from shared.state import State
@@ -28,9 +28,8 @@ async def connect(stack: AsyncExitStack, settings: Common, name: str) -> tuple[B
     return bus, state
 
 
-def setup_logging(level: str, service: str) -> None:
-    logging.basicConfig(level=level.upper(),
-                        format=f"%(asctime)s %(levelname)s {service} %(name)s: %(message)s")
+def setup_logging(settings: Common, service: str) -> None:
+    logs.setup(settings.log_level, service, settings.log_format)
 
 
 def run(main: Coroutine) -> None:

@@ -309,7 +309,7 @@ class DecodeWorker:
 
 def main() -> None:
     settings = DecodeSettings()
-    setup_logging(settings.log_level, "decode")
+    setup_logging(settings, "decode")
     run(serve_worker("decode", settings, DecodeWorker))
 
 

@@ -91,9 +91,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
 def main() -> None:
     settings = GatewaySettings()
-    setup_logging(settings.log_level, "gateway")
+    setup_logging(settings, "gateway")
     uvicorn.run(create_app(settings), host=settings.gateway_host, port=settings.gateway_port,
-                log_level=settings.log_level.lower(), timeout_graceful_shutdown=30)
+                log_level=settings.log_level.lower(), timeout_graceful_shutdown=30,
+                log_config=None)  # uvicorn's loggers go through ours (trace ids, JSON when asked)
 
 
 if __name__ == "__main__":

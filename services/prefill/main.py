@@ -258,7 +258,7 @@ class PrefillWorker:
 
 def main() -> None:
     settings = PrefillSettings()
-    setup_logging(settings.log_level, "prefill")
+    setup_logging(settings, "prefill")
     run(serve_worker("prefill", settings, PrefillWorker))
 
 

@@ -302,7 +302,7 @@ async def serve(settings: RouterSettings) -> None:
 
 def main() -> None:
     settings = RouterSettings()
-    setup_logging(settings.log_level, "router")
+    setup_logging(settings, "router")
     run(serve(settings))
 
 

@@ -47,15 +47,30 @@ def test_two_prefill_two_decode_serve_20_concurrent_requests(smollm2, tmp_path):
     assert ready["workers"] == {"router": 1, "prefill": 2, "decode": 2}
 
 
-def test_colocated_mode_serves_without_a_prefill_pool(smollm2, tmp_path):
-    cfg = StackConfig.on_free_ports(decode=1, colocated=True, kv_blocks=512, log_dir=tmp_path)
+def test_colocated_mode_serves_without_a_prefill_pool(smollm2, tmp_path, otlp):
+    """No prefill pool: the decode worker prefills. Its trace is the local-prefill path: the
+    route says local, decode.generate has no KV transfer under it, no prefill span exists."""
+    cfg = StackConfig.on_free_ports(decode=1, colocated=True, kv_blocks=512, log_dir=tmp_path,
+                                    env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.url})
     with Stack(cfg) as stack:
         r = httpx.post(stack.url + "/v1/chat/completions", timeout=120, json={
             "model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
             "temperature": 0, "max_tokens": 16, "return_token_ids": True})
         ready = httpx.get(stack.url + "/ready").json()
+        spans = otlp.wait_for(r.headers["x-trace-id"], {"gateway.request", "router.route", "decode.admit",
+                                                        "decode.generate"})
     assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]
     assert ready["ready"] and ready["workers"]["prefill"] == 0
+    by_name = {s.name: s for s in spans}
+    by_id = {s.span_id: s for s in spans}
+    route, generate_ = by_name["router.route"], by_name["decode.generate"]
+    assert route.attributes["mode"] == "local" and route.attributes["decode_worker"] == "decode-0"
+    assert by_id[route.parent_id].service == "pdserve-gateway"
+    assert generate_.parent_id == route.span_id and by_name["decode.admit"].parent_id == route.span_id
+    assert generate_.attributes["mode"] == "local" and generate_.attributes["output_tokens"] == len(
+        r.json()["choices"][0]["token_ids"])
+    assert any(name == "first_token" for name, _ in generate_.events)
+    assert not {"kv.receive", "kv.transfer", "prefill.compute", "prefill.queue"} & set(by_name)
 
 
 def test_a_stalled_prefill_worker_costs_a_deadline_not_the_request(smollm2, tmp_path):
