@@ -213,8 +213,10 @@ class PrefillWorker:
             acked = ack.ok
             if not ack.ok:
                 log.warning("%s: KV handoff ended without the decode side's ack: %s", rid, ack.error)
+            exposed_s = time.monotonic() - self.finishing.get(rid, time.monotonic())
             self.end_kv_span(rid, acked=ack.ok, error=ack.error, bytes=h.bytes_sent, pieces=h.pieces,
-                             resent_blocks=h.resent_blocks, skipped_blocks=job.first_block)
+                             resent_blocks=h.resent_blocks, skipped_blocks=job.first_block,
+                             exposed_ms=round(1e3 * exposed_s, 3))  # last layer computed -> decode side's ack
         except Exception as e:  # the decode side falls back to a local prefill on its deadline
             log.warning("%s: KV handoff failed: %s", rid, e)
             self.end_kv_span(rid, acked=False, error=str(e))

@@ -33,6 +33,7 @@ def test_one_trace_spans_every_service_with_parent_links(client, otlp):
     assert parent("kv.receive") == "decode.generate"
     transfer, receive = spans["kv.transfer"].attributes, spans["kv.receive"].attributes
     assert transfer["bytes"] > 0 and transfer["transport"] == "ucx" and transfer["acked"] is True
+    assert 0 <= transfer["exposed_ms"] < spans["kv.transfer"].duration_ms
     assert receive["bytes"] == transfer["bytes"] and receive["ok"] is True and receive["bad_blocks"] == 0
     assert spans["kv.transfer"].start_ns < spans["prefill.compute"].end_ns
     assert spans["router.route"].attributes["mode"] == "remote"
