@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from nats.aio.msg import Msg
+from opentelemetry import trace
 
 from shared import subjects
 from shared.bus import Bus
@@ -116,6 +117,8 @@ class KVSender:
             await self.cancel(req.request_id, f"cannot re-send: {e}")
             return
         h.resent_blocks += req.num_blocks
+        trace.get_current_span(h.ctx).add_event("resend", {"layer": req.layer, "first_block": req.first_block,
+                                                           "blocks": req.num_blocks, "attempt": req.attempt})
         self._start_send(h, req.layer, req.first_block, data, None, req.attempt)
 
     # -- 3. finish: the lease ------------------------------------------------------------------

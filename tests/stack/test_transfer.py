@@ -128,6 +128,10 @@ def test_every_corrupted_payload_is_caught_and_resent_and_the_output_is_unchange
     assert got["ok"] is True and sent["acked"] is True
     assert got["bad_blocks"] == got["resends"] == LAYERS * passes      # one flipped byte per first send
     assert sent["resent_blocks"] == LAYERS * passes                    # only the bad block goes again
+    transfer = next(s for s in otlp.trace(r.headers["x-trace-id"]) if s.name == "kv.transfer")
+    resends = [attrs for name, attrs in transfer.events if name == "resend"]
+    # a span event per retry (the SDK keeps at most 128 events per span; the counts above are exact)
+    assert len(resends) == min(LAYERS * passes, 128) and {a["blocks"] for a in resends} == {1}
     assert got["bytes"] == sent["bytes"] == (blocks + passes) * LAYERS * BLOCK_NBYTES
 
 
