@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # CPU build of torch (from the local wheel cache when present); GPU users: TORCH_SPEC=torch
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup run test test-fast bench-engine bench-stack bench-transfer eval-router bench-router chaos bench-tracing compose-up compose-down gpu-check clean
+.PHONY: setup run test test-fast bench-engine bench-stack bench-transfer eval-router bench-router chaos bench-tracing bench-interference compose-up compose-down gpu-check clean
 
 setup: $(STAMP)
 
@@ -57,6 +57,10 @@ chaos: setup
 ## bench-tracing: throughput with tracing on vs off, two stacks side by side; writes bench/results/tracing.json
 bench-tracing: setup
 	$(BIN)/python -m bench.tracing_overhead
+
+## bench-interference: victims and aggressors on colocated, chunked and disaggregated arms (same cores); writes bench/results/interference.json
+bench-interference: setup
+	$(BIN)/python -m bench.interference
 
 ## compose-up / compose-down: the Docker Compose stack (NATS, Redis, Jaeger, Prometheus, Grafana, the services)
 COMPOSE := docker compose -f deploy/compose/compose.yaml

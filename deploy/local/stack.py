@@ -61,6 +61,7 @@ class StackConfig:
     log_dir: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
     worker_env: dict[str, dict[str, str]] = field(default_factory=dict)  # by process name, on top of env
+    cpus: dict[str, set[int]] = field(default_factory=dict)  # by process name: CPU affinity (benchmark arms)
 
     @classmethod
     def on_free_ports(cls, **kw) -> "StackConfig":
@@ -104,8 +105,15 @@ class Stack:
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         self.argv[name] = (argv, env)
         log = open(self.log_dir / f"{name}.log", "ab")
+        cpus = self.cfg.cpus.get(name)
+
+        def setup() -> None:
+            _die_with_parent()
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env or self.service_env(),
-                                preexec_fn=_die_with_parent)
+                                preexec_fn=setup)
         self.procs[name] = proc
         return proc
 
