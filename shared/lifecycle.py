@@ -98,16 +98,16 @@ Verdict = Literal["forget", "wait", "stalled", "abandoned"]
 def verdict(s: Status, owner_alive: bool, decode_alive: bool) -> Verdict:
     """What the supervisor does with an overdue request.
 
-    forget     it has ended (its deadline entry is stale)
+    forget     it has ended, or its events are gone (expired): the deadline entry is stale
     abandoned  its gateway is gone: nobody reads its tokens; cancel it everywhere
     wait       the gateway is placing it (first or again after a failover), or its decode
                worker is gone (the gateway moves it on the lease; no second signal)
     stalled    its workers are alive but it does not advance: tell the gateway to move it
     """
-    if s.phase in TERMINAL:
+    if s.phase in TERMINAL or s.phase == "unknown":
         return "forget"
     if s.owner and not owner_alive:
         return "abandoned"
-    if s.phase in ("received", "unknown") or s.latest_attempt > s.attempt or not decode_alive:
+    if s.phase == "received" or s.latest_attempt > s.attempt or not decode_alive:
         return "wait"
     return "stalled"

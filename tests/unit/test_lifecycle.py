@@ -43,6 +43,7 @@ def test_verdicts():
     assert (moving.phase, moving.attempt, moving.latest_attempt) == ("decoding", 0, 1)
     assert verdict(moving, owner_alive=True, decode_alive=True) == "wait"
     assert verdict(status(REMOTE + [ev(5, "cancelled")]), owner_alive=False, decode_alive=False) == "forget"
+    assert verdict(status([]), owner_alive=True, decode_alive=True) == "forget"   # its events expired
 
 
 def test_the_timeline_lists_every_event_from_the_first_and_the_outcome():
