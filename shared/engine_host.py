@@ -49,7 +49,8 @@ class EngineHost:
             return outputs, self.engine.drain_kv_events(), self.engine.last_pass, time.perf_counter() - start
 
         outputs, events, (was_decode, tokens), elapsed = await self.call(run)
-        metrics.STEP_SECONDS.labels(self.role, "decode" if was_decode else "prefill").observe(elapsed)
+        if tokens:  # (a step with nothing schedulable computed nothing)
+            metrics.STEP_SECONDS.labels(self.role, "decode" if was_decode else "prefill").observe(elapsed)
         if not was_decode and tokens >= 16 and elapsed > 0:
             rate = tokens / elapsed
             self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else \

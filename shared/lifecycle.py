@@ -55,6 +55,7 @@ class Status(BaseModel):
     phase: str = "unknown"
     attempt: int = 0            # the placement the phase belongs to
     latest_attempt: int = 0     # the newest placement begun (a failover may be on its way)
+    stalled_attempt: int = -1   # the newest placement the supervisor has reported stalled
     since: float = 0.0          # when the phase began
     owner: str = ""             # the gateway with the client
     decode: str = ""            # decode worker of the latest placement
@@ -69,6 +70,8 @@ def status(events: list[Event]) -> Status:
         f = e.fields
         s.owner = f.get("owner", s.owner)
         s.latest_attempt = max(s.latest_attempt, e.attempt)
+        if e.event == "stalled":
+            s.stalled_attempt = max(s.stalled_attempt, e.attempt)
         if e.event in TERMINAL:
             return s.model_copy(update={"phase": e.event, "since": e.t, "attempt": max(s.attempt, e.attempt)})
         if e.event not in RANK:
@@ -92,7 +95,7 @@ def deadline_s(phase: str, prompt_tokens: int, stall_s: float, min_prefill_token
     return None  # received: the gateway is placing it (and gives up itself); terminal: over
 
 
-Verdict = Literal["forget", "wait", "stalled", "abandoned"]
+Verdict = Literal["forget", "wait", "stalled", "abandoned", "unheeded"]
 
 
 def verdict(s: Status, owner_alive: bool, decode_alive: bool) -> Verdict:
@@ -103,6 +106,8 @@ def verdict(s: Status, owner_alive: bool, decode_alive: bool) -> Verdict:
     wait       the gateway is placing it (first or again after a failover), or its decode
                worker is gone (the gateway moves it on the lease; no second signal)
     stalled    its workers are alive but it does not advance: tell the gateway to move it
+    unheeded   reported stalled before and still not moved: no gateway acts on it (its end
+               was never recorded, or its stream never started) — cancel it everywhere
     """
     if s.phase in TERMINAL or s.phase == "unknown":
         return "forget"
@@ -110,4 +115,4 @@ def verdict(s: Status, owner_alive: bool, decode_alive: bool) -> Verdict:
         return "abandoned"
     if s.phase == "received" or s.latest_attempt > s.attempt or not decode_alive:
         return "wait"
-    return "stalled"
+    return "unheeded" if s.stalled_attempt >= s.attempt else "stalled"

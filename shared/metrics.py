@@ -41,7 +41,8 @@ FAILOVERS = Counter("pd_failovers", "Requests moved to another decode worker", [
 # -- router ------------------------------------------------------------------------------------
 PLACEMENTS = Counter("pd_placements", "Placement decisions", ["mode", "reason"])
 ROUTE_SECONDS = Histogram("pd_route_seconds", "Time to place a request (admit included)", buckets=LATENCY)
-SUPERVISOR_ACTIONS = Counter("pd_supervisor_actions", "Requests the supervisor acted on", ["action"])
+SUPERVISOR_ACTIONS = Counter("pd_supervisor_actions", "Requests the supervisor acted on",
+                             ["action"])  # stalled, abandoned (gateway lost), unheeded (stalled, not moved)
 
 # -- workers (role: prefill or decode) ------------------------------------------------------------
 KV_BLOCKS = Gauge("pd_kv_blocks", "KV cache blocks", ["role", "state"])              # free, used

@@ -50,10 +50,10 @@ async def heartbeat(state: State, info, period_s: float, stop: asyncio.Event) ->
     """Refresh the registry entry (`info()` gives the current one) until stopped; the lease is
     three periods, so a worker that dies vanishes from the registry by itself."""
     while not stop.is_set():
-        entry = info()
-        if entry.role in ("prefill", "decode"):
-            metrics.worker(entry)
         try:
+            entry = info()
+            if entry.role in ("prefill", "decode"):
+                metrics.worker(entry)
             await state.heartbeat(entry, lease_s=3 * period_s)
         except Exception as e:  # Redis down: keep serving, retry next period
             log.warning("heartbeat failed: %s", e)

@@ -27,6 +27,7 @@ from shared.messages import WorkerInfo
 log = logging.getLogger(__name__)
 REQUEST_TTL_S = 24 * 3600
 MAX_CONNECTIONS = 64  # per process
+MAX_PENDING_WRITES = 1000  # request events waiting for Redis; beyond: dropped (counted in the log)
 OVER = ("prefill_local",)  # phases after which a request's prefill job has nothing left to do
 
 
@@ -43,6 +44,7 @@ def log_key(request_id: str) -> str:
 
 
 DEADLINES = "pd:deadlines"
+GATEWAYS = "pd:gateways"   # gateways that have filed requests (the supervisor's list to check)
 
 
 def owned_key(gateway_id: str) -> str:
@@ -62,6 +64,7 @@ class State:
         self.r = r
         self.stall_s, self.min_prefill_tokens_per_s = stall_s, min_prefill_tokens_per_s  # phase deadlines
         self._writes: set[asyncio.Task] = set()
+        self.dropped = 0
 
     @classmethod
     def connect(cls, url: str, stall_s: float = 30.0, min_prefill_tokens_per_s: float = 50.0) -> "State":
@@ -98,6 +101,11 @@ class State:
              **fields: str | int) -> None:
         """`record` in the background, its deadline from the phase: the caller never waits on
         Redis (a Redis away costs the request's history, logged, not its progress)."""
+        if len(self._writes) >= MAX_PENDING_WRITES:  # Redis slow or away: keep the pool for the request path
+            self.dropped += 1
+            if self.dropped % 1000 == 1:
+                log.warning("request state: %d events dropped (Redis not keeping up)", self.dropped)
+            return
         limit = deadline_s(phase, prompt_tokens, self.stall_s, self.min_prefill_tokens_per_s)
         task = asyncio.create_task(self.record(request_id, phase, by, attempt, limit, **fields))
         self._writes.add(task)
@@ -130,6 +138,7 @@ class State:
                 p.zadd(DEADLINES, {request_id: now + deadline_s})
             if phase == "received" and fields.get("owner"):
                 p.sadd(owned_key(str(fields["owner"])), request_id)
+                p.sadd(GATEWAYS, str(fields["owner"]))
             await p.execute()
 
     async def request(self, request_id: str) -> dict[str, str]:
@@ -149,7 +158,7 @@ class State:
         return [r.decode() for r in await self.r.zrangebyscore(DEADLINES, "-inf", time.time(), start=0, num=limit)]
 
     async def postpone(self, request_id: str, deadline_s: float) -> None:
-        await self.r.zadd(DEADLINES, {request_id: time.time() + deadline_s}, xx=True)
+        await self.r.zadd(DEADLINES, {request_id: time.time() + deadline_s}, xx=True, gt=True)
 
     async def forget(self, request_id: str) -> None:
         await self.r.zrem(DEADLINES, request_id)
@@ -160,15 +169,16 @@ class State:
                                      px=int(lease_s * 1000)))
 
     async def owners(self) -> list[str]:
-        """Gateways with requests filed under them."""
-        return [k.decode().split(":", 2)[2] async for k in self.r.scan_iter(match=owned_key("*"), count=100)]
+        """Gateways that have filed requests."""
+        return [g.decode() for g in await self.r.smembers(GATEWAYS)]
 
-    async def owned(self, gateway_id: str) -> list[str]:
-        return [r.decode() for r in await self.r.smembers(owned_key(gateway_id))]
-
-    async def disown(self, gateway_id: str, request_ids: list[str]) -> None:
-        if request_ids:
-            await self.r.srem(owned_key(gateway_id), *request_ids)
+    async def take_owned(self, gateway_id: str, count: int = 1000) -> list[str]:
+        """Remove and return requests filed under a gateway (SPOP: replicas get disjoint ones);
+        the gateway leaves the list once it has none."""
+        taken = [r.decode() for r in await self.r.spop(owned_key(gateway_id), count) or []]
+        if not taken:
+            await self.r.srem(GATEWAYS, gateway_id)
+        return taken
 
     # -- sessions --------------------------------------------------------------------------
     async def session_worker(self, session_id: str | None) -> str | None:

@@ -259,6 +259,8 @@ class DecodeWorker:
             if not out.finished and rid not in self.engine.seqs:  # cancelled since its step ran
                 continue
             await self.bus.publish(subjects.tokens(rid), TokenChunk.from_output(out))
+            if not out.finished and rid not in self.engine.seqs:  # cancelled while it was published
+                continue
             self.advanced.add(rid)
             if rid not in self.decoding and not out.finished:  # (an abort's output is no first token)
                 self.decoding[rid] = (time.monotonic(), out.num_generated_tokens)

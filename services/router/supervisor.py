@@ -8,7 +8,8 @@ whose gateway is gone. One round every `supervise_s`:
    its workers' leases; lifecycle.verdict decides. Stalled (workers alive, no progress: a
    hung step, a job that never ran) → a `Stalled` word on `pd.events.<rid>` to the gateway
    holding the stream, which moves the request as from a lost worker. The deadline moves on
-   by `stall_s`, so each period says it once.
+   by `stall_s`, so each period says it once; a second period with no move (nobody acted on
+   the word) → cancelled everywhere and recorded failed.
 
 Replicas share the work: a request is judged under a short claim in Redis, so one replica
 acts on it per period. Redis or NATS away: the round is skipped and logged.
@@ -65,12 +66,13 @@ class Supervisor:
         for gateway in await self.state.owners():
             if not self.gone(gateway, alive):
                 continue
-            rids = await self.state.owned(gateway)
+            rids = await self.state.take_owned(gateway)   # replicas split them (SPOP)
+            if not rids:
+                self.absent_since.pop(gateway, None)
             metrics.SUPERVISOR_ACTIONS.labels("abandoned").inc(len(rids))
             for rid in rids:
                 await self.bus.publish(subjects.cancel(rid), Cancel(request_id=rid, reason="gateway lost"))
                 self.state.note(rid, "failed", by=self.id, owner=gateway, reason=f"gateway {gateway} lost")
-            await self.state.disown(gateway, rids)
             if rids:
                 log.warning("gateway %s lost: %d of its requests cancelled", gateway, len(rids))
 
@@ -82,11 +84,12 @@ class Supervisor:
             await self.state.forget(rid)
             return
         await self.state.postpone(rid, self.stall_s)
-        if verdict in ("abandoned", "stalled"):
+        if verdict in ("abandoned", "stalled", "unheeded"):
             metrics.SUPERVISOR_ACTIONS.labels(verdict).inc()
-        if verdict == "abandoned":
-            await self.bus.publish(subjects.cancel(rid), Cancel(request_id=rid, reason="gateway lost"))
-            self.state.note(rid, "failed", by=self.id, owner=s.owner, reason=f"gateway {s.owner} lost")
+        if verdict in ("abandoned", "unheeded"):
+            why = f"gateway {s.owner} lost" if verdict == "abandoned" else f"stalled in {s.phase}, not moved"
+            await self.bus.publish(subjects.cancel(rid), Cancel(request_id=rid, reason=why))
+            self.state.note(rid, "failed", by=self.id, owner=s.owner, reason=why)
         elif verdict == "stalled":
             log.warning("%s: no progress in %s on %s (attempt %d); asking its gateway to move it",
                         rid, s.phase, s.decode, s.attempt)

@@ -123,6 +123,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         if sched is None:
+            self.last_pass = (False, 0)
             return []
         self.last_pass = (sched.is_decode, sum(n for _, n in sched.chunks))
         logits = self.runner.run(sched, self._hook_for(sched))

@@ -44,6 +44,10 @@ def test_verdicts():
     assert verdict(moving, owner_alive=True, decode_alive=True) == "wait"
     assert verdict(status(REMOTE + [ev(5, "cancelled")]), owner_alive=False, decode_alive=False) == "forget"
     assert verdict(status([]), owner_alive=True, decode_alive=True) == "forget"   # its events expired
+    # reported stalled a period ago and not moved since: nobody acts on the word
+    assert verdict(status(REMOTE + [ev(3, "stalled", by="router")]), owner_alive=True, decode_alive=True) == "unheeded"
+    moved = REMOTE + [ev(3, "stalled"), ev(3.1, "failover", attempt=1), ev(3.2, "routed", attempt=1, decode="d1")]
+    assert verdict(status(moved), owner_alive=True, decode_alive=True) == "stalled"   # the new placement's first
 
 
 def test_the_timeline_lists_every_event_from_the_first_and_the_outcome():

@@ -9,7 +9,7 @@ import asyncio
 
 from shared.bus import Bus
 from shared.messages import Cancel, Stalled, WorkerInfo
-from shared.state import DEADLINES, State, owned_key
+from shared.state import DEADLINES, GATEWAYS, State, owned_key
 from services.router.supervisor import Supervisor
 
 
@@ -40,11 +40,13 @@ def test_stalled_requests_are_reported_and_orphans_cancelled(nats_url, redis_url
         await _request(state, "moving", "gw-a", 0.1)     # tokens keep coming (the decode worker pushes it on)
         await _request(state, "orphan", "gw-b", 30)      # its gateway has no lease
         await _request(state, "done", "gw-a", 0.1)
+        await _request(state, "unheeded", "gw-a", 0.1)   # reported once already; its gateway did nothing
+        await state.record("unheeded", "stalled", by="router", in_phase="decoding")
         await state.record("done", "finished", by="gw-a", owner="gw-a")
         await asyncio.sleep(0.2)
         await state.progressed(["moving", "done"], 30)   # "done" ended: not put back
         sup = Supervisor(bus, state, "router-t", stall_s=5.0, confirm_s=0.3)
-        for _ in range(5):
+        for _ in range(8):   # gw-b: seen gone, confirmed 0.3 s later, its requests taken, then its empty set
             await sup.round()
             await asyncio.sleep(0.1)
         await asyncio.sleep(0.2)
@@ -53,15 +55,20 @@ def test_stalled_requests_are_reported_and_orphans_cancelled(nats_url, redis_url
         orphan = await state.events("orphan")
         left = {m.decode() for m in await state.r.zrange(DEADLINES, 0, -1)}
         owned_b = await state.r.exists(owned_key("gw-b"))
+        gateways = {g.decode() for g in await state.r.smembers(GATEWAYS)}
+        unheeded = await state.events("unheeded")
         await bus.close()
         await state.close()
-        return heard, stuck_status, orphan, left, owned_b
+        return heard, stuck_status, orphan, left, owned_b, gateways, unheeded
 
-    heard, stuck_status, orphan, left, owned_b = asyncio.run(run())
+    heard, stuck_status, orphan, left, owned_b, gateways, unheeded = asyncio.run(run())
     stalled = [m for m in heard if isinstance(m, Stalled)]
     cancels = [m for m in heard if isinstance(m, Cancel)]
     assert stalled == [Stalled(request_id="stuck", attempt=0, phase="decoding", worker="decode-0")]  # once a period
-    assert cancels == [Cancel(request_id="orphan", reason="gateway lost")]
+    assert sorted(cancels, key=lambda c: c.request_id) == [
+        Cancel(request_id="orphan", reason="gateway lost"),
+        Cancel(request_id="unheeded", reason="stalled in decoding, not moved")]
+    assert unheeded[-1].event == "failed" and gateways == {"gw-a"}   # gw-b left the list once emptied
     assert stuck_status == "stalled"
     assert orphan[-1].event == "failed" and orphan[-1].fields["reason"] == "gateway gw-b lost"
     assert left == {"stuck", "moving"} and not owned_b   # stuck: due again after stall_s; orphan and done gone
