@@ -6,6 +6,7 @@
     pd:req:<id>:log  list: the request's events in order of arrival (shared/lifecycle.py)
     pd:deadlines     sorted set: requests in flight, scored by when their phase is overdue
     pd:owned:<gw>    set: requests whose client is connected to gateway <gw>
+    pd:gateways      set: gateways with requests filed (what the supervisor checks)
     pd:session:<id>  the decode worker of a conversation's last turn (expires when idle)
     pd:route:<id>    hash: a request's placement as it is decided — its decode worker, then the
                      router's reply (router replicas answer a repeated request from it)
