@@ -108,6 +108,8 @@ class State:
                 log.warning("request state: %d events dropped (Redis not keeping up)", self.dropped)
             return
         limit = deadline_s(phase, prompt_tokens, self.stall_s, self.min_prefill_tokens_per_s)
+        if prompt_tokens:
+            fields["prompt_tokens"] = prompt_tokens
         task = asyncio.create_task(self.record(request_id, phase, by, attempt, limit, **fields))
         self._writes.add(task)
         task.add_done_callback(self._written)

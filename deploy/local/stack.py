@@ -242,7 +242,8 @@ def main() -> None:
               f"  curl {stack.url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
               f"    -d '{{\"model\": \"SmolLM2-135M-Instruct\", \"messages\": "
               f"[{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}]}}'\n\n"
-              f"  metrics: {', '.join(stack.metrics_url(n) for n in stack.procs if n not in ('nats', 'redis'))}\n\n"
+              f"  metrics: {', '.join(f'{n} {stack.metrics_url(n)}' for n in stack.procs if n not in ('nats', 'redis'))}"
+              "\n\n"
               "Ctrl-C stops everything.", flush=True)
         while all(p.poll() is None for p in stack.procs.values()):
             time.sleep(0.5)
