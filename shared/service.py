@@ -23,7 +23,7 @@ async def connect(stack: AsyncExitStack, settings: Common, name: str) -> tuple[B
     """NATS and Redis for a service, closed (NATS drained) when `stack` unwinds."""
     bus = await Bus.connect(settings.nats_url, name=name)
     stack.push_async_callback(bus.close)
-    state = State.connect(settings.redis_url, settings.stall_s, settings.stall_min_prefill_tokens_per_s)
+    state = State.for_service(settings)
     stack.push_async_callback(state.close)
     return bus, state
 

@@ -74,6 +74,11 @@ class State:
                                                         socket_timeout=5, socket_connect_timeout=5)
         return cls(aioredis.Redis(connection_pool=pool), stall_s, min_prefill_tokens_per_s)
 
+    @classmethod
+    def for_service(cls, settings) -> "State":
+        """The store for a service: its URL and its phase-deadline settings (shared/config.Common)."""
+        return cls.connect(settings.redis_url, settings.stall_s, settings.stall_min_prefill_tokens_per_s)
+
     async def close(self) -> None:
         if self._writes:
             await asyncio.wait(list(self._writes), timeout=2)

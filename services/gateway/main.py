@@ -54,7 +54,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         if tokenizer is None:
             raise RuntimeError(f"model {settings.model!r} has no tokenizer; the gateway needs one")
         bus = await Bus.connect(settings.nats_url, name="gateway")
-        state = State.connect(settings.redis_url, settings.stall_s, settings.stall_min_prefill_tokens_per_s)
+        state = State.for_service(settings)
         me = WorkerInfo(worker_id=settings.gateway_id or f"gateway-{uuid.uuid4().hex[:8]}", role="gateway")
         app.state.gateway = Gateway(settings, bus, state, tokenizer, model_config,
                                     Relay(bus, settings.route_timeout_s, settings.token_timeout_s, state.alive,
