@@ -22,7 +22,10 @@ per scenario:
 
     chaos: requests=N lost=0 mismatched=0 leaked_blocks=0 scenario=... recovery_s=... extra_s=...
 
-Exit status 1 if any scenario lost, mismatched or leaked; writes bench/results/chaos.json.
+A fault must cost only the process it hit: any other process found dead afterwards is
+reported (`collateral`, with its exit status) and started again. Exit status 1 if any
+scenario lost, mismatched, leaked or took another process with it; writes
+bench/results/chaos.json.
 """
 
 from __future__ import annotations
@@ -152,11 +155,16 @@ async def scenario_run(stack: Stack, scenario: str, requests, reference: list[Ou
     waits = [next(t - fault_at for t in o.times if t > fault_at) for o in outcomes
              if o.times and o.times[0] <= fault_at < o.times[-1]]
     survivors = {w for w in ("prefill-0", "prefill-1", "decode-0", "decode-1") if w != victim}
+    # a fault must cost only the process it hit: any other that died with it is a failure
+    collateral = {n: p.returncode for n, p in stack.procs.items() if n != victim and p.poll() is not None}
+    for name in collateral:   # back, so that the next scenario starts whole
+        stack.restart(name)
     taken = await asyncio.to_thread(settle, stack, survivors)
     if victim not in ("nats", "redis"):   # back for the next scenario
         stack.restart(victim)
         await asyncio.to_thread(settle, stack, survivors | {victim}, 120)
-    return {"scenario": scenario, "victim": victim, "requests": len(requests), "lost": len(lost),
+    return {"scenario": scenario, "victim": victim, "collateral": collateral, "requests": len(requests),
+            "lost": len(lost),
             "mismatched": len(mismatched), "leaked_blocks": sum(max(0, n) for n in taken.values()),
             "recovery_s": round(max(waits, default=0.0), 2), "extra_s": round(took - reference_s, 2),
             "streams_in_flight": len(waits), "lost_errors": [outcomes[i].error for i in lost][:5],
@@ -183,6 +191,8 @@ async def main_async(args) -> list[dict]:
             print(f"chaos: requests={r['requests']} lost={r['lost']} mismatched={r['mismatched']} "
                   f"leaked_blocks={r['leaked_blocks']} scenario={scenario} recovery_s={r['recovery_s']} "
                   f"extra_s={r['extra_s']} (load without faults: {reference_s:.1f} s)", flush=True)
+            if r["collateral"] or r["lost"]:
+                print(f"  also died (exit status): {r['collateral'] or 'none'}; errors: {r['lost_errors']}", flush=True)
     return results
 
 
@@ -200,7 +210,7 @@ def main() -> None:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"config": vars(args), "scenarios": results}, indent=2))
     print(f"wrote {RESULTS}")
-    sys.exit(1 if any(r["lost"] or r["mismatched"] or r["leaked_blocks"] for r in results) else 0)
+    sys.exit(1 if any(r["lost"] or r["mismatched"] or r["leaked_blocks"] or r["collateral"] for r in results) else 0)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,11 @@ Payloads from 64 KiB to 256 MiB (`--quick`: to 16 MiB) plus the real per-layer K
 requests (fp32), each sent REPS times after a warm-up, timed until the receiver confirms it
 holds the last byte:
   memcpy      numpy copy in one process (the limit)
-  ucx_local   what the services use: ucxx, worker-address endpoint, no endpoint error
-              handling, "thread" progress
+  ucx_peer    what the services use: ucxx, worker-address endpoint with UCX peer-failure
+              handling (so TCP, not shared memory, on one host), "thread" progress, the
+              services' TCP segment settings
+  ucx_local   the same without endpoint error handling (PD_UCX_ERROR_HANDLING=false): shared
+              memory on one host, but a sender killed mid-transfer can crash the receiver
   ucx_polling the same with "polling" progress: faster, but it spins a core in each process
               after the first transfer, so the services do not use it
   ucx_tcp     UCX_TLS=tcp,self with the services' TCP segment settings (the path to another host)
@@ -135,13 +138,14 @@ def bench_memcpy(sizes):
     return out
 
 
-def bench_ucx(sizes, env: dict[str, str], window: int = 1, progress: str = "thread"):
+def bench_ucx(sizes, env: dict[str, str], window: int = 1, progress: str = "thread", error_handling: bool = False):
     """Sender and receiver each in a fresh process, so UCX_TLS applies to both; `window`
     messages in flight at a time; ucxx `progress` mode ("thread": the services' default)."""
     ctx = mp.get_context("spawn")
     addr_q, done_q, result_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
     procs = [ctx.Process(target=_ucx_receiver, args=(sizes, addr_q, done_q, env, window, progress)),
-             ctx.Process(target=_ucx_sender, args=(sizes, addr_q, done_q, result_q, env, window, progress))]
+             ctx.Process(target=_ucx_sender, args=(sizes, addr_q, done_q, result_q, env, window, progress,
+                                                   error_handling))]
     for p in procs:
         p.start()
     out = result_q.get(timeout=900)
@@ -150,12 +154,12 @@ def bench_ucx(sizes, env: dict[str, str], window: int = 1, progress: str = "thre
     return out
 
 
-async def _ucx_send(sizes, address, done_q, window, progress):
+async def _ucx_send(sizes, address, done_q, window, progress, error_handling):
     import ucxx
 
     ucxx.init(progress_mode=progress)
     ep = await ucxx.create_endpoint_from_worker_address(ucxx.get_ucx_address_from_buffer(address),
-                                                        endpoint_error_handling=False)
+                                                        endpoint_error_handling=error_handling)
     out, tag = {}, 0
     loop = asyncio.get_running_loop()
     for size in sizes:
@@ -173,9 +177,9 @@ async def _ucx_send(sizes, address, done_q, window, progress):
     return out
 
 
-def _ucx_sender(sizes, addr_q, done_q, result_q, env, window, progress):
+def _ucx_sender(sizes, addr_q, done_q, result_q, env, window, progress, error_handling):
     os.environ.update(env)
-    result_q.put(asyncio.run(_ucx_send(sizes, addr_q.get(timeout=60), done_q, window, progress)))
+    result_q.put(asyncio.run(_ucx_send(sizes, addr_q.get(timeout=60), done_q, window, progress, error_handling)))
 
 
 def bench_socket(sizes):
@@ -242,7 +246,8 @@ def main() -> None:
     from bench.kv_int8_quality import int8_quality
     from shared.kv.ucx import TCP_DEFAULTS
 
-    results = {"memcpy": bench_memcpy(sizes), "ucx_local": bench_ucx(sizes, {}),
+    results = {"memcpy": bench_memcpy(sizes), "ucx_peer": bench_ucx(sizes, TCP_DEFAULTS, error_handling=True),
+               "ucx_local": bench_ucx(sizes, {}),
                "ucx_polling": bench_ucx(sizes, {}, progress="polling"),
                "ucx_tcp": bench_ucx(sizes, {"UCX_TLS": "tcp,self", **TCP_DEFAULTS}), "socket": bench_socket(sizes),
                "nats": bench_nats(sizes)}
@@ -255,7 +260,7 @@ def main() -> None:
     ratio = lambda name: statistics.median(results[name][s] for s in big) / memcpy  # noqa: E731
     summary = {"memcpy_gbps": memcpy,
                "ucx_local_gbps_1mib_plus": min(results["ucx_local"][s] for s in big),
-               "ucx_local_over_memcpy": ratio("ucx_local"), "ucx_polling_over_memcpy": ratio("ucx_polling"),
+               "ucx_peer_over_memcpy": ratio("ucx_peer"), "ucx_local_over_memcpy": ratio("ucx_local"), "ucx_polling_over_memcpy": ratio("ucx_polling"),
                "ucx_tcp_over_memcpy": ratio("ucx_tcp"),
                "socket_over_memcpy": ratio("socket"), "nats_over_memcpy": ratio("nats"),
                "exposed_transfer_fraction_1k": exposed["exposed_transfer_fraction_1k"],

@@ -96,6 +96,8 @@ class WorkerSettings(Common):
     threads: int = Field(0, ge=0, description="torch threads (0: torch's default)")
     ucx_progress_mode: Literal["blocking", "polling", "thread", "thread-polling"] = Field(
         "thread", description="ucxx progress; blocking/polling are faster per transfer but spin a core after one")
+    ucx_error_handling: bool = Field(True, description="UCX peer-failure handling on KV endpoints (off: shared "
+                                     "memory on one host, but a sender killed mid-transfer can crash receivers)")
     kv_max_attempts: int = Field(3, ge=1, description="sends of a KV block that fails its checksum, then "
                                  "the decode worker prefills locally")
     kv_fault_corrupt_rate: float = Field(0.0, ge=0, le=1, description="fault injection: fraction of KV "

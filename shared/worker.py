@@ -52,7 +52,7 @@ async def serve_worker(role: str, settings: WorkerSettings, worker_cls) -> None:
         bus, state = await connect(stack, settings, role)
         transport = make("ucx", settings.ucx_progress_mode,
                          Faults(settings.kv_fault_corrupt_rate, settings.kv_fault_corrupt_attempts,
-                                settings.kv_fault_delay_s))
+                                settings.kv_fault_delay_s), settings.ucx_error_handling)
         stack.push_async_callback(transport.close)
         await worker_cls(settings, engine, bus, state, transport, tracer).serve(stop)
     tracing.shutdown()

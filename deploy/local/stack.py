@@ -28,10 +28,19 @@ from pathlib import Path
 BIN = Path(sys.executable).parent
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now and never handed out before by this process (the OS may offer a port
+    it just offered again; two services of one stack must not get the same one)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def _die_with_parent() -> None:
@@ -184,7 +193,7 @@ class Stack:
                     workers = json.loads(r.read()).get("workers", {})
                     if r.status == 200 and all(workers.get(k, 0) >= n for k, n in want.items()):
                         return
-            except OSError:
+            except (OSError, ValueError):   # not up yet (or not the gateway on that port)
                 pass
             time.sleep(0.2)
         raise TimeoutError(f"stack not ready after {timeout_s} s; logs in {self.log_dir}")

@@ -87,11 +87,12 @@ class KVTransport(abc.ABC):
         return None
 
 
-def make(name: str, ucx_progress_mode: str = "thread", faults: Faults | None = None) -> KVTransport:
+def make(name: str, ucx_progress_mode: str = "thread", faults: Faults | None = None,
+         ucx_error_handling: bool = True) -> KVTransport:
     if name == "ucx":
         from shared.kv.ucx import UcxTransport
 
-        return UcxTransport(ucx_progress_mode, faults)
+        return UcxTransport(ucx_progress_mode, faults, ucx_error_handling)
     if name == "fake":
         from shared.kv.fake import FakeTransport
 

@@ -1,8 +1,15 @@
 """KV transport over UCX (ucxx): tagged messages between worker addresses.
 
-Endpoints are made from the peer's exchanged worker address, without UCX endpoint error
-handling: that is the path that reaches shared-memory speed on one host. Peer failure is
-detected by the application's deadlines and leases instead.
+Endpoints are made from the peer's exchanged worker address with UCX's peer-failure handling
+(`error_handling`, the default): a peer killed mid-transfer fails that transfer on this side
+with an error, and nothing else. UCX then uses transports that can detect a dead peer (TCP,
+RDMA), not shared memory.
+
+Without it UCX picks shared memory between processes on one host (faster for payloads of
+4 MiB and up: `make bench-transfer`), but a sender killed while several rendezvous
+transfers to a receiver are in flight crashes the receiver (SIGSEGV in
+ucp_proto_rndv_send_reply, UCX 1.21; reproduced by tests/unit/test_ucx_peer_failure.py):
+one dead prefill worker would take down every decode worker it was sending to.
 """
 
 from __future__ import annotations
@@ -25,8 +32,10 @@ TCP_DEFAULTS = {"UCX_TCP_TX_SEG_SIZE": "512k", "UCX_TCP_RX_SEG_SIZE": "512k",
 class UcxTransport(KVTransport):
     name = "ucx"
 
-    def __init__(self, progress_mode: str = "thread", faults: Faults | None = None) -> None:
+    def __init__(self, progress_mode: str = "thread", faults: Faults | None = None,
+                 error_handling: bool = True) -> None:
         super().__init__(faults)
+        self.error_handling = error_handling
         # Measured here, 64 MiB between two processes: "blocking" and "polling" reach 17-18
         # GB/s but then keep both processes at ~100% CPU after a transfer; "thread" reaches
         # 8.5 GB/s and idles at ~2% (it spins only while a receive is posted).
@@ -47,9 +56,7 @@ class UcxTransport(KVTransport):
         ep = self._endpoints.get(peer)
         if ep is None:
             addr = ucxx.get_ucx_address_from_buffer(bytes.fromhex(peer))
-            # no UCX endpoint error handling: with it UCX leaves shared memory for TCP
-            # (measured 1.1 GB/s vs 17-18 GB/s for 64 MiB on one host)
-            ep = await ucxx.create_endpoint_from_worker_address(addr, endpoint_error_handling=False)
+            ep = await ucxx.create_endpoint_from_worker_address(addr, endpoint_error_handling=self.error_handling)
             self._endpoints[peer] = ep
         return ep
 
