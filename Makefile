@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # CPU build of torch (from the local wheel cache when present); GPU users: TORCH_SPEC=torch
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup run test test-fast bench-engine bench-stack bench-transfer eval-router bench-router chaos bench-tracing bench-interference compose-up compose-down gpu-check clean
+.PHONY: setup run test test-fast bench-engine bench-stack bench-transfer eval-router bench-router chaos bench-tracing bench bench-full compose-up compose-down gpu-check clean
 
 setup: $(STAMP)
 
@@ -58,9 +58,14 @@ chaos: setup
 bench-tracing: setup
 	$(BIN)/python -m bench.tracing_overhead
 
-## bench-interference: victims and aggressors on colocated, chunked and disaggregated arms (same cores); writes bench/results/interference.json
-bench-interference: setup
+## bench: victims and aggressors + goodput on the Azure trace, colocated / chunked / disaggregated on the same cores
+##   (quick, under 10 minutes); writes bench/results/interference.json, the plots and the README's results section
+bench: setup
 	$(BIN)/python -m bench.interference
+
+## bench-full: the same, longer (180 s of mix, 6 rates x 60 s of arrivals)
+bench-full: setup
+	$(BIN)/python -m bench.interference --full
 
 ## compose-up / compose-down: the Docker Compose stack (NATS, Redis, Jaeger, Prometheus, Grafana, the services)
 COMPOSE := docker compose -f deploy/compose/compose.yaml

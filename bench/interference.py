@@ -1,17 +1,27 @@
-"""Victims and aggressors: does a long prompt freeze everyone else's tokens? Three arms on
-the same cores, one after the other in one run, the same seeded workload each:
+"""Does a long prompt freeze everyone else's tokens, and what does disaggregation buy in
+goodput? `make bench` (quick, under 10 minutes) / `make bench-full`.
+
+Three arms on the same cores, one after the other in one run, the same seeded workloads each:
 
 - colocated: one worker does prefill and decode, whole prompts in one pass (PD_PREFILL_CHUNK
   above the longest prompt), all cores;
-- chunked: the same worker with chunked prefill (PD_PREFILL_CHUNK=128: a long prompt
-  delays running streams by one chunk at a time);
+- chunked: the same worker with chunked prefill (PD_PREFILL_CHUNK=128: a long prompt delays
+  running streams by one chunk at a time);
 - disaggregated: 1 prefill + 1 decode worker, each pinned to its own core (1 torch thread).
 
-    python -m bench.interference [--duration 60] [--victim-rate 0.3] [--aggressor-rate 0.05]
+Per arm, on one stack:
+1. Victims and aggressors: 32-token prompts with 128 output tokens (Poisson --victim-rate)
+   while 1024-token prompts with 4 output tokens arrive (Poisson --aggressor-rate). The
+   victims' TTFT / ITL / TPOT, the longest token gap, a token timeline.
+2. Goodput: the Azure conversation trace (../shared/traces/azure_conv_2023.csv, lengths
+   divided by --scale) replayed with Poisson arrivals at each of --rates for --replay-s
+   seconds (its first rate x replay-s rows); SLO attainment per rate; goodput = the highest
+   rate with >= 90% of requests meeting both SLOs (bench.load.metrics.rate_at_attainment).
 
-Victims: 32-token prompts, 128 output tokens; aggressors: 1024-token prompts, 4 output tokens
-(the issue's mix). Prints per arm TTFT/ITL/TPOT of the victims, the longest token gap, and
-the ratios; writes bench/results/interference.json.
+Writes bench/results/interference.json (`summary` holds the ratios), then the plots and the
+README's results section (bench/report.py).
+
+    python -m bench.interference [--full] [--duration S] [--rates 1,2,4] [--replay-s S]
 """
 
 from __future__ import annotations
@@ -24,12 +34,18 @@ import platform
 import time
 from pathlib import Path
 
+from bench import report
 from bench.load import workloads
 from bench.load.client import run
-from bench.load.metrics import summarize
+from bench.load.metrics import Timing, percentiles, rate_at_attainment, summarize
 from deploy.local.stack import Stack, StackConfig
 
+MODEL = "SmolLM2-135M-Instruct"
+AZURE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_conv_2023.csv"
+RESULTS = Path(__file__).parent / "results" / "interference.json"
 ALL = set(range(os.cpu_count() or 1))
+QUICK = {"duration": 30.0, "rates": [1.0, 2.0, 4.0], "replay_s": 20.0}
+FULL = {"duration": 180.0, "rates": [0.5, 1.0, 2.0, 3.0, 4.0, 6.0], "replay_s": 60.0}
 
 
 def arms() -> dict[str, StackConfig]:
@@ -46,49 +62,120 @@ def arms() -> dict[str, StackConfig]:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--duration", type=float, default=60)
-    ap.add_argument("--victim-rate", type=float, default=0.3)
-    ap.add_argument("--aggressor-rate", type=float, default=0.05)
-    ap.add_argument("--slo-ttft", type=float, default=2.0)
-    ap.add_argument("--slo-tpot", type=float, default=0.2)
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
-    reqs = workloads.victims_and_aggressors(args.duration, args.victim_rate, aggressor_rate=args.aggressor_rate,
-                                            seed=args.seed)
-    results = {}
-    for name, cfg in arms().items():
-        start = time.monotonic()
-        with Stack(cfg) as stack:
-            asyncio.run(run(stack.url, "SmolLM2-135M-Instruct", workloads.shared_prefix(2, 1, 32, 8, 4)))  # warm
-            timings, duration = asyncio.run(run(stack.url, "SmolLM2-135M-Instruct", reqs))
-        victims = [t for r, t in zip(reqs, timings) if r.kind == "victim"]
-        aggressors = [t for r, t in zip(reqs, timings) if r.kind == "aggressor"]
-        results[name] = {"victims": summarize(victims, duration, args.slo_ttft, args.slo_tpot),
-                         "aggressors": summarize(aggressors, duration, args.slo_ttft * 10, 10.0),
-                         "wall_s": round(time.monotonic() - start, 1)}
-        v = results[name]["victims"]
+def timeline(reqs: list[workloads.Request], timings: list[Timing]) -> dict:
+    """Token arrival times from the run's start: each victim's chunks, each aggressor's
+    arrival and first token (the plot of stalls)."""
+    start = min(t.sent for t in timings)
+    rel = lambda x: round(x - start, 4)  # noqa: E731
+    return {"victims": [[rel(c) for c, _ in t.chunks] for r, t in zip(reqs, timings) if r.kind == "victim"],
+            "aggressors": [[rel(t.sent), rel(t.chunks[0][0]) if t.chunks else None]
+                           for r, t in zip(reqs, timings) if r.kind == "aggressor"]}
+
+
+async def interference_phase(url: str, reqs: list[workloads.Request], args) -> dict:
+    timings, duration = await run(url, MODEL, reqs)
+    victims = [t for r, t in zip(reqs, timings) if r.kind == "victim"]
+    aggressors = [t for r, t in zip(reqs, timings) if r.kind == "aggressor"]
+    return {"victims": summarize(victims, duration, args.slo_ttft, args.slo_tpot),
+            "aggressors": summarize(aggressors, duration, args.slo_ttft * 10, 10.0),
+            "victim_itls_s": [round(g, 5) for t in victims for g in t.itls],
+            "timeline": timeline(reqs, timings)}
+
+
+async def goodput_phase(url: str, trace: list[workloads.Request], args) -> dict:
+    points = []
+    for rate in args.rates:
+        reqs = workloads.retimed(trace[:max(8, round(rate * args.replay_s))], rate, seed=args.seed)
+        timings, duration = await run(url, MODEL, reqs)
+        s = summarize(timings, duration, args.replay_slo_ttft, args.replay_slo_tpot)
+        points.append({"rate": rate, "requests": len(reqs), "slo_attainment": s["slo_attainment"],
+                       "goodput": s["goodput"],
+                       "completed": s["completed"], "ttft_p90_s": s["ttft_s"]["p90"], "tpot_p90_s": s["tpot_s"]["p90"]})
+        print(f"    replay at {rate:4.2f}/s: attainment {s['slo_attainment']:.2f}, TTFT p90 {s['ttft_s']['p90']:.2f} s, "
+              f"TPOT p90 {s['tpot_s']['p90'] * 1e3:.0f} ms", flush=True)
+    return {"points": points,
+            "goodput_rate": rate_at_attainment([(p["rate"], p["slo_attainment"]) for p in points], 0.9)}
+
+
+def one_arm(name: str, cfg: StackConfig, reqs, trace, args) -> dict:
+    start = time.monotonic()
+    with Stack(cfg) as stack:
+        asyncio.run(run(stack.url, MODEL, workloads.shared_prefix(2, 1, 32, 8, 4)))  # warm-up
+        out = asyncio.run(interference_phase(stack.url, reqs, args))
+        v = out["victims"]
         print(f"{name:14} victims {v['completed']}/{v['requests']}: ITL p50 {v['itl_s']['p50'] * 1e3:6.1f} ms "
               f"p99 {v['itl_s']['p99'] * 1e3:7.1f} ms, max gap {v['max_gap_s']:5.2f} s, TTFT p50 "
-              f"{v['ttft_s']['p50']:5.2f} s, TPOT p50 {v['tpot_s']['p50'] * 1e3:5.1f} ms, goodput {v['goodput']:.3f}/s",
-              flush=True)
+              f"{v['ttft_s']['p50']:5.2f} s, TPOT p50 {v['tpot_s']['p50'] * 1e3:5.1f} ms", flush=True)
+        out["replay"] = asyncio.run(goodput_phase(stack.url, trace, args))
+        print(f"{name:14} goodput at 90% SLO attainment: {out['replay']['goodput_rate']:.2f} req/s", flush=True)
+    out["wall_s"] = round(time.monotonic() - start, 1)
+    return out
+
+
+def summary_of(results: dict) -> dict:
     co, ch, dis = (results[a]["victims"] for a in ("colocated", "chunked", "disaggregated"))
     div = lambda a, b: round(a / b, 3) if b else None  # noqa: E731
-    summary = {
+    rate = {a: results[a]["replay"]["goodput_rate"] for a in results}
+    # stalls are rare gaps (a few per aggressor among thousands): the tail past p99 shows them
+    p999 = {a: percentiles(results[a]["victim_itls_s"], (99.9,))["p99.9"] for a in results}
+    return {
         "itl_p99_colocated_over_disagg": div(co["itl_s"]["p99"], dis["itl_s"]["p99"]),
         "itl_p99_chunked_over_disagg": div(ch["itl_s"]["p99"], dis["itl_s"]["p99"]),
+        "itl_p999_colocated_over_disagg": div(p999["colocated"], p999["disaggregated"]),
+        "itl_p999_chunked_over_disagg": div(p999["chunked"], p999["disaggregated"]),
+        "itl_p999_s": p999,
         "max_gap_disagg_s": round(dis["max_gap_s"], 3),
+        "max_gap_colocated_s": round(co["max_gap_s"], 3),
+        "max_gap_chunked_s": round(ch["max_gap_s"], 3),
         "ttft_p50_disagg_over_colocated": div(dis["ttft_s"]["p50"], co["ttft_s"]["p50"]),
-        "victim_goodput_disagg_over_colocated": div(dis["goodput"], co["goodput"]),
+        "goodput_disagg_over_colocated": div(rate["disaggregated"], rate["colocated"]),
+        "goodput_disagg_over_chunked": div(rate["disaggregated"], rate["chunked"]),
+        "goodput_rate": rate,
     }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--full", action="store_true", help=f"longer runs: {FULL}")
+    ap.add_argument("--duration", type=float, help="seconds of victim/aggressor arrivals")
+    ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], help="replay request rates")
+    ap.add_argument("--replay-s", type=float, help="seconds of arrivals per replay rate")
+    ap.add_argument("--scale", type=float, default=8, help="trace lengths divided by this")
+    ap.add_argument("--victim-rate", type=float, default=0.3)
+    ap.add_argument("--aggressor-rate", type=float, default=0.05)
+    ap.add_argument("--slo-ttft", type=float, default=2.0, help="victims' TTFT bound, s")
+    ap.add_argument("--slo-tpot", type=float, default=0.2, help="victims' TPOT bound, s")
+    ap.add_argument("--replay-slo-ttft", type=float, default=2.0, help="replay's TTFT bound, s")
+    ap.add_argument("--replay-slo-tpot", type=float, default=0.15, help="replay's TPOT bound, s")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    for k, v in (FULL if args.full else QUICK).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    reqs = workloads.victims_and_aggressors(args.duration, args.victim_rate, aggressor_rate=args.aggressor_rate,
+                                            seed=args.seed)
+    trace = workloads.trace(AZURE, scale=args.scale, limit=max(8, round(max(args.rates) * args.replay_s)),
+                            seed=args.seed)
+    results = {name: one_arm(name, cfg, reqs, trace, args) for name, cfg in arms().items()}
+    summary = summary_of(results)
     print(json.dumps(summary, indent=2))
-    out = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-           "workload": {"kind": "victims and aggressors", **vars(args), "victim": "32-token prompt, 128 tokens",
-                        "aggressor": "1024-token prompt, 4 tokens", "requests": len(reqs)},
+    out = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor()},
+           "mode": "full" if args.full else "quick",
+           "workload": {"victims_and_aggressors": {"duration_s": args.duration, "victim_rate": args.victim_rate,
+                                                   "aggressor_rate": args.aggressor_rate, "requests": len(reqs),
+                                                   "victim": "32-token prompt, 128 output tokens",
+                                                   "aggressor": "1024-token prompt, 4 output tokens",
+                                                   "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot}},
+                        "replay": {"trace": AZURE.name, "seconds_per_rate": args.replay_s, "scale": args.scale,
+                                   "rates": args.rates, "mean_prompt_tokens": round(
+                                       sum(len(r.prompt) for r in trace) / len(trace), 1),
+                                   "mean_output_tokens": round(sum(r.max_tokens for r in trace) / len(trace), 1),
+                                   "slo": {"ttft_s": args.replay_slo_ttft, "tpot_s": args.replay_slo_tpot}}},
            "arms": results, "summary": summary}
-    Path("bench/results").mkdir(parents=True, exist_ok=True)
-    Path("bench/results/interference.json").write_text(json.dumps(out, indent=2) + "\n")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {RESULTS}")
+    report.write_all(out)
 
 
 if __name__ == "__main__":

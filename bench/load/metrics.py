@@ -80,3 +80,17 @@ def summarize(timings: list[Timing], duration_s: float, slo_ttft_s: float, slo_t
         "goodput": len(good) / duration_s if duration_s else 0.0,
         "slo_attainment": len(good) / len(timings) if timings else 0.0,
     }
+
+
+def rate_at_attainment(points: list[tuple[float, float]], target: float = 0.9) -> float:
+    """Goodput as DistServe defines it: the highest request rate at which at least `target`
+    of the requests meet their SLOs. `points` are (rate, attainment) measured at several
+    rates; between the last rate that meets the target and the next that does not, the
+    rate where the line between them crosses it. 0 when even the lowest rate misses."""
+    pts = sorted(points)
+    if not pts or pts[0][1] < target:
+        return 0.0
+    for (r0, a0), (r1, a1) in zip(pts, pts[1:]):
+        if a1 < target:   # crossed between r0 and r1
+            return r0 + (r1 - r0) * (a0 - target) / (a0 - a1)
+    return pts[-1][0]

@@ -8,7 +8,7 @@ import pytest
 
 from bench.load import workloads
 from bench.load.arrivals import arrival_times
-from bench.load.metrics import Timing, percentiles, summarize
+from bench.load.metrics import Timing, percentiles, rate_at_attainment, summarize
 
 TRACES = __import__("pathlib").Path(__file__).resolve().parents[3] / "shared" / "traces"
 
@@ -66,3 +66,11 @@ def test_victims_and_aggressors_mix():
     assert {len(r.prompt) for r in aggressors} == {1024} and {r.max_tokens for r in aggressors} == {4}
     assert 40 <= len(victims) <= 70 and 5 <= len(aggressors) <= 15 and all(r.at < 200 for r in reqs)
     assert [r.at for r in reqs] == sorted(r.at for r in reqs)
+
+
+def test_goodput_is_the_rate_where_attainment_crosses_the_target():
+    # met at 0.5 and 1.0, 0.95 → 0.75 between 1.0 and 2.0: crosses 0.9 a quarter of the way
+    assert rate_at_attainment([(2.0, 0.75), (0.5, 1.0), (1.0, 0.95)]) == pytest.approx(1.25)
+    assert rate_at_attainment([(0.5, 1.0), (1.0, 0.9)]) == 1.0                # met at every rate tried
+    assert rate_at_attainment([(0.5, 1.0), (1.0, 0.5), (2.0, 0.95)]) == 0.6   # the first miss ends it
+    assert rate_at_attainment([(1.0, 0.5), (2.0, 1.0)]) == 0.0                # missed at the lowest rate

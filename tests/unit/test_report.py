@@ -1,0 +1,56 @@
+"""The benchmark report: the README section and the plots come from the JSON's numbers, and
+only the text between the markers changes."""
+
+from __future__ import annotations
+
+from bench import report
+
+
+def _arm(itl_p99: float, gap: float, points: list[tuple[float, float]], rate: float) -> dict:
+    pct = lambda x: {"mean": x, "p50": x, "p90": x, "p99": x}  # noqa: E731
+    return {"victims": {"itl_s": {**pct(0.05), "p99": itl_p99}, "max_gap_s": gap, "ttft_s": pct(0.2),
+                        "tpot_s": pct(0.06)},
+            "victim_itls_s": [0.05, 0.06, itl_p99],
+            "timeline": {"victims": [[0.1, 0.2, 0.3]], "aggressors": [[0.15, 0.9]]},
+            "replay": {"points": [{"rate": r, "slo_attainment": a} for r, a in points], "goodput_rate": rate}}
+
+
+DATA = {
+    "machine": {"cpus": 2, "platform": "Linux-test"}, "mode": "quick",
+    "workload": {"victims_and_aggressors": {"duration_s": 40, "victim_rate": 0.3, "aggressor_rate": 0.05,
+                                            "requests": 14, "victim": "32-token prompt, 128 output tokens",
+                                            "aggressor": "1024-token prompt, 4 output tokens"},
+                 "replay": {"seconds_per_rate": 20, "scale": 8, "rates": [0.5, 1.0], "mean_prompt_tokens": 113,
+                            "mean_output_tokens": 29, "slo": {"ttft_s": 2.0, "tpot_s": 0.15}}},
+    "arms": {"colocated": _arm(0.321, 1.64, [(0.5, 0.95), (1.0, 0.5)], 0.61),
+             "chunked": _arm(0.2, 0.43, [(0.5, 1.0), (1.0, 0.8)], 0.83),
+             "disaggregated": _arm(0.079, 0.13, [(0.5, 1.0), (1.0, 0.95)], 1.0)},
+    "summary": {"itl_p99_colocated_over_disagg": 4.063, "itl_p99_chunked_over_disagg": 2.532,
+                "itl_p999_colocated_over_disagg": 12.0, "itl_p999_chunked_over_disagg": 3.0,
+                "itl_p999_s": {"colocated": 1.2, "chunked": 0.3, "disaggregated": 0.1},
+                "max_gap_disagg_s": 0.13, "ttft_p50_disagg_over_colocated": 1.0,
+                "goodput_disagg_over_colocated": 1.639, "goodput_disagg_over_chunked": None},
+}
+
+
+def test_the_section_carries_the_machine_the_scale_each_arm_and_each_ratio():
+    text = report.section(DATA)
+    assert "2 CPU cores (Linux-test)" in text and "lengths ÷ 8" in text
+    assert "| colocated | 50 | 321 | 1200 | 1.64 |" in text
+    assert "| disaggregated | 1.00 | 0.95 | 1.00 |" in text            # attainment per rate, goodput
+    assert "| `goodput_disagg_over_colocated` (≥ 1.5) | 1.639 |" in text
+    assert "| `goodput_disagg_over_chunked` (reported) | n/a |" in text
+
+
+def test_only_the_text_between_the_markers_is_replaced(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# title\nbefore\n{report.BEGIN}\nold figures\n{report.END}\nafter\n")
+    report.update_readme("new figures", readme)
+    assert readme.read_text() == f"# title\nbefore\n{report.BEGIN}\nnew figures\n{report.END}\nafter\n"
+
+
+def test_the_plots_are_written(tmp_path):
+    for plot in (report.plot_itl_cdf, report.plot_timeline, report.plot_goodput):
+        path = tmp_path / f"{plot.__name__}.png"
+        plot(DATA, path)
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
