@@ -93,9 +93,9 @@ def test_a_sender_killed_mid_transfer_never_takes_the_receiver_down():
             time.sleep(0.5)
             assert receiver.is_alive(), f"the receiver died (exit {receiver.exitcode}) after kill {i + 1}"
             try:
-                stats.append(stats_q.get(timeout=10))
+                stats.append(stats_q.get(timeout=30))
             except queue.Empty:
-                pytest.fail(f"the receiver stopped answering after kill {i + 1}")
+                pytest.fail(f"the receiver stopped answering (30 s) after kill {i + 1}")
         assert stats[-1]["steady_ok"] > stats[0]["steady_ok"] > 0, stats  # the other sender went on
     finally:
         for p in (steady, receiver):
