@@ -94,7 +94,7 @@ def test_a_sender_killed_mid_transfer_never_takes_the_receiver_down():
             assert receiver.is_alive(), f"the receiver died (exit {receiver.exitcode}) after kill {i + 1}"
             try:
                 stats.append(stats_q.get(timeout=30))
-            except queue.Empty:   # known, not yet understood: about 1 run in 6 here (see docs/ARCHITECTURE.md)
+            except queue.Empty:   # known, not yet understood: about 1 run in 3 to 6 here (see docs/ARCHITECTURE.md)
                 assert receiver.is_alive(), f"the receiver died (exit {receiver.exitcode}) after kill {i + 1}"
                 pytest.xfail(f"the receiver is up but its event loop did not answer for 30 s after kill {i + 1}")
         assert stats[-1]["steady_ok"] > stats[0]["steady_ok"] > 0, stats  # the other sender went on
