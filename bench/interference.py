@@ -113,7 +113,7 @@ def one_arm(name: str, cfg: StackConfig, reqs, trace, args) -> dict:
 
 
 def summary_of(results: dict) -> dict:
-    co, ch, dis = (results[a]["victims"] for a in ("colocated", "chunked", "disaggregated"))
+    co, ch, dis = (results[a]["victims"] for a in report.ARMS)
     div = lambda a, b: round(a / b, 3) if b else None  # noqa: E731
     rate = {a: results[a]["replay"]["goodput_rate"] for a in results}
     # stalls are rare gaps (a few per aggressor among thousands): the tail past p99 shows them
