@@ -58,6 +58,7 @@ class KVSender:
         self.transport, self.bus, self.fingerprint = transport, bus, fingerprint
         self.read_blocks, self.max_attempts, self.encoding = read_blocks, max_attempts, encoding
         self.handoffs: dict[str, Handoff] = {}
+        self._posts: set[asyncio.Task] = set()  # notice + payload pairs under way
 
     async def start(self) -> None:
         await self.bus.subscribe(subjects.KV_ACK_ALL, self.on_ack)
@@ -96,15 +97,28 @@ class KVSender:
             notice = KVLayer(request_id=h.job.request_id, fingerprint=self.fingerprint, tag=tag, layer=layer,
                              first_block=first_block, num_blocks=host.shape[0], checksums=block_checksums(host),
                              attempt=attempt, encoding=self.encoding)
-            await self.bus.publish(subjects.decode_kv(h.job.decode_worker), notice, ctx=h.ctx)
             h.pieces += 1
             h.bytes_sent += host.nbytes  # counted when handed over: the ack may beat the send's completion
-            await self.transport.send(h.job.decode_address, tag, np.ascontiguousarray(host).reshape(-1), attempt)
+            # notice and payload go together: a cancellation between them would leave the decode
+            # side a posted receive that nothing answers
+            post = asyncio.create_task(self._post(h, notice, np.ascontiguousarray(host).reshape(-1)))
+            self._posts.add(post)
+            post.add_done_callback(self._posted)
+            await asyncio.shield(post)
         except asyncio.CancelledError:
             raise
         except Exception as e:
             log.warning("%s: KV send failed: %s", h.job.request_id, e)
             await self.cancel(h.job.request_id, f"send failed: {e}")
+
+    async def _post(self, h: Handoff, notice: KVLayer, payload: np.ndarray) -> None:
+        await self.bus.publish(subjects.decode_kv(h.job.decode_worker), notice, ctx=h.ctx)
+        await self.transport.send(h.job.decode_address, notice.tag, payload, notice.attempt)
+
+    def _posted(self, task: asyncio.Task) -> None:
+        self._posts.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved here: the handoff may have been dropped meanwhile
 
     async def on_resend(self, msg: Msg) -> None:
         req = KVResend.decode(msg.data)
