@@ -16,6 +16,11 @@ if TYPE_CHECKING:
 
 
 class Message(BaseModel):
+    """Made in code: unknown fields are refused (a misspelt field is a bug). Decoded from the
+    wire: fields this version does not know are ignored, so a newer service may add optional
+    fields while older ones still run (rolling upgrades); a change older services cannot read
+    safely raises `v`, which they refuse."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
     v: Literal[1] = 1
 
@@ -24,7 +29,7 @@ class Message(BaseModel):
 
     @classmethod
     def decode(cls, data: bytes):
-        return cls.model_validate_json(data)
+        return cls.model_validate_json(data, extra="ignore")
 
 
 class Sampling(Message):
