@@ -139,8 +139,24 @@ def strike(stack: Stack, scenario: str) -> str:
     return victim
 
 
+def moves(stack: Stack) -> dict[str, float]:
+    """The gateway's counts of streams moved (failovers by why) and replayed, from its /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(stack.url + "/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in ("pd_failovers", "pd_replays"):
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    key = f"{family.name.removeprefix('pd_')}:{sample.labels.get('why') or sample.labels.get('outcome')}"
+                    out[key] = out.get(key, 0) + sample.value
+    return out
+
+
 async def scenario_run(stack: Stack, scenario: str, requests, reference: list[Outcome], max_tokens: int,
                        reference_s: float) -> dict:
+    before = await asyncio.to_thread(moves, stack)
     started = asyncio.Event()
     trigger = max(1, len(requests) // (10 if scenario == "kill-prefill" else 3))
     started_at = time.monotonic()
@@ -150,6 +166,8 @@ async def scenario_run(stack: Stack, scenario: str, requests, reference: list[Ou
     victim = await asyncio.to_thread(strike, stack, scenario)
     outcomes = await load
     took = time.monotonic() - started_at
+    after = await asyncio.to_thread(moves, stack)
+    moved = {k: int(v - before.get(k, 0)) for k, v in after.items() if v > before.get(k, 0)}
     lost = [i for i, o in enumerate(outcomes) if o.status != 200 or o.error]
     mismatched = [i for i, o in enumerate(outcomes) if i not in lost and o.ids != reference[i].ids]
     waits = [next(t - fault_at for t in o.times if t > fault_at) for o in outcomes
@@ -167,7 +185,7 @@ async def scenario_run(stack: Stack, scenario: str, requests, reference: list[Ou
             "lost": len(lost),
             "mismatched": len(mismatched), "leaked_blocks": sum(max(0, n) for n in taken.values()),
             "recovery_s": round(max(waits, default=0.0), 2), "extra_s": round(took - reference_s, 2),
-            "streams_in_flight": len(waits), "lost_errors": [outcomes[i].error for i in lost][:5],
+            "streams_in_flight": len(waits), "moved": moved, "lost_errors": [outcomes[i].error for i in lost][:5],
             "mismatched_ids": mismatched[:10], "blocks_taken_after": taken}
 
 
@@ -190,7 +208,8 @@ async def main_async(args) -> list[dict]:
             results.append(r)
             print(f"chaos: requests={r['requests']} lost={r['lost']} mismatched={r['mismatched']} "
                   f"leaked_blocks={r['leaked_blocks']} scenario={scenario} recovery_s={r['recovery_s']} "
-                  f"extra_s={r['extra_s']} (load without faults: {reference_s:.1f} s)", flush=True)
+                  f"extra_s={r['extra_s']} (load without faults: {reference_s:.1f} s) "
+                  f"streams_in_flight={r['streams_in_flight']} moved={r['moved'] or '{}'}", flush=True)
             if r["collateral"] or r["lost"]:
                 print(f"  also died (exit status): {r['collateral'] or 'none'}; errors: {r['lost_errors']}", flush=True)
     return results

@@ -11,8 +11,8 @@ them in Redis, in order of arrival):
     decoding      decode     the sequence produced its first token on the decode worker
     finished / failed / cancelled    gateway (terminal)
 
-plus events that are not phases: `failover` (gateway, a new attempt) and `stalled`
-(supervisor). A failover starts the phases again under the next attempt, so the request's
+plus events that are not phases: `failover` (gateway, a new attempt), `replayed` (gateway:
+chunks lost on the bus asked again of the decode worker) and `stalled` (supervisor). A failover starts the phases again under the next attempt, so the request's
 status is the furthest phase of its latest attempt, unless it has ended.
 
 Deadlines: every phase between placement and the end has one, and the writer sets it when it
@@ -33,7 +33,7 @@ Phase = Literal["received", "routed", "prefilling", "transferring", "prefill_loc
                 "finished", "failed", "cancelled"]
 PHASES: tuple[str, ...] = Phase.__args__
 TERMINAL = frozenset({"finished", "failed", "cancelled"})
-MARKS = ("failover", "stalled")  # events that are not phases
+MARKS = ("failover", "stalled", "replayed")  # events that are not phases
 RANK = {p: i for i, p in enumerate(PHASES)}
 PLACEMENT_TIMEOUT_S = 5.0        # a hop between phases before the first token, on top of the work
 

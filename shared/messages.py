@@ -152,6 +152,21 @@ class KVResend(Message):
     attempt: int              # the attempt this re-send is
 
 
+class Replay(Message):
+    """gateway → decode worker, request/reply: publish again the request's chunks from `from_seq`
+    (chunks lost on the bus, e.g. across a NATS restart); answered with ReplayReply."""
+
+    request_id: str
+    from_seq: int
+
+
+class ReplayReply(Message):
+    request_id: str
+    ok: bool                  # the chunks from `from_seq` on are published again
+    chunks: int = 0
+    reason: str = ""          # why not: unknown here, or older than what is kept
+
+
 # -- to a prefill worker ------------------------------------------------------------------
 class PrefillJob(Message):
     request_id: str

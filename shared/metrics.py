@@ -37,6 +37,8 @@ E2E = Histogram("pd_e2e_request_latency_seconds", "From the request's arrival to
 REQUESTS = Counter("pd_requests", "Requests by how they ended", ["outcome"])  # finished, failed, cancelled
 OUTPUT_TOKENS = Counter("pd_output_tokens", "Tokens streamed to clients")
 FAILOVERS = Counter("pd_failovers", "Requests moved to another decode worker", ["why"])
+REPLAYS = Counter("pd_replays", "Token streams with chunks lost on the bus, asked again of their decode worker",
+                  ["outcome"])   # replayed, refused (then moved)
 
 # -- router ------------------------------------------------------------------------------------
 PLACEMENTS = Counter("pd_placements", "Placement decisions", ["mode", "reason"])
@@ -49,6 +51,7 @@ KV_BLOCKS = Gauge("pd_kv_blocks", "KV cache blocks", ["role", "state"])         
 SEQUENCES = Gauge("pd_sequences", "Sequences in the engine", ["role", "state"])      # running, waiting
 QUEUED_TOKENS = Gauge("pd_queued_prompt_tokens", "Prompt tokens waiting to be computed", ["role"])
 STEP_SECONDS = Histogram("pd_engine_step_seconds", "Engine steps", ["role", "kind"], buckets=LATENCY)
+REPLAYED_CHUNKS = Counter("pd_replayed_chunks", "Token chunks published again for a gateway that lost them")
 PROMPT_TOKENS = Counter("pd_prompt_tokens", "Prompt tokens prefilled (cached ones included)", ["role"])
 CACHED_TOKENS = Counter("pd_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache", ["role"])
 

@@ -27,6 +27,11 @@ def decode_kv_end(worker: str) -> str:
     return f"pd.decode.{worker}.kv.end"
 
 
+def decode_replay(worker: str) -> str:
+    """gateway -> decode worker, request/reply: publish a request's chunks again from a seq."""
+    return f"pd.decode.{worker}.replay"
+
+
 def tokens(request_id: str) -> str:
     """Token chunks of one request, with sequence numbers, to the gateway."""
     return f"pd.tokens.{request_id}"

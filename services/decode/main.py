@@ -17,7 +17,9 @@
    or the prefill worker's lease lapsed (checked every heartbeat while waiting) → drop the
    reservation, mark the request `prefill_local` in Redis, and prefill locally (no gap for the client: chunks carry sequence
    numbers, the gateway drops duplicates).
-4. Loop: step the engine; publish each output as a TokenChunk on `pd.tokens.<rid>`.
+4. Loop: step the engine; publish each output as a TokenChunk on `pd.tokens.<rid>`, and keep
+   it (services/decode/chunk_log.py): a gateway that lost chunks on the bus (a NATS restart)
+   asks for them again on `pd.decode.<id>.replay` instead of moving the request.
 5. Cancel: abort the request wherever it is; its blocks return to the pool.
 6. SIGTERM: mark the registry entry draining (the router sends nothing more), refuse new
    admits, finish the sequences it has (those still receiving their KV included), then leave
@@ -43,11 +45,12 @@ from shared.engine.engine import Engine, RequestOutput
 from shared.engine_host import EngineHost
 from shared.kv import TAG_SPAN, KVTransport
 from shared.kv.receiver import KVInbox, KVReceiver
-from shared.messages import AdmitReply, AdmitRequest, Cancel, KVAck, KVOutcome, TokenChunk
+from shared.messages import AdmitReply, AdmitRequest, Cancel, KVAck, KVOutcome, Replay, ReplayReply, TokenChunk
 from shared.prefix_index import PrefixPublisher
 from shared.service import heartbeat, run, setup_logging
 from shared.worker import serve_worker, worker_id, worker_info
 from shared.state import State
+from services.decode.chunk_log import ChunkLog
 
 log = logging.getLogger("decode")
 
@@ -75,6 +78,7 @@ class DecodeWorker:
         self.attempts: dict[str, int] = {}  # placement number of each request here (engine thread writes)
         self.decoding: dict[str, tuple[float, int]] = {}  # requests with a token here: (when, tokens) at the first
         self.advanced: set[str] = set()     # ... since the last heartbeat (their deadlines move on)
+        self.chunks = ChunkLog()            # what was published, for gateways that lost some
 
     def info(self):
         return worker_info(self.engine, self.id, "decode", self.settings, self.transport.address,
@@ -86,6 +90,7 @@ class DecodeWorker:
         await self.inbox.start()
         await self.prefix.start()
         await self.bus.subscribe(subjects.CANCEL_ALL, self.on_cancel)
+        await self.bus.subscribe(subjects.decode_replay(self.id), self.on_replay)
         # registered (as draining, after SIGTERM) until the last sequence is done: the gateway
         # tells a draining worker from a dead one, and does not move its streams
         gone, engine_stop = asyncio.Event(), asyncio.Event()
@@ -258,7 +263,9 @@ class DecodeWorker:
             rid = out.request_id
             if not out.finished and rid not in self.engine.seqs:  # cancelled since its step ran
                 continue
-            await self.bus.publish(subjects.tokens(rid), TokenChunk.from_output(out))
+            chunk = TokenChunk.from_output(out)
+            self.chunks.record(chunk)
+            await self.bus.publish(subjects.tokens(rid), chunk)
             if not out.finished and rid not in self.engine.seqs:  # cancelled while it was published
                 continue
             self.advanced.add(rid)
@@ -294,9 +301,24 @@ class DecodeWorker:
         # stops the placement it was sent for, whichever handler runs first
         if task is not None or rid in self.engine.seqs:
             if await self.host.call(self.abort_older, rid, cancel.before_attempt):
+                self.chunks.forget(rid)
                 if (span := self.spans.pop(rid, None)) is not None:
                     span.add_event("cancelled")
                     span.end()
+
+    async def on_replay(self, msg: Msg) -> None:
+        req = Replay.decode(msg.data)
+        chunks = self.chunks.since(req.request_id, req.from_seq)
+        if chunks is None and req.from_seq == 0 and req.request_id in self.engine.seqs:
+            chunks = []  # queued or prefilling here: no chunk yet, so none lost (its KV, if any, is in)
+        if chunks is None:
+            await self.bus.respond(msg, ReplayReply(request_id=req.request_id, ok=False,
+                                                    reason=f"no chunks from {req.from_seq} here"))
+            return
+        for chunk in chunks:
+            await self.bus.publish(subjects.tokens(req.request_id), chunk)
+        metrics.REPLAYED_CHUNKS.inc(len(chunks))
+        await self.bus.respond(msg, ReplayReply(request_id=req.request_id, ok=True, chunks=len(chunks)))
 
     def abort_older(self, rid: str, before_attempt: int | None) -> bool:
         """On the engine thread: abort the request unless it is a placement at or after

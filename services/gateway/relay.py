@@ -10,10 +10,13 @@ prefills prompt + those tokens and continues. Chunks carry the index of their fi
 so the stream goes on with nothing repeated and nothing missing; greedy and seeded sampling
 continue exactly (the sampler's draw depends on the position, not the worker).
 
-The same when chunks were lost on the bus (NATS restarted): a gap in the sequence that stays
-open for `check_s`, or silence for `check_s` after this gateway's connection came back. Then
-the old placement is cancelled first (in case it still runs) and the request continues from
-its last streamed token. And when the router's supervisor says the placement stalled (its
+Chunks lost on the bus (NATS restarted) show as a gap in the sequence that stays open for
+`check_s`, or silence for `check_s` after this gateway's connection came back. Then the
+relay first asks the decode worker to publish its chunks again from the first one missing
+(`pd.decode.<id>.replay`, services/decode/chunk_log.py): nothing is recomputed. Only if it
+cannot (it no longer has them, does not answer, or `MAX_REPLAYS` did not close the gap) is
+the old placement cancelled (in case it still runs) and the request continued elsewhere
+from its last streamed token. And when the router's supervisor says the placement stalled (its
 worker heartbeats but the request has not advanced past its phase's deadline: a hung step).
 
 The request's events go to Redis as it goes: received (with this gateway as its owner),
@@ -23,6 +26,7 @@ failover, and how it ended — finished, failed or cancelled (shared/lifecycle.p
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -33,10 +37,12 @@ from opentelemetry import trace
 
 from shared import metrics, subjects
 from shared.bus import Bus
-from shared.messages import Cancel, RouteReply, RouteRequest, Stalled, TokenChunk
+from shared.messages import Cancel, Replay, ReplayReply, RouteReply, RouteRequest, Stalled, TokenChunk
 from services.gateway.errors import APIError
 
+log = logging.getLogger("gateway.relay")
 MAX_ATTEMPTS = 4  # placements of one request: the first and up to three failovers
+MAX_REPLAYS = 3   # replays asked of one placement before it is moved instead
 
 
 class Relay:
@@ -107,7 +113,7 @@ class Relay:
                        sub) -> AsyncIterator[TokenChunk]:
         """Chunks in `seq` order; duplicates (a retried step, a failover) are dropped. Silence,
         a gap that stays open, or the supervisor's word moves the request (`interrupted`)."""
-        next_seq, pending, done, generated, attempt = 0, {}, False, [], req.attempt
+        next_seq, pending, done, generated, attempt, replays = 0, {}, False, [], req.attempt, 0
         watch = Watch(time.monotonic(), self.reconnects())
         outcome, reason = "cancelled", "client gone"
         try:
@@ -117,6 +123,11 @@ class Relay:
                 except asyncio.TimeoutError:
                     item = None
                 why = await self.interrupted(item, placement, attempt, bool(pending), watch)
+                if why == "stream interrupted" and replays < MAX_REPLAYS and await self.replay(
+                        req.request_id, placement, next_seq, attempt):
+                    replays += 1
+                    watch = Watch(time.monotonic(), self.reconnects())
+                    why = ""
                 if why:
                     # the old placement may still run (chunks lost on the bus, a lease that lapsed
                     # for a moment, a hung step): stop it before the request goes elsewhere
@@ -125,7 +136,7 @@ class Relay:
                         request_id=req.request_id, reason="failover", before_attempt=attempt))
                     placement = await self.failover(req, placement, generated, attempt, why)
                     pending.clear()
-                    watch = Watch(time.monotonic(), self.reconnects())
+                    watch, replays = Watch(time.monotonic(), self.reconnects()), 0
                 if not isinstance(item, TokenChunk):
                     continue
                 chunk, watch.silent_since = item, time.monotonic()
@@ -176,6 +187,27 @@ class Relay:
             return "stream interrupted"
         return ""
 
+    async def replay(self, rid: str, placement: RouteReply, from_seq: int, attempt: int) -> bool:
+        """Ask the placement's decode worker to publish the chunks from `from_seq` again."""
+        if not placement.decode_worker:
+            return False
+        try:
+            reply = await self.bus.request(subjects.decode_replay(placement.decode_worker),
+                                           Replay(request_id=rid, from_seq=from_seq), ReplayReply,
+                                           timeout=self.route_timeout_s)
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+            reply = None
+        ok = reply is not None and reply.ok
+        log.info("%s: chunks from %d lost on the bus; %s", rid, from_seq,
+                 f"{placement.decode_worker} published {reply.chunks} again" if ok
+                 else f"{placement.decode_worker} cannot replay them ({reply.reason if reply else 'no answer'})")
+        metrics.REPLAYS.labels("replayed" if ok else "refused").inc()
+        self.note(rid, "replayed", by=self.owner, attempt=attempt, from_seq=from_seq, ok=ok,
+                  decode=placement.decode_worker, reason="" if ok else (reply.reason if reply else "no answer"))
+        trace.get_current_span().add_event("replay", {"from_seq": from_seq, "ok": ok,
+                                                      "chunks": reply.chunks if ok else 0})
+        return ok
+
     def reconnects(self) -> int:
         return getattr(self.bus, "reconnects", 0)
 
@@ -193,7 +225,9 @@ class Relay:
         """Place the request again, to continue after `generated` (attempt > 0)."""
         trace.get_current_span().add_event("failover", {"why": why, "decode_worker": lost.decode_worker or "",
                                                         "resumed_after_tokens": len(generated), "attempt": attempt})
-        metrics.FAILOVERS.labels(why.split(" in ")[0]).inc()   # worker lost, stream interrupted, stalled
+        metrics.FAILOVERS.labels(why.split(" in ")[0]).inc()
+        log.warning("%s: %s (%s); placing it again after %d tokens (attempt %d)", req.request_id, why,
+                    lost.decode_worker, len(generated), attempt)   # worker lost, stream interrupted, stalled
         self.note(req.request_id, "failover", by=self.owner, attempt=attempt, why=why,
                   lost=lost.decode_worker or "", resumed_after_tokens=len(generated))
         if attempt >= MAX_ATTEMPTS:

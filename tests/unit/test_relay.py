@@ -120,3 +120,51 @@ def test_the_supervisors_word_moves_a_stalled_placement_once_and_a_stale_word_is
     assert [e for e, _ in notes] == ["failover", "finished"]
     assert notes[0][1]["why"] == "stalled in decoding" and notes[1][1]["attempt"] == 1
     assert routed[0].avoid_workers == ["d0"]   # it still heartbeats: tried last
+
+
+def _gap_stream(replay_answer):
+    """d0 streams token 0, token 1 is lost on the bus, token 2 arrives: the gap stays open."""
+    from shared.messages import ReplayReply
+
+    async def run():
+        queue, asked, notes = asyncio.Queue(), [], []
+
+        class Bus(FakeBus):
+            async def request(self, subject, msg, reply_type, timeout):
+                asked.append((subject, msg))
+                if subject.endswith(".replay"):
+                    if replay_answer:
+                        for c in (chunk(1), chunk(2), chunk(3, finished=True)):   # d0 publishes them again
+                            queue.put_nowait(c)
+                    return ReplayReply(request_id="r", ok=replay_answer, chunks=3 if replay_answer else 0)
+                for c in (chunk(1), chunk(2), chunk(3, finished=True)):           # d1, after a failover
+                    queue.put_nowait(c)
+                return RouteReply(request_id="r", ok=True, mode="local", decode_worker="d1")
+
+        async def alive(worker):
+            return True
+
+        for c in (chunk(0), chunk(2)):
+            queue.put_nowait(c)
+        bus = Bus()
+        relay = Relay(bus, 1, 10, alive=alive, check_s=0.05, note=lambda rid, ev, **kw: notes.append((ev, kw)))
+        got = [c.seq async for c in relay._ordered(REQ, PLACED, queue, FakeSub())]
+        return got, asked, bus.published, notes
+    return asyncio.run(run())
+
+
+def test_chunks_lost_on_the_bus_are_asked_again_of_the_decode_worker_not_recomputed():
+    got, asked, published, notes = _gap_stream(replay_answer=True)
+    assert got == [0, 1, 2, 3]
+    assert [s for s, _ in asked] == ["pd.decode.d0.replay"] and asked[0][1].from_seq == 1
+    assert published == []                                  # nothing cancelled, nothing placed again
+    assert [e for e, _ in notes] == ["replayed", "finished"] and notes[0][1]["ok"] is True
+
+
+def test_a_worker_that_no_longer_has_the_chunks_costs_a_failover_instead():
+    got, asked, published, notes = _gap_stream(replay_answer=False)
+    assert got == [0, 1, 2, 3]
+    assert [s for s, _ in asked] == ["pd.decode.d0.replay", "pd.router.route"]
+    assert asked[1][1].attempt == 1 and asked[1][1].resume_token_ids == [100]
+    assert published == [("pd.cancel.r", Cancel(request_id="r", reason="failover", before_attempt=1))]
+    assert [e for e, _ in notes] == ["replayed", "failover", "finished"]

@@ -1,0 +1,41 @@
+"""A decode worker's published chunks, kept for a gateway that lost some on the bus."""
+
+from shared.messages import TokenChunk
+from services.decode.chunk_log import ChunkLog
+
+
+def chunk(rid, seq, n=1, finished=False):
+    return TokenChunk(request_id=rid, seq=seq, token_ids=list(range(seq, seq + n)), text="x", finished=finished)
+
+
+def test_chunks_from_a_seq_on_include_the_one_that_holds_it():
+    log = ChunkLog()
+    for c in (chunk("a", 0), chunk("a", 1, n=3), chunk("a", 4), chunk("b", 0)):
+        log.record(c)
+    assert [c.seq for c in log.since("a", 0)] == [0, 1, 4]
+    assert [c.seq for c in log.since("a", 2)] == [1, 4]      # token 2 is inside the chunk at seq 1
+    assert log.since("a", 5) == []                          # nothing missing: nothing to send
+    assert log.since("unknown", 0) is None
+
+
+def test_what_left_the_window_or_came_before_this_placement_is_refused():
+    log = ChunkLog(window=3)
+    for seq in range(5):
+        log.record(chunk("a", seq))
+    assert log.since("a", 1) is None and [c.seq for c in log.since("a", 2)] == [2, 3, 4]
+    resumed = ChunkLog()
+    resumed.record(chunk("r", 7))                           # a failover placement: tokens 0-6 were made elsewhere
+    assert resumed.since("r", 3) is None and len(resumed.since("r", 7)) == 1
+
+
+def test_finished_requests_are_kept_for_a_while_and_cancelled_ones_not_at_all():
+    now = [0.0]
+    log = ChunkLog(keep_s=10, clock=lambda: now[0])
+    log.record(chunk("done", 0))
+    log.record(chunk("done", 1, finished=True))
+    log.record(chunk("gone", 0))
+    log.forget("gone")
+    now[0] = 9
+    assert [c.seq for c in log.since("done", 1)] == [1] and log.since("gone", 0) is None
+    now[0] = 11
+    assert log.since("done", 1) is None and not log.finished
