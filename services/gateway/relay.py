@@ -43,6 +43,7 @@ from services.gateway.errors import APIError
 log = logging.getLogger("gateway.relay")
 MAX_ATTEMPTS = 4  # placements of one request: the first and up to three failovers
 MAX_REPLAYS = 3   # replays asked of one placement before it is moved instead
+REPLAY_TIMEOUT_S = 2.0  # a decode worker answers from its event loop; silence this long: move the stream
 
 
 class Relay:
@@ -194,7 +195,7 @@ class Relay:
         try:
             reply = await self.bus.request(subjects.decode_replay(placement.decode_worker),
                                            Replay(request_id=rid, from_seq=from_seq), ReplayReply,
-                                           timeout=self.route_timeout_s)
+                                           timeout=REPLAY_TIMEOUT_S)
         except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
             reply = None
         ok = reply is not None and reply.ok
