@@ -24,6 +24,7 @@ import redis.asyncio as aioredis
 
 from shared.lifecycle import TERMINAL, Event, deadline_s
 from shared.messages import WorkerInfo
+from shared.tasks import Background
 
 log = logging.getLogger(__name__)
 REQUEST_TTL_S = 24 * 3600
@@ -64,7 +65,7 @@ class State:
     def __init__(self, r: aioredis.Redis, stall_s: float = 30.0, min_prefill_tokens_per_s: float = 50.0):
         self.r = r
         self.stall_s, self.min_prefill_tokens_per_s = stall_s, min_prefill_tokens_per_s  # phase deadlines
-        self._writes: set[asyncio.Task] = set()
+        self._writes = Background(log, "request state write")
         self.dropped = 0
 
     @classmethod
@@ -81,7 +82,7 @@ class State:
 
     async def close(self) -> None:
         if self._writes:
-            await asyncio.wait(list(self._writes), timeout=2)
+            await asyncio.wait(self._writes, timeout=2)
         await self.r.aclose()
 
     # -- worker registry -------------------------------------------------------------------
@@ -115,14 +116,7 @@ class State:
         limit = deadline_s(phase, prompt_tokens, self.stall_s, self.min_prefill_tokens_per_s)
         if prompt_tokens:
             fields["prompt_tokens"] = prompt_tokens
-        task = asyncio.create_task(self.record(request_id, phase, by, attempt, limit, **fields))
-        self._writes.add(task)
-        task.add_done_callback(self._written)
-
-    def _written(self, task: asyncio.Task) -> None:
-        self._writes.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("request state not recorded: %s", task.exception())
+        self._writes.start(self.record(request_id, phase, by, attempt, limit, **fields))
 
     async def record(self, request_id: str, phase: str, by: str = "", attempt: int = 0,
                      deadline_s: float | None = None, **fields: str | int) -> None:

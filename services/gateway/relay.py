@@ -226,9 +226,9 @@ class Relay:
         """Place the request again, to continue after `generated` (attempt > 0)."""
         trace.get_current_span().add_event("failover", {"why": why, "decode_worker": lost.decode_worker or "",
                                                         "resumed_after_tokens": len(generated), "attempt": attempt})
-        metrics.FAILOVERS.labels(why.split(" in ")[0]).inc()
+        metrics.FAILOVERS.labels(why.split(" in ")[0]).inc()   # worker lost, stream interrupted, stalled
         log.warning("%s: %s (%s); placing it again after %d tokens (attempt %d)", req.request_id, why,
-                    lost.decode_worker, len(generated), attempt)   # worker lost, stream interrupted, stalled
+                    lost.decode_worker, len(generated), attempt)
         self.note(req.request_id, "failover", by=self.owner, attempt=attempt, why=why,
                   lost=lost.decode_worker or "", resumed_after_tokens=len(generated))
         if attempt >= MAX_ATTEMPTS:

@@ -43,6 +43,7 @@ from shared.messages import (AdmitReply, AdmitRequest, KVOutcome, PrefillJob, Ro
 from shared.prefix_index import cached_blocks
 from shared.service import connect, heartbeat, run, setup_logging, stop_event
 from shared.state import State
+from shared.tasks import Background
 from services.router import policy
 from services.router.supervisor import Supervisor
 
@@ -60,7 +61,7 @@ class Router:
         self.sent: dict[str, list[tuple[float, int]]] = {}
         self.turn = 0  # remote placements so far (round-robin baseline)
         self.id = settings.router_id or f"router-{uuid.uuid4().hex[:8]}"
-        self._background: set[asyncio.Task] = set()
+        self._background = Background(log, "background step")  # Redis or NATS away: logged, not fatal
         self.breakers: dict[tuple[str, str], policy.Breaker] = {}  # (prefill, decode) KV paths
 
     async def workers(self) -> list[WorkerInfo]:
@@ -82,14 +83,7 @@ class Router:
         return {worker: sum(n for _, n in sent) for worker, sent in self.sent.items()}
 
     def in_background(self, coro) -> None:
-        task = asyncio.create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._done)
-
-    def _done(self, task: asyncio.Task) -> None:
-        self._background.discard(task)
-        if not task.cancelled() and task.exception() is not None:  # Redis or NATS away: logged, not fatal
-            log.warning("background step failed: %s", task.exception())
+        self._background.start(coro)
 
     async def serve(self, stop: asyncio.Event) -> None:
         await self.bus.ensure_prefill_stream()

@@ -32,6 +32,7 @@ from shared.engine.kv_io import KVPiece
 from shared.kv import codec
 from shared.kv.base import TAG_SPAN, KVTransport, block_checksums
 from shared.messages import KVAck, KVEnd, KVLayer, KVResend, PrefillJob
+from shared.tasks import Background
 
 log = logging.getLogger("kv.sender")
 ReadBlocks = Callable[[str, int, int, int], Awaitable[torch.Tensor]]  # rid, layer, first, n
@@ -58,7 +59,7 @@ class KVSender:
         self.transport, self.bus, self.fingerprint = transport, bus, fingerprint
         self.read_blocks, self.max_attempts, self.encoding = read_blocks, max_attempts, encoding
         self.handoffs: dict[str, Handoff] = {}
-        self._posts: set[asyncio.Task] = set()  # notice + payload pairs under way
+        self.posts = Background(log, "KV notice + payload", logging.DEBUG)  # under way (failures: _send's)
 
     async def start(self) -> None:
         await self.bus.subscribe(subjects.KV_ACK_ALL, self.on_ack)
@@ -101,10 +102,7 @@ class KVSender:
             h.bytes_sent += host.nbytes  # counted when handed over: the ack may beat the send's completion
             # notice and payload go together: a cancellation between them would leave the decode
             # side a posted receive that nothing answers
-            post = asyncio.create_task(self._post(h, notice, np.ascontiguousarray(host).reshape(-1)))
-            self._posts.add(post)
-            post.add_done_callback(self._posted)
-            await asyncio.shield(post)
+            await asyncio.shield(self.posts.start(self._post(h, notice, np.ascontiguousarray(host).reshape(-1))))
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -114,11 +112,6 @@ class KVSender:
     async def _post(self, h: Handoff, notice: KVLayer, payload: np.ndarray) -> None:
         await self.bus.publish(subjects.decode_kv(h.job.decode_worker), notice, ctx=h.ctx)
         await self.transport.send(h.job.decode_address, notice.tag, payload, notice.attempt)
-
-    def _posted(self, task: asyncio.Task) -> None:
-        self._posts.discard(task)
-        if not task.cancelled():
-            task.exception()  # retrieved here: the handoff may have been dropped meanwhile
 
     async def on_resend(self, msg: Msg) -> None:
         req = KVResend.decode(msg.data)
