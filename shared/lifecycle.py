@@ -12,8 +12,9 @@ them in Redis, in order of arrival):
     finished / failed / cancelled    gateway (terminal)
 
 plus events that are not phases: `failover` (gateway, a new attempt), `replayed` (gateway:
-chunks lost on the bus asked again of the decode worker) and `stalled` (supervisor). A failover starts the phases again under the next attempt, so the request's
-status is the furthest phase of its latest attempt, unless it has ended.
+chunks lost on the bus asked again of the decode worker) and `stalled` (supervisor). A
+failover starts the phases again under the next attempt, so the request's status is the
+furthest phase of its latest attempt, unless it has ended.
 
 Deadlines: every phase between placement and the end has one, and the writer sets it when it
 records the phase; a decode worker pushes a request's deadline on while tokens come. A

@@ -199,14 +199,14 @@ class Relay:
         except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
             reply = None
         ok = reply is not None and reply.ok
+        chunks, why_not = (reply.chunks, "") if ok else (0, reply.reason if reply else "no answer")
         log.info("%s: chunks from %d lost on the bus; %s", rid, from_seq,
-                 f"{placement.decode_worker} published {reply.chunks} again" if ok
-                 else f"{placement.decode_worker} cannot replay them ({reply.reason if reply else 'no answer'})")
+                 f"{placement.decode_worker} published {chunks} again" if ok
+                 else f"{placement.decode_worker} cannot replay them ({why_not})")
         metrics.REPLAYS.labels("replayed" if ok else "refused").inc()
         self.note(rid, "replayed", by=self.owner, attempt=attempt, from_seq=from_seq, ok=ok,
-                  decode=placement.decode_worker, reason="" if ok else (reply.reason if reply else "no answer"))
-        trace.get_current_span().add_event("replay", {"from_seq": from_seq, "ok": ok,
-                                                      "chunks": reply.chunks if ok else 0})
+                  decode=placement.decode_worker, reason=why_not)
+        trace.get_current_span().add_event("replay", {"from_seq": from_seq, "ok": ok, "chunks": chunks})
         return ok
 
     def reconnects(self) -> int:
