@@ -35,8 +35,10 @@ def _pin_model(node) -> None:
 
 
 def _fuzz(schema: str, url: str, examples: int) -> tuple[int, int, str]:
+    # one worker: with threads, hypothesis's ast.parse trips a CPython 3.11 bug now and then
+    # ("AST constructor recursion depth mismatch", cpython gh-106905) and schemathesis exits 1
     r = subprocess.run([str(SCHEMATHESIS), "run", schema, "--url", url, "--checks", "not_a_server_error",
-                        "--max-examples", str(examples), "--seed", "7", "--request-timeout", "30", "--workers", "2"],
+                        "--max-examples", str(examples), "--seed", "7", "--request-timeout", "30", "--workers", "1"],
                        capture_output=True, text=True, timeout=900)
     found = re.search(r"(\d+) generated", r.stdout)
     return r.returncode, int(found.group(1)) if found else 0, r.stdout[-3000:]
