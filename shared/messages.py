@@ -122,6 +122,7 @@ class KVLayer(Message):
     against its reservation and every block against its checksum before writing it."""
 
     request_id: str
+    prefill_worker: str       # the sender: acks and re-send requests go to it alone
     fingerprint: str          # model, dtype and block layout of the sender
     tag: int                  # transport tag of the payload: kv_tag <= tag < kv_tag + TAG_SPAN
     layer: int
@@ -236,3 +237,5 @@ class WorkerInfo(Message):
     prefill_tokens_per_s: float = 0.0  # measured (recent prefill passes); 0: not yet measured
     draining: bool = False            # stopping: finishes what it holds, takes nothing new
     step_s: float = 0.0               # how long the engine's current step has run (0: between steps)
+    prefix_slot: int = 0              # its slot in the prefix index (shared/prefix_index.py); 0: none
+    cached_blocks: int = 0            # blocks in its prefix cache

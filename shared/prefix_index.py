@@ -1,33 +1,57 @@
-"""The cluster's prefix index in Redis: which worker holds which KV blocks.
+"""The cluster's prefix index in Redis: which worker holds which KV blocks, found per block.
 
-    pd:prefix:<worker>   set of the chained block hashes (shared/hashing.py) in that worker's
-                         prefix cache; expires with the worker's lease
+    pd:prefix:b:<n>       hash, one of BUCKETS: block hash (signed 64-bit) -> the slots holding
+                          it, comma-separated ("7" or "7,12")
+    pd:prefix:slots       hash: slot -> its holder's token (the worker incarnation writing it)
+    pd:prefix:sizes       hash: slot -> blocks indexed under it
+    pd:prefix:live:<s>    exists while slot s's worker refreshes it (its lease)
+    pd:prefix:next        the last slot handed out (slots are never reused)
 
-Each worker is the only writer of its own set: after every engine step it applies the
-step's "stored" / "evicted" events (KVEvent, in order) in one pipeline, and it empties the
-set when it starts (its cache starts empty). There is therefore no sequence number to check:
-a restarted worker rewrites its set from scratch, a dead one's set expires with its lease,
-and any router replica — or a restarted router — reads the same state. When the set is lost
-instead (Redis restarted without persistence, or an update failed while Redis was away) the
-worker rewrites it whole from its engine's cache (`snapshot`), found at the next lease
-refresh at the latest. Routers ask `cached_blocks(workers, hashes)`: per worker, how many leading blocks of
-a prompt it holds and how full its cache is (SMISMEMBER + SCARD per worker, pipelined).
+A *slot* is one life of one worker's prefix cache: a worker takes a new slot when it starts
+and whenever its entries may have diverged from its cache (Redis restarted empty, an update
+failed, its lease lapsed), then writes its whole cache under it (`snapshot`). Its registry
+entry names its slot (`WorkerInfo.prefix_slot`), so a router reads only slots of live
+workers; a dead slot's entries are removed in the background by `sweep` (router supervisor).
+
+Each worker is the only writer of its slot: after every engine step it applies the step's
+"stored" / "evicted" events (KVEvent, in order) with one script call. Routers ask
+`cached_blocks(workers, hashes)`: one script walks the prompt's blocks in order while some slot
+still holds every block so far — its cost grows with the prompt's cached prefix, not with the
+number of workers. The small hashes (BUCKETS of them, ≤128 fields each up to 16M indexed
+blocks) keep Redis's compact encoding under its default settings: ~16-30 bytes per block at
+1-10M blocks (measured by `make bench-scale`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Awaitable, Callable
 
 from shared.engine.block_manager import KVEvent
+from shared.messages import WorkerInfo
 from shared.state import State
 
 log = logging.getLogger("prefix_index")
+BUCKETS = 1 << 17
+SLOTS, SIZES, NEXT, SWEEP = "pd:prefix:slots", "pd:prefix:sizes", "pd:prefix:next", "pd:prefix:sweep"
+UPDATE_CHUNK = 4096   # hashes per script call (a long call would hold up every other Redis client)
+SWEEP_BUCKETS = 1024  # buckets cleaned per sweep step (a pass: 128 steps), in calls of SWEEP_CHUNK
+SWEEP_CHUNK = 16
 
 
-def prefix_key(worker_id: str) -> str:
-    return f"pd:prefix:{worker_id}"
+def bucket_key(block_hash: int) -> str:
+    return f"pd:prefix:b:{block_hash % BUCKETS}"
+
+
+def live_key(slot: int | str) -> str:
+    return f"pd:prefix:live:{slot}"
+
+
+def field(block_hash: int) -> int:
+    """The hash as a signed 64-bit integer: Redis stores it as an 8-byte integer, not 20 digits."""
+    return block_hash - (1 << 64) if block_hash >= 1 << 63 else block_hash
 
 
 def net_changes(events: list[KVEvent]) -> tuple[list[int], list[int]]:
@@ -38,20 +62,106 @@ def net_changes(events: list[KVEvent]) -> tuple[list[int], list[int]]:
     return ([h for h, k in last.items() if k == "stored"], [h for h, k in last.items() if k == "evicted"])
 
 
+# KEYS: slots, sizes, next, live key prefix is built from the slot. ARGV: token, lease ms.
+_TAKE = """
+local slot = redis.call('INCR', KEYS[3])
+redis.call('HSET', KEYS[1], slot, ARGV[1])
+redis.call('HSET', KEYS[2], slot, 0)
+redis.call('SET', 'pd:prefix:live:' .. slot, 1, 'PX', ARGV[2])
+return slot
+"""
+
+# KEYS: slots, sizes, live key, then one bucket per hash. ARGV: slot, token, lease ms, adds, hashes.
+# Returns the slot's size, or -1 when the slot is no longer this writer's (lost or swept).
+_UPDATE = """
+local slot, nadd = ARGV[1], tonumber(ARGV[4])
+if redis.call('HGET', KEYS[1], slot) ~= ARGV[2] or redis.call('PEXPIRE', KEYS[3], ARGV[3]) == 0 then
+  return -1
+end
+local delta = 0
+for i = 4, #KEYS do
+  local key, h = KEYS[i], ARGV[i + 1]
+  local v = redis.call('HGET', key, h)
+  local held = v and string.find(',' .. v .. ',', ',' .. slot .. ',', 1, true)
+  if i - 3 <= nadd then
+    if not v then
+      redis.call('HSET', key, h, slot)
+      delta = delta + 1
+    elseif not held then
+      redis.call('HSET', key, h, v .. ',' .. slot)
+      delta = delta + 1
+    end
+  elseif held then
+    local rest = string.sub(string.gsub(',' .. v .. ',', ',' .. slot .. ',', ','), 2, -2)
+    if rest == '' then redis.call('HDEL', key, h) else redis.call('HSET', key, h, rest) end
+    delta = delta - 1
+  end
+end
+return redis.call('HINCRBY', KEYS[2], slot, delta)
+"""
+
+# KEYS: one bucket per hash, in prompt order. ARGV: the hashes. Returns [slot, leading blocks, ...]
+# for every slot holding the first block: walks on while some slot holds every block so far.
+_LOOKUP = """
+local holders, out = nil, {}
+for i = 1, #KEYS do
+  local v = redis.call('HGET', KEYS[i], ARGV[i])
+  if not v then break end
+  local now, any = {}, false
+  for s in string.gmatch(v, '[^,]+') do
+    if holders == nil or holders[s] then
+      now[s], out[s], any = true, i, true
+    end
+  end
+  if not any then break end
+  holders = now
+end
+local flat = {}
+for s, n in pairs(out) do
+  flat[#flat + 1] = s
+  flat[#flat + 1] = n
+end
+return flat
+"""
+
+# KEYS: buckets. ARGV: dead slots. Removes them from every entry of those buckets.
+_SWEEP = """
+local dead = {}
+for _, s in ipairs(ARGV) do dead[s] = true end
+local removed = 0
+for _, key in ipairs(KEYS) do
+  local all = redis.call('HGETALL', key)
+  for i = 1, #all, 2 do
+    local keep, changed = {}, false
+    for s in string.gmatch(all[i + 1], '[^,]+') do
+      if dead[s] then changed = true else keep[#keep + 1] = s end
+    end
+    if changed then
+      removed = removed + 1
+      if #keep == 0 then redis.call('HDEL', key, all[i]) else redis.call('HSET', key, all[i], table.concat(keep, ',')) end
+    end
+  end
+end
+return removed
+"""
+
+
 class PrefixPublisher:
     """A worker's writer: batches applied in order by one task, off the step loop."""
 
     def __init__(self, state: State, worker_id: str, lease_s: float,
                  snapshot: Callable[[], Awaitable[list[int]]] | None = None):
-        self.state, self.key, self.lease_ms = state, prefix_key(worker_id), int(lease_s * 1000)
+        self.state, self.worker_id, self.lease_ms = state, worker_id, int(lease_s * 1000)
         self.snapshot = snapshot  # every hash in the engine's prefix cache now
-        self.size = 0             # members of the set after the last update
+        self.slot = 0             # 0: none yet (the registry entry says so)
+        self.token = ""
+        self.size = 0             # blocks indexed under the slot after the last update
         self.queue: asyncio.Queue[list[KVEvent]] = asyncio.Queue()
         self.task: asyncio.Task | None = None
+        self._take, self._update = state.script(_TAKE), state.script(_UPDATE)
 
     async def start(self) -> None:
-        await self.state.r.delete(self.key)
-        self.size = 0
+        await self._new_slot()
         self.task = asyncio.create_task(self._run())
 
     def publish(self, events: list[KVEvent]) -> None:
@@ -61,7 +171,7 @@ class PrefixPublisher:
     async def _run(self) -> None:
         resync = False
         while True:
-            try:  # idle: still refresh the expiry, which is the worker's lease
+            try:  # idle: still refresh the slot's lease
                 events = [await asyncio.wait_for(self.queue.get(), self.lease_ms / 3000)]
             except asyncio.TimeoutError:
                 events = []
@@ -73,55 +183,104 @@ class PrefixPublisher:
                     resync = False
                     continue
                 add, remove = net_changes([e for batch in events for e in batch])
-                async with self.state.r.pipeline(transaction=True) as p:
-                    p.scard(self.key)
-                    if remove:
-                        p.srem(self.key, *remove)
-                    if add:
-                        p.sadd(self.key, *add)
-                    p.pexpire(self.key, self.lease_ms)
-                    p.scard(self.key)
-                    answers = await p.execute()
-                # the only writer: the set is as the last update left it, unless it was lost
-                # (Redis restarted without persistence, or the lease lapsed)
-                resync, self.size = answers[0] != self.size, answers[-1]
+                resync = not await self._apply(add, remove)
             except Exception as e:  # Redis away: routing loses precision, not correctness
                 log.warning("prefix index update failed: %s", e)
                 resync = True
 
+    async def _new_slot(self) -> None:
+        self.token = f"{self.worker_id}:{uuid.uuid4().hex[:8]}"
+        self.slot = int(await self._take(keys=[SLOTS, SIZES, NEXT], args=[self.token, self.lease_ms]))
+        self.size = 0
+
+    async def _apply(self, add: list[int], remove: list[int]) -> bool:
+        """Write the changes under the slot (in chunks); False when the slot is no longer ours."""
+        changes = [(h, True) for h in add] + [(h, False) for h in remove]
+        for start in range(0, max(len(changes), 1), UPDATE_CHUNK):
+            chunk = changes[start:start + UPDATE_CHUNK]
+            adds = [h for h, a in chunk if a]
+            hashes = adds + [h for h, a in chunk if not a]
+            size = await self._update(
+                keys=[SLOTS, SIZES, live_key(self.slot)] + [bucket_key(h) for h in hashes],
+                args=[self.slot, self.token, self.lease_ms, len(adds)] + [field(h) for h in hashes])
+            if size < 0:
+                return False
+            self.size = int(size)
+        return True
+
     async def _rewrite(self) -> None:
-        hashes = await self.snapshot()
-        async with self.state.r.pipeline(transaction=True) as p:
-            p.delete(self.key)
-            if hashes:
-                p.sadd(self.key, *hashes)
-                p.pexpire(self.key, self.lease_ms)
-            await p.execute()
-        self.size = len(set(hashes))
+        """A new slot with the whole cache: entries of the old one may differ from it."""
+        old = self.slot
+        hashes = sorted(set(await self.snapshot()))
+        await self._new_slot()
+        await self.state.r.delete(live_key(old))  # the sweeper cleans its entries
+        if not await self._apply(hashes, []):
+            raise RuntimeError(f"prefix slot {self.slot} lost while being written")
+        log.info("prefix index: %d blocks rewritten under slot %d (was %d)", len(hashes), self.slot, old)
 
     async def close(self) -> None:
         if self.task is not None:
             self.task.cancel()
-        await self.state.r.delete(self.key)
+        await self.state.r.delete(live_key(self.slot))  # its entries are swept
 
 
-async def cached_blocks(state: State, worker_ids: list[str], hashes: list[int]) -> dict[str, tuple[int, int]]:
-    """Per worker: (how many leading blocks of `hashes` it holds, how many blocks its cache holds)."""
-    if not worker_ids:
+def by_worker(workers: list[WorkerInfo], held: dict[int, int]) -> dict[str, tuple[int, int]]:
+    """Per worker: (how many leading blocks of the prompt it holds, how many blocks its cache
+    holds), from a lookup's answer by slot and the workers' registry entries."""
+    return {w.worker_id: (held.get(w.prefix_slot, 0) if w.prefix_slot else 0, w.cached_blocks) for w in workers}
+
+
+def queue_lookup(state: State, p, hashes: list[int]) -> None:
+    """Queue the lookup on pipeline `p` (run with `State.pipelined`); its answer goes to `held_by_slot`."""
+    p.evalsha(state.script(_LOOKUP).sha, len(hashes), *[bucket_key(h) for h in hashes], *[field(h) for h in hashes])
+
+
+async def lookup(state: State, hashes: list[int]) -> dict[int, int]:
+    """Slot -> how many leading blocks of `hashes` it holds (slots holding none are absent)."""
+    if not hashes:
         return {}
-    async with state.r.pipeline(transaction=False) as p:
-        for w in worker_ids:
-            if hashes:
-                p.smismember(prefix_key(w), hashes)
-            p.scard(prefix_key(w))
-        answers = await p.execute()
-    out, it = {}, iter(answers)
-    for w in worker_ids:
-        held = next(it) if hashes else []
-        n = 0
-        for h in held:
-            if not h:
-                break
-            n += 1
-        out[w] = (n, next(it))
-    return out
+    return held_by_slot((await state.pipelined(lambda p: queue_lookup(state, p, hashes)))[0])
+
+
+async def cached_blocks(state: State, workers: list[WorkerInfo], hashes: list[int]) -> dict[str, tuple[int, int]]:
+    return by_worker(workers, await lookup(state, hashes))
+
+
+def held_by_slot(answer: list) -> dict[int, int]:
+    return {int(answer[i]): int(answer[i + 1]) for i in range(0, len(answer), 2)}
+
+
+async def sweep(state: State, holder: str, period_s: float) -> int:
+    """One step of removing dead slots' entries (a slot whose live key is gone): a pass over
+    every bucket in steps of SWEEP_BUCKETS, for the dead slots found when the pass began; at
+    its end those slots are forgotten. Returns the entries changed. Router replicas call it
+    every `period_s` and take turns (one step per period); a step's calls are short, so Redis
+    keeps answering other clients between them."""
+    if not await state.r.set(SWEEP + ":turn", holder, nx=True, px=int(period_s * 900)):
+        return 0
+    raw = await state.r.hgetall(SWEEP)
+    dead, cursor = raw.get(b"dead", b"").decode(), int(raw.get(b"cursor", b"0"))
+    if not dead:
+        slots = [s.decode() for s in await state.r.hkeys(SLOTS)]
+        async with state.r.pipeline(transaction=False) as p:
+            for s in slots:
+                p.exists(live_key(s))
+            alive = await p.execute()
+        dead = ",".join(s for s, a in zip(slots, alive) if not a)
+        if not dead:
+            return 0
+        cursor = 0
+    script, removed = state.script(_SWEEP), 0
+    end = min(cursor + SWEEP_BUCKETS, BUCKETS)
+    for start in range(cursor, end, SWEEP_CHUNK):
+        keys = [f"pd:prefix:b:{n}" for n in range(start, min(start + SWEEP_CHUNK, end))]
+        removed += int(await script(keys=keys, args=dead.split(",")))
+    if end >= BUCKETS:  # pass done: the slots are gone from every bucket
+        async with state.r.pipeline(transaction=True) as p:
+            p.hdel(SLOTS, *dead.split(","))
+            p.hdel(SIZES, *dead.split(","))
+            p.delete(SWEEP)
+            await p.execute()
+    else:
+        await state.r.hset(SWEEP, mapping={"dead": dead, "cursor": end})
+    return removed

@@ -1,6 +1,7 @@
 """Redis keys (prefix `pd:`) and typed accessors.
 
     pd:worker:<id>   WorkerInfo JSON, expires with the heartbeat lease (a dead worker vanishes)
+    pd:workers       set: the ids registered (read with their entries in one call; never a keyspace scan)
     pd:req:<id>      hash: the latest event recorded (`phase`), the fields (mode, reason, workers) and a
                      timestamp per phase (expires after a day)
     pd:req:<id>:log  list: the request's events in order of arrival (shared/lifecycle.py)
@@ -21,6 +22,8 @@ import logging
 import time
 
 import redis.asyncio as aioredis
+from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError
 
 from shared.lifecycle import TERMINAL, Event, deadline_s
 from shared.messages import WorkerInfo
@@ -45,6 +48,7 @@ def log_key(request_id: str) -> str:
     return f"pd:req:{request_id}:log"
 
 
+WORKERS = "pd:workers"
 DEADLINES = "pd:deadlines"
 GATEWAYS = "pd:gateways"   # gateways that have filed requests (the supervisor's list to check)
 
@@ -61,12 +65,42 @@ def route_key(request_id: str) -> str:
     return f"pd:route:{request_id}"
 
 
+# take a request's placing, or renew it when this router holds it
+_CLAIM = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+"""
+
+# the entries of the registered ids; ids whose lease lapsed leave the set
+_REGISTRY = """
+local ids = redis.call('SMEMBERS', KEYS[1])
+if #ids == 0 then return {} end
+local keys = {}
+for i, id in ipairs(ids) do keys[i] = 'pd:worker:' .. id end
+local out = {}
+for i = 1, #keys, 1000 do
+  local values = redis.call('MGET', unpack(keys, i, math.min(i + 999, #keys)))
+  for j, v in ipairs(values) do
+    if v then out[#out + 1] = v else redis.call('SREM', KEYS[1], ids[i + j - 1]) end
+  end
+end
+return out
+"""
+
+
 class State:
     def __init__(self, r: aioredis.Redis, stall_s: float = 30.0, min_prefill_tokens_per_s: float = 50.0):
         self.r = r
         self.stall_s, self.min_prefill_tokens_per_s = stall_s, min_prefill_tokens_per_s  # phase deadlines
         self._writes = Background(log, "request state write")
         self.dropped = 0
+        self._scripts: dict[str, AsyncScript] = {}
+        self._registry = self.script(_REGISTRY)
+        self._decoded: dict[bytes, WorkerInfo] = {}  # registry entries as last read: unchanged ones are not decoded again
 
     @classmethod
     def connect(cls, url: str, stall_s: float = 30.0, min_prefill_tokens_per_s: float = 50.0) -> "State":
@@ -85,23 +119,50 @@ class State:
             await asyncio.wait(self._writes, timeout=2)
         await self.r.aclose()
 
+    def script(self, source: str) -> AsyncScript:
+        """A Lua script of this store (one object per source: its sha is computed once)."""
+        if source not in self._scripts:
+            self._scripts[source] = self.r.register_script(source)
+        return self._scripts[source]
+
+    async def pipelined(self, build, transaction: bool = False) -> list:
+        """One round trip: `build(pipeline)` queues commands (scripts by `evalsha` of
+        `script(...).sha`); a Redis that lost the scripts (restarted) gets them again, once."""
+        for again in (False, True):
+            async with self.r.pipeline(transaction=transaction) as p:
+                build(p)
+                try:
+                    return await p.execute()
+                except NoScriptError:
+                    if again:
+                        raise
+            for script in self._scripts.values():
+                await self.r.script_load(script.script)
+        raise AssertionError("unreachable")
+
     # -- worker registry -------------------------------------------------------------------
     async def heartbeat(self, info: WorkerInfo, lease_s: float) -> None:
-        await self.r.set(worker_key(info.worker_id), info.encode(), px=int(lease_s * 1000))
+        async with self.r.pipeline(transaction=False) as p:
+            p.set(worker_key(info.worker_id), info.encode(), px=int(lease_s * 1000))
+            p.sadd(WORKERS, info.worker_id)
+            await p.execute()
 
     async def deregister(self, worker_id: str) -> None:
-        await self.r.delete(worker_key(worker_id))
+        async with self.r.pipeline(transaction=False) as p:
+            p.delete(worker_key(worker_id))
+            p.srem(WORKERS, worker_id)
+            await p.execute()
 
     async def alive(self, worker_id: str) -> bool:
         """Its lease holds (it heartbeats, draining or not)."""
         return bool(await self.r.exists(worker_key(worker_id)))
 
     async def workers(self, role: str | None = None) -> list[WorkerInfo]:
-        keys = [k async for k in self.r.scan_iter(match=worker_key("*"), count=100)]
-        if not keys:
-            return []
-        infos = [WorkerInfo.decode(v) for v in await self.r.mget(keys) if v is not None]
-        return sorted((w for w in infos if role is None or w.role == role), key=lambda w: w.worker_id)
+        """The registered workers whose lease holds, by id: one call, whatever else Redis holds."""
+        raw = [v for v in await self._registry(keys=[WORKERS]) if v]
+        decoded = {v: self._decoded.get(v) or WorkerInfo.decode(v) for v in raw}
+        self._decoded = decoded
+        return sorted((w for w in decoded.values() if role is None or w.role == role), key=lambda w: w.worker_id)
 
     # -- request state ---------------------------------------------------------------------
     def note(self, request_id: str, phase: str, by: str = "", attempt: int = 0, prompt_tokens: int = 0,
@@ -193,17 +254,22 @@ class State:
         await self.r.set(session_key(session_id), worker_id, px=int(ttl_s * 1000))
 
     # -- placements (idempotent routing) -----------------------------------------------------
+    def queue_claim_route(self, p, request_id: str, router_id: str, lease_s: float) -> None:
+        """Queue on pipeline `p`: take the placing of a request, or renew this router's hold on
+        it; answers 1, or 0 when another router holds it."""
+        p.evalsha(self.script(_CLAIM).sha, 1, route_key(request_id) + ":claim", router_id, int(lease_s * 1000))
+
     async def claim_route(self, request_id: str, router_id: str, lease_s: float) -> bool:
-        """Take the placing of a request, or renew this router's hold on it; False when
-        another router holds it."""
-        key = route_key(request_id) + ":claim"
-        if await self.r.set(key, router_id, nx=True, px=int(lease_s * 1000)):
-            return True
-        held = await self.r.get(key)
-        if held is not None and held.decode() == router_id:
-            await self.r.pexpire(key, int(lease_s * 1000))
-            return True
-        return False
+        return bool((await self.pipelined(lambda p: self.queue_claim_route(p, request_id, router_id, lease_s)))[0])
+
+    async def hold_route(self, request_id: str, router_id: str, lease_s: float, decode: str, ttl_s: float) -> bool:
+        """Renew the claim and note the decode worker about to be asked, in one round trip
+        (a router taking over a lapsed claim asks that worker first); False if the claim was lost."""
+        def build(p):
+            self.queue_claim_route(p, request_id, router_id, lease_s)
+            p.hset(route_key(request_id), "decode", decode)
+            p.pexpire(route_key(request_id), int(ttl_s * 1000))
+        return bool((await self.pipelined(build))[0])
 
     async def release_route(self, request_id: str) -> None:
         """Give up the placing (a refusal): the next attempt decides afresh."""

@@ -1,4 +1,4 @@
-"""Tasks that run to their end whoever awaits them (or nobody does).
+"""Tasks that run to their end whoever awaits them (or nobody does), and steps run every period.
 
 asyncio keeps only weak references to tasks, so a task nobody holds may be collected
 mid-flight, and a failure nobody retrieves is reported as "never retrieved" at exit. A
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 
 
 class Background:
@@ -33,3 +33,17 @@ class Background:
 
     def __iter__(self) -> Iterator[asyncio.Task]:
         return iter(list(self.tasks))
+
+
+async def every(period_s: float, step: Callable[[], Awaitable[object]], stop: asyncio.Event,
+                log: logging.Logger, what: str) -> None:
+    """`step()` every `period_s` until `stop` is set; a failing step is logged and the next runs."""
+    while not stop.is_set():
+        try:
+            await step()
+        except Exception as e:  # noqa: BLE001 - Redis or NATS away: the next period tries again
+            log.warning("%s failed: %s", what, e)
+        try:
+            await asyncio.wait_for(stop.wait(), period_s)
+        except asyncio.TimeoutError:
+            pass

@@ -32,13 +32,15 @@ def build_engine(settings: WorkerSettings) -> Engine:
 
 
 def worker_info(engine: Engine, wid: str, role: str, settings: WorkerSettings, ucx_address: str = "",
-                prefill_tokens_per_s: float = 0.0, draining: bool = False, step_s: float = 0.0) -> WorkerInfo:
+                prefill_tokens_per_s: float = 0.0, draining: bool = False, step_s: float = 0.0,
+                prefix_slot: int = 0) -> WorkerInfo:
     return WorkerInfo(worker_id=wid, role=role, model=settings.model_name, fingerprint=engine.fingerprint,
                       ucx_address=ucx_address, block_size=engine.cfg.block_size, total_blocks=engine.num_blocks,
                       free_blocks=engine.num_free_blocks, growth_blocks=engine.growth_blocks,
                       running=len(engine.scheduler.running),
                       waiting=len(engine.scheduler.waiting) + engine.num_importing, queued_tokens=engine.queued_tokens,
-                      prefill_tokens_per_s=prefill_tokens_per_s, draining=draining, step_s=step_s)
+                      prefill_tokens_per_s=prefill_tokens_per_s, draining=draining, step_s=step_s,
+                      prefix_slot=prefix_slot, cached_blocks=engine.num_cached_blocks)
 
 
 async def serve_worker(role: str, settings: WorkerSettings, worker_cls) -> None:

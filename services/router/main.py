@@ -2,12 +2,15 @@
 
 1. Start: make sure the prefill work queue exists; join the `router` queue group on
    `pd.router.route` (several replicas share the requests).
-2. Route (gateway → here): read the live workers from the registry (leases: a dead worker
-   is simply absent) and how much of the prompt each prefill worker already caches (the
-   prefix index, shared/prefix_index.py); decide local or remote prefill and pick the
-   decode worker and the prefill worker by cost (policy.py).
+2. Route (gateway → here): the live workers as last read from the registry (re-read in the
+   background every 0.2 s; leases: a dead worker is simply absent); in one Redis round trip
+   claim the request, look its prompt up in the prefix index (shared/prefix_index.py: how
+   many leading blocks each worker holds) and read its conversation's worker; decide local or
+   remote prefill and pick the decode worker and the prefill worker by cost (policy.py).
 3. Admit on the decode worker first (it reserves KV blocks, or refuses and the next
-   candidate is asked), so no prefill is spent on a request that has nowhere to decode.
+   candidate is asked), so no prefill is spent on a request that has nowhere to decode. One
+   round trip before each admit renews the claim and notes the worker asked; one after
+   stores the reply: three in all for a request placed at the first try.
 4. Remote: put the prefill job on the chosen prefill worker's queue (JetStream, kept until
    the worker acks it after the KV handoff). Record the request's state in Redis.
 5. Reply to the gateway with the placement and its reason (also on the `router.route` span).
@@ -18,7 +21,9 @@
    local prefill), then probed (policy.Breaker).
 7. Supervisor (supervisor.py): requests past their phase's deadline with their workers alive
    → the gateway is told to move them; requests whose gateway is gone → cancelled.
-8. SIGTERM: leave the queue group, finish the routes in flight, drain NATS.
+8. Background: the registry re-read; a step of sweeping dead workers' entries out of the
+   prefix index (replicas take turns).
+9. SIGTERM: leave the queue group, finish the routes in flight, drain NATS.
 Routes run concurrently (a task each): an admit that waits on a dying worker delays only its own.
 """
 
@@ -40,10 +45,10 @@ from shared.config import RouterSettings
 from shared.hashing import block_hashes
 from shared.messages import (AdmitReply, AdmitRequest, KVOutcome, PrefillJob, RouteReply, RouteRequest,
                              WorkerInfo)
-from shared.prefix_index import cached_blocks
+from shared import prefix_index
 from shared.service import connect, heartbeat, run, setup_logging, stop_event
-from shared.state import State
-from shared.tasks import Background
+from shared.state import State, route_key, session_key
+from shared.tasks import Background, every
 from services.router import policy
 from services.router.supervisor import Supervisor
 
@@ -56,31 +61,53 @@ class Router:
     def __init__(self, settings: RouterSettings, bus: Bus, state: State, tracer: trace.Tracer):
         self.settings, self.bus, self.state, self.tracer = settings, bus, state, tracer
         self._workers: tuple[float, list[WorkerInfo]] = (0.0, [])
+        self.refreshing = False  # keep_workers runs
         # prefill tokens sent to each worker lately, (when, tokens): counted on top of the queue its
         # registry entry shows until that entry has surely caught up (two heartbeats and a second)
         self.sent: dict[str, list[tuple[float, int]]] = {}
+        self.admitted: dict[str, list[tuple[float, int]]] = {}  # decode workers: (when, 1) per admit, likewise
         self.turn = 0  # remote placements so far (round-robin baseline)
         self.id = settings.router_id or f"router-{uuid.uuid4().hex[:8]}"
         self._background = Background(log, "background step")  # Redis or NATS away: logged, not fatal
         self.breakers: dict[tuple[str, str], policy.Breaker] = {}  # (prefill, decode) KV paths
 
     async def workers(self) -> list[WorkerInfo]:
-        """The live registry, re-read at most every WORKERS_TTL_S (heartbeats are 1 s apart;
-        a stale entry costs one refused admit, which moves on to the next candidate)."""
+        """The live registry as last read: kept fresh by `keep_workers` while the router serves
+        (a placement never waits for it); read here when older than WORKERS_TTL_S otherwise.
+        Heartbeats are 1 s apart: a stale entry costs one refused admit, which moves on."""
         fetched_at, workers = self._workers
-        now = time.monotonic()
-        if now - fetched_at > WORKERS_TTL_S:
-            workers = [w for w in await self.state.workers() if w.role in ("prefill", "decode") and not w.draining
-                       and w.step_s < self.settings.stall_s]  # a step running that long: hung
-            self._workers = (now, workers)
+        if time.monotonic() - fetched_at > WORKERS_TTL_S and not self.refreshing:
+            workers = await self.read_workers()
         return workers
 
+    async def read_workers(self) -> list[WorkerInfo]:
+        now = time.monotonic()
+        workers = [w for w in await self.state.workers() if w.role in ("prefill", "decode") and not w.draining
+                   and w.step_s < self.settings.stall_s]  # a step running that long: hung
+        self._workers = (now, workers)
+        return workers
+
+    async def keep_workers(self, stop: asyncio.Event) -> None:
+        self.refreshing = True
+        try:
+            await every(WORKERS_TTL_S, self.read_workers, stop, log, "registry read")
+        finally:
+            self.refreshing = False
+
     def recently_sent(self) -> dict[str, int]:
-        # long enough for the worker to have pulled the job and reported it in a heartbeat
+        """Prefill tokens this router sent each worker that its registry entry may not show yet."""
+        return self.recent(self.sent)
+
+    def recently_admitted(self) -> dict[str, int]:
+        """Requests this router admitted on each decode worker that its registry entry may not show yet."""
+        return self.recent(self.admitted)
+
+    def recent(self, booked: dict[str, list[tuple[float, int]]]) -> dict[str, int]:
+        # long enough for the worker to have taken the work and reported it in a heartbeat
         horizon = time.monotonic() - (2 * self.settings.heartbeat_s + 1.0)
-        for worker, sent in self.sent.items():
-            sent[:] = [(t, n) for t, n in sent if t > horizon]
-        return {worker: sum(n for _, n in sent) for worker, sent in self.sent.items()}
+        for worker, items in booked.items():
+            items[:] = [(t, n) for t, n in items if t > horizon]
+        return {worker: sum(n for _, n in items) for worker, items in booked.items()}
 
     def in_background(self, coro) -> None:
         self._background.start(coro)
@@ -94,9 +121,12 @@ class Router:
         beat = asyncio.create_task(heartbeat(self.state, lambda: me, self.settings.heartbeat_s, stop))
         supervisor = Supervisor(self.bus, self.state, self.id, self.settings.stall_s, 3 * self.settings.heartbeat_s)
         supervising = asyncio.create_task(supervisor.run(stop, self.settings.supervise_s))
+        registry = asyncio.create_task(self.keep_workers(stop))
+        sweeping = asyncio.create_task(every(self.settings.supervise_s, lambda: prefix_index.sweep(
+            self.state, self.id, self.settings.supervise_s), stop, log, "prefix index sweep"))
         log.info("router ready")
         await stop.wait()
-        await asyncio.gather(beat, supervising)
+        await asyncio.gather(beat, supervising, registry, sweeping)
         await self.state.deregister(me.worker_id)
         await sub.drain()
         await asyncio.gather(*self._background, return_exceptions=True)
@@ -145,39 +175,58 @@ class Router:
         admit is idempotent there, and the prefill job is deduplicated by its message id)."""
         key = f"{req.request_id}#{req.attempt}" if req.attempt else req.request_id  # a failover places anew
         lease_s = 2 * self.settings.admit_timeout_s + 1.0
-        while not await self.state.claim_route(key, self.id, lease_s):
-            known = await self.state.route(key)
-            if "reply" in known:
+        workers = [w for w in await self.workers() if w.model == req.model]
+        # the engine always computes the last prompt token: only the blocks before it can hit
+        hashes = block_hashes(req.prompt_token_ids[:-1], workers[0].block_size if workers else 16)
+        while True:
+            claimed, known, held, session_worker = await self.begin(key, lease_s, hashes, req.session_id)
+            if "reply" in known:  # placed already (by this or another replica, maybe one since gone)
                 return self.repeated(known)
+            if claimed:
+                break
             await asyncio.sleep(0.05)
-        known = await self.state.route(key)
-        if "reply" in known:  # placed by a router whose claim has lapsed since
-            return self.repeated(known)
-        reply = await self.place(req, key, known.get("decode"), lease_s)
+        reply = await self.place(req, key, known.get("decode"), lease_s, workers,
+                                 prefix_index.by_worker(workers, held), session_worker)
         if reply.ok:
             await self.state.note_route(key, ROUTE_TTL_S, reply=reply.encode().decode())
         else:  # refused: a later attempt decides afresh
             await self.state.release_route(key)
         return reply
 
+    async def begin(self, key: str, lease_s: float, hashes: list[int], session_id: str | None
+                    ) -> tuple[bool, dict[str, str], dict[int, int], str | None]:
+        """One round trip: claim the placing, read what is known of it, look the prompt up in
+        the prefix index and read the conversation's worker. (claimed, known, held by slot, session worker)"""
+        def build(p):
+            self.state.queue_claim_route(p, key, self.id, lease_s)
+            p.hgetall(route_key(key))
+            if hashes:
+                prefix_index.queue_lookup(self.state, p, hashes)
+            if session_id:
+                p.get(session_key(session_id))
+        answers = iter(await self.state.pipelined(build))
+        claimed, known = bool(next(answers)), {k.decode(): v.decode() for k, v in next(answers).items()}
+        held = prefix_index.held_by_slot(next(answers)) if hashes else {}
+        session = next(answers) if session_id else None
+        return claimed, known, held, session.decode() if session else None
+
     @staticmethod
     def repeated(known: dict[str, str]) -> RouteReply:
         trace.get_current_span().set_attribute("repeated", True)
         return RouteReply.decode(known["reply"].encode())
 
-    async def place(self, req: RouteRequest, key: str, chosen_before: str | None, lease_s: float) -> RouteReply:
+    async def place(self, req: RouteRequest, key: str, chosen_before: str | None, lease_s: float,
+                    workers: list[WorkerInfo], cached: dict[str, tuple[int, int]], session_worker: str | None
+                    ) -> RouteReply:
         rid, prompt, resume = req.request_id, req.prompt_token_ids, req.resume_token_ids
-        workers = [w for w in await self.workers() if w.model == req.model]
         prefills = [w for w in workers if w.role == "prefill"]
         decodes = [w for w in workers if w.role == "decode"]
         block_size = workers[0].block_size if workers else 16
-        # the engine always computes the last prompt token: only the blocks before it can hit
-        cached = await cached_blocks(self.state, [w.worker_id for w in workers], block_hashes(prompt[:-1], block_size))
-        session_worker = await self.state.session_worker(req.session_id)
         blocks = -(-(len(prompt) + len(resume) + 1) // block_size)
         ranked = policy.decode_candidates(decodes, blocks, {w: n * block_size for w, (n, _) in cached.items()},
                                           len(prompt), session_worker, self.settings.affinity_slack,
-                                          output_blocks=-(-req.sampling.max_tokens // block_size))
+                                          output_blocks=-(-req.sampling.max_tokens // block_size),
+                                          booked=self.recently_admitted())
         ranked = sorted(ranked, key=lambda w: w.worker_id in req.avoid_workers)  # stable: avoided ones last
         if chosen_before:  # taking over a placement: the worker already asked first (it may hold the request)
             ranked = [w for w in decodes if w.worker_id == chosen_before] + [
@@ -201,13 +250,14 @@ class Router:
                 self.sent.setdefault(prefill.worker_id, []).append(booked)
                 self.turn += 1
                 self.breaker(prefill.worker_id, decode.worker_id).chosen(booked[0])
-            await self.state.claim_route(key, self.id, lease_s)  # renew: each admit may take its timeout
-            await self.state.note_route(key, ROUTE_TTL_S, decode=decode.worker_id)
+            # renew the claim (each admit may take its timeout) and note the worker asked
+            await self.state.hold_route(key, self.id, lease_s, decode.worker_id, ROUTE_TTL_S)
             admit = await self.admit(decode, req, mode, prefill.worker_id if prefill else None)
             if admit is None or not admit.ok:
                 if booked and booked in self.sent.get(prefill.worker_id, []):
                     self.sent[prefill.worker_id].remove(booked)
                 continue
+            self.admitted.setdefault(decode.worker_id, []).append((time.monotonic(), 1))
             span = trace.get_current_span()
             if mode == "remote":
                 span.set_attributes({"prefill_cached_tokens": prefill.cached_tokens,

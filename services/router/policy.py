@@ -30,7 +30,8 @@ def prefill_mode(prompt_tokens: int, prefill_workers: int, local_below: int) -> 
 
 def decode_candidates(workers: list[WorkerInfo], blocks_needed: int, cached_tokens: dict[str, int] | None = None,
                       prompt_tokens: int = 0, session_worker: str | None = None,
-                      affinity_slack: int = 4, output_blocks: int = 0) -> list[WorkerInfo]:
+                      affinity_slack: int = 4, output_blocks: int = 0,
+                      booked: dict[str, int] | None = None) -> list[WorkerInfo]:
     """Decode workers that have room for the prompt, best first.
 
     A worker is *affine* when it holds the request's conversation — it is the session's
@@ -40,15 +41,20 @@ def decode_candidates(workers: list[WorkerInfo], blocks_needed: int, cached_toke
     blocks cross). Then the rest: those with room for the whole request first — the prompt
     and `output_blocks` of output, on top of what their own sequences may still take to reach
     their max_tokens (`growth_blocks`): a worker short of that would preempt a stream later —
-    then least loaded first, most headroom first."""
-    cached = cached_tokens or {}
+    then least loaded first, most headroom first. A worker's load counts the requests admitted
+    there since its registry entry was written (`booked`), so a burst spreads over the pool
+    instead of piling onto the worker that looked emptiest a heartbeat ago."""
+    cached, booked = cached_tokens or {}, booked or {}
     fit = [w for w in workers if w.free_blocks >= blocks_needed]
     if not fit:
         return []
-    least = min(w.running + w.waiting for w in fit)
+
+    def load_of(w: WorkerInfo) -> int:
+        return w.running + w.waiting + booked.get(w.worker_id, 0)
+    least = min(load_of(w) for w in fit)
 
     def key(w: WorkerInfo):
-        load, held, headroom = w.running + w.waiting, cached.get(w.worker_id, 0), w.free_blocks - w.growth_blocks
+        load, held, headroom = load_of(w), cached.get(w.worker_id, 0), w.free_blocks - w.growth_blocks
         affine = (w.worker_id == session_worker or 2 * held >= prompt_tokens > 0) and load <= least + affinity_slack
         return (not affine, -held if affine else 0, headroom < blocks_needed + output_blocks, load, -headroom,
                 w.worker_id)

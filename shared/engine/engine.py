@@ -95,6 +95,10 @@ class Engine:
         return list(self.blocks.hash_to_block)
 
     @property
+    def num_cached_blocks(self) -> int:
+        return len(self.blocks.hash_to_block)
+
+    @property
     def num_importing(self) -> int:
         """Sequences reserved for KV on its way: they run as soon as it lands."""
         return sum(s.status is Status.IMPORTING for s in list(self.seqs.values()))
