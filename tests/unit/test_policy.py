@@ -28,6 +28,18 @@ def test_decode_candidates_prefer_room_for_the_expected_output_over_a_lighter_lo
     assert [x.worker_id for x in policy.decode_candidates(workers, 10, output_blocks=2)] == ["a", "b"]
 
 
+def test_a_burst_spreads_over_equal_workers_as_admits_are_counted():
+    """Registry entries a heartbeat old show four idle workers: each admit this router made
+    since counts as load, so eight requests in a row go two to each, not all to the first."""
+    workers = [w(x) for x in "abcd"]
+    booked: dict[str, int] = {}
+    for _ in range(8):
+        best = policy.decode_candidates(workers, blocks_needed=4, booked=booked)[0].worker_id
+        booked[best] = booked.get(best, 0) + 1
+    assert booked == {"a": 2, "b": 2, "c": 2, "d": 2}
+    assert [x.worker_id for x in policy.decode_candidates(workers, 4)][0] == "a"  # without: the same one each time
+
+
 def test_a_follow_up_turn_goes_back_to_its_kv_unless_that_worker_is_swamped():
     workers = [w("a", running=2), w("b", running=0), w("c", running=1)]
     order = lambda **kw: [x.worker_id for x in policy.decode_candidates(workers, 10, **kw)]  # noqa: E731
