@@ -43,6 +43,7 @@ import httpx
 import redis
 
 from deploy.local.stack import Stack, StackConfig
+from shared.state import WORKERS, worker_key
 
 MODEL = "SmolLM2-135M-Instruct"
 RESULTS = Path(__file__).parent / "results" / "chaos.json"
@@ -104,7 +105,8 @@ async def run_all(url: str, requests: list[list[dict]], max_tokens: int,
 
 def pools(stack: Stack) -> dict[str, dict]:
     store = redis.Redis.from_url(stack.redis_url)
-    infos = [json.loads(v) for v in store.mget(store.keys("pd:worker:*")) if v] if store.keys("pd:worker:*") else []
+    ids = [i.decode() for i in store.smembers(WORKERS)]
+    infos = [json.loads(v) for v in store.mget([worker_key(i) for i in ids]) if v] if ids else []
     return {w["worker_id"]: w for w in infos if w["role"] in ("prefill", "decode")}
 
 
