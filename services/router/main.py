@@ -50,6 +50,7 @@ from shared.service import connect, heartbeat, run, setup_logging, stop_event
 from shared.state import State, route_key, session_key
 from shared.tasks import Background, every
 from services.router import policy
+from services.router.recent import Recent
 from services.router.supervisor import Supervisor
 
 log = logging.getLogger("router")
@@ -62,10 +63,10 @@ class Router:
         self.settings, self.bus, self.state, self.tracer = settings, bus, state, tracer
         self._workers: tuple[float, list[WorkerInfo]] = (0.0, [])
         self.refreshing = False  # keep_workers runs
-        # prefill tokens sent to each worker lately, (when, tokens): counted on top of the queue its
-        # registry entry shows until that entry has surely caught up (two heartbeats and a second)
-        self.sent: dict[str, list[tuple[float, int]]] = {}
-        self.admitted: dict[str, list[tuple[float, int]]] = {}  # decode workers: (when, 1) per admit, likewise
+        # counted on top of what each worker's registry entry shows, until that entry has surely
+        # caught up (two heartbeats and a second): prefill tokens sent, requests admitted
+        horizon_s = 2 * settings.heartbeat_s + 1.0
+        self.sent, self.admitted = Recent(horizon_s), Recent(horizon_s)
         self.turn = 0  # remote placements so far (round-robin baseline)
         self.id = settings.router_id or f"router-{uuid.uuid4().hex[:8]}"
         self._background = Background(log, "background step")  # Redis or NATS away: logged, not fatal
@@ -93,21 +94,6 @@ class Router:
             await every(WORKERS_TTL_S, self.read_workers, stop, log, "registry read")
         finally:
             self.refreshing = False
-
-    def recently_sent(self) -> dict[str, int]:
-        """Prefill tokens this router sent each worker that its registry entry may not show yet."""
-        return self.recent(self.sent)
-
-    def recently_admitted(self) -> dict[str, int]:
-        """Requests this router admitted on each decode worker that its registry entry may not show yet."""
-        return self.recent(self.admitted)
-
-    def recent(self, booked: dict[str, list[tuple[float, int]]]) -> dict[str, int]:
-        # long enough for the worker to have taken the work and reported it in a heartbeat
-        horizon = time.monotonic() - (2 * self.settings.heartbeat_s + 1.0)
-        for worker, items in booked.items():
-            items[:] = [(t, n) for t, n in items if t > horizon]
-        return {worker: sum(n for _, n in items) for worker, items in booked.items()}
 
     def in_background(self, coro) -> None:
         self._background.start(coro)
@@ -226,7 +212,7 @@ class Router:
         ranked = policy.decode_candidates(decodes, blocks, {w: n * block_size for w, (n, _) in cached.items()},
                                           len(prompt), session_worker, self.settings.affinity_slack,
                                           output_blocks=-(-req.sampling.max_tokens // block_size),
-                                          booked=self.recently_admitted())
+                                          booked=self.admitted.totals(time.monotonic()))
         ranked = sorted(ranked, key=lambda w: w.worker_id in req.avoid_workers)  # stable: avoided ones last
         if chosen_before:  # taking over a placement: the worker already asked first (it may hold the request)
             ranked = [w for w in decodes if w.worker_id == chosen_before] + [
@@ -245,19 +231,20 @@ class Router:
                     metrics.PLACEMENTS.labels("refused", "ttft_objective").inc()
                     return RouteReply(request_id=rid, ok=False, reason=why_not, retry_after_s=retry_after)
             # counted at once: routes decided while this admit is in flight see the work
-            booked = (time.monotonic(), len(prompt) - prefill.cached_tokens) if mode == "remote" else None
+            now = time.monotonic()
+            booked = self.sent.add(prefill.worker_id, len(prompt) - prefill.cached_tokens, now) \
+                if mode == "remote" else None
             if booked:
-                self.sent.setdefault(prefill.worker_id, []).append(booked)
                 self.turn += 1
-                self.breaker(prefill.worker_id, decode.worker_id).chosen(booked[0])
+                self.breaker(prefill.worker_id, decode.worker_id).chosen(now)
             # renew the claim (each admit may take its timeout) and note the worker asked
             await self.state.hold_route(key, self.id, lease_s, decode.worker_id, ROUTE_TTL_S)
             admit = await self.admit(decode, req, mode, prefill.worker_id if prefill else None)
             if admit is None or not admit.ok:
-                if booked and booked in self.sent.get(prefill.worker_id, []):
-                    self.sent[prefill.worker_id].remove(booked)
+                if booked:
+                    self.sent.cancel(booked)
                 continue
-            self.admitted.setdefault(decode.worker_id, []).append((time.monotonic(), 1))
+            self.admitted.add(decode.worker_id, 1, time.monotonic())
             span = trace.get_current_span()
             if mode == "remote":
                 span.set_attributes({"prefill_cached_tokens": prefill.cached_tokens,
@@ -294,7 +281,7 @@ class Router:
         if prefills and not healthy:  # every path to this decode worker failing: colocated until it heals
             return None, "local", f"KV paths to {decode.worker_id} failing (breaker open): prefilled there", \
                 "breaker_open"
-        candidates = policy.prefill_candidates(healthy, decode.fingerprint, cached, self.recently_sent(),
+        candidates = policy.prefill_candidates(healthy, decode.fingerprint, cached, self.sent.totals(time.monotonic()),
                                                self.settings.default_prefill_tokens_per_s)
         if self.settings.prefill_policy == "round_robin":
             prefill, why = policy.choose_round_robin(candidates, self.turn)
