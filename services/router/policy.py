@@ -12,7 +12,7 @@ prefill worker is up, are prefilled on the decode worker itself.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from shared.messages import WorkerInfo
 
@@ -61,8 +61,7 @@ def decode_candidates(workers: list[WorkerInfo], blocks_needed: int, cached_toke
     return sorted(fit, key=key)
 
 
-@dataclass(frozen=True)
-class PrefillCandidate:
+class PrefillCandidate(NamedTuple):  # a tuple: hundreds are made per placement in a large pool
     worker_id: str
     cached_tokens: int        # leading prompt tokens already in this worker's prefix cache
     queued_tokens: int        # prefill work waiting there before this prompt (tokens to compute)
@@ -99,10 +98,13 @@ def choose_prefill_by_cost(candidates: list[PrefillCandidate], prompt_tokens: in
         return None, "no prefill worker"
     most = max(c.cached_tokens for c in candidates)
 
-    def cost(c: PrefillCandidate) -> float:
-        return predicted_prefill_s(c, prompt_tokens) + recompute_weight * (most - c.cached_tokens) / max(c.tokens_per_s, 1e-9)
+    def key(c: PrefillCandidate) -> tuple:  # predicted_prefill_s + the recompute penalty, written out (hot)
+        rate = max(c.tokens_per_s, 1e-9)
+        cost = (c.queued_tokens + max(0, prompt_tokens - c.cached_tokens)) / rate \
+            + recompute_weight * (most - c.cached_tokens) / rate
+        return cost, -c.cached_tokens, c.cache_blocks, c.worker_id
 
-    best = min(candidates, key=lambda c: (cost(c), -c.cached_tokens, c.cache_blocks, c.worker_id))
+    best = min(candidates, key=key)
     return best, (f"{best.worker_id}: first token in ~{predicted_prefill_s(best, prompt_tokens):.2f} s "
                   f"({best.cached_tokens} of {prompt_tokens} tokens cached, {best.queued_tokens} queued)")
 
