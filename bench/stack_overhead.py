@@ -1,7 +1,7 @@
 """Control-plane overhead: time to first token through the whole stack minus the in-process
 engine's, for a short prompt, measured side by side in one run.
 
-    python -m bench.stack_overhead [--requests 50] [--colocated]
+    python -m bench.stack_overhead [--requests 50] [--colocated]   (writes bench/results/stack.json)
 
 Starts the local stack (1 prefill + 1 decode worker; each worker gets cores/workers torch
 threads, and the in-process engine the same number), then alternates: one streamed request
@@ -16,7 +16,9 @@ import argparse
 import json
 import os
 import statistics
+import platform
 import time
+from pathlib import Path
 
 import httpx
 import torch
@@ -88,6 +90,16 @@ def main() -> None:
         print(f"{name:24} {1e3 * pct(xs, 50):8.1f} {1e3 * pct(xs, 99):8.1f}")
     print(f"{'overhead (p50 - p50)':24} {1e3 * (pct(through, 50) - pct(direct, 50)):8.1f}   target <= 5 ms")
     print(f"{'overhead (p99 - p99)':24} {1e3 * (pct(through, 99) - pct(direct, 99)):8.1f}   target <= 25 ms")
+    ms = {name: {"p50": round(1e3 * pct(xs, 50), 2), "p99": round(1e3 * pct(xs, 99), 2)}
+          for name, xs in (("through_stack", through), ("engine_in_process", direct), ("difference", over))}
+    summary = {"overhead_p50_ms": round(1e3 * (pct(through, 50) - pct(direct, 50)), 2),
+               "overhead_p99_ms": round(1e3 * (pct(through, 99) - pct(direct, 99)), 2),
+               "target_p50_ms": 5.0, "target_p99_ms": 25.0}
+    out = Path(__file__).parent / "results" / ("stack_colocated.json" if args.colocated else "stack.json")
+    out.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "processor": platform.processor()},
+                               "mode": mode, "prompt_tokens": len(ids), "requests": args.requests,
+                               "threads": threads, "ttft_ms": ms, "summary": summary}, indent=1) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
