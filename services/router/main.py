@@ -71,6 +71,7 @@ class Router:
         self.id = settings.router_id or f"router-{uuid.uuid4().hex[:8]}"
         self._background = Background(log, "background step")  # Redis or NATS away: logged, not fatal
         self.breakers: dict[tuple[str, str], policy.Breaker] = {}  # (prefill, decode) KV paths
+        self.tripped: dict[str, set[str]] = {}  # decode worker -> prefill workers whose path's breaker is not closed
 
     async def workers(self) -> list[WorkerInfo]:
         """The live registry as last read: kept fresh by `keep_workers` while the router serves
@@ -129,6 +130,11 @@ class Router:
         b = self.breaker(out.prefill_worker, out.decode_worker)
         before = b.state
         b.record(out.ok, time.monotonic())
+        tripped = self.tripped.setdefault(out.decode_worker, set())
+        if b.opened_at is None:
+            tripped.discard(out.prefill_worker)
+        else:
+            tripped.add(out.prefill_worker)
         if b.state != before:
             log.warning("KV path %s -> %s: breaker %s (%s)", out.prefill_worker, out.decode_worker, b.state,
                         out.reason or "ok")
@@ -277,7 +283,9 @@ class Router:
         """For a prompt bound to `decode`: the prefill worker, local or remote, why, and the
         kind of reason (a metric label)."""
         now = time.monotonic()
-        healthy = [p for p in prefills if self.breaker(p.worker_id, decode.worker_id).allow(now)]
+        tripped = self.tripped.get(decode.worker_id)  # paths not closed (only those need asking)
+        healthy = [p for p in prefills if p.worker_id not in tripped or self.breaker(p.worker_id, decode.worker_id)
+                   .allow(now)] if tripped else prefills
         if prefills and not healthy:  # every path to this decode worker failing: colocated until it heals
             return None, "local", f"KV paths to {decode.worker_id} failing (breaker open): prefilled there", \
                 "breaker_open"
