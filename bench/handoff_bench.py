@@ -72,7 +72,7 @@ def _decode_side(url, cmd_q, reply_q):
             landed = time.time()
             # CPU of this whole process (event loop, ucxx threads) while it waited for and took the KV
             cpu = (time.process_time() - cpu0) / (landed - wall0)
-            await bus.publish(subjects.kv_ack(rid), KVAck(request_id=rid, ok=True))
+            await bus.publish(subjects.prefill_kv_ack("bench-p"), KVAck(request_id=rid, ok=True))
             engine.abort(rid)
             reply_q.put((landed, cpu))
         await bus.close()
@@ -116,7 +116,7 @@ def exposed_fraction_1k(rounds: int = 3) -> dict:
         async def run():
             host = EngineHost(engine)
             bus = await Bus.connect(url, "bench-prefill")
-            sender = KVSender(make("ucx"), bus, engine.fingerprint,
+            sender = KVSender(make("ucx"), bus, "bench-p", engine.fingerprint,
                               lambda *a: host.call(engine.kv_blocks, *a))
             await sender.start()
             loop = asyncio.get_running_loop()

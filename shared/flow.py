@@ -22,7 +22,7 @@ that handles each step. (Documentation only; nothing to import.)
  7. Handoff, during the prefill: after each layer of each pass, a KVLayer notice on
     `pd.decode.<w>.kv` (block range, per-block checksums, tag) and the payload over UCX
     (shared/kv/ucx.py); KVEnd on `pd.decode.<w>.kv.end` with the first token; re-sends on
-    `pd.kv.resend.<rid>`; the blocks are freed at `pd.kv.ack.<rid>` (or the lease).
+    `pd.prefill.<p>.kv.resend`; the blocks are freed at `pd.prefill.<p>.kv.ack` (or the lease).
  8. services/decode/main.py (shared/kv/receiver.py) posts each receive when its notice
     arrives, verifies fingerprint, range and every block's checksum, writes good blocks into
     the reservation, commits with the first token, acks. Late or bad KV → local prefill
@@ -30,7 +30,8 @@ that handles each step. (Documentation only; nothing to import.)
  9. Decode steps the continuous batch (shared/engine_host.py runs the engine on one thread)
     and publishes TokenChunks (seq = index of the first token in the chunk).
 10. The gateway relays chunks in seq order (duplicates dropped) as SSE or one JSON body.
-    A client that leaves → `pd.cancel.<rid>`: both workers abort and free the blocks.
+    A client that leaves → `pd.decode.<w>.cancel` and `pd.prefill.<p>.cancel` (the workers of
+    each of its placements, no others: shared/holders.py): both abort and free the blocks.
 
 Trace: gateway.request → router.route → decode.admit, prefill.queue, prefill.compute,
 kv.transfer (alongside the compute); decode.generate → kv.receive. Context rides in NATS headers (shared/tracing.py).

@@ -32,6 +32,39 @@ def decode_replay(worker: str) -> str:
     return f"pd.decode.{worker}.replay"
 
 
+def decode_cancel(worker: str) -> str:
+    """gateway, supervisor, prefill -> decode worker: Cancel of a request placed there."""
+    return f"pd.decode.{worker}.cancel"
+
+
+def prefill_cancel(worker: str) -> str:
+    """gateway, supervisor -> prefill worker: Cancel of a request whose job it was given."""
+    return f"pd.prefill.{worker}.cancel"
+
+
+def prefill_kv_ack(worker: str) -> str:
+    """decode -> prefill worker: KVAck, the KV arrived and was verified (or refused): free it."""
+    return f"pd.prefill.{worker}.kv.ack"
+
+
+def prefill_kv_resend(worker: str) -> str:
+    """decode -> prefill worker: KVResend, blocks that failed their checksum."""
+    return f"pd.prefill.{worker}.kv.resend"
+
+
+def decode_control(worker: str) -> dict[str, str]:
+    """What one decode worker subscribes to for the requests it holds, by message. Each is
+    addressed to the workers of the request alone, so what a request costs the bus does not
+    grow with the fleet (tests/unit/test_control_fanout.py)."""
+    return {"cancel": decode_cancel(worker)}
+
+
+def prefill_control(worker: str) -> dict[str, str]:
+    """What one prefill worker subscribes to for the requests it holds, by message."""
+    return {"cancel": prefill_cancel(worker), "kv_ack": prefill_kv_ack(worker),
+            "kv_resend": prefill_kv_resend(worker)}
+
+
 def tokens(request_id: str) -> str:
     """Token chunks of one request, with sequence numbers, to the gateway."""
     return f"pd.tokens.{request_id}"
@@ -43,27 +76,8 @@ def events(request_id: str) -> str:
 
 
 KV_OUTCOMES = "pd.kv.outcomes"                  # decode -> routers: how each KV handoff ended (breakers)
-KV_ACK_ALL = "pd.kv.ack.*"
-KV_RESEND_ALL = "pd.kv.resend.*"
-
-
-def kv_ack(request_id: str) -> str:
-    """decode -> prefill: the KV arrived and was verified (the prefill side may free it)."""
-    return f"pd.kv.ack.{request_id}"
-
-
-def kv_resend(request_id: str) -> str:
-    """decode -> prefill: KVResend, blocks that failed their checksum."""
-    return f"pd.kv.resend.{request_id}"
 
 
 def kv_events(worker: str) -> str:
     """Prefix-cache blocks stored / evicted on one worker (feeds the router's prefix index)."""
     return f"pd.kv.events.{worker}"
-
-
-CANCEL_ALL = "pd.cancel.*"
-
-
-def cancel(request_id: str) -> str:
-    return f"pd.cancel.{request_id}"

@@ -43,7 +43,7 @@ async def decode(url: str, work: Path) -> None:
                                                   "first_block": res.first_block, "kv_tag": TAG_SPAN}))
     first = await asyncio.wait_for(rx.wait(), 60)
     out = engine.commit_import("r", first)
-    await bus.publish(subjects.kv_ack("r"), KVAck(request_id="r", ok=True))
+    await bus.publish(subjects.prefill_kv_ack("p"), KVAck(request_id="r", ok=True))
     tokens = list(out.new_token_ids)
     while engine.has_work():
         tokens += [t for o in engine.step() for t in o.new_token_ids]
@@ -62,7 +62,7 @@ async def prefill(url: str, work: Path) -> None:
     async def read_blocks(rid, layer, first, n):
         return engine.kv_blocks(rid, layer, first, n)
 
-    sender = KVSender(make("ucx"), bus, engine.fingerprint, read_blocks)
+    sender = KVSender(make("ucx"), bus, "p", engine.fingerprint, read_blocks)
     await sender.start()
     job = PrefillJob(request_id="r", prompt_token_ids=PROMPT, sampling=Sampling(), decode_worker="d",
                      decode_address=peer["address"], decode_fingerprint=peer["fingerprint"],

@@ -2,7 +2,7 @@
 
 1. Start: load the model, build the engine, open the UCX transport, register in Redis with a
    heartbeat lease (free blocks, running sequences, UCX address) — only once all of that
-   works — and subscribe to `pd.decode.<id>.admit` and `pd.cancel.*`.
+   works — and subscribe to `pd.decode.<id>.admit` and `pd.decode.<id>.cancel`.
 2. Admit (router → here): mode "remote" reserves the prompt's blocks (reusing this worker's
    prefix cache) and replies with the first block to send and a UCX tag, then waits for the
    KV; mode "local" queues the whole prompt here (colocated, or the fallback). No room →
@@ -13,14 +13,15 @@
    here; fingerprint, layout and every block's checksum are checked before the blocks are
    written into the reservation (a corrupt block is asked for again). KVEnd brings the first
    token; once every block of every layer is in, the sequence joins the batch and the prefill
-   worker gets its ack (`pd.kv.ack.<rid>`) and frees its copy. KV late, refused or still bad,
+   worker gets its ack (`pd.prefill.<p>.kv.ack`) and frees its copy. KV late, refused or still bad,
    or the prefill worker's lease lapsed (checked every heartbeat while waiting) → drop the
    reservation, mark the request `prefill_local` in Redis, and prefill locally (no gap for the client: chunks carry sequence
    numbers, the gateway drops duplicates).
 4. Loop: step the engine; publish each output as a TokenChunk on `pd.tokens.<rid>`, and keep
    it (services/decode/chunk_log.py): a gateway that lost chunks on the bus (a NATS restart)
    asks for them again on `pd.decode.<id>.replay` instead of moving the request.
-5. Cancel: abort the request wherever it is; its blocks return to the pool.
+5. Cancel (`pd.decode.<id>.cancel`, sent only to the workers of the request's placements):
+   abort the request wherever it is; its blocks return to the pool.
 6. SIGTERM: mark the registry entry draining (the router sends nothing more), refuse new
    admits, finish the sequences it has (those still receiving their KV included), then leave
    the registry and drain NATS.
@@ -89,7 +90,7 @@ class DecodeWorker:
         await self.bus.subscribe(subjects.decode_admit(self.id), self.on_admit)
         await self.inbox.start()
         await self.prefix.start()
-        await self.bus.subscribe(subjects.CANCEL_ALL, self.on_cancel)
+        await self.bus.subscribe(subjects.decode_control(self.id)["cancel"], self.on_cancel)
         await self.bus.subscribe(subjects.decode_replay(self.id), self.on_replay)
         # registered (as draining, after SIGTERM) until the last sequence is done: the gateway
         # tells a draining worker from a dead one, and does not move its streams
@@ -178,7 +179,7 @@ class DecodeWorker:
             try:
                 first_token = await self.wait_kv(rx, req)
                 out = await self.host.call(self.engine.commit_import, rid, first_token)
-                await self.bus.publish(subjects.kv_ack(rid), KVAck(request_id=rid, ok=True))
+                await self.ack(req, KVAck(request_id=rid, ok=True))
                 await self.report(req, ok=True)
                 span.set_attribute("ok", True)
                 metrics.KV_RECEIVED.inc(rx.bytes_received)
@@ -186,13 +187,16 @@ class DecodeWorker:
                     await self.publish([out])
                 self.host.wake.set()
             except asyncio.CancelledError:
+                # cancelled (or this worker stops): the prefill side frees its copy now, not when
+                # its lease runs out
+                await self.ack(req, KVAck(request_id=rid, ok=False, error="cancelled"))
                 raise
             except Exception as e:  # late, corrupt, refused or mismatched KV: never decode from it
                 reason = "deadline passed" if isinstance(e, asyncio.TimeoutError) else str(e) or type(e).__name__
                 log.warning("%s: KV handoff failed (%s); prefilling locally", rid, reason)
                 span.set_attributes({"ok": False, "error": reason})
                 rx.close()
-                await self.bus.publish(subjects.kv_ack(rid), KVAck(request_id=rid, ok=False, error=reason))
+                await self.ack(req, KVAck(request_id=rid, ok=False, error=reason))
                 await self.host.call(self.engine.abort, rid)
                 await self.prefill_locally(req)
                 if not isinstance(e, PrefillWorkerLost) and "cancelled" not in reason:  # the path's fault
@@ -207,6 +211,11 @@ class DecodeWorker:
                                      "resends": rx.resends, "blocks": int(rx.have.shape[1])})
                 self.receiving.pop(rid, None)
                 self.inbox.receivers.pop(rid, None)
+
+    async def ack(self, req: AdmitRequest, ack: KVAck) -> None:
+        """To the prefill worker computing the request's KV: it may free its copy."""
+        if req.prefill_worker:
+            await self.bus.publish(subjects.prefill_kv_ack(req.prefill_worker), ack)
 
     async def report(self, req: AdmitRequest, ok: bool, reason: str = "") -> None:
         """How the handoff over this prefill → decode path went, for the routers' breakers."""
@@ -293,10 +302,9 @@ class DecodeWorker:
         cancel = Cancel.decode(msg.data)
         rid = cancel.request_id
         task = self.receiving.pop(rid, None)  # a remote KV wait: always the first placement
-        if task is not None:  # release the prefill side's lease now rather than at its deadline
+        if task is not None:  # it answers the prefill side as it ends
             task.cancel()
             self.inbox.close(rid)
-            await self.bus.publish(subjects.kv_ack(rid), KVAck(request_id=rid, ok=False, error="cancelled"))
         # checked and done on the engine thread, in order with admits: a failover's cancel never
         # stops the placement it was sent for, whichever handler runs first
         if task is not None or rid in self.engine.seqs:

@@ -8,9 +8,10 @@
 3. Subscribe to `pd.tokens.<rid>`, then ask the router for a placement (`pd.router.route`).
 4. Relay the token chunks in sequence order as SSE or one JSON body, with usage and
    finish_reason; request id and trace id go back in the `x-request-id` / `x-trace-id` headers.
-5. A client that disconnects cancels the request everywhere (`pd.cancel.<rid>`). The gateway
-   heartbeats a registry lease (role `gateway`) and files each request under it: if the
-   gateway dies, the routers' supervisor cancels its requests.
+5. A client that disconnects cancels the request on its workers (`pd.decode.<w>.cancel`,
+   `pd.prefill.<p>.cancel`: every placement's, shared/holders.py). The gateway heartbeats a
+   registry lease (role `gateway`) and files each request under it: if the gateway dies, the
+   routers' supervisor cancels its requests.
 6. A decode worker lost mid-stream (its lease lapsed while no token came): place the request
    again with the tokens so far; another decode worker continues it (relay.py).
 """

@@ -37,6 +37,7 @@ from opentelemetry import trace
 
 from shared import metrics, subjects
 from shared.bus import Bus
+from shared.holders import Holders
 from shared.messages import Cancel, Replay, ReplayReply, RouteReply, RouteRequest, Stalled, TokenChunk
 from services.gateway.errors import APIError
 
@@ -115,6 +116,8 @@ class Relay:
         """Chunks in `seq` order; duplicates (a retried step, a failover) are dropped. Silence,
         a gap that stays open, or the supervisor's word moves the request (`interrupted`)."""
         next_seq, pending, done, generated, attempt, replays = 0, {}, False, [], req.attempt, 0
+        holders = Holders()   # every placement's workers: a cancel goes to them alone
+        holders.add(placement.decode_worker, placement.prefill_worker)
         watch = Watch(time.monotonic(), self.reconnects())
         outcome, reason = "cancelled", "client gone"
         try:
@@ -133,9 +136,10 @@ class Relay:
                     # the old placement may still run (chunks lost on the bus, a lease that lapsed
                     # for a moment, a hung step): stop it before the request goes elsewhere
                     attempt += 1
-                    await self.bus.publish(subjects.cancel(req.request_id), Cancel(
-                        request_id=req.request_id, reason="failover", before_attempt=attempt))
+                    await holders.cancel(self.bus, Cancel(request_id=req.request_id, reason="failover",
+                                                          before_attempt=attempt))
                     placement = await self.failover(req, placement, generated, attempt, why)
+                    holders.add(placement.decode_worker, placement.prefill_worker)
                     pending.clear()
                     watch, replays = Watch(time.monotonic(), self.reconnects()), 0
                 if not isinstance(item, TokenChunk):
@@ -160,8 +164,8 @@ class Relay:
             await sub.unsubscribe()
             if done:
                 outcome, reason = "finished", ""
-            else:  # client gone, timeout or error: stop the work everywhere
-                await self.bus.publish(subjects.cancel(req.request_id), Cancel(request_id=req.request_id))
+            else:  # client gone, timeout or error: stop the work wherever it was placed
+                await holders.cancel(self.bus, Cancel(request_id=req.request_id))
             self.note(req.request_id, outcome, by=self.owner, attempt=attempt, owner=self.owner,
                       tokens=len(generated), reason=reason)
             metrics.REQUESTS.labels(outcome).inc()

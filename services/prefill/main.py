@@ -15,9 +15,12 @@
    payload over UCX), overlapping the rest of the pass. A prompt that completes yields its
    first token, published at once on `pd.tokens.<rid>` (seq 0).
 4. Hand off: KVEnd with the first token; the blocks stay until the decode side acks (the
-   lease: `kv_ack_timeout_s`), re-sending any block it reports corrupt; then free, ack the
-   job. A request that finished on its first token releases the decode side's reservation.
-5. Cancel: abort the request wherever it is; a handoff in progress ends with KVEnd(not ok).
+   lease: `kv_ack_timeout_s`), re-sending any block it reports corrupt (acks and re-send
+   requests come on `pd.prefill.<id>.kv.ack` / `.kv.resend`); then free, ack the job. A
+   request that finished on its first token releases its decode worker's reservation
+   (a Cancel on `pd.decode.<d>.cancel`).
+5. Cancel (`pd.prefill.<id>.cancel`, sent only to the workers of the request's placements):
+   abort the request wherever it is; a handoff in progress ends with KVEnd(not ok).
 6. SIGTERM: mark the registry entry draining (the router sends nothing more), stop pulling
    jobs, finish the ones taken, then leave the registry and drain NATS. Killed instead: the
    lease lapses and the decode workers waiting for this worker's KV prefill locally at once.
@@ -62,8 +65,8 @@ class PrefillWorker:
         self.host = EngineHost(engine, self.prefix.publish, settings.fault_engine_hang_after_steps, "prefill")
         self.jobs: dict[str, tuple[PrefillJob, trace.Span]] = {}
         self.kv_spans: dict[str, trace.Span] = {}
-        self.sender = KVSender(transport, bus, engine.fingerprint, self.read_blocks, settings.kv_max_attempts,
-                               settings.kv_transfer_encoding)
+        self.sender = KVSender(transport, bus, self.id, engine.fingerprint, self.read_blocks,
+                               settings.kv_max_attempts, settings.kv_transfer_encoding)
         self.cancelled: set[str] = set()
         self.handoffs: set[asyncio.Task] = set()
         self.in_hand: dict[str, Msg] = {}  # jobs taken and not yet acked
@@ -79,7 +82,7 @@ class PrefillWorker:
         self.stopping = stop
         await self.bus.ensure_prefill_stream()
         pull = await self.bus.js.pull_subscribe(subjects.prefill_jobs(self.id), durable=self.id)
-        await self.bus.subscribe(subjects.CANCEL_ALL, self.on_cancel)
+        await self.bus.subscribe(subjects.prefill_control(self.id)["cancel"], self.on_cancel)
         await self.sender.start()
         await self.prefix.start()
         # the lease lasts until the jobs in hand are done: decode workers waiting for their KV
@@ -192,7 +195,7 @@ class PrefillWorker:
         if out.finished:  # done on its first token: nothing to hand off
             self.sender.drop(out.request_id)
             self.end_kv_span(out.request_id, acked=False, error="finished in prefill")
-            await self.bus.publish(subjects.cancel(out.request_id),
+            await self.bus.publish(subjects.decode_cancel(job.decode_worker),
                                    Cancel(request_id=out.request_id, reason=FINISHED_IN_PREFILL))
             await self.done(out.request_id)
             return

@@ -2,14 +2,14 @@
 whose gateway is gone. One round every `supervise_s`:
 
 1. Lost gateways: a gateway with requests filed under it (`pd:owned:<gw>`) whose lease has
-   been gone for `confirm_s`. Nobody reads those requests' tokens: each is cancelled
-   everywhere (its blocks return on both workers) and recorded `failed`.
+   been gone for `confirm_s`. Nobody reads those requests' tokens: each is cancelled on
+   every worker its events name (its blocks return on both) and recorded `failed`.
 2. Overdue requests (`pd:deadlines`): the request's events give its status and the registry
    its workers' leases; lifecycle.verdict decides. Stalled (workers alive, no progress: a
    hung step, a job that never ran) → a `Stalled` word on `pd.events.<rid>` to the gateway
    holding the stream, which moves the request as from a lost worker. The deadline moves on
    by `stall_s`, so each period says it once; a second period with no move (nobody acted on
-   the word) → cancelled everywhere and recorded failed.
+   the word) → cancelled on its workers and recorded failed.
 
 Replicas share the work: a request is judged under a short claim in Redis, so one replica
 acts on it per period. Redis or NATS away: the round is skipped and logged.
@@ -23,6 +23,7 @@ import time
 
 from shared import lifecycle, metrics, subjects
 from shared.bus import Bus
+from shared.holders import Holders
 from shared.messages import Cancel, Stalled
 from shared.state import State
 
@@ -71,13 +72,15 @@ class Supervisor:
                 self.absent_since.pop(gateway, None)
             metrics.SUPERVISOR_ACTIONS.labels("abandoned").inc(len(rids))
             for rid in rids:
-                await self.bus.publish(subjects.cancel(rid), Cancel(request_id=rid, reason="gateway lost"))
+                await Holders.of(await self.state.events(rid)).cancel(
+                    self.bus, Cancel(request_id=rid, reason="gateway lost"))
                 self.state.note(rid, "failed", by=self.id, owner=gateway, reason=f"gateway {gateway} lost")
             if rids:
                 log.warning("gateway %s lost: %d of its requests cancelled", gateway, len(rids))
 
     async def judge(self, rid: str, alive: set[str]) -> None:
-        s = lifecycle.status(await self.state.events(rid))
+        events = await self.state.events(rid)
+        s = lifecycle.status(events)
         owner_alive = not s.owner or not self.gone(s.owner, alive)
         verdict = lifecycle.verdict(s, owner_alive, decode_alive=s.decode in alive)
         if verdict == "forget":
@@ -88,7 +91,7 @@ class Supervisor:
             metrics.SUPERVISOR_ACTIONS.labels(verdict).inc()
         if verdict in ("abandoned", "unheeded"):
             why = f"gateway {s.owner} lost" if verdict == "abandoned" else f"stalled in {s.phase}, not moved"
-            await self.bus.publish(subjects.cancel(rid), Cancel(request_id=rid, reason=why))
+            await Holders.of(events).cancel(self.bus, Cancel(request_id=rid, reason=why))
             self.state.note(rid, "failed", by=self.id, owner=s.owner, reason=why)
         elif verdict == "stalled":
             log.warning("%s: no progress in %s on %s (attempt %d); asking its gateway to move it",

@@ -6,7 +6,8 @@
    receive the payload (posted only now: a waiting UCX receive spins a core) into a staging
    buffer and check every block against its checksum. Good blocks are decoded (native or
    int8, shared/kv/codec.py) and written into the reservation; bad ones are asked for again
-   (KVResend, fresh tag) up to `max_attempts` sends in all, then the handoff fails.
+   (KVResend to the notice's sender, fresh tag) up to `max_attempts` sends in all, then the
+   handoff fails.
 3. KVEnd: the first token — or the sender's explicit failure.
 4. `wait()` returns the first token once every layer of every expected block is verified and
    written and KVEnd(ok) is in; it raises KVFailed on any failure. The caller owns the
@@ -111,7 +112,7 @@ class KVReceiver:
                 log.warning("%s: layer %d: %d corrupt blocks; asking for them again", self.rid, n.layer, (~good).sum())
                 for a, b in bad:
                     self.resends += 1
-                    await self.bus.publish(subjects.kv_resend(self.rid), KVResend(
+                    await self.bus.publish(subjects.prefill_kv_resend(n.prefill_worker), KVResend(
                         request_id=self.rid, layer=n.layer, first_block=n.first_block + a, num_blocks=b - a,
                         attempt=n.attempt + 1))
             self._check_done()
@@ -145,7 +146,7 @@ class KVReceiver:
 class KVInbox:
     """One decode worker's KV notices (`pd.decode.<w>.kv`, `.kv.end`), routed to the receiver
     of their request; a notice for a request with no receiver (cancelled, expired, never
-    admitted here) is refused once with KVAck(not ok), which ends the sender's lease."""
+    admitted here) is refused once with KVAck(not ok) to its sender, which ends its lease."""
 
     def __init__(self, bus: Bus, worker_id: str):
         self.bus, self.worker_id = bus, worker_id
@@ -172,7 +173,7 @@ class KVInbox:
             if len(self._refused) > 10_000:
                 self._refused.clear()
             self._refused.add(notice.request_id)
-            await self.bus.publish(subjects.kv_ack(notice.request_id),
+            await self.bus.publish(subjects.prefill_kv_ack(notice.prefill_worker),
                                    KVAck(request_id=notice.request_id, ok=False, error="no reservation"))
 
     async def on_end(self, msg: Msg) -> None:

@@ -9,7 +9,9 @@ One Handoff per request:
    (shared/kv/codec.py), per-block checksums, a KVLayer notice on NATS, then the payload over the transport on a fresh tag.
 3. `finish(rid, first_token, lease_s)` after the prompt's last pass: KVEnd(ok, first token),
    then wait for the KVAck; KVResend requests are answered meanwhile (re-read from the pool,
-   attempt n, fresh tag). The lease ends at the ack, at `lease_s`, or at `cancel`.
+   attempt n, fresh tag). The lease ends at the ack, at `lease_s`, or at `cancel`. Acks and
+   re-send requests come to this worker alone (`pd.prefill.<id>.kv.ack`, `.kv.resend`): each
+   notice names its sender.
 4. `cancel(rid, reason)`: KVEnd(not ok) — the explicit failure message — and the lease ends.
 The caller frees the request's blocks once `finish` returns.
 """
@@ -54,16 +56,17 @@ class Handoff:
 
 
 class KVSender:
-    def __init__(self, transport: KVTransport, bus: Bus, fingerprint: str, read_blocks: ReadBlocks,
-                 max_attempts: int = 3, encoding: codec.Encoding = "native"):
-        self.transport, self.bus, self.fingerprint = transport, bus, fingerprint
+    def __init__(self, transport: KVTransport, bus: Bus, worker_id: str, fingerprint: str,
+                 read_blocks: ReadBlocks, max_attempts: int = 3, encoding: codec.Encoding = "native"):
+        self.transport, self.bus, self.worker_id, self.fingerprint = transport, bus, worker_id, fingerprint
         self.read_blocks, self.max_attempts, self.encoding = read_blocks, max_attempts, encoding
         self.handoffs: dict[str, Handoff] = {}
         self.posts = Background(log, "KV notice + payload", logging.DEBUG)  # under way (failures: _send's)
 
     async def start(self) -> None:
-        await self.bus.subscribe(subjects.KV_ACK_ALL, self.on_ack)
-        await self.bus.subscribe(subjects.KV_RESEND_ALL, self.on_resend)
+        control = subjects.prefill_control(self.worker_id)
+        await self.bus.subscribe(control["kv_ack"], self.on_ack)
+        await self.bus.subscribe(control["kv_resend"], self.on_resend)
 
     # -- 1. open -------------------------------------------------------------------------------
     async def open(self, job: PrefillJob, ctx=None) -> Callable[[KVPiece], None] | None:
@@ -95,7 +98,8 @@ class KVSender:
             if h.next_tag >= TAG_SPAN:
                 raise RuntimeError("handoff used up its tag range")
             tag, h.next_tag = h.job.kv_tag + h.next_tag, h.next_tag + 1
-            notice = KVLayer(request_id=h.job.request_id, fingerprint=self.fingerprint, tag=tag, layer=layer,
+            notice = KVLayer(request_id=h.job.request_id, prefill_worker=self.worker_id,
+                             fingerprint=self.fingerprint, tag=tag, layer=layer,
                              first_block=first_block, num_blocks=host.shape[0], checksums=block_checksums(host),
                              attempt=attempt, encoding=self.encoding)
             h.pieces += 1

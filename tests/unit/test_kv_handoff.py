@@ -40,7 +40,7 @@ async def handoff(src: Engine, dst: Engine, prompt=PROMPT, rid="r", faults: Faul
     async def read_blocks(r, layer, first, n):
         return src.kv_blocks(r, layer, first, n)
 
-    sender = KVSender(tx, bus, src.fingerprint, read_blocks, max_attempts, encoding)
+    sender = KVSender(tx, bus, "p", src.fingerprint, read_blocks, max_attempts, encoding)
     await sender.start()
     res = dst.reserve(rid, prompt, PARAMS)
     inbox = KVInbox(bus, "d")
@@ -62,13 +62,13 @@ async def handoff(src: Engine, dst: Engine, prompt=PROMPT, rid="r", faults: Faul
     try:
         first_token = await asyncio.wait_for(rx.wait(), 10)
     except KVFailed:
-        await bus.publish(subjects.kv_ack(rid), KVAck(request_id=rid, ok=False, error="failed"))
+        await bus.publish(subjects.prefill_kv_ack("p"), KVAck(request_id=rid, ok=False, error="failed"))
         await finishing
         src.free(rid)
         dst.abort(rid)
         raise
     out = dst.commit_import(rid, first_token)
-    await bus.publish(subjects.kv_ack(rid), KVAck(request_id=rid, ok=True))
+    await bus.publish(subjects.prefill_kv_ack("p"), KVAck(request_id=rid, ok=True))
     ack = await finishing
     assert ack.ok
     src.free(rid)

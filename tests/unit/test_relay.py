@@ -7,7 +7,8 @@ from shared.messages import Cancel, RouteReply, RouteRequest, Sampling, TokenChu
 from services.gateway.relay import Relay
 
 REQ = RouteRequest(request_id="r", prompt_token_ids=[1, 2, 3], sampling=Sampling(max_tokens=8), model="m")
-PLACED = RouteReply(request_id="r", ok=True, mode="remote", decode_worker="d0")
+PLACED = RouteReply(request_id="r", ok=True, mode="remote", decode_worker="d0", prefill_worker="p0")
+FAILOVER = Cancel(request_id="r", reason="failover", before_attempt=1)   # stops placements before attempt 1
 
 
 class FakeBus:
@@ -52,10 +53,11 @@ def test_out_of_order_and_duplicate_chunks_come_out_once_in_order():
     assert got == [0, 1, 2, 4] and published == [] and unsubscribed
 
 
-def test_leaving_early_cancels_the_request_everywhere():
+def test_leaving_early_cancels_the_request_on_its_workers():
     got, published, _ = collect([chunk(0), chunk(1), chunk(2, finished=True)], stop_after=1)
     assert got == [0]
-    assert published == [("pd.cancel.r", Cancel(request_id="r"))]
+    assert published == [("pd.decode.d0.cancel", Cancel(request_id="r")),
+                         ("pd.prefill.p0.cancel", Cancel(request_id="r"))]
 
 
 def test_a_lost_decode_worker_is_replaced_and_the_stream_goes_on_without_gaps_or_repeats():
@@ -84,6 +86,40 @@ def test_a_lost_decode_worker_is_replaced_and_the_stream_goes_on_without_gaps_or
     assert got == [0, 1, 2, 3]
     assert len(routed) == 1 and routed[0].attempt == 1 and routed[0].resume_token_ids == [100, 101]
     assert routed[0].request_id == "r" and routed[0].prompt_token_ids == [1, 2, 3]
+
+
+def test_a_cancel_goes_to_the_workers_of_every_placement_once_each():
+    """d0 (fed by p0) is lost and d1 continues; then the client leaves: the cancel goes to d0,
+    p0 and d1 — a worker that missed the failover's cancel still hears this one — and to no
+    other worker."""
+    async def run():
+        queue = asyncio.Queue()
+
+        class Bus(FakeBus):
+            async def request(self, subject, msg, reply_type, timeout):
+                queue.put_nowait(chunk(1))   # from d1
+                return RouteReply(request_id="r", ok=True, mode="local", decode_worker="d1")
+
+        async def alive(worker):
+            return worker != "d0"
+
+        queue.put_nowait(chunk(0))
+        bus = Bus()
+        gen = Relay(bus, 1, 10, alive=alive, check_s=0.05)._ordered(REQ, PLACED, queue, FakeSub())
+        got = []
+        async for c in gen:
+            got.append(c.seq)
+            if c.seq == 1:
+                break
+        await gen.aclose()
+        return got, bus.published
+
+    got, published = asyncio.run(run())
+    assert got == [0, 1]
+    left = Cancel(request_id="r")
+    assert published == [("pd.decode.d0.cancel", FAILOVER), ("pd.prefill.p0.cancel", FAILOVER),
+                         ("pd.decode.d0.cancel", left), ("pd.decode.d1.cancel", left),
+                         ("pd.prefill.p0.cancel", left)]
 
 
 def test_the_supervisors_word_moves_a_stalled_placement_once_and_a_stale_word_is_ignored():
@@ -116,7 +152,7 @@ def test_the_supervisors_word_moves_a_stalled_placement_once_and_a_stale_word_is
     got, routed, published, notes = asyncio.run(run())
     assert got == [0, 1, 2, 3]
     assert len(routed) == 1 and routed[0].attempt == 1 and routed[0].resume_token_ids == [100, 101]
-    assert published == [("pd.cancel.r", Cancel(request_id="r", reason="failover", before_attempt=1))]
+    assert published == [("pd.decode.d0.cancel", FAILOVER), ("pd.prefill.p0.cancel", FAILOVER)]
     assert [e for e, _ in notes] == ["failover", "finished"]
     assert notes[0][1]["why"] == "stalled in decoding" and notes[1][1]["attempt"] == 1
     assert routed[0].avoid_workers == ["d0"]   # it still heartbeats: tried last
@@ -166,5 +202,5 @@ def test_a_worker_that_no_longer_has_the_chunks_costs_a_failover_instead():
     assert got == [0, 1, 2, 3]
     assert [s for s, _ in asked] == ["pd.decode.d0.replay", "pd.router.route"]
     assert asked[1][1].attempt == 1 and asked[1][1].resume_token_ids == [100]
-    assert published == [("pd.cancel.r", Cancel(request_id="r", reason="failover", before_attempt=1))]
+    assert published == [("pd.decode.d0.cancel", FAILOVER), ("pd.prefill.p0.cancel", FAILOVER)]
     assert [e for e, _ in notes] == ["replayed", "failover", "finished"]

@@ -1,6 +1,6 @@
 """The routers' supervisor against real NATS and Redis: a request that stops advancing while
 its workers heartbeat is reported to its gateway once per period; the requests of a gateway
-whose lease is gone are cancelled everywhere and recorded failed; moving and finished
+whose lease is gone are cancelled on their workers and recorded failed; moving and finished
 requests are left alone."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from shared.state import DEADLINES, GATEWAYS, State, owned_key
 from services.router.supervisor import Supervisor
 
 
-async def _request(state: State, rid: str, gateway: str, deadline_s: float) -> None:
+async def _request(state: State, rid: str, gateway: str, deadline_s: float, prefill: str = "") -> None:
     await state.record(rid, "received", by=gateway, owner=gateway)
-    await state.record(rid, "routed", by="router", decode="decode-0", deadline_s=deadline_s)
+    await state.record(rid, "routed", by="router", decode="decode-0", prefill=prefill, deadline_s=deadline_s)
     await state.record(rid, "decoding", by="decode-0", deadline_s=deadline_s)
 
 
@@ -27,18 +27,18 @@ def test_stalled_requests_are_reported_and_orphans_cancelled(nats_url, redis_url
         heard: list = []
 
         async def on_cancel(msg):
-            heard.append(Cancel.decode(msg.data))
+            heard.append((msg.subject, Cancel.decode(msg.data)))
 
         async def on_event(msg):
             heard.append(Stalled.decode(msg.data))
 
-        await bus.subscribe("pd.cancel.*", on_cancel)
+        await bus.subscribe("pd.*.*.cancel", on_cancel)   # any worker's
         await bus.subscribe("pd.events.*", on_event)
         for w in (WorkerInfo(worker_id="gw-a", role="gateway"), WorkerInfo(worker_id="decode-0", role="decode")):
             await state.heartbeat(w, 60)
         await _request(state, "stuck", "gw-a", 0.1)      # its worker lives, no token comes
         await _request(state, "moving", "gw-a", 0.1)     # tokens keep coming (the decode worker pushes it on)
-        await _request(state, "orphan", "gw-b", 30)      # its gateway has no lease
+        await _request(state, "orphan", "gw-b", 30, prefill="prefill-0")   # its gateway has no lease
         await _request(state, "done", "gw-a", 0.1)
         await _request(state, "unheeded", "gw-a", 0.1)   # reported once already; its gateway did nothing
         await state.record("unheeded", "stalled", by="router", in_phase="decoding")
@@ -63,11 +63,12 @@ def test_stalled_requests_are_reported_and_orphans_cancelled(nats_url, redis_url
 
     heard, stuck_status, orphan, left, owned_b, gateways, unheeded = asyncio.run(run())
     stalled = [m for m in heard if isinstance(m, Stalled)]
-    cancels = [m for m in heard if isinstance(m, Cancel)]
+    cancels = [m for m in heard if isinstance(m, tuple)]
     assert stalled == [Stalled(request_id="stuck", attempt=0, phase="decoding", worker="decode-0")]  # once a period
-    assert sorted(cancels, key=lambda c: c.request_id) == [
-        Cancel(request_id="orphan", reason="gateway lost"),
-        Cancel(request_id="unheeded", reason="stalled in decoding, not moved")]
+    assert sorted(cancels, key=lambda c: c[1].request_id) == [   # to the request's workers alone
+        ("pd.decode.decode-0.cancel", Cancel(request_id="orphan", reason="gateway lost")),
+        ("pd.prefill.prefill-0.cancel", Cancel(request_id="orphan", reason="gateway lost")),
+        ("pd.decode.decode-0.cancel", Cancel(request_id="unheeded", reason="stalled in decoding, not moved"))]
     assert unheeded[-1].event == "failed" and gateways == {"gw-a"}   # gw-b left the list once emptied
     assert stuck_status == "stalled"
     assert orphan[-1].event == "failed" and orphan[-1].fields["reason"] == "gateway gw-b lost"
