@@ -84,7 +84,7 @@ class DecodeWorker:
     def info(self):
         return worker_info(self.engine, self.id, "decode", self.settings, self.transport.address,
                            prefill_tokens_per_s=self.host.prefill_tokens_per_s, draining=self.draining,
-                           step_s=self.host.step_s)
+                           step_s=self.host.step_s, prefix_slot=self.prefix.slot)
 
     async def serve(self, stop: asyncio.Event) -> None:
         await self.bus.subscribe(subjects.decode_admit(self.id), self.on_admit)

@@ -76,7 +76,7 @@ class PrefillWorker:
     def info(self):
         return worker_info(self.engine, self.id, "prefill", self.settings,
                            prefill_tokens_per_s=self.host.prefill_tokens_per_s, draining=self.stopping.is_set(),
-                           step_s=self.host.step_s)
+                           step_s=self.host.step_s, prefix_slot=self.prefix.slot)
 
     async def serve(self, stop: asyncio.Event) -> None:
         self.stopping = stop
