@@ -71,6 +71,13 @@ redis.call('SET', 'pd:prefix:live:' .. slot, 1, 'PX', ARGV[2])
 return slot
 """
 
+# KEYS: slots, live key. ARGV: slot, token. Drops the lease only while the slot is this writer's
+# (after a flush its old number may be another worker's live slot).
+_RELEASE = """
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then return redis.call('DEL', KEYS[2]) end
+return 0
+"""
+
 # KEYS: slots, sizes, live key, then one bucket per hash. ARGV: slot, token, lease ms, adds, hashes.
 # Returns the slot's size, or -1 when the slot is no longer this writer's (lost or swept).
 _UPDATE = """
@@ -101,20 +108,37 @@ return redis.call('HINCRBY', KEYS[2], slot, delta)
 """
 
 # KEYS: one bucket per hash, in prompt order. ARGV: the hashes. Returns [slot, leading blocks, ...]
-# for every slot holding the first block: walks on while some slot holds every block so far.
+# for every slot holding the first block: walks on while some slot holds every block so far. A
+# block whose holders are written as the block before's (a prefix shared by many workers, stored
+# in the same order) is not parsed again: the cost is the prompt's length plus the holders' count
+# once per change, not blocks x holders.
 _LOOKUP = """
-local holders, out = nil, {}
+local holders, prev, last, out = nil, nil, 0, {}
 for i = 1, #KEYS do
   local v = redis.call('HGET', KEYS[i], ARGV[i])
   if not v then break end
-  local now, any = {}, false
-  for s in string.gmatch(v, '[^,]+') do
-    if holders == nil or holders[s] then
-      now[s], out[s], any = true, i, true
+  if v ~= prev then
+    local now, any = {}, false
+    for s in string.gmatch(v, '[^,]+') do
+      if holders == nil or holders[s] then
+        now[s], any = true, true
+      end
     end
+    if holders ~= nil then
+      for s in pairs(holders) do
+        if not now[s] then out[s] = last end
+      end
+    end
+    if not any then
+      holders = nil
+      break
+    end
+    holders, prev = now, v
   end
-  if not any then break end
-  holders = now
+  last = i
+end
+if holders ~= nil then
+  for s in pairs(holders) do out[s] = last end
 end
 local flat = {}
 for s, n in pairs(out) do
@@ -127,7 +151,9 @@ return flat
 # KEYS: buckets. ARGV: dead slots. Removes them from every entry of those buckets.
 _SWEEP = """
 local dead = {}
-for _, s in ipairs(ARGV) do dead[s] = true end
+for _, s in ipairs(ARGV) do  -- a number reused since the pass began (Redis flushed) is live: kept
+  if redis.call('EXISTS', 'pd:prefix:live:' .. s) == 0 then dead[s] = true end
+end
 local removed = 0
 for _, key in ipairs(KEYS) do
   local all = redis.call('HGETALL', key)
@@ -158,7 +184,7 @@ class PrefixPublisher:
         self.size = 0             # blocks indexed under the slot after the last update
         self.queue: asyncio.Queue[list[KVEvent]] = asyncio.Queue()
         self.task: asyncio.Task | None = None
-        self._take, self._update = state.script(_TAKE), state.script(_UPDATE)
+        self._take, self._update, self._release = state.script(_TAKE), state.script(_UPDATE), state.script(_RELEASE)
 
     async def start(self) -> None:
         await self._new_slot()
@@ -178,12 +204,14 @@ class PrefixPublisher:
             while not self.queue.empty():
                 events.append(self.queue.get_nowait())
             try:
-                if resync and self.snapshot is not None:
+                if resync:
                     await self._rewrite()  # the events taken above happened before it: in it already
                     resync = False
                     continue
                 add, remove = net_changes([e for batch in events for e in batch])
                 resync = not await self._apply(add, remove)
+                if resync:  # not ours any more (maybe another worker's after a flush): name none until rewritten
+                    self.slot = 0
             except Exception as e:  # Redis away: routing loses precision, not correctness
                 log.warning("prefix index update failed: %s", e)
                 resync = True
@@ -210,10 +238,10 @@ class PrefixPublisher:
 
     async def _rewrite(self) -> None:
         """A new slot with the whole cache: entries of the old one may differ from it."""
-        old = self.slot
-        hashes = sorted(set(await self.snapshot()))
+        old, old_token = self.slot, self.token
+        hashes = sorted(set(await self.snapshot())) if self.snapshot is not None else []
         await self._new_slot()
-        await self.state.r.delete(live_key(old))  # the sweeper cleans its entries
+        await self._release_slot(old, old_token)  # the sweeper cleans its entries
         if not await self._apply(hashes, []):
             raise RuntimeError(f"prefix slot {self.slot} lost while being written")
         log.info("prefix index: %d blocks rewritten under slot %d (was %d)", len(hashes), self.slot, old)
@@ -221,7 +249,10 @@ class PrefixPublisher:
     async def close(self) -> None:
         if self.task is not None:
             self.task.cancel()
-        await self.state.r.delete(live_key(self.slot))  # its entries are swept
+        await self._release_slot(self.slot, self.token)  # its entries are swept
+
+    async def _release_slot(self, slot: int, token: str) -> None:
+        await self._release(keys=[SLOTS, live_key(slot)], args=[slot, token])
 
 
 def by_worker(workers: list[WorkerInfo], held: dict[int, int]) -> dict[str, tuple[int, int]]:

@@ -12,7 +12,7 @@
     pd:route:<id>    hash: a request's placement as it is decided — its decode worker, then the
                      router's reply (router replicas answer a repeated request from it)
     pd:route:<id>:claim  the router placing the request now (expires: a dead router's lapses)
-    pd:prefix:<id>   a worker's cached block hashes (shared/prefix_index.py)
+    pd:prefix:*      the prefix index: which workers' caches hold which blocks (shared/prefix_index.py)
 """
 
 from __future__ import annotations

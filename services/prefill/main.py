@@ -3,7 +3,7 @@
 1. Start: load the model, build the engine, open the UCX transport, make sure the prefill
    work queue exists, register in Redis with a heartbeat lease (queued tokens, measured
    prefill rate), pull from this worker's durable consumer (`pd.prefill.jobs.<id>`). Each
-   step's prefix-cache changes go to its set in the prefix index (shared/prefix_index.py).
+   step's prefix-cache changes go to its slot in the prefix index (shared/prefix_index.py).
 2. Take jobs (up to `max_jobs` in flight: the engine orders what it holds by priority and
    length, so it takes deep; JetStream keeps the rest in order of arrival); a job cancelled
    before it starts is dropped. Each job opens a KV handoff to its decode worker

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from contextlib import AsyncExitStack
@@ -50,23 +51,22 @@ from shared.service import connect, heartbeat, run, setup_logging, stop_event
 from shared.state import State, route_key, session_key
 from shared.tasks import Background, every
 from services.router import policy
-from services.router.recent import Recent
+from services.router.recent import REGISTRY_READ_S, Recent, horizons
 from services.router.supervisor import Supervisor
 
 log = logging.getLogger("router")
-WORKERS_TTL_S = 0.2
+WORKERS_MAX_AGE_S = 3.0  # a lease (3 heartbeats): older (the background read not done yet, or failing) is read on the route
 ROUTE_TTL_S = 600.0  # a placement is answered again for this long (a retried or repeated request)
 
 
 class Router:
     def __init__(self, settings: RouterSettings, bus: Bus, state: State, tracer: trace.Tracer):
         self.settings, self.bus, self.state, self.tracer = settings, bus, state, tracer
-        self._workers: tuple[float, list[WorkerInfo]] = (0.0, [])
+        self._workers: tuple[float, list[WorkerInfo]] = (-math.inf, [])  # never read
         self.refreshing = False  # keep_workers runs
-        # counted on top of what each worker's registry entry shows, until that entry has surely
-        # caught up (two heartbeats and a second): prefill tokens sent, requests admitted
-        horizon_s = 2 * settings.heartbeat_s + 1.0
-        self.sent, self.admitted = Recent(horizon_s), Recent(horizon_s)
+        # counted on top of what each worker's registry entry shows until that entry has caught up
+        sent_s, admitted_s = horizons(settings.heartbeat_s)
+        self.sent, self.admitted = Recent(sent_s), Recent(admitted_s)  # prefill tokens sent, requests admitted
         self.turn = 0  # remote placements so far (round-robin baseline)
         self.id = settings.router_id or f"router-{uuid.uuid4().hex[:8]}"
         self._background = Background(log, "background step")  # Redis or NATS away: logged, not fatal
@@ -75,10 +75,11 @@ class Router:
 
     async def workers(self) -> list[WorkerInfo]:
         """The live registry as last read: kept fresh by `keep_workers` while the router serves
-        (a placement never waits for it); read here when older than WORKERS_TTL_S otherwise.
+        (a placement never waits for it); read here when older than REGISTRY_READ_S otherwise.
         Heartbeats are 1 s apart: a stale entry costs one refused admit, which moves on."""
         fetched_at, workers = self._workers
-        if time.monotonic() - fetched_at > WORKERS_TTL_S and not self.refreshing:
+        age = time.monotonic() - fetched_at
+        if age > REGISTRY_READ_S and (not self.refreshing or age > WORKERS_MAX_AGE_S):
             workers = await self.read_workers()
         return workers
 
@@ -92,7 +93,7 @@ class Router:
     async def keep_workers(self, stop: asyncio.Event) -> None:
         self.refreshing = True
         try:
-            await every(WORKERS_TTL_S, self.read_workers, stop, log, "registry read")
+            await every(REGISTRY_READ_S, self.read_workers, stop, log, "registry read")
         finally:
             self.refreshing = False
 

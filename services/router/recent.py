@@ -9,6 +9,15 @@ from __future__ import annotations
 
 from collections import deque
 
+REGISTRY_READ_S = 0.2  # how often a router re-reads the registry
+
+
+def horizons(heartbeat_s: float) -> tuple[float, float]:
+    """How long booked work counts: (prefill tokens sent — the job pulled, then a heartbeat:
+    two heartbeats and a second; requests admitted — in the decode worker's next heartbeat,
+    then the router's next registry read, and a margin)."""
+    return 2 * heartbeat_s + 1.0, heartbeat_s + REGISTRY_READ_S + 0.3
+
 
 class Recent:
     def __init__(self, horizon_s: float):
@@ -28,6 +37,7 @@ class Recent:
         self._drop(entry)
 
     def totals(self, now: float) -> dict[str, int]:
+        """Per worker, the work booked within the horizon (the router's own dict: read, not kept)."""
         while self.entries and self.entries[0][0] <= now - self.horizon_s:
             self._drop(self.entries.popleft())
         return self.totals_now

@@ -62,6 +62,18 @@ def _out_msgs(varz: str) -> int:
         return json.load(r)["out_msgs"]
 
 
+async def _settled_out_msgs(varz: str) -> int:
+    """Messages delivered once the background dispatches have landed (the count stops moving)."""
+    last = _out_msgs(varz)
+    for _ in range(30):
+        await asyncio.sleep(0.2)
+        now = _out_msgs(varz)
+        if now == last:
+            return now
+        last = now
+    return last
+
+
 async def _fleet(state: State, bus: Bus, size: int, cached_on: str) -> list[PrefixPublisher]:
     """`size` workers, half prefill and half decode, each caching a prefix of its own plus
     (`cached_on`) 40 blocks of PROMPT; the decode stand-ins admit everything."""
@@ -80,7 +92,10 @@ async def _fleet(state: State, bus: Bus, size: int, cached_on: str) -> list[Pref
                 req = AdmitRequest.decode(msg.data)
                 await bus.respond(msg, AdmitReply(request_id=req.request_id, ok=True, num_blocks=66, kv_tag=1))
             await bus.subscribe(subjects.decode_admit(wid), on_admit)
-    await asyncio.sleep(0.5)  # the publishers have written their caches
+    for _ in range(500):  # the publishers have written their caches (polled: a slow machine)
+        if all(p.size >= 20 + 40 * (p.worker_id == cached_on) for p in publishers):
+            break
+        await asyncio.sleep(0.02)
     for pub in publishers:
         wid = pub.worker_id
         await state.heartbeat(WorkerInfo(
@@ -107,15 +122,15 @@ def _placement(nats_url: str, redis_url: str, size: int, varz: str, rounds: int 
         await router.read_workers()
         router.refreshing = True  # as while serving: keep_workers re-reads the registry off the placement path
         trips, replies = [], []
-        before = _out_msgs(varz)
+        before = await _settled_out_msgs(varz)
         for n in range(rounds):
+            await router.read_workers()  # as the background re-read does: never on the placement path
             Recording.trips = []
             replies.append(await router.route(RouteRequest(request_id=f"r{n}", prompt_token_ids=PROMPT,
                                                            sampling=sampling, model="m")))
             await asyncio.sleep(0.1)  # its background writes (lifecycle events) land
-            trips.append(Recording.trips)
-        await asyncio.sleep(0.3)
-        messages = (_out_msgs(varz) - before) / rounds
+            trips.append(list(Recording.trips))
+        messages = (await _settled_out_msgs(varz) - before) / rounds
         for pub in publishers:
             await pub.close()
         await bus.close()

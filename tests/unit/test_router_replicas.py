@@ -124,3 +124,16 @@ def test_a_refused_request_is_decided_afresh_next_time(nats_url, redis_url):
     assert not refused.ok and "no decode worker" in refused.reason
     assert left == 0
     assert again.ok
+
+
+def test_a_route_during_the_first_background_registry_read_sees_the_workers(nats_url, redis_url):
+    """A serving router re-reads the registry in the background; until its first read has
+    landed, a route reads it itself rather than finding no worker."""
+    async def run():
+        (a, _), admits, jobs, state, bus = await _setup(nats_url, redis_url)
+        a.refreshing = True  # keep_workers started, its first read not done
+        reply = await a.route(_request("r4"))
+        await bus.close()
+        return reply
+
+    assert asyncio.run(run()).ok
