@@ -107,15 +107,18 @@ end
 return redis.call('HINCRBY', KEYS[2], slot, delta)
 """
 
-# KEYS: one bucket per hash, in prompt order. ARGV: the hashes. Returns [slot, leading blocks, ...]
+# ARGV[1]: "bucket:hash bucket:hash ..." in prompt order (one argument: packing a hundred is the
+# router's largest cost of the call; the buckets are named in the script). Returns [slot, leading blocks, ...]
 # for every slot holding the first block: walks on while some slot holds every block so far. A
 # block whose holders are written as the block before's (a prefix shared by many workers, stored
 # in the same order) is not parsed again: the cost is the prompt's length plus the holders' count
 # once per change, not blocks x holders.
 _LOOKUP = """
 local holders, prev, last, out = nil, nil, 0, {}
-for i = 1, #KEYS do
-  local v = redis.call('HGET', KEYS[i], ARGV[i])
+local i = 0
+for bucket, h in string.gmatch(ARGV[1], '(%d+):(%-?%d+)') do
+  i = i + 1
+  local v = redis.call('HGET', 'pd:prefix:b:' .. bucket, h)
   if not v then break end
   if v ~= prev then
     local now, any = {}, false
@@ -263,7 +266,7 @@ def by_worker(workers: list[WorkerInfo], held: dict[int, int]) -> dict[str, tupl
 
 def queue_lookup(state: State, p, hashes: list[int]) -> None:
     """Queue the lookup on pipeline `p` (run with `State.pipelined`); its answer goes to `held_by_slot`."""
-    p.evalsha(state.script(_LOOKUP).sha, len(hashes), *[bucket_key(h) for h in hashes], *[field(h) for h in hashes])
+    p.evalsha(state.script(_LOOKUP).sha, 0, " ".join(f"{h % BUCKETS}:{field(h)}" for h in hashes))
 
 
 async def lookup(state: State, hashes: list[int]) -> dict[int, int]:

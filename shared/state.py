@@ -75,6 +75,17 @@ end
 return 0
 """
 
+# the claim taken or renewed, then the decode worker about to be asked noted on the placement
+_HOLD = """
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+redis.call('HSET', KEYS[2], 'decode', ARGV[3])
+redis.call('PEXPIRE', KEYS[2], ARGV[4])
+return 1
+"""
+
 # the entries of the registered ids; ids whose lease lapsed leave the set
 _REGISTRY = """
 local ids = redis.call('SMEMBERS', KEYS[1])
@@ -263,13 +274,12 @@ class State:
         return bool((await self.pipelined(lambda p: self.queue_claim_route(p, request_id, router_id, lease_s)))[0])
 
     async def hold_route(self, request_id: str, router_id: str, lease_s: float, decode: str, ttl_s: float) -> bool:
-        """Renew the claim and note the decode worker about to be asked, in one round trip
-        (a router taking over a lapsed claim asks that worker first); False if the claim was lost."""
-        def build(p):
-            self.queue_claim_route(p, request_id, router_id, lease_s)
-            p.hset(route_key(request_id), "decode", decode)
-            p.pexpire(route_key(request_id), int(ttl_s * 1000))
-        return bool((await self.pipelined(build))[0])
+        """Renew the claim and note the decode worker about to be asked, in one call (a router
+        taking over a lapsed claim asks that worker first); False if another router holds it."""
+        key = route_key(request_id)
+        return bool((await self.pipelined(lambda p: p.evalsha(
+            self.script(_HOLD).sha, 2, key + ":claim", key, router_id, int(lease_s * 1000), decode,
+            int(ttl_s * 1000))))[0])
 
     async def release_route(self, request_id: str) -> None:
         """Give up the placing (a refusal): the next attempt decides afresh."""
