@@ -39,14 +39,14 @@ from contextlib import AsyncExitStack
 import nats.errors
 from nats.aio.msg import Msg
 from opentelemetry import trace
+from redis.exceptions import RedisError
 
-from shared import metrics, subjects, tracing
+from shared import metrics, prefix_index, subjects, tracing
 from shared.bus import Bus, context_of
 from shared.config import RouterSettings
 from shared.hashing import block_hashes
 from shared.messages import (AdmitReply, AdmitRequest, KVOutcome, PrefillJob, RouteReply, RouteRequest,
                              WorkerInfo)
-from shared import prefix_index
 from shared.service import connect, heartbeat, run, setup_logging, stop_event
 from shared.state import State, route_key, session_key
 from shared.tasks import Background, every
@@ -56,6 +56,7 @@ from services.router.supervisor import Supervisor
 
 log = logging.getLogger("router")
 WORKERS_MAX_AGE_S = 3.0  # a lease (3 heartbeats): older (the background read not done yet, or failing) is read on the route
+EXPECTED = (RedisError, asyncio.TimeoutError, nats.errors.Error)  # failures of a store or bus, not of the code
 ROUTE_TTL_S = 600.0  # a placement is answered again for this long (a retried or repeated request)
 
 
@@ -64,6 +65,7 @@ class Router:
         self.settings, self.bus, self.state, self.tracer = settings, bus, state, tracer
         self._workers: tuple[float, list[WorkerInfo]] = (-math.inf, [])  # never read
         self.refreshing = False  # keep_workers runs
+        self.in_flight = 0       # placements being worked on
         # counted on top of what each worker's registry entry shows until that entry has caught up
         sent_s, admitted_s = horizons(settings.heartbeat_s)
         self.sent, self.admitted = Recent(sent_s), Recent(admitted_s)  # prefill tokens sent, requests admitted
@@ -141,10 +143,17 @@ class Router:
                         out.reason or "ok")
 
     async def start_route(self, msg: Msg) -> None:
+        if self.in_flight >= self.settings.max_routes_in_flight:  # overloaded: say so now, cheaply
+            metrics.PLACEMENTS.labels("refused", "router_busy").inc()
+            self.in_background(self.bus.respond(msg, RouteReply(
+                request_id=RouteRequest.decode(msg.data).request_id, ok=False,
+                reason=f"router busy ({self.in_flight} placements in flight)")))
+            return
         self.in_background(self.on_route(msg))
 
     async def on_route(self, msg: Msg) -> None:
         req = RouteRequest.decode(msg.data)
+        self.in_flight += 1
         with self.tracer.start_as_current_span("router.route", context=context_of(msg)) as span:
             span.set_attributes({"request_id": req.request_id, "prompt_tokens": len(req.prompt_token_ids),
                                  "router": self.id, "attempt": req.attempt})
@@ -152,8 +161,12 @@ class Router:
             try:
                 reply = await self.route(req)
             except Exception as e:  # Redis or NATS trouble: refuse clearly rather than hang the client
-                log.exception("%s: routing failed", req.request_id)
+                # expected under overload or an outage: one line (a traceback per request would
+                # cost more than the routes themselves); anything else: the traceback
+                log.error("%s: routing failed: %r", req.request_id, e, exc_info=not isinstance(e, EXPECTED))
                 reply = RouteReply(request_id=req.request_id, ok=False, reason=f"routing failed: {e}")
+            finally:
+                self.in_flight -= 1
             metrics.ROUTE_SECONDS.observe(time.perf_counter() - start)
             span.set_attributes({"ok": reply.ok, "mode": reply.mode or "", "reason": reply.reason,
                                  "decode_worker": reply.decode_worker or "",

@@ -12,7 +12,7 @@ from opentelemetry import trace
 from shared import subjects
 from shared.bus import Bus
 from shared.config import RouterSettings
-from shared.messages import AdmitReply, AdmitRequest, PrefillJob, RouteRequest, Sampling, WorkerInfo
+from shared.messages import AdmitReply, AdmitRequest, PrefillJob, RouteReply, RouteRequest, Sampling, WorkerInfo
 from shared.state import State, route_key
 from services.router.main import Router
 
@@ -137,3 +137,23 @@ def test_a_route_during_the_first_background_registry_read_sees_the_workers(nats
         return reply
 
     assert asyncio.run(run()).ok
+
+
+def test_an_overloaded_router_refuses_at_once_and_the_gateway_may_ask_again(nats_url, redis_url):
+    """At its bound of placements in flight a router answers a refusal without working on the
+    request (no claim taken), so the gateway's next ask — maybe to another replica — decides it."""
+    async def run():
+        (a, _), admits, jobs, state, bus = await _setup(nats_url, redis_url)
+        a.settings = a.settings.model_copy(update={"max_routes_in_flight": 1})
+        await bus.subscribe("test.route", a.start_route)
+        a.in_flight = 1
+        busy = await bus.request("test.route", _request("r5"), RouteReply, timeout=5)
+        claimed = await state.r.exists(route_key("r5") + ":claim")
+        a.in_flight = 0
+        placed = await bus.request("test.route", _request("r5"), RouteReply, timeout=5)
+        await bus.close()
+        return busy, claimed, placed
+
+    busy, claimed, placed = asyncio.run(run())
+    assert not busy.ok and "router busy" in busy.reason and busy.retry_after_s == 0 and claimed == 0
+    assert placed.ok
