@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # CPU build of torch (from the local wheel cache when present); GPU users: TORCH_SPEC=torch
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup run test test-fast bench-engine bench-stack bench-transfer eval-router bench-router chaos bench-tracing bench bench-full compose-up compose-down gpu-check clean
+.PHONY: setup run test test-fast bench-engine bench-stack bench-transfer eval-router bench-router chaos bench-tracing bench-scale bench bench-full compose-up compose-down gpu-check clean
 
 setup: $(STAMP)
 
@@ -57,6 +57,12 @@ chaos: setup
 ## bench-tracing: throughput with tracing on vs off, two stacks side by side; writes bench/results/tracing.json
 bench-tracing: setup
 	$(BIN)/python -m bench.tracing_overhead
+
+## bench-scale: router placement at fleet scale (real NATS, Redis and router; simulated fleets of 4-256 workers,
+##   prefix index of 100k-10M blocks, 100 and 1000 req/s); writes bench/results/scale.json and scale.png (~20 min
+##   on 2 cores; make bench-scale SCALE_ARGS=--quick: under 2 minutes)
+bench-scale: setup
+	$(BIN)/python -m bench.scale $(SCALE_ARGS)
 
 ## bench: victims and aggressors + goodput on the Azure trace, colocated / chunked / disaggregated on the same cores
 ##   (quick, under 10 minutes); writes bench/results/interference.json, the plots and the README's results section

@@ -1,0 +1,156 @@
+"""`make bench-scale`'s summary, against the issue's targets, and its plot (pure, from the runs).
+
+Targets: placement decision p99 ≤ 2 ms at W=256, B=10M, 1000 req/s; p99 at W=256 ≤ 1.5 × p99
+at W=4 (same B and rate); Redis ≤ 100 bytes per indexed block; NATS messages per request
+independent of W. A target not met names what stopped it where the counters show it: a
+process at a full core, the machine's cores all busy, or the offered rate not reached.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import FuncFormatter  # noqa: E402
+
+DECISION_P99_MS = 2.0
+GROWTH = 1.5
+BYTES_PER_BLOCK = 100.0
+NATS_SPREAD = 0.1     # msgs per request at W=256 within 10% of W=4's: "independent of W"
+SATURATED_PCT = 90.0
+KEPT_UP = 0.95        # achieved / offered rate of a run the router kept up with
+
+
+def percentiles(xs: list[float]) -> dict:
+    if not xs:
+        return {"p50": None, "p99": None, "mean": None, "n": 0}
+    a = np.asarray(xs)
+    return {"p50": round(float(np.percentile(a, 50)), 3), "p99": round(float(np.percentile(a, 99)), 3),
+            "mean": round(float(a.mean()), 3), "n": len(xs)}
+
+
+def bottleneck(row: dict, cores: int) -> str:
+    """What the counters say limited this run, in words, with every process's CPU."""
+    cpu = {k: v for k, v in row["cpu_pct"].items() if k not in ("machine", "other")}
+    notes = []
+    if row["cpu_pct"]["machine"] >= SATURATED_PCT * cores:
+        notes.append(f"machine CPU saturated ({row['cpu_pct']['machine']:.0f}% of {cores} cores)")
+    hot = [f"{k} {v:.0f}%" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1]) if v >= SATURATED_PCT]
+    if hot:
+        notes.append("at a full core: " + ", ".join(hot))
+    if not kept_up(row):
+        notes.append(f"placed {row['achieved_rate']:.0f} of {row['offered_rate']:.0f} req/s offered "
+                     f"({row.get('refused', 0)} refused, {row.get('timed_out', 0)} unanswered in time, "
+                     f"{row.get('router_failed', 0)} failed)")
+    usage = ", ".join(f"{k} {v:.0f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1]))
+    return f"{'; '.join(notes) or 'no CPU saturated; rate reached'} (CPU, % of a core: {usage}, " \
+           f"outside the benchmark {row['cpu_pct']['other']:.0f})"
+
+
+def find(runs: list[dict], workers: int, blocks: int, rate: float, replicas: int = 1) -> dict | None:
+    return next((r for r in runs if (r["workers"], r["blocks"], r["rate"], r["replicas"]) ==
+                 (workers, blocks, rate, replicas)), None)
+
+
+def growth(runs: list[dict]) -> tuple[float | None, dict, dict]:
+    """p99 at W=256 / p99 at W=4 for each (B, rate) measured with both; the headline is the
+    largest (B, rate) where the router kept up with both (else the largest)."""
+    cells = {}
+    for r in runs:
+        lo = find(runs, 4, r["blocks"], r["rate"])
+        if r["workers"] == 256 and r["replicas"] == 1 and lo and r["decision_ms"]["p99"] and lo["decision_ms"]["p99"]:
+            cells[(r["blocks"], r["rate"])] = (round(r["decision_ms"]["p99"] / lo["decision_ms"]["p99"], 3),
+                                               kept_up(r) and kept_up(lo))
+    if not cells:
+        return None, {}, {}
+    b, rate = max((k for k, (_, ok) in cells.items() if ok), default=max(cells))
+    return cells[(b, rate)][0], {"blocks": b, "rate": rate}, {f"B={k[0]} rate={k[1]}": v for k, (v, _) in cells.items()}
+
+
+def kept_up(r: dict) -> bool:
+    """The router kept up: every request placed in time at the offered rate."""
+    return not (r.get("timed_out") or r.get("router_failed") or r.get("refused")) and \
+        r["achieved_rate"] >= KEPT_UP * r["offered_rate"]
+
+
+def nats_per_request(runs: list[dict], workers: int) -> float | None:
+    """Mean over that W's single-router runs the router kept up with (an overloaded router's
+    refused, failed and late routes send messages that no placement accounts for)."""
+    mine = [r for r in runs if r["workers"] == workers and r["replicas"] == 1]
+    xs = [r["nats_per_request"]["net_in"] for r in ([r for r in mine if kept_up(r)] or mine)]
+    return round(float(np.mean(xs)), 2) if xs else None
+
+
+def router_cpu(runs: list[dict]) -> dict[str, float]:
+    """Router CPU ms per placement by W (mean over the single-router runs it kept up with, less
+    its idle rate): 1000 / this is what one core of router can place per second."""
+    out = {}
+    for w in sorted({r["workers"] for r in runs}):
+        xs = [r["router_cpu_ms_per_placement"]["net"] for r in runs
+              if r["workers"] == w and r["replicas"] == 1 and kept_up(r)]
+        if xs:
+            out[f"w{w}"] = round(float(np.mean(xs)), 2)
+    return out
+
+
+def summary(runs: list[dict], cores: int) -> dict:
+    """The issue's figures and targets, and what limited those not met."""
+    target = find(runs, 256, 10_000_000, 1000)
+    ratio, at, by_cell = growth(runs)
+    largest = max((r["blocks"] for r in runs), default=0)
+    per_block = max((r["redis_bytes_per_block"] for r in runs if r["blocks"] == largest), default=None)
+    n4, n256 = nats_per_request(runs, 4), nats_per_request(runs, 256)
+    checked = [r["decisions"]["hit_rate_same_as_policy"] for r in runs
+               if r["decisions"]["hit_rate_same_as_policy"] is not None]
+    s = {"decision_p99_ms_w256_b10m_r1000": target["decision_ms"]["p99"] if target else None,
+         "decision_p99_growth_w4_to_w256": ratio, "growth_measured_at": at, "growth_by_cell": by_cell,
+         "redis_bytes_per_block": per_block, "redis_bytes_per_block_at_blocks": largest,
+         "nats_msgs_per_request_w4": n4, "nats_msgs_per_request_w256": n256,
+         "router_cpu_ms_per_placement": router_cpu(runs),
+         "hit_rate_same_as_policy": bool(checked) and all(checked),
+         "hit_rate_checked_runs": f"{len(checked)} of {len(runs)}: those the router kept up with (an overloaded "
+                                  "router's bookings cannot be rebuilt from outside)"}
+    met = {"decision_p99_ms_w256_b10m_r1000": None if s["decision_p99_ms_w256_b10m_r1000"] is None
+           else s["decision_p99_ms_w256_b10m_r1000"] <= DECISION_P99_MS,
+           "decision_p99_growth_w4_to_w256": None if ratio is None else ratio <= GROWTH,
+           "redis_bytes_per_block": None if per_block is None else per_block <= BYTES_PER_BLOCK,
+           "nats_msgs_per_request_independent_of_w": None if not (n4 and n256) else abs(n256 - n4) <= NATS_SPREAD * n4,
+           "hit_rate_same_as_policy": s["hit_rate_same_as_policy"]}
+    s["targets_met"] = met
+    limiting = {"decision_p99_ms_w256_b10m_r1000": target,
+                "decision_p99_growth_w4_to_w256": find(runs, 256, at.get("blocks"), at.get("rate"))}
+    s["limited_by"] = {k: bottleneck(row, cores) for k, row in limiting.items() if row and met.get(k) is False}
+    return s
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    """Decision p99 against W, one line per (B, rate); the replicas' points marked."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for b, rate in sorted({(r["blocks"], r["rate"]) for r in runs if r["replicas"] == 1}):
+        pts = sorted((r["workers"], r["decision_ms"]["p99"]) for r in runs
+                     if (r["blocks"], r["rate"], r["replicas"]) == (b, rate, 1) and r["decision_ms"]["p99"])
+        if pts:
+            ax.plot(*zip(*pts), "o-", label=f"B={b:,} blocks, {rate:g} req/s")
+    for r in runs:
+        if r["replicas"] > 1 and r["decision_ms"]["p99"]:
+            ax.plot(r["workers"], r["decision_ms"]["p99"], "k*", markersize=11,
+                    label=f"{r['replicas']} routers, B={r['blocks']:,}, {r['rate']:g} req/s")
+    ax.axhline(DECISION_P99_MS, color="grey", ls="--", lw=1, label=f"target {DECISION_P99_MS:g} ms")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ms = FuncFormatter(lambda y, _: f"{y:g}" if f"{y:.0e}"[0] in "125" else "")   # 1, 2, 5, 10, 20, 50…
+    ax.yaxis.set_major_formatter(ms)
+    ax.yaxis.set_minor_formatter(ms)
+    ax.set_xticks(sorted({r["workers"] for r in runs}), [str(w) for w in sorted({r["workers"] for r in runs})])
+    ax.set_xlabel("simulated workers W")
+    ax.set_ylabel("placement decision p99 (ms, router.route span)")
+    ax.set_title("Placement decision time against fleet size")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
