@@ -34,7 +34,7 @@ test-fast: setup
 bench-engine: setup
 	$(BIN)/python -m bench.engine_bench
 
-## bench-stack: time to first token through the stack minus the in-process engine's
+## bench-stack: time to first token through the stack minus the in-process engine's; writes bench/results/stack.json
 bench-stack: setup
 	$(BIN)/python -m bench.stack_overhead
 

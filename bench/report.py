@@ -120,13 +120,14 @@ def section(data: dict) -> str:
     return "\n".join(lines)
 
 
-def update_readme(text: str, readme: Path = README) -> None:
+def update_readme(text: str, readme: Path = README, begin: str = BEGIN, end: str = END) -> None:
+    """Replace the text between two markers of the README (other benchmarks have their own)."""
     doc = readme.read_text()
-    if BEGIN not in doc:
-        raise SystemExit(f"{readme} has no {BEGIN} marker")
-    head, rest = doc.split(BEGIN, 1)
-    tail = rest.split(END, 1)[1]
-    readme.write_text(f"{head}{BEGIN}\n{text}\n{END}{tail}")
+    if begin not in doc:
+        raise SystemExit(f"{readme} has no {begin} marker")
+    head, rest = doc.split(begin, 1)
+    tail = rest.split(end, 1)[1]
+    readme.write_text(f"{head}{begin}\n{text}\n{end}{tail}")
 
 
 def write_all(data: dict) -> None:

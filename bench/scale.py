@@ -19,7 +19,8 @@ trace (bench/scale_plan.py); placements are asked as the gateway asks them, open
    polling), then `--seconds` of Poisson arrivals (at most `--max-requests`), then the
    router's spans; the decisions are checked against today's policy (bench/scale_check.py).
 4. At the largest (W, B) two more router replicas join for a run at the largest rate.
-Writes bench/results/scale.json (machine, mode, config, runs, summary) and scale.png.
+Writes bench/results/scale.json (machine, mode, config, runs, summary), scale.png and the README's
+"Scale" section (bench/scale_readme.py).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from pathlib import Path
 
 import uvloop
 
-from bench import scale_report
+from bench import scale_readme, scale_report
 from bench.scale_check import Replay, check, holders
 from bench.scale_drive import drive, placements, route_spans
 from bench.scale_meters import usage
@@ -232,6 +233,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     scale_report.plot(result["runs"], args.out.with_suffix(".png"))
+    if args.out == RESULTS / "scale.json":  # the committed results: the README's section follows them
+        scale_readme.update(result)
     print(json.dumps(result["summary"], indent=2))
     print(f"wrote {args.out} and {args.out.with_suffix('.png').name} in {result['duration_s']} s")
 

@@ -147,7 +147,7 @@ class State:
                 except NoScriptError:
                     if again:
                         raise
-            for script in self._scripts.values():
+            for script in list(self._scripts.values()):  # others may register scripts meanwhile
                 await self.r.script_load(script.script)
         raise AssertionError("unreachable")
 
