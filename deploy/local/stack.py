@@ -25,6 +25,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.router.recent import REGISTRY_READ_S
+
 BIN = Path(sys.executable).parent
 
 
@@ -180,7 +182,8 @@ class Stack:
 
     def wait_ready(self, timeout_s: float) -> None:
         """Until the gateway is ready and every worker started here is registered (the gateway
-        is ready with one of each; placement tests and benchmarks need them all)."""
+        is ready with one of each; placement tests and benchmarks need them all) and the
+        routers, which re-read the registry every REGISTRY_READ_S, have seen them."""
         c = self.cfg
         want = {"router": c.routers, "decode": c.decode, "prefill": 0 if c.colocated else c.prefill}
         deadline = time.monotonic() + timeout_s
@@ -192,6 +195,7 @@ class Stack:
                 with urllib.request.urlopen(self.url + "/ready", timeout=2) as r:
                     workers = json.loads(r.read()).get("workers", {})
                     if r.status == 200 and all(workers.get(k, 0) >= n for k, n in want.items()):
+                        time.sleep(REGISTRY_READ_S + 0.3)  # and the routers' background view has them too
                         return
             except (OSError, ValueError):   # not up yet (or not the gateway on that port)
                 pass
