@@ -242,6 +242,7 @@ def main() -> None:
                       gateway_port=args.port, nats_port=args.nats_port, redis_port=args.redis_port,
                       model=args.model, log_dir=Path(".run/logs"))
     stack = Stack(cfg)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C stops, even when started with SIGINT ignored
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     start = time.monotonic()
     pools = f"{args.decode} colocated" if args.colocated else f"{args.prefill} prefill + {args.decode} decode"
