@@ -41,8 +41,13 @@ SWEEP_BUCKETS = 1024  # buckets cleaned per sweep step (a pass: 128 steps), in c
 SWEEP_CHUNK = 16
 
 
+def bucket(n: int) -> str:
+    """The key of bucket n (the lookup script names it the same way)."""
+    return f"pd:prefix:b:{n}"
+
+
 def bucket_key(block_hash: int) -> str:
-    return f"pd:prefix:b:{block_hash % BUCKETS}"
+    return bucket(block_hash % BUCKETS)
 
 
 def live_key(slot: int | str) -> str:
@@ -307,7 +312,7 @@ async def sweep(state: State, holder: str, period_s: float) -> int:
     script, removed = state.script(_SWEEP), 0
     end = min(cursor + SWEEP_BUCKETS, BUCKETS)
     for start in range(cursor, end, SWEEP_CHUNK):
-        keys = [f"pd:prefix:b:{n}" for n in range(start, min(start + SWEEP_CHUNK, end))]
+        keys = [bucket(n) for n in range(start, min(start + SWEEP_CHUNK, end))]
         removed += int(await script(keys=keys, args=dead.split(",")))
     if end >= BUCKETS:  # pass done: the slots are gone from every bucket
         async with state.r.pipeline(transaction=True) as p:
