@@ -2,8 +2,8 @@
 
 What a payload is, and whether it arrived intact, is said over NATS (KVLayer notices with
 per-block checksums; see shared/kv/sender.py and receiver.py). The receiver posts a receive
-only when a notice says its payload is on the way — a UCX receive left posted keeps a
-progress thread spinning on a core — on a tag inside the range it chose at admission, so it
+only when a notice says its payload is on the way (so no receive waits on a message that
+may never come) on a tag inside the range it chose at admission, so it
 needs no endpoint back to the sender. The sender opens (and caches) one endpoint per peer
 address: a restarted peer has a new address, so it is never reached through a stale one.
 

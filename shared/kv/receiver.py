@@ -3,7 +3,7 @@
 1. Made at admission, with the reservation (which of this engine's blocks to fill) and the
    tag range the sender must use.
 2. Each KVLayer notice: check the fingerprint, tag and layout against the reservation, then
-   receive the payload (posted only now: a waiting UCX receive spins a core) into a staging
+   receive the payload (posted only now, when it is on its way) into a staging
    buffer and check every block against its checksum. Good blocks are decoded (native or
    int8, shared/kv/codec.py) and written into the reservation; bad ones are asked for again
    (KVResend to the notice's sender, fresh tag) up to `max_attempts` sends in all, then the

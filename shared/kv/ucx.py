@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 
 import numpy as np
 import ucxx
@@ -54,13 +55,21 @@ class UcxTransport(KVTransport):
         self.retired = 0                          # receives completed by this side after their caller left
         # Measured here, 64 MiB between two processes: "blocking" and "polling" reach 17-18
         # GB/s but then keep both processes at ~100% CPU after a transfer; "thread" reaches
-        # 8.5 GB/s and idles at ~2% (it spins only while a receive is posted).
+        # 8.5 GB/s and idles at ~2%.
         for key, value in TCP_DEFAULTS.items():
             os.environ.setdefault(key, value)
+        threaded = progress_mode.startswith("thread")
         try:
-            ucxx.init(progress_mode=progress_mode)
+            # Python futures: a notifier thread completes each request's future. Without them
+            # ucxx awaits a request by polling it with asyncio.sleep(0), which keeps the event
+            # loop (and the GIL) busy for as long as any receive or send is open: 30-50 ms of
+            # CPU per short request on each side, taken from the engine thread.
+            ucxx.init(progress_mode=progress_mode, enable_python_future=threaded)
         except RuntimeError:  # one UCX context per process: already made, keep it
             pass
+        else:
+            if threaded:  # its notifier thread would otherwise keep the process from exiting
+                threading._register_atexit(ucxx.stop_notifier_thread)  # runs before Python joins threads
         self._address = bytes(ucxx.get_worker_address()).hex()
         self._endpoints: dict[str, object] = {}
 

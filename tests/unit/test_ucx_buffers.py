@@ -121,3 +121,36 @@ def test_a_receive_left_by_its_caller_lands_or_is_retired():
     assert res["open_after_cancel"] == 1 and res["landed"], res      # UCX wrote after the caller left
     assert res["open_in_grace"] == 1 and res["retired"] == 1, res    # never answered: retired after grace
     assert res["open_at_end"] == 0 and res["again"], res
+
+
+def _wait_idle(out):
+    """A receive posted for 0.5 s with nothing on the way: how much CPU the event loop's thread
+    spends meanwhile, then that the receive still completes."""
+    import asyncio
+    import time
+
+    import numpy as np
+
+    from shared.kv import make
+
+    async def run():
+        t = make("ucx")
+        buf = np.zeros(4096, dtype=np.uint8)
+        waiting = asyncio.create_task(t.recv(3, buf))
+        await asyncio.sleep(0.05)
+        cpu = time.thread_time()
+        await asyncio.sleep(0.5)
+        cpu = time.thread_time() - cpu
+        await t.send(t.address, 3, np.full(4096, 5, dtype=np.uint8))
+        await asyncio.wait_for(waiting, 5)
+        return {"loop_cpu_s": cpu, "landed": bool((buf == 5).all())}
+
+    out.put(asyncio.run(run()))
+
+
+def test_a_waiting_receive_leaves_the_event_loop_idle():
+    # ucxx's default awaits a request by polling it with asyncio.sleep(0): the loop's thread ran
+    # ~0.5 s of CPU here, holding the GIL the engine thread needs
+    res = _in_fresh_process(_wait_idle)
+    assert res["landed"], res
+    assert res["loop_cpu_s"] < 0.1, res
