@@ -115,6 +115,9 @@ class PrefillSettings(WorkerSettings):
     max_jobs: int = Field(64, gt=0, description="prefill jobs taken at once (the engine orders those by "
                           "priority and length; JetStream keeps the rest first come)")
     kv_ack_timeout_s: float = Field(30.0, gt=0, description="lease: blocks are kept this long for the decode side")
+    kv_piece_bytes: int = Field(8 << 20, ge=0, description="consecutive layers of a pass go to the decode "
+                                "worker in one KV message until it holds this many bytes (0: one message per "
+                                "layer); short prompts then cost one message, long ones still stream")
     kv_transfer_encoding: Literal["native", "int8"] = Field(
         "native", description="KV bytes on the wire: as in the pool, or int8 with per-block scales (4x fewer "
         "than fp32; quality cost in `make bench-transfer`)")

@@ -117,9 +117,10 @@ class AdmitReply(Message):
 
 
 class KVLayer(Message):
-    """prefill → decode: one layer of a run of blocks is on its way over the KV transport
-    (payload on `tag`). The receiver posts its receive when this arrives, checks the layout
-    against its reservation and every block against its checksum before writing it."""
+    """prefill → decode: `num_layers` consecutive layers from `layer` of a run of blocks are on
+    their way over the KV transport (payload on `tag`, layer-major: each layer's blocks in
+    order). The receiver posts its receive when this arrives, checks the layout against its
+    reservation and every block against its checksum before writing it."""
 
     request_id: str
     prefill_worker: str       # the sender: acks and re-send requests go to it alone
@@ -128,9 +129,10 @@ class KVLayer(Message):
     layer: int
     first_block: int          # index among the prompt's blocks
     num_blocks: int
-    checksums: list[int]      # xxh3-64 of each block's bytes as sent (encoded), in order
+    checksums: list[int]      # xxh3-64 of each block's bytes as sent (encoded), layer-major
     attempt: int = 0          # 0, then 1.. for re-sends
     encoding: Literal["native", "int8"] = "native"   # shared/kv/codec.py
+    num_layers: int = 1       # (an older receiver sees a checksum count that does not match: refused, never misread)
 
 
 class KVEnd(Message):

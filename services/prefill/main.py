@@ -66,7 +66,7 @@ class PrefillWorker:
         self.jobs: dict[str, tuple[PrefillJob, trace.Span]] = {}
         self.kv_spans: dict[str, trace.Span] = {}
         self.sender = KVSender(transport, bus, self.id, engine.fingerprint, self.read_blocks,
-                               settings.kv_max_attempts, settings.kv_transfer_encoding)
+                               settings.kv_max_attempts, settings.kv_transfer_encoding, settings.kv_piece_bytes)
         self.cancelled: set[str] = set()
         self.handoffs: set[asyncio.Task] = set()
         self.in_hand: dict[str, Msg] = {}  # jobs taken and not yet acked

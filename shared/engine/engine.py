@@ -262,7 +262,7 @@ class Engine:
                 stream.sent_upto = upto
         if not pieces:
             return self.layer_hook
-        cuda = self.runner.device.type == "cuda"
+        cuda, last = self.runner.device.type == "cuda", self.model_config.num_layers - 1
 
         def hook(layer: int) -> None:
             if self.layer_hook is not None:
@@ -272,7 +272,7 @@ class Engine:
                 ready = torch.cuda.Event() if cuda else None
                 if ready is not None:
                     ready.record()
-                sink(KVPiece(rid, layer, first, data, ready))
+                sink(KVPiece(rid, layer, first, data, ready, layer == last))
         return hook
 
     def _new_sequence(self, request_id: str, prompt: list[int], params: SamplingParams,

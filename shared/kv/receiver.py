@@ -2,7 +2,8 @@
 
 1. Made at admission, with the reservation (which of this engine's blocks to fill) and the
    tag range the sender must use.
-2. Each KVLayer notice: check the fingerprint, tag and layout against the reservation, then
+2. Each KVLayer notice (one or more consecutive layers of a run of blocks): check the
+   fingerprint, tag and layout against the reservation, then
    receive the payload (posted only now, when it is on its way) into a staging
    buffer and check every block against its checksum. Good blocks are decoded (native or
    int8, shared/kv/codec.py) and written into the reservation; bad ones are asked for again
@@ -94,26 +95,30 @@ class KVReceiver:
     async def _receive(self, n: KVLayer) -> None:
         try:
             start = self._check(n)
-            buf = np.empty((n.num_blocks, codec.block_nbytes(n.encoding, self.block_shape, self.dtype)), dtype=np.uint8)
+            nb = n.num_blocks
+            buf = np.empty((n.num_layers * nb, codec.block_nbytes(n.encoding, self.block_shape, self.dtype)),
+                           dtype=np.uint8)
             await self.transport.recv(n.tag, buf)
             self.pieces += 1
             self.bytes_received += buf.nbytes
-            good = np.array([a == b for a, b in zip(block_checksums(buf), n.checksums)])
-            for a, b in _runs(good, True):  # verified blocks go into the reservation
-                ids = list(self.res.block_ids[start + a:start + b])
-                self.write(n.layer, ids, codec.decode(n.encoding, buf[a:b], self.block_shape, self.dtype))
-                self.have[n.layer, start + a:start + b] = True
-            bad = _runs(good, False)
-            if bad:
+            good = np.array([a == b for a, b in zip(block_checksums(buf), n.checksums)]).reshape(n.num_layers, nb)
+            if not good.all():
                 self.bad_blocks += int((~good).sum())
                 if n.attempt + 1 >= self.max_attempts:
-                    raise KVFailed(f"layer {n.layer}: {int((~good).sum())} blocks still corrupt after "
-                                   f"{n.attempt + 1} sends")
-                log.warning("%s: layer %d: %d corrupt blocks; asking for them again", self.rid, n.layer, (~good).sum())
-                for a, b in bad:
+                    raise KVFailed(f"layers {n.layer}+{n.num_layers}: {int((~good).sum())} blocks still corrupt "
+                                   f"after {n.attempt + 1} sends")
+                log.warning("%s: layers %d+%d: %d corrupt blocks; asking for them again", self.rid, n.layer,
+                            n.num_layers, (~good).sum())
+            for i, layer in enumerate(range(n.layer, n.layer + n.num_layers)):
+                rows = buf[i * nb:(i + 1) * nb]
+                for a, b in _runs(good[i], True):  # verified blocks go into the reservation
+                    ids = list(self.res.block_ids[start + a:start + b])
+                    self.write(layer, ids, codec.decode(n.encoding, rows[a:b], self.block_shape, self.dtype))
+                    self.have[layer, start + a:start + b] = True
+                for a, b in _runs(good[i], False):  # asked for again, one layer at a time
                     self.resends += 1
                     await self.bus.publish(subjects.prefill_kv_resend(n.prefill_worker), KVResend(
-                        request_id=self.rid, layer=n.layer, first_block=n.first_block + a, num_blocks=b - a,
+                        request_id=self.rid, layer=layer, first_block=n.first_block + a, num_blocks=b - a,
                         attempt=n.attempt + 1))
             self._check_done()
         except asyncio.CancelledError:
@@ -128,9 +133,11 @@ class KVReceiver:
         if not self.kv_tag <= n.tag < self.kv_tag + TAG_SPAN:
             raise KVFailed(f"tag {n.tag} outside this handoff's range")
         start = n.first_block - self.res.first_block
-        if not (0 <= n.layer < self.have.shape[0] and 0 <= start and n.num_blocks > 0
-                and start + n.num_blocks <= self.have.shape[1] and len(n.checksums) == n.num_blocks):
-            raise KVFailed(f"layer {n.layer}, blocks {n.first_block}+{n.num_blocks}: outside the reservation "
+        if not (0 <= n.layer and n.num_layers > 0 and n.layer + n.num_layers <= self.have.shape[0]
+                and 0 <= start and n.num_blocks > 0 and start + n.num_blocks <= self.have.shape[1]
+                and len(n.checksums) == n.num_layers * n.num_blocks):
+            raise KVFailed(f"layers {n.layer}+{n.num_layers}, blocks {n.first_block}+{n.num_blocks}: outside the "
+                           f"reservation "
                            f"({self.have.shape[0]} layers, blocks {self.res.first_block}..{self.res.num_blocks})")
         return start
 

@@ -5,8 +5,12 @@ One Handoff per request:
 1. `open(job, ctx)` before the prompt is queued: returns the sink for `Engine.stream_kv`, or
    None when the decode worker's fingerprint (model, dtype, block layout) differs from ours —
    then KVEnd(not ok) goes out at once and nothing streams.
-2. Each KVPiece (handed over from the engine thread while the pass goes on): encoded
-   (shared/kv/codec.py), per-block checksums, a KVLayer notice on NATS, then the payload over the transport on a fresh tag.
+2. KVPieces (one layer each, handed over from the engine thread while the pass goes on) are
+   gathered into a batch of consecutive layers until it holds `piece_bytes` or the pass's
+   last layer is in (`batch_ready`); each batch is encoded (shared/kv/codec.py), checksummed
+   per block, announced by one KVLayer notice on NATS and sent over the transport on a fresh
+   tag. A short prompt costs one message, not one per layer: each message takes event-loop
+   time (and the GIL) from the pass it overlaps.
 3. `finish(rid, first_token, lease_s)` after the prompt's last pass: KVEnd(ok, first token),
    then wait for the KVAck; KVResend requests are answered meanwhile (re-read from the pool,
    attempt n, fresh tag). The lease ends at the ack, at `lease_s`, or at `cancel`. Acks and
@@ -52,14 +56,18 @@ class Handoff:
     bytes_sent: int = 0
     resent_blocks: int = 0
     error: str = ""                              # why the prefill side gave it up
+    batch: list[KVPiece] = field(default_factory=list)  # layers not handed over yet (engine thread only)
+    batch_bytes: int = 0
     ended: bool = False                          # KVEnd published
 
 
 class KVSender:
     def __init__(self, transport: KVTransport, bus: Bus, worker_id: str, fingerprint: str,
-                 read_blocks: ReadBlocks, max_attempts: int = 3, encoding: codec.Encoding = "native"):
+                 read_blocks: ReadBlocks, max_attempts: int = 3, encoding: codec.Encoding = "native",
+                 piece_bytes: int = 8 << 20):
         self.transport, self.bus, self.worker_id, self.fingerprint = transport, bus, worker_id, fingerprint
         self.read_blocks, self.max_attempts, self.encoding = read_blocks, max_attempts, encoding
+        self.piece_bytes = piece_bytes
         self.handoffs: dict[str, Handoff] = {}
         self.posts = Background(log, "KV notice + payload", logging.DEBUG)  # under way (failures: _send's)
 
@@ -77,31 +85,39 @@ class KVSender:
             await self.cancel(job.request_id, f"fingerprint mismatch: decode {job.decode_fingerprint}, "
                                               f"prefill {self.fingerprint}")
             return None
-        return lambda piece: loop.call_soon_threadsafe(self._start_send, h, piece.layer, piece.first_block,
-                                                       piece.data, piece.ready, 0)
+        def sink(piece: KVPiece) -> None:  # on the engine thread
+            h.batch.append(piece)
+            h.batch_bytes += piece.data.nbytes
+            if batch_ready(h.batch_bytes, piece.last, self.piece_bytes):
+                batch, h.batch, h.batch_bytes = h.batch, [], 0
+                loop.call_soon_threadsafe(self._start_send, h, batch, 0)
+        return sink
 
     # -- 2. pieces -----------------------------------------------------------------------------
-    def _start_send(self, h: Handoff, layer: int, first_block: int, data: torch.Tensor, ready, attempt: int) -> None:
+    def _start_send(self, h: Handoff, pieces: list[KVPiece], attempt: int) -> None:
         if h.acked.done() or h.error:
             return
-        task = asyncio.create_task(self._send(h, layer, first_block, data, ready, attempt))
+        task = asyncio.create_task(self._send(h, pieces, attempt))
         h.sends.add(task)
         task.add_done_callback(h.sends.discard)
 
-    async def _send(self, h: Handoff, layer: int, first_block: int, data: torch.Tensor, ready, attempt: int) -> None:
+    async def _send(self, h: Handoff, pieces: list[KVPiece], attempt: int) -> None:
+        """One message: consecutive layers of one run of blocks."""
         try:
-            if ready is not None:  # the gather or the layer's kernels may still be running
-                await asyncio.to_thread(ready.synchronize)
-            # (n_blocks, bytes) on the host: a view of the pool for "native" on CPU; a device
-            # tensor is staged to the host (checksums are computed on host bytes)
-            host = codec.encode(self.encoding, data)
+            if pieces[-1].ready is not None:  # the gathers or the layers' kernels may still be running
+                await asyncio.to_thread(pieces[-1].ready.synchronize)  # (recorded in order on one stream)
+            # (layers x n_blocks, bytes) on the host: for "native" on CPU a view of the pool when
+            # it is one layer; a device tensor is staged to the host (checksums are of host bytes)
+            rows = [codec.encode(self.encoding, p.data) for p in pieces]
+            host = rows[0] if len(rows) == 1 else np.concatenate(rows)
             if h.next_tag >= TAG_SPAN:
                 raise RuntimeError("handoff used up its tag range")
             tag, h.next_tag = h.job.kv_tag + h.next_tag, h.next_tag + 1
+            first = pieces[0]
             notice = KVLayer(request_id=h.job.request_id, prefill_worker=self.worker_id,
-                             fingerprint=self.fingerprint, tag=tag, layer=layer,
-                             first_block=first_block, num_blocks=host.shape[0], checksums=block_checksums(host),
-                             attempt=attempt, encoding=self.encoding)
+                             fingerprint=self.fingerprint, tag=tag, layer=first.layer, num_layers=len(pieces),
+                             first_block=first.first_block, num_blocks=first.num_blocks,
+                             checksums=block_checksums(host), attempt=attempt, encoding=self.encoding)
             h.pieces += 1
             h.bytes_sent += host.nbytes  # counted when handed over: the ack may beat the send's completion
             # notice and payload go together: a cancellation between them would leave the decode
@@ -130,7 +146,7 @@ class KVSender:
         h.resent_blocks += req.num_blocks
         trace.get_current_span(h.ctx).add_event("resend", {"layer": req.layer, "first_block": req.first_block,
                                                            "blocks": req.num_blocks, "attempt": req.attempt})
-        self._start_send(h, req.layer, req.first_block, data, None, req.attempt)
+        self._start_send(h, [KVPiece(req.request_id, req.layer, req.first_block, data)], req.attempt)
 
     # -- 3. finish: the lease ------------------------------------------------------------------
     async def finish(self, rid: str, first_token: int, lease_s: float) -> KVAck:
@@ -184,3 +200,9 @@ class KVSender:
         await self.bus.publish(subjects.decode_kv_end(h.job.decode_worker),
                                KVEnd(request_id=h.job.request_id, ok=ok, first_token=first_token, error=error),
                                ctx=h.ctx)
+
+
+def batch_ready(batch_bytes: int, last_layer: bool, piece_bytes: int) -> bool:
+    """Whether the layers gathered so far go out now: at the pass's last layer, or once they
+    hold `piece_bytes` (so a long prompt still streams while its pass runs)."""
+    return last_layer or batch_bytes >= piece_bytes

@@ -32,7 +32,7 @@ def expected(tiny, prompt=PROMPT):
 
 
 async def handoff(src: Engine, dst: Engine, prompt=PROMPT, rid="r", faults: Faults | None = None,
-                  fingerprint: str | None = None, max_attempts: int = 3, encoding="native"):
+                  fingerprint: str | None = None, max_attempts: int = 3, encoding="native", piece_bytes=8 << 20):
     """Prefill on src streaming to dst; returns (tokens, sender handoff, receiver, bus)."""
     bus = LocalBus()
     tx, rx_transport = make("fake", faults=faults), make("fake")
@@ -40,7 +40,7 @@ async def handoff(src: Engine, dst: Engine, prompt=PROMPT, rid="r", faults: Faul
     async def read_blocks(r, layer, first, n):
         return src.kv_blocks(r, layer, first, n)
 
-    sender = KVSender(tx, bus, "p", src.fingerprint, read_blocks, max_attempts, encoding)
+    sender = KVSender(tx, bus, "p", src.fingerprint, read_blocks, max_attempts, encoding, piece_bytes)
     await sender.start()
     res = dst.reserve(rid, prompt, PARAMS)
     inbox = KVInbox(bus, "d")
@@ -75,16 +75,22 @@ async def handoff(src: Engine, dst: Engine, prompt=PROMPT, rid="r", faults: Faul
     return out.new_token_ids + tokens(run_all(dst).get(rid, [])), h, rx, bus
 
 
-def test_layers_stream_per_pass_and_the_output_is_unchanged(tiny):
+@pytest.mark.parametrize("layers_per_message", [1, 2, "all"])
+def test_layers_stream_per_pass_and_the_output_is_unchanged(tiny, layers_per_message):
+    layers, block_nbytes = tiny.config.num_layers, Engine(tiny, EngineConfig(num_blocks=4)).runner.kv[0][0].nbytes
+    per = layers if layers_per_message == "all" else layers_per_message
+    piece_bytes = {1: 0, 2: 2 * 2 * block_nbytes, "all": 8 << 20}[layers_per_message]  # 2 blocks a layer a pass
     src, dst = Engine(tiny, EngineConfig(**CHUNKED)), Engine(tiny, EngineConfig(num_blocks=64))
-    out, h, rx, bus = asyncio.run(handoff(src, dst))
+    out, h, rx, bus = asyncio.run(handoff(src, dst, piece_bytes=piece_bytes))
     assert out == expected(tiny)
-    layers = tiny.config.num_layers
     notices = bus.of_type(KVLayer)
     # pass 1 completes blocks 0-1 (tokens 0-31), pass 2 blocks 2-3, pass 3 blocks 4-5 (the last partial)
     assert sorted({(n.first_block, n.num_blocks) for n in notices}) == [(0, 2), (2, 2), (4, 2)]
-    assert len(notices) == 3 * layers and h.pieces == 3 * layers
-    block_nbytes = dst.runner.kv[0][0].nbytes
+    per_pass = -(-layers // per)   # a message never spans two passes: the last layer sends what is left
+    assert len(notices) == 3 * per_pass and h.pieces == rx.pieces == 3 * per_pass
+    for first in (0, 2, 4):  # every layer of every pass exactly once, in consecutive runs
+        runs = sorted((n.layer, n.num_layers) for n in notices if n.first_block == first)
+        assert [lay for lay, _ in runs] == list(range(0, layers, per)) and sum(k for _, k in runs) == layers
     assert h.bytes_sent == rx.bytes_received == 6 * layers * block_nbytes
     assert src.num_free_blocks == src.num_blocks and dst.num_free_blocks == dst.num_blocks
 
@@ -103,16 +109,18 @@ def test_streamed_pieces_equal_the_pool_after_the_prefill(tiny):
         assert np.array_equal(np.concatenate([d.numpy() for _, d in got]), export.layer(layer).numpy())
 
 
-def test_a_corrupted_byte_is_caught_every_time_and_resent(tiny):
-    """Every first send of every layer has one byte flipped: each is caught by its block
-    checksum, only the bad block is sent again, and the output is unchanged."""
+@pytest.mark.parametrize("piece_bytes", [0, 8 << 20], ids=["per-layer", "per-pass"])
+def test_a_corrupted_byte_is_caught_every_time_and_resent(tiny, piece_bytes):
+    """Every first send has one byte flipped: each is caught by its block checksum, only the
+    bad block of the bad layer is sent again, and the output is unchanged."""
     src, dst = Engine(tiny, EngineConfig(**CHUNKED)), Engine(tiny, EngineConfig(num_blocks=64))
-    out, h, rx, bus = asyncio.run(handoff(src, dst, faults=Faults(corrupt_rate=1.0, corrupt_attempts=1)))
+    out, h, rx, bus = asyncio.run(handoff(src, dst, faults=Faults(corrupt_rate=1.0, corrupt_attempts=1),
+                                          piece_bytes=piece_bytes))
     assert out == expected(tiny)
-    first_sends = 3 * tiny.config.num_layers
+    first_sends = 3 * (tiny.config.num_layers if piece_bytes == 0 else 1)
     assert rx.bad_blocks == first_sends == rx.resends == len(bus.of_type(KVResend))
-    assert h.resent_blocks == first_sends   # one block per corrupted payload, not the whole layer
-    assert all(n.attempt == 1 for n in bus.of_type(KVLayer)[first_sends:])
+    assert h.resent_blocks == first_sends   # one block per corrupted payload, not the whole message
+    assert all(n.attempt == 1 and n.num_layers == 1 for n in bus.of_type(KVLayer)[first_sends:])
 
 
 def test_kv_that_stays_corrupt_fails_after_bounded_tries(tiny):
@@ -170,7 +178,7 @@ def test_int8_encoding_moves_a_quarter_of_the_bytes_and_stays_within_half_a_step
 
 def test_a_corrupted_int8_block_is_caught_too(tiny):
     src, dst = Engine(tiny, EngineConfig(**CHUNKED)), Engine(tiny, EngineConfig(num_blocks=64))
-    _, h, rx, _ = asyncio.run(handoff(src, dst, encoding="int8", faults=Faults(corrupt_rate=1.0)))
+    _, h, rx, _ = asyncio.run(handoff(src, dst, encoding="int8", faults=Faults(corrupt_rate=1.0), piece_bytes=0))
     assert rx.bad_blocks == h.resent_blocks == 3 * tiny.config.num_layers
 
 
