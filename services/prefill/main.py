@@ -52,6 +52,11 @@ from shared.state import OVER, State
 
 log = logging.getLogger("prefill")
 JOB_KEEPALIVE_S = 10.0  # JetStream redelivers a job unacked for 30 s (its ack_wait)
+# A job delivered for the first time and younger than this starts without asking Redis whether
+# its decode worker gave up and prefilled it: that worker waits PD_KV_TIMEOUT_S (30 s) first,
+# and one that gave up sooner refuses the KV (only compute is lost). Saves a round trip on
+# every first token; redeliveries and old jobs are still checked.
+FRESH_JOB_S = 5.0
 
 
 class PrefillWorker:
@@ -145,12 +150,13 @@ class PrefillWorker:
             return
         for msg in msgs:
             job = PrefillJob.decode(msg.data)
+            queued = msg.metadata.timestamp.timestamp() if msg.metadata.timestamp else time.time()
+            fresh = msg.metadata.num_delivered == 1 and time.time() - queued < FRESH_JOB_S
             if (job.request_id in self.cancelled or job.request_id in self.sender.handoffs
-                    or await self.taken_over(job.request_id)):
+                    or (not fresh and await self.taken_over(job.request_id))):
                 await msg.ack()  # cancelled before it started, a redelivery of a job in hand, or the
                 continue         # decode worker gave up waiting and prefilled it (this worker's last life?)
             ctx = context_of(msg)
-            queued = msg.metadata.timestamp.timestamp() if msg.metadata.timestamp else time.time()
             self.tracer.start_span("prefill.queue", context=ctx, start_time=int(queued * 1e9)).end()
             span = self.tracer.start_span("prefill.compute", context=ctx, attributes={
                 "request_id": job.request_id, "prompt_tokens": len(job.prompt_token_ids), "worker": self.id})

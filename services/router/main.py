@@ -193,8 +193,10 @@ class Router:
             await asyncio.sleep(0.05)
         reply = await self.place(req, key, known.get("decode"), lease_s, workers,
                                  prefix_index.by_worker(workers, held), session_worker)
-        if reply.ok:
-            await self.state.note_route(key, ROUTE_TTL_S, reply=reply.encode().decode())
+        if reply.ok:  # for repeats; not awaited: one that comes first waits on the claim, and a
+            # takeover after this replica died asks the decode worker noted by hold_route (its
+            # admit is idempotent), so the reply need not wait for this round trip
+            self.in_background(self.state.note_route(key, ROUTE_TTL_S, reply=reply.encode().decode()))
         else:  # refused: a later attempt decides afresh
             await self.state.release_route(key)
         return reply
