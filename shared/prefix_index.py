@@ -263,10 +263,16 @@ class PrefixPublisher:
         await self._release(keys=[SLOTS, live_key(slot)], args=[slot, token])
 
 
-def by_worker(workers: list[WorkerInfo], held: dict[int, int]) -> dict[str, tuple[int, int]]:
-    """Per worker: (how many leading blocks of the prompt it holds, how many blocks its cache
-    holds), from a lookup's answer by slot and the workers' registry entries."""
-    return {w.worker_id: (held.get(w.prefix_slot, 0) if w.prefix_slot else 0, w.cached_blocks) for w in workers}
+def by_slot(workers: list[WorkerInfo]) -> dict[int, WorkerInfo]:
+    """The workers by the slot their registry entry names (made once per registry read)."""
+    return {w.prefix_slot: w for w in workers if w.prefix_slot}
+
+
+def by_worker(slots: dict[int, WorkerInfo], held: dict[int, int]) -> dict[str, tuple[int, int]]:
+    """For the workers holding some of the prompt: (how many leading blocks of it they hold,
+    how many blocks their cache holds), from a lookup's answer by slot. Its cost follows the
+    holders found, not the fleet: a worker absent holds none."""
+    return {w.worker_id: (n, w.cached_blocks) for slot, n in held.items() if (w := slots.get(slot)) is not None}
 
 
 def queue_lookup(state: State, p, hashes: list[int]) -> None:
@@ -282,7 +288,7 @@ async def lookup(state: State, hashes: list[int]) -> dict[int, int]:
 
 
 async def cached_blocks(state: State, workers: list[WorkerInfo], hashes: list[int]) -> dict[str, tuple[int, int]]:
-    return by_worker(workers, await lookup(state, hashes))
+    return by_worker(by_slot(workers), await lookup(state, hashes))
 
 
 def held_by_slot(answer: list) -> dict[int, int]:

@@ -20,8 +20,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
@@ -177,9 +179,10 @@ class State:
 
     # -- request state ---------------------------------------------------------------------
     def note(self, request_id: str, phase: str, by: str = "", attempt: int = 0, prompt_tokens: int = 0,
-             **fields: str | int) -> None:
+             also: Callable[[Pipeline], None] | None = None, **fields: str | int) -> None:
         """`record` in the background, its deadline from the phase: the caller never waits on
-        Redis (a Redis away costs the request's history, logged, not its progress)."""
+        Redis (a Redis away costs the request's history, logged, not its progress). `also`
+        queues more writes on the same round trip."""
         if len(self._writes) >= MAX_PENDING_WRITES:  # Redis slow or away: keep the pool for the request path
             self.dropped += 1
             if self.dropped % 1000 == 1:
@@ -188,10 +191,11 @@ class State:
         limit = deadline_s(phase, prompt_tokens, self.stall_s, self.min_prefill_tokens_per_s)
         if prompt_tokens:
             fields["prompt_tokens"] = prompt_tokens
-        self._writes.start(self.record(request_id, phase, by, attempt, limit, **fields))
+        self._writes.start(self.record(request_id, phase, by, attempt, limit, also, **fields))
 
     async def record(self, request_id: str, phase: str, by: str = "", attempt: int = 0,
-                     deadline_s: float | None = None, **fields: str | int) -> None:
+                     deadline_s: float | None = None, also: Callable[[Pipeline], None] | None = None,
+                     **fields: str | int) -> None:
         """A request entered `phase` (or a mark: failover, stalled): append the event to its
         log, update its summary, and set when the phase is overdue (or, at the end, clear it).
         A `received` with `owner` files the request under its gateway."""
@@ -213,6 +217,8 @@ class State:
             if phase == "received" and fields.get("owner"):
                 p.sadd(owned_key(str(fields["owner"])), request_id)
                 p.sadd(GATEWAYS, str(fields["owner"]))
+            if also is not None:
+                also(p)
             await p.execute()
 
     async def request(self, request_id: str) -> dict[str, str]:
@@ -286,11 +292,15 @@ class State:
         await self.r.delete(route_key(request_id) + ":claim", route_key(request_id))
 
     async def note_route(self, request_id: str, ttl_s: float, **fields: str) -> None:
-        key = route_key(request_id)
         async with self.r.pipeline(transaction=False) as p:
-            p.hset(key, mapping=fields)
-            p.pexpire(key, int(ttl_s * 1000))
+            self.queue_note_route(p, request_id, ttl_s, **fields)
             await p.execute()
+
+    @staticmethod
+    def queue_note_route(p: Pipeline, request_id: str, ttl_s: float, **fields: str) -> None:
+        key = route_key(request_id)
+        p.hset(key, mapping=fields)
+        p.pexpire(key, int(ttl_s * 1000))
 
     async def route(self, request_id: str) -> dict[str, str]:
         """What is known of a request's placement: {"decode": worker, "reply": RouteReply JSON}."""

@@ -51,6 +51,7 @@ from shared.service import connect, heartbeat, run, setup_logging, stop_event
 from shared.state import State, route_key, session_key
 from shared.tasks import Background, every
 from services.router import policy
+from services.router.pools import EMPTY, Pool, pools
 from services.router.recent import REGISTRY_READ_S, Recent, horizons
 from services.router.supervisor import Supervisor
 
@@ -63,7 +64,7 @@ ROUTE_TTL_S = 600.0  # a placement is answered again for this long (a retried or
 class Router:
     def __init__(self, settings: RouterSettings, bus: Bus, state: State, tracer: trace.Tracer):
         self.settings, self.bus, self.state, self.tracer = settings, bus, state, tracer
-        self._workers: tuple[float, list[WorkerInfo]] = (-math.inf, [])  # never read
+        self._pools: tuple[float, dict[str, Pool]] = (-math.inf, {})  # never read
         self.refreshing = False  # keep_workers runs
         self.in_flight = 0       # placements being worked on
         # counted on top of what each worker's registry entry shows until that entry has caught up
@@ -75,22 +76,23 @@ class Router:
         self.breakers: dict[tuple[str, str], policy.Breaker] = {}  # (prefill, decode) KV paths
         self.tripped: dict[str, set[str]] = {}  # decode worker -> prefill workers whose path's breaker is not closed
 
-    async def workers(self) -> list[WorkerInfo]:
-        """The live registry as last read: kept fresh by `keep_workers` while the router serves
-        (a placement never waits for it); read here when older than REGISTRY_READ_S otherwise.
-        Heartbeats are 1 s apart: a stale entry costs one refused admit, which moves on."""
-        fetched_at, workers = self._workers
+    async def pool(self, model: str) -> Pool:
+        """The model's workers in the live registry as last read: kept fresh by `keep_workers`
+        while the router serves (a placement never waits for it); read here when older than
+        REGISTRY_READ_S otherwise. Heartbeats are 1 s apart: a stale entry costs one refused
+        admit, which moves on."""
+        fetched_at, by_model = self._pools
         age = time.monotonic() - fetched_at
         if age > REGISTRY_READ_S and (not self.refreshing or age > WORKERS_MAX_AGE_S):
-            workers = await self.read_workers()
-        return workers
+            by_model = await self.read_workers()
+        return by_model.get(model, EMPTY)
 
-    async def read_workers(self) -> list[WorkerInfo]:
+    async def read_workers(self) -> dict[str, Pool]:
         now = time.monotonic()
         workers = [w for w in await self.state.workers() if w.role in ("prefill", "decode") and not w.draining
                    and w.step_s < self.settings.stall_s]  # a step running that long: hung
-        self._workers = (now, workers)
-        return workers
+        self._pools = (now, pools(workers))
+        return self._pools[1]
 
     async def keep_workers(self, stop: asyncio.Event) -> None:
         self.refreshing = True
@@ -181,9 +183,9 @@ class Router:
         admit is idempotent there, and the prefill job is deduplicated by its message id)."""
         key = f"{req.request_id}#{req.attempt}" if req.attempt else req.request_id  # a failover places anew
         lease_s = 2 * self.settings.admit_timeout_s + 1.0
-        workers = [w for w in await self.workers() if w.model == req.model]
+        pool = await self.pool(req.model)
         # the engine always computes the last prompt token: only the blocks before it can hit
-        hashes = block_hashes(req.prompt_token_ids[:-1], workers[0].block_size if workers else 16)
+        hashes = block_hashes(req.prompt_token_ids[:-1], pool.block_size)
         while True:
             claimed, known, held, session_worker = await self.begin(key, lease_s, hashes, req.session_id)
             if "reply" in known:  # placed already (by this or another replica, maybe one since gone)
@@ -191,12 +193,19 @@ class Router:
             if claimed:
                 break
             await asyncio.sleep(0.05)
-        reply = await self.place(req, key, known.get("decode"), lease_s, workers,
-                                 prefix_index.by_worker(workers, held), session_worker)
-        if reply.ok:  # for repeats; not awaited: one that comes first waits on the claim, and a
-            # takeover after this replica died asks the decode worker noted by hold_route (its
-            # admit is idempotent), so the reply need not wait for this round trip
-            self.in_background(self.state.note_route(key, ROUTE_TTL_S, reply=reply.encode().decode()))
+        reply = await self.place(req, key, known.get("decode"), lease_s, pool,
+                                 prefix_index.by_worker(pool.slots, held), session_worker)
+        if reply.ok:
+            # the request's "routed" event, and the placement kept for repeats, in one round
+            # trip the reply does not wait for: a repeat that comes first waits on the claim, and
+            # a takeover after this replica died asks the decode worker noted by hold_route (its
+            # admit is idempotent)
+            answer = reply.encode().decode()
+            self.state.note(req.request_id, "routed", by=self.id, attempt=req.attempt,
+                            prompt_tokens=len(req.prompt_token_ids) + len(req.resume_token_ids),
+                            mode=reply.mode, reason=reply.reason, decode=reply.decode_worker,
+                            prefill=reply.prefill_worker or "",
+                            also=lambda p: self.state.queue_note_route(p, key, ROUTE_TTL_S, reply=answer))
         else:  # refused: a later attempt decides afresh
             await self.state.release_route(key)
         return reply
@@ -224,12 +233,11 @@ class Router:
         return RouteReply.decode(known["reply"].encode())
 
     async def place(self, req: RouteRequest, key: str, chosen_before: str | None, lease_s: float,
-                    workers: list[WorkerInfo], cached: dict[str, tuple[int, int]], session_worker: str | None
+                    pool: Pool, cached: dict[str, tuple[int, int]], session_worker: str | None
                     ) -> RouteReply:
+        """`cached`: the workers holding some of the prompt (prefix_index.by_worker)."""
         rid, prompt, resume = req.request_id, req.prompt_token_ids, req.resume_token_ids
-        prefills = [w for w in workers if w.role == "prefill"]
-        decodes = [w for w in workers if w.role == "decode"]
-        block_size = workers[0].block_size if workers else 16
+        prefills, decodes, block_size = pool.prefills, pool.decodes, pool.block_size
         blocks = -(-(len(prompt) + len(resume) + 1) // block_size)
         ranked = policy.decode_candidates(decodes, blocks, {w: n * block_size for w, (n, _) in cached.items()},
                                           len(prompt), session_worker, self.settings.affinity_slack,
@@ -285,8 +293,6 @@ class Router:
                 self.in_background(self.state.set_session_worker(req.session_id, decode.worker_id,
                                                                  self.settings.session_ttl_s))
             metrics.PLACEMENTS.labels(mode, kind).inc()
-            self.state.note(rid, "routed", by=self.id, attempt=req.attempt, prompt_tokens=len(prompt) + len(resume),
-                            mode=mode, reason=reason, decode=decode.worker_id, prefill=prefill_id or "")
             return RouteReply(request_id=rid, ok=True, mode=mode, reason=reason, decode_worker=decode.worker_id,
                               prefill_worker=prefill_id)
         reason = "no decode worker is up" if not decodes else "no decode worker has room for this request now"

@@ -72,12 +72,17 @@ class PrefillCandidate(NamedTuple):  # a tuple: hundreds are made per placement 
 def prefill_candidates(workers: list[WorkerInfo], fingerprint: str, index: dict[str, tuple[int, int]],
                        assigned_tokens: dict[str, int], default_tokens_per_s: float) -> list[PrefillCandidate]:
     """Prefill workers whose KV the decode worker can take (same fingerprint), as numbers:
-    from the prefix index (leading blocks of the prompt held, blocks held in all), the queue
-    from the registry plus what was sent there since."""
-    return [PrefillCandidate(w.worker_id, index.get(w.worker_id, (0, 0))[0] * w.block_size,
-                             w.queued_tokens + assigned_tokens.get(w.worker_id, 0),
-                             w.prefill_tokens_per_s or default_tokens_per_s, index.get(w.worker_id, (0, 0))[1])
-            for w in workers if w.fingerprint == fingerprint]
+    from the prefix index (leading blocks of the prompt held, blocks held in all; a worker
+    absent from `index` holds none of it, and its registry entry says its cache's size), the
+    queue from the registry plus what was sent there since."""
+    out = []
+    for w in workers:
+        if w.fingerprint == fingerprint:
+            held, size = index.get(w.worker_id) or (0, w.cached_blocks)
+            out.append(PrefillCandidate(w.worker_id, held * w.block_size,
+                                        w.queued_tokens + assigned_tokens.get(w.worker_id, 0),
+                                        w.prefill_tokens_per_s or default_tokens_per_s, size))
+    return out
 
 
 def predicted_prefill_s(c: PrefillCandidate, prompt_tokens: int) -> float:

@@ -146,3 +146,20 @@ def test_old_failures_leave_the_window_and_successes_outweigh_failures():
     for t in (26, 27):
         b.record(False, t)
     assert b.state == "closed"                          # 3 failures among 8: a healthy path
+
+
+def test_pools_split_the_registry_per_model_and_name_each_slots_worker():
+    from services.router.pools import EMPTY, pools
+
+    def w(wid, role, model, slot):
+        return WorkerInfo(worker_id=wid, role=role, model=model, block_size=32, prefix_slot=slot, cached_blocks=slot)
+    got = pools([w("p1", "prefill", "a", 3), w("d1", "decode", "a", 0), w("d2", "decode", "a", 7),
+                 w("p2", "prefill", "b", 5)])
+    a, b = got["a"], got["b"]
+    assert [x.worker_id for x in a.prefills] == ["p1"] and [x.worker_id for x in a.decodes] == ["d1", "d2"]
+    assert {s: x.worker_id for s, x in a.slots.items()} == {3: "p1", 7: "d2"}   # slot 0: none (lost)
+    assert a.block_size == 32 and EMPTY.block_size == 16 and not EMPTY.workers
+    assert [x.worker_id for x in b.workers] == ["p2"] and set(got) == {"a", "b"}
+    # a lookup's answer by slot, turned into the holders alone (a slot nobody names is dropped)
+    from shared import prefix_index
+    assert prefix_index.by_worker(a.slots, {3: 4, 9: 2}) == {"p1": (4, 3)}
