@@ -9,7 +9,8 @@ PLAN is a pickled list of bench/scale_plan.FleetWorker. Each simulated worker:
    place to change when the registry entry changes).
 2. Indexes its prefix cache through its own `PrefixPublisher`: the plan's trace blocks at
    start, filler blocks on `fill N` (N indexed blocks across the fleet).
-3. Decode: answers every admit (ok, with a KV tag) and records the request finished soon
+3. Decode: answers every admit (ok, with a KV tag), puts a remote one's prefill job on its
+   prefill worker's queue (as services/decode does) and records the request finished soon
    after (State.note: the routers' supervisor sees it end). Prefill: pulls its jobs from its
    JetStream durable consumer (as services/prefill does) and acks them.
 4. Each admit or job churns its cache by the prompt's size: as many new filler blocks stored
@@ -43,13 +44,14 @@ from nats.aio.msg import Msg
 
 from bench.scale_plan import BLOCK, MODEL, FleetWorker, filler, filler_counts
 from shared import subjects
-from shared.bus import Bus
+from shared.bus import Bus, context_of
 from shared.config import Common
 from shared.engine.block_manager import KVEvent
 from shared.messages import AdmitReply, AdmitRequest, PrefillJob, WorkerInfo
 from shared.prefix_index import PrefixPublisher
 from shared.service import heartbeat, run, setup_logging
 from shared.state import State
+from shared.tasks import Background
 
 log = logging.getLogger("fleet")
 LEASE_BEATS = 3          # a lease is three heartbeats, as for the real workers
@@ -96,6 +98,7 @@ class Fleet:
         self.plan, self.bus, self.state, self.heartbeat_s = plan, bus, state, heartbeat_s
         self.sims: list[Sim] = []
         self.tasks: list[asyncio.Task] = []
+        self.queueing = Background(logging.getLogger("fleet"), "prefill job")
         self.stop = asyncio.Event()
         self.tags = 0
         self.stepping: set[Sim] = set()   # workers with churn pending
@@ -129,8 +132,14 @@ class Fleet:
         self.took(sim, len(req.prompt_token_ids) // BLOCK)
         self.tags += 1
         self.admits.append((req.request_id, asked, time.time_ns()))
-        await self.bus.respond(msg, AdmitReply(request_id=req.request_id, ok=True, kv_tag=self.tags << 8,
-                                               num_blocks=-(-(len(req.prompt_token_ids) + 1) // BLOCK)))
+        reply = AdmitReply(request_id=req.request_id, ok=True, kv_tag=self.tags << 8,
+                           num_blocks=-(-(len(req.prompt_token_ids) + 1) // BLOCK))
+        await self.bus.respond(msg, reply)
+        if req.mode == "remote" and req.prefill_worker:  # as a decode worker does: the job, after the reply
+            self.queueing.start(self.bus.queue_prefill(req.prefill_worker, PrefillJob(
+                request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
+                decode_worker=sim.spec.worker_id, decode_address="00", decode_fingerprint=MODEL,
+                first_block=0, kv_tag=reply.kv_tag), context_of(msg)))
         # it ends a little later, as a request does: off the supervisor's list of requests in flight
         asyncio.get_running_loop().call_later(FINISH_AFTER_S, self.state.note, req.request_id, "finished",
                                               sim.spec.worker_id, req.attempt)

@@ -12,7 +12,7 @@ from nats.js.api import RetentionPolicy, StreamConfig
 from opentelemetry import context
 
 from shared import subjects, tracing
-from shared.messages import Message
+from shared.messages import Message, PrefillJob
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
@@ -53,6 +53,12 @@ class Bus:
 
     async def subscribe(self, subject: str, handler: Callable[[Msg], Awaitable[None]], queue: str = ""):
         return await self.nc.subscribe(subject, queue=queue, cb=handler)
+
+    async def queue_prefill(self, prefill_worker: str, job: PrefillJob, ctx: context.Context | None = None) -> None:
+        """Put a job on that prefill worker's queue (awaits the stream's ack); a second job for
+        the same request is dropped by the stream (JetStream de-duplication by message id)."""
+        await self.js.publish(subjects.prefill_jobs(prefill_worker), job.encode(),
+                              headers={**tracing.inject(ctx), "Nats-Msg-Id": f"prefill:{job.request_id}"})
 
     async def ensure_prefill_stream(self) -> None:
         """The work queue of prefill jobs: each job is delivered to one consumer, kept until acked;

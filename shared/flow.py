@@ -7,20 +7,24 @@ that handles each step. (Documentation only; nothing to import.)
  2. services/gateway/relay.py subscribes to `pd.tokens.<rid>` *before* anything can produce a
     token, then asks `pd.router.route` (RouteRequest → RouteReply).
  3. services/router/main.py claims the request (`pd:route:<rid>`: a repeat, to any replica,
-    gets the same placement) and reads the live workers (shared/state.py, `pd:worker:*`, leases),
-    asks services/router/policy.py where to prefill and which decode worker to try first.
+    gets the same placement), takes the live workers as last read (shared/state.py, the
+    `pd:workers` set and leases; services/router/pools.py), looks the prompt up in the prefix
+    index (shared/prefix_index.py) and asks services/router/policy.py where to prefill and
+    which decode worker to try first.
  4. Admit: `pd.decode.<w>.admit` (AdmitRequest → AdmitReply). services/decode/main.py
     reserves the prompt's KV blocks (shared/engine/engine.py `reserve`), reusing its prefix
     cache: `first_block` says how many it already has. Refused → the router tries the next.
     Mode "local": the decode worker queues the whole prompt itself (colocated / fallback).
- 5. Remote: the router puts a PrefillJob on JetStream `pd.prefill.jobs.<p>` (stream
-    PD_PREFILL, work queue), records `pd:req:<rid>` and replies to the gateway.
+ 5. Remote: the decode worker, after its reply, puts a PrefillJob on JetStream
+    `pd.prefill.jobs.<p>` (stream PD_PREFILL, work queue) for the prefill worker the admit
+    named; the router replies to the gateway and records `pd:req:<rid>` in the background.
  6. services/prefill/main.py pulls the job, opens a KV handoff (shared/kv/sender.py; refused
     at once if the decode worker's fingerprint differs) and runs the prompt
     (`prefill_only=True`, `stream_kv`); the first token goes out on `pd.tokens.<rid>` (seq 0)
     as soon as the last pass ends.
- 7. Handoff, during the prefill: after each layer of each pass, a KVLayer notice on
-    `pd.decode.<w>.kv` (block range, per-block checksums, tag) and the payload over UCX
+ 7. Handoff, during the prefill: as the layers of each pass are computed (several in one
+    message, up to PD_KV_PIECE_BYTES), a KVLayer notice on
+    `pd.decode.<w>.kv` (layers, block range, per-block checksums, tag) and the payload over UCX
     (shared/kv/ucx.py); KVEnd on `pd.decode.<w>.kv.end` with the first token; re-sends on
     `pd.prefill.<p>.kv.resend`; the blocks are freed at `pd.prefill.<p>.kv.ack` (or the lease).
  8. services/decode/main.py (shared/kv/receiver.py) posts each receive when its notice

@@ -4,8 +4,8 @@
    heartbeat lease (free blocks, running sequences, UCX address) — only once all of that
    works — and subscribe to `pd.decode.<id>.admit` and `pd.decode.<id>.cancel`.
 2. Admit (router → here): mode "remote" reserves the prompt's blocks (reusing this worker's
-   prefix cache) and replies with the first block to send and a UCX tag, then waits for the
-   KV; mode "local" queues the whole prompt here (colocated, or the fallback). No room →
+   prefix cache), replies with the first block to send and a UCX tag, puts the prefill job
+   on the chosen prefill worker's queue (JetStream), then waits for the KV; mode "local" queues the whole prompt here (colocated, or the fallback). No room →
    refuse, so the router tries another worker before any prefill work is spent. A repeated
    admit of a request gets the first reply again.
 3. KV arrives layer by layer while the prefill runs (shared/kv/receiver.py): a KVLayer notice
@@ -46,11 +46,13 @@ from shared.engine.engine import Engine, RequestOutput
 from shared.engine_host import EngineHost
 from shared.kv import TAG_SPAN, KVTransport
 from shared.kv.receiver import KVInbox, KVReceiver
-from shared.messages import AdmitReply, AdmitRequest, Cancel, KVAck, KVOutcome, Replay, ReplayReply, TokenChunk
+from shared.messages import (AdmitReply, AdmitRequest, Cancel, KVAck, KVOutcome, PrefillJob, Replay, ReplayReply,
+                             TokenChunk)
 from shared.prefix_index import PrefixPublisher
 from shared.service import heartbeat, run, setup_logging
 from shared.worker import serve_worker, worker_id, worker_info
 from shared.state import State
+from shared.tasks import Background
 from services.decode.chunk_log import ChunkLog
 
 log = logging.getLogger("decode")
@@ -80,6 +82,7 @@ class DecodeWorker:
         self.decoding: dict[str, tuple[float, int]] = {}  # requests with a token here: (when, tokens) at the first
         self.advanced: set[str] = set()     # ... since the last heartbeat (their deadlines move on)
         self.chunks = ChunkLog()            # what was published, for gateways that lost some
+        self.queueing = Background(log, "prefill job")  # jobs being put on prefill workers' queues
 
     def info(self):
         return worker_info(self.engine, self.id, "decode", self.settings, self.transport.address,
@@ -121,7 +124,10 @@ class DecodeWorker:
         parent = context_of(msg)
         with self.tracer.start_as_current_span("decode.admit", context=parent) as span:
             span.set_attributes({"request_id": req.request_id, "mode": req.mode, "worker": self.id})
+            repeat = (req.request_id, req.attempt) in self.admitted
             reply = await self.admit(req)
+            if reply.ok and req.mode == "remote" and req.prefill_worker and not repeat:
+                self.queueing.start(self.queue_prefill(req, reply, parent))
             span.set_attributes({"ok": reply.ok, "reason": reply.reason, "first_block": reply.first_block})
             if reply.ok:
                 self.spans[req.request_id] = self.tracer.start_span("decode.generate", context=parent, attributes={
@@ -160,6 +166,22 @@ class DecodeWorker:
         self.receiving[rid] = asyncio.create_task(self.receive_kv(req))
         return AdmitReply(request_id=rid, ok=True, first_block=res.first_block, num_blocks=res.num_blocks,
                           kv_tag=kv_tag)
+
+    async def queue_prefill(self, req: AdmitRequest, reply: AdmitReply, ctx) -> None:
+        """The prompt's job on the prefill worker's queue, made here, where the reservation
+        is: the router neither encodes the prompt again nor waits for the stream, and a job
+        that cannot be queued turns into a local prefill now rather than at the KV deadline.
+        Its trace parent is the router's placement, like this admit's."""
+        job = PrefillJob(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
+                         decode_worker=self.id, decode_address=self.transport.address,
+                         decode_fingerprint=self.engine.fingerprint, first_block=reply.first_block,
+                         kv_tag=reply.kv_tag)
+        try:
+            await self.bus.queue_prefill(req.prefill_worker, job, ctx)
+        except Exception as e:  # noqa: BLE001 - NATS or the stream away: prefill here
+            log.warning("%s: prefill job not queued (%s); prefilling locally", req.request_id, e)
+            if (rx := self.inbox.receivers.get(req.request_id)) is not None:
+                rx.fail(f"prefill job not queued: {e}")
 
     async def prefill_locally(self, req: AdmitRequest) -> None:
         """The whole prompt runs here (colocated mode, the fallback from a failed handoff, or a

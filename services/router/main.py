@@ -1,4 +1,4 @@
-"""Router: decides where each request runs, admits it on a decode worker, dispatches prefill.
+"""Router: decides where each request runs and admits it on a decode worker, naming its prefill worker.
 
 1. Start: make sure the prefill work queue exists; join the `router` queue group on
    `pd.router.route` (several replicas share the requests).
@@ -9,10 +9,10 @@
    remote prefill and pick the decode worker and the prefill worker by cost (policy.py).
 3. Admit on the decode worker first (it reserves KV blocks, or refuses and the next
    candidate is asked), so no prefill is spent on a request that has nowhere to decode. One
-   round trip before each admit renews the claim and notes the worker asked; one after
-   stores the reply: three in all for a request placed at the first try.
-4. Remote: put the prefill job on the chosen prefill worker's queue (JetStream, kept until
-   the worker acks it after the KV handoff). Record the request's state in Redis.
+   round trip before each admit renews the claim and notes the worker asked; one after the
+   reply (not awaited) stores it with the request's `routed` event.
+4. Remote: the admit names the prefill worker; the decode worker puts the job on its queue
+   (JetStream, kept until the prefill worker acks it after the KV handoff).
 5. Reply to the gateway with the placement and its reason (also on the `router.route` span).
    Placement is idempotent by request id across replicas (a claim and the reply in Redis,
    `Router.route`): a repeated request gets the same answer and no second admit or job.
@@ -45,8 +45,7 @@ from shared import metrics, prefix_index, subjects, tracing
 from shared.bus import Bus, context_of
 from shared.config import RouterSettings
 from shared.hashing import block_hashes
-from shared.messages import (AdmitReply, AdmitRequest, KVOutcome, PrefillJob, RouteReply, RouteRequest,
-                             WorkerInfo)
+from shared.messages import AdmitReply, AdmitRequest, KVOutcome, RouteReply, RouteRequest, WorkerInfo
 from shared.service import connect, heartbeat, run, setup_logging, stop_event
 from shared.state import State, route_key, session_key
 from shared.tasks import Background, every
@@ -276,16 +275,9 @@ class Router:
                 continue
             self.admitted.add(decode.worker_id, 1, time.monotonic())
             span = trace.get_current_span()
-            if mode == "remote":
+            if mode == "remote":  # the decode worker queued the prefill job with its admit
                 span.set_attributes({"prefill_cached_tokens": prefill.cached_tokens,
                                      "prefill_queued_tokens": prefill.queued_tokens})
-                job = PrefillJob(request_id=rid, prompt_token_ids=prompt, sampling=req.sampling,
-                                 decode_worker=decode.worker_id, decode_address=decode.ucx_address,
-                                 decode_fingerprint=decode.fingerprint,
-                                 first_block=admit.first_block, kv_tag=admit.kv_tag)
-                # not awaited: the reply need not wait for the queue's ack; if the job is lost,
-                # the decode worker's KV deadline turns the request into a local prefill
-                self.in_background(self.dispatch(prefill.worker_id, job))
             prefill_id = prefill.worker_id if mode == "remote" else None
             span.set_attributes({"decode_cached_tokens": cached.get(decode.worker_id, (0, 0))[0] * block_size,
                                  "session_worker": session_worker or ""})
@@ -329,14 +321,6 @@ class Router:
             return prefill, mode, (f"{why}; {reason}" if mode == "remote" else reason), \
                 (kind if mode == "remote" else "cheaper_locally")
         return prefill, mode, (why if mode == "remote" else reason), kind
-
-    async def dispatch(self, prefill_worker: str, job: PrefillJob) -> None:
-        try:
-            # the stream drops a second job for the same request (JetStream de-duplication by id)
-            await self.bus.js.publish(subjects.prefill_jobs(prefill_worker), job.encode(),
-                                      headers={**tracing.inject(), "Nats-Msg-Id": f"prefill:{job.request_id}"})
-        except Exception as e:
-            log.warning("%s: prefill job not queued (%s); the decode worker will prefill it", job.request_id, e)
 
     async def admit(self, decode: WorkerInfo, req: RouteRequest, mode: str,
                     prefill_worker: str | None) -> AdmitReply | None:

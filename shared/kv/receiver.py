@@ -86,7 +86,7 @@ class KVReceiver:
 
     def on_end(self, end: KVEnd) -> None:
         if not end.ok:
-            self._fail(f"prefill side gave up: {end.error}")
+            self.fail(f"prefill side gave up: {end.error}")
             return
         self.first_token = end.first_token
         self._check_done()
@@ -124,7 +124,7 @@ class KVReceiver:
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            self._fail(str(e) or type(e).__name__)
+            self.fail(str(e) or type(e).__name__)
 
     def _check(self, n: KVLayer) -> int:
         """The notice against the reservation; returns its first block's index in `have`."""
@@ -145,7 +145,7 @@ class KVReceiver:
         if not self.done.done() and self.first_token is not None and self.have.all():
             self.done.set_result(self.first_token)
 
-    def _fail(self, reason: str) -> None:
+    def fail(self, reason: str) -> None:
         if not self.done.done():
             self.done.set_exception(KVFailed(reason))
 

@@ -1,6 +1,7 @@
 """Two router replicas against real NATS (JetStream) and Redis: a request is placed once,
 however many times and wherever it is asked; a replica that dies mid-decision is taken over
-on the decode worker it had chosen. Decode workers are stand-ins that answer admits."""
+on the decode worker it had chosen. Decode workers are stand-ins that answer admits and
+queue the prefill job, as services/decode does."""
 
 from __future__ import annotations
 
@@ -26,6 +27,13 @@ def _request(rid: str) -> RouteRequest:
     return RouteRequest(request_id=rid, prompt_token_ids=list(range(40)), sampling=Sampling(max_tokens=4), model="m")
 
 
+def _job(rid: str, decode: str) -> PrefillJob:
+    req = _request(rid)
+    return PrefillJob(request_id=rid, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
+                      decode_worker=decode, decode_address="00", decode_fingerprint="fp", first_block=0,
+                      kv_tag=7 << 20)
+
+
 async def _setup(nats_url: str, redis_url: str):
     """Two routers, decode-0 idle and decode-1 busy (the router prefers decode-0), one prefill
     worker; returns the routers, the admits each decode stand-in saw, and a job counter."""
@@ -44,6 +52,8 @@ async def _setup(nats_url: str, redis_url: str):
             admits[wid].append(req.request_id)
             await asyncio.sleep(0.1)  # a real admit takes a moment: repeats arrive meanwhile
             await bus.respond(msg, AdmitReply(request_id=req.request_id, ok=True, num_blocks=3, kv_tag=7 << 20))
+            if req.mode == "remote":
+                await bus.queue_prefill(req.prefill_worker, _job(req.request_id, wid))
         return on_admit
 
     for wid in admits:
@@ -53,7 +63,7 @@ async def _setup(nats_url: str, redis_url: str):
                                      admit_timeout_s=0.5), bus, State.connect(redis_url), tracer) for x in "ab"]
 
     async def jobs(rid: str) -> int:
-        await asyncio.sleep(0.2)  # the dispatch is not awaited by the reply
+        await asyncio.sleep(0.2)  # the job is queued after the admit's reply
         info = await bus.js.stream_info(subjects.PREFILL_STREAM)
         count = 0
         for seq in range(info.state.first_seq, info.state.last_seq + 1):
@@ -86,16 +96,14 @@ def test_a_request_asked_of_two_replicas_at_once_and_again_is_placed_once(nats_u
 
 def test_a_replica_that_died_mid_decision_is_taken_over_on_the_worker_it_chose(nats_url, redis_url):
     """router-dead had claimed r2, chosen decode-1 (busy: a fresh choice would be decode-0),
-    queued the prefill job, and died before replying. router-b waits for the claim to lapse,
-    then asks decode-1 again; the repeated job is dropped by the stream."""
+    whose admit queued the prefill job, and died before replying. router-b waits for the claim
+    to lapse, then asks decode-1 again; the repeated job is dropped by the stream."""
     async def run():
         (a, b), admits, jobs, state, bus = await _setup(nats_url, redis_url)
         req = _request("r2")
         assert await state.claim_route("r2", "router-dead", lease_s=0.5)
         await state.note_route("r2", 60, decode="decode-1")
-        await a.dispatch("prefill-0", PrefillJob(request_id="r2", prompt_token_ids=req.prompt_token_ids,
-                                                 sampling=req.sampling, decode_worker="decode-1", decode_address="00",
-                                                 decode_fingerprint="fp", first_block=0, kv_tag=7 << 20))
+        await bus.queue_prefill("prefill-0", _job("r2", "decode-1"))
         t0 = time.monotonic()
         reply = await b.route(req)
         waited = time.monotonic() - t0
