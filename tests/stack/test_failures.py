@@ -225,3 +225,37 @@ def test_sigterm_drains_a_decode_worker_its_streams_finish_there_new_ones_go_els
     assert ids == expected and not resumed
     assert other.status_code == 200 and placed_other != victim
     assert exit_code == 0
+
+
+def test_a_prefill_job_the_queue_refuses_is_prefilled_on_the_decode_worker_at_once(tmp_path):
+    """The decode worker queues the prefill job with its admit. When the stream refuses it
+    (full here: one message at most, new ones discarded), the request is prefilled on the
+    decode worker at once — not after the KV deadline (60 s here) — and still answered."""
+    import asyncio
+
+    import nats
+    from nats.js.api import DiscardPolicy
+
+    from shared import subjects
+
+    async def fill_queue(url: str) -> None:
+        nc = await nats.connect(url)
+        js = nc.jetstream()
+        config = (await js.stream_info(subjects.PREFILL_STREAM)).config
+        config.max_msgs, config.discard = 1, DiscardPolicy.NEW
+        await js.update_stream(config)
+        await js.publish(subjects.prefill_jobs("nobody"), b"{}")  # never taken: the queue stays full
+        await nc.close()
+
+    cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=512, log_dir=tmp_path,
+                                    env={"PD_KV_TIMEOUT_S": "60"})
+    with Stack(cfg) as stack:
+        asyncio.run(fill_queue(stack.nats_url))
+        start = time.monotonic()
+        r = httpx.post(stack.url + "/v1/chat/completions", timeout=120, json={
+            "model": MODEL, "temperature": 0, "max_tokens": 3, "messages": [{"role": "user", "content": "Hi."}]})
+        took = time.monotonic() - start
+        record = redis.Redis.from_url(stack.redis_url).hgetall(f"pd:req:{r.headers['x-request-id']}")
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+    assert b"t_prefill_local" in record and b"not queued" in record[b"reason"], record
+    assert took < 20, took
