@@ -119,7 +119,9 @@ def router_view(spans: dict) -> dict:
     why = Counter(re.sub(r"\d+", "N", str(s.attributes.get("reason", "")))[:80] for s in spans.values()
                   if not s.attributes.get("ok"))
     return {"spans_received": len(spans), "router_placed": len(ok), "router_failed": failed(spans),
-            "not_placed_because": dict(why.most_common(5)), "decision_ms": percentiles([s.duration_ms for s in ok])}
+            "not_placed_because": dict(why.most_common(5)), "decision_ms": percentiles([s.duration_ms for s in ok]),
+            # less the wait for the (simulated) decode workers' admit answers: the router's own part
+            "decision_own_ms": percentiles([s.duration_ms - s.attributes.get("admit_wait_ms", 0.0) for s in ok])}
 
 
 def counters(idle, load, placed: int) -> dict:

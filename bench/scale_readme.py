@@ -57,7 +57,8 @@ def section(data: dict) -> str:
         f"(target ≤ 2 ms: {mark('decision_p99_ms_w256_b10m_r1000')}).",
         f"- p99 growth W=4 → W=256 (B={s.get('growth_measured_at', {}).get('blocks', 0):,}, "
         f"{s.get('growth_measured_at', {}).get('rate', 0):g} req/s): {_num(s.get('decision_p99_growth_w4_to_w256'))}× "
-        f"(target ≤ 1.5×: {mark('decision_p99_growth_w4_to_w256')}).",
+        f"(target ≤ 1.5×: {mark('decision_p99_growth_w4_to_w256')}); without the wait for the simulated "
+        f"decode workers' admit answers (the router's own part): {_num(s.get('router_own_p99_growth_w4_to_w256'))}×.",
         f"- Redis bytes per indexed block at B={s.get('redis_bytes_per_block_at_blocks', 0):,}: "
         f"{_num(s.get('redis_bytes_per_block'), '{:.1f}')} (target ≤ 100: {mark('redis_bytes_per_block')}).",
         f"- NATS messages per request: {_num(s.get('nats_msgs_per_request_w4'))} at W=4, "

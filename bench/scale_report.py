@@ -56,15 +56,15 @@ def find(runs: list[dict], workers: int, blocks: int, rate: float, replicas: int
                  (workers, blocks, rate, replicas)), None)
 
 
-def growth(runs: list[dict]) -> tuple[float | None, dict, dict]:
+def growth(runs: list[dict], field: str = "decision_ms") -> tuple[float | None, dict, dict]:
     """p99 at W=256 / p99 at W=4 for each (B, rate) measured with both; the headline is the
     largest (B, rate) where the router kept up with both (else the largest)."""
     cells = {}
     for r in runs:
         lo = find(runs, 4, r["blocks"], r["rate"])
-        if r["workers"] == 256 and r["replicas"] == 1 and lo and r["decision_ms"]["p99"] and lo["decision_ms"]["p99"]:
-            cells[(r["blocks"], r["rate"])] = (round(r["decision_ms"]["p99"] / lo["decision_ms"]["p99"], 3),
-                                               kept_up(r) and kept_up(lo))
+        hi_p99, lo_p99 = (r.get(field) or {}).get("p99"), ((lo or {}).get(field) or {}).get("p99")
+        if r["workers"] == 256 and r["replicas"] == 1 and lo and hi_p99 and lo_p99:
+            cells[(r["blocks"], r["rate"])] = (round(hi_p99 / lo_p99, 3), kept_up(r) and kept_up(lo))
     if not cells:
         return None, {}, {}
     b, rate = max((k for k, (_, ok) in cells.items() if ok), default=max(cells))
@@ -106,8 +106,11 @@ def summary(runs: list[dict], cores: int) -> dict:
     n4, n256 = nats_per_request(runs, 4), nats_per_request(runs, 256)
     checked = [r["decisions"]["hit_rate_same_as_policy"] for r in runs
                if r["decisions"]["hit_rate_same_as_policy"] is not None]
+    own_ratio, own_at, _ = growth(runs, "decision_own_ms")
     s = {"decision_p99_ms_w256_b10m_r1000": target["decision_ms"]["p99"] if target else None,
          "decision_p99_growth_w4_to_w256": ratio, "growth_measured_at": at, "growth_by_cell": by_cell,
+         # the same without the wait for the simulated decode workers' admit answers
+         "router_own_p99_growth_w4_to_w256": own_ratio if own_at == at else None,
          "redis_bytes_per_block": per_block, "redis_bytes_per_block_at_blocks": largest,
          "nats_msgs_per_request_w4": n4, "nats_msgs_per_request_w256": n256,
          "router_cpu_ms_per_placement": router_cpu(runs),

@@ -237,6 +237,7 @@ class Router:
         """`cached`: the workers holding some of the prompt (prefix_index.by_worker)."""
         rid, prompt, resume = req.request_id, req.prompt_token_ids, req.resume_token_ids
         prefills, decodes, block_size = pool.prefills, pool.decodes, pool.block_size
+        admit_wait_s = 0.0  # in the decode workers' hands (a span attribute: the router's own time is the rest)
         blocks = -(-(len(prompt) + len(resume) + 1) // block_size)
         ranked = policy.decode_candidates(decodes, blocks, {w: n * block_size for w, (n, _) in cached.items()},
                                           len(prompt), session_worker, self.settings.affinity_slack,
@@ -268,7 +269,9 @@ class Router:
                 self.breaker(prefill.worker_id, decode.worker_id).chosen(now)
             # renew the claim (each admit may take its timeout) and note the worker asked
             await self.state.hold_route(key, self.id, lease_s, decode.worker_id, ROUTE_TTL_S)
+            asked = time.perf_counter()
             admit = await self.admit(decode, req, mode, prefill.worker_id if prefill else None)
+            admit_wait_s += time.perf_counter() - asked
             if admit is None or not admit.ok:
                 if booked:
                     self.sent.cancel(booked)
@@ -280,7 +283,7 @@ class Router:
                                      "prefill_queued_tokens": prefill.queued_tokens})
             prefill_id = prefill.worker_id if mode == "remote" else None
             span.set_attributes({"decode_cached_tokens": cached.get(decode.worker_id, (0, 0))[0] * block_size,
-                                 "session_worker": session_worker or ""})
+                                 "session_worker": session_worker or "", "admit_wait_ms": 1e3 * admit_wait_s})
             if req.session_id:
                 self.in_background(self.state.set_session_worker(req.session_id, decode.worker_id,
                                                                  self.settings.session_ttl_s))

@@ -94,7 +94,8 @@ def _run(workers: int, blocks: int, rate: int, p99: float, msgs: float, replicas
     placed = rate if rate < 1000 else rate / 5
     return {"workers": workers, "blocks": blocks, "rate": rate, "replicas": replicas, "offered_rate": rate,
             "achieved_rate": placed, "refused": 0 if rate < 1000 else 800, "timed_out": 0, "router_failed": 0,
-            "decision_ms": {"p50": p99 / 2, "p99": p99}, "redis_bytes_per_block": 30.0,
+            "decision_ms": {"p50": p99 / 2, "p99": p99}, "decision_own_ms": {"p50": p99 / 4, "p99": p99 / 2 * workers ** .25},
+            "redis_bytes_per_block": 30.0,
             "nats_per_request": {"net_in": msgs}, "router_cpu_ms_per_placement": {"net": 4.0},
             "decisions": {"hit_rate_same_as_policy": same if rate < 1000 else None},
             "cpu_pct": {"router": 99.0 if rate == 1000 else 40.0, "redis": 20.0, "machine": 199.0, "other": 10.0}}
@@ -109,6 +110,8 @@ def test_the_summary_holds_the_issues_figures_and_names_what_limits_them():
     assert s["decision_p99_growth_w4_to_w256"] == 1.25 and s["growth_measured_at"] == {"blocks": 10_000_000,
                                                                                         "rate": 100}
     assert s["growth_by_cell"] == {"B=10000000 rate=100": 1.25, "B=10000000 rate=1000": 3.0}
+    # without the admit waits, at the same cell: (2.5 / 2 * 4) / (2.0 / 2 * 1.414)
+    assert s["router_own_p99_growth_w4_to_w256"] == round(2.5 / 2 * 4 / (2.0 / 2 * 4 ** .25), 3)
     assert s["redis_bytes_per_block"] == 30.0 and s["hit_rate_same_as_policy"]
     assert (s["nats_msgs_per_request_w4"], s["nats_msgs_per_request_w256"]) == (6.0, 6.2)   # runs kept up with
     assert s["router_cpu_ms_per_placement"] == {"w4": 4.0, "w256": 4.0}
