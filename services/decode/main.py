@@ -5,7 +5,8 @@
    works — and subscribe to `pd.decode.<id>.admit` and `pd.decode.<id>.cancel`.
 2. Admit (router → here): mode "remote" reserves the prompt's blocks (reusing this worker's
    prefix cache), replies with the first block to send and a UCX tag, puts the prefill job
-   on the chosen prefill worker's queue (JetStream), then waits for the KV; mode "local" queues the whole prompt here (colocated, or the fallback). No room →
+   on the chosen prefill worker's queue (JetStream), then waits for the KV; mode "local"
+   queues the whole prompt here (colocated, or the fallback). No room →
    refuse, so the router tries another worker before any prefill work is spent. A repeated
    admit of a request gets the first reply again.
 3. KV arrives layer by layer while the prefill runs (shared/kv/receiver.py): a KVLayer notice

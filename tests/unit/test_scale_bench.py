@@ -94,7 +94,8 @@ def _run(workers: int, blocks: int, rate: int, p99: float, msgs: float, replicas
     placed = rate if rate < 1000 else rate / 5
     return {"workers": workers, "blocks": blocks, "rate": rate, "replicas": replicas, "offered_rate": rate,
             "achieved_rate": placed, "refused": 0 if rate < 1000 else 800, "timed_out": 0, "router_failed": 0,
-            "decision_ms": {"p50": p99 / 2, "p99": p99}, "decision_own_ms": {"p50": p99 / 4, "p99": p99 / 2 * workers ** .25},
+            "decision_ms": {"p50": p99 / 2, "p99": p99},
+            "decision_own_ms": {"p50": p99 / 4, "p99": p99 / 2 * workers ** .25},
             "redis_bytes_per_block": 30.0,
             "nats_per_request": {"net_in": msgs}, "router_cpu_ms_per_placement": {"net": 4.0},
             "decisions": {"hit_rate_same_as_policy": same if rate < 1000 else None},
