@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from bench.scale_plan import FleetWorker, Probe
 from services.router import policy
+from services.router.pools import EMPTY, pools
 from services.router.recent import horizons
 from shared.config import RouterSettings
 from shared.messages import WorkerInfo
@@ -91,12 +92,11 @@ class Replay:
                  settings: RouterSettings):
         live = [w for w in registry if w.role in ("prefill", "decode") and not w.draining
                 and w.step_s < settings.stall_s]
-        self.prefills = [w for w in live if w.role == "prefill"]
-        self.decodes = [w for w in live if w.role == "decode"]
+        pool = next(iter(pools(live).values()), EMPTY)   # the router's own split (one model here)
+        self.prefills, self.decodes, self.bs = pool.prefills, pool.decodes, pool.block_size
         self.sizes, self.held, self.s = sizes, held, settings
         self.queued = {w.worker_id: w.queued_tokens for w in self.prefills}
         self.truth: dict[int, dict[str, int]] = {}   # per probe: leading blocks per worker
-        self.bs = block_size(live)
 
     def cached(self, probe: Probe) -> dict[str, int]:
         if probe.index not in self.truth:
@@ -118,11 +118,6 @@ class Replay:
         prefill, _ = policy.choose_prefill_by_cost(candidates, n, self.s.recompute_weight)
         mode, _ = policy.prefill_mode(n, int(prefill is not None), self.s.local_prefill_below)
         return ranked[0].worker_id, prefill.worker_id if mode == "remote" else None
-
-
-def block_size(workers: list[WorkerInfo]) -> int:
-    """The router's rule: the first worker's block size."""
-    return workers[0].block_size if workers else 16
 
 
 class Window:

@@ -291,11 +291,6 @@ class State:
         """Give up the placing (a refusal): the next attempt decides afresh."""
         await self.r.delete(route_key(request_id) + ":claim", route_key(request_id))
 
-    async def note_route(self, request_id: str, ttl_s: float, **fields: str) -> None:
-        async with self.r.pipeline(transaction=False) as p:
-            self.queue_note_route(p, request_id, ttl_s, **fields)
-            await p.execute()
-
     @staticmethod
     def queue_note_route(p: Pipeline, request_id: str, ttl_s: float, **fields: str) -> None:
         key = route_key(request_id)

@@ -102,7 +102,7 @@ def test_a_replica_that_died_mid_decision_is_taken_over_on_the_worker_it_chose(n
         (a, b), admits, jobs, state, bus = await _setup(nats_url, redis_url)
         req = _request("r2")
         assert await state.claim_route("r2", "router-dead", lease_s=0.5)
-        await state.note_route("r2", 60, decode="decode-1")
+        assert await state.hold_route("r2", "router-dead", 0.5, "decode-1", 60)   # noted before its admit
         await bus.queue_prefill("prefill-0", _job("r2", "decode-1"))
         t0 = time.monotonic()
         reply = await b.route(req)
