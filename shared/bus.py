@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -75,3 +76,24 @@ class Bus:
 def context_of(msg: Msg) -> context.Context:
     """The trace context a message carried."""
     return tracing.extract(dict(msg.headers or {}))
+
+
+RESYNC_ROUNDS = 3   # periods after a reconnect that re-state open exchanges (the peer may reconnect later)
+
+
+async def after_reconnects(bus: "Bus", period_s: float, action: Callable[[], Awaitable[None]],
+                           rounds: int = RESYNC_ROUNDS) -> None:
+    """Forever: in each of the `rounds` periods after a reconnection of `bus`, `action()` once.
+    What either side published while one was away is lost, and the other may reconnect up to
+    a few periods later."""
+    seen, left = bus.reconnects, 0
+    while True:
+        await asyncio.sleep(period_s)
+        if bus.reconnects != seen:
+            seen, left = bus.reconnects, rounds
+        if left:
+            left -= 1
+            try:
+                await action()
+            except Exception as e:  # noqa: BLE001 - away again: the next round tries
+                log.warning("after reconnect: %s", e)

@@ -143,6 +143,7 @@ class KVEnd(Message):
     ok: bool
     first_token: int = -1
     error: str = ""
+    prefill_worker: str = ""  # the sender (a decode side with no receiver answers it)
 
 
 class KVResend(Message):
@@ -153,6 +154,14 @@ class KVResend(Message):
     first_block: int
     num_blocks: int
     attempt: int              # the attempt this re-send is
+
+
+class KVSync(Message):
+    """decode -> prefill: the bus was away while this handoff was open, so notices may be
+    lost; publish its KVLayer notices and its KVEnd again (the payloads wait in the transport
+    under their tags; the receiver skips notices it has had)."""
+
+    request_id: str
 
 
 class Replay(Message):

@@ -52,6 +52,11 @@ def prefill_kv_resend(worker: str) -> str:
     return f"pd.prefill.{worker}.kv.resend"
 
 
+def prefill_kv_sync(worker: str) -> str:
+    """decode -> prefill worker: KVSync, the bus was away while the handoff was open."""
+    return f"pd.prefill.{worker}.kv.sync"
+
+
 def decode_control(worker: str) -> dict[str, str]:
     """What one decode worker subscribes to for the requests it holds, by message. Each is
     addressed to the workers of the request alone, so what a request costs the bus does not
@@ -62,7 +67,7 @@ def decode_control(worker: str) -> dict[str, str]:
 def prefill_control(worker: str) -> dict[str, str]:
     """What one prefill worker subscribes to for the requests it holds, by message."""
     return {"cancel": prefill_cancel(worker), "kv_ack": prefill_kv_ack(worker),
-            "kv_resend": prefill_kv_resend(worker)}
+            "kv_resend": prefill_kv_resend(worker), "kv_sync": prefill_kv_sync(worker)}
 
 
 def tokens(request_id: str) -> str:

@@ -19,12 +19,15 @@ class LocalBus:
         self.subs: list[tuple[str, object]] = []
         self.sent: list[tuple[str, object]] = []   # (subject, message) in publish order
         self.tasks: set[asyncio.Task] = set()
+        self.lose = lambda subject: False          # the bus away for these subjects: recorded, not delivered
 
     async def subscribe(self, subject: str, handler, queue: str = ""):
         self.subs.append((subject, handler))
 
     async def publish(self, subject: str, msg, ctx=None) -> None:
         self.sent.append((subject, msg))
+        if self.lose(subject):
+            return
         for pattern, handler in self.subs:
             if _match(pattern, subject):
                 task = asyncio.create_task(handler(LocalMsg(subject, msg.encode())))

@@ -33,14 +33,16 @@ class ChunkLog:
             self.finished[chunk.request_id] = (self.clock(), self.running.pop(chunk.request_id))
             self._expire()
 
-    def since(self, request_id: str, from_seq: int) -> list[TokenChunk] | None:
-        """The chunks that hold tokens from `from_seq` on (None: not all of them are here)."""
+    def since(self, request_id: str, from_seq: int, placed: bool = False) -> list[TokenChunk] | None:
+        """The chunks that hold tokens from `from_seq` on (None: not all of them are here).
+        `placed`: the request is on this worker (queued, prefilling, or waiting for its KV);
+        if it has published nothing yet, nothing of it is lost: none to send."""
         self._expire()
         chunks = self.running.get(request_id)
         if chunks is None and request_id in self.finished:
             chunks = self.finished[request_id][1]
         if not chunks:
-            return None
+            return [] if placed else None
         if chunks[0][0] > from_seq:
             return None  # older than the window, or made before this placement
         return [TokenChunk.decode(data) for seq, n, data in chunks if seq + n > from_seq]

@@ -12,7 +12,8 @@
 3. KV arrives layer by layer while the prefill runs (shared/kv/receiver.py): a KVLayer notice
    on `pd.decode.<id>.kv` (NATS), then its payload over UCX, received only once the notice is
    here; fingerprint, layout and every block's checksum are checked before the blocks are
-   written into the reservation (a corrupt block is asked for again). KVEnd brings the first
+   written into the reservation (a corrupt block is asked for again; after a reconnect of the
+   bus, waiting receivers ask for lost notices with KVSync). KVEnd brings the first
    token; once every block of every layer is in, the sequence joins the batch and the prefill
    worker gets its ack (`pd.prefill.<p>.kv.ack`) and frees its copy. KV late, refused or still bad,
    or the prefill worker's lease lapsed (checked every heartbeat while waiting) → drop the
@@ -40,7 +41,7 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 
 from shared import metrics, subjects
-from shared.bus import Bus, context_of
+from shared.bus import Bus, after_reconnects, context_of
 from shared.config import DecodeSettings
 from shared.engine.block_manager import OutOfBlocks
 from shared.engine.engine import Engine, RequestOutput
@@ -102,6 +103,7 @@ class DecodeWorker:
         beat = asyncio.create_task(heartbeat(self.state, self.info, self.settings.heartbeat_s, gone))
         engine_loop = asyncio.create_task(self.host.run(self.publish, engine_stop))
         deadlines = asyncio.create_task(self.keep_deadlines())
+        resync = asyncio.create_task(after_reconnects(self.bus, self.settings.heartbeat_s, self.inbox.sync))
         log.info("decode worker %s ready: %d KV blocks", self.id, self.engine.num_blocks)
         await stop.wait()
         self.draining = True
@@ -114,6 +116,7 @@ class DecodeWorker:
             task.cancel()
         gone.set()
         deadlines.cancel()
+        resync.cancel()
         await beat
         await self.state.deregister(self.id)
         await self.prefix.close()
@@ -163,7 +166,7 @@ class DecodeWorker:
             return AdmitReply(request_id=rid, ok=False, reason=str(e))
         kv_tag = random.getrandbits(63 - TAG_SPAN.bit_length()) * TAG_SPAN  # the sender numbers within
         self.inbox.add(KVReceiver.for_engine(self.engine, res, kv_tag, self.transport, self.bus,
-                                             self.settings.kv_max_attempts))
+                                             self.settings.kv_max_attempts, prefill_worker=req.prefill_worker or ""))
         self.receiving[rid] = asyncio.create_task(self.receive_kv(req))
         return AdmitReply(request_id=rid, ok=True, first_block=res.first_block, num_blocks=res.num_blocks,
                           kv_tag=kv_tag)
@@ -238,7 +241,7 @@ class DecodeWorker:
     async def ack(self, req: AdmitRequest, ack: KVAck) -> None:
         """To the prefill worker computing the request's KV: it may free its copy."""
         if req.prefill_worker:
-            await self.bus.publish(subjects.prefill_kv_ack(req.prefill_worker), ack)
+            await self.inbox.ack(req.prefill_worker, ack)
 
     async def report(self, req: AdmitRequest, ok: bool, reason: str = "") -> None:
         """How the handoff over this prefill → decode path went, for the routers' breakers."""
@@ -339,9 +342,7 @@ class DecodeWorker:
 
     async def on_replay(self, msg: Msg) -> None:
         req = Replay.decode(msg.data)
-        chunks = self.chunks.since(req.request_id, req.from_seq)
-        if chunks is None and req.from_seq == 0 and req.request_id in self.engine.seqs:
-            chunks = []  # queued or prefilling here: no chunk yet, so none lost (its KV, if any, is in)
+        chunks = self.chunks.since(req.request_id, req.from_seq, placed=req.request_id in self.engine.seqs)
         if chunks is None:
             await self.bus.respond(msg, ReplayReply(request_id=req.request_id, ok=False,
                                                     reason=f"no chunks from {req.from_seq} here"))

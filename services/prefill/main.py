@@ -16,7 +16,8 @@
    first token, published at once on `pd.tokens.<rid>` (seq 0).
 4. Hand off: KVEnd with the first token; the blocks stay until the decode side acks (the
    lease: `kv_ack_timeout_s`), re-sending any block it reports corrupt (acks and re-send
-   requests come on `pd.prefill.<id>.kv.ack` / `.kv.resend`); then free, ack the job. A
+   requests come on `pd.prefill.<id>.kv.ack` / `.kv.resend`; after a reconnect of either
+   side's bus, open handoffs are published again: `.kv.sync`); then free, ack the job. A
    request that finished on its first token releases its decode worker's reservation
    (a Cancel on `pd.decode.<d>.cancel`).
 5. Cancel (`pd.prefill.<id>.cancel`, sent only to the workers of the request's placements):
@@ -37,7 +38,7 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 
 from shared import metrics, subjects
-from shared.bus import Bus, context_of
+from shared.bus import Bus, after_reconnects, context_of
 from shared.config import PrefillSettings
 from shared.engine.engine import Engine, RequestOutput
 from shared.engine_host import EngineHost
@@ -95,6 +96,7 @@ class PrefillWorker:
         gone = asyncio.Event()
         beat = asyncio.create_task(heartbeat(self.state, self.info, self.settings.heartbeat_s, gone))
         keepalive = asyncio.create_task(self.keep_jobs())
+        resync = asyncio.create_task(after_reconnects(self.bus, self.settings.heartbeat_s, self.sender.resync))
         announced = False
         log.info("prefill worker %s ready", self.id)
         while not stop.is_set() or self.jobs or self.handoffs:
@@ -109,6 +111,7 @@ class PrefillWorker:
             elif self.handoffs:
                 await asyncio.wait(self.handoffs, timeout=0.05)
         keepalive.cancel()
+        resync.cancel()
         try:  # a pull subscription left to the connection's drain holds it for the whole drain timeout
             await pull.unsubscribe()
         except Exception as e:  # noqa: BLE001 - NATS away: closing anyway

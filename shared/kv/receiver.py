@@ -10,6 +10,8 @@
    (KVResend to the notice's sender, fresh tag) up to `max_attempts` sends in all, then the
    handoff fails.
 3. KVEnd: the first token — or the sender's explicit failure.
+   Notices lost with the bus are published again on the decode worker's KVSync; a notice
+   whose tag was had already is skipped.
 4. `wait()` returns the first token once every layer of every expected block is verified and
    written and KVEnd(ok) is in; it raises KVFailed on any failure. The caller owns the
    deadline, the commit and the ack.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 
 import numpy as np
@@ -31,7 +34,7 @@ from shared.engine.engine import Engine
 from shared.engine.kv_io import Reservation
 from shared.kv import codec
 from shared.kv.base import TAG_SPAN, KVTransport, block_checksums
-from shared.messages import KVAck, KVEnd, KVLayer, KVResend
+from shared.messages import KVAck, KVEnd, KVLayer, KVResend, KVSync
 
 log = logging.getLogger("kv.receiver")
 WriteBlocks = Callable[[int, list[int], torch.Tensor], None]  # layer, block ids, data
@@ -44,7 +47,8 @@ class KVFailed(RuntimeError):
 class KVReceiver:
     def __init__(self, reservation: Reservation, kv_tag: int, fingerprint: str, num_layers: int,
                  block_shape: tuple[int, ...], dtype: torch.dtype, transport: KVTransport, write: WriteBlocks,
-                 bus: Bus, max_attempts: int = 3):
+                 bus: Bus, max_attempts: int = 3, prefill_worker: str = ""):
+        self.prefill_worker = prefill_worker     # the sender, when known at admission
         self.res, self.kv_tag, self.fingerprint = reservation, kv_tag, fingerprint
         self.block_shape, self.dtype = block_shape, dtype
         self.transport, self.write, self.bus = transport, write, bus
@@ -53,14 +57,15 @@ class KVReceiver:
         self.first_token: int | None = None
         self.done: asyncio.Future = asyncio.get_running_loop().create_future()
         self.tasks: set[asyncio.Task] = set()
+        self.tags: set[int] = set()              # notices had (a KVSync publishes them again)
         self.bytes_received = self.pieces = self.bad_blocks = self.resends = 0
 
     @classmethod
     def for_engine(cls, engine: Engine, reservation: Reservation, kv_tag: int, transport: KVTransport,
-                   bus: Bus, max_attempts: int = 3) -> "KVReceiver":
+                   bus: Bus, max_attempts: int = 3, prefill_worker: str = "") -> "KVReceiver":
         pool = engine.runner.kv
         return cls(reservation, kv_tag, engine.fingerprint, pool.shape[0], tuple(pool.shape[2:]), pool.dtype,
-                   transport, engine.write_kv, bus, max_attempts)
+                   transport, engine.write_kv, bus, max_attempts, prefill_worker)
 
     @property
     def rid(self) -> str:
@@ -78,8 +83,9 @@ class KVReceiver:
 
     # -- notices -------------------------------------------------------------------------------
     def on_layer(self, notice: KVLayer) -> None:
-        if self.done.done():
+        if self.done.done() or notice.tag in self.tags:
             return
+        self.tags.add(notice.tag)
         task = asyncio.create_task(self._receive(notice))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
@@ -152,13 +158,16 @@ class KVReceiver:
 
 class KVInbox:
     """One decode worker's KV notices (`pd.decode.<w>.kv`, `.kv.end`), routed to the receiver
-    of their request; a notice for a request with no receiver (cancelled, expired, never
-    admitted here) is refused once with KVAck(not ok) to its sender, which ends its lease."""
+    of their request. For a request with no receiver here (cancelled, expired, done, never
+    admitted) the first notice or end gets KVAck(not ok, "no reservation") unless it was
+    answered before, and each end gets the answer given (the sender may have lost it with
+    the bus, and publishes its handoff again after a reconnect). Either ends its lease."""
 
-    def __init__(self, bus: Bus, worker_id: str):
+    def __init__(self, bus: Bus, worker_id: str, answers_kept: int = 10_000):
         self.bus, self.worker_id = bus, worker_id
         self.receivers: dict[str, KVReceiver] = {}
-        self._refused: set[str] = set()
+        self.answers: OrderedDict[str, KVAck] = OrderedDict()  # the latest acks given, by request
+        self.answers_kept = answers_kept
 
     async def start(self) -> None:
         await self.bus.subscribe(subjects.decode_kv(self.worker_id), self.on_layer)
@@ -172,21 +181,42 @@ class KVInbox:
         if (rx := self.receivers.pop(rid, None)) is not None:
             rx.close()
 
+    async def ack(self, prefill_worker: str, ack: KVAck) -> None:
+        """The decode side's answer to a handoff, kept to be given again."""
+        self.answers[ack.request_id] = ack
+        self.answers.move_to_end(ack.request_id)
+        while len(self.answers) > self.answers_kept:
+            self.answers.popitem(last=False)
+        await self.bus.publish(subjects.prefill_kv_ack(prefill_worker), ack)
+
+    async def sync(self) -> None:
+        """After this worker's bus reconnected: each waiting receiver asks its sender for the
+        notices and end again (KVSync)."""
+        for rx in list(self.receivers.values()):
+            if rx.prefill_worker and not rx.done.done():
+                await self.bus.publish(subjects.prefill_kv_sync(rx.prefill_worker), KVSync(request_id=rx.rid))
+
     async def on_layer(self, msg: Msg) -> None:
         notice = KVLayer.decode(msg.data)
         if (rx := self.receivers.get(notice.request_id)) is not None:
             rx.on_layer(notice)
-        elif notice.request_id not in self._refused:
-            if len(self._refused) > 10_000:
-                self._refused.clear()
-            self._refused.add(notice.request_id)
-            await self.bus.publish(subjects.prefill_kv_ack(notice.prefill_worker),
-                                   KVAck(request_id=notice.request_id, ok=False, error="no reservation"))
+        else:
+            await self.answer(notice.request_id, notice.prefill_worker)
 
     async def on_end(self, msg: Msg) -> None:
         end = KVEnd.decode(msg.data)
         if (rx := self.receivers.get(end.request_id)) is not None:
             rx.on_end(end)
+        elif end.prefill_worker:
+            await self.answer(end.request_id, end.prefill_worker, again=True)
+
+    async def answer(self, rid: str, prefill_worker: str, again: bool = False) -> None:
+        """To the sender of a request with no receiver here: a refusal if it was never
+        answered, else (`again`) the answer it was given."""
+        if (given := self.answers.get(rid)) is None:
+            await self.ack(prefill_worker, KVAck(request_id=rid, ok=False, error="no reservation"))
+        elif again:
+            await self.ack(prefill_worker, given)
 
 
 def _runs(mask: np.ndarray, value: bool) -> list[tuple[int, int]]:

@@ -17,6 +17,9 @@ One Handoff per request:
    re-send requests come to this worker alone (`pd.prefill.<id>.kv.ack`, `.kv.resend`): each
    notice names its sender.
 4. `cancel(rid, reason)`: KVEnd(not ok) — the explicit failure message — and the lease ends.
+5. After a reconnect of either side's bus (KVSync from the decode side, or `resync` here): the
+   notices and KVEnd published so far go out again; the payloads are still in the transport.
+   A decode side with no receiver for them answers with the ack it gave, or a refusal.
 The caller frees the request's blocks once `finish` returns.
 """
 
@@ -37,7 +40,7 @@ from shared.bus import Bus
 from shared.engine.kv_io import KVPiece
 from shared.kv import codec
 from shared.kv.base import TAG_SPAN, KVTransport, block_checksums
-from shared.messages import KVAck, KVEnd, KVLayer, KVResend, PrefillJob
+from shared.messages import KVAck, KVEnd, KVLayer, KVResend, KVSync, PrefillJob
 from shared.tasks import Background
 
 log = logging.getLogger("kv.sender")
@@ -58,7 +61,8 @@ class Handoff:
     error: str = ""                              # why the prefill side gave it up
     batch: list[KVPiece] = field(default_factory=list)  # layers not handed over yet (engine thread only)
     batch_bytes: int = 0
-    ended: bool = False                          # KVEnd published
+    notices: list[KVLayer] = field(default_factory=list)  # published, for a KVSync
+    end: KVEnd | None = None                     # published
 
 
 class KVSender:
@@ -75,6 +79,7 @@ class KVSender:
         control = subjects.prefill_control(self.worker_id)
         await self.bus.subscribe(control["kv_ack"], self.on_ack)
         await self.bus.subscribe(control["kv_resend"], self.on_resend)
+        await self.bus.subscribe(control["kv_sync"], self.on_sync)
 
     # -- 1. open -------------------------------------------------------------------------------
     async def open(self, job: PrefillJob, ctx=None) -> Callable[[KVPiece], None] | None:
@@ -130,6 +135,7 @@ class KVSender:
             await self.cancel(h.job.request_id, f"send failed: {e}")
 
     async def _post(self, h: Handoff, notice: KVLayer, payload: np.ndarray) -> None:
+        h.notices.append(notice)
         await self.bus.publish(subjects.decode_kv(h.job.decode_worker), notice, ctx=h.ctx)
         await self.transport.send(h.job.decode_address, notice.tag, payload, notice.attempt)
 
@@ -147,6 +153,27 @@ class KVSender:
         trace.get_current_span(h.ctx).add_event("resend", {"layer": req.layer, "first_block": req.first_block,
                                                            "blocks": req.num_blocks, "attempt": req.attempt})
         self._start_send(h, [KVPiece(req.request_id, req.layer, req.first_block, data)], req.attempt)
+
+    async def on_sync(self, msg: Msg) -> None:
+        """The decode side's bus was away while this handoff was open."""
+        if (h := self.handoffs.get(KVSync.decode(msg.data).request_id)) is not None:
+            await self.publish_again(h)
+
+    async def resync(self) -> None:
+        """This worker's bus was away: every open handoff again (the decode side's answer, or
+        what it had of the handoff, may be lost)."""
+        for h in list(self.handoffs.values()):
+            await self.publish_again(h)
+
+    async def publish_again(self, h: Handoff) -> None:
+        """Every notice and the end so far, again: a few small messages (the payloads wait in
+        the transport under their tags; the receiver skips notices it has had)."""
+        if h.acked.done():
+            return
+        for notice in list(h.notices):
+            await self.bus.publish(subjects.decode_kv(h.job.decode_worker), notice, ctx=h.ctx)
+        if h.end is not None:
+            await self.bus.publish(subjects.decode_kv_end(h.job.decode_worker), h.end, ctx=h.ctx)
 
     # -- 3. finish: the lease ------------------------------------------------------------------
     async def finish(self, rid: str, first_token: int, lease_s: float) -> KVAck:
@@ -193,13 +220,12 @@ class KVSender:
             h.acked.set_result(ack)
 
     async def _end(self, h: Handoff, ok: bool, first_token: int = -1, error: str = "") -> None:
-        if h.ended:
+        if h.end is not None:
             return
-        h.ended = True
         h.error = h.error or error
-        await self.bus.publish(subjects.decode_kv_end(h.job.decode_worker),
-                               KVEnd(request_id=h.job.request_id, ok=ok, first_token=first_token, error=error),
-                               ctx=h.ctx)
+        h.end = KVEnd(request_id=h.job.request_id, ok=ok, first_token=first_token, error=error,
+                      prefill_worker=self.worker_id)
+        await self.bus.publish(subjects.decode_kv_end(h.job.decode_worker), h.end, ctx=h.ctx)
 
 
 def batch_ready(batch_bytes: int, last_layer: bool, piece_bytes: int) -> bool:

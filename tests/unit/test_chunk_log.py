@@ -39,3 +39,13 @@ def test_finished_requests_are_kept_for_a_while_and_cancelled_ones_not_at_all():
     assert [c.seq for c in log.since("done", 1)] == [1] and log.since("gone", 0) is None
     now[0] = 11
     assert log.since("done", 1) is None and not log.finished
+
+
+def test_a_request_placed_here_that_published_nothing_yet_lost_nothing():
+    log = ChunkLog()
+    assert log.since("waiting", 1, placed=True) == []       # its KV (and first token) not in yet
+    assert log.since("waiting", 1) is None                  # not here: the gateway must move it
+    log.record(chunk("waiting", 1))
+    log.record(chunk("waiting", 2))
+    assert [c.seq for c in log.since("waiting", 2, placed=True)] == [2]
+    assert log.since("waiting", 0, placed=True) is None     # seq 0 was the prefill worker's: not here

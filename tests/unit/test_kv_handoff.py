@@ -4,6 +4,7 @@ process: fake transport, in-process bus. The same code runs over UCX and NATS in
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ from shared.engine.sequence import SamplingParams
 from shared.kv import Faults, make
 from shared.kv.receiver import KVFailed, KVInbox, KVReceiver
 from shared.kv.sender import KVSender
-from shared.messages import KVAck, KVLayer, KVResend, PrefillJob, Sampling
+from shared.messages import KVAck, KVEnd, KVLayer, KVResend, KVSync, PrefillJob, Sampling
 
 PARAMS = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 PROMPT = list(range(3, 90))   # 87 tokens: 6 blocks of 16
@@ -32,9 +33,10 @@ def expected(tiny, prompt=PROMPT):
 
 
 async def handoff(src: Engine, dst: Engine, prompt=PROMPT, rid="r", faults: Faults | None = None,
-                  fingerprint: str | None = None, max_attempts: int = 3, encoding="native", piece_bytes=8 << 20):
+                  fingerprint: str | None = None, max_attempts: int = 3, encoding="native", piece_bytes=8 << 20,
+                  bus: LocalBus | None = None, before_wait=None):
     """Prefill on src streaming to dst; returns (tokens, sender handoff, receiver, bus)."""
-    bus = LocalBus()
+    bus = bus or LocalBus()
     tx, rx_transport = make("fake", faults=faults), make("fake")
 
     async def read_blocks(r, layer, first, n):
@@ -59,6 +61,8 @@ async def handoff(src: Engine, dst: Engine, prompt=PROMPT, rid="r", faults: Faul
         first = next(iter(src.step()), None)
         await asyncio.sleep(0)  # the worker's event loop runs between passes
     finishing = asyncio.create_task(sender.finish(rid, first.new_token_ids[0], lease_s=10))
+    if before_wait is not None:
+        await before_wait(bus, sender)
     try:
         first_token = await asyncio.wait_for(rx.wait(), 10)
     except KVFailed:
@@ -68,7 +72,8 @@ async def handoff(src: Engine, dst: Engine, prompt=PROMPT, rid="r", faults: Faul
         dst.abort(rid)
         raise
     out = dst.commit_import(rid, first_token)
-    await bus.publish(subjects.prefill_kv_ack("p"), KVAck(request_id=rid, ok=True))
+    await inbox.ack("p", KVAck(request_id=rid, ok=True))
+    inbox.receivers.pop(rid)
     ack = await finishing
     assert ack.ok
     src.free(rid)
@@ -201,3 +206,70 @@ def _half_steps(blocks: torch.Tensor) -> torch.Tensor:
     k = blocks[:, 0].abs().amax(dim=1, keepdim=True).expand_as(blocks[:, 0])
     v = blocks[:, 1].abs().amax(dim=3, keepdim=True).expand_as(blocks[:, 1])
     return torch.stack([k, v], dim=1) / 127 / 2
+
+
+def test_notices_lost_with_the_bus_come_again_on_a_sync_and_no_payload_is_received_twice(tiny):
+    """The bus loses every notice and the KVEnd of a handoff (a NATS restart); the decode
+    side's KVSync has them published again; the payloads were waiting in the transport."""
+    src, dst = Engine(tiny, EngineConfig(**CHUNKED)), Engine(tiny, EngineConfig(num_blocks=64))
+    bus = LocalBus()
+    bus.lose = lambda subject: subject.startswith("pd.decode.d.kv")
+
+    async def reconnect(bus, sender):
+        while not bus.of_type(KVEnd):
+            await asyncio.sleep(0.01)
+        bus.lose = lambda subject: False
+        await bus.publish(subjects.prefill_kv_sync("p"), KVSync(request_id="r"))
+        await asyncio.sleep(0.05)
+        await bus.publish(subjects.prefill_kv_sync("p"), KVSync(request_id="r"))  # a second round
+
+    out, h, rx, bus = asyncio.run(handoff(src, dst, bus=bus, before_wait=reconnect))
+    assert out == expected(tiny)
+    assert len(bus.of_type(KVLayer)) == 3 * 3 and len(bus.of_type(KVEnd)) == 3   # each sent 3 times
+    assert rx.pieces == h.pieces == 3 and rx.bytes_received == h.bytes_sent   # each payload received once
+    assert src.num_free_blocks == src.num_blocks and dst.num_free_blocks == dst.num_blocks
+
+
+def test_an_ack_lost_with_the_bus_is_given_again_when_the_prefill_side_publishes_its_handoff_again(tiny):
+    """The decode side's ack is lost (a NATS restart); the prefill worker, reconnected,
+    publishes its open handoff again and the decode side, which has no receiver for it any
+    more, answers with the ack it gave: the blocks are freed now, not when the lease ends."""
+    src, dst = Engine(tiny, EngineConfig(**CHUNKED)), Engine(tiny, EngineConfig(num_blocks=64))
+    bus = LocalBus()
+    bus.lose = lambda subject: subject == subjects.prefill_kv_ack("p")
+
+    async def reconnect(bus, sender):
+        async def later():
+            while not bus.of_type(KVAck):
+                await asyncio.sleep(0.01)
+            bus.lose = lambda subject: False
+            await sender.resync()
+        asyncio.get_running_loop().create_task(later())
+
+    t0 = time.monotonic()
+    out, h, rx, bus = asyncio.run(handoff(src, dst, bus=bus, before_wait=reconnect))
+    assert out == expected(tiny)
+    acks = bus.of_type(KVAck)
+    assert len(acks) == 2 and all(a.ok for a in acks) and len(bus.of_type(KVEnd)) == 2
+    assert time.monotonic() - t0 < 5   # the lease is 10 s
+
+
+def test_a_decode_side_answers_what_it_has_no_receiver_for(tiny):
+    """Ends get the answer given (or a refusal); notices of an unknown request a refusal once."""
+    async def scenario():
+        bus = LocalBus()
+        inbox = KVInbox(bus, "d")
+        await inbox.start()
+        await inbox.ack("p", KVAck(request_id="done", ok=True))
+        for rid in ("done", "done", "gone"):
+            await bus.publish(subjects.decode_kv_end("d"), KVEnd(request_id=rid, ok=True, first_token=1,
+                                                                 prefill_worker="p"))
+        for _ in range(3):
+            await bus.publish(subjects.decode_kv("d"), KVLayer(
+                request_id="other", prefill_worker="p", fingerprint="f", tag=1, layer=0, num_blocks=1,
+                first_block=0, checksums=[0]))
+        await asyncio.sleep(0.05)
+        return [(a.request_id, a.ok, a.error) for a in bus.of_type(KVAck)]
+
+    assert asyncio.run(scenario()) == [("done", True, ""), ("done", True, ""), ("done", True, ""),
+                                       ("gone", False, "no reservation"), ("other", False, "no reservation")]
