@@ -121,7 +121,10 @@ def router_view(spans: dict) -> dict:
     return {"spans_received": len(spans), "router_placed": len(ok), "router_failed": failed(spans),
             "not_placed_because": dict(why.most_common(5)), "decision_ms": percentiles([s.duration_ms for s in ok]),
             # less the wait for the (simulated) decode workers' admit answers: the router's own part
-            "decision_own_ms": percentiles([s.duration_ms - s.attributes.get("admit_wait_ms", 0.0) for s in ok])}
+            "decision_own_ms": percentiles([s.duration_ms - s.attributes.get("admit_wait_ms", 0.0) for s in ok]),
+            # of which waiting on Redis: the claim + lookup round trip(s) and the claim renewals
+            "decision_redis_ms": percentiles([s.attributes.get("begin_ms", 0.0) + s.attributes.get("hold_ms", 0.0)
+                                              for s in ok])}
 
 
 def counters(idle, load, placed: int) -> dict:

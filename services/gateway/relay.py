@@ -193,15 +193,20 @@ class Relay:
         return ""
 
     async def replay(self, rid: str, placement: RouteReply, from_seq: int, attempt: int) -> bool:
-        """Ask the placement's decode worker to publish the chunks from `from_seq` again."""
+        """Ask the placement's decode worker to publish the chunks from `from_seq` again. No
+        responders (its connection not back yet after the bus restarted) is asked again until
+        REPLAY_TIMEOUT_S has passed."""
         if not placement.decode_worker:
             return False
-        try:
-            reply = await self.bus.request(subjects.decode_replay(placement.decode_worker),
-                                           Replay(request_id=rid, from_seq=from_seq), ReplayReply,
-                                           timeout=REPLAY_TIMEOUT_S)
-        except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
-            reply = None
+        reply, until = None, time.monotonic() + REPLAY_TIMEOUT_S
+        while reply is None and (left := until - time.monotonic()) > 0:
+            try:
+                reply = await self.bus.request(subjects.decode_replay(placement.decode_worker),
+                                               Replay(request_id=rid, from_seq=from_seq), ReplayReply, timeout=left)
+            except nats.errors.NoRespondersError:
+                await asyncio.sleep(min(0.25, left))
+            except nats.errors.TimeoutError:
+                break
         ok = reply is not None and reply.ok
         chunks, why_not = (reply.chunks, "") if ok else (0, reply.reason if reply else "no answer")
         log.info("%s: chunks from %d lost on the bus; %s", rid, from_seq,

@@ -185,6 +185,7 @@ class Router:
         pool = await self.pool(req.model)
         # the engine always computes the last prompt token: only the blocks before it can hit
         hashes = block_hashes(req.prompt_token_ids[:-1], pool.block_size)
+        asked = time.perf_counter()
         while True:
             claimed, known, held, session_worker = await self.begin(key, lease_s, hashes, req.session_id)
             if "reply" in known:  # placed already (by this or another replica, maybe one since gone)
@@ -192,6 +193,7 @@ class Router:
             if claimed:
                 break
             await asyncio.sleep(0.05)
+        trace.get_current_span().set_attribute("begin_ms", 1e3 * (time.perf_counter() - asked))  # Redis: claim, lookup
         reply = await self.place(req, key, known.get("decode"), lease_s, pool,
                                  prefix_index.by_worker(pool.slots, held), session_worker)
         if reply.ok:
@@ -238,6 +240,7 @@ class Router:
         rid, prompt, resume = req.request_id, req.prompt_token_ids, req.resume_token_ids
         prefills, decodes, block_size = pool.prefills, pool.decodes, pool.block_size
         admit_wait_s = 0.0  # in the decode workers' hands (a span attribute: the router's own time is the rest)
+        hold_wait_s = 0.0   # renewing the claim in Redis
         blocks = -(-(len(prompt) + len(resume) + 1) // block_size)
         ranked = policy.decode_candidates(decodes, blocks, {w: n * block_size for w, (n, _) in cached.items()},
                                           len(prompt), session_worker, self.settings.affinity_slack,
@@ -268,7 +271,9 @@ class Router:
                 self.turn += 1
                 self.breaker(prefill.worker_id, decode.worker_id).chosen(now)
             # renew the claim (each admit may take its timeout) and note the worker asked
+            asked = time.perf_counter()
             await self.state.hold_route(key, self.id, lease_s, decode.worker_id, ROUTE_TTL_S)
+            hold_wait_s += time.perf_counter() - asked
             asked = time.perf_counter()
             admit = await self.admit(decode, req, mode, prefill.worker_id if prefill else None)
             admit_wait_s += time.perf_counter() - asked
@@ -283,7 +288,8 @@ class Router:
                                      "prefill_queued_tokens": prefill.queued_tokens})
             prefill_id = prefill.worker_id if mode == "remote" else None
             span.set_attributes({"decode_cached_tokens": cached.get(decode.worker_id, (0, 0))[0] * block_size,
-                                 "session_worker": session_worker or "", "admit_wait_ms": 1e3 * admit_wait_s})
+                                 "session_worker": session_worker or "", "admit_wait_ms": 1e3 * admit_wait_s,
+                                 "hold_ms": 1e3 * hold_wait_s})
             if req.session_id:
                 self.in_background(self.state.set_session_worker(req.session_id, decode.worker_id,
                                                                  self.settings.session_ttl_s))

@@ -158,8 +158,10 @@ def test_the_supervisors_word_moves_a_stalled_placement_once_and_a_stale_word_is
     assert routed[0].avoid_workers == ["d0"]   # it still heartbeats: tried last
 
 
-def _gap_stream(replay_answer):
-    """d0 streams token 0, token 1 is lost on the bus, token 2 arrives: the gap stays open."""
+def _gap_stream(replay_answer, away=0):
+    """d0 streams token 0, token 1 is lost on the bus, token 2 arrives: the gap stays open.
+    `away`: replay requests that find no responder first (d0 not reconnected yet)."""
+    import nats.errors
     from shared.messages import ReplayReply
 
     async def run():
@@ -169,6 +171,8 @@ def _gap_stream(replay_answer):
             async def request(self, subject, msg, reply_type, timeout):
                 asked.append((subject, msg))
                 if subject.endswith(".replay"):
+                    if len(asked) <= away:
+                        raise nats.errors.NoRespondersError
                     if replay_answer:
                         for c in (chunk(1), chunk(2), chunk(3, finished=True)):   # d0 publishes them again
                             queue.put_nowait(c)
@@ -194,6 +198,13 @@ def test_chunks_lost_on_the_bus_are_asked_again_of_the_decode_worker_not_recompu
     assert got == [0, 1, 2, 3]
     assert [s for s, _ in asked] == ["pd.decode.d0.replay"] and asked[0][1].from_seq == 1
     assert published == []                                  # nothing cancelled, nothing placed again
+    assert [e for e, _ in notes] == ["replayed", "finished"] and notes[0][1]["ok"] is True
+
+
+def test_a_decode_worker_not_reconnected_yet_is_asked_again_before_the_stream_is_moved():
+    got, asked, published, notes = _gap_stream(replay_answer=True, away=2)
+    assert got == [0, 1, 2, 3]
+    assert [s for s, _ in asked] == ["pd.decode.d0.replay"] * 3 and published == []
     assert [e for e, _ in notes] == ["replayed", "finished"] and notes[0][1]["ok"] is True
 
 
