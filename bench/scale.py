@@ -35,16 +35,21 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import uvloop
 
 from bench import scale_readme, scale_report
 from bench.scale_check import Replay, check, holders
 from bench.scale_drive import drive, placements, route_spans
 from bench.scale_meters import usage
+from bench.scale_pin import pin
 from bench.scale_plan import TRACE, TRACE_BLOCKS, FleetWorker, Trace, filler_counts, make_plan, read_trace
 from bench.scale_report import percentiles
 from bench.scale_stage import Stage, stage
+from services.router.recent import REGISTRY_READ_S
+from services.router.registry import Registry
 from shared.config import RouterSettings
+from shared.state import State
 from shared.tools.otlp_sink import OtlpReceiver
 
 RESULTS = Path(__file__).parent / "results"
@@ -75,6 +80,7 @@ async def measure(st: Stage, trace: Trace, plan: list[FleetWorker], blocks: int,
     r1 = await st.meters.read()
     receiver.spans.clear()
     await st.fleet.admits()   # forget those before this run
+    await st.state.r.slowlog_reset()
     sent, start = await drive(st.bus, trace.probes, rate, seconds, tag=f"w{len(plan)}-b{blocks}-r{rate}-x{replicas}")
     await st.quiet()
     r2 = await st.meters.read()
@@ -87,11 +93,31 @@ async def measure(st: Stage, trace: Trace, plan: list[FleetWorker], blocks: int,
            "index_rewrites_so_far": rewrites,
            **gateway_view(sent, start, seconds), **router_view(spans),
            **counters(usage(r0, r1), usage(r1, r2), max(len(decided), 1))}
+    row["redis_slow"] = scale_report.slow_commands(await st.state.r.slowlog_get(4096))
+    row["registry_read_ms"] = await registry_reads(st.state)
     row["kept_up"] = scale_report.kept_up(row)
     row["decisions"] = check(decided, replay, rebuilt=row["kept_up"])
     row["limited_by"] = scale_report.bottleneck(row, CORES)
     receiver.spans.clear()
     return row
+
+
+async def registry_reads(state: State, rounds: int = 20) -> dict:
+    """A router's registry read, side by side while the fleet heartbeats: the whole registry
+    (State.workers, as routers read it before) and the changes since the last read
+    (services/router/registry.py), REGISTRY_READ_S apart; median ms of each."""
+    whole, changes, registry = [], [], Registry()
+    await registry.read(state)
+    for _ in range(rounds):
+        await asyncio.sleep(REGISTRY_READ_S)
+        t = time.perf_counter()
+        await state.workers()
+        whole.append(1e3 * (time.perf_counter() - t))
+        t = time.perf_counter()
+        await registry.read(state)
+        registry.workers()
+        changes.append(1e3 * (time.perf_counter() - t))
+    return {"whole": round(float(np.median(whole)), 3), "changes": round(float(np.median(changes)), 3)}
 
 
 def gateway_view(sent: list, start: float, seconds: float) -> dict:
@@ -167,7 +193,9 @@ async def for_workers(trace: Trace, workers: int, args, receiver: OtlpReceiver, 
             for rate, replicas in rates:
                 await st.routers(replicas, len(plan))
                 seconds = min(args.seconds, args.max_requests / rate)
-                row = {**await measure(st, trace, plan, blocks, rate, seconds, receiver, replicas), **filled}
+                pinned = pin(st.pids()) if args.pin else {}
+                row = {**await measure(st, trace, plan, blocks, rate, seconds, receiver, replicas), **filled,
+                       "cores": pinned}
                 runs.append(row)
                 print(line(row), flush=True)
     return runs
@@ -213,6 +241,8 @@ def parse() -> argparse.Namespace:
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help=f"CI-sized: {QUICK}")
+    ap.add_argument("--no-pin", dest="pin", action="store_false",
+                    help="leave the routers and the rest on the same cores (bench/scale_pin.py)")
     ap.add_argument("--workers", type=ints)
     ap.add_argument("--blocks", type=ints)
     ap.add_argument("--rates", type=ints)

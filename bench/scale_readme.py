@@ -38,9 +38,13 @@ def section(data: dict) -> str:
     def mark(key: str) -> str:
         return {True: "met", False: "missed", None: "not measured"}[met.get(key)]
 
+    cores = next((r["cores"] for r in data["runs"] if r.get("cores")), {})
+    where = (f"the router processes on core(s) {cores['router']}, everything else on {cores['fleet']}"
+             if cores else "everything on the same cores") + ": nats-server, "
+    reads = s.get("registry_read_ms") or {}
     lines = [
         f"Measured by `make bench-scale` ({data['mode']} mode, {data.get('duration_s', 0) / 60:.0f} min) on "
-        f"{m['cpus']} CPU cores ({m.get('cpu_model', '')}), everything on the same cores: nats-server, "
+        f"{m['cpus']} CPU cores ({m.get('cpu_model', '')}), {where}"
         "redis-server, the router process (1 replica; 3 where marked), the simulated fleet (`bench/fleet.py`: "
         "registry heartbeats, prefix-index writes through the workers' own publisher, admits answered, "
         "jobs acked, no KV) and the load driver asking placements as the gateway does. Prompts and cached "
@@ -65,6 +69,9 @@ def section(data: dict) -> str:
         f"{_num(s.get('nats_msgs_per_request_w256'))} at W=256 ({mark('nats_msgs_per_request_independent_of_w')}).",
         f"- Hit rate equal to the policy's on the same stream: {s.get('hit_rate_same_as_policy')} "
         f"({s.get('hit_rate_checked_runs', '')}).",
+        *([f"- A router's registry read, side by side in the same runs (median ms): " + ", ".join(
+            f"W={w[1:]} {v['changes']:.2f} reading the changes vs {v['whole']:.2f} the whole registry"
+            for w, v in reads.items()) + "."] if reads else []),
     ]
     for key, why in (s.get("limited_by") or {}).items():
         lines.append(f"- `{key}` limited by: {why}.")

@@ -8,6 +8,7 @@ process at a full core, the machine's cores all busy, or the offered rate not re
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import matplotlib
@@ -97,6 +98,16 @@ def router_cpu(runs: list[dict]) -> dict[str, float]:
     return out
 
 
+def registry_reads(runs: list[dict]) -> dict:
+    """A router's registry read at each W (median over its runs): the whole registry, and the
+    changes since the last read (what routers read now)."""
+    out = {}
+    for w in sorted({r["workers"] for r in runs if r.get("registry_read_ms")}):
+        reads = [r["registry_read_ms"] for r in runs if r["workers"] == w and r.get("registry_read_ms")]
+        out[f"w{w}"] = {k: round(float(np.median([x[k] for x in reads])), 3) for k in ("whole", "changes")}
+    return out
+
+
 def summary(runs: list[dict], cores: int) -> dict:
     """The issue's figures and targets, and what limited those not met."""
     target = find(runs, 256, 10_000_000, 1000)
@@ -114,6 +125,7 @@ def summary(runs: list[dict], cores: int) -> dict:
          "redis_bytes_per_block": per_block, "redis_bytes_per_block_at_blocks": largest,
          "nats_msgs_per_request_w4": n4, "nats_msgs_per_request_w256": n256,
          "router_cpu_ms_per_placement": router_cpu(runs),
+         "registry_read_ms": registry_reads(runs),
          "hit_rate_same_as_policy": bool(checked) and all(checked),
          "hit_rate_checked_runs": f"{len(checked)} of {len(runs)}: those the router kept up with (an overloaded "
                                   "router's bookings cannot be rebuilt from outside)"}
@@ -157,3 +169,29 @@ def plot(runs: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _script_names() -> dict[str, str]:
+    """sha1 -> name of the project's Lua scripts (the slow log names them by sha)."""
+    from shared import prefix_index, state
+    return {hashlib.sha1(src.encode()).hexdigest(): f"script {name.strip('_').lower()}"
+            for module in (prefix_index, state) for name, src in vars(module).items()
+            if name.startswith("_") and name[1:].isupper() and isinstance(src, str) and "redis.call" in src}
+
+
+SCRIPTS = _script_names()
+
+
+def slow_commands(entries: list[dict]) -> dict:
+    """Redis's slow log over a run (commands over 1 ms), by command: how many, the longest."""
+    out: dict[str, dict] = {}
+    for e in entries:
+        words = (e["command"].decode(errors="replace") if isinstance(e["command"], bytes) else str(e["command"])).split()
+        command = words[0].upper()
+        if command == "EVALSHA" and len(words) > 1:
+            command = SCRIPTS.get(words[1], f"EVALSHA {words[1][:8]}")
+        row = out.setdefault(command, {"count": 0, "max_ms": 0.0, "total_ms": 0.0})
+        row["count"] += 1
+        row["max_ms"] = round(max(row["max_ms"], e["duration"] / 1e3), 3)
+        row["total_ms"] = round(row["total_ms"] + e["duration"] / 1e3, 3)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["total_ms"]))

@@ -20,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
@@ -32,6 +34,14 @@ from shared.messages import WorkerInfo
 from shared.tasks import Background
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class RegistryChanges:
+    epoch: str
+    seq: int                                             # the latest change included
+    full: bool                                           # every registered worker (a first read, a new epoch)
+    entries: list[tuple[str, WorkerInfo | None, float]]  # (id, entry or None: gone, lease left in s)
 REQUEST_TTL_S = 24 * 3600
 MAX_CONNECTIONS = 64  # per process
 MAX_PENDING_WRITES = 1000  # request events waiting for Redis; beyond: dropped (counted in the log)
@@ -51,6 +61,9 @@ def log_key(request_id: str) -> str:
 
 
 WORKERS = "pd:workers"
+REGISTRY_SEQ = "pd:registry:seq"          # counts registry changes (heartbeats, departures)
+REGISTRY_CHANGES = "pd:registry:changes"  # sorted set: worker id by the number of its latest change
+REGISTRY_EPOCH = "pd:registry:epoch"      # set with the first change: a Redis that restarted empty has another
 DEADLINES = "pd:deadlines"
 GATEWAYS = "pd:gateways"   # gateways that have filed requests (the supervisor's list to check)
 
@@ -99,6 +112,57 @@ for i = 1, #keys, 1000 do
   local values = redis.call('MGET', unpack(keys, i, math.min(i + 999, #keys)))
   for j, v in ipairs(values) do
     if v then out[#out + 1] = v else redis.call('SREM', KEYS[1], ids[i + j - 1]) end
+  end
+end
+return out
+"""
+
+
+# a heartbeat (ARGV[1] the entry) or a departure (ARGV[1] empty), numbered in the change log
+_BEAT = """
+if ARGV[1] == '' then
+  redis.call('DEL', KEYS[1])
+  redis.call('SREM', KEYS[2], ARGV[3])
+else
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  redis.call('SADD', KEYS[2], ARGV[3])
+end
+local n = redis.call('INCR', KEYS[3])
+if n == 1 then redis.call('SET', KEYS[5], ARGV[4]) end
+redis.call('ZADD', KEYS[4], n, ARGV[3])
+"""
+
+# the registry changes after ARGV[2] (all registered ids when the epoch is not ARGV[1]):
+# {epoch, seq, full, then per id: id, entry ('' gone), lease left in ms}
+_CHANGES = """
+local seq = tonumber(redis.call('GET', KEYS[1]) or '0')
+local epoch = redis.call('GET', KEYS[3]) or ''
+local full = (epoch ~= ARGV[1] or tonumber(ARGV[2]) > seq) and 1 or 0
+local ids
+if full == 1 then
+  ids = redis.call('SMEMBERS', KEYS[4])
+else
+  ids = redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. ARGV[2], '+inf')
+end
+local out = {epoch, seq, full}
+for i = 1, #ids, 1000 do
+  local keys = {}
+  for j = i, math.min(i + 999, #ids) do keys[#keys + 1] = 'pd:worker:' .. ids[j] end
+  local values = redis.call('MGET', unpack(keys))
+  for j, v in ipairs(values) do
+    local id = ids[i + j - 1]
+    out[#out + 1] = id
+    if v then
+      out[#out + 1] = v
+      out[#out + 1] = redis.call('PTTL', keys[j])
+    else
+      out[#out + 1] = ''
+      out[#out + 1] = 0
+      if full == 1 then
+        redis.call('SREM', KEYS[4], id)
+        redis.call('ZREM', KEYS[2], id)
+      end
+    end
   end
 end
 return out
@@ -155,16 +219,34 @@ class State:
 
     # -- worker registry -------------------------------------------------------------------
     async def heartbeat(self, info: WorkerInfo, lease_s: float) -> None:
-        async with self.r.pipeline(transaction=False) as p:
-            p.set(worker_key(info.worker_id), info.encode(), px=int(lease_s * 1000))
-            p.sadd(WORKERS, info.worker_id)
-            await p.execute()
+        await self._beat(info.worker_id, info.encode(), lease_s)
 
     async def deregister(self, worker_id: str) -> None:
-        async with self.r.pipeline(transaction=False) as p:
-            p.delete(worker_key(worker_id))
-            p.srem(WORKERS, worker_id)
-            await p.execute()
+        await self._beat(worker_id, b"", 0.0)
+
+    async def _beat(self, worker_id: str, entry: bytes, lease_s: float) -> None:
+        """The entry (or its removal), and its number in the change log the routers read."""
+        await self.pipelined(lambda p: p.evalsha(
+            self.script(_BEAT).sha, 5, worker_key(worker_id), WORKERS, REGISTRY_SEQ, REGISTRY_CHANGES, REGISTRY_EPOCH,
+            entry, max(1, int(lease_s * 1000)), worker_id, uuid.uuid4().hex))
+
+    async def registry_changes(self, epoch: str, since: int) -> "RegistryChanges":
+        """What changed in the registry after change number `since` of `epoch`: a round trip
+        whose cost follows the changes, not the fleet (all of it when `epoch` is not the
+        current one: a first read, or a Redis that restarted empty)."""
+        raw = await self.pipelined(lambda p: p.evalsha(
+            self.script(_CHANGES).sha, 4, REGISTRY_SEQ, REGISTRY_CHANGES, REGISTRY_EPOCH, WORKERS, epoch, since))
+        raw = raw[0]
+        entries = []
+        for i in range(3, len(raw), 3):
+            value = raw[i + 1]
+            info = (self._decoded.get(value) or WorkerInfo.decode(value)) if value else None
+            if info is not None:
+                self._decoded[value] = info
+            entries.append((raw[i].decode(), info, int(raw[i + 2]) / 1e3))
+        if len(self._decoded) > 4 * max(len(entries), 256):  # decoded entries of past reads
+            self._decoded.clear()
+        return RegistryChanges(raw[0].decode(), int(raw[1]), bool(raw[2]), entries)
 
     async def alive(self, worker_id: str) -> bool:
         """Its lease holds (it heartbeats, draining or not)."""

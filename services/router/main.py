@@ -52,6 +52,7 @@ from shared.tasks import Background, every
 from services.router import policy
 from services.router.pools import EMPTY, Pool, pools
 from services.router.recent import REGISTRY_READ_S, Recent, horizons
+from services.router.registry import Registry
 from services.router.supervisor import Supervisor
 
 log = logging.getLogger("router")
@@ -64,6 +65,7 @@ class Router:
     def __init__(self, settings: RouterSettings, bus: Bus, state: State, tracer: trace.Tracer):
         self.settings, self.bus, self.state, self.tracer = settings, bus, state, tracer
         self._pools: tuple[float, dict[str, Pool]] = (-math.inf, {})  # never read
+        self.registry = Registry()
         self.refreshing = False  # keep_workers runs
         self.in_flight = 0       # placements being worked on
         # counted on top of what each worker's registry entry shows until that entry has caught up
@@ -88,10 +90,18 @@ class Router:
 
     async def read_workers(self) -> dict[str, Pool]:
         now = time.monotonic()
-        workers = [w for w in await self.state.workers() if w.role in ("prefill", "decode") and not w.draining
+        await self.registry.read(self.state)
+        workers = [w for w in self.registry.workers() if w.role in ("prefill", "decode") and not w.draining
                    and w.step_s < self.settings.stall_s]  # a step running that long: hung
         self._pools = (now, pools(workers))
         return self._pools[1]
+
+    async def registered(self) -> list[WorkerInfo]:
+        """Every registered worker, gateway and router, as last read (read now if that is older
+        than a lease: the background read is not running or failing)."""
+        if time.monotonic() - self._pools[0] > WORKERS_MAX_AGE_S:
+            await self.read_workers()
+        return self.registry.workers()
 
     async def keep_workers(self, stop: asyncio.Event) -> None:
         self.refreshing = True
@@ -110,7 +120,8 @@ class Router:
         await self.bus.subscribe(subjects.KV_OUTCOMES, self.on_kv_outcome)  # every replica: all outcomes
         me = WorkerInfo(worker_id=self.id, role="router")
         beat = asyncio.create_task(heartbeat(self.state, lambda: me, self.settings.heartbeat_s, stop))
-        supervisor = Supervisor(self.bus, self.state, self.id, self.settings.stall_s, 3 * self.settings.heartbeat_s)
+        supervisor = Supervisor(self.bus, self.state, self.id, self.settings.stall_s, 3 * self.settings.heartbeat_s,
+                                registered=self.registered)
         supervising = asyncio.create_task(supervisor.run(stop, self.settings.supervise_s))
         registry = asyncio.create_task(self.keep_workers(stop))
         sweeping = asyncio.create_task(every(self.settings.supervise_s, lambda: prefix_index.sweep(

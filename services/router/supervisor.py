@@ -20,19 +20,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 from shared import lifecycle, metrics, subjects
 from shared.bus import Bus
 from shared.holders import Holders
-from shared.messages import Cancel, Stalled
+from shared.messages import Cancel, Stalled, WorkerInfo
 from shared.state import State
 
 log = logging.getLogger("router.supervisor")
 
 
 class Supervisor:
-    def __init__(self, bus: Bus, state: State, router_id: str, stall_s: float, confirm_s: float):
+    def __init__(self, bus: Bus, state: State, router_id: str, stall_s: float, confirm_s: float,
+                 registered: Callable[[], Awaitable[list[WorkerInfo]]] | None = None):
         self.bus, self.state, self.id = bus, state, router_id
+        self.registered = registered or state.workers   # the router's copy of the registry, kept fresh
         self.stall_s, self.confirm_s = stall_s, confirm_s
         self.absent_since: dict[str, float] = {}   # gateways seen without a lease, since when
 
@@ -48,7 +51,7 @@ class Supervisor:
                 pass
 
     async def round(self) -> None:
-        alive = {w.worker_id for w in await self.state.workers()}
+        alive = {w.worker_id for w in await self.registered()}
         await self.lost_gateways(alive)
         for rid in await self.state.overdue():
             if await self.state.claim_supervision(rid, self.id, self.stall_s):
