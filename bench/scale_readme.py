@@ -31,6 +31,17 @@ def row(r: dict) -> str:
             f"{hits} | {r.get('limited_by', '')} |")
 
 
+def own_split(runs: list[dict], at: dict) -> str:
+    """The router's own p99 at W=4 and W=256 in the growth's cell, and its wait on Redis."""
+    cell = {r["workers"]: r for r in runs if r["replicas"] == 1 and r["blocks"] == at.get("blocks")
+            and r["rate"] == at.get("rate") and r["workers"] in (4, 256)}
+    if len(cell) < 2 or not all(r.get("decision_redis_ms") for r in cell.values()):
+        return ""
+    lo, hi = cell[4], cell[256]
+    return (f" ({lo['decision_own_ms']['p99']:.1f} → {hi['decision_own_ms']['p99']:.1f} ms, of which waiting on "
+            f"Redis {lo['decision_redis_ms']['p99']:.1f} → {hi['decision_redis_ms']['p99']:.1f} ms at p99)")
+
+
 def section(data: dict) -> str:
     s, m = data["summary"], data["machine"]
     met = s.get("targets_met", {})
@@ -39,8 +50,8 @@ def section(data: dict) -> str:
         return {True: "met", False: "missed", None: "not measured"}[met.get(key)]
 
     cores = next((r["cores"] for r in data["runs"] if r.get("cores")), {})
-    where = (f"the router processes on core(s) {cores['router']}, everything else on {cores['fleet']}"
-             if cores else "everything on the same cores") + ": nats-server, "
+    where = (f"the router processes pinned to core(s) {cores['router']} and everything else to "
+             f"{cores['fleet']} (`bench/scale_pin.py`)" if cores else "everything on the same cores") + ": nats-server, "
     reads = s.get("registry_read_ms") or {}
     lines = [
         f"Measured by `make bench-scale` ({data['mode']} mode, {data.get('duration_s', 0) / 60:.0f} min) on "
@@ -62,7 +73,8 @@ def section(data: dict) -> str:
         f"- p99 growth W=4 → W=256 (B={s.get('growth_measured_at', {}).get('blocks', 0):,}, "
         f"{s.get('growth_measured_at', {}).get('rate', 0):g} req/s): {_num(s.get('decision_p99_growth_w4_to_w256'))}× "
         f"(target ≤ 1.5×: {mark('decision_p99_growth_w4_to_w256')}); without the wait for the simulated "
-        f"decode workers' admit answers (the router's own part): {_num(s.get('router_own_p99_growth_w4_to_w256'))}×.",
+        f"decode workers' admit answers (the router's own part): {_num(s.get('router_own_p99_growth_w4_to_w256'))}×"
+        f"{own_split(data['runs'], s.get('growth_measured_at') or {})}.",
         f"- Redis bytes per indexed block at B={s.get('redis_bytes_per_block_at_blocks', 0):,}: "
         f"{_num(s.get('redis_bytes_per_block'), '{:.1f}')} (target ≤ 100: {mark('redis_bytes_per_block')}).",
         f"- NATS messages per request: {_num(s.get('nats_msgs_per_request_w4'))} at W=4, "
