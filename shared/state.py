@@ -34,14 +34,6 @@ from shared.messages import WorkerInfo
 from shared.tasks import Background
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RegistryChanges:
-    epoch: str
-    seq: int                                             # the latest change included
-    full: bool                                           # every registered worker (a first read, a new epoch)
-    entries: list[tuple[str, WorkerInfo | None, float]]  # (id, entry or None: gone, lease left in s)
 REQUEST_TTL_S = 24 * 3600
 MAX_CONNECTIONS = 64  # per process
 MAX_PENDING_WRITES = 1000  # request events waiting for Redis; beyond: dropped (counted in the log)
@@ -66,6 +58,14 @@ REGISTRY_CHANGES = "pd:registry:changes"  # sorted set: worker id by the number 
 REGISTRY_EPOCH = "pd:registry:epoch"      # set with the first change: a Redis that restarted empty has another
 DEADLINES = "pd:deadlines"
 GATEWAYS = "pd:gateways"   # gateways that have filed requests (the supervisor's list to check)
+
+
+@dataclass
+class RegistryChanges:
+    epoch: str
+    seq: int                                             # the latest change included
+    full: bool                                           # every registered worker (a first read, a new epoch)
+    entries: list[tuple[str, WorkerInfo | None, float]]  # (id, entry or None: gone, lease left in s)
 
 
 def owned_key(gateway_id: str) -> str:
@@ -101,23 +101,6 @@ redis.call('PEXPIRE', KEYS[2], ARGV[4])
 return 1
 """
 
-# the entries of the registered ids; ids whose lease lapsed leave the set
-_REGISTRY = """
-local ids = redis.call('SMEMBERS', KEYS[1])
-if #ids == 0 then return {} end
-local keys = {}
-for i, id in ipairs(ids) do keys[i] = 'pd:worker:' .. id end
-local out = {}
-for i = 1, #keys, 1000 do
-  local values = redis.call('MGET', unpack(keys, i, math.min(i + 999, #keys)))
-  for j, v in ipairs(values) do
-    if v then out[#out + 1] = v else redis.call('SREM', KEYS[1], ids[i + j - 1]) end
-  end
-end
-return out
-"""
-
-
 # a heartbeat (ARGV[1] the entry) or a departure (ARGV[1] empty), numbered in the change log
 _BEAT = """
 if ARGV[1] == '' then
@@ -132,12 +115,13 @@ if n == 1 then redis.call('SET', KEYS[5], ARGV[4]) end
 redis.call('ZADD', KEYS[4], n, ARGV[3])
 """
 
-# the registry changes after ARGV[2] (all registered ids when the epoch is not ARGV[1]):
+# the registry changes after ARGV[2] (all registered ids when ARGV[3] is '1' or the epoch is
+# not ARGV[1]; then ids whose lease lapsed leave the set and the change log):
 # {epoch, seq, full, then per id: id, entry ('' gone), lease left in ms}
 _CHANGES = """
 local seq = tonumber(redis.call('GET', KEYS[1]) or '0')
 local epoch = redis.call('GET', KEYS[3]) or ''
-local full = (epoch ~= ARGV[1] or tonumber(ARGV[2]) > seq) and 1 or 0
+local full = (ARGV[3] == '1' or epoch ~= ARGV[1] or tonumber(ARGV[2]) > seq) and 1 or 0
 local ids
 if full == 1 then
   ids = redis.call('SMEMBERS', KEYS[4])
@@ -176,7 +160,6 @@ class State:
         self._writes = Background(log, "request state write")
         self.dropped = 0
         self._scripts: dict[str, AsyncScript] = {}
-        self._registry = self.script(_REGISTRY)
         self._decoded: dict[bytes, WorkerInfo] = {}  # registry entries as last read: unchanged ones are not decoded again
 
     @classmethod
@@ -230,12 +213,13 @@ class State:
             self.script(_BEAT).sha, 5, worker_key(worker_id), WORKERS, REGISTRY_SEQ, REGISTRY_CHANGES, REGISTRY_EPOCH,
             entry, max(1, int(lease_s * 1000)), worker_id, uuid.uuid4().hex))
 
-    async def registry_changes(self, epoch: str, since: int) -> "RegistryChanges":
+    async def registry_changes(self, epoch: str, since: int, whole: bool = False) -> RegistryChanges:
         """What changed in the registry after change number `since` of `epoch`: a round trip
-        whose cost follows the changes, not the fleet (all of it when `epoch` is not the
-        current one: a first read, or a Redis that restarted empty)."""
+        whose cost follows the changes, not the fleet (all of it when `whole`, or when `epoch`
+        is not the current one: a first read, or a Redis that restarted empty)."""
         raw = await self.pipelined(lambda p: p.evalsha(
-            self.script(_CHANGES).sha, 4, REGISTRY_SEQ, REGISTRY_CHANGES, REGISTRY_EPOCH, WORKERS, epoch, since))
+            self.script(_CHANGES).sha, 4, REGISTRY_SEQ, REGISTRY_CHANGES, REGISTRY_EPOCH, WORKERS, epoch, since,
+            int(whole)))
         raw = raw[0]
         entries = []
         for i in range(3, len(raw), 3):
@@ -254,10 +238,9 @@ class State:
 
     async def workers(self, role: str | None = None) -> list[WorkerInfo]:
         """The registered workers whose lease holds, by id: one call, whatever else Redis holds."""
-        raw = [v for v in await self._registry(keys=[WORKERS]) if v]
-        decoded = {v: self._decoded.get(v) or WorkerInfo.decode(v) for v in raw}
-        self._decoded = decoded
-        return sorted((w for w in decoded.values() if role is None or w.role == role), key=lambda w: w.worker_id)
+        changes = await self.registry_changes("", 0, whole=True)
+        return sorted((w for _, w, _ in changes.entries if w is not None and (role is None or w.role == role)),
+                      key=lambda w: w.worker_id)
 
     # -- request state ---------------------------------------------------------------------
     def note(self, request_id: str, phase: str, by: str = "", attempt: int = 0, prompt_tokens: int = 0,
