@@ -6,8 +6,15 @@ STAMP  := $(VENV)/.installed
 # CPU build of torch (from the local wheel cache when present); GPU users: TORCH_SPEC=torch
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup run test test-fast bench-engine bench-stack bench-transfer eval-router bench-router chaos bench-tracing bench-scale bench bench-full compose-up compose-down gpu-check clean
+.PHONY: help setup lint fmt run test test-fast bench-engine bench-stack bench-transfer eval-router bench-router chaos bench-tracing bench-scale bench bench-full compose-up compose-down gpu-check clean
 
+.DEFAULT_GOAL := help
+
+## help: this list
+help:
+	@sed -n 's/^## //p' $(MAKEFILE_LIST)
+
+## setup: the venv with everything the targets need (each target runs it first)
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
@@ -27,8 +34,19 @@ run: setup
 test: setup
 	$(BIN)/python -m pytest -q --durations=15 tests
 
+## test-fast: the suite without the tests that load the real model
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" tests
+
+## lint: ruff (style, import order, likely bugs) over the repository, mypy over shared/ and services/;
+##   CI runs it before the tests
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+## fmt: what ruff fixes by itself (import order, newer syntax)
+fmt: setup
+	$(BIN)/ruff check --fix .
 
 ## bench-engine: our engine vs transformers, same model, same threads, side by side
 bench-engine: setup

@@ -151,7 +151,8 @@ def moves(stack: Stack) -> dict[str, float]:
         if family.name in ("pd_failovers", "pd_replays"):
             for sample in family.samples:
                 if sample.name.endswith("_total"):
-                    key = f"{family.name.removeprefix('pd_')}:{sample.labels.get('why') or sample.labels.get('outcome')}"
+                    why = sample.labels.get('why') or sample.labels.get('outcome')
+                    key = f"{family.name.removeprefix('pd_')}:{why}"
                     out[key] = out.get(key, 0) + sample.value
     return out
 

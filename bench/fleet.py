@@ -148,7 +148,7 @@ class Fleet:
         while not self.stop.is_set():
             try:
                 msgs = await pull.fetch(FETCH_JOBS, timeout=FETCH_WAIT_S)
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            except (TimeoutError, nats.errors.TimeoutError):
                 continue
             for msg in msgs:
                 self.took(sim, len(PrefillJob.decode(msg.data).prompt_token_ids) // BLOCK)

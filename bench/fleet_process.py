@@ -60,6 +60,6 @@ class FleetProcess:
             self.proc.stdin.write(b"quit\n")
             await self.proc.stdin.drain()
             await asyncio.wait_for(self.proc.wait(), timeout_s)
-        except (asyncio.TimeoutError, ConnectionError):
+        except (TimeoutError, ConnectionError):
             self.proc.kill()
             await self.proc.wait()

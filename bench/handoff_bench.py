@@ -90,8 +90,8 @@ def exposed_fraction_1k(rounds: int = 3) -> dict:
     (engine layer hook → KVSender → NATS notices + UCX payloads → KVReceiver in another
     process, verified and written into its pool, committed), interleaved `rounds` times.
     exposed = (prefill start → KV committed on the decode side) − prefill alone, over prefill alone."""
-    from shared.engine_host import EngineHost
     from shared.bus import Bus
+    from shared.engine_host import EngineHost
     from shared.kv import make
     from shared.kv.sender import KVSender
     from shared.messages import PrefillJob, Sampling

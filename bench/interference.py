@@ -91,8 +91,8 @@ async def goodput_phase(url: str, trace: list[workloads.Request], args) -> dict:
         points.append({"rate": rate, "requests": len(reqs), "slo_attainment": s["slo_attainment"],
                        "goodput": s["goodput"],
                        "completed": s["completed"], "ttft_p90_s": s["ttft_s"]["p90"], "tpot_p90_s": s["tpot_s"]["p90"]})
-        print(f"    replay at {rate:4.2f}/s: attainment {s['slo_attainment']:.2f}, TTFT p90 {s['ttft_s']['p90']:.2f} s, "
-              f"TPOT p90 {s['tpot_s']['p90'] * 1e3:.0f} ms", flush=True)
+        print(f"    replay at {rate:4.2f}/s: attainment {s['slo_attainment']:.2f}, "
+              f"TTFT p90 {s['ttft_s']['p90']:.2f} s, TPOT p90 {s['tpot_s']['p90'] * 1e3:.0f} ms", flush=True)
     return {"points": points,
             "goodput_rate": rate_at_attainment([(p["rate"], p["slo_attainment"]) for p in points], 0.9)}
 

@@ -33,9 +33,13 @@ def int8_quality(new_tokens: int = 32) -> dict:
             pool = dst.runner.kv
             for layer in range(export.num_layers):
                 rows = codec.encode(encoding, export.layer(layer))
-                dst.write_kv(layer, list(res.block_ids), codec.decode(encoding, rows, tuple(pool.shape[2:]), pool.dtype))
+                kv = codec.decode(encoding, rows, tuple(pool.shape[2:]), pool.dtype)
+                dst.write_kv(layer, list(res.block_ids), kv)
             logits, run = [], dst.runner.run
-            dst.runner.run = lambda sched, hook=None: logits.append(run(sched, hook)) or logits[-1]  # noqa: E731
+            def keep_logits(sched, hook=None, logits=logits, run=run):
+                logits.append(run(sched, hook))
+                return logits[-1]
+            dst.runner.run = keep_logits
             out = dst.commit_import("r", outs[0].new_token_ids[0])
             toks = list(out.new_token_ids)
             while dst.has_work():
@@ -52,4 +56,5 @@ def int8_quality(new_tokens: int = 32) -> dict:
     return {"per_prompt": per_prompt,
             "int8_greedy_token_agreement": statistics.mean(r["agreement"] for r in per_prompt.values()),
             "int8_max_logit_diff": max(r["max_logit_diff"] for r in per_prompt.values()),
-            "int8_bytes_over_native": codec.block_nbytes("int8", shape, dtype) / codec.block_nbytes("native", shape, dtype)}
+            "int8_bytes_over_native": codec.block_nbytes("int8", shape, dtype)
+            / codec.block_nbytes("native", shape, dtype)}

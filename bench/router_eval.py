@@ -152,7 +152,8 @@ def main() -> None:
         extra = f"{r['ttft_p50_s']:8.2f}s {r['ttft_p90_s']:8.2f}s" if "ttft_p50_s" in r else f"{'-':>9} {'-':>9}"
         print(f"{name:>12} {r['hit_rate']:9.3f} {extra}")
     for size, r in sizes.items():
-        print(f"  {size} blocks per worker: ours {r['ours']['hit_rate']:.3f} (TTFT p50 {r['ours']['ttft_p50_s']:.2f}s), "
+        print(f"  {size} blocks per worker: ours {r['ours']['hit_rate']:.3f} "
+              f"(TTFT p50 {r['ours']['ttft_p50_s']:.2f}s), "
               f"round-robin {r['round_robin']['hit_rate']:.3f} ({r['round_robin']['ttft_p50_s']:.2f}s)")
     print("  recompute weight: " + ", ".join(f"{w:g} -> {r['hit_rate']:.3f} / p50 {r['ttft_p50_s']:.3f}s"
                                           f" / p90 {r['ttft_p90_s']:.2f}s" for w, r in weights.items()))

@@ -73,7 +73,7 @@ class Usage:
         machine = 100 * self.machine_busy * cores
         return {**out, "machine": round(machine, 1), "other": round(max(0.0, machine - sum(out.values())), 1)}
 
-    def net(self, idle: "Usage", key: str, table: str = "cpu_s") -> float:
+    def net(self, idle: Usage, key: str, table: str = "cpu_s") -> float:
         """This window's amount less what the idle window's rate accounts for."""
         return getattr(self, table).get(key, 0) - getattr(idle, table).get(key, 0) * self.wall_s / idle.wall_s
 

@@ -27,7 +27,8 @@ def row(r: dict) -> str:
             f"{_ms(r.get('decision_ms'))} | {_ms(r.get('placement_ms'))} | "
             f"{_num((r.get('router_cpu_ms_per_placement') or {}).get('net'))} | "
             f"{_num((r.get('redis_cpu_ms_per_placement') or {}).get('net'))} | "
-            f"{_num((r.get('nats_per_request') or {}).get('net_in'))} | {_num(r.get('redis_bytes_per_block'), '{:.1f}')} | "
+            f"{_num((r.get('nats_per_request') or {}).get('net_in'))} | "
+            f"{_num(r.get('redis_bytes_per_block'), '{:.1f}')} | "
             f"{hits} | {r.get('limited_by', '')} |")
 
 
@@ -51,7 +52,8 @@ def section(data: dict) -> str:
 
     cores = next((r["cores"] for r in data["runs"] if r.get("cores")), {})
     where = (f"the router processes pinned to core(s) {cores['router']} and everything else to "
-             f"{cores['fleet']} (`bench/scale_pin.py`)" if cores else "everything on the same cores") + ": nats-server, "
+             f"{cores['fleet']} (`bench/scale_pin.py`)" if cores else "everything on the same cores") \
+        + ": nats-server, "
     reads = s.get("registry_read_ms") or {}
     lines = [
         f"Measured by `make bench-scale` ({data['mode']} mode, {data.get('duration_s', 0) / 60:.0f} min) on "
@@ -81,7 +83,7 @@ def section(data: dict) -> str:
         f"{_num(s.get('nats_msgs_per_request_w256'))} at W=256 ({mark('nats_msgs_per_request_independent_of_w')}).",
         f"- Hit rate equal to the policy's on the same stream: {s.get('hit_rate_same_as_policy')} "
         f"({s.get('hit_rate_checked_runs', '')}).",
-        *([f"- A router's registry read, side by side in the same runs (median ms): " + ", ".join(
+        *(["- A router's registry read, side by side in the same runs (median ms): " + ", ".join(
             f"W={w[1:]} {v['changes']:.2f} reading the changes vs {v['whole']:.2f} the whole registry"
             for w, v in reads.items()) + "."] if reads else []),
     ]

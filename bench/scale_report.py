@@ -191,7 +191,8 @@ def slow_commands(entries: list[dict]) -> dict:
     """Redis's slow log over a run (commands over 1 ms), by command: how many, the longest."""
     out: dict[str, dict] = {}
     for e in entries:
-        words = (e["command"].decode(errors="replace") if isinstance(e["command"], bytes) else str(e["command"])).split()
+        command = e["command"]
+        words = (command.decode(errors="replace") if isinstance(command, bytes) else str(command)).split()
         command = words[0].upper()
         if command == "EVALSHA" and len(words) > 1:
             command = SCRIPTS.get(words[1], f"EVALSHA {words[1][:8]}")

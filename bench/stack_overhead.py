@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import platform
+import statistics
 import time
 from pathlib import Path
 

@@ -191,7 +191,7 @@ def bench_socket(sizes):
     with socket.create_connection(("127.0.0.1", port_q.get(timeout=60))) as s:
         for size in sizes:
             buf = np.ones(size, dtype=np.uint8)
-            out[size] = _timed(lambda _i: s.sendall(buf), size, done_q)
+            out[size] = _timed(lambda _i, buf=buf: s.sendall(buf), size, done_q)
     proc.join(30)
     return out
 
@@ -219,7 +219,7 @@ async def _nats_send(sizes, url, done_q):
     for size in sizes:
         payload = np.ones(size, dtype=np.uint8).tobytes()
 
-        async def send_one():
+        async def send_one(size=size, payload=payload):
             for off in range(0, size, NATS_CHUNK):
                 await nc.publish("bench.kv", payload[off:off + NATS_CHUNK])
             await nc.flush()
@@ -260,7 +260,8 @@ def main() -> None:
     ratio = lambda name: statistics.median(results[name][s] for s in big) / memcpy  # noqa: E731
     summary = {"memcpy_gbps": memcpy,
                "ucx_local_gbps_1mib_plus": min(results["ucx_local"][s] for s in big),
-               "ucx_peer_over_memcpy": ratio("ucx_peer"), "ucx_local_over_memcpy": ratio("ucx_local"), "ucx_polling_over_memcpy": ratio("ucx_polling"),
+               "ucx_peer_over_memcpy": ratio("ucx_peer"), "ucx_local_over_memcpy": ratio("ucx_local"),
+               "ucx_polling_over_memcpy": ratio("ucx_polling"),
                "ucx_tcp_over_memcpy": ratio("ucx_tcp"),
                "socket_over_memcpy": ratio("socket"), "nats_over_memcpy": ratio("nats"),
                "exposed_transfer_fraction_1k": exposed["exposed_transfer_fraction_1k"],
@@ -274,7 +275,8 @@ def main() -> None:
         print(f"{label(s):>14} " + " ".join(f"{results[m][s]:10.2f}" for m in results))
     print(f"\nhandoff of a 1k-token prompt streamed layer by layer (median of {exposed['rounds']}): prefill alone "
           f"{exposed['prefill_s'] * 1e3:.0f} ms; prefill + handoff until the decode side committed the verified KV "
-          f"{exposed['prefill_and_handoff_s'] * 1e3:.0f} ms; KV ready {exposed['kv_ready_after_prefill_s'] * 1e3:.1f} ms "
+          f"{exposed['prefill_and_handoff_s'] * 1e3:.0f} ms; "
+          f"KV ready {exposed['kv_ready_after_prefill_s'] * 1e3:.1f} ms "
           f"after the prefill's last pass; decode process busy {exposed['decode_side_cpu_cores']:.2f} cores meanwhile "
           "(receives are posted only for payloads on their way)")
     print(f"int8 KV on the wire ({len(int8['per_prompt'])} held conversations, 32 greedy tokens each): " +

@@ -31,7 +31,7 @@ class Bus:
         return self.nc.stats["reconnects"]
 
     @classmethod
-    async def connect(cls, url: str, name: str) -> "Bus":
+    async def connect(cls, url: str, name: str) -> Bus:
         async def on_error(e: Exception) -> None:
             log.warning("nats: %s", e)
 
@@ -81,7 +81,7 @@ def context_of(msg: Msg) -> context.Context:
 RESYNC_ROUNDS = 3   # periods after a reconnect that re-state open exchanges (the peer may reconnect later)
 
 
-async def after_reconnects(bus: "Bus", period_s: float, action: Callable[[], Awaitable[None]],
+async def after_reconnects(bus: Bus, period_s: float, action: Callable[[], Awaitable[None]],
                            rounds: int = RESYNC_ROUNDS) -> None:
     """Forever: in each of the `rounds` periods after a reconnection of `bus`, `action()` once.
     What either side published while one was away is lost, and the other may reconnect up to

@@ -30,7 +30,7 @@ class Holders:
             self.prefill.add(prefill)
 
     @classmethod
-    def of(cls, events: Iterable[Event]) -> "Holders":
+    def of(cls, events: Iterable[Event]) -> Holders:
         """From a request's events: each `routed` names its placement's workers, and the workers'
         own events name them too (should a `routed` note have been lost)."""
         h = cls()

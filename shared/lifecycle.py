@@ -26,13 +26,13 @@ supervisor cancels it everywhere.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict
 
 Phase = Literal["received", "routed", "prefilling", "transferring", "prefill_local", "decoding",
                 "finished", "failed", "cancelled"]
-PHASES: tuple[str, ...] = Phase.__args__
+PHASES: tuple[str, ...] = get_args(Phase)
 TERMINAL = frozenset({"finished", "failed", "cancelled"})
 MARKS = ("failover", "stalled", "replayed")  # events that are not phases
 RANK = {p: i for i, p in enumerate(PHASES)}

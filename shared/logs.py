@@ -28,8 +28,9 @@ class TextFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
-        if getattr(record, "trace_id", ""):
-            line += f" [trace_id={record.trace_id} request_id={getattr(record, 'request_id', '')}]"
+        trace_id = getattr(record, "trace_id", "")
+        if trace_id:
+            line += f" [trace_id={trace_id} request_id={getattr(record, 'request_id', '')}]"
         return line
 
 

@@ -89,7 +89,7 @@ class TokenChunk(Message):
     error: str | None = None
 
     @classmethod
-    def from_output(cls, out: RequestOutput) -> "TokenChunk":
+    def from_output(cls, out: RequestOutput) -> TokenChunk:
         return cls(request_id=out.request_id, seq=out.num_generated_tokens - len(out.new_token_ids),
                    token_ids=out.new_token_ids, text=out.text, finished=out.finished,
                    finish_reason=out.finish_reason, prompt_tokens=out.num_prompt_tokens,

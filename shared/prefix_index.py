@@ -172,7 +172,11 @@ for _, key in ipairs(KEYS) do
     end
     if changed then
       removed = removed + 1
-      if #keep == 0 then redis.call('HDEL', key, all[i]) else redis.call('HSET', key, all[i], table.concat(keep, ',')) end
+      if #keep == 0 then
+        redis.call('HDEL', key, all[i])
+      else
+        redis.call('HSET', key, all[i], table.concat(keep, ','))
+      end
     end
   end
 end
@@ -207,7 +211,7 @@ class PrefixPublisher:
         while True:
             try:  # idle: still refresh the slot's lease
                 events = [await asyncio.wait_for(self.queue.get(), self.lease_ms / 3000)]
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 events = []
             while not self.queue.empty():
                 events.append(self.queue.get_nowait())
@@ -220,7 +224,7 @@ class PrefixPublisher:
                 resync = not await self._apply(add, remove)
                 if resync:  # not ours any more (maybe another worker's after a flush): name none until rewritten
                     self.slot = 0
-            except Exception as e:  # Redis away: routing loses precision, not correctness
+            except Exception as e:  # noqa: BLE001 - Redis away: routing loses precision, not correctness
                 log.warning("prefix index update failed: %s", e)
                 resync = True
 

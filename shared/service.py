@@ -6,10 +6,9 @@ import asyncio
 import logging
 import signal
 from collections.abc import Coroutine
+from contextlib import AsyncExitStack
 
 import uvloop
-
-from contextlib import AsyncExitStack
 
 from shared import logs, metrics
 from shared.bus import Bus
@@ -55,9 +54,9 @@ async def heartbeat(state: State, info, period_s: float, stop: asyncio.Event) ->
             if entry.role in ("prefill", "decode"):
                 metrics.worker(entry)
             await state.heartbeat(entry, lease_s=3 * period_s)
-        except Exception as e:  # Redis down: keep serving, retry next period
+        except Exception as e:  # noqa: BLE001 - Redis down: keep serving, retry next period
             log.warning("heartbeat failed: %s", e)
         try:
             await asyncio.wait_for(stop.wait(), period_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass

@@ -160,17 +160,17 @@ class State:
         self._writes = Background(log, "request state write")
         self.dropped = 0
         self._scripts: dict[str, AsyncScript] = {}
-        self._decoded: dict[bytes, WorkerInfo] = {}  # registry entries as last read: unchanged ones are not decoded again
+        self._decoded: dict[bytes, WorkerInfo] = {}  # registry entries as last read: unchanged ones not decoded again
 
     @classmethod
-    def connect(cls, url: str, stall_s: float = 30.0, min_prefill_tokens_per_s: float = 50.0) -> "State":
+    def connect(cls, url: str, stall_s: float = 30.0, min_prefill_tokens_per_s: float = 50.0) -> State:
         # a blocking pool: a burst of concurrent calls waits for a connection instead of failing
         pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=MAX_CONNECTIONS, timeout=5,
                                                         socket_timeout=5, socket_connect_timeout=5)
         return cls(aioredis.Redis(connection_pool=pool), stall_s, min_prefill_tokens_per_s)
 
     @classmethod
-    def for_service(cls, settings) -> "State":
+    def for_service(cls, settings) -> State:
         """The store for a service: its URL and its phase-deadline settings (shared/config.Common)."""
         return cls.connect(settings.redis_url, settings.stall_s, settings.stall_min_prefill_tokens_per_s)
 

@@ -45,5 +45,5 @@ async def every(period_s: float, step: Callable[[], Awaitable[object]], stop: as
             log.warning("%s failed: %s", what, e)
         try:
             await asyncio.wait_for(stop.wait(), period_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass

@@ -9,12 +9,12 @@ import torch
 
 from shared import metrics, tracing
 from shared.config import WorkerSettings
-from shared.kv import Faults, make
-from shared.service import connect, stop_event
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.loader import load
+from shared.kv import Faults, make
 from shared.messages import WorkerInfo
+from shared.service import connect, stop_event
 
 
 def worker_id(settings: WorkerSettings, role: str) -> str:

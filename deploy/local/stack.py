@@ -75,7 +75,7 @@ class StackConfig:
     cpus: dict[str, set[int]] = field(default_factory=dict)  # by process name: CPU affinity (benchmark arms)
 
     @classmethod
-    def on_free_ports(cls, **kw) -> "StackConfig":
+    def on_free_ports(cls, **kw) -> StackConfig:
         return cls(gateway_port=free_port(), nats_port=free_port(), redis_port=free_port(), **kw)
 
 
@@ -140,7 +140,7 @@ class Stack:
             return self.url + "/metrics"
         return f"http://127.0.0.1:{self.metrics_ports[name]}/metrics"
 
-    def start(self, ready_timeout_s: float = 240) -> "Stack":
+    def start(self, ready_timeout_s: float = 240) -> Stack:
         c = self.cfg
         nats_conf, redis_conf = self.data / "nats.conf", self.data / "redis.conf"
         nats_conf.write_text(f'authorization {{ user: pdserve, password: "{self.secret}" }}\n')
@@ -221,7 +221,7 @@ class Stack:
                     proc.wait()
         shutil.rmtree(self.data / "nats", ignore_errors=True)
 
-    def __enter__(self) -> "Stack":
+    def __enter__(self) -> Stack:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -252,12 +252,12 @@ def main() -> None:
         env_file = Path(".run/stack.env")  # for operator tools (python -m shared.tools.timeline)
         env_file.touch(mode=0o600)
         env_file.write_text(f"PD_NATS_URL={stack.nats_url}\nPD_REDIS_URL={stack.redis_url}\n")
+        metrics = ", ".join(f"{n} {stack.metrics_url(n)}" for n in stack.procs if n not in ("nats", "redis"))
         print(f"ready in {time.monotonic() - start:.1f} s at {stack.url}\n\n"
               f"  curl {stack.url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
               f"    -d '{{\"model\": \"SmolLM2-135M-Instruct\", \"messages\": "
               f"[{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}]}}'\n\n"
-              f"  metrics: {', '.join(f'{n} {stack.metrics_url(n)}' for n in stack.procs if n not in ('nats', 'redis'))}"
-              "\n\n"
+              f"  metrics: {metrics}\n\n"
               "Ctrl-C stops everything.", flush=True)
         while all(p.poll() is None for p in stack.procs.values()):
             time.sleep(0.5)

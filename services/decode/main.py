@@ -17,8 +17,8 @@
    token; once every block of every layer is in, the sequence joins the batch and the prefill
    worker gets its ack (`pd.prefill.<p>.kv.ack`) and frees its copy. KV late, refused or still bad,
    or the prefill worker's lease lapsed (checked every heartbeat while waiting) → drop the
-   reservation, mark the request `prefill_local` in Redis, and prefill locally (no gap for the client: chunks carry sequence
-   numbers, the gateway drops duplicates).
+   reservation, mark the request `prefill_local` in Redis, and prefill locally (no gap for the
+   client: chunks carry sequence numbers, the gateway drops duplicates).
 4. Loop: step the engine; publish each output as a TokenChunk on `pd.tokens.<rid>`, and keep
    it (services/decode/chunk_log.py): a gateway that lost chunks on the bus (a NATS restart)
    asks for them again on `pd.decode.<id>.replay` instead of moving the request.
@@ -38,8 +38,9 @@ import time
 from collections import OrderedDict
 
 from nats.aio.msg import Msg
-from opentelemetry import trace
+from opentelemetry import context, trace
 
+from services.decode.chunk_log import ChunkLog
 from shared import metrics, subjects
 from shared.bus import Bus, after_reconnects, context_of
 from shared.config import DecodeSettings
@@ -48,14 +49,22 @@ from shared.engine.engine import Engine, RequestOutput
 from shared.engine_host import EngineHost
 from shared.kv import TAG_SPAN, KVTransport
 from shared.kv.receiver import KVInbox, KVReceiver
-from shared.messages import (AdmitReply, AdmitRequest, Cancel, KVAck, KVOutcome, PrefillJob, Replay, ReplayReply,
-                             TokenChunk)
+from shared.messages import (
+    AdmitReply,
+    AdmitRequest,
+    Cancel,
+    KVAck,
+    KVOutcome,
+    PrefillJob,
+    Replay,
+    ReplayReply,
+    TokenChunk,
+)
 from shared.prefix_index import PrefixPublisher
 from shared.service import heartbeat, run, setup_logging
-from shared.worker import serve_worker, worker_id, worker_info
 from shared.state import State
 from shared.tasks import Background
-from services.decode.chunk_log import ChunkLog
+from shared.worker import serve_worker, worker_id, worker_info
 
 log = logging.getLogger("decode")
 
@@ -131,7 +140,7 @@ class DecodeWorker:
             repeat = (req.request_id, req.attempt) in self.admitted
             reply = await self.admit(req)
             if reply.ok and req.mode == "remote" and req.prefill_worker and not repeat:
-                self.queueing.start(self.queue_prefill(req, reply, parent))
+                self.queueing.start(self.queue_prefill(req, req.prefill_worker, reply, parent))
             span.set_attributes({"ok": reply.ok, "reason": reply.reason, "first_block": reply.first_block})
             if reply.ok:
                 self.spans[req.request_id] = self.tracer.start_span("decode.generate", context=parent, attributes={
@@ -171,7 +180,8 @@ class DecodeWorker:
         return AdmitReply(request_id=rid, ok=True, first_block=res.first_block, num_blocks=res.num_blocks,
                           kv_tag=kv_tag)
 
-    async def queue_prefill(self, req: AdmitRequest, reply: AdmitReply, ctx) -> None:
+    async def queue_prefill(self, req: AdmitRequest, prefill_worker: str, reply: AdmitReply,
+                            ctx: context.Context) -> None:
         """The prompt's job on the prefill worker's queue, made here, where the reservation
         is: the router neither encodes the prompt again nor waits for the stream, and a job
         that cannot be queued turns into a local prefill now rather than at the KV deadline.
@@ -181,7 +191,7 @@ class DecodeWorker:
                          decode_fingerprint=self.engine.fingerprint, first_block=reply.first_block,
                          kv_tag=reply.kv_tag)
         try:
-            await self.bus.queue_prefill(req.prefill_worker, job, ctx)
+            await self.bus.queue_prefill(prefill_worker, job, ctx)
         except Exception as e:  # noqa: BLE001 - NATS or the stream away: prefill here
             log.warning("%s: prefill job not queued (%s); prefilling locally", req.request_id, e)
             if (rx := self.inbox.receivers.get(req.request_id)) is not None:
@@ -217,7 +227,7 @@ class DecodeWorker:
                 # its lease runs out
                 await self.ack(req, KVAck(request_id=rid, ok=False, error="cancelled"))
                 raise
-            except Exception as e:  # late, corrupt, refused or mismatched KV: never decode from it
+            except Exception as e:  # noqa: BLE001 - late, corrupt, refused or mismatched KV: never decode from it
                 reason = "deadline passed" if isinstance(e, asyncio.TimeoutError) else str(e) or type(e).__name__
                 log.warning("%s: KV handoff failed (%s); prefilling locally", rid, reason)
                 span.set_attributes({"ok": False, "error": reason})
@@ -261,7 +271,7 @@ class DecodeWorker:
                 if done:
                     return waiting.result()
                 if left <= self.settings.heartbeat_s:
-                    raise asyncio.TimeoutError
+                    raise TimeoutError
                 if req.prefill_worker and not await self.lease_held(req.prefill_worker):
                     raise PrefillWorkerLost(f"prefill worker {req.prefill_worker} is gone")
         finally:
@@ -318,7 +328,8 @@ class DecodeWorker:
             self.attempts.pop(rid, None)
             first = self.decoding.pop(rid, None)
             if (span := self.spans.pop(rid, None)) is not None:
-                span.set_attributes({"output_tokens": out.num_generated_tokens, "finish_reason": out.finish_reason or ""})
+                span.set_attributes({"output_tokens": out.num_generated_tokens,
+                                     "finish_reason": out.finish_reason or ""})
                 if first is not None and out.num_generated_tokens > first[1]:  # tokens made here after the first
                     span.set_attribute("time_per_output_token_ms", round(
                         1e3 * (time.monotonic() - first[0]) / (out.num_generated_tokens - first[1]), 3))

@@ -35,7 +35,7 @@ async def models(gw: GatewayDep):
 @router.get("/metrics", include_in_schema=False)
 async def metrics(request: Request):
     """Prometheus text, or OpenMetrics (with trace-id exemplars) when the scraper asks for it."""
-    encode, content_type = choose_encoder(request.headers.get("accept"))
+    encode, content_type = choose_encoder(request.headers.get("accept", ""))
     return Response(encode(REGISTRY), media_type=content_type)
 
 
@@ -49,7 +49,7 @@ async def ready(gw: GatewayDep):
     """Ready when NATS is connected and a router and the worker pools are registered."""
     try:
         workers = await gw.state.workers()
-    except Exception as e:  # Redis unreachable
+    except Exception as e:  # noqa: BLE001 - Redis unreachable
         return JSONResponse({"ready": False, "reason": f"state store: {e}"}, status_code=503)
     count = {role: sum(w.role == role for w in workers) for role in ("router", "prefill", "decode")}
     missing = [role for role, n in count.items()

@@ -8,14 +8,14 @@ from typing import Annotated
 from fastapi import Depends, Request
 from opentelemetry import trace
 
+from services.gateway.auth import KeyCheck
+from services.gateway.ratelimit import RateLimit
+from services.gateway.relay import Relay
 from shared.bus import Bus
 from shared.config import GatewaySettings
 from shared.engine.config import ModelConfig
 from shared.engine.tokenizer import Tokenizer
 from shared.state import State
-from services.gateway.auth import KeyCheck
-from services.gateway.ratelimit import RateLimit
-from services.gateway.relay import Relay
 
 
 @dataclass

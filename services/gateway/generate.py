@@ -13,12 +13,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from opentelemetry import trace
 
-from shared.messages import RouteRequest, TokenChunk
 from services.gateway.deps import Gateway
 from services.gateway.errors import APIError
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.timing import timed
 from shared import tracing
+from shared.messages import RouteRequest, TokenChunk
 
 Kind = Literal["chat", "text"]
 

@@ -27,13 +27,6 @@ import uvicorn
 from fastapi import FastAPI
 from opentelemetry import trace
 
-from shared import tracing
-from shared.bus import Bus
-from shared.config import GatewaySettings
-from shared.engine.loader import inspect
-from shared.messages import WorkerInfo
-from shared.service import heartbeat, setup_logging
-from shared.state import State
 from services.gateway import errors
 from services.gateway.api import router, v1
 from services.gateway.auth import KeyCheck
@@ -41,6 +34,13 @@ from services.gateway.deps import Gateway
 from services.gateway.middleware import RequestContext
 from services.gateway.ratelimit import RateLimit
 from services.gateway.relay import Relay
+from shared import tracing
+from shared.bus import Bus
+from shared.config import GatewaySettings
+from shared.engine.loader import inspect
+from shared.messages import WorkerInfo
+from shared.service import heartbeat, setup_logging
+from shared.state import State
 
 log = logging.getLogger("gateway")
 

@@ -9,8 +9,8 @@ import uuid
 from fastapi.responses import JSONResponse
 from opentelemetry import trace
 
-from shared import tracing
 from services.gateway import errors
+from shared import tracing
 
 
 class RequestContext:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import math
 
-from shared.state import State
 from services.gateway.errors import APIError
+from shared.state import State
 
 log = logging.getLogger("gateway.ratelimit")
 BUCKET = """

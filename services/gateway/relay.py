@@ -35,11 +35,11 @@ from dataclasses import dataclass
 import nats.errors
 from opentelemetry import trace
 
+from services.gateway.errors import APIError
 from shared import metrics, subjects
 from shared.bus import Bus
 from shared.holders import Holders
 from shared.messages import Cancel, Replay, ReplayReply, RouteReply, RouteRequest, Stalled, TokenChunk
-from services.gateway.errors import APIError
 
 log = logging.getLogger("gateway.relay")
 MAX_ATTEMPTS = 4  # placements of one request: the first and up to three failovers
@@ -115,7 +115,9 @@ class Relay:
                        sub) -> AsyncIterator[TokenChunk]:
         """Chunks in `seq` order; duplicates (a retried step, a failover) are dropped. Silence,
         a gap that stays open, or the supervisor's word moves the request (`interrupted`)."""
-        next_seq, pending, done, generated, attempt, replays = 0, {}, False, [], req.attempt, 0
+        next_seq, done, attempt, replays = 0, False, req.attempt, 0
+        pending: dict[int, TokenChunk] = {}   # by seq, until the chunks before them came
+        generated: list[int] = []
         holders = Holders()   # every placement's workers: a cancel goes to them alone
         holders.add(placement.decode_worker, placement.prefill_worker)
         watch = Watch(time.monotonic(), self.reconnects())
@@ -124,7 +126,7 @@ class Relay:
             while not done:
                 try:
                     item = await asyncio.wait_for(queue.get(), self.check_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     item = None
                 why = await self.interrupted(item, placement, attempt, bool(pending), watch)
                 if why == "stream interrupted" and replays < MAX_REPLAYS and await self.replay(
@@ -171,7 +173,7 @@ class Relay:
             metrics.REQUESTS.labels(outcome).inc()
 
     async def interrupted(self, item: TokenChunk | Stalled | None, placement: RouteReply, attempt: int,
-                          gap: bool, watch: "Watch") -> str:
+                          gap: bool, watch: Watch) -> str:
         """Why the request must move now ("" when it need not): its worker lost, its chunks
         lost on the bus, or stalled (the supervisor's word about this placement). Called
         with each chunk or word, and with None after `check_s` of silence."""
@@ -208,7 +210,8 @@ class Relay:
             except nats.errors.TimeoutError:
                 break
         ok = reply is not None and reply.ok
-        chunks, why_not = (reply.chunks, "") if ok else (0, reply.reason if reply else "no answer")
+        chunks, why_not = (reply.chunks, "") if reply is not None and reply.ok else \
+            (0, reply.reason if reply else "no answer")
         log.info("%s: chunks from %d lost on the bus; %s", rid, from_seq,
                  f"{placement.decode_worker} published {chunks} again" if ok
                  else f"{placement.decode_worker} cannot replay them ({why_not})")

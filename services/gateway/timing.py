@@ -16,7 +16,8 @@ async def timed(chunks: AsyncIterator[TokenChunk], arrived: float, mode: str, tr
     """Pass `chunks` through, timing them from `arrived` (time.monotonic() at the request's
     arrival). End-to-end and TPOT are observed only for a request that finished."""
     ex = metrics.exemplar(trace_id)
-    first = last = None
+    first: float | None = None
+    last = arrived
     tokens = 0
     async for chunk in chunks:
         if chunk.token_ids:

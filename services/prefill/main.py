@@ -41,15 +41,15 @@ from shared import metrics, subjects
 from shared.bus import Bus, after_reconnects, context_of
 from shared.config import PrefillSettings
 from shared.engine.engine import Engine, RequestOutput
+from shared.engine.sequence import Status
 from shared.engine_host import EngineHost
 from shared.kv import KVTransport
 from shared.kv.sender import KVSender
-from shared.engine.sequence import Status
 from shared.messages import FINISHED_IN_PREFILL, Cancel, PrefillJob, TokenChunk
 from shared.prefix_index import PrefixPublisher
 from shared.service import heartbeat, run, setup_logging
-from shared.worker import serve_worker, worker_id, worker_info
 from shared.state import OVER, State
+from shared.worker import serve_worker, worker_id, worker_info
 
 log = logging.getLogger("prefill")
 JOB_KEEPALIVE_S = 10.0  # JetStream redelivers a job unacked for 30 s (its ack_wait)
@@ -149,7 +149,7 @@ class PrefillWorker:
     async def take_jobs(self, pull, wait_s: float) -> None:
         try:
             msgs = await pull.fetch(self.settings.max_jobs - len(self.jobs), timeout=wait_s)
-        except (nats.errors.TimeoutError, asyncio.TimeoutError):  # no job waiting
+        except (TimeoutError, nats.errors.TimeoutError):  # no job waiting
             return
         for msg in msgs:
             job = PrefillJob.decode(msg.data)
@@ -200,7 +200,8 @@ class PrefillWorker:
         metrics.CACHED_TOKENS.labels("prefill").inc(out.num_cached_tokens)
         span.set_attribute("cached_tokens", out.num_cached_tokens)
         span.end()
-        await self.bus.publish(subjects.tokens(out.request_id), TokenChunk.from_output(out), ctx=trace.set_span_in_context(span))
+        await self.bus.publish(subjects.tokens(out.request_id), TokenChunk.from_output(out),
+                               ctx=trace.set_span_in_context(span))
         if out.finished:  # done on its first token: nothing to hand off
             self.sender.drop(out.request_id)
             self.end_kv_span(out.request_id, acked=False, error="finished in prefill")
@@ -229,7 +230,7 @@ class PrefillWorker:
             self.end_kv_span(rid, acked=ack.ok, error=ack.error, bytes=h.bytes_sent, pieces=h.pieces,
                              resent_blocks=h.resent_blocks, skipped_blocks=job.first_block,
                              exposed_ms=round(1e3 * exposed_s, 3))  # last layer computed -> decode side's ack
-        except Exception as e:  # the decode side falls back to a local prefill on its deadline
+        except Exception as e:  # noqa: BLE001 - the decode side falls back to a local prefill on its deadline
             log.warning("%s: KV handoff failed: %s", rid, e)
             self.end_kv_span(rid, acked=False, error=str(e))
         finally:

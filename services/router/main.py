@@ -35,12 +35,18 @@ import math
 import time
 import uuid
 from contextlib import AsyncExitStack
+from dataclasses import dataclass
 
 import nats.errors
 from nats.aio.msg import Msg
 from opentelemetry import trace
 from redis.exceptions import RedisError
 
+from services.router import policy
+from services.router.pools import EMPTY, Pool, pools
+from services.router.recent import REGISTRY_READ_S, Recent, horizons
+from services.router.registry import Registry
+from services.router.supervisor import Supervisor
 from shared import metrics, prefix_index, subjects, tracing
 from shared.bus import Bus, context_of
 from shared.config import RouterSettings
@@ -49,16 +55,33 @@ from shared.messages import AdmitReply, AdmitRequest, KVOutcome, RouteReply, Rou
 from shared.service import connect, heartbeat, run, setup_logging, stop_event
 from shared.state import State, route_key, session_key
 from shared.tasks import Background, every
-from services.router import policy
-from services.router.pools import EMPTY, Pool, pools
-from services.router.recent import REGISTRY_READ_S, Recent, horizons
-from services.router.registry import Registry
-from services.router.supervisor import Supervisor
 
 log = logging.getLogger("router")
-WORKERS_MAX_AGE_S = 3.0  # a lease (3 heartbeats): older (the background read not done yet, or failing) is read on the route
+# a lease (3 heartbeats): a registry copy older than this (the background read not done yet, or
+# failing) is read on the route
+WORKERS_MAX_AGE_S = 3.0
 EXPECTED = (RedisError, asyncio.TimeoutError, nats.errors.Error)  # failures of a store or bus, not of the code
 ROUTE_TTL_S = 600.0  # a placement is answered again for this long (a retried or repeated request)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a request would go: its decode worker and, when prefilled remotely, its prefill
+    worker; why (the reply's reason) and the kind of reason (a metric label)."""
+
+    decode: WorkerInfo
+    mode: policy.Mode
+    reason: str
+    kind: str
+    prefill: policy.PrefillCandidate | None = None  # set exactly when mode == "remote"
+
+
+@dataclass
+class Waits:
+    """A placement's time in others' hands (span attributes: the router's own time is the rest)."""
+
+    hold_s: float = 0.0   # renewing the claim in Redis
+    admit_s: float = 0.0  # the decode workers answering admits
 
 
 class Router:
@@ -215,7 +238,7 @@ class Router:
             answer = reply.encode().decode()
             self.state.note(req.request_id, "routed", by=self.id, attempt=req.attempt,
                             prompt_tokens=len(req.prompt_token_ids) + len(req.resume_token_ids),
-                            mode=reply.mode, reason=reply.reason, decode=reply.decode_worker,
+                            mode=reply.mode or "", reason=reply.reason, decode=reply.decode_worker or "",
                             prefill=reply.prefill_worker or "",
                             also=lambda p: self.state.queue_note_route(p, key, ROUTE_TTL_S, reply=answer))
         else:  # refused: a later attempt decides afresh
@@ -247,82 +270,104 @@ class Router:
     async def place(self, req: RouteRequest, key: str, chosen_before: str | None, lease_s: float,
                     pool: Pool, cached: dict[str, tuple[int, int]], session_worker: str | None
                     ) -> RouteReply:
-        """`cached`: the workers holding some of the prompt (prefix_index.by_worker)."""
-        rid, prompt, resume = req.request_id, req.prompt_token_ids, req.resume_token_ids
-        prefills, decodes, block_size = pool.prefills, pool.decodes, pool.block_size
-        admit_wait_s = 0.0  # in the decode workers' hands (a span attribute: the router's own time is the rest)
-        hold_wait_s = 0.0   # renewing the claim in Redis
-        blocks = -(-(len(prompt) + len(resume) + 1) // block_size)
-        ranked = policy.decode_candidates(decodes, blocks, {w: n * block_size for w, (n, _) in cached.items()},
-                                          len(prompt), session_worker, self.settings.affinity_slack,
+        """Ask the decode workers best first (`rank`) until one admits the request with the
+        prefill `plan`ned for it (`try_admit`), then `commit`. `cached`: the workers holding some
+        of the prompt (prefix_index.by_worker)."""
+        waits = Waits()
+        for decode in self.rank(req, pool, cached, session_worker, chosen_before):
+            placement = self.plan(req, decode, pool, cached)
+            if placement.prefill is not None:  # remote: the prefill pool's queue may be too long already
+                admit_ok, retry_after, why_not = policy.within_objective(
+                    policy.predicted_prefill_s(placement.prefill, len(req.prompt_token_ids)), self.settings.ttft_slo_s)
+                if not admit_ok:
+                    metrics.PLACEMENTS.labels("refused", "ttft_objective").inc()
+                    return RouteReply(request_id=req.request_id, ok=False, reason=why_not, retry_after_s=retry_after)
+            if await self.try_admit(req, key, lease_s, placement, waits):
+                return self.commit(req, placement, cached.get(decode.worker_id, (0, 0))[0] * pool.block_size,
+                                   session_worker, waits)
+        reason = "no decode worker is up" if not pool.decodes else "no decode worker has room for this request now"
+        metrics.PLACEMENTS.labels("refused", "no_decode_worker" if not pool.decodes else "no_room").inc()
+        return RouteReply(request_id=req.request_id, ok=False, reason=reason)
+
+    def rank(self, req: RouteRequest, pool: Pool, cached: dict[str, tuple[int, int]], session_worker: str | None,
+             chosen_before: str | None) -> list[WorkerInfo]:
+        """The decode workers to ask, best first (policy.decode_candidates); those the request
+        asks to avoid last; when taking over a placement, the worker already asked first (it may
+        hold the request)."""
+        block_size = pool.block_size
+        blocks = -(-(len(req.prompt_token_ids) + len(req.resume_token_ids) + 1) // block_size)
+        ranked = policy.decode_candidates(pool.decodes, blocks, {w: n * block_size for w, (n, _) in cached.items()},
+                                          len(req.prompt_token_ids), session_worker, self.settings.affinity_slack,
                                           output_blocks=-(-req.sampling.max_tokens // block_size),
                                           booked=self.admitted.totals(time.monotonic()))
         ranked = sorted(ranked, key=lambda w: w.worker_id in req.avoid_workers)  # stable: avoided ones last
-        if chosen_before:  # taking over a placement: the worker already asked first (it may hold the request)
-            ranked = [w for w in decodes if w.worker_id == chosen_before] + [
+        if chosen_before:
+            ranked = [w for w in pool.decodes if w.worker_id == chosen_before] + [
                 w for w in ranked if w.worker_id != chosen_before]
-        for decode in ranked:
-            if resume:  # failover: the new decode worker rebuilds the KV of prompt + generated itself
-                prefill, mode, reason, kind = None, "local", f"resumed after {len(resume)} tokens " \
-                                                             f"(attempt {req.attempt})", "resumed"
-            else:
-                prefill, mode, reason, kind = self.place_prefill(len(prompt), decode, prefills, cached,
-                                                                 cached.get(decode.worker_id, (0, 0))[0] * block_size)
-            if mode == "remote":
-                admit_ok, retry_after, why_not = policy.within_objective(
-                    policy.predicted_prefill_s(prefill, len(prompt)), self.settings.ttft_slo_s)
-                if not admit_ok:
-                    metrics.PLACEMENTS.labels("refused", "ttft_objective").inc()
-                    return RouteReply(request_id=rid, ok=False, reason=why_not, retry_after_s=retry_after)
-            # counted at once: routes decided while this admit is in flight see the work
-            now = time.monotonic()
-            booked = self.sent.add(prefill.worker_id, len(prompt) - prefill.cached_tokens, now) \
-                if mode == "remote" else None
-            if booked:
-                self.turn += 1
-                self.breaker(prefill.worker_id, decode.worker_id).chosen(now)
-            # renew the claim (each admit may take its timeout) and note the worker asked
-            asked = time.perf_counter()
-            await self.state.hold_route(key, self.id, lease_s, decode.worker_id, ROUTE_TTL_S)
-            hold_wait_s += time.perf_counter() - asked
-            asked = time.perf_counter()
-            admit = await self.admit(decode, req, mode, prefill.worker_id if prefill else None)
-            admit_wait_s += time.perf_counter() - asked
-            if admit is None or not admit.ok:
-                if booked:
-                    self.sent.cancel(booked)
-                continue
-            self.admitted.add(decode.worker_id, 1, time.monotonic())
-            span = trace.get_current_span()
-            if mode == "remote":  # the decode worker queued the prefill job with its admit
-                span.set_attributes({"prefill_cached_tokens": prefill.cached_tokens,
-                                     "prefill_queued_tokens": prefill.queued_tokens})
-            prefill_id = prefill.worker_id if mode == "remote" else None
-            span.set_attributes({"decode_cached_tokens": cached.get(decode.worker_id, (0, 0))[0] * block_size,
-                                 "session_worker": session_worker or "", "admit_wait_ms": 1e3 * admit_wait_s,
-                                 "hold_ms": 1e3 * hold_wait_s})
-            if req.session_id:
-                self.in_background(self.state.set_session_worker(req.session_id, decode.worker_id,
-                                                                 self.settings.session_ttl_s))
-            metrics.PLACEMENTS.labels(mode, kind).inc()
-            return RouteReply(request_id=rid, ok=True, mode=mode, reason=reason, decode_worker=decode.worker_id,
-                              prefill_worker=prefill_id)
-        reason = "no decode worker is up" if not decodes else "no decode worker has room for this request now"
-        metrics.PLACEMENTS.labels("refused", "no_decode_worker" if not decodes else "no_room").inc()
-        return RouteReply(request_id=rid, ok=False, reason=reason)
+        return ranked
+
+    def plan(self, req: RouteRequest, decode: WorkerInfo, pool: Pool, cached: dict[str, tuple[int, int]]
+             ) -> Placement:
+        """Where the prompt is prefilled if `decode` takes the request."""
+        if req.resume_token_ids:  # failover: the new decode worker rebuilds the KV of prompt + generated itself
+            return Placement(decode, "local", f"resumed after {len(req.resume_token_ids)} tokens "
+                                              f"(attempt {req.attempt})", "resumed")
+        return self.place_prefill(len(req.prompt_token_ids), decode, pool.prefills, cached,
+                                  cached.get(decode.worker_id, (0, 0))[0] * pool.block_size)
+
+    async def try_admit(self, req: RouteRequest, key: str, lease_s: float, placement: Placement, waits: Waits
+                        ) -> bool:
+        """Book the prefill work (routes decided meanwhile see it), renew the claim noting the
+        worker asked, and ask it; a refusal or no answer takes the booking back."""
+        now = time.monotonic()
+        prefill = placement.prefill
+        booked = self.sent.add(prefill.worker_id, len(req.prompt_token_ids) - prefill.cached_tokens, now) \
+            if prefill is not None else None
+        if prefill is not None:
+            self.turn += 1
+            self.breaker(prefill.worker_id, placement.decode.worker_id).chosen(now)
+        asked = time.perf_counter()  # renew the claim (each admit may take its timeout) and note the worker asked
+        await self.state.hold_route(key, self.id, lease_s, placement.decode.worker_id, ROUTE_TTL_S)
+        waits.hold_s += time.perf_counter() - asked
+        asked = time.perf_counter()
+        admit = await self.admit(placement.decode, req, placement.mode,
+                                 prefill.worker_id if prefill is not None else None)
+        waits.admit_s += time.perf_counter() - asked
+        if admit is not None and admit.ok:
+            return True
+        if booked:
+            self.sent.cancel(booked)
+        return False
+
+    def commit(self, req: RouteRequest, placement: Placement, decode_cached_tokens: int,
+               session_worker: str | None, waits: Waits) -> RouteReply:
+        """The decode worker admitted the request (and queued its prefill job when remote)."""
+        decode, prefill = placement.decode, placement.prefill
+        self.admitted.add(decode.worker_id, 1, time.monotonic())
+        span = trace.get_current_span()
+        if prefill is not None:
+            span.set_attributes({"prefill_cached_tokens": prefill.cached_tokens,
+                                 "prefill_queued_tokens": prefill.queued_tokens})
+        span.set_attributes({"decode_cached_tokens": decode_cached_tokens, "session_worker": session_worker or "",
+                             "admit_wait_ms": 1e3 * waits.admit_s, "hold_ms": 1e3 * waits.hold_s})
+        if req.session_id:
+            self.in_background(self.state.set_session_worker(req.session_id, decode.worker_id,
+                                                             self.settings.session_ttl_s))
+        metrics.PLACEMENTS.labels(placement.mode, placement.kind).inc()
+        return RouteReply(request_id=req.request_id, ok=True, mode=placement.mode, reason=placement.reason,
+                          decode_worker=decode.worker_id,
+                          prefill_worker=prefill.worker_id if prefill is not None else None)
 
     def place_prefill(self, prompt_tokens: int, decode: WorkerInfo, prefills: list[WorkerInfo],
-                      cached: dict[str, tuple[int, int]], decode_cached_tokens: int
-                      ) -> tuple[policy.PrefillCandidate | None, str, str, str]:
-        """For a prompt bound to `decode`: the prefill worker, local or remote, why, and the
-        kind of reason (a metric label)."""
+                      cached: dict[str, tuple[int, int]], decode_cached_tokens: int) -> Placement:
+        """For a prompt bound to `decode`: the prefill worker, local or remote, and why."""
         now = time.monotonic()
         tripped = self.tripped.get(decode.worker_id)  # paths not closed (only those need asking)
         healthy = [p for p in prefills if p.worker_id not in tripped or self.breaker(p.worker_id, decode.worker_id)
                    .allow(now)] if tripped else prefills
         if prefills and not healthy:  # every path to this decode worker failing: colocated until it heals
-            return None, "local", f"KV paths to {decode.worker_id} failing (breaker open): prefilled there", \
-                "breaker_open"
+            return Placement(decode, "local", f"KV paths to {decode.worker_id} failing (breaker open): prefilled "
+                                              "there", "breaker_open")
         candidates = policy.prefill_candidates(healthy, decode.fingerprint, cached, self.sent.totals(time.monotonic()),
                                                self.settings.default_prefill_tokens_per_s)
         if self.settings.prefill_policy == "round_robin":
@@ -330,17 +375,19 @@ class Router:
         else:
             prefill, why = policy.choose_prefill_by_cost(candidates, prompt_tokens, self.settings.recompute_weight)
         mode, reason = policy.prefill_mode(prompt_tokens, int(prefill is not None), self.settings.local_prefill_below)
-        kind = ("round_robin" if self.settings.prefill_policy == "round_robin" else
-                "cached_prefix" if prefill.cached_tokens else "least_loaded") if mode == "remote" else \
-            ("no_prefill_worker" if prefill is None else "short_prompt")
-        if mode == "remote" and self.settings.prefill_mode == "cost":
+        if prefill is None or mode == "local":
+            return Placement(decode, "local", reason, "no_prefill_worker" if prefill is None else "short_prompt")
+        kind = "round_robin" if self.settings.prefill_policy == "round_robin" else \
+            "cached_prefix" if prefill.cached_tokens else "least_loaded"
+        if self.settings.prefill_mode == "cost":
             mode, reason = policy.local_or_remote(
                 prompt_tokens, decode_cached_tokens, decode.running,
                 decode.prefill_tokens_per_s or self.settings.default_prefill_tokens_per_s,
                 policy.predicted_prefill_s(prefill, prompt_tokens), self.settings.stall_weight)
-            return prefill, mode, (f"{why}; {reason}" if mode == "remote" else reason), \
-                (kind if mode == "remote" else "cheaper_locally")
-        return prefill, mode, (why if mode == "remote" else reason), kind
+            if mode == "local":
+                return Placement(decode, "local", reason, "cheaper_locally")
+            return Placement(decode, "remote", f"{why}; {reason}", kind, prefill)
+        return Placement(decode, "remote", why, kind, prefill)
 
     async def admit(self, decode: WorkerInfo, req: RouteRequest, mode: str,
                     prefill_worker: str | None) -> AdmitReply | None:

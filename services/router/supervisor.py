@@ -47,7 +47,7 @@ class Supervisor:
                 log.warning("supervisor round skipped: %s", e)
             try:
                 await asyncio.wait_for(stop.wait(), period_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def round(self) -> None:

@@ -129,6 +129,7 @@ class BlockManager:
         elif self._cached:
             block, _ = self._cached.popitem(last=False)
             h = self.block_hash[block]
+            assert h is not None  # a cached block has its hash
             del self.hash_to_block[h]
             self.block_hash[block] = None
             self._events.append(KVEvent("evicted", h))

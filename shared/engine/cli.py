@@ -23,6 +23,7 @@ def main() -> None:
 
     loaded = load(args.model)
     engine = Engine(loaded, EngineConfig(num_blocks=1024))
+    assert loaded.tokenizer is not None, "the model file has no tokenizer"
     prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
     ids = loaded.tokenizer.encode(prompt)
     engine.add_request("cli", ids, SamplingParams(max_tokens=args.max_tokens,
@@ -34,7 +35,7 @@ def main() -> None:
             sys.stdout.write(out.text)
             sys.stdout.flush()
     elapsed = time.perf_counter() - start
-    print(f"\n[{len(ids)} prompt tokens, {n} generated in {elapsed:.2f}s, finish: {out.finish_reason}]",
+    print(f"\n[{len(ids)} prompt tokens, {n} generated in {elapsed:.2f}s, finish: {out.finish_reason if out else '-'}]",
           file=sys.stderr)
 
 

@@ -30,7 +30,7 @@ class ModelConfig:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
 
     @classmethod
-    def tiny(cls, vocab_size: int = 512) -> "ModelConfig":
+    def tiny(cls, vocab_size: int = 512) -> ModelConfig:
         """A few-layer random-weight model for fast unit tests (same code paths as the real one)."""
         return cls(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_layers=3,
                    num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
@@ -76,6 +76,7 @@ class EngineConfig:
         """Pool size in blocks: K and V for every layer of one block of tokens."""
         if self.num_blocks is not None:
             return self.num_blocks
+        assert self.kv_cache_gib is not None  # one of the two is set (checked when made)
         elem = torch.empty((), dtype=self.torch_dtype).element_size()
         per_block = 2 * model.num_layers * self.block_size * model.num_kv_heads * model.head_dim * elem
         return max(1, int(self.kv_cache_gib * 2**30) // per_block)

@@ -117,7 +117,7 @@ class Engine:
 
     # -- colocated / prefill -------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prefill_only: bool = False, generated_token_ids: list[int] = ()) -> None:
+                    prefill_only: bool = False, generated_token_ids: list[int] | tuple[()] = ()) -> None:
         """Queue a request. `generated_token_ids` resumes one that another engine had started
         (failover): they are prefilled with the prompt and count as already generated, so
         max_tokens, seeded sampling and the text stream continue where they stopped."""
@@ -276,7 +276,7 @@ class Engine:
         return hook
 
     def _new_sequence(self, request_id: str, prompt: list[int], params: SamplingParams,
-                      prefill_only: bool, generated: list[int] = ()) -> Sequence:
+                      prefill_only: bool, generated: list[int] | tuple[()] = ()) -> Sequence:
         if request_id in self.seqs:
             raise ValueError(f"request {request_id!r} already exists")
         if not prompt:

@@ -38,7 +38,7 @@ class KVPiece:
     layer: int
     first_block: int         # index among the prompt's blocks
     data: torch.Tensor       # (n_blocks, 2, block_size, kv_heads, head_dim)
-    ready: object = None     # a CUDA event to wait on before reading `data` (None on CPU)
+    ready: torch.cuda.Event | None = None  # to wait on before reading `data` (None on CPU)
     last: bool = False       # the pass's last layer: nothing more of this pass follows
 
     @property

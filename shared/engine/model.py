@@ -9,13 +9,14 @@ time (`load_hf_weights`); q/k/v and gate/up are fused into single matmuls.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import cast
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from shared.engine.config import ModelConfig
 
@@ -62,6 +63,9 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
+    cos: torch.Tensor  # (max_pos, hd) buffers
+    sin: torch.Tensor
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32)
@@ -76,7 +80,7 @@ class Rotary(nn.Module):
         return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 
     @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x (T, heads, hd); rotate-half convention
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -95,15 +99,15 @@ class Attention(nn.Module):
                 rope: tuple[torch.Tensor, torch.Tensor], ops: SimpleNamespace) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = linear(x, self.qkv_proj.weight).split([self.h * self.hd, self.kvh * self.hd, self.kvh * self.hd], -1)
-        q = Rotary.apply(q.view(t, self.h, self.hd), *rope)
-        k = Rotary.apply(k.view(t, self.kvh, self.hd), *rope)
+        q = Rotary.rotate(q.view(t, self.h, self.hd), *rope)
+        k = Rotary.rotate(k.view(t, self.kvh, self.hd), *rope)
         v = v.view(t, self.kvh, self.hd)
         ops.write_kv(pool, batch.slots, k, v)
         if batch.is_decode:
             out = ops.paged_decode_attention(q, pool, batch.block_tables, batch.context_lens, self.scale)
         else:
             out = torch.empty_like(q)
-            for start, n, ctx, table in batch.chunks:
+            for start, n, ctx, table in batch.chunks or ():
                 if ctx == n:  # no cached prefix: attend over the fresh K/V directly
                     out[start:start + n] = ops.causal_attention(
                         q[start:start + n], k[start:start + n], v[start:start + n], self.scale)
@@ -152,7 +156,7 @@ class LlamaModel(nn.Module):
         """
         x = self.embed_tokens(batch.input_ids)                   # (T, D)
         rope = self.rotary.tables(batch.positions, x.dtype)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(cast("Iterable[DecoderLayer]", self.layers)):
             x = x + layer.self_attn(layer.input_layernorm(x), batch, kv_pools[i], rope, ops)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if layer_hook is not None:

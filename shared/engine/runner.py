@@ -37,7 +37,9 @@ class ModelRunner:
         return torch.tensor(data, dtype=torch.long, device=self.device)
 
     def _prefill_batch(self, chunks: list[tuple[Sequence, int]]) -> ForwardBatch:
-        ids, pos, slots, out_rows, meta = [], [], [], [], []
+        ids: list[int] = []
+        pos: list[int] = []
+        slots, out_rows, meta = [], [], []
         for seq, n in chunks:
             start, end = seq.num_computed, seq.num_computed + n
             meta.append((len(ids), n, end, self._tensor(seq.block_table[:-(-end // self.cfg.block_size)])))

@@ -37,8 +37,8 @@ def prefill_order(waiting: Iterable[Sequence], chunk: int) -> list[Sequence]:
     which finish in this pass instead of queueing behind every long one; then the other long
     ones. First come first within each tier."""
     order: list[Sequence] = []
-    for _, level in groupby(sorted(waiting, key=lambda q: q.params.priority), key=lambda q: q.params.priority):
-        level = list(level)
+    for _, tier in groupby(sorted(waiting, key=lambda q: q.params.priority), key=lambda q: q.params.priority):
+        level = list(tier)
         long = [q for q in level if len(q.token_ids) - q.num_computed > chunk]
         order += long[:1] + [q for q in level if q not in long] + long[1:]
     return order

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 _CONTROL, _USER_DEFINED = 3, 4  # GGUF token types
 
@@ -52,7 +53,7 @@ class Tokenizer:
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
-    def from_gguf(cls, reader) -> "Tokenizer":
+    def from_gguf(cls, reader) -> Tokenizer:
         def field(key, default=None):
             f = reader.fields.get(key)
             return default if f is None else f.contents()
@@ -79,7 +80,7 @@ class Tokenizer:
                    name("tokenizer.ggml.eos_token_id"), bool(field("tokenizer.ggml.add_bos_token", False)))
 
     @classmethod
-    def from_hf_dir(cls, path: Path) -> "Tokenizer":
+    def from_hf_dir(cls, path: Path) -> Tokenizer:
         tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
         cfg_file = path / "tokenizer_config.json"
         cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}

@@ -26,7 +26,7 @@ TAG_SPAN = 1 << 20  # tags of one handoff: kv_tag .. kv_tag + TAG_SPAN - 1
 
 
 def checksum(payload: np.ndarray) -> int:
-    return xxhash.xxh3_64_intdigest(memoryview(np.ascontiguousarray(payload)).cast("B"))
+    return xxhash.xxh3_64_intdigest(np.ascontiguousarray(payload).data.cast("B"))
 
 
 def block_checksums(blocks: np.ndarray) -> list[int]:

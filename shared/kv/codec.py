@@ -38,9 +38,9 @@ def encode(encoding: Encoding, blocks: torch.Tensor) -> np.ndarray:
     k_scale = (x[:, 0].abs().amax(dim=1) / 127).clamp_min(1e-12)        # (n, kvh, hd): per channel
     v_scale = (x[:, 1].abs().amax(dim=3) / 127).clamp_min(1e-12)        # (n, bs, kvh): per token
     q = torch.stack([x[:, 0] / k_scale[:, None], x[:, 1] / v_scale[..., None]], dim=1)
-    q = torch.round(q).clamp_(-127, 127).to(torch.int8).reshape(n, -1).cpu().numpy().view(np.uint8)
+    codes = torch.round(q).clamp_(-127, 127).to(torch.int8).reshape(n, -1).cpu().numpy().view(np.uint8)
     scales = torch.cat([k_scale.reshape(n, -1), v_scale.reshape(n, -1)], dim=1).cpu().numpy()
-    return np.concatenate([q, scales.view(np.uint8)], axis=1)
+    return np.concatenate([codes, scales.view(np.uint8)], axis=1)
 
 
 def decode(encoding: Encoding, rows: np.ndarray, block_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

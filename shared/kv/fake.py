@@ -11,7 +11,7 @@ import numpy as np
 
 from shared.kv.base import Faults, KVTransport
 
-_peers: dict[str, "FakeTransport"] = {}
+_peers: dict[str, FakeTransport] = {}
 _ids = itertools.count()
 
 

@@ -62,7 +62,7 @@ class KVReceiver:
 
     @classmethod
     def for_engine(cls, engine: Engine, reservation: Reservation, kv_tag: int, transport: KVTransport,
-                   bus: Bus, max_attempts: int = 3, prefill_worker: str = "") -> "KVReceiver":
+                   bus: Bus, max_attempts: int = 3, prefill_worker: str = "") -> KVReceiver:
         pool = engine.runner.kv
         return cls(reservation, kv_tag, engine.fingerprint, pool.shape[0], tuple(pool.shape[2:]), pool.dtype,
                    transport, engine.write_kv, bus, max_attempts, prefill_worker)
@@ -129,7 +129,7 @@ class KVReceiver:
             self._check_done()
         except asyncio.CancelledError:
             raise
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - whatever broke, the handoff fails (the decode side prefills locally)
             self.fail(str(e) or type(e).__name__)
 
     def _check(self, n: KVLayer) -> int:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from nats.aio.msg import Msg
-from opentelemetry import trace
+from opentelemetry import context, trace
 
 from shared import subjects
 from shared.bus import Bus
@@ -50,7 +50,7 @@ ReadBlocks = Callable[[str, int, int, int], Awaitable[torch.Tensor]]  # rid, lay
 @dataclass
 class Handoff:
     job: PrefillJob
-    ctx: object                                  # trace context carried by the notices
+    ctx: context.Context                         # trace context carried by the notices
     acked: asyncio.Future                        # the decode side's KVAck
     new_endpoint: bool                           # no endpoint to this peer existed before
     next_tag: int = 0
@@ -130,7 +130,7 @@ class KVSender:
             await asyncio.shield(self.posts.start(self._post(h, notice, np.ascontiguousarray(host).reshape(-1))))
         except asyncio.CancelledError:
             raise
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - whatever broke, the send is cancelled (the decode side prefills locally)
             log.warning("%s: KV send failed: %s", h.job.request_id, e)
             await self.cancel(h.job.request_id, f"send failed: {e}")
 
@@ -184,7 +184,7 @@ class KVSender:
                 await self._end(h, True, first_token=first_token)
             try:
                 return await asyncio.wait_for(asyncio.shield(h.acked), lease_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 stuck = any(not t.done() for t in h.sends)
                 await self._end(h, False, error="lease expired")
                 if stuck:  # payloads never left: do not reuse that peer's endpoint

@@ -29,6 +29,7 @@ import threading
 
 import numpy as np
 import ucxx
+from ucxx._lib_async import Endpoint
 
 from shared.kv.base import Faults, KVTransport
 from shared.tasks import Background
@@ -69,9 +70,10 @@ class UcxTransport(KVTransport):
             pass
         else:
             if threaded:  # its notifier thread would otherwise keep the process from exiting
-                threading._register_atexit(ucxx.stop_notifier_thread)  # runs before Python joins threads
+                # runs before Python joins threads (a private hook of `threading`, stable since 3.9)
+                threading._register_atexit(ucxx.stop_notifier_thread)  # type: ignore[attr-defined]
         self._address = bytes(ucxx.get_worker_address()).hex()
-        self._endpoints: dict[str, object] = {}
+        self._endpoints: dict[str, Endpoint] = {}
 
     @property
     def address(self) -> str:
@@ -103,7 +105,7 @@ class UcxTransport(KVTransport):
         if ep is not None:
             try:
                 await ep.close()
-            except Exception:  # already broken: dropping our reference is all that is left
+            except Exception:  # noqa: BLE001 - already broken: dropping our reference is all that is left
                 pass
 
     async def recv(self, tag: int, out: np.ndarray) -> None:
@@ -127,6 +129,6 @@ class UcxTransport(KVTransport):
         for ep in self._endpoints.values():
             try:
                 await ep.close()
-            except Exception:  # the peer may already be gone; nothing to release on our side
+            except Exception:  # noqa: BLE001 - the peer may already be gone; nothing to release on our side
                 pass
         self._endpoints.clear()

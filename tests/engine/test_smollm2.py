@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import generate, run_all, tokens, transfer
 
 from bench.held_prompts import CONVERSATIONS
-from helpers import generate, run_all, tokens, transfer
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.loader import load, smollm2_path

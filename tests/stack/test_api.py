@@ -7,9 +7,9 @@ import asyncio
 import httpx
 import nats
 import pytest
-
 from conftest import MODEL
 from helpers import generate
+
 from shared.engine.sequence import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -133,7 +133,8 @@ def test_client_that_leaves_mid_stream_frees_its_blocks(stack):
 
     def free_blocks():
         infos = [_json.loads(store.get(k)) for k in store.keys("pd:worker:*")]
-        return {w["worker_id"]: (w["free_blocks"], w["total_blocks"]) for w in infos if w["role"] in ("prefill", "decode")}
+        return {w["worker_id"]: (w["free_blocks"], w["total_blocks"]) for w in infos
+                if w["role"] in ("prefill", "decode")}
 
     with httpx.Client(base_url=stack.url, timeout=60) as http:
         with http.stream("POST", "/v1/chat/completions", json={

@@ -11,10 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import redis
-
 from conftest import MODEL
-from deploy.local.stack import Stack, StackConfig
 from helpers import generate
+
+from deploy.local.stack import Stack, StackConfig
 from shared.engine.sequence import SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from conftest import MODEL
+
 from deploy.local.stack import Stack, StackConfig
 
 pytestmark = pytest.mark.slow

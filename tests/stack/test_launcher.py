@@ -10,8 +10,8 @@ import time
 import httpx
 import psutil
 import pytest
-
 from conftest import MODEL
+
 from deploy.local.stack import free_port
 
 pytestmark = pytest.mark.slow

@@ -14,9 +14,9 @@ import uuid
 from pathlib import Path
 
 import pytest
+from helpers import run_all, tokens
 
 from deploy.local.stack import _binary
-from helpers import run_all, tokens
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,6 +65,7 @@ def _rx_bytes(ns: str, dev: str) -> int:
 
 def test_kv_crosses_a_veth_pair_over_ucx_tcp(netns_pair, tiny, tmp_path):
     from netns_peer import CONFIG, PARAMS, PROMPT
+
     from shared.engine.config import EngineConfig
     from shared.engine.engine import Engine
 

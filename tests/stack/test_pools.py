@@ -7,14 +7,14 @@ import time
 
 import httpx
 import pytest
-
 from conftest import MODEL
-from deploy.local.stack import Stack, StackConfig
 from helpers import generate
+
+from deploy.local.stack import Stack, StackConfig
 from shared.engine.sequence import SamplingParams
 
 pytestmark = pytest.mark.slow
-QUESTIONS = ["What is the capital of {}?".format(c) for c in
+QUESTIONS = [f"What is the capital of {c}?" for c in
              ["France", "Spain", "Italy", "Japan", "Peru", "Kenya", "Canada", "Egypt", "Chile", "Norway"]] + \
             [f"Give one fact about the number {n}." for n in range(10)]
 

@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import redis
-
 from conftest import MODEL
+
 from deploy.local.stack import Stack, StackConfig
 
 pytestmark = pytest.mark.slow

@@ -8,9 +8,8 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from conftest import MODEL
+from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.slow
 SERVICES = ("gateway", "router", "prefill-0", "decode-0")
@@ -43,7 +42,8 @@ def test_histograms_count_requests_and_transfer_counters_match_the_spans(stack, 
     deadline = time.monotonic() + 5   # counters move when each handoff ends, spans with them
     while True:
         after = {name: scrape(stack, name) for name in SERVICES}
-        delta = lambda svc, metric, **kw: total(after[svc], metric, **kw) - total(before[svc], metric, **kw)  # noqa: E731
+        def delta(svc, metric, after=after, **kw):
+            return total(after[svc], metric, **kw) - total(before[svc], metric, **kw)
         if delta("prefill-0", "pd_kv_transfer_bytes_total") >= sent or time.monotonic() > deadline:
             break
         time.sleep(0.2)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
-
 from conftest import MODEL
+
 from deploy.local.stack import Stack, StackConfig
 from services.gateway.auth import hash_key
 

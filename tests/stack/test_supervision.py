@@ -13,10 +13,10 @@ import time
 import httpx
 import pytest
 import redis
-
 from conftest import MODEL
-from deploy.local.stack import Stack, StackConfig
 from helpers import generate
+
+from deploy.local.stack import Stack, StackConfig
 from shared.engine.sequence import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -104,7 +104,7 @@ def test_a_lost_gateways_requests_are_cancelled_on_the_workers(stack):
                                                         "max_tokens": 400, "ignore_eos": True, "stream": True,
                                                         "session_id": "orphan"}) as r:
         rid = r.headers["x-request-id"]
-        for n, line in enumerate(r.iter_lines()):
+        for n, _line in enumerate(r.iter_lines()):
             if n >= 10:   # (killed before the loop ends: leaving it would close the connection first)
                 stack.procs["gateway"].send_signal(signal.SIGKILL)
                 killed = time.monotonic()

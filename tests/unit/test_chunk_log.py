@@ -1,7 +1,7 @@
 """A decode worker's published chunks, kept for a gateway that lost some on the bus."""
 
-from shared.messages import TokenChunk
 from services.decode.chunk_log import ChunkLog
+from shared.messages import TokenChunk
 
 
 def chunk(rid, seq, n=1, finished=False):

@@ -63,7 +63,7 @@ def test_each_control_message_is_delivered_once_to_the_worker_holding_the_reques
 def test_a_subject_the_fleet_shares_is_counted_once_per_worker(nats_url, monkeypatch):
     """The measure sees fan-out: workers subscribed to a wildcard all get every message."""
     for name in ("decode_control", "prefill_control"):
-        monkeypatch.setattr(subjects, name, lambda worker, control=getattr(subjects, name): control("*"))
+        monkeypatch.setattr(subjects, name, lambda worker, control=getattr(subjects, name): control("*"))  # noqa: B008
     counts = asyncio.run(deliveries(nats_url, 16))
     per_kind = Counter()
     for (_, kind), times in counts.items():

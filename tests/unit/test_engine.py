@@ -3,8 +3,8 @@
 import random
 
 import pytest
-
 from helpers import GREEDY, generate, run_all, tokens, transfer
+
 from shared.engine.block_manager import OutOfBlocks
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine

@@ -9,9 +9,9 @@ import time
 import numpy as np
 import pytest
 import torch
-
 from helpers import run_all, tokens
 from localbus import LocalBus
+
 from shared import subjects
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine

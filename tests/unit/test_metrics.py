@@ -8,9 +8,9 @@ import asyncio
 import pytest
 from prometheus_client import REGISTRY
 
+from services.gateway import timing
 from shared import metrics
 from shared.messages import TokenChunk, WorkerInfo
-from services.gateway import timing
 
 
 def value(name: str, **labels) -> float:

@@ -4,7 +4,7 @@ from services.router.recent import Recent
 def test_work_counts_until_the_horizon_and_a_cancelled_entry_not_at_all():
     r = Recent(horizon_s=3.0)
     r.add("p0", 100, now=0.0)
-    kept = r.add("p0", 50, now=1.0)
+    r.add("p0", 50, now=1.0)
     refused = r.add("p1", 70, now=1.5)
     assert r.totals(2.0) == {"p0": 150, "p1": 70}
     r.cancel(refused)

@@ -3,8 +3,8 @@ early, and a lost decode worker's request continued elsewhere after the tokens s
 
 import asyncio
 
-from shared.messages import Cancel, RouteReply, RouteRequest, Sampling, TokenChunk
 from services.gateway.relay import Relay
+from shared.messages import Cancel, RouteReply, RouteRequest, Sampling, TokenChunk
 
 REQ = RouteRequest(request_id="r", prompt_token_ids=[1, 2, 3], sampling=Sampling(max_tokens=8), model="m")
 PLACED = RouteReply(request_id="r", ok=True, mode="remote", decode_worker="d0", prefill_worker="p0")
@@ -162,6 +162,7 @@ def _gap_stream(replay_answer, away=0):
     """d0 streams token 0, token 1 is lost on the bus, token 2 arrives: the gap stays open.
     `away`: replay requests that find no responder first (d0 not reconnected yet)."""
     import nats.errors
+
     from shared.messages import ReplayReply
 
     async def run():

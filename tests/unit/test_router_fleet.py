@@ -17,6 +17,7 @@ from opentelemetry import trace
 from redis.asyncio.connection import Connection
 
 from deploy.local.stack import _binary, free_port
+from services.router.main import Router
 from shared import subjects
 from shared.bus import Bus
 from shared.config import RouterSettings
@@ -25,7 +26,6 @@ from shared.hashing import block_hashes
 from shared.messages import AdmitReply, AdmitRequest, RouteRequest, Sampling, WorkerInfo
 from shared.prefix_index import PrefixPublisher
 from shared.state import State
-from services.router.main import Router
 from tests.unit.conftest import _wait_for_port
 
 PROMPT = list(range(1000, 1000 + 64 * 16))  # 64 blocks of 16 tokens

@@ -10,12 +10,12 @@ import time
 
 from opentelemetry import trace
 
+from services.router.main import Router
 from shared import subjects
 from shared.bus import Bus
 from shared.config import RouterSettings
 from shared.messages import AdmitReply, AdmitRequest, PrefillJob, RouteReply, RouteRequest, Sampling, WorkerInfo
 from shared.state import State, route_key
-from services.router.main import Router
 
 
 def _worker(wid: str, role: str, running: int = 0) -> WorkerInfo:

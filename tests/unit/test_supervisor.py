@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import asyncio
 
+from services.router.supervisor import Supervisor
 from shared.bus import Bus
 from shared.messages import Cancel, Stalled, WorkerInfo
 from shared.state import DEADLINES, GATEWAYS, State, owned_key
-from services.router.supervisor import Supervisor
 
 
 async def _request(state: State, rid: str, gateway: str, deadline_s: float, prefill: str = "") -> None:
