@@ -58,9 +58,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         state = State.for_service(settings)
         me = WorkerInfo(worker_id=settings.gateway_id or f"gateway-{uuid.uuid4().hex[:8]}", role="gateway")
         app.state.gateway = Gateway(settings, bus, state, tokenizer, model_config,
-                                    Relay(bus, settings.route_timeout_s, settings.token_timeout_s, state.alive,
-                                          settings.failover_check_s, 1.5 * settings.heartbeat_s,
-                                          settings.placement_retry_s, state.note, me.worker_id), keys,
+                                    Relay.for_gateway(settings, bus, state, me.worker_id), keys,
                                     RateLimit(state, settings.rate_limit_per_s, settings.rate_limit_burst))
         # the lease tells the routers' supervisors that someone still reads these requests' tokens
         stop = asyncio.Event()

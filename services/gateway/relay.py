@@ -30,16 +30,19 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import nats.errors
 from opentelemetry import trace
 
 from services.gateway.errors import APIError
+from services.gateway.reorder import Reorder
 from shared import metrics, subjects
 from shared.bus import Bus
+from shared.config import GatewaySettings
 from shared.holders import Holders
 from shared.messages import Cancel, Replay, ReplayReply, RouteReply, RouteRequest, Stalled, TokenChunk
+from shared.state import State
 
 log = logging.getLogger("gateway.relay")
 MAX_ATTEMPTS = 4  # placements of one request: the first and up to three failovers
@@ -58,6 +61,13 @@ class Relay:
         self.placement_retry_s = placement_retry_s    # keep asking while nothing can take the request
         self.note = note or (lambda *a, **k: None)    # State.note: the request's events in Redis
         self.owner = owner                            # this gateway's registry id
+
+    @classmethod
+    def for_gateway(cls, settings: GatewaySettings, bus: Bus, state: State, owner: str) -> Relay:
+        """The relay a gateway's settings describe: leases read from, and events noted in, `state`."""
+        return cls(bus, settings.route_timeout_s, settings.token_timeout_s, alive=state.alive,
+                   check_s=settings.failover_check_s, confirm_s=1.5 * settings.heartbeat_s,
+                   placement_retry_s=settings.placement_retry_s, note=state.note, owner=owner)
 
     async def run(self, req: RouteRequest) -> tuple[RouteReply, AsyncIterator[TokenChunk]]:
         """Place the request; returns the placement and its ordered token stream. The
@@ -113,64 +123,60 @@ class Relay:
 
     async def _ordered(self, req: RouteRequest, placement: RouteReply, queue: asyncio.Queue,
                        sub) -> AsyncIterator[TokenChunk]:
-        """Chunks in `seq` order; duplicates (a retried step, a failover) are dropped. Silence,
-        a gap that stays open, or the supervisor's word moves the request (`interrupted`)."""
-        next_seq, done, attempt, replays = 0, False, req.attempt, 0
-        pending: dict[int, TokenChunk] = {}   # by seq, until the chunks before them came
-        generated: list[int] = []
-        holders = Holders()   # every placement's workers: a cancel goes to them alone
-        holders.add(placement.decode_worker, placement.prefill_worker)
-        watch = Watch(time.monotonic(), self.reconnects())
+        """Chunks in `seq` order, once each (reorder.py). Silence, a gap that stays open, or the
+        supervisor's word moves the request (`recover`). Its end goes to Redis and, unless it
+        finished, a cancel to every worker it was placed on."""
+        stream = Stream(placement, req.attempt, Watch(time.monotonic(), self.reconnects()))
+        stream.holders.add(placement.decode_worker, placement.prefill_worker)
         outcome, reason = "cancelled", "client gone"
         try:
-            while not done:
+            while not stream.order.finished:
                 try:
                     item = await asyncio.wait_for(queue.get(), self.check_s)
                 except TimeoutError:
                     item = None
-                why = await self.interrupted(item, placement, attempt, bool(pending), watch)
-                if why == "stream interrupted" and replays < MAX_REPLAYS and await self.replay(
-                        req.request_id, placement, next_seq, attempt):
-                    replays += 1
-                    watch = Watch(time.monotonic(), self.reconnects())
-                    why = ""
-                if why:
-                    # the old placement may still run (chunks lost on the bus, a lease that lapsed
-                    # for a moment, a hung step): stop it before the request goes elsewhere
-                    attempt += 1
-                    await holders.cancel(self.bus, Cancel(request_id=req.request_id, reason="failover",
-                                                          before_attempt=attempt))
-                    placement = await self.failover(req, placement, generated, attempt, why)
-                    holders.add(placement.decode_worker, placement.prefill_worker)
-                    pending.clear()
-                    watch, replays = Watch(time.monotonic(), self.reconnects()), 0
-                if not isinstance(item, TokenChunk):
-                    continue
-                chunk, watch.silent_since = item, time.monotonic()
-                if chunk.error:
-                    raise APIError(503, f"The request failed: {chunk.error}", code="worker_error")
-                if chunk.seq >= next_seq:
-                    pending[chunk.seq] = chunk
-                while next_seq in pending:
-                    chunk = pending.pop(next_seq)
-                    next_seq += max(1, len(chunk.token_ids))
-                    generated += chunk.token_ids
-                    yield chunk
-                    if chunk.finished:
-                        done = True
-                        break
+                await self.recover(req, stream, item)
+                if isinstance(item, TokenChunk):
+                    stream.watch.silent_since = time.monotonic()
+                    if item.error:
+                        raise APIError(503, f"The request failed: {item.error}", code="worker_error")
+                    for chunk in stream.order.add(item):
+                        yield chunk
         except APIError as e:
             outcome, reason = "failed", e.message
             raise
         finally:
             await sub.unsubscribe()
-            if done:
+            if stream.order.finished:
                 outcome, reason = "finished", ""
             else:  # client gone, timeout or error: stop the work wherever it was placed
-                await holders.cancel(self.bus, Cancel(request_id=req.request_id))
-            self.note(req.request_id, outcome, by=self.owner, attempt=attempt, owner=self.owner,
-                      tokens=len(generated), reason=reason)
+                await stream.holders.cancel(self.bus, Cancel(request_id=req.request_id))
+            self.note(req.request_id, outcome, by=self.owner, attempt=stream.attempt, owner=self.owner,
+                      tokens=len(stream.order.generated), reason=reason)
             metrics.REQUESTS.labels(outcome).inc()
+
+    async def recover(self, req: RouteRequest, stream: Stream, item: TokenChunk | Stalled | None) -> None:
+        """One step of recovery, with each chunk or word (None: `check_s` of silence): chunks
+        lost on the bus are asked of the decode worker again (up to MAX_REPLAYS); a lost or
+        stalled worker, or chunks it cannot replay, move the request (cancelled where it was,
+        placed again after its last streamed token)."""
+        why = await self.interrupted(item, stream.placement, stream.attempt, stream.order.gap, stream.watch)
+        if why == "stream interrupted" and stream.replays < MAX_REPLAYS and await self.replay(
+                req.request_id, stream.placement, stream.order.next_seq, stream.attempt):
+            stream.replays += 1
+            stream.watch = Watch(time.monotonic(), self.reconnects())
+            return
+        if why:
+            # the old placement may still run (chunks lost on the bus, a lease that lapsed
+            # for a moment, a hung step): stop it before the request goes elsewhere
+            stream.attempt += 1
+            await stream.holders.cancel(self.bus, Cancel(request_id=req.request_id, reason="failover",
+                                                         before_attempt=stream.attempt))
+            stream.placement = await self.failover(req, stream.placement, stream.order.generated, stream.attempt,
+                                                   why)
+            stream.holders.add(stream.placement.decode_worker, stream.placement.prefill_worker)
+            stream.order.forget_waiting()
+            stream.watch, stream.replays = Watch(time.monotonic(), self.reconnects()), 0
 
     async def interrupted(self, item: TokenChunk | Stalled | None, placement: RouteReply, attempt: int,
                           gap: bool, watch: Watch) -> str:
@@ -261,6 +267,18 @@ class Watch:
     silent_since: float                  # monotonic time of the last chunk (or of the placement)
     reconnects: int                      # the bus's reconnections when it began
     absent_since: float | None = None    # its decode worker first seen missing from the registry
+
+
+@dataclass
+class Stream:
+    """A request being relayed: where it runs now, and what the relay has seen of it."""
+
+    placement: RouteReply
+    attempt: int
+    watch: Watch
+    replays: int = 0                                       # asked of this placement so far
+    order: Reorder = field(default_factory=Reorder)        # its chunks in order
+    holders: Holders = field(default_factory=Holders)      # every placement's workers: a cancel goes to them alone
 
 
 class Subscriptions:
