@@ -45,7 +45,7 @@ from nats.aio.msg import Msg
 from bench.scale_plan import BLOCK, MODEL, FleetWorker, filler, filler_counts
 from shared import subjects
 from shared.bus import Bus, context_of
-from shared.config import Common
+from shared.config import Common, lease_s
 from shared.engine.block_manager import KVEvent
 from shared.messages import AdmitReply, AdmitRequest, PrefillJob, WorkerInfo
 from shared.prefix_index import PrefixPublisher
@@ -54,7 +54,6 @@ from shared.state import State
 from shared.tasks import Background
 
 log = logging.getLogger("fleet")
-LEASE_BEATS = 3          # a lease is three heartbeats, as for the real workers
 FILL_CHUNK = 16_384      # filler blocks handed to a publisher at a time
 FILL_AT_ONCE = 4         # workers filled concurrently
 STEP_S = 0.05            # a simulated engine step: the churn of the requests it took, published together
@@ -108,7 +107,7 @@ class Fleet:
         await self.bus.ensure_prefill_stream()
         for spec in self.plan:
             sim = Sim(spec)
-            sim.prefix = PrefixPublisher(self.state, spec.worker_id, LEASE_BEATS * self.heartbeat_s, sim.snapshot)
+            sim.prefix = PrefixPublisher(self.state, spec.worker_id, lease_s(self.heartbeat_s), sim.snapshot)
             await sim.prefix.start()
             sim.first_slot = sim.prefix.slot
             sim.prefix.publish([KVEvent("stored", h) for h in spec.cached])

@@ -11,6 +11,13 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+LEASE_BEATS = 3  # a registry entry (and a worker's prefix-index slot) lives this many heartbeats unrenewed
+
+
+def lease_s(heartbeat_s: float) -> float:
+    """How long a registry entry lives without a heartbeat: a dead process vanishes by itself."""
+    return LEASE_BEATS * heartbeat_s
+
 
 class Common(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PD_", extra="ignore")
@@ -22,7 +29,7 @@ class Common(BaseSettings):
     log_level: str = "INFO"
     log_format: Literal["text", "json"] = Field("text", description="json: one object per line, with trace_id "
                                                 "and request_id (text lines carry them too, when in a request)")
-    heartbeat_s: float = Field(1.0, gt=0, description="worker heartbeat period; the lease is 3x this")
+    heartbeat_s: float = Field(1.0, gt=0, description=f"worker heartbeat period; the lease is {LEASE_BEATS}x this")
     otlp_endpoint: str | None = Field(None, validation_alias="OTEL_EXPORTER_OTLP_ENDPOINT",
                                       description="OTLP/HTTP collector (Jaeger: http://host:4318)")
     metrics_port: int = Field(9400, ge=0, description="router and workers: /metrics on this port (0: off); the "
@@ -32,6 +39,10 @@ class Common(BaseSettings):
                                                    "to another worker (the router's supervisor)")
     stall_min_prefill_tokens_per_s: float = Field(50.0, gt=0, description="before the first token a request is "
                                                   "allowed stall_s + its prompt at this rate")
+
+    @property
+    def lease_s(self) -> float:
+        return lease_s(self.heartbeat_s)
 
 
 class GatewaySettings(Common):

@@ -5,15 +5,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from contextlib import AsyncExitStack
 
 import uvloop
 
 from shared import logs, metrics
 from shared.bus import Bus
-from shared.config import Common
+from shared.config import Common, lease_s
+from shared.messages import WorkerInfo
 from shared.state import State
+from shared.tasks import every
 
 log = logging.getLogger(__name__)
 
@@ -45,18 +47,13 @@ def stop_event() -> asyncio.Event:
     return stop
 
 
-async def heartbeat(state: State, info, period_s: float, stop: asyncio.Event) -> None:
+async def heartbeat(state: State, info: Callable[[], WorkerInfo], period_s: float, stop: asyncio.Event) -> None:
     """Refresh the registry entry (`info()` gives the current one) until stopped; the lease is
-    three periods, so a worker that dies vanishes from the registry by itself."""
-    while not stop.is_set():
-        try:
-            entry = info()
-            if entry.role in ("prefill", "decode"):
-                metrics.worker(entry)
-            await state.heartbeat(entry, lease_s=3 * period_s)
-        except Exception as e:  # noqa: BLE001 - Redis down: keep serving, retry next period
-            log.warning("heartbeat failed: %s", e)
-        try:
-            await asyncio.wait_for(stop.wait(), period_s)
-        except TimeoutError:
-            pass
+    LEASE_BEATS periods, so a worker that dies vanishes from the registry by itself. Redis
+    down: the worker keeps serving, the next period tries again."""
+    async def beat() -> None:
+        entry = info()
+        if entry.role in ("prefill", "decode"):
+            metrics.worker(entry)
+        await state.heartbeat(entry, lease_s=lease_s(period_s))
+    await every(period_s, beat, stop, log, "heartbeat")

@@ -42,6 +42,7 @@ from opentelemetry import context, trace
 
 from services.decode.chunk_log import ChunkLog
 from shared import metrics, subjects
+from shared.absence import Absence
 from shared.bus import Bus, after_reconnects, context_of
 from shared.config import DecodeSettings
 from shared.engine.block_manager import OutOfBlocks
@@ -81,7 +82,7 @@ class DecodeWorker:
         self.settings, self.engine, self.bus, self.state = settings, engine, bus, state
         self.transport, self.tracer = transport, tracer
         self.id = worker_id(settings, "decode")
-        self.prefix = PrefixPublisher(state, self.id, lease_s=3 * settings.heartbeat_s,
+        self.prefix = PrefixPublisher(state, self.id, lease_s=settings.lease_s,
                                       snapshot=lambda: self.host.call(engine.cached_hashes))
         self.host = EngineHost(engine, self.prefix.publish, settings.fault_engine_hang_after_steps, "decode")
         self.spans: dict[str, trace.Span] = {}
@@ -116,7 +117,7 @@ class DecodeWorker:
         log.info("decode worker %s ready: %d KV blocks", self.id, self.engine.num_blocks)
         await stop.wait()
         self.draining = True
-        await self.state.heartbeat(self.info(), lease_s=3 * self.settings.heartbeat_s)  # at once: no new admits
+        await self.state.heartbeat(self.info(), lease_s=self.settings.lease_s)  # at once: no new admits
         if self.receiving:  # KV still on its way: those sequences join the batch and finish too
             await asyncio.wait(list(self.receiving.values()), timeout=self.settings.kv_timeout_s + 5)
         engine_stop.set()
@@ -278,18 +279,17 @@ class DecodeWorker:
             waiting.cancel()
 
     async def lease_held(self, worker: str) -> bool:
-        """Whether `worker` holds its lease; absent twice a heartbeat apart to count as gone (a
-        Redis that restarted empty shows every worker absent until its next heartbeat), and
-        Redis unreachable is no verdict."""
-        for check in range(2):
+        """Whether `worker` holds its lease: looked at again after 1.5 heartbeats when missing
+        (shared/absence.py); Redis unreachable is no verdict."""
+        absence = Absence(1.5 * self.settings.heartbeat_s)
+        while True:
             try:
-                if await self.state.alive(worker):
-                    return True
-            except Exception:  # noqa: BLE001
+                present = await self.state.alive(worker)
+            except Exception:  # noqa: BLE001 - Redis away: no verdict
                 return True
-            if check == 0:
-                await asyncio.sleep(1.5 * self.settings.heartbeat_s)
-        return False
+            if present or absence.gone(worker, present, time.monotonic()):
+                return present
+            await asyncio.sleep(absence.confirm_s)
 
     async def keep_deadlines(self) -> None:
         """Each heartbeat, push on the deadlines of the requests that advanced here (one call
@@ -314,26 +314,35 @@ class DecodeWorker:
             if not out.finished and rid not in self.engine.seqs:  # cancelled while it was published
                 continue
             self.advanced.add(rid)
-            if rid not in self.decoding and not out.finished:  # (an abort's output is no first token)
-                self.decoding[rid] = (time.monotonic(), out.num_generated_tokens)
-                if (span := self.spans.get(rid)) is not None:
-                    span.add_event("first_token", {"generated_before": out.num_generated_tokens - 1})
-                if rid in self.attempts:  # prefilled here (local mode, a fallback, a failover)
-                    metrics.PROMPT_TOKENS.labels("decode").inc(out.num_prompt_tokens)
-                    metrics.CACHED_TOKENS.labels("decode").inc(out.num_cached_tokens)
-                self.state.note(rid, "decoding", by=self.id, attempt=self.attempts.get(rid, 0),
-                                prompt_tokens=out.num_prompt_tokens)
-            if not out.finished:
-                continue
-            self.attempts.pop(rid, None)
-            first = self.decoding.pop(rid, None)
-            if (span := self.spans.pop(rid, None)) is not None:
-                span.set_attributes({"output_tokens": out.num_generated_tokens,
-                                     "finish_reason": out.finish_reason or ""})
-                if first is not None and out.num_generated_tokens > first[1]:  # tokens made here after the first
-                    span.set_attribute("time_per_output_token_ms", round(
-                        1e3 * (time.monotonic() - first[0]) / (out.num_generated_tokens - first[1]), 3))
-                span.end()
+            if out.finished:
+                self.finished(out)
+            elif rid not in self.decoding:  # (an abort's output, finished, is no first token)
+                self.first_token(out)
+
+    def first_token(self, out: RequestOutput) -> None:
+        """The first token this worker made for a request: it is decoding here."""
+        rid = out.request_id
+        self.decoding[rid] = (time.monotonic(), out.num_generated_tokens)
+        if (span := self.spans.get(rid)) is not None:
+            span.add_event("first_token", {"generated_before": out.num_generated_tokens - 1})
+        if rid in self.attempts:  # prefilled here (local mode, a fallback, a failover)
+            metrics.PROMPT_TOKENS.labels("decode").inc(out.num_prompt_tokens)
+            metrics.CACHED_TOKENS.labels("decode").inc(out.num_cached_tokens)
+        self.state.note(rid, "decoding", by=self.id, attempt=self.attempts.get(rid, 0),
+                        prompt_tokens=out.num_prompt_tokens)
+
+    def finished(self, out: RequestOutput) -> None:
+        """A request ended here (its last chunk published): its span closes with its pace."""
+        rid = out.request_id
+        self.attempts.pop(rid, None)
+        first = self.decoding.pop(rid, None)
+        if (span := self.spans.pop(rid, None)) is not None:
+            span.set_attributes({"output_tokens": out.num_generated_tokens,
+                                 "finish_reason": out.finish_reason or ""})
+            if first is not None and out.num_generated_tokens > first[1]:  # tokens made here after the first
+                span.set_attribute("time_per_output_token_ms", round(
+                    1e3 * (time.monotonic() - first[0]) / (out.num_generated_tokens - first[1]), 3))
+            span.end()
 
     async def on_cancel(self, msg: Msg) -> None:
         cancel = Cancel.decode(msg.data)

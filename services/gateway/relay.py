@@ -38,6 +38,7 @@ from opentelemetry import trace
 from services.gateway.errors import APIError
 from services.gateway.reorder import Reorder
 from shared import metrics, subjects
+from shared.absence import Absence
 from shared.bus import Bus
 from shared.config import GatewaySettings
 from shared.holders import Holders
@@ -126,7 +127,7 @@ class Relay:
         """Chunks in `seq` order, once each (reorder.py). Silence, a gap that stays open, or the
         supervisor's word moves the request (`recover`). Its end goes to Redis and, unless it
         finished, a cancel to every worker it was placed on."""
-        stream = Stream(placement, req.attempt, Watch(time.monotonic(), self.reconnects()))
+        stream = Stream(placement, req.attempt, self.watch())
         stream.holders.add(placement.decode_worker, placement.prefill_worker)
         outcome, reason = "cancelled", "client gone"
         try:
@@ -164,7 +165,7 @@ class Relay:
         if why == "stream interrupted" and stream.replays < MAX_REPLAYS and await self.replay(
                 req.request_id, stream.placement, stream.order.next_seq, stream.attempt):
             stream.replays += 1
-            stream.watch = Watch(time.monotonic(), self.reconnects())
+            stream.watch = self.watch()
             return
         if why:
             # the old placement may still run (chunks lost on the bus, a lease that lapsed
@@ -176,7 +177,7 @@ class Relay:
                                                    why)
             stream.holders.add(stream.placement.decode_worker, stream.placement.prefill_worker)
             stream.order.forget_waiting()
-            stream.watch, stream.replays = Watch(time.monotonic(), self.reconnects()), 0
+            stream.watch, stream.replays = self.watch(), 0
 
     async def interrupted(self, item: TokenChunk | Stalled | None, placement: RouteReply, attempt: int,
                           gap: bool, watch: Watch) -> str:
@@ -190,11 +191,7 @@ class Relay:
         if time.monotonic() - watch.silent_since > self.token_timeout_s:
             raise APIError(504, f"No token for {self.token_timeout_s:.0f} s; the request was cancelled.",
                            code="timeout")
-        if await self.absent(placement):  # twice, confirm_s apart: a Redis restart empties
-            watch.absent_since = watch.absent_since or time.monotonic()  # the registry for a heartbeat
-        else:
-            watch.absent_since = None
-        if watch.absent_since is not None and time.monotonic() - watch.absent_since >= self.confirm_s:
+        if watch.absence.gone("decode", not await self.absent(placement), time.monotonic()):
             return "worker lost"
         if gap or self.reconnects() != watch.reconnects:
             return "stream interrupted"
@@ -226,6 +223,10 @@ class Relay:
                   decode=placement.decode_worker, reason=why_not)
         trace.get_current_span().add_event("replay", {"from_seq": from_seq, "ok": ok, "chunks": chunks})
         return ok
+
+    def watch(self) -> Watch:
+        """A placement's signs of life from now on."""
+        return Watch(time.monotonic(), self.reconnects(), Absence(self.confirm_s))
 
     def reconnects(self) -> int:
         return getattr(self.bus, "reconnects", 0)
@@ -266,7 +267,7 @@ class Watch:
 
     silent_since: float                  # monotonic time of the last chunk (or of the placement)
     reconnects: int                      # the bus's reconnections when it began
-    absent_since: float | None = None    # its decode worker first seen missing from the registry
+    absence: Absence                     # its decode worker missing from the registry
 
 
 @dataclass

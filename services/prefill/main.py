@@ -66,7 +66,7 @@ class PrefillWorker:
         self.settings, self.engine, self.bus, self.state = settings, engine, bus, state
         self.transport, self.tracer = transport, tracer
         self.id = worker_id(settings, "prefill")
-        self.prefix = PrefixPublisher(state, self.id, lease_s=3 * settings.heartbeat_s,
+        self.prefix = PrefixPublisher(state, self.id, lease_s=settings.lease_s,
                                       snapshot=lambda: self.host.call(engine.cached_hashes))
         self.host = EngineHost(engine, self.prefix.publish, settings.fault_engine_hang_after_steps, "prefill")
         self.jobs: dict[str, tuple[PrefillJob, trace.Span]] = {}
@@ -102,7 +102,7 @@ class PrefillWorker:
         while not stop.is_set() or self.jobs or self.handoffs:
             if stop.is_set() and not announced:  # at once: the router sends no more jobs here
                 announced = True
-                await self.state.heartbeat(self.info(), lease_s=3 * self.settings.heartbeat_s)
+                await self.state.heartbeat(self.info(), lease_s=self.settings.lease_s)
             if not stop.is_set() and len(self.jobs) < self.settings.max_jobs:
                 await self.take_jobs(pull, wait_s=0.005 if self.jobs else 0.5)
             if self.engine.has_work():

@@ -143,7 +143,7 @@ class Router:
         await self.bus.subscribe(subjects.KV_OUTCOMES, self.on_kv_outcome)  # every replica: all outcomes
         me = WorkerInfo(worker_id=self.id, role="router")
         beat = asyncio.create_task(heartbeat(self.state, lambda: me, self.settings.heartbeat_s, stop))
-        supervisor = Supervisor(self.bus, self.state, self.id, self.settings.stall_s, 3 * self.settings.heartbeat_s,
+        supervisor = Supervisor(self.bus, self.state, self.id, self.settings.stall_s, self.settings.lease_s,
                                 registered=self.registered)
         supervising = asyncio.create_task(supervisor.run(stop, self.settings.supervise_s))
         registry = asyncio.create_task(self.keep_workers(stop))

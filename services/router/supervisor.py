@@ -23,10 +23,12 @@ import time
 from collections.abc import Awaitable, Callable
 
 from shared import lifecycle, metrics, subjects
+from shared.absence import Absence
 from shared.bus import Bus
 from shared.holders import Holders
 from shared.messages import Cancel, Stalled, WorkerInfo
 from shared.state import State
+from shared.tasks import every
 
 log = logging.getLogger("router.supervisor")
 
@@ -37,18 +39,10 @@ class Supervisor:
         self.bus, self.state, self.id = bus, state, router_id
         self.registered = registered or state.workers   # the router's copy of the registry, kept fresh
         self.stall_s, self.confirm_s = stall_s, confirm_s
-        self.absent_since: dict[str, float] = {}   # gateways seen without a lease, since when
+        self.absence = Absence(confirm_s)   # gateways seen without a lease
 
     async def run(self, stop: asyncio.Event, period_s: float) -> None:
-        while not stop.is_set():
-            try:
-                await self.round()
-            except Exception as e:  # noqa: BLE001 - Redis or NATS away: next round
-                log.warning("supervisor round skipped: %s", e)
-            try:
-                await asyncio.wait_for(stop.wait(), period_s)
-            except TimeoutError:
-                pass
+        await every(period_s, self.round, stop, log, "supervisor round")  # Redis or NATS away: the next round
 
     async def round(self) -> None:
         alive = {w.worker_id for w in await self.registered()}
@@ -58,13 +52,7 @@ class Supervisor:
                 await self.judge(rid, alive)
 
     def gone(self, worker: str, alive: set[str]) -> bool:
-        """Absent from the registry for `confirm_s` (a Redis restarted empty shows everyone
-        absent until their next heartbeat)."""
-        if worker in alive:
-            self.absent_since.pop(worker, None)
-            return False
-        first = self.absent_since.setdefault(worker, time.monotonic())
-        return time.monotonic() - first >= self.confirm_s
+        return self.absence.gone(worker, worker in alive, time.monotonic())
 
     async def lost_gateways(self, alive: set[str]) -> None:
         for gateway in await self.state.owners():
@@ -72,7 +60,7 @@ class Supervisor:
                 continue
             rids = await self.state.take_owned(gateway)   # replicas split them (SPOP)
             if not rids:
-                self.absent_since.pop(gateway, None)
+                self.absence.forget(gateway)
             metrics.SUPERVISOR_ACTIONS.labels("abandoned").inc(len(rids))
             for rid in rids:
                 await Holders.of(await self.state.events(rid)).cancel(
