@@ -46,7 +46,7 @@ from bench.scale_plan import BLOCK, MODEL, FleetWorker, filler, filler_counts
 from shared import subjects
 from shared.bus import Bus, context_of
 from shared.config import Common, lease_s
-from shared.engine.block_manager import KVEvent
+from shared.engine.block_manager import CacheChange
 from shared.messages import AdmitReply, AdmitRequest, PrefillJob, WorkerInfo
 from shared.prefix_index import PrefixPublisher
 from shared.service import heartbeat, run, setup_logging
@@ -80,8 +80,8 @@ class Sim:
         n = min(blocks, self.high - self.low)
         if n:
             i = self.spec.index
-            self.prefix.publish([KVEvent("stored", h) for h in filler(i, self.high, self.high + n)] +
-                                [KVEvent("evicted", h) for h in filler(i, self.low, self.low + n)])
+            self.prefix.publish([CacheChange("stored", h) for h in filler(i, self.high, self.high + n)] +
+                                [CacheChange("evicted", h) for h in filler(i, self.low, self.low + n)])
             self.low, self.high = self.low + n, self.high + n
 
 
@@ -110,7 +110,7 @@ class Fleet:
             sim.prefix = PrefixPublisher(self.state, spec.worker_id, lease_s(self.heartbeat_s), sim.snapshot)
             await sim.prefix.start()
             sim.first_slot = sim.prefix.slot
-            sim.prefix.publish([KVEvent("stored", h) for h in spec.cached])
+            sim.prefix.publish([CacheChange("stored", h) for h in spec.cached])
             self.sims.append(sim)
         await self.settled()
         self.tasks.append(asyncio.create_task(self.steps()))
@@ -174,7 +174,8 @@ class Fleet:
             async with gate:
                 while sim.high - sim.low < count:
                     n = min(FILL_CHUNK, count - (sim.high - sim.low))
-                    sim.prefix.publish([KVEvent("stored", h) for h in filler(sim.spec.index, sim.high, sim.high + n)])
+                    stored = filler(sim.spec.index, sim.high, sim.high + n)
+                    sim.prefix.publish([CacheChange("stored", h) for h in stored])
                     sim.high += n
                     while not sim.prefix.queue.empty():  # at most two chunks in hand at a time
                         await asyncio.sleep(0.002)

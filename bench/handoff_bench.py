@@ -47,14 +47,14 @@ def _decode_side(url, cmd_q, reply_q):
     layer as its notice arrives, verify its blocks, write them into the pool, commit."""
     from shared import subjects
     from shared.bus import Bus
-    from shared.kv import TAG_SPAN, make
+    from shared.kv import TAG_SPAN, create_transport
     from shared.kv.receiver import KVInbox, KVReceiver
     from shared.messages import KVAck
 
     engine = _engine()
 
     async def run():
-        bus, transport = await Bus.connect(url, "bench-decode"), make("ucx")
+        bus, transport = await Bus.connect(url, "bench-decode"), create_transport("ucx")
         inbox = KVInbox(bus, "bench-d")
         await inbox.start()
         await bus.nc.flush()
@@ -92,7 +92,7 @@ def exposed_fraction_1k(rounds: int = 3) -> dict:
     exposed = (prefill start → KV committed on the decode side) − prefill alone, over prefill alone."""
     from shared.bus import Bus
     from shared.engine_host import EngineHost
-    from shared.kv import make
+    from shared.kv import create_transport
     from shared.kv.sender import KVSender
     from shared.messages import PrefillJob, Sampling
 
@@ -116,7 +116,7 @@ def exposed_fraction_1k(rounds: int = 3) -> dict:
         async def run():
             host = EngineHost(engine)
             bus = await Bus.connect(url, "bench-prefill")
-            sender = KVSender(make("ucx"), bus, "bench-p", engine.fingerprint,
+            sender = KVSender(create_transport("ucx"), bus, "bench-p", engine.fingerprint,
                               lambda *a: host.call(engine.kv_blocks, *a))
             await sender.start()
             loop = asyncio.get_running_loop()

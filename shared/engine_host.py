@@ -14,17 +14,17 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from shared import metrics
-from shared.engine.block_manager import KVEvent
+from shared.engine.block_manager import CacheChange
 from shared.engine.engine import Engine, RequestOutput
 
 
 class EngineHost:
-    def __init__(self, engine: Engine, on_kv_events: Callable[[list[KVEvent]], None] | None = None,
+    def __init__(self, engine: Engine, on_cache_changes: Callable[[list[CacheChange]], None] | None = None,
                  fault_hang_after_steps: int = 0, role: str = "engine"):
         self.engine, self.role = engine, role
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self.wake = asyncio.Event()
-        self.on_kv_events = on_kv_events       # the step's prefix-cache changes (prefix index)
+        self.on_cache_changes = on_cache_changes       # the step's prefix-cache changes (prefix index)
         self.prefill_tokens_per_s = 0.0        # recent prefill passes, smoothed
         self.steps, self.step_started = 0, 0.0  # monotonic start of the step running now (0: none)
         self.fault_hang_after_steps = fault_hang_after_steps  # fault injection: a step that never ends
@@ -36,7 +36,7 @@ class EngineHost:
         return time.monotonic() - started if started else 0.0
 
     async def step(self) -> list[RequestOutput]:
-        """One engine step on the engine thread; measures prefill passes, hands on KV events."""
+        """One engine step on the engine thread; measures prefill passes, hands on prefix-cache changes."""
         def run():
             start = time.perf_counter()
             self.step_started, self.steps = time.monotonic(), self.steps + 1
@@ -46,17 +46,17 @@ class EngineHost:
                 outputs = self.engine.step()
             finally:
                 self.step_started = 0.0
-            return outputs, self.engine.drain_kv_events(), self.engine.last_pass, time.perf_counter() - start
+            return outputs, self.engine.drain_cache_changes(), self.engine.last_pass, time.perf_counter() - start
 
-        outputs, events, (was_decode, tokens), elapsed = await self.call(run)
+        outputs, changes, (was_decode, tokens), elapsed = await self.call(run)
         if tokens:  # (a step with nothing schedulable computed nothing)
             metrics.STEP_SECONDS.labels(self.role, "decode" if was_decode else "prefill").observe(elapsed)
         if not was_decode and tokens >= 16 and elapsed > 0:
             rate = tokens / elapsed
             self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else \
                 0.8 * self.prefill_tokens_per_s + 0.2 * rate
-        if events and self.on_kv_events is not None:
-            self.on_kv_events(events)
+        if changes and self.on_cache_changes is not None:
+            self.on_cache_changes(changes)
         return outputs
 
     async def call(self, fn: Callable, *args, **kwargs):

@@ -52,7 +52,7 @@ class Event(BaseModel):
         return dict(self.model_extra or {})
 
 
-class Status(BaseModel):
+class Summary(BaseModel):
     phase: str = "unknown"
     attempt: int = 0            # the placement the phase belongs to
     latest_attempt: int = 0     # the newest placement begun (a failover may be on its way)
@@ -63,9 +63,9 @@ class Status(BaseModel):
     prefill: str = ""
 
 
-def status(events: list[Event]) -> Status:
+def summarize(events: list[Event]) -> Summary:
     """The request's status from its events (in any order)."""
-    s = Status()
+    s = Summary()
     attempt_of_phase = -1
     for e in sorted(events, key=lambda e: e.t):
         f = e.fields
@@ -99,7 +99,7 @@ def deadline_s(phase: str, prompt_tokens: int, stall_s: float, min_prefill_token
 Verdict = Literal["forget", "wait", "stalled", "abandoned", "unheeded"]
 
 
-def verdict(s: Status, owner_alive: bool, decode_alive: bool) -> Verdict:
+def verdict(s: Summary, owner_alive: bool, decode_alive: bool) -> Verdict:
     """What the supervisor does with an overdue request.
 
     forget     it has ended, or its events are gone (expired): the deadline entry is stale

@@ -58,7 +58,7 @@ class RouteRequest(Message):
     model: str
     session_id: str | None = None   # turns of one conversation (decode affinity)
     attempt: int = 0                # placements before this one (failover after a decode worker was lost)
-    resume_token_ids: list[int] = []  # tokens already generated and streamed: continue after them
+    generated_token_ids: list[int] = []  # tokens already generated and streamed: continue after them
     avoid_workers: list[str] = []   # decode workers to try last (the one this request stalled on)
 
 

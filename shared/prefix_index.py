@@ -14,7 +14,7 @@ entry names its slot (`WorkerInfo.prefix_slot`), so a router reads only slots of
 workers; a dead slot's entries are removed in the background by `sweep` (router supervisor).
 
 Each worker is the only writer of its slot: after every engine step it applies the step's
-"stored" / "evicted" events (KVEvent, in order) with one script call. Routers ask
+"stored" / "evicted" changes (CacheChange, in order) with one script call. Routers ask
 `cached_blocks(workers, hashes)`: one script walks the prompt's blocks in order while some slot
 still holds every block so far — its cost grows with the prompt's cached prefix, not with the
 number of workers. The small hashes (BUCKETS of them, ≤128 fields each up to 16M indexed
@@ -29,7 +29,7 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable
 
-from shared.engine.block_manager import KVEvent
+from shared.engine.block_manager import CacheChange
 from shared.messages import WorkerInfo
 from shared.state import State
 
@@ -59,10 +59,10 @@ def field(block_hash: int) -> int:
     return block_hash - (1 << 64) if block_hash >= 1 << 63 else block_hash
 
 
-def net_changes(events: list[KVEvent]) -> tuple[list[int], list[int]]:
+def net_changes(changes: list[CacheChange]) -> tuple[list[int], list[int]]:
     """(hashes to add, hashes to remove): the last event per hash wins."""
     last: dict[int, str] = {}
-    for e in events:
+    for e in changes:
         last[e.block_hash] = e.kind
     return ([h for h, k in last.items() if k == "stored"], [h for h, k in last.items() if k == "evicted"])
 
@@ -194,7 +194,7 @@ class PrefixPublisher:
         self.slot = 0             # 0: none yet (the registry entry says so)
         self.token = ""
         self.size = 0             # blocks indexed under the slot after the last update
-        self.queue: asyncio.Queue[list[KVEvent]] = asyncio.Queue()
+        self.queue: asyncio.Queue[list[CacheChange]] = asyncio.Queue()
         self.task: asyncio.Task | None = None
         self._take, self._update, self._release = state.script(_TAKE), state.script(_UPDATE), state.script(_RELEASE)
 
@@ -202,25 +202,25 @@ class PrefixPublisher:
         await self._new_slot()
         self.task = asyncio.create_task(self._run())
 
-    def publish(self, events: list[KVEvent]) -> None:
-        if events:
-            self.queue.put_nowait(events)
+    def publish(self, changes: list[CacheChange]) -> None:
+        if changes:
+            self.queue.put_nowait(changes)
 
     async def _run(self) -> None:
         resync = False
         while True:
             try:  # idle: still refresh the slot's lease
-                events = [await asyncio.wait_for(self.queue.get(), self.lease_ms / 3000)]
+                changes = [await asyncio.wait_for(self.queue.get(), self.lease_ms / 3000)]
             except TimeoutError:
-                events = []
+                changes = []
             while not self.queue.empty():
-                events.append(self.queue.get_nowait())
+                changes.append(self.queue.get_nowait())
             try:
                 if resync:
-                    await self._rewrite()  # the events taken above happened before it: in it already
+                    await self._rewrite()  # the changes taken above happened before it: in it already
                     resync = False
                     continue
-                add, remove = net_changes([e for batch in events for e in batch])
+                add, remove = net_changes([e for batch in changes for e in batch])
                 resync = not await self._apply(add, remove)
                 if resync:  # not ours any more (maybe another worker's after a flush): name none until rewritten
                     self.slot = 0

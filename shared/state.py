@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 REQUEST_TTL_S = 24 * 3600
 MAX_CONNECTIONS = 64  # per process
 MAX_PENDING_WRITES = 1000  # request events waiting for Redis; beyond: dropped (counted in the log)
-OVER = ("prefill_local",)  # phases after which a request's prefill job has nothing left to do
+PREFILLED_ELSEWHERE = ("prefill_local",)  # phases after which a request's prefill job has nothing left to do
 
 
 def worker_key(worker_id: str) -> str:

@@ -75,14 +75,9 @@ def tokens(request_id: str) -> str:
     return f"pd.tokens.{request_id}"
 
 
-def events(request_id: str) -> str:
+def stalled(request_id: str) -> str:
     """Lifecycle events of one request."""
-    return f"pd.events.{request_id}"
+    return f"pd.stalled.{request_id}"
 
 
 KV_OUTCOMES = "pd.kv.outcomes"                  # decode -> routers: how each KV handoff ended (breakers)
-
-
-def kv_events(worker: str) -> str:
-    """Prefix-cache blocks stored / evicted on one worker (feeds the router's prefix index)."""
-    return f"pd.kv.events.{worker}"

@@ -12,7 +12,7 @@ from shared.config import WorkerSettings
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.loader import load
-from shared.kv import Faults, make
+from shared.kv import Faults, create_transport
 from shared.messages import WorkerInfo
 from shared.service import connect, stop_event
 
@@ -52,7 +52,7 @@ async def serve_worker(role: str, settings: WorkerSettings, worker_cls) -> None:
     async with AsyncExitStack() as stack:
         stop = stop_event()
         bus, state = await connect(stack, settings, role)
-        transport = make("ucx", settings.ucx_progress_mode,
+        transport = create_transport("ucx", settings.ucx_progress_mode,
                          Faults(settings.kv_fault_corrupt_rate, settings.kv_fault_corrupt_attempts,
                                 settings.kv_fault_delay_s), settings.ucx_error_handling)
         stack.push_async_callback(transport.close)

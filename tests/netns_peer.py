@@ -21,7 +21,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.loader import load
 from shared.engine.sequence import SamplingParams
-from shared.kv import TAG_SPAN, make
+from shared.kv import TAG_SPAN, create_transport
 from shared.kv.receiver import KVInbox, KVReceiver
 from shared.kv.sender import KVSender
 from shared.messages import KVAck, PrefillJob, Sampling
@@ -33,7 +33,7 @@ CONFIG = dict(num_blocks=64, prefill_chunk=128, max_batched_tokens=128)
 
 async def decode(url: str, work: Path) -> None:
     engine = Engine(load("tiny"), EngineConfig(**CONFIG))
-    bus, transport = await Bus.connect(url, "netns-decode"), make("ucx")
+    bus, transport = await Bus.connect(url, "netns-decode"), create_transport("ucx")
     res = engine.reserve("r", PROMPT, PARAMS)
     inbox = KVInbox(bus, "d")
     rx = inbox.add(KVReceiver.for_engine(engine, res, TAG_SPAN, transport, bus))
@@ -62,7 +62,7 @@ async def prefill(url: str, work: Path) -> None:
     async def read_blocks(rid, layer, first, n):
         return engine.kv_blocks(rid, layer, first, n)
 
-    sender = KVSender(make("ucx"), bus, "p", engine.fingerprint, read_blocks)
+    sender = KVSender(create_transport("ucx"), bus, "p", engine.fingerprint, read_blocks)
     await sender.start()
     job = PrefillJob(request_id="r", prompt_token_ids=PROMPT, sampling=Sampling(), decode_worker="d",
                      decode_address=peer["address"], decode_fingerprint=peer["fingerprint"],

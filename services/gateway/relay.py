@@ -5,7 +5,7 @@ decode worker's death.
 Failover: when no chunk has come for `check_s`, the relay asks the registry whether the
 request's decode worker still holds its lease. If it is missing twice, `confirm_s` apart (a
 Redis restarted empty shows every worker missing until its next heartbeat), it places the request again with the
-tokens generated so far (`resume_token_ids`, a new `attempt`): another decode worker
+tokens generated so far (`generated_token_ids`, a new `attempt`): another decode worker
 prefills prompt + those tokens and continues. Chunks carry the index of their first token,
 so the stream goes on with nothing repeated and nothing missing; greedy and seeded sampling
 continue exactly (the sampler's draw depends on the position, not the worker).
@@ -85,7 +85,7 @@ class Relay:
         self.note(req.request_id, "received", by=self.owner, owner=self.owner,
                   prompt_tokens=len(req.prompt_token_ids), max_tokens=req.sampling.max_tokens)
         subs = Subscriptions([await self.bus.subscribe(subjects.tokens(req.request_id), on_chunk),
-                              await self.bus.subscribe(subjects.events(req.request_id), on_event)])
+                              await self.bus.subscribe(subjects.stalled(req.request_id), on_event)])
         try:
             reply = await self.place(req)
         except APIError as e:
@@ -180,7 +180,7 @@ class Relay:
             stream.watch, stream.replays = self.watch(), 0
 
     async def interrupted(self, item: TokenChunk | Stalled | None, placement: RouteReply, attempt: int,
-                          gap: bool, watch: Watch) -> str:
+                          gap: bool, watch: Liveness) -> str:
         """Why the request must move now ("" when it need not): its worker lost, its chunks
         lost on the bus, or stalled (the supervisor's word about this placement). Called
         with each chunk or word, and with None after `check_s` of silence."""
@@ -224,9 +224,9 @@ class Relay:
         trace.get_current_span().add_event("replay", {"from_seq": from_seq, "ok": ok, "chunks": chunks})
         return ok
 
-    def watch(self) -> Watch:
+    def watch(self) -> Liveness:
         """A placement's signs of life from now on."""
-        return Watch(time.monotonic(), self.reconnects(), Absence(self.confirm_s))
+        return Liveness(time.monotonic(), self.reconnects(), Absence(self.confirm_s))
 
     def reconnects(self) -> int:
         return getattr(self.bus, "reconnects", 0)
@@ -256,13 +256,13 @@ class Relay:
         # the client is mid-stream: wait for a place as long as it would wait for a token
         # a stalled worker still heartbeats: the router tries the others first
         avoid = [lost.decode_worker] if why.startswith("stalled") and lost.decode_worker else []
-        return await self.place(req.model_copy(update={"attempt": attempt, "resume_token_ids": list(generated),
+        return await self.place(req.model_copy(update={"attempt": attempt, "generated_token_ids": list(generated),
                                                        "avoid_workers": avoid}),
                                 retry_s=max(self.placement_retry_s, self.token_timeout_s))
 
 
 @dataclass
-class Watch:
+class Liveness:
     """One placement's signs of life, as the relay has seen them."""
 
     silent_since: float                  # monotonic time of the last chunk (or of the placement)
@@ -276,7 +276,7 @@ class Stream:
 
     placement: RouteReply
     attempt: int
-    watch: Watch
+    watch: Liveness
     replays: int = 0                                       # asked of this placement so far
     order: Reorder = field(default_factory=Reorder)        # its chunks in order
     holders: Holders = field(default_factory=Holders)      # every placement's workers: a cancel goes to them alone

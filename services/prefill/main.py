@@ -48,7 +48,7 @@ from shared.kv.sender import KVSender
 from shared.messages import FINISHED_IN_PREFILL, Cancel, PrefillJob, TokenChunk
 from shared.prefix_index import PrefixPublisher
 from shared.service import heartbeat, run, setup_logging
-from shared.state import OVER, State
+from shared.state import PREFILLED_ELSEWHERE, State
 from shared.worker import serve_worker, worker_id, worker_info
 
 log = logging.getLogger("prefill")
@@ -75,7 +75,7 @@ class PrefillWorker:
                                settings.kv_max_attempts, settings.kv_transfer_encoding, settings.kv_piece_bytes)
         self.cancelled: set[str] = set()
         self.handoffs: set[asyncio.Task] = set()
-        self.in_hand: dict[str, Msg] = {}  # jobs taken and not yet acked
+        self.unacked: dict[str, Msg] = {}  # jobs taken and not yet acked
         self.finishing: dict[str, float] = {}  # when each handoff's last layer was computed
         self.stopping = asyncio.Event()
 
@@ -125,7 +125,7 @@ class PrefillWorker:
     async def keep_jobs(self) -> None:
         while True:
             await asyncio.sleep(JOB_KEEPALIVE_S)
-            for msg in list(self.in_hand.values()):
+            for msg in list(self.unacked.values()):
                 try:
                     await msg.in_progress()
                 except Exception as e:  # noqa: BLE001 - NATS reconnecting: the next round tries again
@@ -133,7 +133,7 @@ class PrefillWorker:
 
     async def done(self, rid: str) -> None:
         """The job is over (handed off, refused or cancelled): ack it, it leaves the queue."""
-        msg = self.in_hand.pop(rid, None)
+        msg = self.unacked.pop(rid, None)
         if msg is not None:
             await msg.ack()
 
@@ -141,7 +141,7 @@ class PrefillWorker:
         """The decode side gave up waiting and prefilled it (Redis unreachable: assume not)."""
         try:
             record = await self.state.request(rid)
-            return any(f"t_{phase}" in record for phase in OVER)
+            return any(f"t_{phase}" in record for phase in PREFILLED_ELSEWHERE)
         except Exception as e:  # noqa: BLE001
             log.warning("%s: request state unreadable (%s); running the job", rid, e)
             return False
@@ -178,7 +178,7 @@ class PrefillWorker:
                 await msg.term()
                 continue
             self.jobs[job.request_id] = (job, span)
-            self.in_hand[job.request_id] = msg
+            self.unacked[job.request_id] = msg
             self.kv_spans[job.request_id] = kv_span
             self.state.note(job.request_id, "prefilling", by=self.id, prompt_tokens=len(job.prompt_token_ids))
 

@@ -237,7 +237,7 @@ class Router:
             # admit is idempotent)
             answer = reply.encode().decode()
             self.state.note(req.request_id, "routed", by=self.id, attempt=req.attempt,
-                            prompt_tokens=len(req.prompt_token_ids) + len(req.resume_token_ids),
+                            prompt_tokens=len(req.prompt_token_ids) + len(req.generated_token_ids),
                             mode=reply.mode or "", reason=reply.reason, decode=reply.decode_worker or "",
                             prefill=reply.prefill_worker or "",
                             also=lambda p: self.state.queue_note_route(p, key, ROUTE_TTL_S, reply=answer))
@@ -295,7 +295,7 @@ class Router:
         asks to avoid last; when taking over a placement, the worker already asked first (it may
         hold the request)."""
         block_size = pool.block_size
-        blocks = -(-(len(req.prompt_token_ids) + len(req.resume_token_ids) + 1) // block_size)
+        blocks = -(-(len(req.prompt_token_ids) + len(req.generated_token_ids) + 1) // block_size)
         ranked = policy.decode_candidates(pool.decodes, blocks, {w: n * block_size for w, (n, _) in cached.items()},
                                           len(req.prompt_token_ids), session_worker, self.settings.affinity_slack,
                                           output_blocks=-(-req.sampling.max_tokens // block_size),
@@ -309,8 +309,8 @@ class Router:
     def plan(self, req: RouteRequest, decode: WorkerInfo, pool: Pool, cached: dict[str, tuple[int, int]]
              ) -> Placement:
         """Where the prompt is prefilled if `decode` takes the request."""
-        if req.resume_token_ids:  # failover: the new decode worker rebuilds the KV of prompt + generated itself
-            return Placement(decode, "local", f"resumed after {len(req.resume_token_ids)} tokens "
+        if req.generated_token_ids:  # failover: the new decode worker rebuilds the KV of prompt + generated itself
+            return Placement(decode, "local", f"resumed after {len(req.generated_token_ids)} tokens "
                                               f"(attempt {req.attempt})", "resumed")
         return self.place_prefill(len(req.prompt_token_ids), decode, pool.prefills, cached,
                                   cached.get(decode.worker_id, (0, 0))[0] * pool.block_size)
@@ -392,7 +392,7 @@ class Router:
     async def admit(self, decode: WorkerInfo, req: RouteRequest, mode: str,
                     prefill_worker: str | None) -> AdmitReply | None:
         msg = AdmitRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
-                           mode=mode, prefill_worker=prefill_worker, generated_token_ids=req.resume_token_ids,
+                           mode=mode, prefill_worker=prefill_worker, generated_token_ids=req.generated_token_ids,
                            attempt=req.attempt)
         try:
             return await self.bus.request(subjects.decode_admit(decode.worker_id), msg, AdmitReply,

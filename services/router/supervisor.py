@@ -6,7 +6,7 @@ whose gateway is gone. One round every `supervise_s`:
    every worker its events name (its blocks return on both) and recorded `failed`.
 2. Overdue requests (`pd:deadlines`): the request's events give its status and the registry
    its workers' leases; lifecycle.verdict decides. Stalled (workers alive, no progress: a
-   hung step, a job that never ran) → a `Stalled` word on `pd.events.<rid>` to the gateway
+   hung step, a job that never ran) → a `Stalled` word on `pd.stalled.<rid>` to the gateway
    holding the stream, which moves the request as from a lost worker. The deadline moves on
    by `stall_s`, so each period says it once; a second period with no move (nobody acted on
    the word) → cancelled on its workers and recorded failed.
@@ -71,7 +71,7 @@ class Supervisor:
 
     async def judge(self, rid: str, alive: set[str]) -> None:
         events = await self.state.events(rid)
-        s = lifecycle.status(events)
+        s = lifecycle.summarize(events)
         owner_alive = not s.owner or not self.gone(s.owner, alive)
         verdict = lifecycle.verdict(s, owner_alive, decode_alive=s.decode in alive)
         if verdict == "forget":
@@ -87,6 +87,6 @@ class Supervisor:
         elif verdict == "stalled":
             log.warning("%s: no progress in %s on %s (attempt %d); asking its gateway to move it",
                         rid, s.phase, s.decode, s.attempt)
-            await self.bus.publish(subjects.events(rid), Stalled(request_id=rid, attempt=s.attempt,
+            await self.bus.publish(subjects.stalled(rid), Stalled(request_id=rid, attempt=s.attempt,
                                                                  phase=s.phase, worker=s.decode))
             self.state.note(rid, "stalled", by=self.id, attempt=s.attempt, in_phase=s.phase, worker=s.decode)

@@ -5,8 +5,8 @@ and whose content is final gets a chained hash (shared/hashing.py) and enters th
 index; when its last user lets go it stays there, reusable by a later prompt with the same
 prefix, until the pool needs the space (least recently released goes first).
 
-Every change to the prefix index is recorded as a KVEvent ("stored" / "evicted"); the owner
-drains them with `drain_events()` and publishes them for the router's prefix index.
+Every change to the prefix index is recorded as a CacheChange ("stored" / "evicted"); the owner
+drains them with `drain_changes()` and publishes them for the router's prefix index.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from shared.hashing import block_hashes
 
 
 @dataclass(frozen=True)
-class KVEvent:
+class CacheChange:
     kind: Literal["stored", "evicted"]
     block_hash: int
 
@@ -38,7 +38,7 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self._plain: deque[int] = deque(range(num_blocks))  # free, no reusable content
         self._cached: OrderedDict[int, None] = OrderedDict()  # free, content reusable, LRU first
-        self._events: list[KVEvent] = []
+        self._changes: list[CacheChange] = []
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -98,7 +98,7 @@ class BlockManager:
                 continue  # already indexed, or the same content already lives in another block
             self.block_hash[block] = h
             self.hash_to_block[h] = block
-            self._events.append(KVEvent("stored", h))
+            self._changes.append(CacheChange("stored", h))
 
     def free(self, table: list[int]) -> None:
         """Drop one reference to each block; tail blocks first so they are evicted first."""
@@ -113,9 +113,9 @@ class BlockManager:
                     self._cached[block] = None
         table.clear()
 
-    def drain_events(self) -> list[KVEvent]:
-        events, self._events = self._events, []
-        return events
+    def drain_changes(self) -> list[CacheChange]:
+        changes, self._changes = self._changes, []
+        return changes
 
     # -- internals -----------------------------------------------------------------------
     def _ref(self, block: int) -> None:
@@ -132,7 +132,7 @@ class BlockManager:
             assert h is not None  # a cached block has its hash
             del self.hash_to_block[h]
             self.block_hash[block] = None
-            self._events.append(KVEvent("evicted", h))
+            self._changes.append(CacheChange("evicted", h))
         else:
             raise OutOfBlocks("pool exhausted")
         self.ref_count[block] = 1

@@ -24,8 +24,8 @@ Decode side:
     engine.step() ...                                       # streams the rest
 
 `layer_hook(layer)` is called during each forward pass once that layer's KV is in the pool
-(the seam for layer-by-layer transfer). `drain_kv_events()` returns prefix-cache "stored" /
-"evicted" events for the router's prefix index.
+(the seam for layer-by-layer transfer). `drain_cache_changes()` returns prefix-cache "stored" /
+"evicted" changes for the router's prefix index.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.engine.block_manager import BlockManager, KVEvent, OutOfBlocks
+from shared.engine.block_manager import BlockManager, CacheChange, OutOfBlocks
 from shared.engine.config import EngineConfig
 from shared.engine.detokenizer import TextStream
 from shared.engine.kv_io import KVExport, KVPiece, Reservation
@@ -87,11 +87,11 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    def drain_kv_events(self) -> list[KVEvent]:
-        return self.blocks.drain_events()
+    def drain_cache_changes(self) -> list[CacheChange]:
+        return self.blocks.drain_changes()
 
     def cached_hashes(self) -> list[int]:
-        """Every block hash in the prefix cache now (what the drained events add up to)."""
+        """Every block hash in the prefix cache now (what the drained changes add up to)."""
         return list(self.blocks.hash_to_block)
 
     @property

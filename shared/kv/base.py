@@ -87,7 +87,7 @@ class KVTransport(abc.ABC):
         return None
 
 
-def make(name: str, ucx_progress_mode: str = "thread", faults: Faults | None = None,
+def create_transport(name: str, ucx_progress_mode: str = "thread", faults: Faults | None = None,
          ucx_error_handling: bool = True) -> KVTransport:
     if name == "ucx":
         from shared.kv.ucx import UcxTransport

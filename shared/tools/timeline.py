@@ -26,7 +26,7 @@ def render(request_id: str, events: list[Event]) -> str:
     if not events:
         return f"request {request_id}: no events (unknown id, or older than a day)"
     events = sorted(events, key=lambda e: e.t)
-    s = lifecycle.status(events)
+    s = lifecycle.summarize(events)
     t0 = events[0].t
     ended = f"{s.phase} after {events[-1].t - t0:.3f} s" if s.phase in lifecycle.TERMINAL else f"{s.phase} (in flight)"
     lines = [f"request {request_id}: {ended}; attempts {s.latest_attempt + 1}; gateway {s.owner or '-'}"]

@@ -21,7 +21,7 @@ def test_prefix_hit_reuses_committed_blocks_and_refcounts():
     prompt = list(range(12))
     a, _ = bm.allocate(prompt, 12)
     bm.commit_full_blocks(a, block_hashes(prompt, 4))
-    events = bm.drain_events()
+    events = bm.drain_changes()
     assert [e.kind for e in events] == ["stored"] * 3
     assert [e.block_hash for e in events] == block_hashes(prompt, 4)
     # a second prompt sharing 2 blocks: the whole-prompt hit is capped so one token is computed
@@ -39,13 +39,13 @@ def test_lru_eviction_emits_events_and_prefers_plain_blocks():
     p = list(range(8))
     a, _ = bm.allocate(p, 8)
     bm.commit_full_blocks(a, block_hashes(p, 4))
-    bm.drain_events()
+    bm.drain_changes()
     bm.free(a)
     assert bm.num_free == 4
     x, _ = bm.allocate([100] * 8, 8)  # takes the 2 plain blocks first: cache intact
-    assert bm.drain_events() == [] and len(bm.hash_to_block) == 2
+    assert bm.drain_changes() == [] and len(bm.hash_to_block) == 2
     y, _ = bm.allocate([200] * 4, 4)  # must evict: the tail block was released first
-    ev = bm.drain_events()
+    ev = bm.drain_changes()
     assert [e.kind for e in ev] == ["evicted"] and ev[0].block_hash == block_hashes(p, 4)[1]
     bm.free(x)
     bm.free(y)

@@ -143,13 +143,13 @@ def test_admission_refuses_what_cannot_fit_and_bad_input(tiny):
     assert eng.num_free_blocks == 8
 
 
-def test_fingerprint_and_kv_events(tiny):
+def test_fingerprint_and_cache_changes(tiny):
     a = Engine(tiny, EngineConfig(num_blocks=16))
     assert a.fingerprint == Engine(tiny, EngineConfig(num_blocks=32)).fingerprint
     assert a.fingerprint != Engine(tiny, EngineConfig(num_blocks=16, block_size=32, prefill_chunk=32)).fingerprint
     a.add_request("k", list(range(3, 40)), SamplingParams(max_tokens=1, temperature=0))
     run_all(a)
-    events = a.drain_kv_events()
+    events = a.drain_cache_changes()
     assert [e.kind for e in events] == ["stored", "stored"]  # 37 tokens: 2 full blocks
 
 

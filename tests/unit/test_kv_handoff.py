@@ -16,7 +16,7 @@ from shared import subjects
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.sequence import SamplingParams
-from shared.kv import Faults, make
+from shared.kv import Faults, create_transport
 from shared.kv.receiver import KVFailed, KVInbox, KVReceiver
 from shared.kv.sender import KVSender
 from shared.messages import KVAck, KVEnd, KVLayer, KVResend, KVSync, PrefillJob, Sampling
@@ -37,7 +37,7 @@ async def handoff(src: Engine, dst: Engine, prompt=PROMPT, rid="r", faults: Faul
                   bus: LocalBus | None = None, before_wait=None):
     """Prefill on src streaming to dst; returns (tokens, sender handoff, receiver, bus)."""
     bus = bus or LocalBus()
-    tx, rx_transport = make("fake", faults=faults), make("fake")
+    tx, rx_transport = create_transport("fake", faults=faults), create_transport("fake")
 
     async def read_blocks(r, layer, first, n):
         return src.kv_blocks(r, layer, first, n)

@@ -4,12 +4,12 @@ import asyncio
 
 import numpy as np
 
-from shared.kv import Faults, block_checksums, checksum, make
+from shared.kv import Faults, block_checksums, checksum, create_transport
 
 
 def test_a_payload_arrives_whole_on_its_tag():
     async def run():
-        a, b = make("fake"), make("fake")
+        a, b = create_transport("fake"), create_transport("fake")
         payload = np.arange(3 * 4096, dtype=np.uint32).view(np.uint8)
         out = np.empty_like(payload)
         recv = asyncio.create_task(b.recv(7, out))
@@ -23,7 +23,7 @@ def test_a_payload_arrives_whole_on_its_tag():
 
 def test_fault_injection_flips_one_byte_of_a_copy_only_for_early_attempts():
     async def run():
-        a, b = make("fake", faults=Faults(corrupt_rate=1.0, corrupt_attempts=1)), make("fake")
+        a, b = create_transport("fake", faults=Faults(corrupt_rate=1.0, corrupt_attempts=1)), create_transport("fake")
         payload = np.zeros((4, 1024), dtype=np.uint8)
         first, second = np.empty_like(payload), np.empty_like(payload)
         await a.send(b.address, 1, payload.reshape(-1), attempt=0)

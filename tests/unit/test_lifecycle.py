@@ -1,7 +1,7 @@
 """A request's status from its events, phase deadlines, the supervisor's verdicts, and the
 timeline an operator reads."""
 
-from shared.lifecycle import Event, deadline_s, status, verdict
+from shared.lifecycle import Event, deadline_s, summarize, verdict
 from shared.tools.timeline import render
 
 
@@ -14,15 +14,15 @@ REMOTE = [ev(0.0, "received", by="gw", owner="gw"), ev(0.1, "routed", by="router
 
 
 def test_status_is_the_furthest_phase_of_the_latest_attempt_whatever_order_the_writes_landed_in():
-    s = status(list(reversed(REMOTE)))
+    s = summarize(list(reversed(REMOTE)))
     assert (s.phase, s.attempt, s.owner, s.decode, s.prefill, s.since) == ("decoding", 0, "gw", "d0", "p0", 1.1)
     # a failover starts again: routed under attempt 1 outranks attempt 0's decoding
     moved = REMOTE + [ev(2.0, "failover", attempt=1, by="gw"), ev(2.1, "routed", attempt=1, decode="d1")]
-    s = status(moved)
+    s = summarize(moved)
     assert (s.phase, s.attempt, s.decode, s.prefill) == ("routed", 1, "d1", "")
     # a late write of the old attempt does not move it back
-    assert status(moved + [ev(2.2, "decoding", attempt=0, by="d0")]).phase == "routed"
-    assert status(moved + [ev(3.0, "finished", attempt=1)]).phase == "finished"
+    assert summarize(moved + [ev(2.2, "decoding", attempt=0, by="d0")]).phase == "routed"
+    assert summarize(moved + [ev(3.0, "finished", attempt=1)]).phase == "finished"
 
 
 def test_deadlines_allow_the_prompt_before_the_first_token_and_stall_s_between_tokens():
@@ -33,21 +33,22 @@ def test_deadlines_allow_the_prompt_before_the_first_token_and_stall_s_between_t
 
 
 def test_verdicts():
-    decoding = status(REMOTE)
+    decoding = summarize(REMOTE)
     assert verdict(decoding, owner_alive=True, decode_alive=True) == "stalled"
     assert verdict(decoding, owner_alive=True, decode_alive=False) == "wait"     # the gateway moves it on the lease
     assert verdict(decoding, owner_alive=False, decode_alive=True) == "abandoned"
-    assert verdict(status(REMOTE[:1]), owner_alive=True, decode_alive=False) == "wait"   # being placed
+    assert verdict(summarize(REMOTE[:1]), owner_alive=True, decode_alive=False) == "wait"   # being placed
     # moved by the gateway, the new placement not yet made: its old phase is no stall of the new one
-    moving = status(REMOTE + [ev(2.0, "failover", attempt=1, by="gw")])
+    moving = summarize(REMOTE + [ev(2.0, "failover", attempt=1, by="gw")])
     assert (moving.phase, moving.attempt, moving.latest_attempt) == ("decoding", 0, 1)
     assert verdict(moving, owner_alive=True, decode_alive=True) == "wait"
-    assert verdict(status(REMOTE + [ev(5, "cancelled")]), owner_alive=False, decode_alive=False) == "forget"
-    assert verdict(status([]), owner_alive=True, decode_alive=True) == "forget"   # its events expired
+    assert verdict(summarize(REMOTE + [ev(5, "cancelled")]), owner_alive=False, decode_alive=False) == "forget"
+    assert verdict(summarize([]), owner_alive=True, decode_alive=True) == "forget"   # its events expired
     # reported stalled a period ago and not moved since: nobody acts on the word
-    assert verdict(status(REMOTE + [ev(3, "stalled", by="router")]), owner_alive=True, decode_alive=True) == "unheeded"
+    reported = summarize(REMOTE + [ev(3, "stalled", by="router")])
+    assert verdict(reported, owner_alive=True, decode_alive=True) == "unheeded"
     moved = REMOTE + [ev(3, "stalled"), ev(3.1, "failover", attempt=1), ev(3.2, "routed", attempt=1, decode="d1")]
-    assert verdict(status(moved), owner_alive=True, decode_alive=True) == "stalled"   # the new placement's first
+    assert verdict(summarize(moved), owner_alive=True, decode_alive=True) == "stalled"   # the new placement's first
 
 
 def test_the_timeline_lists_every_event_from_the_first_and_the_outcome():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from shared import prefix_index
-from shared.engine.block_manager import KVEvent
+from shared.engine.block_manager import CacheChange
 from shared.messages import WorkerInfo
 from shared.prefix_index import PrefixPublisher, cached_blocks, field, lookup, net_changes, sweep
 from shared.state import State
@@ -26,8 +26,8 @@ async def _written(pub: PrefixPublisher, size: int) -> None:
 
 
 def test_the_last_event_per_block_wins():
-    events = [KVEvent("stored", 1), KVEvent("stored", 2), KVEvent("evicted", 1), KVEvent("evicted", 3),
-              KVEvent("stored", 3)]
+    events = [CacheChange("stored", 1), CacheChange("stored", 2), CacheChange("evicted", 1), CacheChange("evicted", 3),
+              CacheChange("stored", 3)]
     assert net_changes(events) == ([2, 3], [1])
 
 
@@ -42,11 +42,11 @@ def test_a_worker_publishes_and_a_router_reads_leading_blocks(redis_url):
         pub = PrefixPublisher(state, "w1", lease_s=3)
         await pub.start()
         big = (1 << 64) - 5                                   # beyond int64: stored signed
-        pub.publish([KVEvent("stored", h) for h in (11, 12, 13, big)])
-        pub.publish([KVEvent("evicted", 12)])
+        pub.publish([CacheChange("stored", h) for h in (11, 12, 13, big)])
+        pub.publish([CacheChange("evicted", 12)])
         other = PrefixPublisher(state, "w2", lease_s=3)
         await other.start()
-        other.publish([KVEvent("stored", h) for h in (11, 12)])
+        other.publish([CacheChange("stored", h) for h in (11, 12)])
         await _written(pub, 3)
         await _written(other, 2)
         router = State.connect(redis_url)
@@ -76,12 +76,12 @@ def test_a_restarted_worker_takes_a_new_slot_and_the_old_one_is_swept(redis_url)
         await state.r.flushdb()
         old = PrefixPublisher(state, "w1", lease_s=0.3)
         await old.start()
-        old.publish([KVEvent("stored", h) for h in (1, 2, 3)])
+        old.publish([CacheChange("stored", h) for h in (1, 2, 3)])
         await _written(old, 3)
         old.task.cancel()                         # killed: no close, its lease runs out
         new = PrefixPublisher(state, "w1", lease_s=3)
         await new.start()
-        new.publish([KVEvent("stored", 1)])
+        new.publish([CacheChange("stored", 1)])
         await _written(new, 1)
         while await state.r.exists(prefix_index.live_key(old.slot)):
             await asyncio.sleep(0.05)
@@ -116,12 +116,12 @@ def test_a_lost_index_is_rewritten_whole_from_the_engine_cache(redis_url):
 
         pub = PrefixPublisher(state, "w3", lease_s=0.6, snapshot=snapshot)
         await pub.start()
-        pub.publish([KVEvent("stored", h) for h in sorted(cache)])
+        pub.publish([CacheChange("stored", h) for h in sorted(cache)])
         await asyncio.sleep(0.1)
         first_token = pub.token
         await state.r.flushall()
         cache.add(24)
-        pub.publish([KVEvent("stored", 24)])   # only this change comes as an event after the loss
+        pub.publish([CacheChange("stored", 24)])   # only this change comes as an event after the loss
         for _ in range(100):                   # a slow machine: wait for the rewrite, not a fixed time
             held = await cached_blocks(state, [_info("w3", pub)], [21, 22, 23, 24])
             if held == {"w3": (4, 4)}:
@@ -147,7 +147,7 @@ def test_leading_blocks_of_many_holders_as_they_drop_out(redis_url):
         for wid, hashes in held.items():
             pubs[wid] = PrefixPublisher(state, wid, lease_s=3)
             await pubs[wid].start()
-            pubs[wid].publish([KVEvent("stored", h) for h in hashes])
+            pubs[wid].publish([CacheChange("stored", h) for h in hashes])
             await _written(pubs[wid], len(hashes))
         got = await cached_blocks(state, [_info(w, p) for w, p in pubs.items()], [1, 2, 3, 4, 5, 6])
         none = await lookup(state, [9, 1, 2])

@@ -84,7 +84,7 @@ def test_a_lost_decode_worker_is_replaced_and_the_stream_goes_on_without_gaps_or
 
     got, routed = asyncio.run(run())
     assert got == [0, 1, 2, 3]
-    assert len(routed) == 1 and routed[0].attempt == 1 and routed[0].resume_token_ids == [100, 101]
+    assert len(routed) == 1 and routed[0].attempt == 1 and routed[0].generated_token_ids == [100, 101]
     assert routed[0].request_id == "r" and routed[0].prompt_token_ids == [1, 2, 3]
 
 
@@ -151,7 +151,7 @@ def test_the_supervisors_word_moves_a_stalled_placement_once_and_a_stale_word_is
 
     got, routed, published, notes = asyncio.run(run())
     assert got == [0, 1, 2, 3]
-    assert len(routed) == 1 and routed[0].attempt == 1 and routed[0].resume_token_ids == [100, 101]
+    assert len(routed) == 1 and routed[0].attempt == 1 and routed[0].generated_token_ids == [100, 101]
     assert published == [("pd.decode.d0.cancel", FAILOVER), ("pd.prefill.p0.cancel", FAILOVER)]
     assert [e for e, _ in notes] == ["failover", "finished"]
     assert notes[0][1]["why"] == "stalled in decoding" and notes[1][1]["attempt"] == 1
@@ -213,6 +213,6 @@ def test_a_worker_that_no_longer_has_the_chunks_costs_a_failover_instead():
     got, asked, published, notes = _gap_stream(replay_answer=False)
     assert got == [0, 1, 2, 3]
     assert [s for s, _ in asked] == ["pd.decode.d0.replay", "pd.router.route"]
-    assert asked[1][1].attempt == 1 and asked[1][1].resume_token_ids == [100]
+    assert asked[1][1].attempt == 1 and asked[1][1].generated_token_ids == [100]
     assert published == [("pd.decode.d0.cancel", FAILOVER), ("pd.prefill.p0.cancel", FAILOVER)]
     assert [e for e, _ in notes] == ["replayed", "failover", "finished"]

@@ -21,7 +21,7 @@ from services.router.main import Router
 from shared import subjects
 from shared.bus import Bus
 from shared.config import RouterSettings
-from shared.engine.block_manager import KVEvent
+from shared.engine.block_manager import CacheChange
 from shared.hashing import block_hashes
 from shared.messages import AdmitReply, AdmitRequest, RouteRequest, Sampling, WorkerInfo
 from shared.prefix_index import PrefixPublisher
@@ -85,7 +85,7 @@ async def _fleet(state: State, bus: Bus, size: int, cached_on: str) -> list[Pref
         pub = PrefixPublisher(state, wid, lease_s=60)
         await pub.start()
         own = block_hashes([i] * 16 * 20, 16)
-        pub.publish([KVEvent("stored", h) for h in own + (hashes[:40] if wid == cached_on else [])])
+        pub.publish([CacheChange("stored", h) for h in own + (hashes[:40] if wid == cached_on else [])])
         publishers.append(pub)
         if role == "decode":
             async def on_admit(msg):

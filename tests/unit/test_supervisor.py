@@ -33,7 +33,7 @@ def test_stalled_requests_are_reported_and_orphans_cancelled(nats_url, redis_url
             heard.append(Stalled.decode(msg.data))
 
         await bus.subscribe("pd.*.*.cancel", on_cancel)   # any worker's
-        await bus.subscribe("pd.events.*", on_event)
+        await bus.subscribe("pd.stalled.*", on_event)
         for w in (WorkerInfo(worker_id="gw-a", role="gateway"), WorkerInfo(worker_id="decode-0", role="decode")):
             await state.heartbeat(w, 60)
         await _request(state, "stuck", "gw-a", 0.1)      # its worker lives, no token comes

@@ -41,10 +41,10 @@ def _buffers_outlive_their_callers(out):
 
     import numpy as np
 
-    from shared.kv import make
+    from shared.kv import create_transport
 
     async def run():
-        t = make("ucx")
+        t = create_transport("ucx")
         buffers = [np.empty(n, dtype=np.uint8) for n in SIZES]
         refs = [weakref.ref(b) for b in buffers]
         callers = [asyncio.create_task(t.recv(tag, b)) for tag, b in enumerate(buffers)]
@@ -131,10 +131,10 @@ def _wait_idle(out):
 
     import numpy as np
 
-    from shared.kv import make
+    from shared.kv import create_transport
 
     async def run():
-        t = make("ucx")
+        t = create_transport("ucx")
         buf = np.zeros(4096, dtype=np.uint8)
         waiting = asyncio.create_task(t.recv(3, buf))
         await asyncio.sleep(0.05)

@@ -24,10 +24,10 @@ SIZE, WINDOW, KILLS = 2_000_000, 16, 8
 
 
 def _receiver(addr_q, note_q, dead_q, stats_q):
-    from shared.kv import make
+    from shared.kv import create_transport
 
     async def run():
-        transport = make("ucx")
+        transport = create_transport("ucx")
         addr_q.put(transport.address)
         loop = asyncio.get_running_loop()
         pending: dict[str, set[asyncio.Task]] = {}
@@ -59,10 +59,10 @@ def _receiver(addr_q, note_q, dead_q, stats_q):
 
 
 def _sender(address, note_q, name, first_tag):
-    from shared.kv import make
+    from shared.kv import create_transport
 
     async def run():
-        transport = make("ucx")
+        transport = create_transport("ucx")
         payload = np.ones(SIZE, dtype=np.uint8)
         tag = first_tag
         while True:
