@@ -146,24 +146,6 @@ class KVEnd(Message):
     prefill_worker: str = ""  # the sender (a decode side with no receiver answers it)
 
 
-class KVResend(Message):
-    """decode → prefill: blocks that failed their checksum; send them again."""
-
-    request_id: str
-    layer: int
-    first_block: int
-    num_blocks: int
-    attempt: int              # the attempt this re-send is
-
-
-class KVSync(Message):
-    """decode -> prefill: the bus was away while this handoff was open, so notices may be
-    lost; publish its KVLayer notices and its KVEnd again (the payloads wait in the transport
-    under their tags; the receiver skips notices it has had)."""
-
-    request_id: str
-
-
 class Replay(Message):
     """gateway → decode worker, request/reply: publish again the request's chunks from `from_seq`
     (chunks lost on the bus, e.g. across a NATS restart); answered with ReplayReply."""
@@ -192,9 +174,29 @@ class PrefillJob(Message):
 
 
 class KVAck(Message):
+    """decode → prefill: the handoff ended (ok: the KV is committed; its blocks may be freed)."""
+
     request_id: str
     ok: bool
     error: str = ""
+
+
+class KVResend(Message):
+    """decode → prefill: blocks that failed their checksum; send them again."""
+
+    request_id: str
+    layer: int
+    first_block: int
+    num_blocks: int
+    attempt: int              # the attempt this re-send is
+
+
+class KVSync(Message):
+    """decode -> prefill: the bus was away while this handoff was open, so notices may be
+    lost; publish its KVLayer notices and its KVEnd again (the payloads wait in the transport
+    under their tags; the receiver skips notices it has had)."""
+
+    request_id: str
 
 
 # -- to the routers -----------------------------------------------------------------------
@@ -208,7 +210,7 @@ class KVOutcome(Message):
     reason: str = ""
 
 
-# -- to every worker ----------------------------------------------------------------------
+# -- to the workers holding the request (shared/holders.py) ---------------------------------
 FINISHED_IN_PREFILL = "finished in prefill"  # Cancel.reason: only the decode side's reservation ends
 
 
