@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from bench.scale_plan import FleetWorker
-from deploy.local.stack import _die_with_parent
+from deploy.local.servers import die_with_parent
 
 
 class FleetProcess:
@@ -28,7 +28,7 @@ class FleetProcess:
         with open(self.log_path, "ab") as log:
             self.proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "bench.fleet", str(plan_path), stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE, stderr=log, env=env, preexec_fn=_die_with_parent,
+                stdout=asyncio.subprocess.PIPE, stderr=log, env=env, preexec_fn=die_with_parent,
                 limit=1 << 28)   # the admits' answer is one long line
         await self.expect("ready", timeout_s)
 

@@ -17,11 +17,11 @@ import numpy as np
 
 @contextlib.contextmanager
 def nats_server():
-    from deploy.local.stack import _binary, free_port
+    from deploy.local.servers import binary, free_port
 
     port = free_port()
     with tempfile.TemporaryDirectory() as d:
-        server = subprocess.Popen([_binary("nats-server"), "-a", "127.0.0.1", "-p", str(port), "-sd", d],
+        server = subprocess.Popen([binary("nats-server"), "-a", "127.0.0.1", "-p", str(port), "-sd", d],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             time.sleep(0.5)

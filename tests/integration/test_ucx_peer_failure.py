@@ -5,7 +5,7 @@ handling off, the receiver died of SIGSEGV within six kills in every run tried; 
 services' default) the receiver stays up, the dead sender's receives end in errors or are
 cancelled, and the steady sender's payloads keep arriving. Its event loop must answer after
 every kill: before receives held their buffers until UCX completed them
-(tests/unit/test_ucx_buffers.py), about one run in three here saw it hang after a kill."""
+(tests/integration/test_ucx_buffers.py), about one run in three here saw it hang after a kill."""
 
 from __future__ import annotations
 

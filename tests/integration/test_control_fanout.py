@@ -14,7 +14,6 @@ import pytest
 from shared import subjects
 from shared.bus import Bus
 from shared.holders import Holders
-from shared.lifecycle import Event
 from shared.messages import Cancel, KVAck, KVResend
 
 DECODE, PREFILL = "decode-1", "prefill-2"   # the workers holding the request
@@ -69,17 +68,3 @@ def test_a_subject_the_fleet_shares_is_counted_once_per_worker(nats_url, monkeyp
     for (_, kind), times in counts.items():
         per_kind[kind] += times
     assert per_kind == {"cancel": 2 * 16, "kv_ack": 16, "kv_resend": 16}
-
-
-def test_a_requests_holders_are_every_placements_workers_from_its_events():
-    def event(name, by, attempt=0, **fields):
-        return Event(t=0, event=name, by=by, attempt=attempt, **fields)
-
-    events = [event("routed", "router", decode="d0", prefill="p0"),
-              event("prefilling", "p1"),                       # its `routed` note was lost
-              event("transferring", "p1", decode="d2"),
-              event("failover", "gw", attempt=1),
-              event("routed", "router", attempt=1, decode="d1", prefill=""),
-              event("decoding", "d1", attempt=1)]
-    h = Holders.of(events)
-    assert (h.decode, h.prefill) == ({"d0", "d1", "d2"}, {"p0", "p1"})

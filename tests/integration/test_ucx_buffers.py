@@ -86,7 +86,7 @@ def _receive_and_leave(out):
     from shared.kv.ucx import UcxTransport
 
     async def run():
-        t = UcxTransport(orphan_grace_s=0.3)
+        t = UcxTransport(orphan_grace_s=1.0)  # far longer than a local send takes, even on a busy machine
         held = np.zeros(100_000, dtype=np.uint8)
         caller = asyncio.create_task(t.recv(1, held))
         await asyncio.sleep(0.02)
@@ -106,7 +106,10 @@ def _receive_and_leave(out):
         await asyncio.gather(never, return_exceptions=True)
         await asyncio.sleep(0.1)
         open_in_grace = len(t.requests)
-        await asyncio.sleep(0.6)
+        for _ in range(500):  # until the grace period has passed and the receive was retired
+            if t.retired and not t.requests:
+                break
+            await asyncio.sleep(0.01)
         # the transport still works afterwards, tag 2 included
         again = np.zeros(4096, dtype=np.uint8)
         await asyncio.gather(t.recv(2, again), t.send(t.address, 2, np.full(4096, 9, dtype=np.uint8)))

@@ -1,0 +1,35 @@
+"""Real servers for the tests that talk to them: redis-server and nats-server (JetStream),
+from the pip-installed binaries, on free ports, one per test module."""
+
+from __future__ import annotations
+
+import subprocess
+import tempfile
+
+import pytest
+
+from deploy.local.servers import binary, free_port, wait_for_port
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    port = free_port()
+    with tempfile.TemporaryDirectory() as d:
+        proc = subprocess.Popen([binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                 "--appendonly", "no", "--dir", d], stdout=subprocess.DEVNULL)
+        wait_for_port(port)
+        yield f"redis://127.0.0.1:{port}/0"
+        proc.terminate()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def nats_url():
+    port = free_port()
+    with tempfile.TemporaryDirectory() as d:
+        proc = subprocess.Popen([binary("nats-server"), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", d],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for_port(port)
+        yield f"nats://127.0.0.1:{port}"
+        proc.terminate()
+        proc.wait()

@@ -1,0 +1,29 @@
+"""The per-caller token bucket, in a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.gateway.errors import APIError
+from services.gateway.ratelimit import RateLimit
+from shared.state import State
+
+
+def test_a_caller_over_its_rate_gets_429_with_retry_after_and_others_are_not_affected(redis_url):
+    async def run():
+        state = State.connect(redis_url)
+        limit = RateLimit(state, rate_per_s=2.0, burst=3)
+        results = []
+        for caller in ["a"] * 4 + ["b"]:
+            try:
+                await limit.take(caller)
+                results.append("ok")
+            except APIError as e:
+                results.append((e.status, e.code, e.headers["Retry-After"]))
+        await asyncio.sleep(0.6)   # one request's worth refilled at 2/s
+        await limit.take("a")
+        await RateLimit(state, 0, 1).take("a")   # rate 0: no limit
+        await state.close()
+        return results
+
+    assert asyncio.run(run()) == ["ok", "ok", "ok", (429, "rate_limit_exceeded", "1"), "ok"]
