@@ -99,7 +99,9 @@ def test_a_sender_killed_mid_transfer_never_takes_the_receiver_down():
             except queue.Empty:
                 alive = "up" if receiver.is_alive() else f"dead (exit {receiver.exitcode})"
                 pytest.fail(f"the receiver ({alive}) did not answer for 30 s after kill {i + 1}")
-        assert stats[-1]["steady_ok"] > stats[0]["steady_ok"] > 0, stats  # the other sender went on
+        # the other sender went on across the kills (how much it sent before the first one
+        # depends on the machine's speed, not on the handling)
+        assert stats[-1]["steady_ok"] > stats[0]["steady_ok"], stats
     finally:
         for p in (steady, receiver):
             p.kill()
