@@ -1,20 +1,27 @@
-"""What prefill and decode workers share: their id, engine, registry entry and start-up."""
+"""What prefill and decode workers share: their core (id, engine on its thread, prefix-cache
+changes published, registry entry, draining), how the engine is built, and start-up."""
 
 from __future__ import annotations
 
 import uuid
 from contextlib import AsyncExitStack
+from typing import Literal
 
 import torch
+from opentelemetry import trace
 
 from shared import metrics, tracing
+from shared.bus import Bus
 from shared.config import WorkerSettings
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.loader import load
-from shared.kv import Faults, create_transport
+from shared.engine_host import EngineHost
+from shared.kv import Faults, KVTransport, create_transport
 from shared.messages import WorkerInfo
+from shared.prefix_index import PrefixPublisher
 from shared.service import connect, stop_event
+from shared.state import State
 
 
 def worker_id(settings: WorkerSettings, role: str) -> str:
@@ -29,6 +36,29 @@ def build_engine(settings: WorkerSettings) -> Engine:
                        max_batched_tokens=settings.max_batched_tokens,
                        prefill_chunk=settings.prefill_chunk, device=settings.device)
     return Engine(loaded, cfg)
+
+
+class WorkerCore:
+    """The parts both workers are made of (each holds one): its id, its engine run on one
+    thread (EngineHost), the prefix-cache changes of each step published to the prefix index,
+    and its registry entry, `draining` once it stops taking new work."""
+
+    def __init__(self, role: Literal["prefill", "decode"], settings: WorkerSettings, engine: Engine, bus: Bus,
+                 state: State, transport: KVTransport, tracer: trace.Tracer):
+        self.role, self.settings, self.engine, self.bus, self.state = role, settings, engine, bus, state
+        self.transport, self.tracer = transport, tracer
+        self.id = worker_id(settings, role)
+        self.prefix = PrefixPublisher(state, self.id, lease_s=settings.lease_s,
+                                      snapshot=lambda: self.host.call(engine.cached_hashes))
+        self.host = EngineHost(engine, self.prefix.publish, settings.fault_engine_hang_after_steps, role)
+        self.draining = False
+
+    def info(self) -> WorkerInfo:
+        """The registry entry as of now (each heartbeat writes it)."""
+        return worker_info(self.engine, self.id, self.role, self.settings,
+                           self.transport.address if self.role == "decode" else "",
+                           prefill_tokens_per_s=self.host.prefill_tokens_per_s, draining=self.draining,
+                           step_s=self.host.step_s, prefix_slot=self.prefix.slot)
 
 
 def worker_info(engine: Engine, wid: str, role: str, settings: WorkerSettings, ucx_address: str = "",

@@ -47,7 +47,6 @@ from shared.bus import Bus, after_reconnects, context_of
 from shared.config import DecodeSettings
 from shared.engine.block_manager import OutOfBlocks
 from shared.engine.engine import Engine, RequestOutput
-from shared.engine_host import EngineHost
 from shared.kv import TAG_SPAN, KVTransport
 from shared.kv.receiver import KVInbox, KVReceiver
 from shared.messages import (
@@ -60,12 +59,12 @@ from shared.messages import (
     Replay,
     ReplayReply,
     TokenChunk,
+    WorkerInfo,
 )
-from shared.prefix_index import PrefixPublisher
 from shared.service import heartbeat, run, setup_logging
 from shared.state import State
 from shared.tasks import Background
-from shared.worker import serve_worker, worker_id, worker_info
+from shared.worker import WorkerCore, serve_worker
 
 log = logging.getLogger("decode")
 
@@ -79,16 +78,13 @@ ADMITTED_KEPT = 10_000
 class DecodeWorker:
     def __init__(self, settings: DecodeSettings, engine: Engine, bus: Bus, state: State,
                  transport: KVTransport, tracer: trace.Tracer):
+        self.core = WorkerCore("decode", settings, engine, bus, state, transport, tracer)
         self.settings, self.engine, self.bus, self.state = settings, engine, bus, state
         self.transport, self.tracer = transport, tracer
-        self.id = worker_id(settings, "decode")
-        self.prefix = PrefixPublisher(state, self.id, lease_s=settings.lease_s,
-                                      snapshot=lambda: self.host.call(engine.cached_hashes))
-        self.host = EngineHost(engine, self.prefix.publish, settings.fault_engine_hang_after_steps, "decode")
+        self.id, self.prefix, self.host = self.core.id, self.core.prefix, self.core.host
         self.spans: dict[str, trace.Span] = {}
         self.receiving: dict[str, asyncio.Task] = {}
         self.inbox = KVInbox(bus, self.id)
-        self.draining = False
         self.admitted: OrderedDict[tuple[str, int], AdmitReply] = OrderedDict()  # recent admits: (id, attempt)
         self.attempts: dict[str, int] = {}  # placement number of each request here (engine thread writes)
         self.decoding: dict[str, tuple[float, int]] = {}  # requests with a token here: (when, tokens) at the first
@@ -96,10 +92,8 @@ class DecodeWorker:
         self.chunks = ChunkLog()            # what was published, for gateways that lost some
         self.queueing = Background(log, "prefill job")  # jobs being put on prefill workers' queues
 
-    def info(self):
-        return worker_info(self.engine, self.id, "decode", self.settings, self.transport.address,
-                           prefill_tokens_per_s=self.host.prefill_tokens_per_s, draining=self.draining,
-                           step_s=self.host.step_s, prefix_slot=self.prefix.slot)
+    def info(self) -> WorkerInfo:
+        return self.core.info()
 
     async def serve(self, stop: asyncio.Event) -> None:
         await self.bus.subscribe(subjects.decode_admit(self.id), self.on_admit)
@@ -116,7 +110,7 @@ class DecodeWorker:
         resync = asyncio.create_task(after_reconnects(self.bus, self.settings.heartbeat_s, self.inbox.sync))
         log.info("decode worker %s ready: %d KV blocks", self.id, self.engine.num_blocks)
         await stop.wait()
-        self.draining = True
+        self.core.draining = True
         await self.state.heartbeat(self.info(), lease_s=self.settings.lease_s)  # at once: no new admits
         if self.receiving:  # KV still on its way: those sequences join the batch and finish too
             await asyncio.wait(list(self.receiving.values()), timeout=self.settings.kv_timeout_s + 5)
@@ -163,7 +157,7 @@ class DecodeWorker:
 
     async def reserve(self, req: AdmitRequest) -> AdmitReply:
         rid, params = req.request_id, req.sampling.to_engine()
-        if self.draining:
+        if self.core.draining:
             return AdmitReply(request_id=rid, ok=False, reason="draining")
         try:
             if req.mode == "local":

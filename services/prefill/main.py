@@ -42,14 +42,12 @@ from shared.bus import Bus, after_reconnects, context_of
 from shared.config import PrefillSettings
 from shared.engine.engine import Engine, RequestOutput
 from shared.engine.sequence import Status
-from shared.engine_host import EngineHost
 from shared.kv import KVTransport
 from shared.kv.sender import KVSender
-from shared.messages import FINISHED_IN_PREFILL, Cancel, PrefillJob, TokenChunk
-from shared.prefix_index import PrefixPublisher
+from shared.messages import FINISHED_IN_PREFILL, Cancel, PrefillJob, TokenChunk, WorkerInfo
 from shared.service import heartbeat, run, setup_logging
 from shared.state import PREFILLED_ELSEWHERE, State
-from shared.worker import serve_worker, worker_id, worker_info
+from shared.worker import WorkerCore, serve_worker
 
 log = logging.getLogger("prefill")
 JOB_KEEPALIVE_S = 10.0  # JetStream redelivers a job unacked for 30 s (its ack_wait)
@@ -63,12 +61,10 @@ FRESH_JOB_S = 5.0
 class PrefillWorker:
     def __init__(self, settings: PrefillSettings, engine: Engine, bus: Bus, state: State,
                  transport: KVTransport, tracer: trace.Tracer):
+        self.core = WorkerCore("prefill", settings, engine, bus, state, transport, tracer)
         self.settings, self.engine, self.bus, self.state = settings, engine, bus, state
         self.transport, self.tracer = transport, tracer
-        self.id = worker_id(settings, "prefill")
-        self.prefix = PrefixPublisher(state, self.id, lease_s=settings.lease_s,
-                                      snapshot=lambda: self.host.call(engine.cached_hashes))
-        self.host = EngineHost(engine, self.prefix.publish, settings.fault_engine_hang_after_steps, "prefill")
+        self.id, self.prefix, self.host = self.core.id, self.core.prefix, self.core.host
         self.jobs: dict[str, tuple[PrefillJob, trace.Span]] = {}
         self.kv_spans: dict[str, trace.Span] = {}
         self.sender = KVSender(transport, bus, self.id, engine.fingerprint, self.read_blocks,
@@ -77,15 +73,11 @@ class PrefillWorker:
         self.handoffs: set[asyncio.Task] = set()
         self.unacked: dict[str, Msg] = {}  # jobs taken and not yet acked
         self.finishing: dict[str, float] = {}  # when each handoff's last layer was computed
-        self.stopping = asyncio.Event()
 
-    def info(self):
-        return worker_info(self.engine, self.id, "prefill", self.settings,
-                           prefill_tokens_per_s=self.host.prefill_tokens_per_s, draining=self.stopping.is_set(),
-                           step_s=self.host.step_s, prefix_slot=self.prefix.slot)
+    def info(self) -> WorkerInfo:
+        return self.core.info()
 
     async def serve(self, stop: asyncio.Event) -> None:
-        self.stopping = stop
         await self.bus.ensure_prefill_stream()
         pull = await self.bus.js.pull_subscribe(subjects.prefill_jobs(self.id), durable=self.id)
         await self.bus.subscribe(subjects.prefill_control(self.id)["cancel"], self.on_cancel)
@@ -97,11 +89,10 @@ class PrefillWorker:
         beat = asyncio.create_task(heartbeat(self.state, self.info, self.settings.heartbeat_s, gone))
         keepalive = asyncio.create_task(self.keep_jobs())
         resync = asyncio.create_task(after_reconnects(self.bus, self.settings.heartbeat_s, self.sender.resync))
-        announced = False
         log.info("prefill worker %s ready", self.id)
         while not stop.is_set() or self.jobs or self.handoffs:
-            if stop.is_set() and not announced:  # at once: the router sends no more jobs here
-                announced = True
+            if stop.is_set() and not self.core.draining:  # at once: the router sends no more jobs here
+                self.core.draining = True
                 await self.state.heartbeat(self.info(), lease_s=self.settings.lease_s)
             if not stop.is_set() and len(self.jobs) < self.settings.max_jobs:
                 await self.take_jobs(pull, wait_s=0.005 if self.jobs else 0.5)
