@@ -122,7 +122,7 @@ class PrefillWorker:
                 except Exception as e:  # noqa: BLE001 - NATS reconnecting: the next round tries again
                     log.debug("in_progress: %s", e)
 
-    async def done(self, rid: str) -> None:
+    async def ack_job(self, rid: str) -> None:
         """The job is over (handed off, refused or cancelled): ack it, it leaves the queue."""
         msg = self.unacked.pop(rid, None)
         if msg is not None:
@@ -198,7 +198,7 @@ class PrefillWorker:
             self.end_kv_span(out.request_id, acked=False, error="finished in prefill")
             await self.bus.publish(subjects.decode_cancel(job.decode_worker),
                                    Cancel(request_id=out.request_id, reason=FINISHED_IN_PREFILL))
-            await self.done(out.request_id)
+            await self.ack_job(out.request_id)
             return
         self.state.note(out.request_id, "transferring", by=self.id, prompt_tokens=out.num_prompt_tokens,
                         decode=job.decode_worker)
@@ -231,7 +231,7 @@ class PrefillWorker:
             if not acked:
                 metrics.KV_FAILURES.inc()
             await self.host.call(self.engine.free, rid)
-            await self.done(rid)
+            await self.ack_job(rid)
 
     def end_kv_span(self, rid: str, acked: bool, error: str = "", **attributes) -> None:
         span = self.kv_spans.pop(rid, None)
@@ -259,7 +259,7 @@ class PrefillWorker:
             job, span = entry
             span.add_event("cancelled")
             span.end()
-            await self.done(rid)
+            await self.ack_job(rid)
 
 
 def main() -> None:

@@ -55,7 +55,7 @@ class KVReceiver:
         self.max_attempts = max_attempts
         self.have = np.zeros((num_layers, reservation.num_blocks - reservation.first_block), dtype=bool)
         self.first_token: int | None = None
-        self.done: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.outcome: asyncio.Future = asyncio.get_running_loop().create_future()  # the first token, or KVFailed
         self.tasks: set[asyncio.Task] = set()
         self.tags: set[int] = set()              # notices had (a KVSync publishes them again)
         self.bytes_received = self.pieces = self.bad_blocks = self.resends = 0
@@ -73,17 +73,17 @@ class KVReceiver:
 
     async def wait(self) -> int:
         self._check_done()
-        return await self.done
+        return await self.outcome
 
     def close(self) -> None:
         for task in self.tasks:
             task.cancel()
-        if not self.done.done():
-            self.done.cancel()
+        if not self.outcome.done():
+            self.outcome.cancel()
 
     # -- notices -------------------------------------------------------------------------------
     def on_layer(self, notice: KVLayer) -> None:
-        if self.done.done() or notice.tag in self.tags:
+        if self.outcome.done() or notice.tag in self.tags:
             return
         self.tags.add(notice.tag)
         task = asyncio.create_task(self._receive(notice))
@@ -148,12 +148,12 @@ class KVReceiver:
         return start
 
     def _check_done(self) -> None:
-        if not self.done.done() and self.first_token is not None and self.have.all():
-            self.done.set_result(self.first_token)
+        if not self.outcome.done() and self.first_token is not None and self.have.all():
+            self.outcome.set_result(self.first_token)
 
     def fail(self, reason: str) -> None:
-        if not self.done.done():
-            self.done.set_exception(KVFailed(reason))
+        if not self.outcome.done():
+            self.outcome.set_exception(KVFailed(reason))
 
 
 class KVInbox:
@@ -193,7 +193,7 @@ class KVInbox:
         """After this worker's bus reconnected: each waiting receiver asks its sender for the
         notices and end again (KVSync)."""
         for rx in list(self.receivers.values()):
-            if rx.prefill_worker and not rx.done.done():
+            if rx.prefill_worker and not rx.outcome.done():
                 await self.bus.publish(subjects.prefill_kv_sync(rx.prefill_worker), KVSync(request_id=rx.rid))
 
     async def on_layer(self, msg: Msg) -> None:
