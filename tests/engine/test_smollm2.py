@@ -6,11 +6,11 @@ import pytest
 import torch
 from helpers import generate, run_all, tokens, transfer
 
-from bench.held_prompts import CONVERSATIONS
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.loader import load, smollm2_path
 from shared.engine.sequence import SamplingParams
+from shared.tools.held_prompts import CONVERSATIONS
 
 pytestmark = pytest.mark.slow
 
