@@ -171,6 +171,8 @@ class PrefillJob(Message):
     decode_fingerprint: str   # its model/dtype/block layout: the prefill side refuses a mismatch
     first_block: int
     kv_tag: int
+    generated_token_ids: list[int] = []  # a failover: tokens streamed before it, prefilled with the prompt
+    attempt: int = 0                     # the placement this job is for (a failover's is a new job)
 
 
 class KVAck(Message):

@@ -36,16 +36,18 @@ def generate(loaded, prompts: dict[str, list[int]], params: SamplingParams = GRE
     return {rid: tokens(outs[rid]) for rid in prompts}
 
 
-def transfer(src: Engine, dst: Engine, rid: str, prompt: list[int], params: SamplingParams) -> RequestOutput:
-    """Disaggregated path in one process: prefill on src, KV moved layer by layer to dst."""
-    reservation = dst.reserve(rid, prompt, params)
-    src.add_request(rid, prompt, params, prefill_only=True)
+def transfer(src: Engine, dst: Engine, rid: str, prompt: list[int], params: SamplingParams,
+             generated: list[int] | tuple[()] = ()) -> RequestOutput:
+    """Disaggregated path in one process: prefill on src, KV moved layer by layer to dst
+    (`generated`: a failover's tokens streamed before it, prefilled with the prompt)."""
+    reservation = dst.reserve(rid, prompt, params, generated)
+    src.add_request(rid, prompt, params, prefill_only=True, generated_token_ids=generated)
     first = None
     while first is None:
         first = next((o for o in src.step() if o.request_id == rid), None)
     export = src.export_kv(rid, first_block=reservation.first_block)
     assert export.num_blocks == reservation.num_blocks - reservation.first_block
-    assert export.block_hashes == block_hashes(prompt, src.cfg.block_size)
+    assert export.block_hashes == block_hashes([*prompt, *generated], src.cfg.block_size)
     for layer in range(export.num_layers):
         dst.import_layer(rid, layer, export.layer_bytes(layer), reservation.first_block)
     src.free(rid)

@@ -47,6 +47,8 @@ from shared.bus import Bus, after_reconnects, context_of
 from shared.config import DecodeSettings
 from shared.engine.block_manager import OutOfBlocks
 from shared.engine.engine import Engine, RequestOutput
+from shared.engine.kv_io import Reservation
+from shared.engine.sequence import SamplingParams
 from shared.kv import TAG_SPAN, KVTransport
 from shared.kv.receiver import KVInbox, KVReceiver
 from shared.messages import (
@@ -87,6 +89,7 @@ class DecodeWorker:
         self.inbox = KVInbox(bus, self.id)
         self.admitted: OrderedDict[tuple[str, int], AdmitReply] = OrderedDict()  # recent admits: (id, attempt)
         self.attempts: dict[str, int] = {}  # placement number of each request here (engine thread writes)
+        self.prefilled_here: set[str] = set()  # prompts computed here, not received (engine thread writes)
         self.decoding: dict[str, tuple[float, int]] = {}  # requests with a token here: (when, tokens) at the first
         self.advanced: set[str] = set()     # ... since the last heartbeat (their deadlines move on)
         self.chunks = ChunkLog()            # what was published, for gateways that lost some
@@ -163,7 +166,7 @@ class DecodeWorker:
             if req.mode == "local":
                 await self.prefill_locally(req)
                 return AdmitReply(request_id=rid, ok=True, reason="local prefill")
-            res = await self.host.call(self.engine.reserve, rid, req.prompt_token_ids, params)
+            res = await self.host.call(self.reserve_on_engine, req, params)
         except OutOfBlocks as e:
             return AdmitReply(request_id=rid, ok=False, reason=f"no room: {e}")
         except ValueError as e:
@@ -175,6 +178,13 @@ class DecodeWorker:
         return AdmitReply(request_id=rid, ok=True, first_block=res.first_block, num_blocks=res.num_blocks,
                           kv_tag=kv_tag)
 
+    def reserve_on_engine(self, req: AdmitRequest, params: SamplingParams) -> Reservation:
+        """On the engine thread, in order with cancels (abort_older): blocks for the KV of the
+        prompt and, after a failover, of the tokens generated before it."""
+        res = self.engine.reserve(req.request_id, req.prompt_token_ids, params, req.generated_token_ids)
+        self.attempts[req.request_id] = req.attempt
+        return res
+
     async def queue_prefill(self, req: AdmitRequest, prefill_worker: str, reply: AdmitReply,
                             ctx: context.Context) -> None:
         """The prompt's job on the prefill worker's queue, made here, where the reservation
@@ -184,7 +194,7 @@ class DecodeWorker:
         job = PrefillJob(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
                          decode_worker=self.id, decode_address=self.transport.address,
                          decode_fingerprint=self.engine.fingerprint, first_block=reply.first_block,
-                         kv_tag=reply.kv_tag)
+                         kv_tag=reply.kv_tag, generated_token_ids=req.generated_token_ids, attempt=req.attempt)
         try:
             await self.bus.queue_prefill(prefill_worker, job, ctx)
         except Exception as e:  # noqa: BLE001 - NATS or the stream away: prefill here
@@ -194,11 +204,13 @@ class DecodeWorker:
 
     async def prefill_locally(self, req: AdmitRequest) -> None:
         """The whole prompt runs here (colocated mode, the fallback from a failed handoff, or a
-        failover: prompt + the tokens another decode worker generated before it was lost)."""
+        failover placed here with no prefill worker to take it: prompt + the tokens another
+        decode worker generated before it was lost)."""
         def add() -> None:  # on the engine thread, in order with cancels (abort_older)
             self.engine.add_request(req.request_id, req.prompt_token_ids, req.sampling.to_engine(),
                                     generated_token_ids=req.generated_token_ids)
             self.attempts[req.request_id] = req.attempt
+            self.prefilled_here.add(req.request_id)
         await self.host.call(add)
         self.host.wake.set()
 
@@ -319,7 +331,7 @@ class DecodeWorker:
         self.decoding[rid] = (time.monotonic(), out.num_generated_tokens)
         if (span := self.spans.get(rid)) is not None:
             span.add_event("first_token", {"generated_before": out.num_generated_tokens - 1})
-        if rid in self.attempts:  # prefilled here (local mode, a fallback, a failover)
+        if rid in self.prefilled_here:  # local mode, a fallback, a failover with no prefill worker
             metrics.PROMPT_TOKENS.labels("decode").inc(out.num_prompt_tokens)
             metrics.CACHED_TOKENS.labels("decode").inc(out.num_cached_tokens)
         self.state.note(rid, "decoding", by=self.id, attempt=self.attempts.get(rid, 0),
@@ -329,6 +341,7 @@ class DecodeWorker:
         """A request ended here (its last chunk published): its span closes with its pace."""
         rid = out.request_id
         self.attempts.pop(rid, None)
+        self.prefilled_here.discard(rid)
         first = self.decoding.pop(rid, None)
         if (span := self.spans.pop(rid, None)) is not None:
             span.set_attributes({"output_tokens": out.num_generated_tokens,
@@ -373,6 +386,7 @@ class DecodeWorker:
             return False
         self.engine.abort(rid)
         self.attempts.pop(rid, None)
+        self.prefilled_here.discard(rid)
         self.decoding.pop(rid, None)
         return True
 

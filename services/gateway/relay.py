@@ -5,8 +5,9 @@ decode worker's death.
 Failover: when no chunk has come for `check_s`, the relay asks the registry whether the
 request's decode worker still holds its lease. If it is missing twice, `confirm_s` apart (a
 Redis restarted empty shows every worker missing until its next heartbeat), it places the request again with the
-tokens generated so far (`generated_token_ids`, a new `attempt`): another decode worker
-prefills prompt + those tokens and continues. Chunks carry the index of their first token,
+tokens generated so far (`generated_token_ids`, a new `attempt`), placed like a new request:
+a prefill worker computes prompt + those tokens (the prompt usually from its prefix cache)
+and hands the KV to another decode worker, which continues. Chunks carry the index of their first token,
 so the stream goes on with nothing repeated and nothing missing; greedy and seeded sampling
 continue exactly (the sampler's draw depends on the position, not the worker).
 

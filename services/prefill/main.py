@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 
 import nats.errors
@@ -69,8 +70,8 @@ class PrefillWorker:
         self.kv_spans: dict[str, trace.Span] = {}
         self.sender = KVSender(transport, bus, self.id, engine.fingerprint, self.read_blocks,
                                settings.kv_max_attempts, settings.kv_transfer_encoding, settings.kv_piece_bytes)
-        self.cancelled: set[str] = set()
-        self.handoffs: set[asyncio.Task] = set()
+        self.cancelled: dict[str, float] = {}  # request -> its placements before this attempt are cancelled
+        self.handoffs: dict[str, asyncio.Task] = {}  # by request: its handoff here, until it ends
         self.unacked: dict[str, Msg] = {}  # jobs taken and not yet acked
         self.finishing: dict[str, float] = {}  # when each handoff's last layer was computed
 
@@ -100,7 +101,7 @@ class PrefillWorker:
                 for out in await self.host.step():
                     await self.on_first_token(out)
             elif self.handoffs:
-                await asyncio.wait(self.handoffs, timeout=0.05)
+                await asyncio.wait(self.handoffs.values(), timeout=0.05)
         keepalive.cancel()
         resync.cancel()
         try:  # a pull subscription left to the connection's drain holds it for the whole drain timeout
@@ -146,10 +147,15 @@ class PrefillWorker:
             job = PrefillJob.decode(msg.data)
             queued = msg.metadata.timestamp.timestamp() if msg.metadata.timestamp else time.time()
             fresh = msg.metadata.num_delivered == 1 and time.time() - queued < FRESH_JOB_S
-            if (job.request_id in self.cancelled or job.request_id in self.sender.handoffs
-                    or (not fresh and await self.taken_over(job.request_id))):
+            held = self.sender.handoffs.get(job.request_id)
+            if (job.attempt < self.cancelled.get(job.request_id, 0) or (held and held.job.attempt >= job.attempt)
+                    or (not fresh and not job.attempt and await self.taken_over(job.request_id))):
                 await msg.ack()  # cancelled before it started, a redelivery of a job in hand, or the
                 continue         # decode worker gave up waiting and prefilled it (this worker's last life?)
+            if held or job.request_id in self.engine.seqs:  # an older placement's work still here (a
+                await self.cancel_older(job.request_id, job.attempt)  # failover came first): end it,
+                await msg.nak(delay=0.2)                              # take this job once it is gone
+                continue
             ctx = context_of(msg)
             self.tracer.start_span("prefill.queue", context=ctx, start_time=int(queued * 1e9)).end()
             span = self.tracer.start_span("prefill.compute", context=ctx, attributes={
@@ -171,12 +177,14 @@ class PrefillWorker:
             self.jobs[job.request_id] = (job, span)
             self.unacked[job.request_id] = msg
             self.kv_spans[job.request_id] = kv_span
-            self.state.note(job.request_id, "prefilling", by=self.id, prompt_tokens=len(job.prompt_token_ids))
+            self.state.note(job.request_id, "prefilling", by=self.id, attempt=job.attempt,
+                            prompt_tokens=len(job.prompt_token_ids) + len(job.generated_token_ids))
 
     def queue(self, job: PrefillJob, sink) -> None:
         """On the engine thread: the prompt, streaming its KV from the decode worker's first
         missing block (not at all if the handoff was refused)."""
-        self.engine.add_request(job.request_id, job.prompt_token_ids, job.sampling.to_engine(), prefill_only=True)
+        self.engine.add_request(job.request_id, job.prompt_token_ids, job.sampling.to_engine(), prefill_only=True,
+                                generated_token_ids=job.generated_token_ids)
         if sink is not None:
             self.engine.stream_kv(job.request_id, job.first_block, sink)
 
@@ -200,12 +208,17 @@ class PrefillWorker:
                                    Cancel(request_id=out.request_id, reason=FINISHED_IN_PREFILL))
             await self.ack_job(out.request_id)
             return
-        self.state.note(out.request_id, "transferring", by=self.id, prompt_tokens=out.num_prompt_tokens,
+        self.state.note(out.request_id, "transferring", by=self.id, attempt=job.attempt,
+                        prompt_tokens=len(job.prompt_token_ids) + len(job.generated_token_ids),
                         decode=job.decode_worker)
         self.finishing[out.request_id] = time.monotonic()
         task = asyncio.create_task(self.handoff(job, out.new_token_ids[0]))
-        self.handoffs.add(task)
-        task.add_done_callback(self.handoffs.discard)
+        self.handoffs[out.request_id] = task
+
+        def ended(t: asyncio.Task, rid: str = out.request_id) -> None:
+            if self.handoffs.get(rid) is t:
+                del self.handoffs[rid]
+        task.add_done_callback(ended)
 
     async def handoff(self, job: PrefillJob, first_token: int) -> None:
         """The lease: the blocks stay until the decode side answers (or time runs out)."""
@@ -241,15 +254,24 @@ class PrefillWorker:
 
     async def on_cancel(self, msg: Msg) -> None:
         cancel = Cancel.decode(msg.data)
-        rid = cancel.request_id
         if cancel.reason == FINISHED_IN_PREFILL:
             return
-        self.cancelled.add(rid)
+        rid = cancel.request_id
+        before = math.inf if cancel.before_attempt is None else cancel.before_attempt  # a failover: older ones
+        self.cancelled[rid] = max(self.cancelled.get(rid, 0), before)
         if len(self.cancelled) > 10_000:
             self.cancelled.clear()
-        await self.sender.cancel(rid, "cancelled")  # a handoff waiting for its ack ends now
-        seq = self.engine.seqs.get(rid)
-        if rid in self.jobs and seq is not None and seq.status is Status.WAITING:  # still prefilling
+        await self.cancel_older(rid, before)
+
+    async def cancel_older(self, rid: str, before: float) -> None:
+        """End this worker's work for the request's placements before attempt `before`: a
+        handoff waiting for its ack ends now (KVEnd not ok; its blocks are freed as it ends), a
+        prompt still being prefilled is aborted."""
+        held = self.sender.handoffs.get(rid)
+        if held is not None and held.job.attempt < before:
+            await self.sender.cancel(rid, "cancelled")
+        entry, seq = self.jobs.get(rid), self.engine.seqs.get(rid)
+        if entry is not None and entry[0].attempt < before and seq is not None and seq.status is Status.WAITING:
             await self.host.call(self.engine.abort, rid)
             entry = self.jobs.pop(rid, None)
             if entry is None:  # its last pass finished meanwhile: the handoff owns it, ends on the cancel
@@ -260,7 +282,6 @@ class PrefillWorker:
             span.add_event("cancelled")
             span.end()
             await self.ack_job(rid)
-
 
 def main() -> None:
     settings = PrefillSettings()

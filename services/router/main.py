@@ -35,7 +35,7 @@ import math
 import time
 import uuid
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -217,8 +217,9 @@ class Router:
         key = f"{req.request_id}#{req.attempt}" if req.attempt else req.request_id  # a failover places anew
         lease_s = 2 * self.settings.admit_timeout_s + 1.0
         pool = await self.pool(req.model)
-        # the engine always computes the last prompt token: only the blocks before it can hit
-        hashes = block_hashes(req.prompt_token_ids[:-1], pool.block_size)
+        # the engine always computes the last prompt token: only the blocks before it can hit (a
+        # failover's prompt is the prompt and the tokens streamed before it)
+        hashes = block_hashes([*req.prompt_token_ids, *req.generated_token_ids][:-1], pool.block_size)
         asked = time.perf_counter()
         while True:
             claimed, known, held, session_worker = await self.begin(key, lease_s, hashes, req.session_id)
@@ -276,7 +277,7 @@ class Router:
         waits = Waits()
         for decode in self.rank(req, pool, cached, session_worker, chosen_before):
             placement = self.plan(req, decode, pool, cached)
-            if placement.prefill is not None:  # remote: the prefill pool's queue may be too long already
+            if placement.prefill is not None and not req.attempt:  # remote: the pool's queue may be too long
                 admit_ok, retry_after, why_not = policy.within_objective(
                     policy.predicted_prefill_s(placement.prefill, len(req.prompt_token_ids)), self.settings.ttft_slo_s)
                 if not admit_ok:
@@ -308,12 +309,17 @@ class Router:
 
     def plan(self, req: RouteRequest, decode: WorkerInfo, pool: Pool, cached: dict[str, tuple[int, int]]
              ) -> Placement:
-        """Where the prompt is prefilled if `decode` takes the request."""
-        if req.generated_token_ids:  # failover: the new decode worker rebuilds the KV of prompt + generated itself
-            return Placement(decode, "local", f"resumed after {len(req.generated_token_ids)} tokens "
-                                              f"(attempt {req.attempt})", "resumed")
-        return self.place_prefill(len(req.prompt_token_ids), decode, pool.prefills, cached,
-                                  cached.get(decode.worker_id, (0, 0))[0] * pool.block_size)
+        """Where the prompt is prefilled if `decode` takes the request. A failover's prompt is
+        the prompt and the tokens streamed before it: placed like a new request's, so a prefill
+        worker computes it (the one that prefilled the prompt holds it in its cache, and then
+        computes only the tokens streamed since) and `decode` continues from its KV."""
+        generated = req.generated_token_ids
+        placement = self.place_prefill(len(req.prompt_token_ids) + len(generated), decode, pool.prefills, cached,
+                                       cached.get(decode.worker_id, (0, 0))[0] * pool.block_size)
+        if not generated:
+            return placement
+        return replace(placement, kind="resumed", reason=f"resumed after {len(generated)} tokens "
+                                                         f"(attempt {req.attempt}): {placement.reason}")
 
     async def try_admit(self, req: RouteRequest, key: str, lease_s: float, placement: Placement, waits: Waits
                         ) -> bool:

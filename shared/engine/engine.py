@@ -177,25 +177,28 @@ class Engine:
         seq = self.seqs[request_id]
         if seq.status is not Status.PARKED:
             raise ValueError(f"{request_id}: only a parked sequence can be exported ({seq.status})")
-        prompt = seq.token_ids[:seq.num_prompt]
-        table = seq.block_table[:self.blocks.blocks_needed(seq.num_prompt)]
-        hashes = seq.full_block_hashes(self.cfg.block_size, seq.num_prompt)
+        prompt = seq.token_ids[:seq.num_prefill]
+        table = seq.block_table[:self.blocks.blocks_needed(seq.num_prefill)]
+        hashes = seq.full_block_hashes(self.cfg.block_size, seq.num_prefill)
         ids = torch.tensor(table[first_block:], dtype=torch.long, device=self.runner.device)
         gather = lambda layer: self.runner.ops.gather_blocks(self.runner.kv[layer], ids)  # noqa: E731
         return KVExport(request_id, self.fingerprint, prompt, hashes,
                         first_block, len(table) - first_block, self.model_config.num_layers, gather)
 
     # -- decode side of a transfer ---------------------------------------------------------
-    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Reservation:
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                generated_token_ids: list[int] | tuple[()] = ()) -> Reservation:
         """Set aside blocks for a sequence whose KV will arrive; reuses the local prefix cache.
+        `generated_token_ids`: a failover's tokens generated before it, prefilled on the other
+        side with the prompt (their KV arrives too; they count as generated here).
 
         Raises OutOfBlocks when this engine cannot take it (the router picks another)."""
         active = sum(s.status is not Status.FINISHED for s in self.seqs.values())
         if active >= self.cfg.max_num_seqs:
             raise OutOfBlocks(f"{active} sequences already at max_num_seqs")
-        seq = self._new_sequence(request_id, prompt_token_ids, params, False)
+        seq = self._new_sequence(request_id, prompt_token_ids, params, False, generated_token_ids)
         try:
-            seq.block_table, seq.num_cached = self.blocks.allocate(seq.token_ids, seq.num_prompt)
+            seq.block_table, seq.num_cached = self.blocks.allocate(seq.token_ids, seq.num_prefill)
         except OutOfBlocks:
             del self.seqs[request_id]
             raise
@@ -233,7 +236,7 @@ class Engine:
         seq = self.seqs[request_id]
         if seq.status is not Status.IMPORTING:
             raise ValueError(f"{request_id}: not reserved for import ({seq.status})")
-        seq.num_computed = seq.num_prompt
+        seq.num_computed = seq.num_prefill
         self._commit_blocks(seq)
         self.scheduler.join_running(seq)
         out = self._append_token(seq, first_token)
@@ -256,7 +259,7 @@ class Engine:
             if stream is None:
                 continue
             end = seq.num_computed + n
-            upto = -(-end // bs) if end == seq.num_prompt else end // bs  # full blocks, or the prompt's end
+            upto = -(-end // bs) if end == seq.num_prefill else end // bs  # full blocks, or the prefill's end
             if upto > stream.sent_upto:
                 pieces.append((seq.request_id, stream.sent_upto, seq.block_table[stream.sent_upto:upto], stream.sink))
                 stream.sent_upto = upto
@@ -291,7 +294,8 @@ class Engine:
             raise ValueError("nothing left to generate: generated_token_ids reach max_tokens")
         if any(not 0 <= t < self.model_config.vocab_size for t in (*prompt, *generated)):
             raise ValueError("prompt has token ids outside the vocabulary")
-        seq = Sequence(request_id, [*prompt, *generated], len(prompt), params, prefill_only=prefill_only)
+        seq = Sequence(request_id, [*prompt, *generated], len(prompt), params, prefill_only=prefill_only,
+                       num_prefill=total)
         seq.seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         if self.tokenizer is not None:
             seq.text = TextStream(self.tokenizer, len(prompt), params.stop)

@@ -68,6 +68,9 @@ class Sequence:
     seed: int = 0                  # params.seed, or drawn by the engine when unset
     hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks, grown as they fill
     num_committed_blocks: int = 0  # leading blocks already entered in the prefix index
+    # tokens known at admission: the prompt and, after a failover, the tokens generated before
+    # it; they are prefilled together, and their KV is what crosses the boundary
+    num_prefill: int = 0
 
     def full_block_hashes(self, block_size: int, num_tokens: int) -> list[int]:
         """Hashes of the full blocks among the first `num_tokens` (each computed once)."""

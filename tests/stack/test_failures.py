@@ -136,9 +136,10 @@ def _two_decode_workers(tmp_path) -> StackConfig:
 
 def test_a_decode_worker_killed_mid_stream_is_continued_on_another(smollm2, tmp_path):
     """kill -9 of the decode worker serving a stream after 8 tokens: the gateway sees its lease
-    lapse, the request is placed again with those 8 tokens, the other decode worker prefills
-    prompt + 8 and continues. The client's stream equals the in-process engine's greedy
-    output token for token (none repeated, none missing) and its text is whole."""
+    lapse, the request is placed again with those 8 tokens like a new request — the prefill
+    worker computes prompt + 8 and hands its KV to the other decode worker, which continues.
+    The client's stream equals the in-process engine's greedy output token for token (none
+    repeated, none missing), its text is whole, and every pool is whole afterwards."""
     messages = [{"role": "user", "content": "List the planets of the solar system with one fact each."}]
     expected = _greedy_40(smollm2, messages)
     cfg = _two_decode_workers(tmp_path)
@@ -161,11 +162,16 @@ def test_a_decode_worker_killed_mid_stream_is_continued_on_another(smollm2, tmp_
                     killed = time.monotonic()
         survivor = ({"decode-0", "decode-1"} - {victim}).pop()
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:   # the registry shows the pool within a heartbeat or two
-            info = json.loads(store.get(f"pd:worker:{survivor}"))
-            if info["free_blocks"] == info["total_blocks"]:
+        while time.monotonic() < deadline:   # the registry shows the pools within a heartbeat or two
+            info, prefill = (json.loads(store.get(f"pd:worker:{w}")) for w in (survivor, "prefill-0"))
+            if info["free_blocks"] == info["total_blocks"] and prefill["free_blocks"] == prefill["total_blocks"]:
                 break
             time.sleep(0.1)
+        events = [json.loads(e) for e in store.lrange(f"pd:req:{rid}:log", 0, -1)]
+    resumed = [e for e in events if e["event"] == "routed" and e["attempt"] == 1]
+    assert resumed and resumed[0]["mode"] == "remote" and resumed[0]["prefill"] == "prefill-0", events
+    assert not [e for e in events if e["event"] == "prefill_local"], events  # no recompute on a decode worker
+    assert prefill["free_blocks"] == prefill["total_blocks"], prefill
     assert ids == expected, (len(ids), len(expected))
     assert text == smollm2.tokenizer.decode(expected)
     assert info["free_blocks"] == info["total_blocks"] and info["running"] == 0

@@ -40,10 +40,10 @@ def _blocks(store, worker: str) -> tuple[int, int, int]:
 
 def test_a_hung_decode_step_is_moved_by_the_supervisor_and_the_stream_stays_exact(stack, smollm2, otlp):
     """decode-0's step hangs after 24 tokens while it heartbeats on: the supervisor sees the
-    request's decoding deadline pass and tells the gateway, which moves it to decode-1 (a
-    local prefill of prompt + 25 tokens). The stream equals the in-process engine's; the
-    timeline and the trace tell the story (failover event, a second route in local mode whose
-    decode.generate has no KV transfer)."""
+    request's decoding deadline pass and tells the gateway, which moves it to decode-1: the
+    prefill worker computes prompt + 25 tokens (the prompt from its cache) and hands the KV
+    over. The stream equals the in-process engine's; the timeline and the trace tell the story
+    (failover event, a second route in remote mode whose decode.generate receives the KV)."""
     messages = [{"role": "user", "content": "Write a short story about a fox and a crow."}]
     tok = smollm2.tokenizer
     prompt = tok.encode(tok.apply_chat_template(messages))
@@ -72,7 +72,8 @@ def test_a_hung_decode_step_is_moved_by_the_supervisor_and_the_stream_stays_exac
     stack.procs[hung].send_signal(signal.SIGKILL)   # its drain would wait on the hung step forever
     assert ids == expected, (len(ids), len(expected))
     assert events[:2] == ["received", "routed"] and "stalled" in events
-    assert events[-4:] == ["failover#1", "routed#1", "decoding#1", "finished#1"], timeline
+    assert events[-6:] == ["failover#1", "routed#1", "prefilling#1", "transferring#1", "decoding#1",
+                           "finished#1"], timeline
     assert "why=stalled in decoding lost=decode-0" in timeline and "decode=decode-1" in timeline
     free, total, running = _blocks(store, survivor)
     assert free == total and running == 0
@@ -82,11 +83,11 @@ def test_a_hung_decode_step_is_moved_by_the_supervisor_and_the_stream_stays_exac
     failover = [attrs for name, attrs in root.events if name == "failover"]
     assert failover and failover[0]["why"] == "stalled in decoding" and failover[0]["attempt"] == 1, root.events
     routes = sorted((s for s in spans if s.name == "router.route"), key=lambda s: s.attributes["attempt"])
-    assert [(r.attributes["attempt"], r.attributes["mode"]) for r in routes] == [(0, "remote"), (1, "local")]
+    assert [(r.attributes["attempt"], r.attributes["mode"]) for r in routes] == [(0, "remote"), (1, "remote")]
     assert routes[1].attributes["decode_worker"] == "decode-1"
     resumed = [s for s in spans if s.name == "decode.generate" and by_id[s.parent_id] is routes[1]]
     assert len(resumed) == 1 and resumed[0].service == "pdserve-decode"
-    assert not [s for s in spans if s.name == "kv.receive" and s.parent_id == resumed[0].span_id]  # local prefill
+    assert [s for s in spans if s.name == "kv.receive" and s.parent_id == resumed[0].span_id]  # the KV came over
     assert resumed[0].attributes["output_tokens"] == 40
     stall = max(gaps)
     assert 2 <= stall < 10, stall   # stall_s, a supervisor round, the re-prefill (the token timeout is 120 s)

@@ -70,6 +70,24 @@ def test_seeded_sampling_is_reproducible_across_a_transfer(tiny):
     assert first.new_token_ids + tokens(run_all(dst)["s"]) == colocated
 
 
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+    SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, top_k=50, seed=7, ignore_eos=True)],
+    ids=["greedy", "seeded"])
+def test_a_failover_prefilled_on_another_engine_continues_exactly(tiny, params):
+    """A stream moved after 9 tokens: another engine prefills prompt + those tokens, its KV goes
+    to a third, which continues — the first token at index 9, the rest as if never moved."""
+    prompt = prompts(1, lo=40, hi=40, seed=5)["r0"]
+    reference = generate(tiny, {"s": prompt}, params)["s"]
+    src, dst = Engine(tiny, EngineConfig(num_blocks=32)), Engine(tiny, EngineConfig(num_blocks=32))
+    first = transfer(src, dst, "s", prompt, params, generated=reference[:9])
+    assert first.num_generated_tokens == 10  # the tokens before count as generated
+    rest = run_all(dst)["s"]
+    assert first.new_token_ids + tokens(rest) == reference[9:]
+    assert rest[-1].finished and rest[-1].num_generated_tokens == params.max_tokens
+    assert src.num_free_blocks == dst.num_free_blocks == 32
+
+
 def test_top_k_one_is_greedy(tiny):
     p = prompts(1, seed=9)
     greedy = generate(tiny, p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
