@@ -243,8 +243,8 @@ class PrefillWorker:
             metrics.KV_SECONDS.observe(time.monotonic() - self.finishing.pop(rid, time.monotonic()))
             if not acked:
                 metrics.KV_FAILURES.inc()
+            await self.ack_job(rid)  # before the free: a later attempt's job waits for the free (take_jobs)
             await self.host.call(self.engine.free, rid)
-            await self.ack_job(rid)
 
     def end_kv_span(self, rid: str, acked: bool, error: str = "", **attributes) -> None:
         span = self.kv_spans.pop(rid, None)
