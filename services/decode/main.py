@@ -8,7 +8,8 @@
    on the chosen prefill worker's queue (JetStream), then waits for the KV; mode "local"
    queues the whole prompt here (colocated, or the fallback). No room →
    refuse, so the router tries another worker before any prefill work is spent. A repeated
-   admit of a request gets the first reply again.
+   admit of a request gets the first reply again. Each admit is its own task (a burst, such as
+   a failover's, is answered in one engine step, not one step each).
 3. KV arrives layer by layer while the prefill runs (shared/kv/receiver.py): a KVLayer notice
    on `pd.decode.<id>.kv` (NATS), then its payload over UCX, received only once the notice is
    here; fingerprint, layout and every block's checksum are checked before the blocks are
@@ -94,12 +95,14 @@ class DecodeWorker:
         self.advanced: set[str] = set()     # ... since the last heartbeat (their deadlines move on)
         self.chunks = ChunkLog()            # what was published, for gateways that lost some
         self.queueing = Background(log, "prefill job")  # jobs being put on prefill workers' queues
+        self.admits = Background(log, "admit")          # admits being answered (each its own task)
+        self.admitting: dict[tuple[str, int], asyncio.Future] = {}  # (request, attempt) being reserved
 
     def info(self) -> WorkerInfo:
         return self.core.info()
 
     async def serve(self, stop: asyncio.Event) -> None:
-        await self.bus.subscribe(subjects.decode_admit(self.id), self.on_admit)
+        await self.bus.subscribe(subjects.decode_admit(self.id), self.start_admit)
         await self.inbox.start()
         await self.prefix.start()
         await self.bus.subscribe(subjects.decode_control(self.id)["cancel"], self.on_cancel)
@@ -115,6 +118,7 @@ class DecodeWorker:
         await stop.wait()
         self.core.draining = True
         await self.state.heartbeat(self.info(), lease_s=self.settings.lease_s)  # at once: no new admits
+        await asyncio.gather(*self.admits, return_exceptions=True)  # those in flight are answered
         if self.receiving:  # KV still on its way: those sequences join the batch and finish too
             await asyncio.wait(list(self.receiving.values()), timeout=self.settings.kv_timeout_s + 5)
         engine_stop.set()
@@ -130,12 +134,19 @@ class DecodeWorker:
         self.host.close()
 
     # -- admission ---------------------------------------------------------------------------
+    async def start_admit(self, msg: Msg) -> None:
+        """Each admit in its own task: its reservation waits for the engine thread, and admits
+        handled one after another would each wait out an engine step (a failover's burst of
+        admits then took seconds to answer)."""
+        self.admits.start(self.on_admit(msg))
+
     async def on_admit(self, msg: Msg) -> None:
         req = AdmitRequest.decode(msg.data)
         parent = context_of(msg)
         with self.tracer.start_as_current_span("decode.admit", context=parent) as span:
             span.set_attributes({"request_id": req.request_id, "mode": req.mode, "worker": self.id})
-            repeat = (req.request_id, req.attempt) in self.admitted
+            key = (req.request_id, req.attempt)
+            repeat = key in self.admitted or key in self.admitting
             reply = await self.admit(req)
             if reply.ok and req.mode == "remote" and req.prefill_worker and not repeat:
                 self.queueing.start(self.queue_prefill(req, req.prefill_worker, reply, parent))
@@ -151,11 +162,25 @@ class DecodeWorker:
         key = (req.request_id, req.attempt)
         if key in self.admitted:
             return self.admitted[key]
-        reply = await self.reserve(req)
+        if key in self.admitting:  # the same admit in flight (asked again meanwhile): its answer
+            return await asyncio.shield(self.admitting[key])
+        answer = self.admitting[key] = asyncio.get_running_loop().create_future()
+        try:
+            reply = await self.reserve(req)
+        except asyncio.CancelledError:
+            answer.cancel()
+            raise
+        except Exception as e:
+            answer.set_exception(e)
+            answer.exception()  # retrieved here: nobody else may be waiting
+            raise
+        finally:
+            del self.admitting[key]
         if reply.ok:
             self.admitted[key] = reply
             while len(self.admitted) > ADMITTED_KEPT:
                 self.admitted.popitem(last=False)
+        answer.set_result(reply)
         return reply
 
     async def reserve(self, req: AdmitRequest) -> AdmitReply:
