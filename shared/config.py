@@ -44,6 +44,12 @@ class Common(BaseSettings):
     def lease_s(self) -> float:
         return lease_s(self.heartbeat_s)
 
+    @property
+    def absent_s(self) -> float:
+        """How long a worker must be missing from the registry to count as gone: more than a
+        heartbeat (a Redis restarted empty misses everyone until their next one; shared/absence.py)."""
+        return 1.5 * self.heartbeat_s
+
 
 class GatewaySettings(Common):
     gateway_id: str = Field("", description="registry id (default: gateway-<random>)")

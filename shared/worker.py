@@ -8,10 +8,8 @@ from contextlib import AsyncExitStack
 from typing import Literal
 
 import torch
-from opentelemetry import trace
 
 from shared import metrics, tracing
-from shared.bus import Bus
 from shared.config import WorkerSettings
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
@@ -43,10 +41,9 @@ class WorkerCore:
     thread (EngineHost), the prefix-cache changes of each step published to the prefix index,
     and its registry entry, `draining` once it stops taking new work."""
 
-    def __init__(self, role: Literal["prefill", "decode"], settings: WorkerSettings, engine: Engine, bus: Bus,
-                 state: State, transport: KVTransport, tracer: trace.Tracer):
-        self.role, self.settings, self.engine, self.bus, self.state = role, settings, engine, bus, state
-        self.transport, self.tracer = transport, tracer
+    def __init__(self, role: Literal["prefill", "decode"], settings: WorkerSettings, engine: Engine,
+                 state: State, transport: KVTransport):
+        self.role, self.settings, self.engine, self.state, self.transport = role, settings, engine, state, transport
         self.id = worker_id(settings, role)
         self.prefix = PrefixPublisher(state, self.id, lease_s=settings.lease_s,
                                       snapshot=lambda: self.host.call(engine.cached_hashes))
@@ -59,6 +56,11 @@ class WorkerCore:
                            self.transport.address if self.role == "decode" else "",
                            prefill_tokens_per_s=self.host.prefill_tokens_per_s, draining=self.draining,
                            step_s=self.host.step_s, prefix_slot=self.prefix.slot)
+
+    async def drain(self) -> None:
+        """Take no new work: the registry entry says `draining` at once, not at the next heartbeat."""
+        self.draining = True
+        await self.state.heartbeat(self.info(), lease_s=self.settings.lease_s)
 
 
 def worker_info(engine: Engine, wid: str, role: str, settings: WorkerSettings, ucx_address: str = "",
@@ -83,8 +85,8 @@ async def serve_worker(role: str, settings: WorkerSettings, worker_cls) -> None:
         stop = stop_event()
         bus, state = await connect(stack, settings, role)
         transport = create_transport("ucx", settings.ucx_progress_mode,
-                         Faults(settings.kv_fault_corrupt_rate, settings.kv_fault_corrupt_attempts,
-                                settings.kv_fault_delay_s), settings.ucx_error_handling)
+                                     Faults(settings.kv_fault_corrupt_rate, settings.kv_fault_corrupt_attempts,
+                                            settings.kv_fault_delay_s), settings.ucx_error_handling)
         stack.push_async_callback(transport.close)
         await worker_cls(settings, engine, bus, state, transport, tracer).serve(stop)
     tracing.shutdown()

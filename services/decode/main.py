@@ -81,7 +81,7 @@ ADMITTED_KEPT = 10_000
 class DecodeWorker:
     def __init__(self, settings: DecodeSettings, engine: Engine, bus: Bus, state: State,
                  transport: KVTransport, tracer: trace.Tracer):
-        self.core = WorkerCore("decode", settings, engine, bus, state, transport, tracer)
+        self.core = WorkerCore("decode", settings, engine, state, transport)
         self.settings, self.engine, self.bus, self.state = settings, engine, bus, state
         self.transport, self.tracer = transport, tracer
         self.id, self.prefix, self.host = self.core.id, self.core.prefix, self.core.host
@@ -116,8 +116,7 @@ class DecodeWorker:
         resync = asyncio.create_task(after_reconnects(self.bus, self.settings.heartbeat_s, self.inbox.sync))
         log.info("decode worker %s ready: %d KV blocks", self.id, self.engine.num_blocks)
         await stop.wait()
-        self.core.draining = True
-        await self.state.heartbeat(self.info(), lease_s=self.settings.lease_s)  # at once: no new admits
+        await self.core.drain()  # no new admits
         await asyncio.gather(*self.admits, return_exceptions=True)  # those in flight are answered
         if self.receiving:  # KV still on its way: those sequences join the batch and finish too
             await asyncio.wait(list(self.receiving.values()), timeout=self.settings.kv_timeout_s + 5)
@@ -310,9 +309,9 @@ class DecodeWorker:
             waiting.cancel()
 
     async def lease_held(self, worker: str) -> bool:
-        """Whether `worker` holds its lease: looked at again after 1.5 heartbeats when missing
+        """Whether `worker` holds its lease: looked at again after `absent_s` when missing
         (shared/absence.py); Redis unreachable is no verdict."""
-        absence = Absence(1.5 * self.settings.heartbeat_s)
+        absence = Absence(self.settings.absent_s)
         while True:
             try:
                 present = await self.state.alive(worker)

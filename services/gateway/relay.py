@@ -68,7 +68,7 @@ class Relay:
     def for_gateway(cls, settings: GatewaySettings, bus: Bus, state: State, owner: str) -> Relay:
         """The relay a gateway's settings describe: leases read from, and events noted in, `state`."""
         return cls(bus, settings.route_timeout_s, settings.token_timeout_s, alive=state.alive,
-                   check_s=settings.failover_check_s, confirm_s=1.5 * settings.heartbeat_s,
+                   check_s=settings.failover_check_s, confirm_s=settings.absent_s,
                    placement_retry_s=settings.placement_retry_s, note=state.note, owner=owner)
 
     async def run(self, req: RouteRequest) -> tuple[RouteReply, AsyncIterator[TokenChunk]]:
@@ -128,7 +128,7 @@ class Relay:
         """Chunks in `seq` order, once each (reorder.py). Silence, a gap that stays open, or the
         supervisor's word moves the request (`recover`). Its end goes to Redis and, unless it
         finished, a cancel to every worker it was placed on."""
-        stream = Stream(placement, req.attempt, self.watch())
+        stream = Stream(placement, req.attempt, self.liveness())
         stream.holders.add(placement.decode_worker, placement.prefill_worker)
         outcome, reason = "cancelled", "client gone"
         try:
@@ -139,7 +139,7 @@ class Relay:
                     item = None
                 await self.recover(req, stream, item)
                 if isinstance(item, TokenChunk):
-                    stream.watch.silent_since = time.monotonic()
+                    stream.liveness.silent_since = time.monotonic()
                     if item.error:
                         raise APIError(503, f"The request failed: {item.error}", code="worker_error")
                     for chunk in stream.order.add(item):
@@ -162,11 +162,11 @@ class Relay:
         lost on the bus are asked of the decode worker again (up to MAX_REPLAYS); a lost or
         stalled worker, or chunks it cannot replay, move the request (cancelled where it was,
         placed again after its last streamed token)."""
-        why = await self.interrupted(item, stream.placement, stream.attempt, stream.order.gap, stream.watch)
+        why = await self.interrupted(item, stream.placement, stream.attempt, stream.order.gap, stream.liveness)
         if why == "stream interrupted" and stream.replays < MAX_REPLAYS and await self.replay(
                 req.request_id, stream.placement, stream.order.next_seq, stream.attempt):
             stream.replays += 1
-            stream.watch = self.watch()
+            stream.liveness = self.liveness()
             return
         if why:
             # the old placement may still run (chunks lost on the bus, a lease that lapsed
@@ -178,10 +178,10 @@ class Relay:
                                                    why)
             stream.holders.add(stream.placement.decode_worker, stream.placement.prefill_worker)
             stream.order.forget_waiting()
-            stream.watch, stream.replays = self.watch(), 0
+            stream.liveness, stream.replays = self.liveness(), 0
 
     async def interrupted(self, item: TokenChunk | Stalled | None, placement: RouteReply, attempt: int,
-                          gap: bool, watch: Liveness) -> str:
+                          gap: bool, liveness: Liveness) -> str:
         """Why the request must move now ("" when it need not): its worker lost, its chunks
         lost on the bus, or stalled (the supervisor's word about this placement). Called
         with each chunk or word, and with None after `check_s` of silence."""
@@ -189,12 +189,12 @@ class Relay:
             return f"stalled in {item.phase}" if item.attempt == attempt else ""
         if item is not None:
             return ""
-        if time.monotonic() - watch.silent_since > self.token_timeout_s:
+        if time.monotonic() - liveness.silent_since > self.token_timeout_s:
             raise APIError(504, f"No token for {self.token_timeout_s:.0f} s; the request was cancelled.",
                            code="timeout")
-        if watch.absence.gone("decode", not await self.absent(placement), time.monotonic()):
+        if liveness.absence.gone("decode", not await self.absent(placement), time.monotonic()):
             return "worker lost"
-        if gap or self.reconnects() != watch.reconnects:
+        if gap or self.reconnects() != liveness.reconnects:
             return "stream interrupted"
         return ""
 
@@ -213,9 +213,10 @@ class Relay:
                 await asyncio.sleep(min(0.25, left))
             except nats.errors.TimeoutError:
                 break
-        ok = reply is not None and reply.ok
-        chunks, why_not = (reply.chunks, "") if reply is not None and reply.ok else \
-            (0, reply.reason if reply else "no answer")
+        if reply is not None and reply.ok:
+            ok, chunks, why_not = True, reply.chunks, ""
+        else:
+            ok, chunks, why_not = False, 0, reply.reason if reply else "no answer"
         log.info("%s: chunks from %d lost on the bus; %s", rid, from_seq,
                  f"{placement.decode_worker} published {chunks} again" if ok
                  else f"{placement.decode_worker} cannot replay them ({why_not})")
@@ -225,7 +226,7 @@ class Relay:
         trace.get_current_span().add_event("replay", {"from_seq": from_seq, "ok": ok, "chunks": chunks})
         return ok
 
-    def watch(self) -> Liveness:
+    def liveness(self) -> Liveness:
         """A placement's signs of life from now on."""
         return Liveness(time.monotonic(), self.reconnects(), Absence(self.confirm_s))
 
@@ -277,7 +278,7 @@ class Stream:
 
     placement: RouteReply
     attempt: int
-    watch: Liveness
+    liveness: Liveness
     replays: int = 0                                       # asked of this placement so far
     order: Reorder = field(default_factory=Reorder)        # its chunks in order
     holders: Holders = field(default_factory=Holders)      # every placement's workers: a cancel goes to them alone

@@ -62,7 +62,7 @@ FRESH_JOB_S = 5.0
 class PrefillWorker:
     def __init__(self, settings: PrefillSettings, engine: Engine, bus: Bus, state: State,
                  transport: KVTransport, tracer: trace.Tracer):
-        self.core = WorkerCore("prefill", settings, engine, bus, state, transport, tracer)
+        self.core = WorkerCore("prefill", settings, engine, state, transport)
         self.settings, self.engine, self.bus, self.state = settings, engine, bus, state
         self.transport, self.tracer = transport, tracer
         self.id, self.prefix, self.host = self.core.id, self.core.prefix, self.core.host
@@ -71,7 +71,7 @@ class PrefillWorker:
         self.sender = KVSender(transport, bus, self.id, engine.fingerprint, self.read_blocks,
                                settings.kv_max_attempts, settings.kv_transfer_encoding, settings.kv_piece_bytes)
         self.cancelled: dict[str, float] = {}  # request -> its placements before this attempt are cancelled
-        self.handoffs: dict[str, asyncio.Task] = {}  # by request: its handoff here, until it ends
+        self.handoffs: set[asyncio.Task] = set()
         self.unacked: dict[str, Msg] = {}  # jobs taken and not yet acked
         self.finishing: dict[str, float] = {}  # when each handoff's last layer was computed
 
@@ -92,16 +92,15 @@ class PrefillWorker:
         resync = asyncio.create_task(after_reconnects(self.bus, self.settings.heartbeat_s, self.sender.resync))
         log.info("prefill worker %s ready", self.id)
         while not stop.is_set() or self.jobs or self.handoffs:
-            if stop.is_set() and not self.core.draining:  # at once: the router sends no more jobs here
-                self.core.draining = True
-                await self.state.heartbeat(self.info(), lease_s=self.settings.lease_s)
+            if stop.is_set() and not self.core.draining:  # the router sends no more jobs here
+                await self.core.drain()
             if not stop.is_set() and len(self.jobs) < self.settings.max_jobs:
                 await self.take_jobs(pull, wait_s=0.005 if self.jobs else 0.5)
             if self.engine.has_work():
                 for out in await self.host.step():
                     await self.on_first_token(out)
             elif self.handoffs:
-                await asyncio.wait(self.handoffs.values(), timeout=0.05)
+                await asyncio.wait(self.handoffs, timeout=0.05)
         keepalive.cancel()
         resync.cancel()
         try:  # a pull subscription left to the connection's drain holds it for the whole drain timeout
@@ -213,12 +212,8 @@ class PrefillWorker:
                         decode=job.decode_worker)
         self.finishing[out.request_id] = time.monotonic()
         task = asyncio.create_task(self.handoff(job, out.new_token_ids[0]))
-        self.handoffs[out.request_id] = task
-
-        def ended(t: asyncio.Task, rid: str = out.request_id) -> None:
-            if self.handoffs.get(rid) is t:
-                del self.handoffs[rid]
-        task.add_done_callback(ended)
+        self.handoffs.add(task)
+        task.add_done_callback(self.handoffs.discard)
 
     async def handoff(self, job: PrefillJob, first_token: int) -> None:
         """The lease: the blocks stay until the decode side answers (or time runs out)."""

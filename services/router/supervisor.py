@@ -4,7 +4,7 @@ whose gateway is gone. One round every `supervise_s`:
 1. Lost gateways: a gateway with requests filed under it (`pd:owned:<gw>`) whose lease has
    been gone for `confirm_s`. Nobody reads those requests' tokens: each is cancelled on
    every worker its events name (its blocks return on both) and recorded `failed`.
-2. Overdue requests (`pd:deadlines`): the request's events give its status and the registry
+2. Overdue requests (`pd:deadlines`): the request's events give its summary and the registry
    its workers' leases; lifecycle.verdict decides. Stalled (workers alive, no progress: a
    hung step, a job that never ran) → a `Stalled` word on `pd.stalled.<rid>` to the gateway
    holding the stream, which moves the request as from a lost worker. The deadline moves on
@@ -38,7 +38,7 @@ class Supervisor:
                  registered: Callable[[], Awaitable[list[WorkerInfo]]] | None = None):
         self.bus, self.state, self.id = bus, state, router_id
         self.registered = registered or state.workers   # the router's copy of the registry, kept fresh
-        self.stall_s, self.confirm_s = stall_s, confirm_s
+        self.stall_s = stall_s
         self.absence = Absence(confirm_s)   # gateways seen without a lease
 
     async def run(self, stop: asyncio.Event, period_s: float) -> None:
