@@ -57,10 +57,11 @@ class Bus:
 
     async def queue_prefill(self, prefill_worker: str, job: PrefillJob, ctx: context.Context | None = None) -> None:
         """Put a job on that prefill worker's queue (awaits the stream's ack); a second job for
-        the same placement (request and attempt) is dropped by the stream (JetStream
-        de-duplication by message id)."""
+        the same handoff (request, attempt and KV tag: a repeated admit) is dropped by the
+        stream (JetStream de-duplication by message id)."""
+        msg_id = f"prefill:{job.request_id}:{job.attempt}:{job.kv_tag}"
         await self.js.publish(subjects.prefill_jobs(prefill_worker), job.encode(),
-                              headers={**tracing.inject(ctx), "Nats-Msg-Id": f"prefill:{job.request_id}:{job.attempt}"})
+                              headers={**tracing.inject(ctx), "Nats-Msg-Id": msg_id})
 
     async def ensure_prefill_stream(self) -> None:
         """The work queue of prefill jobs: each job is delivered to one consumer, kept until acked;

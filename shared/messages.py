@@ -62,6 +62,26 @@ class RouteRequest(Message):
     avoid_workers: list[str] = []   # decode workers to try last (the one this request stalled on)
 
 
+class Requeue(Message):
+    """decode worker → router, request/reply: the prefill worker computing this request's KV
+    is gone (its lease lapsed). Which other prefill worker computes it now, for this decode
+    worker's reservation? Answered with Requeued."""
+
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    decode_worker: str
+    lost_workers: list[str]               # prefill workers not to ask (gone)
+    generated_token_ids: list[int] = []   # a failover's placement: tokens streamed before it
+    attempt: int = 0
+
+
+class Requeued(Message):
+    request_id: str
+    prefill_worker: str | None = None     # None: prefill on the decode worker (no other fits)
+    reason: str = ""
+
+
 # -- to the gateway -----------------------------------------------------------------------
 class RouteReply(Message):
     request_id: str

@@ -54,6 +54,9 @@ STEP_SECONDS = Histogram("pd_engine_step_seconds", "Engine steps", ["role", "kin
 REPLAYED_CHUNKS = Counter("pd_replayed_chunks", "Token chunks published again for a gateway that lost them")
 PROMPT_TOKENS = Counter("pd_prompt_tokens", "Prompt tokens prefilled (cached ones included)", ["role"])
 CACHED_TOKENS = Counter("pd_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache", ["role"])
+DECODE_PREFILLS = Counter("pd_decode_prefills", "Prompts prefilled on a decode worker, by why",
+                          ["why"])  # placed (colocated, short), resumed (failover, no prefill worker), fallback
+REQUEUED_JOBS = Counter("pd_requeued_prefill_jobs", "Prefill jobs of a lost prefill worker put on another's queue")
 
 # -- KV transfer (prefill side: sent; decode side: received) -------------------------------------
 KV_BYTES = Counter("pd_kv_transfer_bytes", "KV bytes sent to decode workers", ["transport"])

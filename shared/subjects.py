@@ -1,6 +1,7 @@
 """Every NATS subject and stream name, in one place. Names are `pd.<component>.<verb>`."""
 
 ROUTE = "pd.router.route"                       # gateway -> router, request/reply
+REQUEUE = "pd.router.requeue"                   # decode -> router, request/reply: a lost prefill worker's job
 ROUTER_QUEUE = "router"                         # queue group: router replicas share the load
 
 PREFILL_STREAM = "PD_PREFILL"                   # JetStream work queue of prefill jobs

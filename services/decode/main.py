@@ -16,10 +16,13 @@
    written into the reservation (a corrupt block is asked for again; after a reconnect of the
    bus, waiting receivers ask for lost notices with KVSync). KVEnd brings the first
    token; once every block of every layer is in, the sequence joins the batch and the prefill
-   worker gets its ack (`pd.prefill.<p>.kv.ack`) and frees its copy. KV late, refused or still bad,
-   or the prefill worker's lease lapsed (checked every heartbeat while waiting) → drop the
+   worker gets its ack (`pd.prefill.<p>.kv.ack`) and frees its copy. The prefill worker's lease
+   lapsed (checked every heartbeat while waiting) → a router names another prefill worker
+   (`pd.router.requeue`), the job goes on its queue for the same reservation, and the wait
+   starts again. KV late, refused or still bad, or no other prefill worker → drop the
    reservation, mark the request `prefill_local` in Redis, and prefill locally (no gap for the
-   client: chunks carry sequence numbers, the gateway drops duplicates).
+   client: chunks carry sequence numbers, the gateway drops duplicates); the prefill worker
+   gets KVAck(not ok) and stops computing it.
 4. Loop: step the engine; publish each output as a TokenChunk on `pd.tokens.<rid>`, and keep
    it (services/decode/chunk_log.py): a gateway that lost chunks on the bus (a NATS restart)
    asks for them again on `pd.decode.<id>.replay` instead of moving the request.
@@ -38,6 +41,7 @@ import random
 import time
 from collections import OrderedDict
 
+import nats.errors
 from nats.aio.msg import Msg
 from opentelemetry import context, trace
 
@@ -61,6 +65,8 @@ from shared.messages import (
     PrefillJob,
     Replay,
     ReplayReply,
+    Requeue,
+    Requeued,
     TokenChunk,
     WorkerInfo,
 )
@@ -147,8 +153,9 @@ class DecodeWorker:
             key = (req.request_id, req.attempt)
             repeat = key in self.admitted or key in self.admitting
             reply = await self.admit(req)
-            if reply.ok and req.mode == "remote" and req.prefill_worker and not repeat:
-                self.queueing.start(self.queue_prefill(req, req.prefill_worker, reply, parent))
+            rx = self.inbox.receivers.get(req.request_id)
+            if reply.ok and req.mode == "remote" and rx is not None and not repeat:
+                self.queueing.start(self.queue_prefill(req, rx, parent))
             span.set_attributes({"ok": reply.ok, "reason": reply.reason, "first_block": reply.first_block})
             if reply.ok:
                 self.spans[req.request_id] = self.tracer.start_span("decode.generate", context=parent, attributes={
@@ -188,19 +195,23 @@ class DecodeWorker:
             return AdmitReply(request_id=rid, ok=False, reason="draining")
         try:
             if req.mode == "local":
-                await self.prefill_locally(req)
+                await self.prefill_locally(req, "resumed" if req.generated_token_ids else "placed")
                 return AdmitReply(request_id=rid, ok=True, reason="local prefill")
             res = await self.host.call(self.reserve_on_engine, req, params)
         except OutOfBlocks as e:
             return AdmitReply(request_id=rid, ok=False, reason=f"no room: {e}")
         except ValueError as e:
             return AdmitReply(request_id=rid, ok=False, reason=str(e))
-        kv_tag = random.getrandbits(63 - TAG_SPAN.bit_length()) * TAG_SPAN  # the sender numbers within
-        self.inbox.add(KVReceiver.for_engine(self.engine, res, kv_tag, self.transport, self.bus,
-                                             self.settings.kv_max_attempts, prefill_worker=req.prefill_worker or ""))
+        rx = self.inbox.add(self.receiver(res, req.prefill_worker or ""))
         self.receiving[rid] = asyncio.create_task(self.receive_kv(req))
         return AdmitReply(request_id=rid, ok=True, first_block=res.first_block, num_blocks=res.num_blocks,
-                          kv_tag=kv_tag)
+                          kv_tag=rx.kv_tag)
+
+    def receiver(self, res: Reservation, prefill_worker: str) -> KVReceiver:
+        """What receives a reservation's KV from `prefill_worker`, under a tag range of its own."""
+        kv_tag = random.getrandbits(63 - TAG_SPAN.bit_length()) * TAG_SPAN  # the sender numbers within
+        return KVReceiver.for_engine(self.engine, res, kv_tag, self.transport, self.bus,
+                                     self.settings.kv_max_attempts, prefill_worker=prefill_worker)
 
     def reserve_on_engine(self, req: AdmitRequest, params: SamplingParams) -> Reservation:
         """On the engine thread, in order with cancels (abort_older): blocks for the KV of the
@@ -209,27 +220,48 @@ class DecodeWorker:
         self.attempts[req.request_id] = req.attempt
         return res
 
-    async def queue_prefill(self, req: AdmitRequest, prefill_worker: str, reply: AdmitReply,
-                            ctx: context.Context) -> None:
-        """The prompt's job on the prefill worker's queue, made here, where the reservation
-        is: the router neither encodes the prompt again nor waits for the stream, and a job
-        that cannot be queued turns into a local prefill now rather than at the KV deadline.
-        Its trace parent is the router's placement, like this admit's."""
+    async def queue_prefill(self, req: AdmitRequest, rx: KVReceiver, ctx: context.Context | None) -> None:
+        """The prompt's job on the queue of the receiver's prefill worker, made here, where the
+        reservation is: the router neither encodes the prompt again nor waits for the stream,
+        and a job that cannot be queued turns into a local prefill now rather than at the KV
+        deadline. Its trace parent is the router's placement, like this admit's."""
         job = PrefillJob(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
                          decode_worker=self.id, decode_address=self.transport.address,
-                         decode_fingerprint=self.engine.fingerprint, first_block=reply.first_block,
-                         kv_tag=reply.kv_tag, generated_token_ids=req.generated_token_ids, attempt=req.attempt)
+                         decode_fingerprint=self.engine.fingerprint, first_block=rx.res.first_block,
+                         kv_tag=rx.kv_tag, generated_token_ids=req.generated_token_ids, attempt=req.attempt)
         try:
-            await self.bus.queue_prefill(prefill_worker, job, ctx)
+            await self.bus.queue_prefill(rx.prefill_worker, job, ctx)
         except Exception as e:  # noqa: BLE001 - NATS or the stream away: prefill here
             log.warning("%s: prefill job not queued (%s); prefilling locally", req.request_id, e)
-            if (rx := self.inbox.receivers.get(req.request_id)) is not None:
-                rx.fail(f"prefill job not queued: {e}")
+            rx.fail(f"prefill job not queued: {e}")
 
-    async def prefill_locally(self, req: AdmitRequest) -> None:
-        """The whole prompt runs here (colocated mode, the fallback from a failed handoff, or a
-        failover placed here with no prefill worker to take it: prompt + the tokens another
-        decode worker generated before it was lost)."""
+    async def requeue(self, req: AdmitRequest, rx: KVReceiver, lost: PrefillWorkerLost) -> KVReceiver:
+        """The prefill worker computing this request's KV is gone: a router picks another one
+        (`Requeue`), which computes the prompt for the same reservation under a new tag range
+        (what the lost worker sent, if anything, is overwritten; a notice from it now is
+        refused). Raises `lost` when no other prefill worker takes it: prefilled here then."""
+        ask = Requeue(request_id=req.request_id, model=self.settings.model_name, prompt_token_ids=req.prompt_token_ids,
+                      decode_worker=self.id, lost_workers=[rx.prefill_worker],
+                      generated_token_ids=req.generated_token_ids, attempt=req.attempt)
+        try:
+            answer = await self.bus.request(subjects.REQUEUE, ask, Requeued, timeout=self.settings.heartbeat_s * 2)
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as e:
+            raise lost from e
+        if not answer.prefill_worker:
+            raise PrefillWorkerLost(f"{lost}; {answer.reason}")
+        log.info("%s: prefill worker %s is gone; its job goes to %s", req.request_id, rx.prefill_worker,
+                 answer.prefill_worker)
+        rx.close()
+        moved = self.inbox.add(self.receiver(rx.res, answer.prefill_worker))
+        await self.queue_prefill(req, moved, None)
+        metrics.REQUEUED_JOBS.inc()
+        return moved
+
+    async def prefill_locally(self, req: AdmitRequest, why: str) -> None:
+        """The whole prompt runs here: placed here (colocated mode, a short prompt), a failover
+        placed here with no prefill worker to take it (`resumed`: prompt + the tokens another
+        decode worker generated before it was lost), or the `fallback` from a failed handoff."""
+        metrics.DECODE_PREFILLS.labels(why).inc()
         def add() -> None:  # on the engine thread, in order with cancels (abort_older)
             self.engine.add_request(req.request_id, req.prompt_token_ids, req.sampling.to_engine(),
                                     generated_token_ids=req.generated_token_ids)
@@ -244,10 +276,16 @@ class DecodeWorker:
         parent = trace.set_span_in_context(self.spans[rid]) if rid in self.spans else None
         with self.tracer.start_as_current_span("kv.receive", context=parent) as span:
             try:
-                first_token = await self.wait_kv(rx, req)
+                while True:
+                    try:
+                        first_token = await self.wait_kv(rx)
+                        break
+                    except PrefillWorkerLost as lost:  # its job to another prefill worker, if any
+                        span.add_event("prefill worker lost", {"prefill_worker": rx.prefill_worker})
+                        rx = await self.requeue(req, rx, lost)
                 out = await self.host.call(self.engine.commit_import, rid, first_token)
-                await self.ack(req, KVAck(request_id=rid, ok=True))
-                await self.report(req, ok=True)
+                await self.ack(rx, KVAck(request_id=rid, ok=True))
+                await self.report(rx, ok=True)
                 span.set_attribute("ok", True)
                 metrics.KV_RECEIVED.inc(rx.bytes_received)
                 if out.finished:
@@ -256,18 +294,18 @@ class DecodeWorker:
             except asyncio.CancelledError:
                 # cancelled (or this worker stops): the prefill side frees its copy now, not when
                 # its lease runs out
-                await self.ack(req, KVAck(request_id=rid, ok=False, error="cancelled"))
+                await self.ack(rx, KVAck(request_id=rid, ok=False, error="cancelled"))
                 raise
             except Exception as e:  # noqa: BLE001 - late, corrupt, refused or mismatched KV: never decode from it
                 reason = "deadline passed" if isinstance(e, asyncio.TimeoutError) else str(e) or type(e).__name__
                 log.warning("%s: KV handoff failed (%s); prefilling locally", rid, reason)
                 span.set_attributes({"ok": False, "error": reason})
                 rx.close()
-                await self.ack(req, KVAck(request_id=rid, ok=False, error=reason))
+                await self.ack(rx, KVAck(request_id=rid, ok=False, error=reason))
                 await self.host.call(self.engine.abort, rid)
-                await self.prefill_locally(req)
+                await self.prefill_locally(req, "fallback")
                 if not isinstance(e, PrefillWorkerLost) and "cancelled" not in reason:  # the path's fault
-                    await self.report(req, ok=False, reason=reason)
+                    await self.report(rx, ok=False, reason=reason)
                 # a prefill worker that gets this job later (it was down, or queued deep) drops it
                 # (Redis away: that worker would only waste a prefill)
                 self.state.note(rid, "prefill_local", by=self.id, attempt=req.attempt,
@@ -279,18 +317,19 @@ class DecodeWorker:
                 self.receiving.pop(rid, None)
                 self.inbox.receivers.pop(rid, None)
 
-    async def ack(self, req: AdmitRequest, ack: KVAck) -> None:
-        """To the prefill worker computing the request's KV: it may free its copy."""
-        if req.prefill_worker:
-            await self.inbox.ack(req.prefill_worker, ack)
+    async def ack(self, rx: KVReceiver, ack: KVAck) -> None:
+        """To the prefill worker computing the request's KV: it may free its copy (not ok: it
+        stops computing the prompt too)."""
+        if rx.prefill_worker:
+            await self.inbox.ack(rx.prefill_worker, ack)
 
-    async def report(self, req: AdmitRequest, ok: bool, reason: str = "") -> None:
+    async def report(self, rx: KVReceiver, ok: bool, reason: str = "") -> None:
         """How the handoff over this prefill → decode path went, for the routers' breakers."""
-        await self.bus.publish(subjects.KV_OUTCOMES, KVOutcome(request_id=req.request_id, ok=ok, reason=reason,
-                                                               prefill_worker=req.prefill_worker or "",
+        await self.bus.publish(subjects.KV_OUTCOMES, KVOutcome(request_id=rx.rid, ok=ok, reason=reason,
+                                                               prefill_worker=rx.prefill_worker,
                                                                decode_worker=self.id))
 
-    async def wait_kv(self, rx: KVReceiver, req: AdmitRequest) -> int:
+    async def wait_kv(self, rx: KVReceiver) -> int:
         """The first token, once every block is in. Raises when the deadline passes or, sooner,
         when the prefill worker's lease lapses (killed: nothing more will come from it)."""
         waiting = asyncio.ensure_future(rx.wait())
@@ -303,8 +342,8 @@ class DecodeWorker:
                     return waiting.result()
                 if left <= self.settings.heartbeat_s:
                     raise TimeoutError
-                if req.prefill_worker and not await self.lease_held(req.prefill_worker):
-                    raise PrefillWorkerLost(f"prefill worker {req.prefill_worker} is gone")
+                if rx.prefill_worker and not await self.lease_held(rx.prefill_worker):
+                    raise PrefillWorkerLost(f"prefill worker {rx.prefill_worker} is gone")
         finally:
             waiting.cancel()
 

@@ -20,11 +20,16 @@
    side's bus, open handoffs are published again: `.kv.sync`); then free, ack the job. A
    request that finished on its first token releases its decode worker's reservation
    (a Cancel on `pd.decode.<d>.cancel`).
-5. Cancel (`pd.prefill.<id>.cancel`, sent only to the workers of the request's placements):
-   abort the request wherever it is; a handoff in progress ends with KVEnd(not ok).
+5. Cancel (`pd.prefill.<id>.cancel`, sent only to the workers of the request's placements),
+   or the decode side gives the handoff up (a KVAck not ok before the end: its deadline, a
+   cancel there, a refusal): abort the request wherever it is; a handoff in progress ends with
+   KVEnd(not ok).
 6. SIGTERM: mark the registry entry draining (the router sends nothing more), stop pulling
    jobs, finish the ones taken, then leave the registry and drain NATS. Killed instead: the
-   lease lapses and the decode workers waiting for this worker's KV prefill locally at once.
+   lease lapses and the decode workers waiting for this worker's KV ask a router for another
+   prefill worker (`pd.router.requeue`) and put the job on its queue; with none, they prefill
+   it themselves. A job left on this worker's queue whose request moved on is dropped if this
+   worker comes back (`taken_over`).
 """
 
 from __future__ import annotations
@@ -69,7 +74,8 @@ class PrefillWorker:
         self.jobs: dict[str, tuple[PrefillJob, trace.Span]] = {}
         self.kv_spans: dict[str, trace.Span] = {}
         self.sender = KVSender(transport, bus, self.id, engine.fingerprint, self.read_blocks,
-                               settings.kv_max_attempts, settings.kv_transfer_encoding, settings.kv_piece_bytes)
+                               settings.kv_max_attempts, settings.kv_transfer_encoding, settings.kv_piece_bytes,
+                               given_up=self.given_up)
         self.cancelled: dict[str, float] = {}  # request -> its placements before this attempt are cancelled
         self.handoffs: set[asyncio.Task] = set()
         self.unacked: dict[str, Msg] = {}  # jobs taken and not yet acked
@@ -129,10 +135,12 @@ class PrefillWorker:
             await msg.ack()
 
     async def taken_over(self, rid: str) -> bool:
-        """The decode side gave up waiting and prefilled it (Redis unreachable: assume not)."""
+        """The decode side gave up waiting and prefilled it, or its job went to another prefill
+        worker while this one was away (Redis unreachable: assume not)."""
         try:
             record = await self.state.request(rid)
-            return any(f"t_{phase}" in record for phase in PREFILLED_ELSEWHERE)
+            return any(f"t_{phase}" in record for phase in PREFILLED_ELSEWHERE) or \
+                record.get("prefill", self.id) != self.id
         except Exception as e:  # noqa: BLE001
             log.warning("%s: request state unreadable (%s); running the job", rid, e)
             return False
@@ -246,6 +254,12 @@ class PrefillWorker:
         if span is not None:
             span.set_attributes({"acked": acked, "error": error, **attributes})
             span.end()
+
+    async def given_up(self, job: PrefillJob, reason: str) -> None:
+        """The decode side ended this job's handoff before its ack (deadline, cancel, refusal,
+        moved elsewhere): its prompt is not computed any further."""
+        log.info("%s: the decode side gave up the handoff (%s); stopping", job.request_id, reason)
+        await self.cancel_older(job.request_id, job.attempt + 1)
 
     async def on_cancel(self, msg: Msg) -> None:
         cancel = Cancel.decode(msg.data)

@@ -19,11 +19,14 @@
 6. Breakers: every replica hears how each KV handoff ended (`pd.kv.outcomes`); a prefill →
    decode path that keeps failing is avoided for a cooldown (another prefill worker, or a
    local prefill), then probed (policy.Breaker).
-7. Supervisor (supervisor.py): requests past their phase's deadline with their workers alive
+7. Requeue (decode worker → here, `pd.router.requeue`): the prefill worker computing a
+   request's KV is gone; another is chosen as in step 2 for the same decode worker (or none:
+   the decode worker prefills it), and recorded as the request's `routed` again.
+8. Supervisor (supervisor.py): requests past their phase's deadline with their workers alive
    → the gateway is told to move them; requests whose gateway is gone → cancelled.
-8. Background: the registry re-read; a step of sweeping dead workers' entries out of the
+9. Background: the registry re-read; a step of sweeping dead workers' entries out of the
    prefix index (replicas take turns).
-9. SIGTERM: leave the queue group, finish the routes in flight, drain NATS.
+10. SIGTERM: leave the queue group, finish the routes in flight, drain NATS.
 Routes run concurrently (a task each): an admit that waits on a dying worker delays only its own.
 """
 
@@ -51,7 +54,16 @@ from shared import metrics, prefix_index, subjects, tracing
 from shared.bus import Bus, context_of
 from shared.config import RouterSettings
 from shared.hashing import block_hashes
-from shared.messages import AdmitReply, AdmitRequest, KVOutcome, RouteReply, RouteRequest, WorkerInfo
+from shared.messages import (
+    AdmitReply,
+    AdmitRequest,
+    KVOutcome,
+    Requeue,
+    Requeued,
+    RouteReply,
+    RouteRequest,
+    WorkerInfo,
+)
 from shared.service import connect, heartbeat, run, setup_logging, stop_event
 from shared.state import State, route_key, session_key
 from shared.tasks import Background, every
@@ -140,6 +152,7 @@ class Router:
         await self.bus.ensure_prefill_stream()
         # each route in its own task: one slow admit (a worker that just died) holds up no other
         sub = await self.bus.subscribe(subjects.ROUTE, self.start_route, queue=subjects.ROUTER_QUEUE)
+        requeues = await self.bus.subscribe(subjects.REQUEUE, self.start_requeue, queue=subjects.ROUTER_QUEUE)
         await self.bus.subscribe(subjects.KV_OUTCOMES, self.on_kv_outcome)  # every replica: all outcomes
         me = WorkerInfo(worker_id=self.id, role="router")
         beat = asyncio.create_task(heartbeat(self.state, lambda: me, self.settings.heartbeat_s, stop))
@@ -154,6 +167,7 @@ class Router:
         await asyncio.gather(beat, supervising, registry, sweeping)
         await self.state.deregister(me.worker_id)
         await sub.drain()
+        await requeues.drain()
         await asyncio.gather(*self._background, return_exceptions=True)
 
     def breaker(self, prefill: str, decode: str) -> policy.Breaker:
@@ -394,6 +408,50 @@ class Router:
                 return Placement(decode, "local", reason, "cheaper_locally")
             return Placement(decode, "remote", f"{why}; {reason}", kind, prefill)
         return Placement(decode, "remote", why, kind, prefill)
+
+    async def start_requeue(self, msg: Msg) -> None:
+        self.in_background(self.on_requeue(msg))
+
+    async def on_requeue(self, msg: Msg) -> None:
+        req = Requeue.decode(msg.data)
+        with self.tracer.start_as_current_span("router.requeue", context=context_of(msg)) as span:
+            span.set_attributes({"request_id": req.request_id, "decode_worker": req.decode_worker,
+                                 "lost_workers": req.lost_workers, "attempt": req.attempt, "router": self.id})
+            try:
+                reply = await self.requeue(req)
+            except Exception as e:  # Redis trouble: the decode worker prefills it itself
+                log.error("%s: requeue failed: %r", req.request_id, e, exc_info=not isinstance(e, EXPECTED))
+                reply = Requeued(request_id=req.request_id, reason=f"requeue failed: {e}")
+            span.set_attributes({"prefill_worker": reply.prefill_worker or "", "reason": reply.reason})
+            await self.bus.respond(msg, reply)
+
+    async def requeue(self, req: Requeue) -> Requeued:
+        """A decode worker holding a reservation lost the prefill worker computing its KV: the
+        prompt's prefill is placed again, onto that decode worker, among the other prefill
+        workers (`place_prefill`, as for a new request: prefix index, queues, breakers) — or
+        on the decode worker itself when none fits (short prompt, breakers open, none left)."""
+        pool = await self.pool(req.model)
+        decode = next((w for w in self.registry.workers() if w.worker_id == req.decode_worker), None)
+        if decode is None:
+            return Requeued(request_id=req.request_id, reason=f"decode worker {req.decode_worker} not registered")
+        tokens = [*req.prompt_token_ids, *req.generated_token_ids]
+        hashes = block_hashes(tokens[:-1], pool.block_size)
+        held = await prefix_index.lookup(self.state, hashes)
+        cached = prefix_index.by_worker(pool.slots, held)
+        others = [p for p in pool.prefills if p.worker_id not in req.lost_workers]
+        placement = self.place_prefill(len(tokens), decode, others, cached,
+                                       cached.get(decode.worker_id, (0, 0))[0] * pool.block_size)
+        prefill = placement.prefill
+        metrics.PLACEMENTS.labels(placement.mode, "requeued").inc()
+        if prefill is None:
+            return Requeued(request_id=req.request_id, reason=placement.reason)
+        now = time.monotonic()
+        self.sent.add(prefill.worker_id, len(tokens) - prefill.cached_tokens, now)
+        self.breaker(prefill.worker_id, decode.worker_id).chosen(now)
+        reason = f"requeued from {', '.join(req.lost_workers)} (gone): {placement.reason}"
+        self.state.note(req.request_id, "routed", by=self.id, attempt=req.attempt, prompt_tokens=len(tokens),
+                        mode="remote", reason=reason, decode=decode.worker_id, prefill=prefill.worker_id)
+        return Requeued(request_id=req.request_id, prefill_worker=prefill.worker_id, reason=reason)
 
     async def admit(self, decode: WorkerInfo, req: RouteRequest, mode: str,
                     prefill_worker: str | None) -> AdmitReply | None:

@@ -9,7 +9,9 @@
    int8, shared/kv/codec.py) and written into the reservation; bad ones are asked for again
    (KVResend to the notice's sender, fresh tag) up to `max_attempts` sends in all, then the
    handoff fails.
-3. KVEnd: the first token — or the sender's explicit failure.
+3. KVEnd: the first token — or the sender's explicit failure. Notices and ends from a
+   sender other than the receiver's (a job moved off a prefill worker thought lost) are
+   refused, never mixed in.
    Notices lost with the bus are published again on the decode worker's KVSync; a notice
    whose tag was had already is skipped.
 4. `wait()` returns the first token once every layer of every expected block is verified and
@@ -198,17 +200,32 @@ class KVInbox:
 
     async def on_layer(self, msg: Msg) -> None:
         notice = KVLayer.decode(msg.data)
-        if (rx := self.receivers.get(notice.request_id)) is not None:
+        if (rx := self.receivers.get(notice.request_id)) is None:
+            await self.answer(notice.request_id, notice.prefill_worker)
+        elif self.sent_by(rx, notice.prefill_worker):
             rx.on_layer(notice)
         else:
-            await self.answer(notice.request_id, notice.prefill_worker)
+            await self.refuse_moved(notice.request_id, notice.prefill_worker)
 
     async def on_end(self, msg: Msg) -> None:
         end = KVEnd.decode(msg.data)
-        if (rx := self.receivers.get(end.request_id)) is not None:
+        if (rx := self.receivers.get(end.request_id)) is None:
+            if end.prefill_worker:
+                await self.answer(end.request_id, end.prefill_worker, again=True)
+        elif self.sent_by(rx, end.prefill_worker):
             rx.on_end(end)
-        elif end.prefill_worker:
-            await self.answer(end.request_id, end.prefill_worker, again=True)
+        else:
+            await self.refuse_moved(end.request_id, end.prefill_worker)
+
+    @staticmethod
+    def sent_by(rx: KVReceiver, sender: str) -> bool:
+        """Whether `sender` is the one `rx` receives from (its job moved off a lost prefill
+        worker: what that worker still sends is not this handoff's)."""
+        return not rx.prefill_worker or not sender or sender == rx.prefill_worker
+
+    async def refuse_moved(self, rid: str, sender: str) -> None:
+        await self.bus.publish(subjects.prefill_kv_ack(sender),
+                               KVAck(request_id=rid, ok=False, error="moved to another prefill worker"))
 
     async def answer(self, rid: str, prefill_worker: str, again: bool = False) -> None:
         """To the sender of a request with no receiver here: a refusal if it was never

@@ -11,6 +11,8 @@ One Handoff per request:
    per block, announced by one KVLayer notice on NATS and sent over the transport on a fresh
    tag. A short prompt costs one message, not one per layer: each message takes event-loop
    time (and the GIL) from the pass it overlaps.
+   A KVAck(not ok) at any time — the decode side gave up (its deadline, a cancel, a refusal)
+   — ends the handoff and is passed to `given_up`: the prefill worker stops computing.
 3. `finish(rid, first_token, lease_s)` after the prompt's last pass: KVEnd(ok, first token),
    then wait for the KVAck; KVResend requests are answered meanwhile (re-read from the pool,
    attempt n, fresh tag). The lease ends at the ack, at `lease_s`, or at `cancel`. Acks and
@@ -45,6 +47,7 @@ from shared.tasks import Background
 
 log = logging.getLogger("kv.sender")
 ReadBlocks = Callable[[str, int, int, int], Awaitable[torch.Tensor]]  # rid, layer, first, n
+GivenUp = Callable[[PrefillJob, str], Awaitable[None]]  # the job, the decode side's reason
 
 
 @dataclass
@@ -68,8 +71,9 @@ class Handoff:
 class KVSender:
     def __init__(self, transport: KVTransport, bus: Bus, worker_id: str, fingerprint: str,
                  read_blocks: ReadBlocks, max_attempts: int = 3, encoding: codec.Encoding = "native",
-                 piece_bytes: int = 8 << 20):
+                 piece_bytes: int = 8 << 20, given_up: GivenUp | None = None):
         self.transport, self.bus, self.worker_id, self.fingerprint = transport, bus, worker_id, fingerprint
+        self.given_up = given_up  # called when the decode side ends a handoff not ok before its ack
         self.read_blocks, self.max_attempts, self.encoding = read_blocks, max_attempts, encoding
         self.piece_bytes = piece_bytes
         self.handoffs: dict[str, Handoff] = {}
@@ -218,6 +222,8 @@ class KVSender:
         h = self.handoffs.get(ack.request_id)
         if h is not None and not h.acked.done():
             h.acked.set_result(ack)
+            if not ack.ok and self.given_up is not None:  # the decode side gave up: stop computing too
+                await self.given_up(h.job, ack.error)
 
     async def _end(self, h: Handoff, ok: bool, first_token: int = -1, error: str = "") -> None:
         if h.end is not None:

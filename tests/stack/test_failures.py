@@ -1,5 +1,5 @@
 """Failures on the live stack: a prefill worker killed mid-job costs its lease, not the KV
-deadline, and not the request."""
+deadline, and not the request: its job moves to another prefill worker."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from helpers import generate
 
 from deploy.local.stack import Stack, StackConfig
 from shared.engine.sequence import SamplingParams
+from shared.state import log_key, request_key
 
 pytestmark = pytest.mark.slow
 DOCUMENT = " ".join(f"Entry {i}: the {c} gate was opened {i * 7} times in season {i % 4}." for i, c in
@@ -23,44 +24,58 @@ DOCUMENT = " ".join(f"Entry {i}: the {c} gate was opened {i * 7} times in season
 
 
 def test_a_prefill_worker_killed_mid_prompt_costs_its_lease_not_the_request(smollm2, tmp_path):
-    """kill -9 of the only prefill worker while it computes a long prompt: the decode worker
-    sees the lease lapse (~3 heartbeats), prefills locally at once instead of waiting out the
-    30 s KV deadline, and the answer equals the in-process engine's; no KV block stays taken."""
-    messages = [{"role": "user", "content": DOCUMENT + " Which gate was opened most?"}]
+    """kill -9 of the prefill worker computing a long prompt: the decode worker sees its lease
+    lapse (~3 heartbeats, not the 30 s KV deadline) and a router puts the job on the other
+    prefill worker's queue; kill -9 of that one too (on a second request): with no prefill
+    worker left the decode worker prefills it itself. Both answers equal the in-process
+    engine's, and no KV block stays taken."""
+    # two documents (the second is not in a prefix cache when asked)
+    asks = [[{"role": "user", "content": f"Report {n}. " + DOCUMENT + " Which gate was opened most?"}] for n in "AB"]
     tok = smollm2.tokenizer
-    prompt = tok.encode(tok.apply_chat_template(messages))
-    expected = generate(smollm2, {"q": prompt}, SamplingParams(max_tokens=8, temperature=0))["q"]
-    cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=512, log_dir=tmp_path,
+    prompts = {i: tok.encode(tok.apply_chat_template(m)) for i, m in enumerate(asks)}
+    expected = generate(smollm2, prompts, SamplingParams(max_tokens=8, temperature=0))
+    cfg = StackConfig.on_free_ports(prefill=2, decode=1, kv_blocks=512, log_dir=tmp_path,
                                     env={"PD_HEARTBEAT_S": "0.3", "PD_KV_TIMEOUT_S": "30"})
     with Stack(cfg) as stack, ThreadPoolExecutor(1) as pool:
         store = redis.Redis.from_url(stack.redis_url)
-        reply = pool.submit(httpx.post, stack.url + "/v1/chat/completions", timeout=120, json={
-            "model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 8, "return_token_ids": True})
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:   # until the prefill worker holds the prompt
-            if json.loads(store.get("pd:worker:prefill-0") or "{}").get("queued_tokens"):
-                break
-            time.sleep(0.05)
-        stack.procs["prefill-0"].send_signal(signal.SIGKILL)
-        killed = time.monotonic()
-        r = reply.result()
-        recovered_s = time.monotonic() - killed
-        rid = r.headers["x-request-id"]
-        record = {k.decode(): v.decode() for k, v in store.hgetall(f"pd:req:{rid}").items()}
+
+        def kill_the_one_computing_it(messages) -> tuple[httpx.Response, float, str]:
+            reply = pool.submit(httpx.post, stack.url + "/v1/chat/completions", timeout=120, json={
+                "model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 8, "return_token_ids": True})
+            deadline, victim = time.monotonic() + 60, None
+            while time.monotonic() < deadline and victim is None:   # until a prefill worker holds the prompt
+                victim = next((w for w in ("prefill-0", "prefill-1") if stack.procs[w].poll() is None and json.loads(
+                    store.get(f"pd:worker:{w}") or "{}").get("queued_tokens")), None)
+                time.sleep(0.05)
+            assert victim, "no prefill worker took the prompt"
+            stack.procs[victim].send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            return reply.result(), time.monotonic() - killed, victim
+
+        moved, moved_s, first = kill_the_one_computing_it(asks[0])
+        moved_events = [json.loads(e) for e in store.lrange(log_key(moved.headers["x-request-id"]), 0, -1)]
+        local, local_s, second = kill_the_one_computing_it(asks[1])
+        record = {k.decode(): v.decode() for k, v in store.hgetall(request_key(local.headers["x-request-id"])).items()}
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             decode = json.loads(store.get("pd:worker:decode-0"))
             if decode["free_blocks"] == decode["total_blocks"]:
                 break
             time.sleep(0.2)
-    assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["token_ids"] == expected
-    # either sign may come first: the lease lapsing, or the KV connection reset (a busy machine
-    # delays the heartbeat check); never the KV deadline
+    for i, r in enumerate((moved, local)):
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == expected[i]
+    routed = [e for e in moved_events if e["event"] == "routed"]
+    assert [e["prefill"] for e in routed] == [first, second] and "requeued" in routed[1]["reason"], routed
+    assert [e["by"] for e in moved_events if e["event"] == "prefilling"][-1] == second, moved_events
+    assert not [e for e in moved_events if e["event"] == "prefill_local"], moved_events  # no recompute on decode
+    # no prefill worker left: prefilled on the decode worker, on the lease (either sign may come
+    # first: the lease lapsing, or the KV connection reset), never on the KV deadline
     assert "t_prefill_local" in record and record.get("reason") and "deadline" not in record["reason"], record
-    assert recovered_s < 20, recovered_s          # the deadline alone would take 30 s before the local prefill
+    assert moved_s < 20 and local_s < 20, (moved_s, local_s)  # the deadline alone would take 30 s
     assert decode["free_blocks"] == decode["total_blocks"], decode
-    print(f"prefill worker killed: request done {recovered_s:.1f} s later ({len(prompt)}-token prompt)")
+    print(f"prefill worker killed: request done {moved_s:.1f} s later on the other prefill worker, "
+          f"{local_s:.1f} s later on the decode worker with none left ({len(prompts[0])}-token prompts)")
 
 
 def test_200_streams_cancelled_at_random_points_leave_no_block_taken(tmp_path):

@@ -273,3 +273,50 @@ def test_a_decode_side_answers_what_it_has_no_receiver_for(tiny):
 
     assert asyncio.run(scenario()) == [("done", True, ""), ("done", True, ""), ("done", True, ""),
                                        ("gone", False, "no reservation"), ("other", False, "no reservation")]
+
+
+def test_a_sender_other_than_the_receivers_is_refused_and_nothing_of_it_is_mixed_in(tiny):
+    """A job moved off a prefill worker thought lost: whatever that worker still sends for the
+    request is refused (it stops), and the receiver, waiting for the new worker, is untouched."""
+    async def scenario():
+        bus = LocalBus()
+        dst = Engine(tiny, EngineConfig(num_blocks=64))
+        inbox = KVInbox(bus, "d")
+        await inbox.start()
+        rx = inbox.add(KVReceiver.for_engine(dst, dst.reserve("r", PROMPT, PARAMS), 1 << 20,
+                                             create_transport("fake"), bus, prefill_worker="new"))
+        await bus.publish(subjects.decode_kv("d"), KVLayer(
+            request_id="r", prefill_worker="lost", fingerprint=dst.fingerprint, tag=1, layer=0, num_blocks=1,
+            first_block=0, checksums=[0]))
+        await bus.publish(subjects.decode_kv_end("d"), KVEnd(request_id="r", ok=True, first_token=1,
+                                                             prefill_worker="lost"))
+        await asyncio.sleep(0.05)
+        return rx, [(a.request_id, a.ok, a.error) for a in bus.of_type(KVAck)]
+
+    rx, acks = asyncio.run(scenario())
+    assert acks == [("r", False, "moved to another prefill worker")] * 2
+    assert not rx.outcome.done() and not rx.tags and rx.first_token is None
+
+
+def test_a_decode_side_that_gives_up_stops_the_prefill_side_once(tiny):
+    """KVAck(not ok) before the end (the decode side's deadline, a cancel, a refusal): the
+    sender hands the job to `given_up` (the worker aborts its compute), once."""
+    async def scenario():
+        bus, stopped = LocalBus(), []
+
+        async def given_up(job, reason):
+            stopped.append((job.request_id, reason))
+
+        src = Engine(tiny, EngineConfig(num_blocks=64))
+        sender = KVSender(create_transport("fake"), bus, "p", src.fingerprint, None, given_up=given_up)
+        await sender.start()
+        job = PrefillJob(request_id="r", prompt_token_ids=PROMPT, sampling=Sampling(), decode_worker="d",
+                         decode_address="x", decode_fingerprint=src.fingerprint, first_block=0, kv_tag=1 << 20)
+        await sender.open(job)
+        for error in ("deadline passed", "cancelled"):
+            await bus.publish(subjects.prefill_kv_ack("p"), KVAck(request_id="r", ok=False, error=error))
+        await asyncio.sleep(0.05)
+        return stopped, sender.handoffs["r"].acked.result()
+
+    stopped, ack = asyncio.run(scenario())
+    assert stopped == [("r", "deadline passed")] and not ack.ok
