@@ -17,10 +17,15 @@ included). Afterwards every worker still up must return to an empty KV pool (*le
 blocks* otherwise). *Recovery* (`recovery_s`) is, over the streams that had begun before the
 fault, the longest wait from the fault to their next token; `extra_s` is how much longer the
 whole load took than without the fault (it includes requests that were queued or in prefill
-on the worker hit). The killed process is started again before the next scenario. One line
-per scenario:
+on the worker hit). From each request's events (bench/chaos_measure.py): `moved_recovery_s`,
+the same wait over the streams moved (failed over, or their prefill job requeued off a lost
+prefill worker: then the wait is for their first token); `local_recomputes`, prompts
+prefilled on a decode worker because of the fault; and `itl_p99_during_over_before`, the
+streams not moved: their inter-token p99 during the recovery over the one before the fault.
+The killed process is started again before the next scenario. One line per scenario:
 
     chaos: requests=N lost=0 mismatched=0 leaked_blocks=0 scenario=... recovery_s=... extra_s=...
+           ... moved_recovery_s=... local_recomputes=... itl_p99_during_over_before=...
 
 A fault must cost only the process it hit: any other process found dead afterwards is
 reported (`collateral`, with its exit status) and started again. Exit status 1 if any
@@ -42,8 +47,9 @@ from pathlib import Path
 import httpx
 import redis
 
+from bench.chaos_measure import cost
 from deploy.local.stack import Stack, StackConfig
-from shared.state import WORKERS, worker_key
+from shared.state import WORKERS, log_key, worker_key
 
 MODEL = "SmolLM2-135M-Instruct"
 RESULTS = Path(__file__).parent / "results" / "chaos.json"
@@ -57,6 +63,7 @@ class Outcome:
     ids: list[int] = field(default_factory=list)
     times: list[float] = field(default_factory=list)   # arrival of each frame with tokens
     error: str = ""
+    request_id: str = ""
 
 
 def prompts(n: int) -> list[list[dict]]:
@@ -78,7 +85,7 @@ async def run_all(url: str, requests: list[list[dict]], max_tokens: int,
                 async with http.stream("POST", "/v1/chat/completions", json={
                         "model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
                         "ignore_eos": True, "stream": True, "return_token_ids": True}) as r:
-                    out.status = r.status_code
+                    out.status, out.request_id = r.status_code, r.headers.get("x-request-id", "")
                     if r.status_code != 200:
                         out.error = (await r.aread()).decode(errors="replace")[:200]
                         return
@@ -101,6 +108,15 @@ async def run_all(url: str, requests: list[list[dict]], max_tokens: int,
                 out.error = f"{type(e).__name__}: {e}"
         await asyncio.gather(*(one(i, m) for i, m in enumerate(requests)))
     return outcomes
+
+
+def request_events(stack: Stack, request_ids: list[str]) -> list[list[dict]]:
+    """Each request's events (shared/lifecycle.py), as recorded in Redis."""
+    store = redis.Redis.from_url(stack.redis_url)
+    with store.pipeline(transaction=False) as p:
+        for rid in request_ids:
+            p.lrange(log_key(rid), 0, -1)
+        return [[json.loads(e) for e in events] for events in p.execute()]
 
 
 def pools(stack: Stack) -> dict[str, dict]:
@@ -175,6 +191,8 @@ async def scenario_run(stack: Stack, scenario: str, requests, reference: list[Ou
     mismatched = [i for i, o in enumerate(outcomes) if i not in lost and o.ids != reference[i].ids]
     waits = [next(t - fault_at for t in o.times if t > fault_at) for o in outcomes
              if o.times and o.times[0] <= fault_at < o.times[-1]]
+    events = await asyncio.to_thread(request_events, stack, [o.request_id for o in outcomes])
+    paid = cost([(o.times, e) for o, e in zip(outcomes, events)], fault_at)
     survivors = {w for w in ("prefill-0", "prefill-1", "decode-0", "decode-1") if w != victim}
     # a fault must cost only the process it hit: any other that died with it is a failure
     collateral = {n: p.returncode for n, p in stack.procs.items() if n != victim and p.poll() is not None}
@@ -188,7 +206,8 @@ async def scenario_run(stack: Stack, scenario: str, requests, reference: list[Ou
             "lost": len(lost),
             "mismatched": len(mismatched), "leaked_blocks": sum(max(0, n) for n in taken.values()),
             "recovery_s": round(max(waits, default=0.0), 2), "extra_s": round(took - reference_s, 2),
-            "streams_in_flight": len(waits), "moved": moved, "lost_errors": [outcomes[i].error for i in lost][:5],
+            "streams_in_flight": len(waits), **paid, "moved": moved,
+            "lost_errors": [outcomes[i].error for i in lost][:5],
             "mismatched_ids": mismatched[:10], "blocks_taken_after": taken}
 
 
@@ -212,7 +231,9 @@ async def main_async(args) -> list[dict]:
             print(f"chaos: requests={r['requests']} lost={r['lost']} mismatched={r['mismatched']} "
                   f"leaked_blocks={r['leaked_blocks']} scenario={scenario} recovery_s={r['recovery_s']} "
                   f"extra_s={r['extra_s']} (load without faults: {reference_s:.1f} s) "
-                  f"streams_in_flight={r['streams_in_flight']} moved={r['moved'] or '{}'}", flush=True)
+                  f"streams_in_flight={r['streams_in_flight']} moved={r['moved'] or '{}'} "
+                  f"moved_recovery_s={r['moved_recovery_s']} local_recomputes={r['local_recomputes']} "
+                  f"itl_p99_during_over_before={r['itl_p99_during_over_before']}", flush=True)
             if r["collateral"] or r["lost"]:
                 print(f"  also died (exit status): {r['collateral'] or 'none'}; errors: {r['lost_errors']}", flush=True)
     return results
