@@ -17,15 +17,16 @@ included). Afterwards every worker still up must return to an empty KV pool (*le
 blocks* otherwise). *Recovery* (`recovery_s`) is, over the streams that had begun before the
 fault, the longest wait from the fault to their next token; `extra_s` is how much longer the
 whole load took than without the fault (it includes requests that were queued or in prefill
-on the worker hit). From each request's events (bench/chaos_measure.py): `moved_recovery_s`,
-the same wait over the streams moved (failed over, or their prefill job requeued off a lost
-prefill worker: then the wait is for their first token); `local_recomputes`, prompts
-prefilled on a decode worker because of the fault; and `itl_p99_during_over_before`, the
-streams not moved: their inter-token p99 during the recovery over the one before the fault.
+on the worker hit). From each request's events and its run without faults
+(bench/chaos_measure.py): the streams moved (failed over, or their prefill job requeued off a
+lost prefill worker) — the wait for their next token (`moved_recovery_s`) and how much later
+they ended (`moved_delay_s`); the prompts recomputed on a decode worker (`local_recomputes`);
+and the streams not moved — their inter-token p99 during the recovery over before the fault
+and over the same window without faults (`itl_p99_during_over_before`, `_over_reference`).
 The killed process is started again before the next scenario. One line per scenario:
 
     chaos: requests=N lost=0 mismatched=0 leaked_blocks=0 scenario=... recovery_s=... extra_s=...
-           ... moved_recovery_s=... local_recomputes=... itl_p99_during_over_before=...
+           ... moved_recovery_s=... moved_delay_s=... local_recomputes=... itl_p99_during_over_before=...
 
 A fault must cost only the process it hit: any other process found dead afterwards is
 reported (`collateral`, with its exit status) and started again. Exit status 1 if any
@@ -47,7 +48,7 @@ from pathlib import Path
 import httpx
 import redis
 
-from bench.chaos_measure import cost
+from bench.chaos_measure import Stream, cost
 from deploy.local.stack import Stack, StackConfig
 from shared.state import WORKERS, log_key, worker_key
 
@@ -61,7 +62,7 @@ ENV = {"PD_HEARTBEAT_S": "0.5", "PD_FAILOVER_CHECK_S": "0.5", "PD_KV_TIMEOUT_S":
 class Outcome:
     status: int = 0
     ids: list[int] = field(default_factory=list)
-    times: list[float] = field(default_factory=list)   # arrival of each frame with tokens
+    times: list[float] = field(default_factory=list)   # arrival of each frame with tokens (from the run's start)
     error: str = ""
     request_id: str = ""
 
@@ -77,6 +78,7 @@ async def run_all(url: str, requests: list[list[dict]], max_tokens: int,
     """Every request at once; `started` is set once `trigger_after` of them have a token."""
     outcomes = [Outcome() for _ in requests]
     with_tokens = 0
+    start = time.monotonic()
     async with httpx.AsyncClient(base_url=url, timeout=300) as http:
         async def one(i: int, messages) -> None:
             nonlocal with_tokens
@@ -103,7 +105,7 @@ async def run_all(url: str, requests: list[list[dict]], max_tokens: int,
                                 if started is not None and with_tokens >= trigger_after:
                                     started.set()
                             out.ids += ids
-                            out.times.append(time.monotonic())
+                            out.times.append(time.monotonic() - start)
             except httpx.HTTPError as e:
                 out.error = f"{type(e).__name__}: {e}"
         await asyncio.gather(*(one(i, m) for i, m in enumerate(requests)))
@@ -189,10 +191,11 @@ async def scenario_run(stack: Stack, scenario: str, requests, reference: list[Ou
     moved = {k: int(v - before.get(k, 0)) for k, v in after.items() if v > before.get(k, 0)}
     lost = [i for i, o in enumerate(outcomes) if o.status != 200 or o.error]
     mismatched = [i for i, o in enumerate(outcomes) if i not in lost and o.ids != reference[i].ids]
-    waits = [next(t - fault_at for t in o.times if t > fault_at) for o in outcomes
-             if o.times and o.times[0] <= fault_at < o.times[-1]]
+    fault_s = fault_at - started_at
+    waits = [next(t - fault_s for t in o.times if t > fault_s) for o in outcomes
+             if o.times and o.times[0] <= fault_s < o.times[-1]]
     events = await asyncio.to_thread(request_events, stack, [o.request_id for o in outcomes])
-    paid = cost([(o.times, e) for o, e in zip(outcomes, events)], fault_at)
+    paid = cost([Stream(o.times, ref.times, e) for o, ref, e in zip(outcomes, reference, events)], fault_s)
     survivors = {w for w in ("prefill-0", "prefill-1", "decode-0", "decode-1") if w != victim}
     # a fault must cost only the process it hit: any other that died with it is a failure
     collateral = {n: p.returncode for n, p in stack.procs.items() if n != victim and p.poll() is not None}
@@ -232,8 +235,10 @@ async def main_async(args) -> list[dict]:
                   f"leaked_blocks={r['leaked_blocks']} scenario={scenario} recovery_s={r['recovery_s']} "
                   f"extra_s={r['extra_s']} (load without faults: {reference_s:.1f} s) "
                   f"streams_in_flight={r['streams_in_flight']} moved={r['moved'] or '{}'} "
-                  f"moved_recovery_s={r['moved_recovery_s']} local_recomputes={r['local_recomputes']} "
-                  f"itl_p99_during_over_before={r['itl_p99_during_over_before']}", flush=True)
+                  f"moved_recovery_s={r['moved_recovery_s']} moved_delay_s={r['moved_delay_s']} "
+                  f"local_recomputes={r['local_recomputes']} "
+                  f"itl_p99_during_over_before={r['itl_p99_during_over_before']} "
+                  f"itl_p99_during_over_reference={r['itl_p99_during_over_reference']}", flush=True)
             if r["collateral"] or r["lost"]:
                 print(f"  also died (exit status): {r['collateral'] or 'none'}; errors: {r['lost_errors']}", flush=True)
     return results

@@ -1,19 +1,32 @@
-"""What a fault cost (bench/chaos.py), from each stream's token arrival times and its request's
-events: pure functions.
+"""What a fault cost (bench/chaos.py), from each stream's token arrival times, the same
+request's arrival times in the run without faults, and its events: pure functions. Times are
+seconds from the request's start (all requests of a run start together).
 
-- *Moved* streams: a failover (`failover` event) or a prefill job requeued off a lost prefill
-  worker (a `routed` event whose reason says `requeued`).
-- *Recovered at*: when the last moved stream got its next token after the fault.
-- *Survivors*: the streams in flight at the fault that were not moved; their inter-token gaps
-  during the recovery (ending between the fault and `recovered at`) against those before it
-  (p99 each) say what the recovery cost everyone else.
-- *Local recomputes*: prompts prefilled on a decode worker because of the fault (a handoff's
+- *Moved* streams: failed over (`failover` event), or their prefill job requeued off a lost
+  prefill worker (a `routed` event whose reason says `requeued`).
+- `moved_recovery_s`: when the last moved stream got its next token after the fault.
+- `moved_delay_s`: the most a moved stream's last token came later than without the fault
+  (what the move cost it, queueing it would have had anyway excluded).
+- *Survivors*: the streams in flight at the fault that were not moved. Their inter-token p99
+  during the recovery (gaps ending between the fault and the recovery's end) over their p99
+  before the fault (`itl_p99_during_over_before`), and over the same requests' p99 in the
+  same window of the run without faults (`itl_p99_during_over_reference`: the load's own
+  ramp excluded).
+- `local_recomputes`: prompts prefilled on a decode worker because of the fault (a handoff's
   fallback, or a failover placed there with no prefill worker).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+
+
+@dataclass
+class Stream:
+    times: list[float]       # arrival of each frame with tokens, from the request's start
+    reference: list[float]   # the same in the run without faults
+    events: list[dict]       # the request's events (shared/lifecycle.py)
 
 
 def p99(xs: list[float]) -> float | None:
@@ -40,22 +53,34 @@ def local_recomputes(events: list[dict]) -> int:
                or (e["event"] == "routed" and e.get("mode") == "local" and e.get("attempt", 0) > 0))
 
 
-def cost(streams: list[tuple[list[float], list[dict]]], fault_at: float) -> dict:
-    """From (token arrival times, request events) per request: the recovery of the moved
-    streams and what it cost the survivors."""
-    def next_token(times: list[float]) -> float | None:
-        return next((t for t in times if t > fault_at), None)
+def rounded(x: float | None) -> float | None:
+    return round(x, 3) if x is not None else None
 
-    moved_next = [t for times, events in streams if moved(events) and (t := next_token(times)) is not None]
-    in_flight = [times for times, events in streams if times and times[0] <= fault_at < times[-1]]
-    survivors = [times for times, events in streams
-                 if times and times[0] <= fault_at < times[-1] and not moved(events)]
-    recovered_at = max(moved_next, default=max((next_token(t) or fault_at for t in in_flight), default=fault_at))
-    before = p99([g for times in survivors for g in gaps(times, -math.inf, fault_at)])
-    during = p99([g for times in survivors for g in gaps(times, fault_at, recovered_at)])
-    return {"moved_streams": len(moved_next), "moved_recovery_s": round(recovered_at - fault_at, 2),
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 2) if a is not None and b else None
+
+
+def cost(streams: list[Stream], fault_at: float) -> dict:
+    """The recovery of the moved streams and what it cost the survivors (`fault_at`: seconds
+    from the start of the run)."""
+    def in_flight(s: Stream) -> bool:
+        return bool(s.times) and s.times[0] <= fault_at < s.times[-1]
+
+    def next_token(s: Stream) -> float:
+        return next((t for t in s.times if t > fault_at), fault_at)
+
+    moving = [s for s in streams if moved(s.events) and s.times]
+    survivors = [s for s in streams if in_flight(s) and not moved(s.events)]
+    recovered_at = max((next_token(s) for s in moving or [s for s in streams if in_flight(s)]), default=fault_at)
+    before = p99([g for s in survivors for g in gaps(s.times, -math.inf, fault_at)])
+    during = p99([g for s in survivors for g in gaps(s.times, fault_at, recovered_at)])
+    reference = p99([g for s in survivors for g in gaps(s.reference, fault_at, recovered_at)])
+    return {"moved_streams": len(moving), "moved_recovery_s": round(recovered_at - fault_at, 2),
+            "moved_delay_s": round(max((s.times[-1] - s.reference[-1] for s in moving if s.reference), default=0), 2),
             "survivors": len(survivors),
-            "itl_p99_before_s": round(before, 3) if before is not None else None,
-            "itl_p99_during_s": round(during, 3) if during is not None else None,
-            "itl_p99_during_over_before": round(during / before, 2) if before and during is not None else None,
-            "local_recomputes": sum(local_recomputes(events) for _, events in streams)}
+            "itl_p99_before_s": rounded(before), "itl_p99_during_s": rounded(during),
+            "itl_p99_reference_s": rounded(reference),
+            "itl_p99_during_over_before": ratio(during, before),
+            "itl_p99_during_over_reference": ratio(during, reference),
+            "local_recomputes": sum(local_recomputes(s.events) for s in streams)}
