@@ -160,18 +160,24 @@ def strike(stack: Stack, scenario: str) -> str:
 
 
 def moves(stack: Stack) -> dict[str, float]:
-    """The gateway's counts of streams moved (failovers by why) and replayed, from its /metrics."""
+    """Counts from /metrics: the gateway's streams moved (failovers by why) and replayed, and
+    the router's placements refused for want of room on a decode worker (a failover waits
+    for a slot there)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(stack.url + "/metrics", timeout=10).text
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name in ("pd_failovers", "pd_replays"):
+    for name, families in (("gateway", ("pd_failovers", "pd_replays")), ("router", ("pd_placements",))):
+        text = httpx.get(stack.metrics_url(name), timeout=10).text
+        for family in text_string_to_metric_families(text):
+            if family.name not in families:
+                continue
             for sample in family.samples:
-                if sample.name.endswith("_total"):
-                    why = sample.labels.get('why') or sample.labels.get('outcome')
-                    key = f"{family.name.removeprefix('pd_')}:{why}"
-                    out[key] = out.get(key, 0) + sample.value
+                labels = sample.labels
+                if not sample.name.endswith("_total") or labels.get("mode", "refused") != "refused":
+                    continue
+                why = labels.get("why") or labels.get("outcome") or labels.get("reason")
+                key = f"{family.name.removeprefix('pd_')}:{why}"
+                out[key] = out.get(key, 0) + sample.value
     return out
 
 

@@ -141,4 +141,11 @@ class PrefillSettings(WorkerSettings):
 
 
 class DecodeSettings(WorkerSettings):
-    kv_timeout_s: float = Field(30.0, gt=0, description="wait for remote KV before prefilling locally")
+    kv_timeout_s: float = Field(30.0, gt=0, description="longest wait for a handoff's KV with no progress (the "
+                                "deadline is kv_timeout_factor x the prefill's predicted time, within "
+                                "[kv_min_timeout_s, this]); then its job moves to another prefill worker, or "
+                                "is prefilled here")
+    kv_timeout_factor: float = Field(3.0, gt=0, description="KV deadline: this many times the prefill's "
+                                     "predicted time (its worker's queue and the prompt's uncached part)")
+    kv_min_timeout_s: float = Field(5.0, gt=0, description="shortest KV deadline; each KV piece received "
+                                    "moves the deadline to at least this far ahead")

@@ -64,14 +64,15 @@ class RouteRequest(Message):
 
 class Requeue(Message):
     """decode worker → router, request/reply: the prefill worker computing this request's KV
-    is gone (its lease lapsed). Which other prefill worker computes it now, for this decode
-    worker's reservation? Answered with Requeued."""
+    is gone (its lease lapsed) or late (no KV by the deadline). Which other prefill worker
+    computes it now, for this decode worker's reservation? Answered with Requeued."""
 
     request_id: str
     model: str
     prompt_token_ids: list[int]
     decode_worker: str
-    lost_workers: list[str]               # prefill workers not to ask (gone)
+    avoid_workers: list[str]              # prefill workers not to ask (gone, or late with this request's KV)
+    why: Literal["gone", "late"] = "gone"  # what happened to the last one
     generated_token_ids: list[int] = []   # a failover's placement: tokens streamed before it
     attempt: int = 0
 
@@ -80,6 +81,7 @@ class Requeued(Message):
     request_id: str
     prefill_worker: str | None = None     # None: prefill on the decode worker (no other fits)
     reason: str = ""
+    expected_prefill_s: float = 0.0       # as AdmitRequest's
 
 
 # -- to the gateway -----------------------------------------------------------------------
@@ -125,6 +127,7 @@ class AdmitRequest(Message):
     prefill_worker: str | None = None
     generated_token_ids: list[int] = []   # mode local, failover: prefilled with the prompt, count as generated
     attempt: int = 0                      # the request's placement number (a failover is a new admit)
+    expected_prefill_s: float = 0.0       # remote: the prefill worker's queue + this prompt, predicted (0: unknown)
 
 
 class AdmitReply(Message):

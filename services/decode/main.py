@@ -56,6 +56,7 @@ from shared.engine.kv_io import Reservation
 from shared.engine.sequence import SamplingParams
 from shared.kv import TAG_SPAN, KVTransport
 from shared.kv.receiver import KVInbox, KVReceiver
+from shared.lifecycle import kv_deadline_s
 from shared.messages import (
     AdmitReply,
     AdmitRequest,
@@ -80,6 +81,11 @@ log = logging.getLogger("decode")
 
 class PrefillWorkerLost(RuntimeError):
     """The worker computing a request's KV lost its lease while the request waited for it."""
+
+
+class PrefillWorkerLate(RuntimeError):
+    """The request's KV did not come by its deadline, though its prefill worker holds its
+    lease (frozen, or far behind its predicted time)."""
 
 ADMITTED_KEPT = 10_000
 
@@ -235,27 +241,33 @@ class DecodeWorker:
             log.warning("%s: prefill job not queued (%s); prefilling locally", req.request_id, e)
             rx.fail(f"prefill job not queued: {e}")
 
-    async def requeue(self, req: AdmitRequest, rx: KVReceiver, lost: PrefillWorkerLost) -> KVReceiver:
-        """The prefill worker computing this request's KV is gone: a router picks another one
-        (`Requeue`), which computes the prompt for the same reservation under a new tag range
-        (what the lost worker sent, if anything, is overwritten; a notice from it now is
-        refused). Raises `lost` when no other prefill worker takes it: prefilled here then."""
+    async def requeue(self, req: AdmitRequest, rx: KVReceiver, why: PrefillWorkerLost | PrefillWorkerLate,
+                      left: list[str]) -> tuple[KVReceiver, float]:
+        """The prefill worker computing this request's KV is gone or late: a router picks
+        another one (`Requeue`; none of those the job `left`), which computes the prompt for
+        the same reservation under a new tag range (what the one left sent, if anything, is
+        overwritten; a notice from it now is refused, and a late one is told to stop). Returns
+        the new receiver and the new prediction; raises `why` when no other prefill worker
+        takes it: prefilled here then."""
         ask = Requeue(request_id=req.request_id, model=self.settings.model_name, prompt_token_ids=req.prompt_token_ids,
-                      decode_worker=self.id, lost_workers=[rx.prefill_worker],
+                      decode_worker=self.id, avoid_workers=left,
+                      why="gone" if isinstance(why, PrefillWorkerLost) else "late",
                       generated_token_ids=req.generated_token_ids, attempt=req.attempt)
         try:
             answer = await self.bus.request(subjects.REQUEUE, ask, Requeued, timeout=self.settings.heartbeat_s * 2)
         except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as e:
-            raise lost from e
+            raise why from e
         if not answer.prefill_worker:
-            raise PrefillWorkerLost(f"{lost}; {answer.reason}")
-        log.info("%s: prefill worker %s is gone; its job goes to %s", req.request_id, rx.prefill_worker,
+            raise type(why)(f"{why}; {answer.reason}")
+        log.info("%s: prefill worker %s is %s; its job goes to %s", req.request_id, rx.prefill_worker, ask.why,
                  answer.prefill_worker)
         rx.close()
+        await self.bus.publish(subjects.prefill_kv_ack(rx.prefill_worker), KVAck(
+            request_id=req.request_id, ok=False, error=f"moved to {answer.prefill_worker}: {why}"))
         moved = self.inbox.add(self.receiver(rx.res, answer.prefill_worker))
         await self.queue_prefill(req, moved, None)
         metrics.REQUEUED_JOBS.inc()
-        return moved
+        return moved, answer.expected_prefill_s
 
     async def prefill_locally(self, req: AdmitRequest, why: str) -> None:
         """The whole prompt runs here: placed here (colocated mode, a short prompt), a failover
@@ -276,13 +288,18 @@ class DecodeWorker:
         parent = trace.set_span_in_context(self.spans[rid]) if rid in self.spans else None
         with self.tracer.start_as_current_span("kv.receive", context=parent) as span:
             try:
+                expected_s, left = req.expected_prefill_s, []  # prefill workers this request's job left
                 while True:
                     try:
-                        first_token = await self.wait_kv(rx)
+                        first_token = await self.wait_kv(rx, expected_s)
                         break
-                    except PrefillWorkerLost as lost:  # its job to another prefill worker, if any
-                        span.add_event("prefill worker lost", {"prefill_worker": rx.prefill_worker})
-                        rx = await self.requeue(req, rx, lost)
+                    except (PrefillWorkerLost, PrefillWorkerLate) as e:  # the job to another prefill worker
+                        span.add_event("prefill worker " + ("lost" if isinstance(e, PrefillWorkerLost) else "late"),
+                                       {"prefill_worker": rx.prefill_worker, "reason": str(e)})
+                        if isinstance(e, PrefillWorkerLate):  # the path's fault, as far as the breakers know
+                            await self.report(rx, ok=False, reason=str(e))
+                        left.append(rx.prefill_worker)
+                        rx, expected_s = await self.requeue(req, rx, e, left)
                 out = await self.host.call(self.engine.commit_import, rid, first_token)
                 await self.ack(rx, KVAck(request_id=rid, ok=True))
                 await self.report(rx, ok=True)
@@ -297,14 +314,14 @@ class DecodeWorker:
                 await self.ack(rx, KVAck(request_id=rid, ok=False, error="cancelled"))
                 raise
             except Exception as e:  # noqa: BLE001 - late, corrupt, refused or mismatched KV: never decode from it
-                reason = "deadline passed" if isinstance(e, asyncio.TimeoutError) else str(e) or type(e).__name__
+                reason = str(e) or type(e).__name__
                 log.warning("%s: KV handoff failed (%s); prefilling locally", rid, reason)
                 span.set_attributes({"ok": False, "error": reason})
                 rx.close()
                 await self.ack(rx, KVAck(request_id=rid, ok=False, error=reason))
                 await self.host.call(self.engine.abort, rid)
                 await self.prefill_locally(req, "fallback")
-                if not isinstance(e, PrefillWorkerLost) and "cancelled" not in reason:  # the path's fault
+                if not isinstance(e, (PrefillWorkerLost, PrefillWorkerLate)) and "cancelled" not in reason:
                     await self.report(rx, ok=False, reason=reason)
                 # a prefill worker that gets this job later (it was down, or queued deep) drops it
                 # (Redis away: that worker would only waste a prefill)
@@ -329,19 +346,26 @@ class DecodeWorker:
                                                                prefill_worker=rx.prefill_worker,
                                                                decode_worker=self.id))
 
-    async def wait_kv(self, rx: KVReceiver) -> int:
-        """The first token, once every block is in. Raises when the deadline passes or, sooner,
-        when the prefill worker's lease lapses (killed: nothing more will come from it)."""
+    async def wait_kv(self, rx: KVReceiver, expected_prefill_s: float) -> int:
+        """The first token, once every block is in. Raises PrefillWorkerLate when the deadline
+        (lifecycle.kv_deadline_s of the prefill's predicted time; each KV piece received moves
+        it on) passes, PrefillWorkerLost sooner when the prefill worker's lease lapses (killed:
+        nothing more will come from it)."""
+        s = self.settings
+        limit = kv_deadline_s(expected_prefill_s, s.kv_timeout_factor, s.kv_min_timeout_s, s.kv_timeout_s)
         waiting = asyncio.ensure_future(rx.wait())
-        deadline = time.monotonic() + self.settings.kv_timeout_s
+        deadline, pieces = time.monotonic() + limit, rx.pieces
         try:
             while True:
-                left = deadline - time.monotonic()
-                done, _ = await asyncio.wait({waiting}, timeout=max(0.0, min(self.settings.heartbeat_s, left)))
+                done, _ = await asyncio.wait({waiting}, timeout=max(0.0, min(s.heartbeat_s,
+                                                                             deadline - time.monotonic())))
                 if done:
                     return waiting.result()
-                if left <= self.settings.heartbeat_s:
-                    raise TimeoutError
+                if rx.pieces != pieces:  # progress: the deadline moves on
+                    deadline, pieces = max(deadline, time.monotonic() + s.kv_min_timeout_s), rx.pieces
+                if time.monotonic() >= deadline:
+                    raise PrefillWorkerLate(f"no KV from {rx.prefill_worker or 'the prefill worker'} within "
+                                            f"{limit:.1f} s (deadline passed)")
                 if rx.prefill_worker and not await self.lease_held(rx.prefill_worker):
                     raise PrefillWorkerLost(f"prefill worker {rx.prefill_worker} is gone")
         finally:

@@ -20,8 +20,10 @@
    decode path that keeps failing is avoided for a cooldown (another prefill worker, or a
    local prefill), then probed (policy.Breaker).
 7. Requeue (decode worker → here, `pd.router.requeue`): the prefill worker computing a
-   request's KV is gone; another is chosen as in step 2 for the same decode worker (or none:
-   the decode worker prefills it), and recorded as the request's `routed` again.
+   request's KV is gone or late; another is chosen as in step 2 for the same decode worker
+   (or none: the decode worker prefills it), and recorded as the request's `routed` again.
+   Admits and requeues carry the prefill's predicted time (the worker's queue and the
+   prompt's uncached part at its measured rate): the decode worker's KV deadline follows it.
 8. Supervisor (supervisor.py): requests past their phase's deadline with their workers alive
    → the gateway is told to move them; requests whose gateway is gone → cancelled.
 9. Background: the registry re-read; a step of sweeping dead workers' entries out of the
@@ -350,8 +352,10 @@ class Router:
         await self.state.hold_route(key, self.id, lease_s, placement.decode.worker_id, ROUTE_TTL_S)
         waits.hold_s += time.perf_counter() - asked
         asked = time.perf_counter()
+        expected_s = policy.predicted_prefill_s(prefill, len(req.prompt_token_ids) + len(req.generated_token_ids)) \
+            if prefill is not None else 0.0
         admit = await self.admit(placement.decode, req, placement.mode,
-                                 prefill.worker_id if prefill is not None else None)
+                                 prefill.worker_id if prefill is not None else None, expected_s)
         waits.admit_s += time.perf_counter() - asked
         if admit is not None and admit.ok:
             return True
@@ -415,8 +419,8 @@ class Router:
     async def on_requeue(self, msg: Msg) -> None:
         req = Requeue.decode(msg.data)
         with self.tracer.start_as_current_span("router.requeue", context=context_of(msg)) as span:
-            span.set_attributes({"request_id": req.request_id, "decode_worker": req.decode_worker,
-                                 "lost_workers": req.lost_workers, "attempt": req.attempt, "router": self.id})
+            span.set_attributes({"request_id": req.request_id, "decode_worker": req.decode_worker, "why": req.why,
+                                 "avoid_workers": req.avoid_workers, "attempt": req.attempt, "router": self.id})
             try:
                 reply = await self.requeue(req)
             except Exception as e:  # Redis trouble: the decode worker prefills it itself
@@ -438,26 +442,28 @@ class Router:
         hashes = block_hashes(tokens[:-1], pool.block_size)
         held = await prefix_index.lookup(self.state, hashes)
         cached = prefix_index.by_worker(pool.slots, held)
-        others = [p for p in pool.prefills if p.worker_id not in req.lost_workers]
+        others = [p for p in pool.prefills if p.worker_id not in req.avoid_workers]
         placement = self.place_prefill(len(tokens), decode, others, cached,
                                        cached.get(decode.worker_id, (0, 0))[0] * pool.block_size)
         prefill = placement.prefill
         metrics.PLACEMENTS.labels(placement.mode, "requeued").inc()
         if prefill is None:
             return Requeued(request_id=req.request_id, reason=placement.reason)
+        expected_s = policy.predicted_prefill_s(prefill, len(tokens))
         now = time.monotonic()
         self.sent.add(prefill.worker_id, len(tokens) - prefill.cached_tokens, now)
         self.breaker(prefill.worker_id, decode.worker_id).chosen(now)
-        reason = f"requeued from {', '.join(req.lost_workers)} (gone): {placement.reason}"
+        reason = f"requeued from {req.avoid_workers[-1]} ({req.why}): {placement.reason}"
         self.state.note(req.request_id, "routed", by=self.id, attempt=req.attempt, prompt_tokens=len(tokens),
                         mode="remote", reason=reason, decode=decode.worker_id, prefill=prefill.worker_id)
-        return Requeued(request_id=req.request_id, prefill_worker=prefill.worker_id, reason=reason)
+        return Requeued(request_id=req.request_id, prefill_worker=prefill.worker_id, reason=reason,
+                        expected_prefill_s=expected_s)
 
     async def admit(self, decode: WorkerInfo, req: RouteRequest, mode: str,
-                    prefill_worker: str | None) -> AdmitReply | None:
+                    prefill_worker: str | None, expected_prefill_s: float = 0.0) -> AdmitReply | None:
         msg = AdmitRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
                            mode=mode, prefill_worker=prefill_worker, generated_token_ids=req.generated_token_ids,
-                           attempt=req.attempt)
+                           attempt=req.attempt, expected_prefill_s=expected_prefill_s)
         try:
             return await self.bus.request(subjects.decode_admit(decode.worker_id), msg, AdmitReply,
                                           timeout=self.settings.admit_timeout_s)

@@ -74,6 +74,7 @@ class KVSender:
                  piece_bytes: int = 8 << 20, given_up: GivenUp | None = None):
         self.transport, self.bus, self.worker_id, self.fingerprint = transport, bus, worker_id, fingerprint
         self.given_up = given_up  # called when the decode side ends a handoff not ok before its ack
+        self.giving_up = Background(log, "give-up")
         self.read_blocks, self.max_attempts, self.encoding = read_blocks, max_attempts, encoding
         self.piece_bytes = piece_bytes
         self.handoffs: dict[str, Handoff] = {}
@@ -222,8 +223,8 @@ class KVSender:
         h = self.handoffs.get(ack.request_id)
         if h is not None and not h.acked.done():
             h.acked.set_result(ack)
-            if not ack.ok and self.given_up is not None:  # the decode side gave up: stop computing too
-                await self.given_up(h.job, ack.error)
+            if not ack.ok and self.given_up is not None:  # the decode side gave up: stop computing too (in
+                self.giving_up.start(self.given_up(h.job, ack.error))  # a task: it waits for the engine step)
 
     async def _end(self, h: Handoff, ok: bool, first_token: int = -1, error: str = "") -> None:
         if h.end is not None:

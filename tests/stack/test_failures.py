@@ -288,3 +288,35 @@ def test_a_prefill_job_the_queue_refuses_is_prefilled_on_the_decode_worker_at_on
     local = [e for e in events if e["event"] == "prefill_local"]
     assert local and "not queued" in local[0]["reason"], events
     assert took < 20, took
+
+
+def test_a_frozen_prefill_worker_loses_the_job_to_another_in_about_its_predicted_time(smollm2, tmp_path):
+    """prefill-0's engine step hangs while it heartbeats on (its lease holds): the decode
+    worker's KV deadline follows the prefill's predicted time (here its floor, 2 s, instead of
+    the 30 s ceiling), then a router puts the job on prefill-1's queue. The answer equals the
+    in-process engine's; nothing is prefilled on the decode worker."""
+    messages = [{"role": "user", "content": "Name three rivers of Europe."}]
+    tok = smollm2.tokenizer
+    expected = generate(smollm2, {"q": tok.encode(tok.apply_chat_template(messages))},
+                        SamplingParams(max_tokens=8, temperature=0))["q"]
+    cfg = StackConfig.on_free_ports(prefill=2, decode=1, kv_blocks=512, log_dir=tmp_path,
+                                    env={"PD_HEARTBEAT_S": "0.3", "PD_KV_TIMEOUT_S": "30", "PD_KV_MIN_TIMEOUT_S": "2"},
+                                    worker_env={"prefill-0": {"PD_FAULT_ENGINE_HANG_AFTER_STEPS": "1"}})
+    with Stack(cfg) as stack:
+        store = redis.Redis.from_url(stack.redis_url)
+        for _ in range(2):   # the first step of prefill-0 runs; a later one hangs (whichever gets it)
+            start = time.monotonic()
+            r = httpx.post(stack.url + "/v1/chat/completions", timeout=120, json={
+                "model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 8, "return_token_ids": True})
+            took = time.monotonic() - start
+            events = [json.loads(e) for e in store.lrange(log_key(r.headers["x-request-id"]), 0, -1)]
+            if any("requeued" in e.get("reason", "") for e in events):
+                break
+        stack.procs["prefill-0"].send_signal(signal.SIGKILL)   # its drain would wait on the hung step forever
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == expected, r.text
+    routed = [e for e in events if e["event"] == "routed"]
+    assert [e["prefill"] for e in routed] == ["prefill-0", "prefill-1"], routed
+    assert "requeued from prefill-0 (late)" in routed[1]["reason"], routed
+    assert not [e for e in events if e["event"] == "prefill_local"], events
+    assert took < 15, took   # the 30 s ceiling alone would take longer
+    print(f"frozen prefill worker: request done in {took:.1f} s, on prefill-1")

@@ -61,3 +61,12 @@ def test_the_timeline_lists_every_event_from_the_first_and_the_outcome():
                                                    "failover#1", "routed#1", "finished#1"]
     assert "   +2.000 s" in lines[6] and "why=worker lost" in lines[6] and "decode=d1 mode=local" in lines[7]
     assert render("r2", []).startswith("request r2: no events")
+
+
+def test_the_kv_deadline_follows_the_predicted_prefill_within_its_floor_and_ceiling():
+    from shared.lifecycle import kv_deadline_s
+
+    assert kv_deadline_s(4.0, factor=3, floor_s=5, ceiling_s=30) == 12.0
+    assert kv_deadline_s(0.1, factor=3, floor_s=5, ceiling_s=30) == 5.0      # a short prompt: the floor
+    assert kv_deadline_s(60.0, factor=3, floor_s=5, ceiling_s=30) == 30.0    # a deep queue: the ceiling
+    assert kv_deadline_s(0.0, factor=3, floor_s=5, ceiling_s=30) == 30.0     # no prediction: the ceiling
