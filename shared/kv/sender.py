@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,7 +48,7 @@ from shared.tasks import Background
 
 log = logging.getLogger("kv.sender")
 ReadBlocks = Callable[[str, int, int, int], Awaitable[torch.Tensor]]  # rid, layer, first, n
-GivenUp = Callable[[PrefillJob, str], Awaitable[None]]  # the job, the decode side's reason
+GivenUp = Callable[[PrefillJob, str], Coroutine[Any, Any, None]]  # the job, the decode side's reason
 
 
 @dataclass
