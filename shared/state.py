@@ -236,6 +236,14 @@ class State:
         """Its lease holds (it heartbeats, draining or not)."""
         return bool(await self.r.exists(worker_key(worker_id)))
 
+    async def present(self, worker_ids: list[str]) -> set[str]:
+        """Those of `worker_ids` whose lease holds: one round trip."""
+        async with self.r.pipeline(transaction=False) as p:
+            for w in worker_ids:
+                p.exists(worker_key(w))
+            found = await p.execute()
+        return {w for w, n in zip(worker_ids, found) if n}
+
     async def workers(self, role: str | None = None) -> list[WorkerInfo]:
         """The registered workers whose lease holds, by id: one call, whatever else Redis holds."""
         changes = await self.registry_changes("", 0, whole=True)

@@ -19,7 +19,8 @@
    requests come on `pd.prefill.<id>.kv.ack` / `.kv.resend`; after a reconnect of either
    side's bus, open handoffs are published again: `.kv.sync`); then free, ack the job. A
    request that finished on its first token releases its decode worker's reservation
-   (a Cancel on `pd.decode.<d>.cancel`).
+   (a Cancel on `pd.decode.<d>.cancel`). Every heartbeat one look at the registry finds the
+   jobs whose decode worker is gone: they are given up (compute and lease) at once.
 5. Cancel (`pd.prefill.<id>.cancel`, sent only to the workers of the request's placements),
    or the decode side gives the handoff up (a KVAck not ok before the end: its deadline, a
    cancel there, a refusal): abort the request wherever it is; a handoff in progress ends with
@@ -44,6 +45,7 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 
 from shared import metrics, subjects
+from shared.absence import Absence
 from shared.bus import Bus, after_reconnects, context_of
 from shared.config import PrefillSettings
 from shared.engine.engine import Engine, RequestOutput
@@ -95,6 +97,7 @@ class PrefillWorker:
         gone = asyncio.Event()
         beat = asyncio.create_task(heartbeat(self.state, self.info, self.settings.heartbeat_s, gone))
         keepalive = asyncio.create_task(self.keep_jobs())
+        watch = asyncio.create_task(self.watch_decode_workers())
         resync = asyncio.create_task(after_reconnects(self.bus, self.settings.heartbeat_s, self.sender.resync))
         log.info("prefill worker %s ready", self.id)
         while not stop.is_set() or self.jobs or self.handoffs:
@@ -108,6 +111,7 @@ class PrefillWorker:
             elif self.handoffs:
                 await asyncio.wait(self.handoffs, timeout=0.05)
         keepalive.cancel()
+        watch.cancel()
         resync.cancel()
         try:  # a pull subscription left to the connection's drain holds it for the whole drain timeout
             await pull.unsubscribe()
@@ -127,6 +131,28 @@ class PrefillWorker:
                     await msg.in_progress()
                 except Exception as e:  # noqa: BLE001 - NATS reconnecting: the next round tries again
                     log.debug("in_progress: %s", e)
+
+    async def watch_decode_workers(self) -> None:
+        """Every heartbeat, one look at the decode workers of the jobs in hand: a job whose
+        decode worker is gone (absent for `absent_s`) is given up — its compute stops and its
+        blocks are freed now, not at the end of the KV lease: nothing would take its KV."""
+        absence = Absence(self.settings.absent_s)
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_s)
+            jobs = [h.job for h in self.sender.handoffs.values()]
+            targets = sorted({job.decode_worker for job in jobs})
+            for who in set(absence.since) - set(targets):
+                absence.forget(who)
+            try:
+                present = await self.state.present(targets) if targets else set()
+            except Exception as e:  # noqa: BLE001 - Redis away: no verdict
+                log.debug("decode workers not looked at: %s", e)
+                continue
+            now = time.monotonic()
+            gone = {w for w in targets if absence.gone(w, w in present, now)}
+            for job in jobs:
+                if job.decode_worker in gone:
+                    await self.given_up(job, f"decode worker {job.decode_worker} is gone")
 
     async def ack_job(self, rid: str) -> None:
         """The job is over (handed off, refused or cancelled): ack it, it leaves the queue."""
