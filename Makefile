@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # CPU build of torch (from the local wheel cache when present); GPU users: TORCH_SPEC=torch
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: help setup lint fmt run test test-fast bench-engine bench-stack bench-transfer eval-router bench-router chaos bench-tracing bench-scale bench bench-full compose-up compose-down gpu-check clean
+.PHONY: help setup lint fmt run test test-fast bench-engine bench-stack bench-transfer eval-router bench-router chaos chaos-busy bench-tracing bench-scale bench bench-full compose-up compose-down gpu-check clean
 
 .DEFAULT_GOAL := help
 
@@ -71,6 +71,10 @@ bench-router: setup
 ## chaos: 100 concurrent requests through kill -9 of a prefill and a decode worker, a NATS and a Redis restart; one summary line each; writes bench/results/chaos.json
 chaos: setup
 	$(BIN)/python -m bench.chaos
+
+## chaos-busy: the same beside a busy neighbour (a process spinning on a core for the whole run); writes bench/results/chaos-busy.json
+chaos-busy: setup
+	$(BIN)/python -m bench.chaos --busy
 
 ## bench-tracing: throughput with tracing on vs off, two stacks side by side; writes bench/results/tracing.json
 bench-tracing: setup

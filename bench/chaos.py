@@ -28,6 +28,10 @@ The killed process is started again before the next scenario. One line per scena
     chaos: requests=N lost=0 mismatched=0 leaked_blocks=0 scenario=... recovery_s=... extra_s=...
            ... moved_recovery_s=... moved_delay_s=... local_recomputes=... itl_p99_during_over_before=...
 
+`--busy` (`make chaos-busy`) runs it all beside a busy neighbour: a process spinning on a
+core at normal priority, started before the stack and stopped after it; slow must cost time,
+never requests. Writes bench/results/chaos-busy.json instead.
+
 A fault must cost only the process it hit: any other process found dead afterwards is
 reported (`collateral`, with its exit status) and started again. Exit status 1 if any
 scenario lost, mismatched, leaked or took another process with it; writes
@@ -38,7 +42,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -220,13 +226,29 @@ async def scenario_run(stack: Stack, scenario: str, requests, reference: list[Ou
             "mismatched_ids": mismatched[:10], "blocks_taken_after": taken}
 
 
+@contextlib.contextmanager
+def neighbour(busy: bool):
+    """With `busy`: a process spinning on a core at normal priority for the whole run (a busy
+    neighbour on a shared machine), stopped at the end."""
+    if not busy:
+        yield
+        return
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
 async def main_async(args) -> list[dict]:
     requests = prompts(args.requests)
     log_dir = Path(tempfile.mkdtemp(prefix="pdserve-chaos-"))
     cfg = StackConfig.on_free_ports(prefill=2, decode=2, kv_blocks=args.kv_blocks, log_dir=log_dir, env=ENV)
     results = []
-    with Stack(cfg) as stack:
-        print(f"stack up: 2 prefill + 2 decode; logs in {log_dir}", flush=True)
+    with neighbour(getattr(args, "busy", False)), Stack(cfg) as stack:
+        print(f"stack up: 2 prefill + 2 decode{' beside a busy neighbour' if getattr(args, 'busy', False) else ''}; "
+              f"logs in {log_dir}", flush=True)
         t0 = time.monotonic()
         reference = await run_all(stack.url, requests, args.max_tokens)
         reference_s = time.monotonic() - t0
@@ -256,14 +278,17 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--kv-blocks", type=int, default=1024)
     ap.add_argument("--scenarios", type=lambda s: s.split(","), default=list(SCENARIOS))
+    ap.add_argument("--busy", action="store_true", help="beside a process spinning on a core for the whole run; "
+                    "writes bench/results/chaos-busy.json")
     args = ap.parse_args()
     unknown = set(args.scenarios) - set(SCENARIOS)
     if unknown:
         sys.exit(f"unknown scenarios: {', '.join(sorted(unknown))}")
     results = asyncio.run(main_async(args))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"config": vars(args), "scenarios": results}, indent=2))
-    print(f"wrote {RESULTS}")
+    out = RESULTS.with_name("chaos-busy.json") if args.busy else RESULTS
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"config": vars(args), "scenarios": results}, indent=2))
+    print(f"wrote {out}")
     sys.exit(1 if any(r["lost"] or r["mismatched"] or r["leaked_blocks"] or r["collateral"] for r in results) else 0)
 
 

@@ -141,11 +141,9 @@ class PrefillSettings(WorkerSettings):
 
 
 class DecodeSettings(WorkerSettings):
-    kv_timeout_s: float = Field(30.0, gt=0, description="longest wait for a handoff's KV with no progress (the "
-                                "deadline is kv_timeout_factor x the prefill's predicted time, within "
-                                "[kv_min_timeout_s, this]); then its job moves to another prefill worker, or "
-                                "is prefilled here")
-    kv_timeout_factor: float = Field(3.0, gt=0, description="KV deadline: this many times the prefill's "
-                                     "predicted time (its worker's queue and the prompt's uncached part)")
-    kv_min_timeout_s: float = Field(5.0, gt=0, description="shortest KV deadline; each KV piece received "
-                                    "moves the deadline to at least this far ahead")
+    kv_timeout_s: float = Field(30.0, gt=0, description="longest wait for a handoff's KV with none coming; "
+                                "then its job moves to another prefill worker, or is prefilled here")
+    kv_timeout_factor: float = Field(3.0, gt=0, description="a prefill worker whose engine step has run this "
+                                     "many times the prefill's predicted time (within [kv_min_timeout_s, "
+                                     "kv_timeout_s]) with no KV coming is frozen: the job moves")
+    kv_min_timeout_s: float = Field(5.0, gt=0, description="shortest step that counts a prefill worker frozen")

@@ -97,10 +97,12 @@ def deadline_s(phase: str, prompt_tokens: int, stall_s: float, min_prefill_token
 
 
 def kv_deadline_s(expected_prefill_s: float, factor: float, floor_s: float, ceiling_s: float) -> float:
-    """How long a decode worker waits for a handoff's KV with no progress: `factor` x the
+    """How long a decode worker waiting for a handoff's KV lets the prefill worker's engine
+    step run with no KV coming before it counts that worker as frozen: `factor` x the
     prefill's predicted time (the prefill worker's queue and the prompt's uncached part at its
     measured rate), within [floor_s, ceiling_s]; unknown (0): the ceiling. A frozen prefill
-    worker is then found out in about that time, not a fixed 30 s."""
+    worker is found out in about that time, not a fixed 30 s; a busy one (its steps come and
+    go) is waited for up to the ceiling with no KV."""
     if expected_prefill_s <= 0:
         return ceiling_s
     return min(ceiling_s, max(floor_s, factor * expected_prefill_s))

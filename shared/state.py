@@ -236,6 +236,11 @@ class State:
         """Its lease holds (it heartbeats, draining or not)."""
         return bool(await self.r.exists(worker_key(worker_id)))
 
+    async def entry(self, worker_id: str) -> WorkerInfo | None:
+        """Its registry entry, None when its lease has lapsed."""
+        raw = await self.r.get(worker_key(worker_id))
+        return WorkerInfo.decode(raw) if raw else None
+
     async def present(self, worker_ids: list[str]) -> set[str]:
         """Those of `worker_ids` whose lease holds: one round trip."""
         async with self.r.pipeline(transaction=False) as p:

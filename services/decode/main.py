@@ -17,9 +17,11 @@
    bus, waiting receivers ask for lost notices with KVSync). KVEnd brings the first
    token; once every block of every layer is in, the sequence joins the batch and the prefill
    worker gets its ack (`pd.prefill.<p>.kv.ack`) and frees its copy. The prefill worker's lease
-   lapsed (checked every heartbeat while waiting) → a router names another prefill worker
-   (`pd.router.requeue`), the job goes on its queue for the same reservation, and the wait
-   starts again. KV late, refused or still bad, or no other prefill worker → drop the
+   lapsed, or its engine step has run far past the prefill's predicted time with no KV coming
+   (frozen), or no KV for `kv_timeout_s` (its registry entry is looked at every heartbeat while
+   waiting) → a router names another prefill worker (`pd.router.requeue`), the job goes on its
+   queue for the same reservation, and the wait starts again. KV refused or still bad, or no
+   other prefill worker → drop the
    reservation, mark the request `prefill_local` in Redis, and prefill locally (no gap for the
    client: chunks carry sequence numbers, the gateway drops duplicates); the prefill worker
    gets KVAck(not ok) and stops computing it.
@@ -347,41 +349,50 @@ class DecodeWorker:
                                                                decode_worker=self.id))
 
     async def wait_kv(self, rx: KVReceiver, expected_prefill_s: float) -> int:
-        """The first token, once every block is in. Raises PrefillWorkerLate when the deadline
-        (lifecycle.kv_deadline_s of the prefill's predicted time; each KV piece received moves
-        it on) passes, PrefillWorkerLost sooner when the prefill worker's lease lapses (killed:
-        nothing more will come from it)."""
-        s = self.settings
-        limit = kv_deadline_s(expected_prefill_s, s.kv_timeout_factor, s.kv_min_timeout_s, s.kv_timeout_s)
+        """The first token, once every block is in. Every heartbeat with none of it, one look at
+        the prefill worker's registry entry: gone (its lease lapsed: killed) → PrefillWorkerLost;
+        its engine step running longer than lifecycle.kv_deadline_s of the prefill's predicted
+        time (frozen), or no KV for `kv_timeout_s` (far behind) → PrefillWorkerLate. Each KV
+        piece received starts the waiting over."""
+        s, worker = self.settings, rx.prefill_worker
+        frozen_s = kv_deadline_s(expected_prefill_s, s.kv_timeout_factor, s.kv_min_timeout_s, s.kv_timeout_s)
         waiting = asyncio.ensure_future(rx.wait())
-        deadline, pieces = time.monotonic() + limit, rx.pieces
+        since, pieces = time.monotonic(), rx.pieces
         try:
             while True:
-                done, _ = await asyncio.wait({waiting}, timeout=max(0.0, min(s.heartbeat_s,
-                                                                             deadline - time.monotonic())))
+                done, _ = await asyncio.wait({waiting}, timeout=s.heartbeat_s)
                 if done:
                     return waiting.result()
-                if rx.pieces != pieces:  # progress: the deadline moves on
-                    deadline, pieces = max(deadline, time.monotonic() + s.kv_min_timeout_s), rx.pieces
-                if time.monotonic() >= deadline:
-                    raise PrefillWorkerLate(f"no KV from {rx.prefill_worker or 'the prefill worker'} within "
-                                            f"{limit:.1f} s (deadline passed)")
-                if rx.prefill_worker and not await self.lease_held(rx.prefill_worker):
-                    raise PrefillWorkerLost(f"prefill worker {rx.prefill_worker} is gone")
+                now = time.monotonic()
+                if rx.pieces != pieces:  # progress
+                    since, pieces = now, rx.pieces
+                if now - since >= s.kv_timeout_s:
+                    raise PrefillWorkerLate(f"no KV from {worker or 'the prefill worker'} for {s.kv_timeout_s:g} s "
+                                            f"(deadline passed)")
+                if not worker:
+                    continue
+                entry = await self.look_at(worker)
+                if entry is None:
+                    raise PrefillWorkerLost(f"prefill worker {worker} is gone")
+                if entry.step_s >= frozen_s and now - since >= frozen_s:
+                    raise PrefillWorkerLate(f"prefill worker {worker}'s engine step has run {entry.step_s:.1f} s "
+                                            f"with no KV (frozen; the prefill was predicted to take "
+                                            f"{expected_prefill_s:.1f} s)")
         finally:
             waiting.cancel()
 
-    async def lease_held(self, worker: str) -> bool:
-        """Whether `worker` holds its lease: looked at again after `absent_s` when missing
-        (shared/absence.py); Redis unreachable is no verdict."""
+    async def look_at(self, worker: str) -> WorkerInfo | None:
+        """`worker`'s registry entry; None once it has been missing for `absent_s` (looked at
+        again then: shared/absence.py). Redis unreachable is no verdict: an entry that says
+        nothing (a step of 0 s)."""
         absence = Absence(self.settings.absent_s)
         while True:
             try:
-                present = await self.state.alive(worker)
+                entry = await self.state.entry(worker)
             except Exception:  # noqa: BLE001 - Redis away: no verdict
-                return True
-            if present or absence.gone(worker, present, time.monotonic()):
-                return present
+                return WorkerInfo(worker_id=worker, role="prefill")
+            if entry is not None or absence.gone(worker, False, time.monotonic()):
+                return entry
             await asyncio.sleep(absence.confirm_s)
 
     async def keep_deadlines(self) -> None:
