@@ -10,12 +10,15 @@ import asyncio
 import functools
 import threading
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from shared import metrics
 from shared.engine.block_manager import CacheChange
 from shared.engine.engine import Engine, RequestOutput
+
+RECENT_STEPS = 32
 
 
 class EngineHost:
@@ -27,6 +30,7 @@ class EngineHost:
         self.on_cache_changes = on_cache_changes       # the step's prefix-cache changes (prefix index)
         self.prefill_tokens_per_s = 0.0        # recent prefill passes, smoothed
         self.steps, self.step_started = 0, 0.0  # monotonic start of the step running now (0: none)
+        self.recent_steps: deque[float] = deque(maxlen=RECENT_STEPS)  # durations of the last steps
         self.fault_hang_after_steps = fault_hang_after_steps  # fault injection: a step that never ends
 
     @property
@@ -49,6 +53,7 @@ class EngineHost:
             return outputs, self.engine.drain_cache_changes(), self.engine.last_pass, time.perf_counter() - start
 
         outputs, changes, (was_decode, tokens), elapsed = await self.call(run)
+        self.recent_steps.append(elapsed)
         if tokens:  # (a step with nothing schedulable computed nothing)
             metrics.STEP_SECONDS.labels(self.role, "decode" if was_decode else "prefill").observe(elapsed)
         if not was_decode and tokens >= 16 and elapsed > 0:
@@ -58,6 +63,14 @@ class EngineHost:
         if changes and self.on_cache_changes is not None:
             self.on_cache_changes(changes)
         return outputs
+
+    @property
+    def slowest_step_s(self) -> float:
+        """How long a step of this worker may take under its present load (a step running far
+        longer is hung): the longest of its last RECENT_STEPS steps, or a full prefill pass
+        (`max_batched_tokens`) at its measured rate if longer (a burst after idle steps)."""
+        full_pass = self.engine.cfg.max_batched_tokens / self.prefill_tokens_per_s if self.prefill_tokens_per_s else 0.0
+        return max(max(self.recent_steps, default=0.0), full_pass)
 
     async def call(self, fn: Callable, *args, **kwargs):
         """Run `fn(*args, **kwargs)` on the engine thread, after every call queued before it."""

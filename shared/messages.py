@@ -275,5 +275,6 @@ class WorkerInfo(Message):
     prefill_tokens_per_s: float = 0.0  # measured (recent prefill passes); 0: not yet measured
     draining: bool = False            # stopping: finishes what it holds, takes nothing new
     step_s: float = 0.0               # how long the engine's current step has run (0: between steps)
+    slowest_step_s: float = 0.0       # how long a step may take now (EngineHost.slowest_step_s): far longer is hung
     prefix_slot: int = 0              # its slot in the prefix index (shared/prefix_index.py); 0: none
     cached_blocks: int = 0            # blocks in its prefix cache

@@ -352,8 +352,9 @@ class DecodeWorker:
         """The first token, once every block is in. Every heartbeat with none of it, one look at
         the prefill worker's registry entry: gone (its lease lapsed: killed) → PrefillWorkerLost;
         its engine step running longer than lifecycle.kv_deadline_s of the prefill's predicted
-        time (frozen), or no KV for `kv_timeout_s` (far behind) → PrefillWorkerLate. Each KV
-        piece received starts the waiting over."""
+        time and `kv_timeout_factor` x its slowest recent step (frozen: a busy machine's steps
+        are slow, not hung), or no KV for `kv_timeout_s` (far behind) → PrefillWorkerLate.
+        Each KV piece received starts the waiting over."""
         s, worker = self.settings, rx.prefill_worker
         frozen_s = kv_deadline_s(expected_prefill_s, s.kv_timeout_factor, s.kv_min_timeout_s, s.kv_timeout_s)
         waiting = asyncio.ensure_future(rx.wait())
@@ -374,9 +375,11 @@ class DecodeWorker:
                 entry = await self.look_at(worker)
                 if entry is None:
                     raise PrefillWorkerLost(f"prefill worker {worker} is gone")
-                if entry.step_s >= frozen_s and now - since >= frozen_s:
+                hung_s = max(frozen_s, s.kv_timeout_factor * entry.slowest_step_s)  # its steps are that slow now
+                if entry.step_s >= hung_s and now - since >= hung_s:
                     raise PrefillWorkerLate(f"prefill worker {worker}'s engine step has run {entry.step_s:.1f} s "
-                                            f"with no KV (frozen; the prefill was predicted to take "
+                                            f"with no KV (frozen: its recent steps took up to "
+                                            f"{entry.slowest_step_s:.1f} s; the prefill was predicted to take "
                                             f"{expected_prefill_s:.1f} s)")
         finally:
             waiting.cancel()

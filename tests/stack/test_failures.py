@@ -292,15 +292,17 @@ def test_a_prefill_job_the_queue_refuses_is_prefilled_on_the_decode_worker_at_on
 
 def test_a_frozen_prefill_worker_loses_the_job_to_another_in_about_its_predicted_time(smollm2, tmp_path):
     """prefill-0's engine step hangs while it heartbeats on (its lease holds): the decode
-    worker's KV deadline follows the prefill's predicted time (here its floor, 2 s, instead of
-    the 30 s ceiling), then a router puts the job on prefill-1's queue. The answer equals the
-    in-process engine's; nothing is prefilled on the decode worker."""
+    worker counts it frozen once the step has run past the prefill's predicted time and 3x
+    the worker's longest recent step or full pass (256 tokens here; at least the 2 s floor)
+    instead of the 30 s ceiling, then a router puts the job on prefill-1's queue. The answer
+    equals the in-process engine's; nothing is prefilled on the decode worker."""
     messages = [{"role": "user", "content": "Name three rivers of Europe."}]
     tok = smollm2.tokenizer
     expected = generate(smollm2, {"q": tok.encode(tok.apply_chat_template(messages))},
                         SamplingParams(max_tokens=8, temperature=0))["q"]
     cfg = StackConfig.on_free_ports(prefill=2, decode=1, kv_blocks=512, log_dir=tmp_path,
-                                    env={"PD_HEARTBEAT_S": "0.3", "PD_KV_TIMEOUT_S": "30", "PD_KV_MIN_TIMEOUT_S": "2"},
+                                    env={"PD_HEARTBEAT_S": "0.3", "PD_KV_TIMEOUT_S": "30", "PD_KV_MIN_TIMEOUT_S": "2",
+                                         "PD_MAX_BATCHED_TOKENS": "256"},
                                     worker_env={"prefill-0": {"PD_FAULT_ENGINE_HANG_AFTER_STEPS": "1"}})
     with Stack(cfg) as stack:
         store = redis.Redis.from_url(stack.redis_url)
