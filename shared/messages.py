@@ -167,6 +167,7 @@ class KVEnd(Message):
     first_token: int = -1
     error: str = ""
     prefill_worker: str = ""  # the sender (a decode side with no receiver answers it)
+    kv_tag: int = 0           # the handoff's tag base
 
 
 class Replay(Message):
@@ -204,6 +205,10 @@ class KVAck(Message):
     request_id: str
     ok: bool
     error: str = ""
+    kv_tag: int = 0           # the handoff answered (its tag base): another handoff of the request ignores it
+
+
+CANCELLED = "cancelled"  # KVEnd.error of a handoff whose placement was cancelled (nothing should replace it)
 
 
 class KVResend(Message):

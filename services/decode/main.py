@@ -57,7 +57,7 @@ from shared.engine.engine import Engine, RequestOutput
 from shared.engine.kv_io import Reservation
 from shared.engine.sequence import SamplingParams
 from shared.kv import TAG_SPAN, KVTransport
-from shared.kv.receiver import KVInbox, KVReceiver
+from shared.kv.receiver import KVCancelled, KVInbox, KVReceiver
 from shared.lifecycle import kv_deadline_s
 from shared.messages import (
     AdmitReply,
@@ -265,7 +265,7 @@ class DecodeWorker:
                  answer.prefill_worker)
         rx.close()
         await self.bus.publish(subjects.prefill_kv_ack(rx.prefill_worker), KVAck(
-            request_id=req.request_id, ok=False, error=f"moved to {answer.prefill_worker}: {why}"))
+            request_id=req.request_id, ok=False, error=f"moved to {answer.prefill_worker}: {why}", kv_tag=rx.kv_tag))
         moved = self.inbox.add(self.receiver(rx.res, answer.prefill_worker))
         await self.queue_prefill(req, moved, None)
         metrics.REQUEUED_JOBS.inc()
@@ -317,13 +317,17 @@ class DecodeWorker:
                 raise
             except Exception as e:  # noqa: BLE001 - late, corrupt, refused or mismatched KV: never decode from it
                 reason = str(e) or type(e).__name__
-                log.warning("%s: KV handoff failed (%s); prefilling locally", rid, reason)
                 span.set_attributes({"ok": False, "error": reason})
                 rx.close()
                 await self.ack(rx, KVAck(request_id=rid, ok=False, error=reason))
-                await self.host.call(self.engine.abort, rid)
+                # this placement's reservation only (a cancel may have let a newer one in meanwhile)
+                if not await self.host.call(self.abort_older, rid, req.attempt + 1) or isinstance(e, KVCancelled):
+                    log.info("%s: KV handoff of attempt %d ended (%s); its placement is over", rid, req.attempt,
+                             reason)
+                    return
+                log.warning("%s: KV handoff failed (%s); prefilling locally", rid, reason)
                 await self.prefill_locally(req, "fallback")
-                if not isinstance(e, (PrefillWorkerLost, PrefillWorkerLate)) and "cancelled" not in reason:
+                if not isinstance(e, (PrefillWorkerLost, PrefillWorkerLate)):  # the path's fault
                     await self.report(rx, ok=False, reason=reason)
                 # a prefill worker that gets this job later (it was down, or queued deep) drops it
                 # (Redis away: that worker would only waste a prefill)
@@ -333,14 +337,16 @@ class DecodeWorker:
                 rx.close()
                 span.set_attributes({"bytes": rx.bytes_received, "pieces": rx.pieces, "bad_blocks": rx.bad_blocks,
                                      "resends": rx.resends, "blocks": int(rx.have.shape[1])})
-                self.receiving.pop(rid, None)
-                self.inbox.receivers.pop(rid, None)
+                if self.receiving.get(rid) is asyncio.current_task():  # (not a newer placement's)
+                    del self.receiving[rid]
+                if self.inbox.receivers.get(rid) is rx:
+                    del self.inbox.receivers[rid]
 
     async def ack(self, rx: KVReceiver, ack: KVAck) -> None:
         """To the prefill worker computing the request's KV: it may free its copy (not ok: it
         stops computing the prompt too)."""
         if rx.prefill_worker:
-            await self.inbox.ack(rx.prefill_worker, ack)
+            await self.inbox.ack(rx.prefill_worker, ack.model_copy(update={"kv_tag": rx.kv_tag}))
 
     async def report(self, rx: KVReceiver, ok: bool, reason: str = "") -> None:
         """How the handoff over this prefill → decode path went, for the routers' breakers."""
@@ -455,10 +461,13 @@ class DecodeWorker:
     async def on_cancel(self, msg: Msg) -> None:
         cancel = Cancel.decode(msg.data)
         rid = cancel.request_id
-        task = self.receiving.pop(rid, None)  # a remote KV wait: always the first placement
-        if task is not None:  # it answers the prefill side as it ends
-            task.cancel()
+        task = self.receiving.get(rid)  # a KV wait, unless it is a placement the cancel spares
+        if task is not None and (cancel.before_attempt is None or self.attempts.get(rid, 0) < cancel.before_attempt):
+            del self.receiving[rid]
+            task.cancel()  # it answers the prefill side as it ends
             self.inbox.close(rid)
+        else:
+            task = None
         # checked and done on the engine thread, in order with admits: a failover's cancel never
         # stops the placement it was sent for, whichever handler runs first
         if task is not None or rid in self.engine.seqs:

@@ -52,7 +52,7 @@ from shared.engine.engine import Engine, RequestOutput
 from shared.engine.sequence import Status
 from shared.kv import KVTransport
 from shared.kv.sender import KVSender
-from shared.messages import FINISHED_IN_PREFILL, Cancel, PrefillJob, TokenChunk, WorkerInfo
+from shared.messages import CANCELLED, FINISHED_IN_PREFILL, Cancel, PrefillJob, TokenChunk, WorkerInfo
 from shared.service import heartbeat, run, setup_logging
 from shared.state import PREFILLED_ELSEWHERE, State
 from shared.worker import WorkerCore, serve_worker
@@ -304,7 +304,7 @@ class PrefillWorker:
         prompt still being prefilled is aborted."""
         held = self.sender.handoffs.get(rid)
         if held is not None and held.job.attempt < before:
-            await self.sender.cancel(rid, "cancelled")
+            await self.sender.cancel(rid, CANCELLED)
         entry, seq = self.jobs.get(rid), self.engine.seqs.get(rid)
         if entry is not None and entry[0].attempt < before and seq is not None and seq.status is Status.WAITING:
             await self.host.call(self.engine.abort, rid)

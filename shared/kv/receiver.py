@@ -36,7 +36,7 @@ from shared.engine.engine import Engine
 from shared.engine.kv_io import Reservation
 from shared.kv import codec
 from shared.kv.base import TAG_SPAN, KVTransport, block_checksums
-from shared.messages import KVAck, KVEnd, KVLayer, KVResend, KVSync
+from shared.messages import CANCELLED, KVAck, KVEnd, KVLayer, KVResend, KVSync
 
 log = logging.getLogger("kv.receiver")
 WriteBlocks = Callable[[int, list[int], torch.Tensor], None]  # layer, block ids, data
@@ -44,6 +44,10 @@ WriteBlocks = Callable[[int, list[int], torch.Tensor], None]  # layer, block ids
 
 class KVFailed(RuntimeError):
     pass
+
+
+class KVCancelled(KVFailed):
+    """The prefill side ended the handoff because its placement was cancelled."""
 
 
 class KVReceiver:
@@ -94,7 +98,9 @@ class KVReceiver:
 
     def on_end(self, end: KVEnd) -> None:
         if not end.ok:
-            self.fail(f"prefill side gave up: {end.error}")
+            if not self.outcome.done():
+                failure = KVCancelled if end.error == CANCELLED else KVFailed
+                self.outcome.set_exception(failure(f"prefill side gave up: {end.error}"))
             return
         self.first_token = end.first_token
         self._check_done()
@@ -200,38 +206,41 @@ class KVInbox:
 
     async def on_layer(self, msg: Msg) -> None:
         notice = KVLayer.decode(msg.data)
+        kv_tag = notice.tag - notice.tag % TAG_SPAN
         if (rx := self.receivers.get(notice.request_id)) is None:
-            await self.answer(notice.request_id, notice.prefill_worker)
-        elif self.sent_by(rx, notice.prefill_worker):
+            await self.answer(notice.request_id, notice.prefill_worker, kv_tag)
+        elif self.belongs(rx, notice.prefill_worker, kv_tag):
             rx.on_layer(notice)
         else:
-            await self.refuse_moved(notice.request_id, notice.prefill_worker)
+            await self.refuse_other(notice.request_id, notice.prefill_worker, kv_tag)
 
     async def on_end(self, msg: Msg) -> None:
         end = KVEnd.decode(msg.data)
         if (rx := self.receivers.get(end.request_id)) is None:
             if end.prefill_worker:
-                await self.answer(end.request_id, end.prefill_worker, again=True)
-        elif self.sent_by(rx, end.prefill_worker):
+                await self.answer(end.request_id, end.prefill_worker, end.kv_tag, again=True)
+        elif self.belongs(rx, end.prefill_worker, end.kv_tag):
             rx.on_end(end)
         else:
-            await self.refuse_moved(end.request_id, end.prefill_worker)
+            await self.refuse_other(end.request_id, end.prefill_worker, end.kv_tag)
 
     @staticmethod
-    def sent_by(rx: KVReceiver, sender: str) -> bool:
-        """Whether `sender` is the one `rx` receives from (its job moved off a lost prefill
-        worker: what that worker still sends is not this handoff's)."""
-        return not rx.prefill_worker or not sender or sender == rx.prefill_worker
+    def belongs(rx: KVReceiver, sender: str, kv_tag: int) -> bool:
+        """Whether a notice or end from `sender` for handoff `kv_tag` is `rx`'s: not when the
+        job moved off a prefill worker thought lost (what that worker still sends), nor an
+        older placement's handoff of the same request (a failover's) — 0 and "" match any."""
+        return (not rx.prefill_worker or not sender or sender == rx.prefill_worker) and kv_tag in (0, rx.kv_tag)
 
-    async def refuse_moved(self, rid: str, sender: str) -> None:
-        await self.bus.publish(subjects.prefill_kv_ack(sender),
-                               KVAck(request_id=rid, ok=False, error="moved to another prefill worker"))
+    async def refuse_other(self, rid: str, sender: str, kv_tag: int) -> None:
+        await self.bus.publish(subjects.prefill_kv_ack(sender), KVAck(
+            request_id=rid, ok=False, error="moved to another handoff of the request", kv_tag=kv_tag))
 
-    async def answer(self, rid: str, prefill_worker: str, again: bool = False) -> None:
-        """To the sender of a request with no receiver here: a refusal if it was never
-        answered, else (`again`) the answer it was given."""
-        if (given := self.answers.get(rid)) is None:
-            await self.ack(prefill_worker, KVAck(request_id=rid, ok=False, error="no reservation"))
+    async def answer(self, rid: str, prefill_worker: str, kv_tag: int, again: bool = False) -> None:
+        """To the sender of handoff `kv_tag` of a request with no receiver here: a refusal if
+        that handoff was never answered, else (`again`) the answer it was given."""
+        given = self.answers.get(rid)
+        if given is None or given.kv_tag not in (0, kv_tag):
+            await self.ack(prefill_worker, KVAck(request_id=rid, ok=False, error="no reservation", kv_tag=kv_tag))
         elif again:
             await self.ack(prefill_worker, given)
 

@@ -222,7 +222,7 @@ class KVSender:
     async def on_ack(self, msg: Msg) -> None:
         ack = KVAck.decode(msg.data)
         h = self.handoffs.get(ack.request_id)
-        if h is not None and not h.acked.done():
+        if h is not None and not h.acked.done() and ack.kv_tag in (0, h.job.kv_tag):  # (another handoff's: not this)
             h.acked.set_result(ack)
             if not ack.ok and self.given_up is not None:  # the decode side gave up: stop computing too (in
                 self.giving_up.start(self.given_up(h.job, ack.error))  # a task: it waits for the engine step)
@@ -232,7 +232,7 @@ class KVSender:
             return
         h.error = h.error or error
         h.end = KVEnd(request_id=h.job.request_id, ok=ok, first_token=first_token, error=error,
-                      prefill_worker=self.worker_id)
+                      prefill_worker=self.worker_id, kv_tag=h.job.kv_tag)
         await self.bus.publish(subjects.decode_kv_end(h.job.decode_worker), h.end, ctx=h.ctx)
 
 

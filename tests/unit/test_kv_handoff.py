@@ -294,8 +294,44 @@ def test_a_sender_other_than_the_receivers_is_refused_and_nothing_of_it_is_mixed
         return rx, [(a.request_id, a.ok, a.error) for a in bus.of_type(KVAck)]
 
     rx, acks = asyncio.run(scenario())
-    assert acks == [("r", False, "moved to another prefill worker")] * 2
+    assert acks == [("r", False, "moved to another handoff of the request")] * 2
     assert not rx.outcome.done() and not rx.tags and rx.first_token is None
+
+
+def test_an_older_placements_handoff_from_the_same_sender_is_refused_and_its_answer_ends_only_it(tiny):
+    """A failover placed on the same decode worker, its job on the same prefill worker: the
+    old handoff's notices and end (another tag range) are refused without touching the new
+    receiver, and the refusal (addressed by tag) ends the old handoff alone on the sender."""
+    async def scenario():
+        bus, stopped = LocalBus(), []
+
+        async def given_up(job, reason):
+            stopped.append((job.kv_tag, reason))
+
+        dst = Engine(tiny, EngineConfig(num_blocks=64))
+        inbox = KVInbox(bus, "d")
+        await inbox.start()
+        rx = inbox.add(KVReceiver.for_engine(dst, dst.reserve("r", PROMPT, PARAMS), 2 << 20,
+                                             create_transport("fake"), bus, prefill_worker="p"))
+        sender = KVSender(create_transport("fake"), bus, "p", dst.fingerprint, None, given_up=given_up)
+        await sender.start()
+        job = PrefillJob(request_id="r", prompt_token_ids=PROMPT, sampling=Sampling(), decode_worker="d",
+                         decode_address="x", decode_fingerprint=dst.fingerprint, first_block=0, kv_tag=1 << 20)
+        await sender.open(job)
+        await bus.publish(subjects.decode_kv("d"), KVLayer(
+            request_id="r", prefill_worker="p", fingerprint=dst.fingerprint, tag=(1 << 20) + 3, layer=0,
+            num_blocks=1, first_block=0, checksums=[0]))
+        await bus.publish(subjects.decode_kv_end("d"), KVEnd(request_id="r", ok=True, first_token=1,
+                                                             prefill_worker="p", kv_tag=1 << 20))
+        await bus.publish(subjects.prefill_kv_ack("p"), KVAck(request_id="r", ok=False, error="x", kv_tag=2 << 20))
+        await asyncio.sleep(0.05)
+        return rx, sender.handoffs["r"].acked, stopped, [(a.kv_tag, a.error) for a in bus.of_type(KVAck)]
+
+    rx, acked, stopped, acks = asyncio.run(scenario())
+    assert not rx.outcome.done() and not rx.tags and rx.first_token is None
+    assert sorted(acks) == [(1 << 20, "moved to another handoff of the request")] * 2 + [(2 << 20, "x")]
+    assert acked.done() and not acked.result().ok and acked.result().kv_tag == 1 << 20  # ended by its own refusal
+    assert stopped == [(1 << 20, "moved to another handoff of the request")]  # the other tag's ack ignored
 
 
 def test_a_decode_side_that_gives_up_stops_the_prefill_side_once(tiny):
