@@ -48,6 +48,11 @@ def request_key(request_id: str) -> str:
     return f"pd:req:{request_id}"
 
 
+def placement_key(request_id: str, attempt: int) -> str:
+    """A placement's name in the routers' records: a failover's is a new placement."""
+    return f"{request_id}#{attempt}" if attempt else request_id
+
+
 def log_key(request_id: str) -> str:
     return f"pd:req:{request_id}:log"
 

@@ -21,7 +21,10 @@ from its last streamed token. And when the router's supervisor says the placemen
 worker heartbeats but the request has not advanced past its phase's deadline: a hung step).
 
 The request's events go to Redis as it goes: received (with this gateway as its owner),
-failover, and how it ended — finished, failed or cancelled (shared/lifecycle.py).
+failover, and how it ended — finished, failed or cancelled (shared/lifecycle.py). A request
+given up while it is being placed (no router answered in time, or its client left) is
+cancelled on the workers the routers noted for it: an admit that came too late to be heard
+leaves no reservation running for nobody.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from shared.bus import Bus
 from shared.config import GatewaySettings
 from shared.holders import Holders
 from shared.messages import Cancel, Replay, ReplayReply, RouteReply, RouteRequest, Stalled, TokenChunk
-from shared.state import State
+from shared.state import State, placement_key
 
 log = logging.getLogger("gateway.relay")
 MAX_ATTEMPTS = 4  # placements of one request: the first and up to three failovers
@@ -56,20 +59,22 @@ class Relay:
     def __init__(self, bus: Bus, route_timeout_s: float, token_timeout_s: float,
                  alive: Callable[[str], Awaitable[bool]] | None = None, check_s: float = 1.0,
                  confirm_s: float = 1.5, placement_retry_s: float = 0.0,
-                 note: Callable[..., None] | None = None, owner: str = ""):
+                 note: Callable[..., None] | None = None, owner: str = "",
+                 placed: Callable[[str], Awaitable[dict[str, str]]] | None = None):
         self.bus, self.route_timeout_s, self.token_timeout_s = bus, route_timeout_s, token_timeout_s
         self.alive, self.check_s = alive, check_s
         self.confirm_s = confirm_s                    # absent this long from the registry = lost
         self.placement_retry_s = placement_retry_s    # keep asking while nothing can take the request
         self.note = note or (lambda *a, **k: None)    # State.note: the request's events in Redis
         self.owner = owner                            # this gateway's registry id
+        self.placed = placed                          # State.route: what the routers noted of a placement
 
     @classmethod
     def for_gateway(cls, settings: GatewaySettings, bus: Bus, state: State, owner: str) -> Relay:
         """The relay a gateway's settings describe: leases read from, and events noted in, `state`."""
         return cls(bus, settings.route_timeout_s, settings.token_timeout_s, alive=state.alive,
                    check_s=settings.failover_check_s, confirm_s=settings.absent_s,
-                   placement_retry_s=settings.placement_retry_s, note=state.note, owner=owner)
+                   placement_retry_s=settings.placement_retry_s, note=state.note, owner=owner, placed=state.route)
 
     async def run(self, req: RouteRequest) -> tuple[RouteReply, AsyncIterator[TokenChunk]]:
         """Place the request; returns the placement and its ordered token stream. The
@@ -89,12 +94,33 @@ class Relay:
                               await self.bus.subscribe(subjects.stalled(req.request_id), on_event)])
         try:
             reply = await self.place(req)
-        except APIError as e:
+        except (APIError, asyncio.CancelledError) as e:  # refused for good, or the client left meanwhile
             await subs.unsubscribe()
-            self.note(req.request_id, "failed", by=self.owner, owner=self.owner, reason=e.message)
-            metrics.REQUESTS.labels("failed").inc()
+            await asyncio.shield(self.abandon(req))
+            outcome, reason = ("failed", e.message) if isinstance(e, APIError) else ("cancelled", "client gone")
+            self.note(req.request_id, outcome, by=self.owner, owner=self.owner, reason=reason)
+            metrics.REQUESTS.labels(outcome).inc()
             raise
         return reply, self._ordered(req, reply, queue, subs)
+
+    async def abandon(self, req: RouteRequest) -> None:
+        """The request gives up its placement while a router may have admitted it meanwhile (its
+        answer late or lost): cancel it on the workers the routers noted for the placement, so
+        no reservation or prefill job runs on for nobody. (A cancel that reaches a decode
+        worker before the admit it races finds nothing: that reservation runs to its end.)"""
+        if self.placed is None:
+            return
+        try:
+            known = await self.placed(placement_key(req.request_id, req.attempt))
+        except Exception as e:  # noqa: BLE001 - Redis away: nothing known to cancel
+            log.debug("%s: placement not read: %s", req.request_id, e)
+            return
+        holders = Holders()
+        holders.add(known.get("decode"))
+        if "reply" in known:
+            reply = RouteReply.decode(known["reply"].encode())
+            holders.add(reply.decode_worker, reply.prefill_worker)
+        await holders.cancel(self.bus, Cancel(request_id=req.request_id, reason="placement abandoned"))
 
     async def place(self, req: RouteRequest, retry_s: float | None = None) -> RouteReply:
         """Ask a router. While no router answers or none can place the request (no decode worker

@@ -67,7 +67,7 @@ from shared.messages import (
     WorkerInfo,
 )
 from shared.service import connect, heartbeat, run, setup_logging, stop_event
-from shared.state import State, route_key, session_key
+from shared.state import State, placement_key, route_key, session_key
 from shared.tasks import Background, every
 
 log = logging.getLogger("router")
@@ -230,7 +230,7 @@ class Router:
         waits while another replica decides. If that replica dies mid-decision its claim
         lapses and this one takes over, trying the decode worker it had chosen first (an
         admit is idempotent there, and the prefill job is deduplicated by its message id)."""
-        key = f"{req.request_id}#{req.attempt}" if req.attempt else req.request_id  # a failover places anew
+        key = placement_key(req.request_id, req.attempt)  # a failover places anew
         lease_s = 2 * self.settings.admit_timeout_s + 1.0
         pool = await self.pool(req.model)
         # the engine always computes the last prompt token: only the blocks before it can hit (a

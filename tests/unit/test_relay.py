@@ -216,3 +216,46 @@ def test_a_worker_that_no_longer_has_the_chunks_costs_a_failover_instead():
     assert asked[1][1].attempt == 1 and asked[1][1].generated_token_ids == [100]
     assert published == [("pd.decode.d0.cancel", FAILOVER), ("pd.prefill.p0.cancel", FAILOVER)]
     assert [e for e, _ in notes] == ["replayed", "failover", "finished"]
+
+
+def test_a_placement_given_up_is_cancelled_where_a_router_admitted_it():
+    """No router answer in time (503), or the client gone while its request was being placed:
+    a router may have admitted it meanwhile — the relay cancels it on the workers the routers
+    noted (the decode worker asked; the placement's workers once its reply is recorded)."""
+    import nats.errors
+
+    from services.gateway.errors import APIError
+
+    async def run(client_leaves: bool):
+        notes = []
+
+        class Bus(FakeBus):
+            async def subscribe(self, subject, cb):
+                return FakeSub()
+
+            async def request(self, subject, msg, reply_type, timeout):
+                if client_leaves:
+                    await asyncio.sleep(10)
+                raise nats.errors.TimeoutError
+
+        async def placed(key):
+            return {"decode": "d0", "reply": PLACED.encode().decode()}
+
+        bus = Bus()
+        relay = Relay(bus, 0.01, 10, placement_retry_s=0, note=lambda rid, ev, **kw: notes.append((ev, kw)),
+                      owner="gw", placed=placed)
+        task = asyncio.ensure_future(relay.run(REQ))
+        if client_leaves:
+            await asyncio.sleep(0.05)
+            task.cancel()
+        try:
+            await task
+        except (APIError, asyncio.CancelledError) as e:
+            outcome = type(e).__name__
+        return outcome, bus.published, [e for e, _ in notes]
+
+    abandoned = Cancel(request_id="r", reason="placement abandoned")
+    for leaves, outcome, last in ((False, "APIError", "failed"), (True, "CancelledError", "cancelled")):
+        got, published, notes = asyncio.run(run(leaves))
+        assert got == outcome and notes == ["received", last]
+        assert published == [("pd.decode.d0.cancel", abandoned), ("pd.prefill.p0.cancel", abandoned)]
