@@ -244,13 +244,17 @@ class DecodeWorker:
             rx.fail(f"prefill job not queued: {e}")
 
     async def requeue(self, req: AdmitRequest, rx: KVReceiver, why: PrefillWorkerLost | PrefillWorkerLate,
-                      left: list[str]) -> tuple[KVReceiver, float]:
+                      left: list[str], span: trace.Span) -> tuple[KVReceiver, float]:
         """The prefill worker computing this request's KV is gone or late: a router picks
         another one (`Requeue`; none of those the job `left`), which computes the prompt for
         the same reservation under a new tag range (what the one left sent, if anything, is
         overwritten; a notice from it now is refused, and a late one is told to stop). Returns
         the new receiver and the new prediction; raises `why` when no other prefill worker
         takes it: prefilled here then."""
+        span.add_event("prefill worker " + ("lost" if isinstance(why, PrefillWorkerLost) else "late"),
+                       {"prefill_worker": rx.prefill_worker, "reason": str(why)})
+        if isinstance(why, PrefillWorkerLate):  # the path's fault, as far as the breakers know
+            await self.report(rx, ok=False, reason=str(why))
         ask = Requeue(request_id=req.request_id, model=self.settings.model_name, prompt_token_ids=req.prompt_token_ids,
                       decode_worker=self.id, avoid_workers=left,
                       why="gone" if isinstance(why, PrefillWorkerLost) else "late",
@@ -295,13 +299,9 @@ class DecodeWorker:
                     try:
                         first_token = await self.wait_kv(rx, expected_s)
                         break
-                    except (PrefillWorkerLost, PrefillWorkerLate) as e:  # the job to another prefill worker
-                        span.add_event("prefill worker " + ("lost" if isinstance(e, PrefillWorkerLost) else "late"),
-                                       {"prefill_worker": rx.prefill_worker, "reason": str(e)})
-                        if isinstance(e, PrefillWorkerLate):  # the path's fault, as far as the breakers know
-                            await self.report(rx, ok=False, reason=str(e))
+                    except (PrefillWorkerLost, PrefillWorkerLate) as e:  # the job follows to another one
                         left.append(rx.prefill_worker)
-                        rx, expected_s = await self.requeue(req, rx, e, left)
+                        rx, expected_s = await self.requeue(req, rx, e, left, span)
                 out = await self.host.call(self.engine.commit_import, rid, first_token)
                 await self.ack(rx, KVAck(request_id=rid, ok=True))
                 await self.report(rx, ok=True)
@@ -316,23 +316,9 @@ class DecodeWorker:
                 await self.ack(rx, KVAck(request_id=rid, ok=False, error="cancelled"))
                 raise
             except Exception as e:  # noqa: BLE001 - late, corrupt, refused or mismatched KV: never decode from it
-                reason = str(e) or type(e).__name__
-                span.set_attributes({"ok": False, "error": reason})
+                span.set_attributes({"ok": False, "error": str(e) or type(e).__name__})
                 rx.close()
-                await self.ack(rx, KVAck(request_id=rid, ok=False, error=reason))
-                # this placement's reservation only (a cancel may have let a newer one in meanwhile)
-                if not await self.host.call(self.abort_older, rid, req.attempt + 1) or isinstance(e, KVCancelled):
-                    log.info("%s: KV handoff of attempt %d ended (%s); its placement is over", rid, req.attempt,
-                             reason)
-                    return
-                log.warning("%s: KV handoff failed (%s); prefilling locally", rid, reason)
-                await self.prefill_locally(req, "fallback")
-                if not isinstance(e, (PrefillWorkerLost, PrefillWorkerLate)):  # the path's fault
-                    await self.report(rx, ok=False, reason=reason)
-                # a prefill worker that gets this job later (it was down, or queued deep) drops it
-                # (Redis away: that worker would only waste a prefill)
-                self.state.note(rid, "prefill_local", by=self.id, attempt=req.attempt,
-                                prompt_tokens=len(req.prompt_token_ids), reason=reason)
+                await self.handoff_failed(req, rx, e)
             finally:
                 rx.close()
                 span.set_attributes({"bytes": rx.bytes_received, "pieces": rx.pieces, "bad_blocks": rx.bad_blocks,
@@ -341,6 +327,24 @@ class DecodeWorker:
                     del self.receiving[rid]
                 if self.inbox.receivers.get(rid) is rx:
                     del self.inbox.receivers[rid]
+
+    async def handoff_failed(self, req: AdmitRequest, rx: KVReceiver, e: Exception) -> None:
+        """The prefill side is told; this placement's reservation is dropped (only this one: a
+        cancel may have let a newer one in meanwhile) and, unless the placement is over (it was
+        cancelled), the prompt is prefilled here."""
+        rid, reason = req.request_id, str(e) or type(e).__name__
+        await self.ack(rx, KVAck(request_id=rid, ok=False, error=reason))
+        if not await self.host.call(self.abort_older, rid, req.attempt + 1) or isinstance(e, KVCancelled):
+            log.info("%s: KV handoff of attempt %d ended (%s); its placement is over", rid, req.attempt, reason)
+            return
+        log.warning("%s: KV handoff failed (%s); prefilling locally", rid, reason)
+        await self.prefill_locally(req, "fallback")
+        if not isinstance(e, (PrefillWorkerLost, PrefillWorkerLate)):  # the path's fault
+            await self.report(rx, ok=False, reason=reason)
+        # a prefill worker that gets this job later (it was down, or queued deep) drops it
+        # (Redis away: that worker would only waste a prefill)
+        self.state.note(rid, "prefill_local", by=self.id, attempt=req.attempt,
+                        prompt_tokens=len(req.prompt_token_ids), reason=reason)
 
     async def ack(self, rx: KVReceiver, ack: KVAck) -> None:
         """To the prefill worker computing the request's KV: it may free its copy (not ok: it
