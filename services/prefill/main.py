@@ -60,9 +60,10 @@ from shared.worker import WorkerCore, serve_worker
 log = logging.getLogger("prefill")
 JOB_KEEPALIVE_S = 10.0  # JetStream redelivers a job unacked for 30 s (its ack_wait)
 # A job delivered for the first time and younger than this starts without asking Redis whether
-# its decode worker gave up and prefilled it: that worker waits PD_KV_TIMEOUT_S (30 s) first,
-# and one that gave up sooner refuses the KV (only compute is lost). Saves a round trip on
-# every first token; redeliveries and old jobs are still checked.
+# its request moved on (prefilled by its decode worker, or requeued on another prefill worker):
+# a decode worker gives up on a live prefill worker after PD_KV_MIN_TIMEOUT_S (5 s) at the
+# soonest, and one that gave up refuses the KV and tells this worker to stop (only compute is
+# lost). Saves a round trip on every first token; redeliveries and old jobs are still checked.
 FRESH_JOB_S = 5.0
 
 
