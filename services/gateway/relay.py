@@ -53,6 +53,8 @@ log = logging.getLogger("gateway.relay")
 MAX_ATTEMPTS = 4  # placements of one request: the first and up to three failovers
 MAX_REPLAYS = 3   # replays asked of one placement before it is moved instead
 REPLAY_TIMEOUT_S = 2.0  # a decode worker answers from its event loop; silence this long: move the stream
+BUS_SETTLED_S = 5.0     # this gateway's bus connection up this long before a worker's absence from it counts
+PAST_THE_END = 1 << 62  # a replay from here publishes nothing: it only asks whether the worker is there
 
 
 class Relay:
@@ -60,7 +62,7 @@ class Relay:
                  alive: Callable[[str], Awaitable[bool]] | None = None, check_s: float = 1.0,
                  confirm_s: float = 1.5, placement_retry_s: float = 0.0,
                  note: Callable[..., None] | None = None, owner: str = "",
-                 placed: Callable[[str], Awaitable[dict[str, str]]] | None = None):
+                 placed: Callable[[str], Awaitable[dict[str, str]]] | None = None, probe: bool = False):
         self.bus, self.route_timeout_s, self.token_timeout_s = bus, route_timeout_s, token_timeout_s
         self.alive, self.check_s = alive, check_s
         self.confirm_s = confirm_s                    # absent this long from the registry = lost
@@ -68,13 +70,16 @@ class Relay:
         self.note = note or (lambda *a, **k: None)    # State.note: the request's events in Redis
         self.owner = owner                            # this gateway's registry id
         self.placed = placed                          # State.route: what the routers noted of a placement
+        self.probe = probe                            # also ask a silent decode worker on the bus
+        self.bus_seen = (self.reconnects(), time.monotonic())  # this gateway's reconnections, since when
 
     @classmethod
     def for_gateway(cls, settings: GatewaySettings, bus: Bus, state: State, owner: str) -> Relay:
         """The relay a gateway's settings describe: leases read from, and events noted in, `state`."""
         return cls(bus, settings.route_timeout_s, settings.token_timeout_s, alive=state.alive,
                    check_s=settings.failover_check_s, confirm_s=settings.absent_s,
-                   placement_retry_s=settings.placement_retry_s, note=state.note, owner=owner, placed=state.route)
+                   placement_retry_s=settings.placement_retry_s, note=state.note, owner=owner, placed=state.route,
+                   probe=True)
 
     async def run(self, req: RouteRequest) -> tuple[RouteReply, AsyncIterator[TokenChunk]]:
         """Place the request; returns the placement and its ordered token stream. The
@@ -188,7 +193,8 @@ class Relay:
         lost on the bus are asked of the decode worker again (up to MAX_REPLAYS); a lost or
         stalled worker, or chunks it cannot replay, move the request (cancelled where it was,
         placed again after its last streamed token)."""
-        why = await self.interrupted(item, stream.placement, stream.attempt, stream.order.gap, stream.liveness)
+        why = await self.interrupted(item, req.request_id, stream.placement, stream.attempt, stream.order.gap,
+                                     stream.liveness)
         if why == "stream interrupted" and stream.replays < MAX_REPLAYS and await self.replay(
                 req.request_id, stream.placement, stream.order.next_seq, stream.attempt):
             stream.replays += 1
@@ -206,7 +212,7 @@ class Relay:
             stream.order.forget_waiting()
             stream.liveness, stream.replays = self.liveness(), 0
 
-    async def interrupted(self, item: TokenChunk | Stalled | None, placement: RouteReply, attempt: int,
+    async def interrupted(self, item: TokenChunk | Stalled | None, rid: str, placement: RouteReply, attempt: int,
                           gap: bool, liveness: Liveness) -> str:
         """Why the request must move now ("" when it need not): its worker lost, its chunks
         lost on the bus, or stalled (the supervisor's word about this placement). Called
@@ -218,7 +224,7 @@ class Relay:
         if time.monotonic() - liveness.silent_since > self.token_timeout_s:
             raise APIError(504, f"No token for {self.token_timeout_s:.0f} s; the request was cancelled.",
                            code="timeout")
-        if liveness.absence.gone("decode", not await self.absent(placement), time.monotonic()):
+        if liveness.absence.gone("decode", not await self.absent(placement, rid), time.monotonic()):
             return "worker lost"
         if gap or self.reconnects() != liveness.reconnects:
             return "stream interrupted"
@@ -259,14 +265,39 @@ class Relay:
     def reconnects(self) -> int:
         return getattr(self.bus, "reconnects", 0)
 
-    async def absent(self, placement: RouteReply) -> bool:
-        """The request's decode worker is missing from the registry (Redis unreachable: no verdict)."""
-        if self.alive is None or not placement.decode_worker:
+    async def absent(self, placement: RouteReply, rid: str) -> bool:
+        """The request's decode worker is missing from the registry, or has no connection to
+        the bus (`unreachable`: a killed process's connection is closed by the server at once,
+        seconds before its lease lapses). Redis unreachable: no verdict from the registry."""
+        worker = placement.decode_worker
+        if not worker:
+            return False
+        if self.alive is not None:
+            try:
+                if not await self.alive(worker):
+                    return True
+            except Exception:  # noqa: BLE001
+                pass
+        return await self.unreachable(worker, rid)
+
+    async def unreachable(self, worker: str, rid: str) -> bool:
+        """Whether `worker` has no subscription on the bus ("no responders" to a replay from past
+        the end: nothing is published again). Asked only with `probe` and this gateway's own
+        connection up for BUS_SETTLED_S without a reconnect (after a NATS restart the workers
+        reconnect too, some later than this gateway); no answer in time is no verdict."""
+        count, since = self.bus_seen
+        if self.reconnects() != count:
+            self.bus_seen = count, since = self.reconnects(), time.monotonic()
+        if not self.probe or time.monotonic() - since < BUS_SETTLED_S:
             return False
         try:
-            return not await self.alive(placement.decode_worker)
-        except Exception:  # noqa: BLE001
+            await self.bus.request(subjects.decode_replay(worker), Replay(request_id=rid, from_seq=PAST_THE_END),
+                                   ReplayReply, timeout=self.check_s)
+        except nats.errors.NoRespondersError:
+            return True
+        except Exception:  # noqa: BLE001 - timed out, or this gateway's connection away: no verdict
             return False
+        return False
 
     async def failover(self, req: RouteRequest, lost: RouteReply, generated: list[int], attempt: int,
                        why: str) -> RouteReply:

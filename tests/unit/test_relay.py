@@ -259,3 +259,56 @@ def test_a_placement_given_up_is_cancelled_where_a_router_admitted_it():
         got, published, notes = asyncio.run(run(leaves))
         assert got == outcome and notes == ["received", last]
         assert published == [("pd.decode.d0.cancel", abandoned), ("pd.prefill.p0.cancel", abandoned)]
+
+
+def _silent_d0(settled: bool):
+    """d0 streams token 0, then nothing; it is gone from the bus ("no responders") while its
+    lease still holds. Returns the seqs streamed and the routes asked (a failover's)."""
+    import time
+
+    import nats.errors
+
+    from shared.messages import ReplayReply
+
+    async def run():
+        queue, routed = asyncio.Queue(), []
+
+        class Bus(FakeBus):
+            async def request(self, subject, msg, reply_type, timeout):
+                if subject == "pd.decode.d0.replay":
+                    raise nats.errors.NoRespondersError
+                if subject.endswith(".replay"):
+                    return ReplayReply(request_id="r", ok=True)
+                routed.append(msg)
+                for c in (chunk(1), chunk(2), chunk(3, finished=True)):   # from d1
+                    queue.put_nowait(c)
+                return RouteReply(request_id="r", ok=True, mode="local", decode_worker="d1")
+
+        async def alive(worker):
+            return True   # its lease has not lapsed yet
+
+        async def d0_goes_on():   # (when not moved: d0 was only slow)
+            await asyncio.sleep(0.5)
+            for c in (chunk(1), chunk(2), chunk(3, finished=True)):
+                queue.put_nowait(c)
+
+        queue.put_nowait(chunk(0))
+        relay = Relay(Bus(), 1, 10, alive=alive, check_s=0.05, confirm_s=0.1, probe=True)
+        if settled:   # this gateway's connection has been up a while
+            relay.bus_seen = (0, time.monotonic() - 10)
+        else:
+            asyncio.ensure_future(d0_goes_on())
+        got = [c.seq async for c in relay._ordered(REQ, PLACED, queue, FakeSub())]
+        return got, routed
+
+    return asyncio.run(run())
+
+
+def test_a_decode_worker_gone_from_the_bus_is_lost_before_its_lease_lapses():
+    got, routed = _silent_d0(settled=True)
+    assert got == [0, 1, 2, 3] and len(routed) == 1 and routed[0].attempt == 1
+
+
+def test_just_after_this_gateway_reconnected_a_worker_missing_from_the_bus_is_no_verdict():
+    got, routed = _silent_d0(settled=False)
+    assert got == [0, 1, 2, 3] and routed == []   # it was only late: never moved
