@@ -251,13 +251,12 @@ class DecodeWorker:
         overwritten; a notice from it now is refused, and a late one is told to stop). Returns
         the new receiver and the new prediction; raises `why` when no other prefill worker
         takes it: prefilled here then."""
-        span.add_event("prefill worker " + ("lost" if isinstance(why, PrefillWorkerLost) else "late"),
-                       {"prefill_worker": rx.prefill_worker, "reason": str(why)})
-        if isinstance(why, PrefillWorkerLate):  # the path's fault, as far as the breakers know
+        kind = "gone" if isinstance(why, PrefillWorkerLost) else "late"
+        span.add_event(f"prefill worker {kind}", {"prefill_worker": rx.prefill_worker, "reason": str(why)})
+        if kind == "late":  # the path's fault, as far as the breakers know
             await self.report(rx, ok=False, reason=str(why))
         ask = Requeue(request_id=req.request_id, model=self.settings.model_name, prompt_token_ids=req.prompt_token_ids,
-                      decode_worker=self.id, avoid_workers=left,
-                      why="gone" if isinstance(why, PrefillWorkerLost) else "late",
+                      decode_worker=self.id, avoid_workers=left, why=kind,
                       generated_token_ids=req.generated_token_ids, attempt=req.attempt)
         try:
             answer = await self.bus.request(subjects.REQUEUE, ask, Requeued, timeout=self.settings.heartbeat_s * 2)
@@ -265,11 +264,10 @@ class DecodeWorker:
             raise why from e
         if not answer.prefill_worker:
             raise type(why)(f"{why}; {answer.reason}")
-        log.info("%s: prefill worker %s is %s; its job goes to %s", req.request_id, rx.prefill_worker, ask.why,
+        log.info("%s: prefill worker %s is %s; its job goes to %s", req.request_id, rx.prefill_worker, kind,
                  answer.prefill_worker)
         rx.close()
-        await self.bus.publish(subjects.prefill_kv_ack(rx.prefill_worker), KVAck(
-            request_id=req.request_id, ok=False, error=f"moved to {answer.prefill_worker}: {why}", kv_tag=rx.kv_tag))
+        await self.ack(rx, KVAck(request_id=req.request_id, ok=False, error=f"moved to {answer.prefill_worker}: {why}"))
         moved = self.inbox.add(self.receiver(rx.res, answer.prefill_worker))
         await self.queue_prefill(req, moved, None)
         metrics.REQUEUED_JOBS.inc()

@@ -341,13 +341,11 @@ class Router:
                         ) -> bool:
         """Book the prefill work (routes decided meanwhile see it), renew the claim noting the
         worker asked, and ask it; a refusal or no answer takes the booking back."""
-        now = time.monotonic()
         prefill = placement.prefill
-        booked = self.sent.add(prefill.worker_id, len(req.prompt_token_ids) - prefill.cached_tokens, now) \
-            if prefill is not None else None
+        booked = None
         if prefill is not None:
+            booked = self.book_prefill(prefill, placement.decode.worker_id, len(req.prompt_token_ids))
             self.turn += 1
-            self.breaker(prefill.worker_id, placement.decode.worker_id).chosen(now)
         asked = time.perf_counter()  # renew the claim (each admit may take its timeout) and note the worker asked
         await self.state.hold_route(key, self.id, lease_s, placement.decode.worker_id, ROUTE_TTL_S)
         waits.hold_s += time.perf_counter() - asked
@@ -362,6 +360,14 @@ class Router:
         if booked:
             self.sent.cancel(booked)
         return False
+
+    def book_prefill(self, prefill: policy.PrefillCandidate, decode: str, prompt_tokens: int) -> list:
+        """A prompt sent to `prefill` for `decode`: its uncached tokens counted on that worker's
+        queue (routes decided meanwhile see them until its registry entry catches up) and the
+        path's breaker told; returns the booking, to take back if the admit is refused."""
+        now = time.monotonic()
+        self.breaker(prefill.worker_id, decode).chosen(now)
+        return self.sent.add(prefill.worker_id, prompt_tokens - prefill.cached_tokens, now)
 
     def commit(self, req: RouteRequest, placement: Placement, decode_cached_tokens: int,
                session_worker: str | None, waits: Waits) -> RouteReply:
@@ -450,9 +456,7 @@ class Router:
         if prefill is None:
             return Requeued(request_id=req.request_id, reason=placement.reason)
         expected_s = policy.predicted_prefill_s(prefill, len(tokens))
-        now = time.monotonic()
-        self.sent.add(prefill.worker_id, len(tokens) - prefill.cached_tokens, now)
-        self.breaker(prefill.worker_id, decode.worker_id).chosen(now)
+        self.book_prefill(prefill, decode.worker_id, len(tokens))
         reason = f"requeued from {req.avoid_workers[-1]} ({req.why}): {placement.reason}"
         self.state.note(req.request_id, "routed", by=self.id, attempt=req.attempt, prompt_tokens=len(tokens),
                         mode="remote", reason=reason, decode=decode.worker_id, prefill=prefill.worker_id)
