@@ -9,9 +9,9 @@
    int8, shared/kv/codec.py) and written into the reservation; bad ones are asked for again
    (KVResend to the notice's sender, fresh tag) up to `max_attempts` sends in all, then the
    handoff fails.
-3. KVEnd: the first token — or the sender's explicit failure. Notices and ends from a
-   sender other than the receiver's (a job moved off a prefill worker thought lost) are
-   refused, never mixed in.
+3. KVEnd: the first token — or the sender's explicit failure. Notices and ends of another
+   handoff — from a sender other than the receiver's (a job moved off a prefill worker thought
+   lost), or under another tag range (an older placement's) — are refused, never mixed in.
    Notices lost with the bus are published again on the decode worker's KVSync; a notice
    whose tag was had already is skipped.
 4. `wait()` returns the first token once every layer of every expected block is verified and
@@ -98,9 +98,7 @@ class KVReceiver:
 
     def on_end(self, end: KVEnd) -> None:
         if not end.ok:
-            if not self.outcome.done():
-                failure = KVCancelled if end.error == CANCELLED else KVFailed
-                self.outcome.set_exception(failure(f"prefill side gave up: {end.error}"))
+            self.fail(f"prefill side gave up: {end.error}", KVCancelled if end.error == CANCELLED else KVFailed)
             return
         self.first_token = end.first_token
         self._check_done()
@@ -159,9 +157,9 @@ class KVReceiver:
         if not self.outcome.done() and self.first_token is not None and self.have.all():
             self.outcome.set_result(self.first_token)
 
-    def fail(self, reason: str) -> None:
+    def fail(self, reason: str, failure: type[KVFailed] = KVFailed) -> None:
         if not self.outcome.done():
-            self.outcome.set_exception(KVFailed(reason))
+            self.outcome.set_exception(failure(reason))
 
 
 class KVInbox:
