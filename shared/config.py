@@ -147,3 +147,6 @@ class DecodeSettings(WorkerSettings):
                                      "many times the prefill's predicted time (within [kv_min_timeout_s, "
                                      "kv_timeout_s]) with no KV coming is frozen: the job moves")
     kv_min_timeout_s: float = Field(5.0, gt=0, description="shortest step that counts a prefill worker frozen")
+    failover_seqs: int = Field(64, ge=0, description="sequences taken beyond max_num_seqs for streams moved off "
+                               "a lost worker: a client mid-stream comes before a new request (KV blocks still "
+                               "bound them; new requests wait until the batch is back under max_num_seqs)")

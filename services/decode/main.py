@@ -223,8 +223,11 @@ class DecodeWorker:
 
     def reserve_on_engine(self, req: AdmitRequest, params: SamplingParams) -> Reservation:
         """On the engine thread, in order with cancels (abort_older): blocks for the KV of the
-        prompt and, after a failover, of the tokens generated before it."""
-        res = self.engine.reserve(req.request_id, req.prompt_token_ids, params, req.generated_token_ids)
+        prompt and, after a failover, of the tokens generated before it. A request placed
+        before (attempt > 0: moved off a lost or stalled worker) may take a place beyond
+        max_num_seqs (`failover_seqs`): its client is mid-stream, a new request can wait."""
+        limit = self.engine.cfg.max_num_seqs + (self.settings.failover_seqs if req.attempt else 0)
+        res = self.engine.reserve(req.request_id, req.prompt_token_ids, params, req.generated_token_ids, limit)
         self.attempts[req.request_id] = req.attempt
         return res
 

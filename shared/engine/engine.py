@@ -187,15 +187,18 @@ class Engine:
 
     # -- decode side of a transfer ---------------------------------------------------------
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                generated_token_ids: list[int] | tuple[()] = ()) -> Reservation:
+                generated_token_ids: list[int] | tuple[()] = (), max_seqs: int | None = None) -> Reservation:
         """Set aside blocks for a sequence whose KV will arrive; reuses the local prefix cache.
         `generated_token_ids`: a failover's tokens generated before it, prefilled on the other
-        side with the prompt (their KV arrives too; they count as generated here).
+        side with the prompt (their KV arrives too; they count as generated here). `max_seqs`:
+        the sequences this engine may hold with this one (default max_num_seqs; the caller
+        may allow more for a stream moved off a lost worker).
 
         Raises OutOfBlocks when this engine cannot take it (the router picks another)."""
+        limit = self.cfg.max_num_seqs if max_seqs is None else max_seqs
         active = sum(s.status is not Status.FINISHED for s in self.seqs.values())
-        if active >= self.cfg.max_num_seqs:
-            raise OutOfBlocks(f"{active} sequences already at max_num_seqs")
+        if active >= limit:
+            raise OutOfBlocks(f"{active} sequences already, at most {limit} here")
         seq = self._new_sequence(request_id, prompt_token_ids, params, False, generated_token_ids)
         try:
             seq.block_table, seq.num_cached = self.blocks.allocate(seq.token_ids, seq.num_prefill)

@@ -157,7 +157,14 @@ def test_admission_refuses_what_cannot_fit_and_bad_input(tiny):
     with pytest.raises(OutOfBlocks):
         eng.reserve("b", [6] * 70, GREEDY)  # 5 blocks wanted, 4 free
     assert "b" not in eng.seqs
-    eng.abort("a")
+    eng.reserve("c", [7] * 10, GREEDY)  # max_num_seqs=2 reached
+    with pytest.raises(OutOfBlocks, match="at most 2"):
+        eng.reserve("d", [8] * 10, GREEDY)
+    eng.reserve("d", [8] * 10, GREEDY, max_seqs=3)  # a moved stream may be let in beyond it
+    with pytest.raises(OutOfBlocks, match="at most 3"):
+        eng.reserve("e", [9] * 10, GREEDY, max_seqs=3)
+    for rid in "acd":
+        eng.abort(rid)
     assert eng.num_free_blocks == 8
 
 
