@@ -1,6 +1,6 @@
 """Faults under load, on the live stack: `make chaos`.
 
-    python -m bench.chaos [--requests 100] [--scenarios kill-prefill,kill-decode,restart-nats,restart-redis]
+    python -m bench.chaos [--requests 100] [--scenarios kill-prefill,kill-decode,restart-nats,...]
 
 One stack (2 prefill + 2 decode workers). First every request runs once with no fault: that
 is each request's reference output. Then, per scenario, all requests run again at once
@@ -8,6 +8,8 @@ is each request's reference output. Then, per scenario, all requests run again a
 
   kill-prefill   kill -9 of the prefill worker with the most queued prompt tokens
   kill-decode    kill -9 of the decode worker with the most running sequences
+  kill-prefill-pool  kill -9 of every prefill worker: the last resort, prompts (the queued
+                 jobs' and new ones) prefilled on the decode workers, between their streams
   restart-nats   kill -9 of nats-server, started again (JetStream store kept)
   restart-redis  kill -9 of redis-server, started again empty (no persistence)
 
@@ -60,7 +62,8 @@ from shared.state import WORKERS, log_key, worker_key
 
 MODEL = "SmolLM2-135M-Instruct"
 RESULTS = Path(__file__).parent / "results" / "chaos.json"
-SCENARIOS = ("kill-prefill", "kill-decode", "restart-nats", "restart-redis")
+SCENARIOS = ("kill-prefill", "kill-decode", "kill-prefill-pool", "restart-nats", "restart-redis")
+WORKERS_UP = {"prefill-0", "prefill-1", "decode-0", "decode-1"}
 ENV = {"PD_HEARTBEAT_S": "0.5", "PD_FAILOVER_CHECK_S": "0.5", "PD_KV_TIMEOUT_S": "30"}
 
 
@@ -148,21 +151,26 @@ def settle(stack: Stack, expect: set[str], timeout_s: float = 45) -> dict[str, i
     return taken
 
 
-def strike(stack: Stack, scenario: str) -> str:
-    """The fault; returns the name of the process hit."""
+def strike(stack: Stack, scenario: str) -> list[str]:
+    """The fault; returns the names of the processes hit."""
     now = pools(stack)
     if scenario == "kill-prefill":
-        victim = max((w for w in now.values() if w["role"] == "prefill"), key=lambda w: w["queued_tokens"])["worker_id"]
+        victims = [max((w for w in now.values() if w["role"] == "prefill"),
+                       key=lambda w: w["queued_tokens"])["worker_id"]]
     elif scenario == "kill-decode":
-        victim = max((w for w in now.values() if w["role"] == "decode"),
-                     key=lambda w: w["running"] + w["waiting"])["worker_id"]
+        victims = [max((w for w in now.values() if w["role"] == "decode"),
+                       key=lambda w: w["running"] + w["waiting"])["worker_id"]]
+    elif scenario == "kill-prefill-pool":
+        victims = sorted(w for w in WORKERS_UP if w.startswith("prefill"))
     else:
-        victim = scenario.removeprefix("restart-")
-    stack.procs[victim].kill()
-    stack.procs[victim].wait(10)
-    if victim in ("nats", "redis"):   # the bus and the store come back at once; workers come back later
-        stack.restart(victim)
-    return victim
+        victims = [scenario.removeprefix("restart-")]
+    for victim in victims:
+        stack.procs[victim].kill()
+    for victim in victims:
+        stack.procs[victim].wait(10)
+        if victim in ("nats", "redis"):   # the bus and the store come back at once; workers come back later
+            stack.restart(victim)
+    return victims
 
 
 def moves(stack: Stack) -> dict[str, float]:
@@ -191,12 +199,12 @@ async def scenario_run(stack: Stack, scenario: str, requests, reference: list[Ou
                        reference_s: float) -> dict:
     before = await asyncio.to_thread(moves, stack)
     started = asyncio.Event()
-    trigger = max(1, len(requests) // (10 if scenario == "kill-prefill" else 3))
+    trigger = max(1, len(requests) // (10 if scenario.startswith("kill-prefill") else 3))
     started_at = time.monotonic()
     load = asyncio.create_task(run_all(stack.url, requests, max_tokens, started, trigger))
     await asyncio.wait({asyncio.create_task(started.wait()), load}, return_when=asyncio.FIRST_COMPLETED)
     fault_at = time.monotonic()
-    victim = await asyncio.to_thread(strike, stack, scenario)
+    victims = await asyncio.to_thread(strike, stack, scenario)
     outcomes = await load
     took = time.monotonic() - started_at
     after = await asyncio.to_thread(moves, stack)
@@ -208,16 +216,17 @@ async def scenario_run(stack: Stack, scenario: str, requests, reference: list[Ou
              if o.times and o.times[0] <= fault_s < o.times[-1]]
     events = await asyncio.to_thread(request_events, stack, [o.request_id for o in outcomes])
     paid = cost([Stream(o.times, ref.times, e) for o, ref, e in zip(outcomes, reference, events)], fault_s)
-    survivors = {w for w in ("prefill-0", "prefill-1", "decode-0", "decode-1") if w != victim}
-    # a fault must cost only the process it hit: any other that died with it is a failure
-    collateral = {n: p.returncode for n, p in stack.procs.items() if n != victim and p.poll() is not None}
+    survivors = WORKERS_UP - set(victims)
+    # a fault must cost only the processes it hit: any other that died with them is a failure
+    collateral = {n: p.returncode for n, p in stack.procs.items() if n not in victims and p.poll() is not None}
     for name in collateral:   # back, so that the next scenario starts whole
         stack.restart(name)
     taken = await asyncio.to_thread(settle, stack, survivors)
-    if victim not in ("nats", "redis"):   # back for the next scenario
-        stack.restart(victim)
-        await asyncio.to_thread(settle, stack, survivors | {victim}, 120)
-    return {"scenario": scenario, "victim": victim, "collateral": collateral, "requests": len(requests),
+    if WORKERS_UP - survivors:   # back for the next scenario
+        for victim in sorted(WORKERS_UP - survivors):
+            stack.restart(victim)
+        await asyncio.to_thread(settle, stack, WORKERS_UP, 120)
+    return {"scenario": scenario, "victim": "+".join(victims), "collateral": collateral, "requests": len(requests),
             "lost": len(lost),
             "mismatched": len(mismatched), "leaked_blocks": sum(max(0, n) for n in taken.values()),
             "recovery_s": round(max(waits, default=0.0), 2), "extra_s": round(took - reference_s, 2),
@@ -255,7 +264,7 @@ async def main_async(args) -> list[dict]:
         bad = [i for i, o in enumerate(reference) if o.status != 200 or o.error or len(o.ids) != args.max_tokens]
         if bad:
             sys.exit(f"the run without faults failed for {len(bad)} requests: {reference[bad[0]].error}")
-        await asyncio.to_thread(settle, stack, {"prefill-0", "prefill-1", "decode-0", "decode-1"})
+        await asyncio.to_thread(settle, stack, WORKERS_UP)
         for scenario in args.scenarios:
             r = await scenario_run(stack, scenario, requests, reference, args.max_tokens, reference_s)
             results.append(r)

@@ -2,8 +2,9 @@
 request's arrival times in the run without faults, and its events: pure functions. Times are
 seconds from the request's start (all requests of a run start together).
 
-- *Moved* streams: failed over (`failover` event), or their prefill job requeued off a lost
-  prefill worker (a `routed` event whose reason says `requeued`).
+- *Moved* streams: failed over (`failover` event), their prefill job requeued off a lost
+  prefill worker (a `routed` event whose reason says `requeued`), or prefilled on their
+  decode worker instead (`prefill_local`: no prefill worker left to take the job).
 - `moved_recovery_s`: when the last moved stream got its next token after the fault.
 - `moved_delay_s`: the most a moved stream's last token came later than without the fault
   (what the move cost it, queueing it would have had anyway excluded).
@@ -43,8 +44,8 @@ def gaps(times: list[float], after: float, until: float) -> list[float]:
 
 
 def moved(events: list[dict]) -> bool:
-    return any(e["event"] == "failover" or (e["event"] == "routed" and "requeued" in e.get("reason", ""))
-               for e in events)
+    return any(e["event"] in ("failover", "prefill_local")
+               or (e["event"] == "routed" and "requeued" in e.get("reason", "")) for e in events)
 
 
 def local_recomputes(events: list[dict]) -> int:

@@ -1,5 +1,6 @@
 """`make chaos` in CI: 100 concurrent greedy requests on 2 prefill + 2 decode workers through
-each fault (kill -9 a prefill worker, a decode worker; restart NATS; restart Redis): every
+each fault (kill -9 a prefill worker, a decode worker, every prefill worker; restart NATS;
+restart Redis): every
 request completes, equal to its run without faults, no KV block stays taken, and no other
 process dies with the one hit. Streams that lost chunks with NATS get them again from their
 decode worker."""
@@ -27,3 +28,6 @@ def test_every_request_survives_each_fault_exactly():
     nats = results[SCENARIOS.index("restart-nats")]
     # chunks lost with the bus are published again by their decode worker, not recomputed
     assert nats["moved"].get("replays:replayed", 0) > 0, nats
+    # with no prefill worker left, the decode workers prefill (the last resort), and nothing else does
+    assert results[SCENARIOS.index("kill-prefill-pool")]["local_recomputes"] > 0
+    assert results[SCENARIOS.index("kill-prefill")]["local_recomputes"] == 0

@@ -21,9 +21,10 @@ def test_survivors_gaps_during_the_recovery_against_before_and_the_moved_streams
                        [ROUTED, {"event": "failover", "attempt": 1}]),
                 Stream([1.0, 1.1], [0.5, 0.6],                       # its job moved: first token at 1.0
                        [ROUTED, {**ROUTED, "reason": "requeued from p0 (gone): ..."}]),
-                Stream([0.9, 1.0], [0.9, 1.0], [ROUTED, {"event": "prefill_local"}])], fault_at=0.35)
-    assert out["moved_streams"] == 2 and out["moved_recovery_s"] == 1.15 and out["survivors"] == 2
+                Stream([0.9, 1.0], [0.8, 0.9], [ROUTED, {"event": "prefill_local"}])], fault_at=0.35)
+    assert out["moved_streams"] == 3 and out["moved_recovery_s"] == 1.15 and out["survivors"] == 2
     assert out["moved_delay_s"] == 1.1   # the failed-over stream ended at 1.6 instead of 0.5
+    # (the one prefilled on its decode worker, no prefill worker left, moved too: 0.1 s later)
     assert out["itl_p99_before_s"] == 0.1 and out["itl_p99_during_s"] == 0.2 and out["itl_p99_reference_s"] == 0.15
     assert out["itl_p99_during_over_before"] == 2.0 and out["itl_p99_during_over_reference"] == 1.33
     assert out["local_recomputes"] == 1
