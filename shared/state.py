@@ -246,6 +246,11 @@ class State:
         raw = await self.r.get(worker_key(worker_id))
         return WorkerInfo.decode(raw) if raw else None
 
+    async def entries(self, worker_ids: list[str]) -> dict[str, WorkerInfo | None]:
+        """The registry entries of `worker_ids` (None where the lease has lapsed): one round trip."""
+        found = await self.r.mget([worker_key(w) for w in worker_ids])
+        return {w: WorkerInfo.decode(raw) if raw else None for w, raw in zip(worker_ids, found)}
+
     async def present(self, worker_ids: list[str]) -> set[str]:
         """Those of `worker_ids` whose lease holds: one round trip."""
         async with self.r.pipeline(transaction=False) as p:

@@ -16,15 +16,12 @@
    written into the reservation (a corrupt block is asked for again; after a reconnect of the
    bus, waiting receivers ask for lost notices with KVSync). KVEnd brings the first
    token; once every block of every layer is in, the sequence joins the batch and the prefill
-   worker gets its ack (`pd.prefill.<p>.kv.ack`) and frees its copy. The prefill worker's lease
-   lapsed, or its engine step has run far past the prefill's predicted time with no KV coming
-   (frozen), or no KV for `kv_timeout_s` (its registry entry is looked at every heartbeat while
-   waiting) → a router names another prefill worker (`pd.router.requeue`), the job goes on its
-   queue for the same reservation, and the wait starts again. KV refused or still bad, or no
-   other prefill worker → drop the
-   reservation, mark the request `prefill_local` in Redis, and prefill locally (no gap for the
-   client: chunks carry sequence numbers, the gateway drops duplicates); the prefill worker
-   gets KVAck(not ok) and stops computing it.
+   worker gets its ack (`pd.prefill.<p>.kv.ack`) and frees its copy. A prefill worker gone or
+   frozen meanwhile → its job moves to another prefill worker for the same reservation
+   (services/decode/handoff.py). KV refused or still bad, or no other prefill worker → drop
+   the reservation, mark the request `prefill_local` in Redis, and prefill locally (no gap
+   for the client: chunks carry sequence numbers, the gateway drops duplicates); the prefill
+   worker gets KVAck(not ok) and stops computing it.
 4. Loop: step the engine; publish each output as a TokenChunk on `pd.tokens.<rid>`, and keep
    it (services/decode/chunk_log.py): a gateway that lost chunks on the bus (a NATS restart)
    asks for them again on `pd.decode.<id>.replay` instead of moving the request.
@@ -39,37 +36,30 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections import OrderedDict
 
-import nats.errors
 from nats.aio.msg import Msg
-from opentelemetry import context, trace
+from opentelemetry import trace
 
 from services.decode.chunk_log import ChunkLog
+from services.decode.handoff import Handoffs, PrefillWorkerLate, PrefillWorkerLost
 from shared import metrics, subjects
-from shared.absence import Absence
 from shared.bus import Bus, after_reconnects, context_of
 from shared.config import DecodeSettings
 from shared.engine.block_manager import OutOfBlocks
 from shared.engine.engine import Engine, RequestOutput
 from shared.engine.kv_io import Reservation
 from shared.engine.sequence import SamplingParams
-from shared.kv import TAG_SPAN, KVTransport
-from shared.kv.receiver import KVCancelled, KVInbox, KVReceiver
-from shared.lifecycle import kv_deadline_s
+from shared.kv import KVTransport
+from shared.kv.receiver import KVCancelled, KVReceiver
 from shared.messages import (
     AdmitReply,
     AdmitRequest,
     Cancel,
     KVAck,
-    KVOutcome,
-    PrefillJob,
     Replay,
     ReplayReply,
-    Requeue,
-    Requeued,
     TokenChunk,
     WorkerInfo,
 )
@@ -80,14 +70,6 @@ from shared.worker import WorkerCore, serve_worker
 
 log = logging.getLogger("decode")
 
-
-class PrefillWorkerLost(RuntimeError):
-    """The worker computing a request's KV lost its lease while the request waited for it."""
-
-
-class PrefillWorkerLate(RuntimeError):
-    """The request's KV did not come by its deadline, though its prefill worker holds its
-    lease (frozen, or far behind its predicted time)."""
 
 ADMITTED_KEPT = 10_000
 
@@ -101,7 +83,8 @@ class DecodeWorker:
         self.id, self.prefix, self.host = self.core.id, self.core.prefix, self.core.host
         self.spans: dict[str, trace.Span] = {}
         self.receiving: dict[str, asyncio.Task] = {}
-        self.inbox = KVInbox(bus, self.id)
+        self.handoffs = Handoffs(self.id, settings, engine, bus, state, transport)
+        self.inbox = self.handoffs.inbox
         self.admitted: OrderedDict[tuple[str, int], AdmitReply] = OrderedDict()  # recent admits: (id, attempt)
         self.attempts: dict[str, int] = {}  # placement number of each request here (engine thread writes)
         self.prefilled_here: set[str] = set()  # prompts computed here, not received (engine thread writes)
@@ -128,6 +111,7 @@ class DecodeWorker:
         engine_loop = asyncio.create_task(self.host.run(self.publish, engine_stop))
         deadlines = asyncio.create_task(self.keep_deadlines())
         resync = asyncio.create_task(after_reconnects(self.bus, self.settings.heartbeat_s, self.inbox.sync))
+        watch = asyncio.create_task(self.handoffs.watch.watch(self.handoffs.waited_on))
         log.info("decode worker %s ready: %d KV blocks", self.id, self.engine.num_blocks)
         await stop.wait()
         await self.core.drain()  # no new admits
@@ -141,6 +125,7 @@ class DecodeWorker:
         gone.set()
         deadlines.cancel()
         resync.cancel()
+        watch.cancel()
         await beat
         await self.state.deregister(self.id)
         await self.prefix.close()
@@ -163,7 +148,7 @@ class DecodeWorker:
             reply = await self.admit(req)
             rx = self.inbox.receivers.get(req.request_id)
             if reply.ok and req.mode == "remote" and rx is not None and not repeat:
-                self.queueing.start(self.queue_prefill(req, rx, parent))
+                self.queueing.start(self.handoffs.queue_prefill(req, rx, parent))
             span.set_attributes({"ok": reply.ok, "reason": reply.reason, "first_block": reply.first_block})
             if reply.ok:
                 self.spans[req.request_id] = self.tracer.start_span("decode.generate", context=parent, attributes={
@@ -210,16 +195,10 @@ class DecodeWorker:
             return AdmitReply(request_id=rid, ok=False, reason=f"no room: {e}")
         except ValueError as e:
             return AdmitReply(request_id=rid, ok=False, reason=str(e))
-        rx = self.inbox.add(self.receiver(res, req.prefill_worker or ""))
+        rx = self.handoffs.receiver(res, req.prefill_worker or "")
         self.receiving[rid] = asyncio.create_task(self.receive_kv(req))
         return AdmitReply(request_id=rid, ok=True, first_block=res.first_block, num_blocks=res.num_blocks,
                           kv_tag=rx.kv_tag)
-
-    def receiver(self, res: Reservation, prefill_worker: str) -> KVReceiver:
-        """What receives a reservation's KV from `prefill_worker`, under a tag range of its own."""
-        kv_tag = random.getrandbits(63 - TAG_SPAN.bit_length()) * TAG_SPAN  # the sender numbers within
-        return KVReceiver.for_engine(self.engine, res, kv_tag, self.transport, self.bus,
-                                     self.settings.kv_max_attempts, prefill_worker=prefill_worker)
 
     def reserve_on_engine(self, req: AdmitRequest, params: SamplingParams) -> Reservation:
         """On the engine thread, in order with cancels (abort_older): blocks for the KV of the
@@ -230,51 +209,6 @@ class DecodeWorker:
         res = self.engine.reserve(req.request_id, req.prompt_token_ids, params, req.generated_token_ids, limit)
         self.attempts[req.request_id] = req.attempt
         return res
-
-    async def queue_prefill(self, req: AdmitRequest, rx: KVReceiver, ctx: context.Context | None) -> None:
-        """The prompt's job on the queue of the receiver's prefill worker, made here, where the
-        reservation is: the router neither encodes the prompt again nor waits for the stream,
-        and a job that cannot be queued turns into a local prefill now rather than at the KV
-        deadline. Its trace parent is the router's placement, like this admit's."""
-        job = PrefillJob(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
-                         decode_worker=self.id, decode_address=self.transport.address,
-                         decode_fingerprint=self.engine.fingerprint, first_block=rx.res.first_block,
-                         kv_tag=rx.kv_tag, generated_token_ids=req.generated_token_ids, attempt=req.attempt)
-        try:
-            await self.bus.queue_prefill(rx.prefill_worker, job, ctx)
-        except Exception as e:  # noqa: BLE001 - NATS or the stream away: prefill here
-            log.warning("%s: prefill job not queued (%s); prefilling locally", req.request_id, e)
-            rx.fail(f"prefill job not queued: {e}")
-
-    async def requeue(self, req: AdmitRequest, rx: KVReceiver, why: PrefillWorkerLost | PrefillWorkerLate,
-                      left: list[str], span: trace.Span) -> tuple[KVReceiver, float]:
-        """The prefill worker computing this request's KV is gone or late: a router picks
-        another one (`Requeue`; none of those the job `left`), which computes the prompt for
-        the same reservation under a new tag range (what the one left sent, if anything, is
-        overwritten; a notice from it now is refused, and a late one is told to stop). Returns
-        the new receiver and the new prediction; raises `why` when no other prefill worker
-        takes it: prefilled here then."""
-        kind = "gone" if isinstance(why, PrefillWorkerLost) else "late"
-        span.add_event(f"prefill worker {kind}", {"prefill_worker": rx.prefill_worker, "reason": str(why)})
-        if kind == "late":  # the path's fault, as far as the breakers know
-            await self.report(rx, ok=False, reason=str(why))
-        ask = Requeue(request_id=req.request_id, model=self.settings.model_name, prompt_token_ids=req.prompt_token_ids,
-                      decode_worker=self.id, avoid_workers=left, why=kind,
-                      generated_token_ids=req.generated_token_ids, attempt=req.attempt)
-        try:
-            answer = await self.bus.request(subjects.REQUEUE, ask, Requeued, timeout=self.settings.heartbeat_s * 2)
-        except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as e:
-            raise why from e
-        if not answer.prefill_worker:
-            raise type(why)(f"{why}; {answer.reason}")
-        log.info("%s: prefill worker %s is %s; its job goes to %s", req.request_id, rx.prefill_worker, kind,
-                 answer.prefill_worker)
-        rx.close()
-        await self.ack(rx, KVAck(request_id=req.request_id, ok=False, error=f"moved to {answer.prefill_worker}: {why}"))
-        moved = self.inbox.add(self.receiver(rx.res, answer.prefill_worker))
-        await self.queue_prefill(req, moved, None)
-        metrics.REQUEUED_JOBS.inc()
-        return moved, answer.expected_prefill_s
 
     async def prefill_locally(self, req: AdmitRequest, why: str) -> None:
         """The whole prompt runs here: placed here (colocated mode, a short prompt), a failover
@@ -298,14 +232,14 @@ class DecodeWorker:
                 expected_s, left = req.expected_prefill_s, []  # prefill workers this request's job left
                 while True:
                     try:
-                        first_token = await self.wait_kv(rx, expected_s)
+                        first_token = await self.handoffs.wait_kv(rx, expected_s)
                         break
                     except (PrefillWorkerLost, PrefillWorkerLate) as e:  # the job follows to another one
                         left.append(rx.prefill_worker)
-                        rx, expected_s = await self.requeue(req, rx, e, left, span)
+                        rx, expected_s = await self.handoffs.requeue(req, rx, e, left, span)
                 out = await self.host.call(self.engine.commit_import, rid, first_token)
-                await self.ack(rx, KVAck(request_id=rid, ok=True))
-                await self.report(rx, ok=True)
+                await self.handoffs.ack(rx, KVAck(request_id=rid, ok=True))
+                await self.handoffs.report(rx, ok=True)
                 span.set_attribute("ok", True)
                 metrics.KV_RECEIVED.inc(rx.bytes_received)
                 if out.finished:
@@ -314,7 +248,7 @@ class DecodeWorker:
             except asyncio.CancelledError:
                 # cancelled (or this worker stops): the prefill side frees its copy now, not when
                 # its lease runs out
-                await self.ack(rx, KVAck(request_id=rid, ok=False, error="cancelled"))
+                await self.handoffs.ack(rx, KVAck(request_id=rid, ok=False, error="cancelled"))
                 raise
             except Exception as e:  # noqa: BLE001 - late, corrupt, refused or mismatched KV: never decode from it
                 span.set_attributes({"ok": False, "error": str(e) or type(e).__name__})
@@ -334,80 +268,18 @@ class DecodeWorker:
         cancel may have let a newer one in meanwhile) and, unless the placement is over (it was
         cancelled), the prompt is prefilled here."""
         rid, reason = req.request_id, str(e) or type(e).__name__
-        await self.ack(rx, KVAck(request_id=rid, ok=False, error=reason))
+        await self.handoffs.ack(rx, KVAck(request_id=rid, ok=False, error=reason))
         if not await self.host.call(self.abort_older, rid, req.attempt + 1) or isinstance(e, KVCancelled):
             log.info("%s: KV handoff of attempt %d ended (%s); its placement is over", rid, req.attempt, reason)
             return
         log.warning("%s: KV handoff failed (%s); prefilling locally", rid, reason)
         await self.prefill_locally(req, "fallback")
         if not isinstance(e, (PrefillWorkerLost, PrefillWorkerLate)):  # the path's fault
-            await self.report(rx, ok=False, reason=reason)
+            await self.handoffs.report(rx, ok=False, reason=reason)
         # a prefill worker that gets this job later (it was down, or queued deep) drops it
         # (Redis away: that worker would only waste a prefill)
         self.state.note(rid, "prefill_local", by=self.id, attempt=req.attempt,
                         prompt_tokens=len(req.prompt_token_ids), reason=reason)
-
-    async def ack(self, rx: KVReceiver, ack: KVAck) -> None:
-        """To the prefill worker computing the request's KV: it may free its copy (not ok: it
-        stops computing the prompt too)."""
-        if rx.prefill_worker:
-            await self.inbox.ack(rx.prefill_worker, ack.model_copy(update={"kv_tag": rx.kv_tag}))
-
-    async def report(self, rx: KVReceiver, ok: bool, reason: str = "") -> None:
-        """How the handoff over this prefill → decode path went, for the routers' breakers."""
-        await self.bus.publish(subjects.KV_OUTCOMES, KVOutcome(request_id=rx.rid, ok=ok, reason=reason,
-                                                               prefill_worker=rx.prefill_worker,
-                                                               decode_worker=self.id))
-
-    async def wait_kv(self, rx: KVReceiver, expected_prefill_s: float) -> int:
-        """The first token, once every block is in. Every heartbeat with none of it, one look at
-        the prefill worker's registry entry: gone (its lease lapsed: killed) → PrefillWorkerLost;
-        its engine step running longer than lifecycle.kv_deadline_s of the prefill's predicted
-        time and `kv_timeout_factor` x its slowest recent step (frozen: a busy machine's steps
-        are slow, not hung), or no KV for `kv_timeout_s` (far behind) → PrefillWorkerLate.
-        Each KV piece received starts the waiting over."""
-        s, worker = self.settings, rx.prefill_worker
-        frozen_s = kv_deadline_s(expected_prefill_s, s.kv_timeout_factor, s.kv_min_timeout_s, s.kv_timeout_s)
-        waiting = asyncio.ensure_future(rx.wait())
-        since, pieces = time.monotonic(), rx.pieces
-        try:
-            while True:
-                done, _ = await asyncio.wait({waiting}, timeout=s.heartbeat_s)
-                if done:
-                    return waiting.result()
-                now = time.monotonic()
-                if rx.pieces != pieces:  # progress
-                    since, pieces = now, rx.pieces
-                if now - since >= s.kv_timeout_s:
-                    raise PrefillWorkerLate(f"no KV from {worker or 'the prefill worker'} for {s.kv_timeout_s:g} s "
-                                            f"(deadline passed)")
-                if not worker:
-                    continue
-                entry = await self.look_at(worker)
-                if entry is None:
-                    raise PrefillWorkerLost(f"prefill worker {worker} is gone")
-                hung_s = max(frozen_s, s.kv_timeout_factor * entry.slowest_step_s)  # its steps are that slow now
-                if entry.step_s >= hung_s and now - since >= hung_s:
-                    raise PrefillWorkerLate(f"prefill worker {worker}'s engine step has run {entry.step_s:.1f} s "
-                                            f"with no KV (frozen: its recent steps took up to "
-                                            f"{entry.slowest_step_s:.1f} s; the prefill was predicted to take "
-                                            f"{expected_prefill_s:.1f} s)")
-        finally:
-            waiting.cancel()
-
-    async def look_at(self, worker: str) -> WorkerInfo | None:
-        """`worker`'s registry entry; None once it has been missing for `absent_s` (looked at
-        again then: shared/absence.py). Redis unreachable is no verdict: an entry that says
-        nothing (a step of 0 s)."""
-        absence = Absence(self.settings.absent_s)
-        while True:
-            try:
-                entry = await self.state.entry(worker)
-            except Exception:  # noqa: BLE001 - Redis away: no verdict
-                return WorkerInfo(worker_id=worker, role="prefill")
-            if entry is not None or absence.gone(worker, False, time.monotonic()):
-                return entry
-            await asyncio.sleep(absence.confirm_s)
 
     async def keep_deadlines(self) -> None:
         """Each heartbeat, push on the deadlines of the requests that advanced here (one call

@@ -1,0 +1,47 @@
+"""services/decode/handoff.py's PrefillWatch: one look for all the KV waits, absence confirmed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from services.decode.handoff import PrefillWatch
+from shared.messages import WorkerInfo
+
+
+class Registry:
+    """State.entries over a dict; counts round trips; `down` makes Redis unreachable."""
+
+    def __init__(self, workers: set[str]):
+        self.workers, self.calls, self.down = workers, 0, False
+
+    async def entries(self, ids: list[str]) -> dict[str, WorkerInfo | None]:
+        self.calls += 1
+        if self.down:
+            raise ConnectionError("redis away")
+        return {w: WorkerInfo(worker_id=w, role="prefill", step_s=1.0) if w in self.workers else None for w in ids}
+
+
+def test_one_look_for_all_waits_and_absence_confirmed_before_gone():
+    async def go():
+        registry = Registry({"p0", "p1"})
+        watch = PrefillWatch(registry, period_s=1.0, absent_s=0.2)  # type: ignore[arg-type]
+        await watch.look({"p0", "p1"})
+        assert registry.calls == 1 and set(watch.entries) == {"p0", "p1"} and not watch.gone
+        registry.workers.discard("p1")          # killed: its lease lapsed
+        await watch.look({"p0", "p1"})
+        assert "p1" not in watch.entries and not watch.gone  # one look is no verdict
+        assert watch.next_look_s(time.monotonic()) <= 0.2  # looked at again sooner
+        registry.down = True                    # Redis away: no verdict either way
+        await asyncio.sleep(0.25)
+        await watch.look({"p0", "p1"})
+        assert not watch.gone and "p0" in watch.entries
+        registry.down = False
+        await watch.look({"p0", "p1"})
+        assert watch.gone == {"p1"}
+        registry.workers.add("p1")              # back (restarted): present again
+        await watch.look({"p0", "p1"})
+        assert not watch.gone
+        await watch.look(set())                 # nothing waited on: nothing looked at
+        assert registry.calls == 5 and not watch.entries
+    asyncio.run(go())
