@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import nats
+import nats.errors
 from nats.aio.msg import Msg
 from nats.js.api import RetentionPolicy, StreamConfig
 from opentelemetry import context
@@ -48,6 +49,19 @@ class Bus:
     async def request(self, subject: str, msg: Message, reply_type: type[M], timeout: float) -> M:
         reply = await self.nc.request(subject, msg.encode(), timeout=timeout, headers=tracing.inject())
         return reply_type.decode(reply.data)
+
+    async def no_responders(self, subject: str, msg: Message, timeout: float) -> bool:
+        """Whether nothing subscribes to `subject` now: the server says so at once (it closes a
+        killed process's connection at once, long before its lease lapses). An answer, silence
+        (a subscriber that does not answer this message) or this connection away: False, no
+        verdict."""
+        try:
+            await self.nc.request(subject, msg.encode(), timeout=timeout)
+        except nats.errors.NoRespondersError:
+            return True
+        except Exception:  # noqa: BLE001 - timed out, or this connection away
+            return False
+        return False
 
     async def respond(self, request: Msg, msg: Message) -> None:
         await self.nc.publish(request.reply, msg.encode(), headers=tracing.inject())

@@ -4,8 +4,8 @@
    job goes on the chosen prefill worker's queue (`queue_prefill`, JetStream).
 2. The wait (`wait_kv`) ends with the first token once every block is in. Meanwhile the
    prefill workers waited on are looked at once per heartbeat for all the waits, in one
-   round trip (`PrefillWatch`): one gone (its lease lapsed for `absent_s`: killed) →
-   PrefillWorkerLost; one whose engine step has run far past the prefill's predicted time
+   round trip (`PrefillWatch`): one gone (its lease lapsed and no connection to the bus, for
+   `absent_s`: killed) → PrefillWorkerLost; one whose engine step has run far past the prefill's predicted time
    and its own slowest recent step with no KV coming (frozen), or no KV for `kv_timeout_s`
    → PrefillWorkerLate.
 3. Either → `requeue`: a router names another prefill worker (`pd.router.requeue`), the one
@@ -22,7 +22,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import nats.errors
 from opentelemetry import context, trace
@@ -36,7 +36,7 @@ from shared.engine.kv_io import Reservation
 from shared.kv import TAG_SPAN, KVTransport
 from shared.kv.receiver import KVInbox, KVReceiver
 from shared.lifecycle import kv_deadline_s
-from shared.messages import AdmitRequest, KVAck, KVOutcome, PrefillJob, Requeue, Requeued, WorkerInfo
+from shared.messages import AdmitRequest, KVAck, KVOutcome, KVSync, PrefillJob, Requeue, Requeued, WorkerInfo
 from shared.state import State
 
 log = logging.getLogger("decode.handoff")
@@ -54,12 +54,15 @@ class PrefillWorkerLate(RuntimeError):
 class PrefillWatch:
     """The registry entries of the prefill workers that KV waits are waiting on: one round
     trip per heartbeat for all of them (sooner while a missing one awaits confirmation),
-    however many waits there are. A worker is gone once missing for `absent_s` (a Redis
-    restarted empty shows everyone missing until their next heartbeat); Redis unreachable is
-    no verdict."""
+    however many waits there are. A worker missing from the registry is asked on the bus
+    (`off_bus`: the NATS server closes a killed process's connection at once); it is gone
+    once it has been missing from both for `absent_s`. Either alone is no verdict: a Redis
+    restarted empty shows everyone missing until their next heartbeat, and after a NATS
+    restart workers reconnect one by one. Redis unreachable: no verdict either."""
 
-    def __init__(self, state: State, period_s: float, absent_s: float):
-        self.state, self.period_s = state, period_s
+    def __init__(self, state: State, period_s: float, absent_s: float,
+                 off_bus: Callable[[str], Awaitable[bool]] | None = None):
+        self.state, self.period_s, self.off_bus = state, period_s, off_bus
         self.absence = Absence(absent_s)
         self.entries: dict[str, WorkerInfo] = {}   # the last entry found of each worker waited on
         self.gone: set[str] = set()
@@ -80,9 +83,13 @@ class PrefillWatch:
         except Exception as e:  # noqa: BLE001 - Redis away: no verdict
             log.debug("prefill workers not looked at: %s", e)
             return
-        now = time.monotonic()
         self.entries = {w: e for w, e in found.items() if e is not None}
-        self.gone = {w for w in workers if self.absence.gone(w, w in self.entries, now)}
+        missing = sorted(workers - set(self.entries))
+        off = await asyncio.gather(*(self.off_bus(w) for w in missing)) if self.off_bus else [True] * len(missing)
+        now = time.monotonic()
+        self.gone = {w for w, away in zip(missing, off) if self.absence.gone(w, not away, now)}
+        for w in workers - set(missing):
+            self.absence.gone(w, True, now)
 
     def next_look_s(self, now: float) -> float:
         """A heartbeat, or less when a missing worker's absence is confirmed before then."""
@@ -97,7 +104,13 @@ class Handoffs:
                  transport: KVTransport):
         self.id, self.settings, self.engine, self.bus, self.transport = worker_id, settings, engine, bus, transport
         self.inbox = KVInbox(bus, worker_id)
-        self.watch = PrefillWatch(state, settings.heartbeat_s, settings.absent_s)
+        self.watch = PrefillWatch(state, settings.heartbeat_s, settings.absent_s, self.off_bus)
+
+    async def off_bus(self, worker: str) -> bool:
+        """No connection of `worker` on the bus: nothing answers its KVSync subject (a sync of
+        no request, which it ignores)."""
+        return await self.bus.no_responders(subjects.prefill_kv_sync(worker), KVSync(request_id=""),
+                                            min(0.25, self.settings.heartbeat_s))
 
     def waited_on(self) -> set[str]:
         return {rx.prefill_worker for rx in list(self.inbox.receivers.values()) if rx.prefill_worker}

@@ -92,7 +92,7 @@ class DecodeWorker:
         self.advanced: set[str] = set()     # ... since the last heartbeat (their deadlines move on)
         self.chunks = ChunkLog()            # what was published, for gateways that lost some
         self.queueing = Background(log, "prefill job")  # jobs being put on prefill workers' queues
-        self.admits = Background(log, "admit")          # admits being answered (each its own task)
+        self.admits = Background(log, "admit")          # admits and cancels under way (each its own task)
         self.admitting: dict[tuple[str, int], asyncio.Future] = {}  # (request, attempt) being reserved
 
     def info(self) -> WorkerInfo:
@@ -345,14 +345,17 @@ class DecodeWorker:
             self.inbox.close(rid)
         else:
             task = None
-        # checked and done on the engine thread, in order with admits: a failover's cancel never
-        # stops the placement it was sent for, whichever handler runs first
-        if task is not None or rid in self.engine.seqs:
-            if await self.host.call(self.abort_older, rid, cancel.before_attempt):
-                self.chunks.forget(rid)
-                if (span := self.spans.pop(rid, None)) is not None:
-                    span.add_event("cancelled")
-                    span.end()
+        if task is not None or rid in self.engine.seqs:  # (a task: the next cancel does not wait for the step)
+            self.admits.start(self.abort(rid, cancel.before_attempt))
+
+    async def abort(self, rid: str, before_attempt: int | None) -> None:
+        """Checked and done on the engine thread, in order with admits: a failover's cancel
+        never stops the placement it was sent for, whichever handler runs first."""
+        if await self.host.call(self.abort_older, rid, before_attempt):
+            self.chunks.forget(rid)
+            if (span := self.spans.pop(rid, None)) is not None:
+                span.add_event("cancelled")
+                span.end()
 
     async def on_replay(self, msg: Msg) -> None:
         req = Replay.decode(msg.data)

@@ -290,14 +290,8 @@ class Relay:
             self.bus_seen = count, since = self.reconnects(), time.monotonic()
         if not self.probe or time.monotonic() - since < BUS_SETTLED_S:
             return False
-        try:
-            await self.bus.request(subjects.decode_replay(worker), Replay(request_id=rid, from_seq=PAST_THE_END),
-                                   ReplayReply, timeout=self.check_s)
-        except nats.errors.NoRespondersError:
-            return True
-        except Exception:  # noqa: BLE001 - timed out, or this gateway's connection away: no verdict
-            return False
-        return False
+        return await self.bus.no_responders(subjects.decode_replay(worker),
+                                            Replay(request_id=rid, from_seq=PAST_THE_END), self.check_s)
 
     async def failover(self, req: RouteRequest, lost: RouteReply, generated: list[int], attempt: int,
                        why: str) -> RouteReply:

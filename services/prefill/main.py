@@ -55,6 +55,7 @@ from shared.kv.sender import KVSender
 from shared.messages import CANCELLED, FINISHED_IN_PREFILL, Cancel, PrefillJob, TokenChunk, WorkerInfo
 from shared.service import heartbeat, run, setup_logging
 from shared.state import PREFILLED_ELSEWHERE, State
+from shared.tasks import Background
 from shared.worker import WorkerCore, serve_worker
 
 log = logging.getLogger("prefill")
@@ -83,6 +84,7 @@ class PrefillWorker:
         self.handoffs: set[asyncio.Task] = set()
         self.unacked: dict[str, Msg] = {}  # jobs taken and not yet acked
         self.finishing: dict[str, float] = {}  # when each handoff's last layer was computed
+        self.ending = Background(log, "cancel")  # work being ended (each waits for the engine thread)
 
     def info(self) -> WorkerInfo:
         return self.core.info()
@@ -151,9 +153,9 @@ class PrefillWorker:
                 continue
             now = time.monotonic()
             gone = {w for w in targets if absence.gone(w, w in present, now)}
-            for job in jobs:
+            for job in jobs:  # together: each waits for the engine thread
                 if job.decode_worker in gone:
-                    await self.given_up(job, f"decode worker {job.decode_worker} is gone")
+                    self.ending.start(self.given_up(job, f"decode worker {job.decode_worker} is gone"))
 
     async def ack_job(self, rid: str) -> None:
         """The job is over (handed off, refused or cancelled): ack it, it leaves the queue."""
@@ -289,6 +291,10 @@ class PrefillWorker:
         await self.cancel_older(job.request_id, job.attempt + 1)
 
     async def on_cancel(self, msg: Msg) -> None:
+        """Noted at once (a job taken later is dropped); the work in hand is ended in a task of
+        its own: an abort waits for the engine step under way, and cancels handled one after
+        another — a decode worker's loss cancels dozens — would each wait out a step while the
+        engine computes prompts nobody will take."""
         cancel = Cancel.decode(msg.data)
         if cancel.reason == FINISHED_IN_PREFILL:
             return
@@ -297,7 +303,7 @@ class PrefillWorker:
         self.cancelled[rid] = max(self.cancelled.get(rid, 0), before)
         if len(self.cancelled) > 10_000:
             self.cancelled.clear()
-        await self.cancel_older(rid, before)
+        self.ending.start(self.cancel_older(rid, before))
 
     async def cancel_older(self, rid: str, before: float) -> None:
         """End this worker's work for the request's placements before attempt `before`: a

@@ -1,4 +1,5 @@
-"""services/decode/handoff.py's PrefillWatch: one look for all the KV waits, absence confirmed."""
+"""services/decode/handoff.py's PrefillWatch: one look for all the KV waits, absence confirmed,
+and gone only when missing from the registry and the bus alike."""
 
 from __future__ import annotations
 
@@ -44,4 +45,21 @@ def test_one_look_for_all_waits_and_absence_confirmed_before_gone():
         assert not watch.gone
         await watch.look(set())                 # nothing waited on: nothing looked at
         assert registry.calls == 5 and not watch.entries
+    asyncio.run(go())
+
+
+def test_missing_from_the_registry_but_on_the_bus_is_not_gone():
+    """A Redis restarted empty: every entry missing until the next heartbeat, every worker
+    still connected to the bus."""
+    async def go():
+        registry, connected = Registry(set()), {"p0"}
+
+        async def off_bus(worker):
+            return worker not in connected
+
+        watch = PrefillWatch(registry, period_s=1.0, absent_s=0.1, off_bus=off_bus)  # type: ignore[arg-type]
+        for _ in range(3):
+            await watch.look({"p0", "p1"})
+            await asyncio.sleep(0.06)
+        assert watch.gone == {"p1"}   # p1 is off the bus too: killed
     asyncio.run(go())
