@@ -85,8 +85,8 @@ def _params():
     return SamplingParams(max_tokens=2, temperature=0)
 
 
-def exposed_fraction_1k(rounds: int = 3) -> dict:
-    """A 1k-token prompt, prefilled alone vs prefilled while streaming its KV the services' way
+def exposed_fraction(tokens: int = 1024, rounds: int = 3) -> dict:
+    """A `tokens`-token prompt, prefilled alone vs prefilled while streaming its KV the services' way
     (engine layer hook → KVSender → NATS notices + UCX payloads → KVReceiver in another
     process, verified and written into its pool, committed), interleaved `rounds` times.
     exposed = (prefill start → KV committed on the decode side) − prefill alone, over prefill alone."""
@@ -97,7 +97,7 @@ def exposed_fraction_1k(rounds: int = 3) -> dict:
     from shared.messages import PrefillJob, Sampling
 
     engine = _engine()
-    prompt = [int(t) for t in np.random.default_rng(0).integers(100, 40000, 1024)]
+    prompt = [int(t) for t in np.random.default_rng(0).integers(100, 40000, tokens)]
     with nats_server() as url:
         ctx = mp.get_context("spawn")
         cmd_q, reply_q = ctx.Queue(), ctx.Queue()
@@ -157,5 +157,5 @@ def exposed_fraction_1k(rounds: int = 3) -> dict:
     prefill_s, handoff_s = statistics.median(alone), statistics.median(streamed)
     return {"prefill_s": prefill_s, "prefill_and_handoff_s": handoff_s, "kv_ready_after_prefill_s":
             statistics.median(after), "decode_side_cpu_cores": statistics.median(cpus), "rounds": rounds,
-            "layers": engine.model_config.num_layers,
-            "exposed_transfer_fraction_1k": (handoff_s - prefill_s) / prefill_s}
+            "layers": engine.model_config.num_layers, "prompt_tokens": tokens,
+            "exposed_transfer_fraction": (handoff_s - prefill_s) / prefill_s}

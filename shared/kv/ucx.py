@@ -2,12 +2,18 @@
 
 Endpoints are made from the peer's exchanged worker address with UCX's peer-failure handling
 (`error_handling`, the default): a peer killed mid-transfer fails that transfer on this side
-with an error, and nothing else. UCX then uses transports that can detect a dead peer (TCP,
-RDMA), not shared memory.
+with an error, and nothing else. UCX then selects only transports that declare they detect a
+dead peer. Its shared-memory transports declare it only when asked (SHM_DEFAULTS, applied
+unless the environment says otherwise): sysv/posix for small messages and rendezvous control
+(`UCX_MM_ERROR_HANDLING`: a peer is dead when its process is gone) and cma for the payloads —
+the receiver reads the sender's buffer with one process_vm_readv (`UCX_CMA_MEMORY_INVALIDATE`;
+UCX 1.21 does not yet revoke that access when an endpoint fails, so a receiver could read a
+buffer its failed sender already reused: KV blocks are checksummed before they are used).
+Without them two processes on one host talk over TCP on loopback (`make bench-transfer`:
+ucx_services vs ucx_peer_tcp). Between hosts UCX uses TCP (or RDMA where there is some).
 
-Without it UCX picks shared memory between processes on one host (3-4.5x faster from 256
-KiB payloads up: `make bench-transfer`, ucx_local vs ucx_peer), but a sender killed while several rendezvous
-transfers to a receiver are in flight crashes the receiver (SIGSEGV in
+Without error handling UCX picks shared memory too, but a sender killed while several
+rendezvous transfers to a receiver are in flight crashes the receiver (SIGSEGV in
 ucp_proto_rndv_send_reply, UCX 1.21; reproduced by tests/integration/test_ucx_peer_failure.py):
 one dead prefill worker would take down every decode worker it was sending to.
 
@@ -42,6 +48,9 @@ log = logging.getLogger("kv.ucx")
 # MiB payloads; a plain socket does 4.4). Applied unless the environment says otherwise.
 TCP_DEFAULTS = {"UCX_TCP_TX_SEG_SIZE": "512k", "UCX_TCP_RX_SEG_SIZE": "512k",
                 "UCX_TCP_SNDBUF": "8m", "UCX_TCP_RCVBUF": "8m"}
+# Shared memory with peer-failure handling (see above): sysv/posix declare it with
+# MM_ERROR_HANDLING, cma's zero-copy reads with CMA_MEMORY_INVALIDATE.
+SHM_DEFAULTS = {"UCX_MM_ERROR_HANDLING": "y", "UCX_CMA_MEMORY_INVALIDATE": "y"}
 
 
 class UcxTransport(KVTransport):
@@ -57,7 +66,7 @@ class UcxTransport(KVTransport):
         # Measured here, 64 MiB between two processes: "blocking" and "polling" reach 17-18
         # GB/s but then keep both processes at ~100% CPU after a transfer; "thread" reaches
         # 8.5 GB/s and idles at ~2%.
-        for key, value in TCP_DEFAULTS.items():
+        for key, value in {**TCP_DEFAULTS, **SHM_DEFAULTS}.items():  # read when the UCX context is made
             os.environ.setdefault(key, value)
         threaded = progress_mode.startswith("thread")
         try:

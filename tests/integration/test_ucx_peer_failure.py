@@ -5,7 +5,9 @@ handling off, the receiver died of SIGSEGV within six kills in every run tried; 
 services' default) the receiver stays up, the dead sender's receives end in errors or are
 cancelled, and the steady sender's payloads keep arriving. Its event loop must answer after
 every kill: before receives held their buffers until UCX completed them
-(tests/integration/test_ucx_buffers.py), about one run in three here saw it hang after a kill."""
+(tests/integration/test_ucx_buffers.py), about one run in three here saw it hang after a kill.
+And the services' transport does this over shared memory on one host (sysv, cma zero-copy
+reads), not TCP on loopback: what UCX selected is asked of UCX itself (UCX_PROTO_INFO)."""
 
 from __future__ import annotations
 
@@ -14,12 +16,16 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
 SIZE, WINDOW, KILLS = 2_000_000, 16, 8
 
 
@@ -106,3 +112,46 @@ def test_a_sender_killed_mid_transfer_never_takes_the_receiver_down():
         for p in (steady, receiver):
             p.kill()
             p.join(5)
+
+
+PROTOCOLS = """
+import asyncio, multiprocessing as mp
+import numpy as np
+
+def receive(q, done):
+    from shared.kv import create_transport
+    async def run():
+        t = create_transport("ucx")
+        q.put(t.address)
+        buf = np.empty(4 << 20, dtype=np.uint8)
+        await t.recv(1, buf)
+        done.put(int(buf[-1]))
+    asyncio.run(run())
+
+async def send(address):
+    from shared.kv import create_transport
+    await create_transport("ucx").send(address, 1, np.full(4 << 20, 7, dtype=np.uint8))
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    q, done = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=receive, args=(q, done))
+    p.start()
+    asyncio.run(send(q.get(timeout=60)))
+    print("received", done.get(timeout=60), flush=True)
+    p.join(10)
+"""
+
+
+def test_the_services_transport_uses_shared_memory_on_one_host_with_peer_failure_handling(tmp_path):
+    script = tmp_path / "protocols.py"   # a file: spawned processes import their target from it
+    script.write_text(PROTOCOLS)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+    run = subprocess.run([sys.executable, str(script)], env={**env, "UCX_PROTO_INFO": "y",
+                                                             "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=120)
+    out = run.stdout
+    assert "received 7" in out, (out[-2000:], run.stderr[-2000:])
+    tagged = out[out.index("tagged message by ucp_tag_send"):][:600]   # the first table: what KV payloads use
+    assert "rendezvous zero-copy read from remote" in tagged and "cma/memory" in tagged, tagged
+    assert "tcp" not in tagged, tagged
