@@ -11,18 +11,22 @@ import statistics
 import subprocess
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
 
 @contextlib.contextmanager
-def nats_server():
+def nats_server(config: str = ""):
+    """A nats-server of its own for the duration (`config`: lines of its configuration file)."""
     from deploy.local.servers import binary, free_port
 
     port = free_port()
     with tempfile.TemporaryDirectory() as d:
-        server = subprocess.Popen([binary("nats-server"), "-a", "127.0.0.1", "-p", str(port), "-sd", d],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        conf = Path(d) / "nats.conf"
+        conf.write_text(config)
+        server = subprocess.Popen([binary("nats-server"), "-c", str(conf), "-a", "127.0.0.1", "-p", str(port),
+                                   "-sd", d], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             time.sleep(0.5)
             yield f"nats://127.0.0.1:{port}"
