@@ -5,9 +5,10 @@
 2. The wait (`wait_kv`) ends with the first token once every block is in. Meanwhile the
    prefill workers waited on are looked at once per heartbeat for all the waits, in one
    round trip (`PrefillWatch`): one gone (its lease lapsed and no connection to the bus, for
-   `absent_s`: killed) → PrefillWorkerLost; one whose engine step has run far past the prefill's predicted time
-   and its own slowest recent step with no KV coming (frozen), or no KV for `kv_timeout_s`
-   → PrefillWorkerLate.
+   `absent_s`: killed), or a payload from it broken off in the transport (it died
+   mid-transfer: UCX fails the receive at once) → PrefillWorkerLost; one whose engine step
+   has run far past the prefill's predicted time and its own slowest recent step with no KV
+   coming (frozen), or no KV for `kv_timeout_s` → PrefillWorkerLate.
 3. Either → `requeue`: a router names another prefill worker (`pd.router.requeue`), the one
    left is told to stop (KVAck not ok), and the job goes on the new one's queue for the same
    reservation under a new tag range. No other prefill worker → the error stands: the
@@ -34,7 +35,7 @@ from shared.config import DecodeSettings
 from shared.engine.engine import Engine
 from shared.engine.kv_io import Reservation
 from shared.kv import TAG_SPAN, KVTransport
-from shared.kv.receiver import KVInbox, KVReceiver
+from shared.kv.receiver import KVBrokeOff, KVInbox, KVReceiver
 from shared.lifecycle import kv_deadline_s
 from shared.messages import AdmitRequest, KVAck, KVOutcome, KVSync, PrefillJob, Requeue, Requeued, WorkerInfo
 from shared.state import State
@@ -138,10 +139,11 @@ class Handoffs:
 
     async def wait_kv(self, rx: KVReceiver, expected_prefill_s: float) -> int:
         """The first token, once every block is in. Raises PrefillWorkerLost when the watch
-        finds the prefill worker gone; PrefillWorkerLate when its engine step has run longer
-        than lifecycle.kv_deadline_s of the prefill's predicted time and `kv_timeout_factor` x
-        its slowest recent step (frozen: a busy machine's steps are slow, not hung), or no KV
-        came for `kv_timeout_s` (far behind). Each KV piece received starts the waiting over."""
+        finds the prefill worker gone or a payload from it broke off in the transport;
+        PrefillWorkerLate when its engine step has run longer than lifecycle.kv_deadline_s of
+        the prefill's predicted time and `kv_timeout_factor` x its slowest recent step (frozen:
+        a busy machine's steps are slow, not hung), or no KV came for `kv_timeout_s` (far
+        behind). Each KV piece received starts the waiting over."""
         s, worker = self.settings, rx.prefill_worker
         frozen_s = kv_deadline_s(expected_prefill_s, s.kv_timeout_factor, s.kv_min_timeout_s, s.kv_timeout_s)
         waiting = asyncio.ensure_future(rx.wait())
@@ -150,7 +152,10 @@ class Handoffs:
             while True:
                 done, _ = await asyncio.wait({waiting}, timeout=s.heartbeat_s / 4)  # the watch's verdicts: a dict
                 if done:
-                    return waiting.result()
+                    try:
+                        return waiting.result()
+                    except KVBrokeOff as e:  # its sender most likely died mid-transfer: the job moves
+                        raise PrefillWorkerLost(str(e)) from e
                 now = time.monotonic()
                 if rx.pieces != pieces:  # progress
                     since, pieces = now, rx.pieces

@@ -50,6 +50,11 @@ class KVCancelled(KVFailed):
     """The prefill side ended the handoff because its placement was cancelled."""
 
 
+class KVBrokeOff(KVFailed):
+    """A payload never came: the transport failed its receive (the sender died mid-transfer,
+    or the connection to it broke). Nothing bad was received; the sender may be gone."""
+
+
 class KVReceiver:
     def __init__(self, reservation: Reservation, kv_tag: int, fingerprint: str, num_layers: int,
                  block_shape: tuple[int, ...], dtype: torch.dtype, transport: KVTransport, write: WriteBlocks,
@@ -110,7 +115,10 @@ class KVReceiver:
             nb = n.num_blocks
             buf = np.empty((n.num_layers * nb, codec.block_nbytes(n.encoding, self.block_shape, self.dtype)),
                            dtype=np.uint8)
-            await self.transport.recv(n.tag, buf)
+            try:
+                await self.transport.recv(n.tag, buf)
+            except Exception as e:  # noqa: BLE001 - UCX's error types: the peer failed
+                raise KVBrokeOff(f"KV from {n.prefill_worker} broke off: {e or type(e).__name__}") from e
             self.pieces += 1
             self.bytes_received += buf.nbytes
             good = np.array([a == b for a, b in zip(block_checksums(buf), n.checksums)]).reshape(n.num_layers, nb)
@@ -135,6 +143,8 @@ class KVReceiver:
             self._check_done()
         except asyncio.CancelledError:
             raise
+        except KVBrokeOff as e:
+            self.fail(str(e), KVBrokeOff)
         except Exception as e:  # noqa: BLE001 - whatever broke, the handoff fails (the decode side prefills locally)
             self.fail(str(e) or type(e).__name__)
 

@@ -17,7 +17,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.sequence import SamplingParams
 from shared.kv import Faults, create_transport
-from shared.kv.receiver import KVFailed, KVInbox, KVReceiver
+from shared.kv.receiver import KVBrokeOff, KVFailed, KVInbox, KVReceiver
 from shared.kv.sender import KVSender
 from shared.messages import KVAck, KVEnd, KVLayer, KVResend, KVSync, PrefillJob, Sampling
 
@@ -356,3 +356,27 @@ def test_a_decode_side_that_gives_up_stops_the_prefill_side_once(tiny):
 
     stopped, ack = asyncio.run(scenario())
     assert stopped == [("r", "deadline passed")] and not ack.ok
+
+
+def test_a_payload_the_transport_loses_breaks_the_handoff_off_instead_of_failing_it_as_bad(tiny):
+    """The sender died mid-transfer: UCX fails the receive. The receiver fails with
+    KVBrokeOff (the decode worker moves the job to another prefill worker), not as bad KV
+    (which it would prefill itself)."""
+    class Broken:
+        async def recv(self, tag, out):
+            raise OSError("Input/output error")
+
+    async def scenario():
+        bus = LocalBus()
+        dst = Engine(tiny, EngineConfig(num_blocks=64))
+        inbox = KVInbox(bus, "d")
+        await inbox.start()
+        rx = inbox.add(KVReceiver.for_engine(dst, dst.reserve("r", PROMPT, PARAMS), 1 << 20, Broken(), bus,
+                                             prefill_worker="p"))
+        await bus.publish(subjects.decode_kv("d"), KVLayer(
+            request_id="r", prefill_worker="p", fingerprint=dst.fingerprint, tag=(1 << 20) + 1, layer=0,
+            num_blocks=1, first_block=0, checksums=[0]))
+        with pytest.raises(KVBrokeOff, match="broke off: Input/output error"):
+            await asyncio.wait_for(rx.wait(), 5)
+
+    asyncio.run(scenario())
