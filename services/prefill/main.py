@@ -4,8 +4,8 @@
    work queue exists, register in Redis with a heartbeat lease (queued tokens, measured
    prefill rate), pull from this worker's durable consumer (`pd.prefill.jobs.<id>`). Each
    step's prefix-cache changes go to its slot in the prefix index (shared/prefix_index.py).
-2. Take jobs (up to `max_jobs` in flight: the engine orders what it holds by priority and
-   length, so it takes deep; JetStream keeps the rest in order of arrival); a job cancelled
+2. Take jobs (up to `max_jobs` in flight: the engine orders what it holds by priority — a
+   job of a request moved off a lost decode worker ahead of new prompts — and length, so it takes deep; JetStream keeps the rest in order of arrival); a job cancelled
    before it starts is dropped. Each job opens a KV handoff to its decode worker
    (shared/kv/sender.py; refused at once if the decode worker's fingerprint differs) and is
    queued with the engine streaming its KV. Jobs in hand are kept from redelivery
@@ -39,6 +39,7 @@ import asyncio
 import logging
 import math
 import time
+from dataclasses import replace
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -140,6 +141,14 @@ class PrefillWorker:
         decode worker is gone (absent for `absent_s`) is given up — its compute stops and its
         blocks are freed now, not at the end of the KV lease: nothing would take its KV."""
         absence = Absence(self.settings.absent_s)
+        giving_up: set[tuple[str, int]] = set()  # jobs being given up (request, attempt)
+
+        async def give_up(job: PrefillJob) -> None:
+            try:
+                await self.given_up(job, f"decode worker {job.decode_worker} is gone")
+            finally:
+                giving_up.discard((job.request_id, job.attempt))
+
         while True:
             await asyncio.sleep(self.settings.heartbeat_s)
             jobs = [h.job for h in self.sender.handoffs.values()]
@@ -153,9 +162,10 @@ class PrefillWorker:
                 continue
             now = time.monotonic()
             gone = {w for w in targets if absence.gone(w, w in present, now)}
-            for job in jobs:  # together: each waits for the engine thread
-                if job.decode_worker in gone:
-                    self.ending.start(self.given_up(job, f"decode worker {job.decode_worker} is gone"))
+            for job in jobs:  # together: each waits for the engine thread (once: it may take longer than a round)
+                if job.decode_worker in gone and (job.request_id, job.attempt) not in giving_up:
+                    giving_up.add((job.request_id, job.attempt))
+                    self.ending.start(give_up(job))
 
     async def ack_job(self, rid: str) -> None:
         """The job is over (handed off, refused or cancelled): ack it, it leaves the queue."""
@@ -218,8 +228,13 @@ class PrefillWorker:
 
     def queue(self, job: PrefillJob, sink) -> None:
         """On the engine thread: the prompt, streaming its KV from the decode worker's first
-        missing block (not at all if the handoff was refused)."""
-        self.engine.add_request(job.request_id, job.prompt_token_ids, job.sampling.to_engine(), prefill_only=True,
+        missing block (not at all if the handoff was refused). A request placed before
+        (attempt > 0: moved off a lost or stalled decode worker, its client mid-stream or
+        waiting since) goes ahead of the new prompts of its priority level."""
+        params = job.sampling.to_engine()
+        if job.attempt:
+            params = replace(params, priority=params.priority - 1)
+        self.engine.add_request(job.request_id, job.prompt_token_ids, params, prefill_only=True,
                                 generated_token_ids=job.generated_token_ids)
         if sink is not None:
             self.engine.stream_kv(job.request_id, job.first_block, sink)
