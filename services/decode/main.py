@@ -243,7 +243,10 @@ class DecodeWorker:
                 span.set_attribute("ok", True)
                 metrics.KV_RECEIVED.inc(rx.bytes_received)
                 if out.finished:
+                    out.text = ""  # the prefill side published the first token's text
                     await self.publish([out])
+                else:  # published by the prefill side; kept here for a gateway that lost it with the bus
+                    self.chunks.record(TokenChunk.from_output(out))
                 self.host.wake.set()
             except asyncio.CancelledError:
                 # cancelled (or this worker stops): the prefill side frees its copy now, not when

@@ -5,8 +5,9 @@
    prefill rate), pull from this worker's durable consumer (`pd.prefill.jobs.<id>`). Each
    step's prefix-cache changes go to its slot in the prefix index (shared/prefix_index.py).
 2. Take jobs (up to `max_jobs` in flight: the engine orders what it holds by priority — a
-   job of a request moved off a lost decode worker ahead of new prompts — and length, so it takes deep; JetStream keeps the rest in order of arrival); a job cancelled
-   before it starts is dropped. Each job opens a KV handoff to its decode worker
+   job of a request moved off a lost decode worker ahead of new prompts — and length, so it
+   takes deep; JetStream keeps the rest in order of arrival); a job cancelled before it
+   starts is dropped. Each job opens a KV handoff to its decode worker
    (shared/kv/sender.py; refused at once if the decode worker's fingerprint differs) and is
    queued with the engine streaming its KV. Jobs in hand are kept from redelivery
    (`in_progress` every JOB_KEEPALIVE_S) until they are acked.

@@ -242,9 +242,7 @@ class Engine:
         seq.num_computed = seq.num_prefill
         self._commit_blocks(seq)
         self.scheduler.join_running(seq)
-        out = self._append_token(seq, first_token)
-        out.text = ""  # the prefill side already emitted the first token's text
-        return out
+        return self._append_token(seq, first_token)  # (the prefill side published it already)
 
     # -- internals -----------------------------------------------------------------------
     def _blocks_view(self, layer: int, block_ids: list[int]) -> torch.Tensor:
