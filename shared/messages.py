@@ -197,6 +197,7 @@ class PrefillJob(Message):
     kv_tag: int
     generated_token_ids: list[int] = []  # a failover: tokens streamed before it, prefilled with the prompt
     attempt: int = 0                     # the placement this job is for (a failover's is a new job)
+    requeued: bool = False               # moved here off a prefill worker lost or frozen
 
 
 class KVAck(Message):

@@ -122,7 +122,8 @@ class Handoffs:
         return self.inbox.add(KVReceiver.for_engine(self.engine, res, kv_tag, self.transport, self.bus,
                                                     self.settings.kv_max_attempts, prefill_worker=prefill_worker))
 
-    async def queue_prefill(self, req: AdmitRequest, rx: KVReceiver, ctx: context.Context | None) -> None:
+    async def queue_prefill(self, req: AdmitRequest, rx: KVReceiver, ctx: context.Context | None,
+                            requeued: bool = False) -> None:
         """The prompt's job on the queue of the receiver's prefill worker, made here, where the
         reservation is: the router neither encodes the prompt again nor waits for the stream,
         and a job that cannot be queued turns into a local prefill now rather than at the KV
@@ -130,7 +131,8 @@ class Handoffs:
         job = PrefillJob(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
                          decode_worker=self.id, decode_address=self.transport.address,
                          decode_fingerprint=self.engine.fingerprint, first_block=rx.res.first_block,
-                         kv_tag=rx.kv_tag, generated_token_ids=req.generated_token_ids, attempt=req.attempt)
+                         kv_tag=rx.kv_tag, generated_token_ids=req.generated_token_ids, attempt=req.attempt,
+                         requeued=requeued)
         try:
             await self.bus.queue_prefill(rx.prefill_worker, job, ctx)
         except Exception as e:  # noqa: BLE001 - NATS or the stream away: prefill here
@@ -202,7 +204,7 @@ class Handoffs:
         rx.close()
         await self.ack(rx, KVAck(request_id=req.request_id, ok=False, error=f"moved to {answer.prefill_worker}: {why}"))
         moved = self.receiver(rx.res, answer.prefill_worker)
-        await self.queue_prefill(req, moved, None)
+        await self.queue_prefill(req, moved, None, requeued=True)
         metrics.REQUEUED_JOBS.inc()
         return moved, answer.expected_prefill_s
 

@@ -5,9 +5,9 @@
    prefill rate), pull from this worker's durable consumer (`pd.prefill.jobs.<id>`). Each
    step's prefix-cache changes go to its slot in the prefix index (shared/prefix_index.py).
 2. Take jobs (up to `max_jobs` in flight: the engine orders what it holds by priority — a
-   job of a request moved off a lost decode worker ahead of new prompts — and length, so it
-   takes deep; JetStream keeps the rest in order of arrival); a job cancelled before it
-   starts is dropped. Each job opens a KV handoff to its decode worker
+   job moved off another prefill worker, or of a request moved off a decode worker, ahead of
+   new prompts — and length, so it takes deep; JetStream keeps the rest in order of
+   arrival); a job cancelled before it starts is dropped. Each job opens a KV handoff to its decode worker
    (shared/kv/sender.py; refused at once if the decode worker's fingerprint differs) and is
    queued with the engine streaming its KV. Jobs in hand are kept from redelivery
    (`in_progress` every JOB_KEEPALIVE_S) until they are acked.
@@ -229,11 +229,12 @@ class PrefillWorker:
 
     def queue(self, job: PrefillJob, sink) -> None:
         """On the engine thread: the prompt, streaming its KV from the decode worker's first
-        missing block (not at all if the handoff was refused). A request placed before
-        (attempt > 0: moved off a lost or stalled decode worker, its client mid-stream or
-        waiting since) goes ahead of the new prompts of its priority level."""
+        missing block (not at all if the handoff was refused). A job moved here (`requeued`
+        off a lost or frozen prefill worker) or of a request placed before (attempt > 0:
+        moved off a lost or stalled decode worker) — its client mid-stream, or waiting since
+        its first placement — goes ahead of the new prompts of its priority level."""
         params = job.sampling.to_engine()
-        if job.attempt:
+        if job.attempt or job.requeued:
             params = replace(params, priority=params.priority - 1)
         self.engine.add_request(job.request_id, job.prompt_token_ids, params, prefill_only=True,
                                 generated_token_ids=job.generated_token_ids)
