@@ -50,18 +50,18 @@ class Bus:
         reply = await self.nc.request(subject, msg.encode(), timeout=timeout, headers=tracing.inject())
         return reply_type.decode(reply.data)
 
-    async def no_responders(self, subject: str, msg: Message, timeout: float) -> bool:
-        """Whether nothing subscribes to `subject` now: the server says so at once (it closes a
-        killed process's connection at once, long before its lease lapses). An answer, silence
-        (a subscriber that does not answer this message) or this connection away: False, no
-        verdict."""
+    async def heard(self, subject: str, msg: Message, timeout: float) -> bool | None:
+        """Whether anything subscribes to `subject`: True when it answered `msg`, False when
+        the server says no responders (it closes a killed process's connection at once, long
+        before its lease lapses), None — no verdict — on silence (a subscriber that does not
+        answer this message) or with this connection away."""
         try:
             await self.nc.request(subject, msg.encode(), timeout=timeout)
         except nats.errors.NoRespondersError:
-            return True
-        except Exception:  # noqa: BLE001 - timed out, or this connection away
             return False
-        return False
+        except Exception:  # noqa: BLE001 - timed out, or this connection away
+            return None
+        return True
 
     async def respond(self, request: Msg, msg: Message) -> None:
         await self.nc.publish(request.reply, msg.encode(), headers=tracing.inject())

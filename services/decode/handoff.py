@@ -110,8 +110,8 @@ class Handoffs:
     async def off_bus(self, worker: str) -> bool:
         """No connection of `worker` on the bus: nothing answers its KVSync subject (a sync of
         no request, which it ignores)."""
-        return await self.bus.no_responders(subjects.prefill_kv_sync(worker), KVSync(request_id=""),
-                                            min(0.25, self.settings.heartbeat_s))
+        return await self.bus.heard(subjects.prefill_kv_sync(worker), KVSync(request_id=""),
+                                    min(0.25, self.settings.heartbeat_s)) is False
 
     def waited_on(self) -> set[str]:
         return {rx.prefill_worker for rx in list(self.inbox.receivers.values()) if rx.prefill_worker}

@@ -2,9 +2,11 @@
 ask the router for a placement, then yield its token chunks in order, once each — across a
 decode worker's death.
 
-Failover: when no chunk has come for `check_s`, the relay asks the registry whether the
-request's decode worker still holds its lease. If it is missing twice, `confirm_s` apart (a
-Redis restarted empty shows every worker missing until its next heartbeat), it places the request again with the
+Failover: when no chunk has come for `check_s`, the relay asks the request's decode worker on
+the bus whether it is there (its answer, or the server's "no responders"); only with no
+verdict from the bus (no answer in time, or this gateway's connection not settled) does its
+registry lease decide. If it is missing twice, `confirm_s` apart (a Redis restarted empty
+shows every worker missing until its next heartbeat), it places the request again with the
 tokens generated so far (`generated_token_ids`, a new `attempt`), placed like a new request:
 a prefill worker computes prompt + those tokens (the prompt usually from its prefix cache)
 and hands the KV to another decode worker, which continues. Chunks carry the index of their first token,
@@ -266,32 +268,36 @@ class Relay:
         return getattr(self.bus, "reconnects", 0)
 
     async def absent(self, placement: RouteReply, rid: str) -> bool:
-        """The request's decode worker is missing from the registry, or has no connection to
-        the bus (`unreachable`: a killed process's connection is closed by the server at once,
-        seconds before its lease lapses). Redis unreachable: no verdict from the registry."""
+        """The request's decode worker has no connection to the bus (`on_bus`: a killed
+        process's connection is closed by the server at once, seconds before its lease
+        lapses). Only where the bus gives no verdict does the registry decide (its lease):
+        a worker that answers on the bus is there, whatever a Redis restarted empty says.
+        Redis unreachable too: no verdict."""
         worker = placement.decode_worker
         if not worker:
             return False
+        on_bus = await self.on_bus(worker, rid)
+        if on_bus is not None:
+            return not on_bus
         if self.alive is not None:
             try:
-                if not await self.alive(worker):
-                    return True
+                return not await self.alive(worker)
             except Exception:  # noqa: BLE001
                 pass
-        return await self.unreachable(worker, rid)
+        return False
 
-    async def unreachable(self, worker: str, rid: str) -> bool:
-        """Whether `worker` has no subscription on the bus ("no responders" to a replay from past
-        the end: nothing is published again). Asked only with `probe` and this gateway's own
-        connection up for BUS_SETTLED_S without a reconnect (after a NATS restart the workers
-        reconnect too, some later than this gateway); no answer in time is no verdict."""
+    async def on_bus(self, worker: str, rid: str) -> bool | None:
+        """Whether `worker` answers on the bus (a replay from past the end, which publishes
+        nothing): None — no verdict — unless `probe` and this gateway's own connection has
+        been up for BUS_SETTLED_S without a reconnect (after a NATS restart the workers
+        reconnect too, some later than this gateway), or when it does not answer in time."""
         count, since = self.bus_seen
         if self.reconnects() != count:
             self.bus_seen = count, since = self.reconnects(), time.monotonic()
         if not self.probe or time.monotonic() - since < BUS_SETTLED_S:
-            return False
-        return await self.bus.no_responders(subjects.decode_replay(worker),
-                                            Replay(request_id=rid, from_seq=PAST_THE_END), self.check_s)
+            return None
+        return await self.bus.heard(subjects.decode_replay(worker), Replay(request_id=rid, from_seq=PAST_THE_END),
+                                    self.check_s)
 
     async def failover(self, req: RouteRequest, lost: RouteReply, generated: list[int], attempt: int,
                        why: str) -> RouteReply:

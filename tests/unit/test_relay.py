@@ -18,15 +18,15 @@ class FakeBus:
     async def publish(self, subject, msg, ctx=None):
         self.published.append((subject, msg))
 
-    async def no_responders(self, subject, msg, timeout):  # as shared.bus.Bus's, over this bus's request
+    async def heard(self, subject, msg, timeout):  # as shared.bus.Bus's, over this bus's request
         import nats.errors
         try:
             await self.request(subject, msg, None, timeout)
         except nats.errors.NoRespondersError:
-            return True
-        except Exception:  # noqa: BLE001
             return False
-        return False
+        except Exception:  # noqa: BLE001
+            return None
+        return True
 
 
 class FakeSub:
