@@ -241,11 +241,6 @@ class State:
         """Its lease holds (it heartbeats, draining or not)."""
         return bool(await self.r.exists(worker_key(worker_id)))
 
-    async def entry(self, worker_id: str) -> WorkerInfo | None:
-        """Its registry entry, None when its lease has lapsed."""
-        raw = await self.r.get(worker_key(worker_id))
-        return WorkerInfo.decode(raw) if raw else None
-
     async def entries(self, worker_ids: list[str]) -> dict[str, WorkerInfo | None]:
         """The registry entries of `worker_ids` (None where the lease has lapsed): one round trip."""
         found = await self.r.mget([worker_key(w) for w in worker_ids])

@@ -44,7 +44,8 @@ log = logging.getLogger("decode.handoff")
 
 
 class PrefillWorkerLost(RuntimeError):
-    """The worker computing a request's KV lost its lease while the request waited for it."""
+    """The worker computing a request's KV is gone (missing from the registry and the bus), or
+    a payload from it broke off in the transport, while the request waited for it."""
 
 
 class PrefillWorkerLate(RuntimeError):
@@ -70,7 +71,10 @@ class PrefillWatch:
 
     async def watch(self, waited_on: Callable[[], set[str]]) -> None:
         while True:
-            await self.look(waited_on())
+            try:
+                await self.look(waited_on())
+            except Exception as e:  # noqa: BLE001 - never the end of the watch: the next look tries again
+                log.warning("prefill workers not looked at: %s", e)
             await asyncio.sleep(self.next_look_s(time.monotonic()))
 
     async def look(self, workers: set[str]) -> None:
@@ -81,8 +85,9 @@ class PrefillWatch:
             return
         try:
             found = await self.state.entries(sorted(workers))
-        except Exception as e:  # noqa: BLE001 - Redis away: no verdict
+        except Exception as e:  # noqa: BLE001 - Redis away: no verdict (no step to judge a freeze by)
             log.debug("prefill workers not looked at: %s", e)
+            self.entries = {}
             return
         self.entries = {w: e for w, e in found.items() if e is not None}
         missing = sorted(workers - set(self.entries))
@@ -108,8 +113,8 @@ class Handoffs:
         self.watch = PrefillWatch(state, settings.heartbeat_s, settings.absent_s, self.off_bus)
 
     async def off_bus(self, worker: str) -> bool:
-        """No connection of `worker` on the bus: nothing answers its KVSync subject (a sync of
-        no request, which it ignores)."""
+        """No connection of `worker` on the bus: the server says no responders on its KVSync
+        subject (a live worker subscribes to it, and ignores a sync of no request)."""
         return await self.bus.heard(subjects.prefill_kv_sync(worker), KVSync(request_id=""),
                                     min(0.25, self.settings.heartbeat_s)) is False
 
@@ -188,8 +193,9 @@ class Handoffs:
         takes it: prefilled here then."""
         kind = "gone" if isinstance(why, PrefillWorkerLost) else "late"
         span.add_event(f"prefill worker {kind}", {"prefill_worker": rx.prefill_worker, "reason": str(why)})
-        if kind == "late":  # the path's fault, as far as the breakers know
-            await self.report(rx, ok=False, reason=str(why))
+        broke_off = isinstance(why.__cause__, KVBrokeOff) and rx.prefill_worker not in self.watch.gone
+        if kind == "late" or broke_off:  # the path's fault, as far as the breakers know (a live
+            await self.report(rx, ok=False, reason=str(why))  # pair whose transfers fail trips one)
         ask = Requeue(request_id=req.request_id, model=self.settings.model_name, prompt_token_ids=req.prompt_token_ids,
                       decode_worker=self.id, avoid_workers=left, why=kind,
                       generated_token_ids=req.generated_token_ids, attempt=req.attempt)

@@ -238,6 +238,8 @@ class DecodeWorker:
                         left.append(rx.prefill_worker)
                         rx, expected_s = await self.handoffs.requeue(req, rx, e, left, span)
                 out = await self.host.call(self.engine.commit_import, rid, first_token)
+                if not out.finished:  # published by the prefill side; kept here (before any later
+                    self.chunks.record(TokenChunk.from_output(out))  # token) for a gateway that lost it
                 await self.handoffs.ack(rx, KVAck(request_id=rid, ok=True))
                 await self.handoffs.report(rx, ok=True)
                 span.set_attribute("ok", True)
@@ -245,8 +247,6 @@ class DecodeWorker:
                 if out.finished:
                     out.text = ""  # the prefill side published the first token's text
                     await self.publish([out])
-                else:  # published by the prefill side; kept here for a gateway that lost it with the bus
-                    self.chunks.record(TokenChunk.from_output(out))
                 self.host.wake.set()
             except asyncio.CancelledError:
                 # cancelled (or this worker stops): the prefill side frees its copy now, not when
