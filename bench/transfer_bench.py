@@ -33,17 +33,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import multiprocessing as mp
 import os
-import signal
 import socket
 import statistics
 import time
 from pathlib import Path
 
 import numpy as np
+
+from bench.children import call, children, in_process, outcome
 
 KIB, MIB = 1 << 10, 1 << 20
 LAYER_1K = 64 * 2 * 16 * 3 * 64 * 4    # 64 blocks x (K,V) x 16 tokens x 3 heads x 64 dims x fp32
@@ -162,8 +162,8 @@ def bench_ucx(sizes, env: dict[str, str], window: int = 1, progress: str = "thre
     addr_q, done_q, result_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
     with children(ctx.Process(target=_ucx_receiver, args=(sizes, addr_q, done_q, env, window, progress,
                                                           error_handling)),
-                  ctx.Process(target=_ucx_sender, args=(sizes, addr_q, done_q, result_q, env, window, progress,
-                                                        error_handling))):
+                  ctx.Process(target=call, args=(_ucx_sender, (sizes, addr_q, done_q, env, window, progress,
+                                                               error_handling), result_q))):
         return outcome(result_q.get(timeout=ARM_TIMEOUT_S))
 
 
@@ -188,13 +188,9 @@ async def _ucx_send(sizes, address, done_q, window, progress, error_handling):
     return out
 
 
-def _ucx_sender(sizes, addr_q, done_q, result_q, env, window, progress, error_handling):
+def _ucx_sender(sizes, addr_q, done_q, env, window, progress, error_handling):
     os.environ.update(env)
-    try:
-        result_q.put(asyncio.run(_ucx_send(sizes, addr_q.get(timeout=60), done_q, window, progress,
-                                           error_handling)))
-    except BaseException as e:  # noqa: BLE001 - reported as the arm's failure
-        result_q.put(f"{type(e).__name__}: {e}")
+    return asyncio.run(_ucx_send(sizes, addr_q.get(timeout=60), done_q, window, progress, error_handling))
 
 
 def _idle_cpu(seconds):
@@ -215,48 +211,7 @@ def _idle_cpu(seconds):
 def idle_cpu(seconds: float = 5.0) -> float:
     """Fraction of a core a process with the services' UCX transport uses while no KV moves
     (its progress thread)."""
-    return in_process(_idle_cpu, seconds)
-
-
-def _call(fn, args, result_q):
-    os.setpgrp()  # what it starts (a nats-server, processes of its own) goes with it if it is killed
-    try:
-        result_q.put(fn(*args))
-    except BaseException as e:  # noqa: BLE001 - reported by the caller
-        result_q.put(f"{type(e).__name__}: {e}")
-
-
-def in_process(fn, *args):
-    """`fn(*args)` in a fresh process: UCX is bound to the first event loop of a process."""
-    ctx = mp.get_context("spawn")
-    result_q = ctx.Queue()
-    with children(ctx.Process(target=_call, args=(fn, args, result_q))):
-        return outcome(result_q.get(timeout=2 * ARM_TIMEOUT_S))
-
-
-@contextlib.contextmanager
-def children(*procs):
-    """Start `procs`; whatever happens, none outlives the block."""
-    for p in procs:
-        p.start()
-    try:
-        yield
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)  # its group, where it made one (`_call`)
-                except (ProcessLookupError, PermissionError):
-                    p.kill()
-                p.join(10)
-
-
-def outcome(result):
-    """A child's result, or its failure (a string) raised here."""
-    if isinstance(result, str):
-        raise RuntimeError(result)
-    return result
+    return in_process(_idle_cpu, seconds, timeout_s=ARM_TIMEOUT_S)
 
 
 def bench_socket(sizes):
@@ -340,9 +295,9 @@ def main() -> None:
             continue
         print(f"{name:>20}: " + ", ".join(f"{label(k)} {v:.2f}" for k, v in results[name].items()) +
               f" GB/s ({time.monotonic() - started:.0f} s)", flush=True)
-    def measured(name: str, fn, *args):  # a failure is reported, what was measured is still written
+    def measured(name: str, fn, *args, **kwargs):  # a failure is reported, what was measured is still written
         try:
-            return fn(*args)
+            return fn(*args, **kwargs)
         except Exception as e:  # noqa: BLE001
             failed[name] = f"{type(e).__name__}: {e}"
             print(f"{name}: FAILED: {failed[name]}", flush=True)
@@ -351,8 +306,8 @@ def main() -> None:
     idle = measured("idle_cpu", idle_cpu)
     print(f"services' transport idle: {idle if idle is None else round(idle, 3)} of a core", flush=True)
     # the longest prompt SmolLM2 takes is 2,047 tokens: 2k stands for the long one
-    exposed = measured("handoff_1k", in_process, exposed_fraction, 1024)
-    exposed_2k = measured("handoff_2k", in_process, exposed_fraction, 2000)
+    exposed = measured("handoff_1k", in_process, exposed_fraction, 1024, timeout_s=2 * ARM_TIMEOUT_S)
+    exposed_2k = measured("handoff_2k", in_process, exposed_fraction, 2000, timeout_s=2 * ARM_TIMEOUT_S)
     int8 = int8_quality()
 
     big = [s for s in sizes if s >= MIB]
