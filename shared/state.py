@@ -265,7 +265,8 @@ class State:
              also: Callable[[Pipeline], None] | None = None, **fields: str | int) -> None:
         """`record` in the background, its deadline from the phase: the caller never waits on
         Redis (a Redis away costs the request's history, logged, not its progress). `also`
-        queues more writes on the same round trip."""
+        queues more writes on the same round trip. The event's time is now, when it happened,
+        not when the write gets to run (the timeline orders events from several processes by it)."""
         if len(self._writes) >= MAX_PENDING_WRITES:  # Redis slow or away: keep the pool for the request path
             self.dropped += 1
             if self.dropped % 1000 == 1:
@@ -274,15 +275,15 @@ class State:
         limit = deadline_s(phase, prompt_tokens, self.stall_s, self.min_prefill_tokens_per_s)
         if prompt_tokens:
             fields["prompt_tokens"] = prompt_tokens
-        self._writes.start(self.record(request_id, phase, by, attempt, limit, also, **fields))
+        self._writes.start(self.record(request_id, phase, by, attempt, limit, also, at=time.time(), **fields))
 
     async def record(self, request_id: str, phase: str, by: str = "", attempt: int = 0,
                      deadline_s: float | None = None, also: Callable[[Pipeline], None] | None = None,
-                     **fields: str | int) -> None:
-        """A request entered `phase` (or a mark: failover, stalled): append the event to its
-        log, update its summary, and set when the phase is overdue (or, at the end, clear it).
-        A `received` with `owner` files the request under its gateway."""
-        now = time.time()
+                     at: float | None = None, **fields: str | int) -> None:
+        """A request entered `phase` (or a mark: failover, stalled) `at` (default: now): append
+        the event to its log, update its summary, and set when the phase is overdue (or, at the
+        end, clear it). A `received` with `owner` files the request under its gateway."""
+        now = time.time() if at is None else at
         event = Event(t=now, event=phase, attempt=attempt, by=by, **fields)
         key = request_key(request_id)
         async with self.r.pipeline(transaction=False) as p:
