@@ -56,8 +56,9 @@ bench-engine: setup
 bench-stack: setup
 	$(BIN)/python -m bench.stack_overhead
 
-## bench-transfer: KV bytes over memcpy, UCX (shared memory, TCP), a socket and NATS; writes bench/results/transfer.json
+## bench-transfer: KV bytes over memcpy, UCX (shared memory, TCP), NIXL, Mooncake, a socket and NATS; writes bench/results/transfer.json
 bench-transfer: setup
+	scripts/peer_venvs.sh
 	$(BIN)/python -m bench.transfer_bench
 
 ## eval-router: replay ../shared/traces/mooncake_conversation.jsonl through the prefill placement policies; writes bench/results/router.json

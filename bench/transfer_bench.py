@@ -4,11 +4,17 @@
 
 Payloads from 64 KiB to 256 MiB (`--quick`: to 16 MiB) plus the real per-layer KV sizes of 1k- and 4k-token SmolLM2
 requests (fp32), each sent REPS times after a warm-up, timed until the receiver confirms it
-holds the last byte:
+holds the last byte. The UCX arms send as the services do: up to STREAMED messages under way
+at a time (the sender sends each batch of layers as soon as it is computed), each received
+into a staging buffer from shared/kv/staging.py:
   memcpy        numpy copy in one process (the limit)
   ucx_services  what the services use (shared/kv/ucx.py's transport, its defaults): endpoints
                 with UCX peer-failure handling, shared memory allowed to carry it (sysv for
                 small messages, cma zero-copy reads for payloads), "thread" progress
+  ucx_services_one_by_one  the same, one message at a time (each waits for the one before:
+                what a message costs beyond its bytes)
+  ucx_services_fresh_buffers  the same, each message received into a fresh buffer (the
+                receiver before shared/kv/staging.py: page faults inside the transfer)
   ucx_peer_tcp  the services' path before: peer-failure handling without those settings, so
                 TCP on loopback even on one host
   ucx_services_polling  ucx_services with "polling" progress (spins a core in each process
@@ -17,8 +23,17 @@ holds the last byte:
                 a sender killed mid-transfer can crash the receiver
   ucx_tcp       UCX_TLS=tcp,self with error handling and the services' TCP segment settings
                 (the path to another host)
-  socket      a plain TCP socket on loopback, sendall / recv_into
+  nixl          NIXL (nixl-cu12, its UCX backend, host memory, its defaults: peer-failure
+                handling, a progress thread): the decode side READs the prefill side's
+                registered buffer and notifies it, as vLLM's NIXL connector does; one
+                transfer at a time (bench/nixl_arm.py)
+  nixl_shm      the same with the services' shared-memory settings (SHM_DEFAULTS of
+                shared/kv/ucx.py) in its UCX's environment
+  socket        a plain TCP socket on loopback, sendall / recv_into
+  mooncake_tcp  Mooncake's transfer engine (mooncake-transfer-engine-non-cuda, TCP: the wheel
+                has no shared-memory transport), transfer_sync_write (bench/mooncake_arm.py)
   nats        the naive baseline: the payload as 1 MiB NATS messages through nats-server
+NIXL and Mooncake run in virtualenvs of their own (scripts/peer_venvs.sh; $PD_PEERS_DIR).
 Each arm prints as it finishes; one that fails or runs past ARM_TIMEOUT_S is reported failed
 (`failed_arms`), its processes killed, and the others are still measured. Then the CPU the
 services' transport takes while no KV moves (`ucx_idle_cpu_cores`: its progress thread), and
@@ -38,12 +53,14 @@ import multiprocessing as mp
 import os
 import socket
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
 
 from bench.children import call, children, in_process, outcome
+from shared.kv.ucx import SHM_DEFAULTS
 
 KIB, MIB = 1 << 10, 1 << 20
 LAYER_1K = 64 * 2 * 16 * 3 * 64 * 4    # 64 blocks x (K,V) x 16 tokens x 3 heads x 64 dims x fp32
@@ -51,6 +68,9 @@ LAYER_4K = 4 * LAYER_1K
 NATS_CHUNK = 1 * MIB
 RESULTS = Path(__file__).parent / "results" / "transfer.json"
 NATS_SLOW_CONSUMER = "max_pending: 1073741824\nwrite_deadline: \"60s\"\n"
+# messages under way at a time in the UCX arms: the services' sender sends each batch of layers
+# as soon as it is computed, without waiting for the one before (shared/kv/sender.py)
+STREAMED = 4
 ARM_TIMEOUT_S = 300  # an arm that has not finished by then is reported failed, its processes killed
 
 
@@ -59,23 +79,41 @@ def reps_for(size: int) -> int:
 
 
 # -- receivers (child processes) -------------------------------------------------------------
-def _ucx_receiver(sizes, addr_q, done_q, env, window, progress, error_handling):
+def _ucx_receiver(sizes, addr_q, done_q, env, window, progress, error_handling, fresh):
     os.environ.update(env)
     from shared.kv import create_transport
+    from shared.kv.staging import Staging
 
     async def run():
         transport = create_transport("ucx", progress, ucx_error_handling=error_handling)
         addr_q.put(transport.address)
-        tag = 0
+        staging, tag = Staging(keep_bytes=window * max(sizes)), 0  # warm: what the services reach in a while
+
+        async def receive(size: int, tag: int) -> None:  # as the services' receiver does it
+            buf = np.empty(size, dtype=np.uint8) if fresh else staging.take(size)
+            await transport.recv(tag, buf)
+            staging.give(buf)
+
         for size in sizes:
-            bufs = [np.empty(size, dtype=np.uint8) for _ in range(window)]
-            await transport.recv((tag := tag + 1), bufs[0])  # warm-up
-            for first in range(0, reps_for(size), window):
-                n = min(window, reps_for(size) - first)
-                await asyncio.gather(*(transport.recv(tag + 1 + i, bufs[i]) for i in range(n)))
-                tag += n
+            await streamed(window, (receive(size, tag + 1 + i) for i in range(window)))  # warm-up
+            tag += window
+            await streamed(window, (receive(size, tag + 1 + i) for i in range(reps_for(size))))
+            tag += reps_for(size)
             done_q.put(size)
     asyncio.run(run())
+
+
+async def streamed(window: int, steps) -> None:
+    """Run the coroutines `steps` in order, at most `window` under way at a time."""
+    running: set[asyncio.Task] = set()
+    for step in steps:
+        if len(running) >= window:
+            done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # a failure fails the arm
+        running.add(asyncio.create_task(step))
+    for task in running:
+        await task
 
 
 def _socket_receiver(sizes, port_q, done_q):
@@ -154,16 +192,17 @@ def bench_memcpy(sizes):
     return out
 
 
-def bench_ucx(sizes, env: dict[str, str], window: int = 1, progress: str = "thread", error_handling: bool = True):
+def bench_ucx(sizes, env: dict[str, str], window: int = STREAMED, progress: str = "thread",
+              error_handling: bool = True, fresh: bool = False):
     """Sender and receiver each in a fresh process with the services' transport
-    (shared/kv/ucx.py) and `env` on top of its defaults (read when UCX starts); `window`
-    messages in flight at a time; ucxx `progress` mode ("thread": the services' default)."""
+    (shared/kv/ucx.py) and `env` on top of its defaults (read when UCX starts); up to `window`
+    messages under way at a time; ucxx `progress` mode ("thread": the services' default); the
+    receiver's buffers from the services' staging (shared/kv/staging.py), or `fresh` ones."""
     ctx = mp.get_context("spawn")
     addr_q, done_q, result_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    with children(ctx.Process(target=_ucx_receiver, args=(sizes, addr_q, done_q, env, window, progress,
-                                                          error_handling)),
-                  ctx.Process(target=call, args=(_ucx_sender, (sizes, addr_q, done_q, env, window, progress,
-                                                               error_handling), result_q))):
+    args = (sizes, addr_q, done_q, env, window, progress, error_handling)
+    with children(ctx.Process(target=_ucx_receiver, args=(*args, fresh)),
+                  ctx.Process(target=call, args=(_ucx_sender, args, result_q))):
         return outcome(result_q.get(timeout=ARM_TIMEOUT_S))
 
 
@@ -174,14 +213,13 @@ async def _ucx_send(sizes, address, done_q, window, progress, error_handling):
     out, tag = {}, 0
     loop = asyncio.get_running_loop()
     for size in sizes:
-        buf = np.ones(size, dtype=np.uint8)
-        tag += 1
-        await transport.send(address, tag, buf)  # warm-up
+        bufs = [np.ones(size, dtype=np.uint8) for _ in range(window)]  # as many as under way (the KV of layers)
+        send = lambda i, tag=tag, bufs=bufs: transport.send(address, tag + 1 + i, bufs[i % window])  # noqa: E731
+        await streamed(window, map(send, range(window)))  # warm-up
+        tag += window
         start = time.perf_counter()
-        for first in range(0, reps_for(size), window):
-            n = min(window, reps_for(size) - first)
-            await asyncio.gather(*(transport.send(address, tag + 1 + i, buf) for i in range(n)))
-            tag += n
+        await streamed(window, map(send, range(window, window + reps_for(size))))
+        tag += reps_for(size)
         assert await loop.run_in_executor(None, done_q.get, True, ARM_TIMEOUT_S) == size
         out[size] = size * reps_for(size) / (time.perf_counter() - start) / 1e9
     await transport.close()
@@ -263,6 +301,31 @@ async def _nats_send(sizes, url, done_q):
     return out
 
 
+# -- transfer libraries other systems build on, each in its own venv (scripts/peer_venvs.sh) ---
+PEERS = Path(os.environ.get("PD_PEERS_DIR", Path.home() / ".cache" / "pdserve" / "peers"))
+
+
+def bench_peer(lib: str, sizes, *args: str, env: dict[str, str] | None = None) -> dict[int, float]:
+    """bench/<lib>_arm.py under $PD_PEERS_DIR/<lib>'s interpreter; its JSON line's GB/s (the
+    rest of it kept in PEER_RUNS)."""
+    python = PEERS / lib / "bin" / "python"
+    if not python.exists():
+        raise RuntimeError(f"{python} missing: run scripts/peer_venvs.sh")
+    cmd = [str(python), str(Path(__file__).parent / f"{lib}_arm.py"), "--sizes", ",".join(map(str, sizes)),
+           "--idle-s", "2", *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=ARM_TIMEOUT_S,
+                          env={**os.environ, **(env or {})})
+    if done.returncode != 0:
+        raise RuntimeError(f"exit {done.returncode}: {done.stderr.strip()[-500:]}")
+    run = json.loads(done.stdout.strip().splitlines()[-1])
+    PEER_RUNS.append({"lib": lib, "args": list(args), "env": env or {},
+                      **{k: v for k, v in run.items() if k != "gbps"}})
+    return {int(k): v for k, v in run["gbps"].items()}
+
+
+PEER_RUNS: list[dict] = []
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="up to 16 MiB only")
@@ -278,11 +341,16 @@ def main() -> None:
     old_default = {"UCX_MM_ERROR_HANDLING": "n", "UCX_CMA_MEMORY_INVALIDATE": "n"}
     arms = {"memcpy": lambda: bench_memcpy(sizes),
             "ucx_services": lambda: bench_ucx(sizes, {}),
+            "ucx_services_one_by_one": lambda: bench_ucx(sizes, {}, window=1),
+            "ucx_services_fresh_buffers": lambda: bench_ucx(sizes, {}, fresh=True),
             "ucx_peer_tcp": lambda: bench_ucx(sizes, old_default),
             "ucx_services_polling": lambda: bench_ucx(sizes, {}, progress="polling"),
             "ucx_local": lambda: bench_ucx(sizes, {}, error_handling=False),
             "ucx_tcp": lambda: bench_ucx(sizes, {"UCX_TLS": "tcp,self"}),
+            "nixl": lambda: bench_peer("nixl", sizes),
+            "nixl_shm": lambda: bench_peer("nixl", sizes, env=SHM_DEFAULTS),
             "socket": lambda: bench_socket(sizes),
+            "mooncake_tcp": lambda: bench_peer("mooncake", sizes),
             "nats": lambda: bench_nats(sizes)}
     results, failed = {}, {}
     for name, run in arms.items():
@@ -323,12 +391,18 @@ def main() -> None:
                "ucx_services_over_memcpy": median("ucx_services"),
                "ucx_services_gbps_1mib_plus": min(results["ucx_services"][s] for s in big)
                if "ucx_services" in results else None,
+               "ucx_services_one_by_one_over_memcpy": median("ucx_services_one_by_one"),
+               "ucx_services_fresh_buffers_over_memcpy": median("ucx_services_fresh_buffers"),
+               "streamed_messages": STREAMED,
                "ucx_peer_tcp_over_memcpy": median("ucx_peer_tcp"),
                "ucx_services_polling_over_memcpy": median("ucx_services_polling"),
                "ucx_local_over_memcpy": median("ucx_local"),
                "ucx_tcp_over_memcpy": median("ucx_tcp"), "socket_over_memcpy": median("socket"),
                "ucx_tcp_over_socket": median("ucx_tcp", over="socket"),
                "nats_over_memcpy": median("nats"),
+               "nixl_over_memcpy": median("nixl"), "nixl_shm_over_memcpy": median("nixl_shm"),
+               "ucx_services_over_nixl": median("ucx_services", over="nixl"),
+               "mooncake_tcp_over_socket": median("mooncake_tcp", over="socket"),
                "ucx_idle_cpu_cores": idle,
                "exposed_transfer_fraction_1k": exposed and exposed["exposed_transfer_fraction"],
                "exposed_transfer_fraction_2k": exposed_2k and exposed_2k["exposed_transfer_fraction"],
@@ -355,6 +429,7 @@ def main() -> None:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"summary": summary, "gbps": {m: {str(s): v for s, v in r.items()}
                                                                   for m, r in results.items()},
+                                   "peers": PEER_RUNS,
                                    "handoff_1k": exposed, "handoff_2k": exposed_2k, "int8_quality": int8},
                                   indent=2))
     print(f"wrote {RESULTS}")

@@ -5,7 +5,7 @@
 2. Each KVLayer notice (one or more consecutive layers of a run of blocks): check the
    fingerprint, tag and layout against the reservation, then
    receive the payload (posted only now, when it is on its way) into a staging
-   buffer and check every block against its checksum. Good blocks are decoded (native or
+   buffer (reused: shared/kv/staging.py) and check every block against its checksum. Good blocks are decoded (native or
    int8, shared/kv/codec.py) and written into the reservation; bad ones are asked for again
    (KVResend to the notice's sender, fresh tag) up to `max_attempts` sends in all, then the
    handoff fails.
@@ -36,10 +36,12 @@ from shared.engine.engine import Engine
 from shared.engine.kv_io import Reservation
 from shared.kv import codec
 from shared.kv.base import TAG_SPAN, KVTransport, block_checksums
+from shared.kv.staging import Staging
 from shared.messages import CANCELLED, KVAck, KVEnd, KVLayer, KVResend, KVSync
 
 log = logging.getLogger("kv.receiver")
 WriteBlocks = Callable[[int, list[int], torch.Tensor], None]  # layer, block ids, data
+STAGING = Staging()  # this process's staging buffers, shared by its receivers (one event loop)
 
 
 class KVFailed(RuntimeError):
@@ -113,33 +115,16 @@ class KVReceiver:
         try:
             start = self._check(n)
             nb = n.num_blocks
-            buf = np.empty((n.num_layers * nb, codec.block_nbytes(n.encoding, self.block_shape, self.dtype)),
-                           dtype=np.uint8)
+            row_bytes = codec.block_nbytes(n.encoding, self.block_shape, self.dtype)
+            staged = STAGING.take(n.num_layers * nb * row_bytes)
             try:
-                await self.transport.recv(n.tag, buf)
+                await self.transport.recv(n.tag, staged)
             except Exception as e:  # noqa: BLE001 - UCX's error types: the peer failed
                 raise KVBrokeOff(f"KV from {n.prefill_worker} broke off: {e or type(e).__name__}") from e
-            self.pieces += 1
-            self.bytes_received += buf.nbytes
-            good = np.array([a == b for a, b in zip(block_checksums(buf), n.checksums)]).reshape(n.num_layers, nb)
-            if not good.all():
-                self.bad_blocks += int((~good).sum())
-                if n.attempt + 1 >= self.max_attempts:
-                    raise KVFailed(f"layers {n.layer}+{n.num_layers}: {int((~good).sum())} blocks still corrupt "
-                                   f"after {n.attempt + 1} sends")
-                log.warning("%s: layers %d+%d: %d corrupt blocks; asking for them again", self.rid, n.layer,
-                            n.num_layers, (~good).sum())
-            for i, layer in enumerate(range(n.layer, n.layer + n.num_layers)):
-                rows = buf[i * nb:(i + 1) * nb]
-                for a, b in _runs(good[i], True):  # verified blocks go into the reservation
-                    ids = list(self.res.block_ids[start + a:start + b])
-                    self.write(layer, ids, codec.decode(n.encoding, rows[a:b], self.block_shape, self.dtype))
-                    self.have[layer, start + a:start + b] = True
-                for a, b in _runs(good[i], False):  # asked for again, one layer at a time
-                    self.resends += 1
-                    await self.bus.publish(subjects.prefill_kv_resend(n.prefill_worker), KVResend(
-                        request_id=self.rid, layer=layer, first_block=n.first_block + a, num_blocks=b - a,
-                        attempt=n.attempt + 1))
+            try:
+                await self._store(n, start, staged.reshape(n.num_layers * nb, row_bytes))
+            finally:
+                STAGING.give(staged)  # received in full: nothing writes it any more
             self._check_done()
         except asyncio.CancelledError:
             raise
@@ -147,6 +132,31 @@ class KVReceiver:
             self.fail(str(e), KVBrokeOff)
         except Exception as e:  # noqa: BLE001 - whatever broke, the handoff fails (the decode side prefills locally)
             self.fail(str(e) or type(e).__name__)
+
+    async def _store(self, n: KVLayer, start: int, buf: np.ndarray) -> None:
+        """Verified blocks of a received payload into the reservation; bad ones asked for again."""
+        nb = n.num_blocks
+        self.pieces += 1
+        self.bytes_received += buf.nbytes
+        good = np.array([a == b for a, b in zip(block_checksums(buf), n.checksums)]).reshape(n.num_layers, nb)
+        if not good.all():
+            self.bad_blocks += int((~good).sum())
+            if n.attempt + 1 >= self.max_attempts:
+                raise KVFailed(f"layers {n.layer}+{n.num_layers}: {int((~good).sum())} blocks still corrupt "
+                               f"after {n.attempt + 1} sends")
+            log.warning("%s: layers %d+%d: %d corrupt blocks; asking for them again", self.rid, n.layer,
+                        n.num_layers, (~good).sum())
+        for i, layer in enumerate(range(n.layer, n.layer + n.num_layers)):
+            rows = buf[i * nb:(i + 1) * nb]
+            for a, b in _runs(good[i], True):  # verified blocks go into the reservation
+                ids = list(self.res.block_ids[start + a:start + b])
+                self.write(layer, ids, codec.decode(n.encoding, rows[a:b], self.block_shape, self.dtype))
+                self.have[layer, start + a:start + b] = True
+            for a, b in _runs(good[i], False):  # asked for again, one layer at a time
+                self.resends += 1
+                await self.bus.publish(subjects.prefill_kv_resend(n.prefill_worker), KVResend(
+                    request_id=self.rid, layer=layer, first_block=n.first_block + a, num_blocks=b - a,
+                    attempt=n.attempt + 1))
 
     def _check(self, n: KVLayer) -> int:
         """The notice against the reservation; returns its first block's index in `have`."""

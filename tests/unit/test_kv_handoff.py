@@ -17,8 +17,10 @@ from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.sequence import SamplingParams
 from shared.kv import Faults, create_transport
+from shared.kv import receiver
 from shared.kv.receiver import KVBrokeOff, KVFailed, KVInbox, KVReceiver
 from shared.kv.sender import KVSender
+from shared.kv.staging import Staging
 from shared.messages import KVAck, KVEnd, KVLayer, KVResend, KVSync, PrefillJob, Sampling
 
 PARAMS = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -98,6 +100,16 @@ def test_layers_stream_per_pass_and_the_output_is_unchanged(tiny, layers_per_mes
         assert [lay for lay, _ in runs] == list(range(0, layers, per)) and sum(k for _, k in runs) == layers
     assert h.bytes_sent == rx.bytes_received == 6 * layers * block_nbytes
     assert src.num_free_blocks == src.num_blocks and dst.num_free_blocks == dst.num_blocks
+
+
+def test_staging_buffers_are_reused_from_one_handoff_to_the_next(tiny, monkeypatch):
+    staging = Staging()
+    monkeypatch.setattr(receiver, "STAGING", staging)
+    for rid in ("a", "b"):
+        src, dst = Engine(tiny, EngineConfig(num_blocks=64)), Engine(tiny, EngineConfig(num_blocks=64))
+        out, _, rx, _ = asyncio.run(handoff(src, dst, rid=rid, piece_bytes=1))  # a message per layer
+        assert out == expected(tiny)
+    assert staging.reused >= rx.pieces and staging.made <= rx.pieces  # the second handoff made none
 
 
 def test_streamed_pieces_equal_the_pool_after_the_prefill(tiny):
