@@ -30,6 +30,8 @@ into a staging buffer from shared/kv/staging.py:
   nixl_shm      the same with the services' shared-memory settings (SHM_DEFAULTS of
                 shared/kv/ucx.py) in its UCX's environment
   socket        a plain TCP socket on loopback, sendall / recv_into
+  ucx_tcp_veth, socket_veth  ucx_tcp and socket between two network namespaces joined by a
+                veth pair (MTU 1500; bench/netns.py): two hosts, as far as TCP can tell
   mooncake_tcp  Mooncake's transfer engine (mooncake-transfer-engine-non-cuda, TCP: the wheel
                 has no shared-memory transport), transfer_sync_write (bench/mooncake_arm.py)
   nats        the naive baseline: the payload as 1 MiB NATS messages through nats-server
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -59,6 +62,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import netns
 from bench.children import call, children, in_process, outcome
 from shared.kv.ucx import SHM_DEFAULTS
 
@@ -71,6 +75,7 @@ NATS_SLOW_CONSUMER = "max_pending: 1073741824\nwrite_deadline: \"60s\"\n"
 # messages under way at a time in the UCX arms: the services' sender sends each batch of layers
 # as soon as it is computed, without waiting for the one before (shared/kv/sender.py)
 STREAMED = 4
+HOST = "PD_BENCH_NETNS"  # a child's network namespace, in its environment
 ARM_TIMEOUT_S = 300  # an arm that has not finished by then is reported failed, its processes killed
 
 
@@ -80,7 +85,7 @@ def reps_for(size: int) -> int:
 
 # -- receivers (child processes) -------------------------------------------------------------
 def _ucx_receiver(sizes, addr_q, done_q, env, window, progress, error_handling, fresh):
-    os.environ.update(env)
+    _enter(env)
     from shared.kv import create_transport
     from shared.kv.staging import Staging
 
@@ -103,6 +108,15 @@ def _ucx_receiver(sizes, addr_q, done_q, env, window, progress, error_handling, 
     asyncio.run(run())
 
 
+def _enter(env: dict[str, str]) -> None:
+    """A child's environment, and the network namespace it runs in (HOST, when on a veth pair:
+    UCX then uses that namespace's end of the pair, named as the namespace)."""
+    os.environ.update(env)
+    if HOST in env:
+        netns.enter(env[HOST])
+        os.environ["UCX_NET_DEVICES"] = env[HOST]
+
+
 async def streamed(window: int, steps) -> None:
     """Run the coroutines `steps` in order, at most `window` under way at a time."""
     running: set[asyncio.Task] = set()
@@ -116,9 +130,11 @@ async def streamed(window: int, steps) -> None:
         await task
 
 
-def _socket_receiver(sizes, port_q, done_q):
+def _socket_receiver(sizes, port_q, done_q, host):
+    if host:
+        netns.enter(host)
     with socket.socket() as srv:
-        srv.bind(("127.0.0.1", 0))
+        srv.bind((netns.B_IP if host else "127.0.0.1", 0))
         srv.listen(1)
         port_q.put(srv.getsockname()[1])
         conn, _ = srv.accept()
@@ -193,16 +209,19 @@ def bench_memcpy(sizes):
 
 
 def bench_ucx(sizes, env: dict[str, str], window: int = STREAMED, progress: str = "thread",
-              error_handling: bool = True, fresh: bool = False):
+              error_handling: bool = True, fresh: bool = False, hosts: tuple[str, str] | None = None):
     """Sender and receiver each in a fresh process with the services' transport
     (shared/kv/ucx.py) and `env` on top of its defaults (read when UCX starts); up to `window`
     messages under way at a time; ucxx `progress` mode ("thread": the services' default); the
-    receiver's buffers from the services' staging (shared/kv/staging.py), or `fresh` ones."""
+    receiver's buffers from the services' staging (shared/kv/staging.py), or `fresh` ones;
+    `hosts`: the sender's and the receiver's network namespaces (bench/netns.py)."""
     ctx = mp.get_context("spawn")
     addr_q, done_q, result_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    args = (sizes, addr_q, done_q, env, window, progress, error_handling)
-    with children(ctx.Process(target=_ucx_receiver, args=(*args, fresh)),
-                  ctx.Process(target=call, args=(_ucx_sender, args, result_q))):
+    sender_env, receiver_env = ({**env, HOST: h} for h in hosts) if hosts else (env, env)
+    rest = (window, progress, error_handling)
+    with children(ctx.Process(target=_ucx_receiver, args=(sizes, addr_q, done_q, receiver_env, *rest, fresh)),
+                  ctx.Process(target=call, args=(_ucx_sender, (sizes, addr_q, done_q, sender_env, *rest),
+                                                 result_q))):
         return outcome(result_q.get(timeout=ARM_TIMEOUT_S))
 
 
@@ -227,7 +246,7 @@ async def _ucx_send(sizes, address, done_q, window, progress, error_handling):
 
 
 def _ucx_sender(sizes, addr_q, done_q, env, window, progress, error_handling):
-    os.environ.update(env)
+    _enter(env)
     return asyncio.run(_ucx_send(sizes, addr_q.get(timeout=60), done_q, window, progress, error_handling))
 
 
@@ -252,16 +271,26 @@ def idle_cpu(seconds: float = 5.0) -> float:
     return in_process(_idle_cpu, seconds, timeout_s=ARM_TIMEOUT_S)
 
 
-def bench_socket(sizes):
+def bench_socket(sizes, hosts: tuple[str, str] | None = None):
+    """`hosts`: the sender's and the receiver's network namespaces (bench/netns.py)."""
     ctx = mp.get_context("spawn")
     port_q, done_q = ctx.Queue(), ctx.Queue()
     out = {}
-    with children(ctx.Process(target=_socket_receiver, args=(sizes, port_q, done_q))), \
-            socket.create_connection(("127.0.0.1", port_q.get(timeout=60))) as s:
-        for size in sizes:
-            buf = np.ones(size, dtype=np.uint8)
-            out[size] = _timed(lambda _i, buf=buf: s.sendall(buf), size, done_q)
+    with children(ctx.Process(target=_socket_receiver, args=(sizes, port_q, done_q, hosts and hosts[1]))):
+        port = port_q.get(timeout=60)
+        with netns.inside(hosts[0]) if hosts else contextlib.nullcontext():
+            s = socket.create_connection((netns.B_IP if hosts else "127.0.0.1", port))
+        with s:
+            for size in sizes:
+                buf = np.ones(size, dtype=np.uint8)
+                out[size] = _timed(lambda _i, buf=buf: s.sendall(buf), size, done_q)
     return out
+
+
+def on_veth(bench, *args, **kwargs):
+    """`bench` between two network namespaces joined by a veth pair (MTU 1500), as two hosts."""
+    with netns.veth_pair() as hosts:
+        return bench(*args, hosts=hosts, **kwargs)
 
 
 def bench_nats(sizes):
@@ -351,6 +380,8 @@ def main() -> None:
             "nixl_shm": lambda: bench_peer("nixl", sizes, env=SHM_DEFAULTS),
             "socket": lambda: bench_socket(sizes),
             "mooncake_tcp": lambda: bench_peer("mooncake", sizes),
+            "ucx_tcp_veth": lambda: on_veth(bench_ucx, sizes, {"UCX_TLS": "tcp,self"}),
+            "socket_veth": lambda: on_veth(bench_socket, sizes),
             "nats": lambda: bench_nats(sizes)}
     results, failed = {}, {}
     for name, run in arms.items():
@@ -399,6 +430,7 @@ def main() -> None:
                "ucx_local_over_memcpy": median("ucx_local"),
                "ucx_tcp_over_memcpy": median("ucx_tcp"), "socket_over_memcpy": median("socket"),
                "ucx_tcp_over_socket": median("ucx_tcp", over="socket"),
+               "ucx_tcp_over_socket_veth": median("ucx_tcp_veth", over="socket_veth"),
                "nats_over_memcpy": median("nats"),
                "nixl_over_memcpy": median("nixl"), "nixl_shm_over_memcpy": median("nixl_shm"),
                "ucx_services_over_nixl": median("ucx_services", over="nixl"),
