@@ -87,12 +87,12 @@ def reps_for(size: int) -> int:
 def _ucx_receiver(sizes, addr_q, done_q, env, window, progress, error_handling, fresh):
     _enter(env)
     from shared.kv import create_transport
-    from shared.kv.staging import Staging
+    from shared.kv.staging import Staging, size_class
 
     async def run():
         transport = create_transport("ucx", progress, ucx_error_handling=error_handling)
         addr_q.put(transport.address)
-        staging, tag = Staging(keep_bytes=window * max(sizes)), 0  # warm: what the services reach in a while
+        staging, tag = Staging(keep_bytes=window * sum(map(size_class, sizes))), 0  # all kept: warm
 
         async def receive(size: int, tag: int) -> None:  # as the services' receiver does it
             buf = np.empty(size, dtype=np.uint8) if fresh else staging.take(size)

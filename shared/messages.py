@@ -178,6 +178,9 @@ class Replay(Message):
     from_seq: int
 
 
+PAST_THE_END = 1 << 62  # a Replay from here publishes nothing: it only asks whether the worker is there
+
+
 class ReplayReply(Message):
     request_id: str
     ok: bool                  # the chunks from `from_seq` on are published again

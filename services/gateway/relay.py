@@ -48,7 +48,7 @@ from shared.absence import Absence
 from shared.bus import Bus
 from shared.config import GatewaySettings
 from shared.holders import Holders
-from shared.messages import Cancel, Replay, ReplayReply, RouteReply, RouteRequest, Stalled, TokenChunk
+from shared.messages import PAST_THE_END, Cancel, Replay, ReplayReply, RouteReply, RouteRequest, Stalled, TokenChunk
 from shared.state import State, placement_key
 
 log = logging.getLogger("gateway.relay")
@@ -56,7 +56,6 @@ MAX_ATTEMPTS = 4  # placements of one request: the first and up to three failove
 MAX_REPLAYS = 3   # replays asked of one placement before it is moved instead
 REPLAY_TIMEOUT_S = 2.0  # a decode worker answers from its event loop; silence this long: move the stream
 BUS_SETTLED_S = 5.0     # this gateway's bus connection up this long before a worker's absence from it counts
-PAST_THE_END = 1 << 62  # a replay from here publishes nothing: it only asks whether the worker is there
 
 
 class Relay:

@@ -20,8 +20,9 @@
    requests come on `pd.prefill.<id>.kv.ack` / `.kv.resend`; after a reconnect of either
    side's bus, open handoffs are published again: `.kv.sync`); then free, ack the job. A
    request that finished on its first token releases its decode worker's reservation
-   (a Cancel on `pd.decode.<d>.cancel`). Every heartbeat one look at the registry finds the
-   jobs whose decode worker is gone: they are given up (compute and lease) at once.
+   (a Cancel on `pd.decode.<d>.cancel`). Every heartbeat one look at the registry (and the
+   bus, for one missing there) finds the jobs whose decode worker is gone: they are given up
+   (compute and lease) at once.
 5. Cancel (`pd.prefill.<id>.cancel`, sent only to the workers of the request's placements),
    or the decode side gives the handoff up (a KVAck not ok before the end: its deadline, a
    cancel there, a refusal): abort the request wherever it is; a handoff in progress ends with
@@ -46,15 +47,24 @@ import nats.errors
 from nats.aio.msg import Msg
 from opentelemetry import trace
 
+from services.prefill.watch import DecodeWatch
 from shared import metrics, subjects
-from shared.absence import Absence
 from shared.bus import Bus, after_reconnects, context_of
 from shared.config import PrefillSettings
 from shared.engine.engine import Engine, RequestOutput
 from shared.engine.sequence import Status
 from shared.kv import KVTransport
 from shared.kv.sender import KVSender
-from shared.messages import CANCELLED, FINISHED_IN_PREFILL, Cancel, PrefillJob, TokenChunk, WorkerInfo
+from shared.messages import (
+    CANCELLED,
+    FINISHED_IN_PREFILL,
+    PAST_THE_END,
+    Cancel,
+    PrefillJob,
+    Replay,
+    TokenChunk,
+    WorkerInfo,
+)
 from shared.service import heartbeat, run, setup_logging
 from shared.state import PREFILLED_ELSEWHERE, State
 from shared.tasks import Background
@@ -138,10 +148,11 @@ class PrefillWorker:
                     log.debug("in_progress: %s", e)
 
     async def watch_decode_workers(self) -> None:
-        """Every heartbeat, one look at the decode workers of the jobs in hand: a job whose
-        decode worker is gone (absent for `absent_s`) is given up — its compute stops and its
-        blocks are freed now, not at the end of the KV lease: nothing would take its KV."""
-        absence = Absence(self.settings.absent_s)
+        """Every heartbeat, one look at the decode workers of the jobs in hand
+        (services/prefill/watch.py): a job whose decode worker is gone is given up — its
+        compute stops and its blocks are freed now, not at the end of the KV lease: nothing
+        would take its KV."""
+        watch = DecodeWatch(self.state, self.settings.absent_s, self.on_bus)
         giving_up: set[tuple[str, int]] = set()  # jobs being given up (request, attempt)
 
         async def give_up(job: PrefillJob) -> None:
@@ -153,20 +164,17 @@ class PrefillWorker:
         while True:
             await asyncio.sleep(self.settings.heartbeat_s)
             jobs = [h.job for h in self.sender.handoffs.values()]
-            targets = sorted({job.decode_worker for job in jobs})
-            for who in set(absence.since) - set(targets):
-                absence.forget(who)
-            try:
-                present = await self.state.present(targets) if targets else set()
-            except Exception as e:  # noqa: BLE001 - Redis away: no verdict
-                log.debug("decode workers not looked at: %s", e)
-                continue
-            now = time.monotonic()
-            gone = {w for w in targets if absence.gone(w, w in present, now)}
+            gone = await watch.look({job.decode_worker for job in jobs})
             for job in jobs:  # together: each waits for the engine thread (once: it may take longer than a round)
                 if job.decode_worker in gone and (job.request_id, job.attempt) not in giving_up:
                     giving_up.add((job.request_id, job.attempt))
                     self.ending.start(give_up(job))
+
+    async def on_bus(self, decode_worker: str) -> bool | None:
+        """Whether `decode_worker` answers on the bus: a replay from past the end of no request
+        (it answers "no chunks", publishing nothing)."""
+        return await self.bus.heard(subjects.decode_replay(decode_worker),
+                                    Replay(request_id="", from_seq=PAST_THE_END), min(0.25, self.settings.heartbeat_s))
 
     async def ack_job(self, rid: str) -> None:
         """The job is over (handed off, refused or cancelled): ack it, it leaves the queue."""

@@ -16,8 +16,7 @@ from shared import subjects
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.sequence import SamplingParams
-from shared.kv import Faults, create_transport
-from shared.kv import receiver
+from shared.kv import Faults, create_transport, receiver
 from shared.kv.receiver import KVBrokeOff, KVFailed, KVInbox, KVReceiver
 from shared.kv.sender import KVSender
 from shared.kv.staging import Staging
