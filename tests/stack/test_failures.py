@@ -302,11 +302,14 @@ def test_a_frozen_prefill_worker_loses_the_job_to_another_in_about_its_predicted
                         SamplingParams(max_tokens=8, temperature=0))["q"]
     cfg = StackConfig.on_free_ports(prefill=2, decode=1, kv_blocks=512, log_dir=tmp_path,
                                     env={"PD_HEARTBEAT_S": "0.3", "PD_KV_TIMEOUT_S": "30", "PD_KV_MIN_TIMEOUT_S": "2",
-                                         "PD_MAX_BATCHED_TOKENS": "256", "PD_PREFILL_CHUNK": "256"},
+                                         "PD_MAX_BATCHED_TOKENS": "256", "PD_PREFILL_CHUNK": "256",
+                                         # by cost, the faster-measured worker takes the first request and,
+                                         # its prefix cached, every later one: prefill-0 might never get one
+                                         "PD_PREFILL_POLICY": "round_robin"},
                                     worker_env={"prefill-0": {"PD_FAULT_ENGINE_HANG_AFTER_STEPS": "1"}})
     with Stack(cfg) as stack:
         store = redis.Redis.from_url(stack.redis_url)
-        for _ in range(2):   # the first step of prefill-0 runs; a later one hangs (whichever gets it)
+        for _ in range(4):   # the first step of prefill-0 runs; a later one hangs (whichever gets it)
             start = time.monotonic()
             r = httpx.post(stack.url + "/v1/chat/completions", timeout=120, json={
                 "model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 8, "return_token_ids": True})
