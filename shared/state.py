@@ -262,11 +262,12 @@ class State:
 
     # -- request state ---------------------------------------------------------------------
     def note(self, request_id: str, phase: str, by: str = "", attempt: int = 0, prompt_tokens: int = 0,
-             also: Callable[[Pipeline], None] | None = None, **fields: str | int) -> None:
+             also: Callable[[Pipeline], None] | None = None, at: float | None = None, **fields: str | int) -> None:
         """`record` in the background, its deadline from the phase: the caller never waits on
         Redis (a Redis away costs the request's history, logged, not its progress). `also`
-        queues more writes on the same round trip. The event's time is now, when it happened,
-        not when the write gets to run (the timeline orders events from several processes by it)."""
+        queues more writes on the same round trip. The event's time is `at` (default now), when
+        it happened, not when the write gets to run (the timeline orders events from several
+        processes by it)."""
         if len(self._writes) >= MAX_PENDING_WRITES:  # Redis slow or away: keep the pool for the request path
             self.dropped += 1
             if self.dropped % 1000 == 1:
@@ -275,7 +276,8 @@ class State:
         limit = deadline_s(phase, prompt_tokens, self.stall_s, self.min_prefill_tokens_per_s)
         if prompt_tokens:
             fields["prompt_tokens"] = prompt_tokens
-        self._writes.start(self.record(request_id, phase, by, attempt, limit, also, at=time.time(), **fields))
+        self._writes.start(self.record(request_id, phase, by, attempt, limit, also,
+                                       at=time.time() if at is None else at, **fields))
 
     async def record(self, request_id: str, phase: str, by: str = "", attempt: int = 0,
                      deadline_s: float | None = None, also: Callable[[Pipeline], None] | None = None,

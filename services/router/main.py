@@ -96,6 +96,8 @@ class Waits:
 
     hold_s: float = 0.0   # renewing the claim in Redis
     admit_s: float = 0.0  # the decode workers answering admits
+    admitted_at: float = 0.0  # wall time the admit that was taken went out: the `routed` event's time (the
+    #                           decode worker queues the prefill at once: its `prefilling` may be noted first)
 
 
 class Router:
@@ -245,15 +247,16 @@ class Router:
                 break
             await asyncio.sleep(0.05)
         trace.get_current_span().set_attribute("begin_ms", 1e3 * (time.perf_counter() - asked))  # Redis: claim, lookup
+        waits = Waits()
         reply = await self.place(req, key, known.get("decode"), lease_s, pool,
-                                 prefix_index.by_worker(pool.slots, held), session_worker)
+                                 prefix_index.by_worker(pool.slots, held), session_worker, waits)
         if reply.ok:
             # the request's "routed" event, and the placement kept for repeats, in one round
             # trip the reply does not wait for: a repeat that comes first waits on the claim, and
             # a takeover after this replica died asks the decode worker noted by hold_route (its
             # admit is idempotent)
             answer = reply.encode().decode()
-            self.state.note(req.request_id, "routed", by=self.id, attempt=req.attempt,
+            self.state.note(req.request_id, "routed", by=self.id, attempt=req.attempt, at=waits.admitted_at or None,
                             prompt_tokens=len(req.prompt_token_ids) + len(req.generated_token_ids),
                             mode=reply.mode or "", reason=reply.reason, decode=reply.decode_worker or "",
                             prefill=reply.prefill_worker or "",
@@ -285,12 +288,11 @@ class Router:
         return RouteReply.decode(known["reply"].encode())
 
     async def place(self, req: RouteRequest, key: str, chosen_before: str | None, lease_s: float,
-                    pool: Pool, cached: dict[str, tuple[int, int]], session_worker: str | None
+                    pool: Pool, cached: dict[str, tuple[int, int]], session_worker: str | None, waits: Waits
                     ) -> RouteReply:
         """Ask the decode workers best first (`rank`) until one admits the request with the
         prefill `plan`ned for it (`try_admit`), then `commit`. `cached`: the workers holding some
-        of the prompt (prefix_index.by_worker)."""
-        waits = Waits()
+        of the prompt (prefix_index.by_worker); `waits`: the time spent in others' hands."""
         for decode in self.rank(req, pool, cached, session_worker, chosen_before):
             placement = self.plan(req, decode, pool, cached)
             if placement.prefill is not None and not req.attempt:  # remote: the pool's queue may be too long
@@ -349,13 +351,14 @@ class Router:
         asked = time.perf_counter()  # renew the claim (each admit may take its timeout) and note the worker asked
         await self.state.hold_route(key, self.id, lease_s, placement.decode.worker_id, ROUTE_TTL_S)
         waits.hold_s += time.perf_counter() - asked
-        asked = time.perf_counter()
+        asked, sent_at = time.perf_counter(), time.time()
         expected_s = policy.predicted_prefill_s(prefill, len(req.prompt_token_ids) + len(req.generated_token_ids)) \
             if prefill is not None else 0.0
         admit = await self.admit(placement.decode, req, placement.mode,
                                  prefill.worker_id if prefill is not None else None, expected_s)
         waits.admit_s += time.perf_counter() - asked
         if admit is not None and admit.ok:
+            waits.admitted_at = sent_at
             return True
         if booked:
             self.sent.cancel(booked)
