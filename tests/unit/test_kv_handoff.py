@@ -369,10 +369,14 @@ def test_a_decode_side_that_gives_up_stops_the_prefill_side_once(tiny):
     assert stopped == [("r", "deadline passed")] and not ack.ok
 
 
-def test_a_payload_the_transport_loses_breaks_the_handoff_off_instead_of_failing_it_as_bad(tiny):
+def test_a_payload_the_transport_loses_breaks_the_handoff_off_instead_of_failing_it_as_bad(tiny, monkeypatch):
     """The sender died mid-transfer: UCX fails the receive. The receiver fails with
     KVBrokeOff (the decode worker moves the job to another prefill worker), not as bad KV
-    (which it would prefill itself)."""
+    (which it would prefill itself). Its staging buffer is not given back: a transport may
+    still write one whose receive failed or was given up."""
+    staging = Staging()
+    monkeypatch.setattr(receiver, "STAGING", staging)
+
     class Broken:
         async def recv(self, tag, out):
             raise OSError("Input/output error")
@@ -391,3 +395,4 @@ def test_a_payload_the_transport_loses_breaks_the_handoff_off_instead_of_failing
             await asyncio.wait_for(rx.wait(), 5)
 
     asyncio.run(scenario())
+    assert staging.made == 1 and staging.idle_bytes == 0

@@ -1,19 +1,9 @@
-"""Staging buffers for received KV: reused, sized, bounded; a broken-off receive keeps its buffer."""
-
-import asyncio
+"""Staging buffers for received KV: reused, sized, bounded (a broken-off receive keeping its
+buffer: tests/unit/test_kv_handoff.py)."""
 
 import numpy as np
-import pytest
-from localbus import LocalBus
 
-from shared import subjects
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
-from shared.engine.sequence import SamplingParams
-from shared.kv import receiver
-from shared.kv.receiver import KVBrokeOff, KVInbox, KVReceiver
 from shared.kv.staging import MIN_CLASS, Staging, size_class
-from shared.messages import KVLayer
 
 
 def test_size_classes_are_powers_of_two_from_the_minimum():
@@ -44,30 +34,3 @@ def test_idle_buffers_are_bounded_and_foreign_ones_are_not_kept():
     s.give(np.empty(3 << 20, dtype=np.uint8))  # not a class size: not ours
     assert s.idle_bytes == 2 << 20
 
-
-def test_a_receive_that_broke_off_does_not_give_its_buffer_back(tiny, monkeypatch):
-    """Only a completed receive returns its buffer: a transport may still write one whose
-    receive failed or was given up."""
-    staging = Staging()
-    monkeypatch.setattr(receiver, "STAGING", staging)
-
-    class Broken:
-        async def recv(self, tag, out):
-            raise OSError("Input/output error")
-
-    async def scenario():
-        bus = LocalBus()
-        dst = Engine(tiny, EngineConfig(num_blocks=64))
-        inbox = KVInbox(bus, "d")
-        await inbox.start()
-        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-        rx = inbox.add(KVReceiver.for_engine(dst, dst.reserve("r", list(range(3, 40)), params), 1 << 20, Broken(),
-                                             bus, prefill_worker="p"))
-        await bus.publish(subjects.decode_kv("d"), KVLayer(
-            request_id="r", prefill_worker="p", fingerprint=dst.fingerprint, tag=(1 << 20) + 1, layer=0,
-            num_blocks=1, first_block=0, checksums=[0]))
-        with pytest.raises(KVBrokeOff):
-            await asyncio.wait_for(rx.wait(), 5)
-
-    asyncio.run(scenario())
-    assert staging.made == 1 and staging.idle_bytes == 0
