@@ -35,7 +35,7 @@ into a staging buffer from shared/kv/staging.py:
   mooncake_tcp  Mooncake's transfer engine (mooncake-transfer-engine-non-cuda, TCP: the wheel
                 has no shared-memory transport), transfer_sync_write (bench/mooncake_arm.py)
   nats        the naive baseline: the payload as 1 MiB NATS messages through nats-server
-NIXL and Mooncake run in virtualenvs of their own (scripts/peer_venvs.sh; $PD_PEERS_DIR).
+NIXL and Mooncake run in virtualenvs of their own (bench/peers.py, scripts/peer_venvs.sh).
 Each arm prints as it finishes; one that fails or runs past ARM_TIMEOUT_S is reported failed
 (`failed_arms`), its processes killed, and the others are still measured. Then the CPU the
 services' transport takes while no KV moves (`ucx_idle_cpu_cores`: its progress thread), and
@@ -56,7 +56,6 @@ import multiprocessing as mp
 import os
 import socket
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -64,6 +63,7 @@ import numpy as np
 
 from bench import netns
 from bench.children import call, children, in_process, outcome
+from bench.peers import PEER_RUNS, bench_peer
 from shared.kv.ucx import SHM_DEFAULTS
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -330,31 +330,6 @@ async def _nats_send(sizes, url, done_q):
     return out
 
 
-# -- transfer libraries other systems build on, each in its own venv (scripts/peer_venvs.sh) ---
-PEERS = Path(os.environ.get("PD_PEERS_DIR", Path.home() / ".cache" / "pdserve" / "peers"))
-
-
-def bench_peer(lib: str, sizes, *args: str, env: dict[str, str] | None = None) -> dict[int, float]:
-    """bench/<lib>_arm.py under $PD_PEERS_DIR/<lib>'s interpreter; its JSON line's GB/s (the
-    rest of it kept in PEER_RUNS)."""
-    python = PEERS / lib / "bin" / "python"
-    if not python.exists():
-        raise RuntimeError(f"{python} missing: run scripts/peer_venvs.sh")
-    cmd = [str(python), str(Path(__file__).parent / f"{lib}_arm.py"), "--sizes", ",".join(map(str, sizes)),
-           "--idle-s", "2", *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=ARM_TIMEOUT_S,
-                          env={**os.environ, **(env or {})})
-    if done.returncode != 0:
-        raise RuntimeError(f"exit {done.returncode}: {done.stderr.strip()[-500:]}")
-    run = json.loads(done.stdout.strip().splitlines()[-1])
-    PEER_RUNS.append({"lib": lib, "args": list(args), "env": env or {},
-                      **{k: v for k, v in run.items() if k != "gbps"}})
-    return {int(k): v for k, v in run["gbps"].items()}
-
-
-PEER_RUNS: list[dict] = []
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="up to 16 MiB only")
@@ -376,10 +351,10 @@ def main() -> None:
             "ucx_services_polling": lambda: bench_ucx(sizes, {}, progress="polling"),
             "ucx_local": lambda: bench_ucx(sizes, {}, error_handling=False),
             "ucx_tcp": lambda: bench_ucx(sizes, {"UCX_TLS": "tcp,self"}),
-            "nixl": lambda: bench_peer("nixl", sizes),
-            "nixl_shm": lambda: bench_peer("nixl", sizes, env=SHM_DEFAULTS),
+            "nixl": lambda: bench_peer("nixl", sizes, timeout_s=ARM_TIMEOUT_S),
+            "nixl_shm": lambda: bench_peer("nixl", sizes, env=SHM_DEFAULTS, timeout_s=ARM_TIMEOUT_S),
             "socket": lambda: bench_socket(sizes),
-            "mooncake_tcp": lambda: bench_peer("mooncake", sizes),
+            "mooncake_tcp": lambda: bench_peer("mooncake", sizes, timeout_s=ARM_TIMEOUT_S),
             "ucx_tcp_veth": lambda: on_veth(bench_ucx, sizes, {"UCX_TLS": "tcp,self"}),
             "socket_veth": lambda: on_veth(bench_socket, sizes),
             "nats": lambda: bench_nats(sizes)}
