@@ -21,5 +21,12 @@ class Absence:
             return False
         return now - self.since.setdefault(who, now) >= self.confirm_s
 
+    def judge(self, workers: set[str], registered: set[str], off_bus: set[str], now: float) -> set[str]:
+        """One look at each of `workers`: those gone — missing from the registry (not in
+        `registered`) and from the bus (in `off_bus`: the server said no responders) for
+        `confirm_s`. Either alone is no verdict: a Redis restarted empty shows everyone missing
+        until their next heartbeat, and after a NATS restart workers reconnect one by one."""
+        return {w for w in sorted(workers) if self.gone(w, w in registered or w not in off_bus, now)}
+
     def forget(self, who: str) -> None:
         self.since.pop(who, None)

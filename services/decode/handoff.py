@@ -92,10 +92,8 @@ class PrefillWatch:
         self.entries = {w: e for w, e in found.items() if e is not None}
         missing = sorted(workers - set(self.entries))
         off = await asyncio.gather(*(self.off_bus(w) for w in missing)) if self.off_bus else [True] * len(missing)
-        now = time.monotonic()
-        self.gone = {w for w, away in zip(missing, off) if self.absence.gone(w, not away, now)}
-        for w in workers - set(missing):
-            self.absence.gone(w, True, now)
+        self.gone = self.absence.judge(workers, set(self.entries), {w for w, o in zip(missing, off) if o},
+                                       time.monotonic())
 
     def next_look_s(self, now: float) -> float:
         """A heartbeat, or less when a missing worker's absence is confirmed before then."""

@@ -152,7 +152,7 @@ class PrefillWorker:
         (services/prefill/watch.py): a job whose decode worker is gone is given up — its
         compute stops and its blocks are freed now, not at the end of the KV lease: nothing
         would take its KV."""
-        watch = DecodeWatch(self.state, self.settings.absent_s, self.on_bus)
+        watch = DecodeWatch(self.state, self.settings.absent_s, self.off_bus)
         giving_up: set[tuple[str, int]] = set()  # jobs being given up (request, attempt)
 
         async def give_up(job: PrefillJob) -> None:
@@ -170,11 +170,11 @@ class PrefillWorker:
                     giving_up.add((job.request_id, job.attempt))
                     self.ending.start(give_up(job))
 
-    async def on_bus(self, decode_worker: str) -> bool | None:
-        """Whether `decode_worker` answers on the bus: a replay from past the end of no request
-        (it answers "no chunks", publishing nothing)."""
-        return await self.bus.heard(subjects.decode_replay(decode_worker),
-                                    Replay(request_id="", from_seq=PAST_THE_END), min(0.25, self.settings.heartbeat_s))
+    async def off_bus(self, decode_worker: str) -> bool:
+        """No connection of `decode_worker` on the bus: the server says no responders to a
+        replay from past the end of no request (a live one answers "no chunks", publishing nothing)."""
+        return await self.bus.heard(subjects.decode_replay(decode_worker), Replay(request_id="", from_seq=PAST_THE_END),
+                                    min(0.25, self.settings.heartbeat_s)) is False
 
     async def ack_job(self, rid: str) -> None:
         """The job is over (handed off, refused or cancelled): ack it, it leaves the queue."""

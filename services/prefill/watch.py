@@ -2,12 +2,10 @@
 compute and KV lease, instead of holding blocks until the lease ends).
 
 One look per heartbeat at all of them: one round trip to the registry, and for each one
-missing there a question on the bus (`on_bus`: whether anything answers on its subject; the
-NATS server says "no responders" for a killed process's at once). A worker is gone once it
-has been missing from both for `absent_s` (shared/absence.py). Either alone is no verdict: a
-Redis restarted empty shows every worker missing until its next heartbeat, and after a NATS
-restart workers reconnect one by one. Redis unreachable: no verdict at all. The decode side's
-watch of prefill workers (services/decode/handoff.py, PrefillWatch) judges the same way.
+missing there a question on the bus (`off_bus`: whether the NATS server says "no responders"
+on its subject, as it does for a killed process's at once). A worker is gone once it has
+been missing from both for `absent_s` (`Absence.judge`, as the decode side's PrefillWatch in
+services/decode/handoff.py judges prefill workers). Redis unreachable: no verdict.
 """
 
 from __future__ import annotations
@@ -24,8 +22,8 @@ log = logging.getLogger("prefill.watch")
 
 
 class DecodeWatch:
-    def __init__(self, state: State, absent_s: float, on_bus: Callable[[str], Awaitable[bool | None]]):
-        self.state, self.on_bus = state, on_bus
+    def __init__(self, state: State, absent_s: float, off_bus: Callable[[str], Awaitable[bool]]):
+        self.state, self.off_bus = state, off_bus
         self.absence = Absence(absent_s)
 
     async def look(self, targets: set[str]) -> set[str]:
@@ -40,7 +38,5 @@ class DecodeWatch:
             log.debug("decode workers not looked at: %s", e)
             return set()
         missing = sorted(targets - present)
-        heard = await asyncio.gather(*(self.on_bus(w) for w in missing))
-        present = present | {w for w, answered in zip(missing, heard) if answered is not False}
-        now = time.monotonic()
-        return {w for w in sorted(targets) if self.absence.gone(w, w in present, now)}
+        off = await asyncio.gather(*(self.off_bus(w) for w in missing))
+        return self.absence.judge(targets, present, {w for w, o in zip(missing, off) if o}, time.monotonic())

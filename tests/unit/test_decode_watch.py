@@ -26,11 +26,11 @@ def test_a_redis_restarted_empty_gives_up_no_live_decode_workers_job():
         registry, connected = Registry(set()), {"d0", "d1"}   # every entry gone, both still on the bus
         asked: list[str] = []
 
-        async def on_bus(worker):
+        async def off_bus(worker):
             asked.append(worker)
-            return worker in connected          # False: "no responders"
+            return worker not in connected      # "no responders"
 
-        watch = DecodeWatch(registry, absent_s=0.1, on_bus=on_bus)  # type: ignore[arg-type]
+        watch = DecodeWatch(registry, absent_s=0.1, off_bus=off_bus)  # type: ignore[arg-type]
         for _ in range(3):
             assert await watch.look({"d0", "d1"}) == set()
             await asyncio.sleep(0.06)
@@ -46,10 +46,10 @@ def test_silence_on_the_bus_is_no_verdict_and_redis_away_judges_nothing():
     async def go():
         registry = Registry({"d0"})
 
-        async def on_bus(worker):
-            return None                       # a timeout: neither there nor gone
+        async def off_bus(worker):
+            return False                      # a timeout: no verdict, not off
 
-        watch = DecodeWatch(registry, absent_s=0.05, on_bus=on_bus)  # type: ignore[arg-type]
+        watch = DecodeWatch(registry, absent_s=0.05, off_bus=off_bus)  # type: ignore[arg-type]
         registry.workers.clear()
         await watch.look({"d0"})
         await asyncio.sleep(0.06)
@@ -64,10 +64,10 @@ def test_only_bus_absence_and_registry_absence_together_make_gone():
     async def go():
         registry = Registry(set())
 
-        async def on_bus(worker):
-            return False                      # no responders
+        async def off_bus(worker):
+            return True                       # no responders
 
-        watch = DecodeWatch(registry, absent_s=0.05, on_bus=on_bus)  # type: ignore[arg-type]
+        watch = DecodeWatch(registry, absent_s=0.05, off_bus=off_bus)  # type: ignore[arg-type]
         assert await watch.look({"d0"}) == set()
         await asyncio.sleep(0.06)
         assert await watch.look({"d0"}) == {"d0"}
