@@ -118,6 +118,9 @@ class WorkerSettings(Common):
         "thread", description="ucxx progress; blocking/polling are faster per transfer but spin a core after one")
     ucx_error_handling: bool = Field(True, description="UCX peer-failure handling on KV endpoints (off: shared "
                                      "memory on one host, but a sender killed mid-transfer can crash receivers)")
+    kv_segment_bytes: int = Field(256 << 20, ge=0, description="KV between workers on one host through shared "
+                                  "memory (shared/kv/segment.py): a prefill worker's segment this large, a decode "
+                                  "worker reads from them; 0: over the transport")
     kv_max_attempts: int = Field(3, ge=1, description="sends of a KV block that fails its checksum, then "
                                  "the decode worker prefills locally")
     kv_fault_corrupt_rate: float = Field(0.0, ge=0, le=1, description="fault injection: fraction of KV "

@@ -139,11 +139,24 @@ class AdmitReply(Message):
     kv_tag: int = 0           # UCX tag base for this request's KV messages
 
 
+class SegmentRef(BaseModel):
+    """Where a KV payload is in its sender's shared-memory segment (shared/kv/segment.py): the
+    sender's pid, the segment's fd in that process and the file's inode, and the offset."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    pid: int
+    fd: int
+    inode: int
+    offset: int
+
+
 class KVLayer(Message):
     """prefill → decode: `num_layers` consecutive layers from `layer` of a run of blocks are on
     their way over the KV transport (payload on `tag`, layer-major: each layer's blocks in
-    order). The receiver posts its receive when this arrives, checks the layout against its
-    reservation and every block against its checksum before writing it."""
+    order), or are in the sender's shared-memory segment at `segment` (a decode worker on the
+    same host that asked for it with PrefillJob.decode_host). The receiver posts its receive
+    (or copies from the segment) when this arrives, checks the layout against its reservation
+    and every block against its checksum before writing it."""
 
     request_id: str
     prefill_worker: str       # the sender: acks and re-send requests go to it alone
@@ -156,6 +169,7 @@ class KVLayer(Message):
     attempt: int = 0          # 0, then 1.. for re-sends
     encoding: Literal["native", "int8"] = "native"   # shared/kv/codec.py
     num_layers: int = 1       # (an older receiver sees a checksum count that does not match: refused, never misread)
+    segment: SegmentRef | None = None  # the payload is in the sender's segment (same host), not on `tag`
 
 
 class KVEnd(Message):
@@ -201,6 +215,8 @@ class PrefillJob(Message):
     generated_token_ids: list[int] = []  # a failover: tokens streamed before it, prefilled with the prompt
     attempt: int = 0                     # the placement this job is for (a failover's is a new job)
     requeued: bool = False               # moved here off a prefill worker lost or frozen
+    decode_host: str = ""                # the decode worker's host identity when it reads same-host KV
+                                         # from the prefill worker's segment (shared/kv/segment.py)
 
 
 class KVAck(Message):

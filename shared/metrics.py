@@ -59,7 +59,8 @@ DECODE_PREFILLS = Counter("pd_decode_prefills", "Prompts prefilled on a decode w
 REQUEUED_JOBS = Counter("pd_requeued_prefill_jobs", "Prefill jobs of a lost prefill worker put on another's queue")
 
 # -- KV transfer (prefill side: sent; decode side: received) -------------------------------------
-KV_BYTES = Counter("pd_kv_transfer_bytes", "KV bytes sent to decode workers", ["transport"])
+KV_BYTES = Counter("pd_kv_transfer_bytes", "KV bytes sent to decode workers (transport "
+                   "'segment': placed in shared memory for one on the same host)", ["transport"])
 KV_SECONDS = Histogram("pd_kv_transfer_seconds", "A handoff's exposed part: from the prefill's last layer to the "
                        "decode side's ack (earlier layers stream while later ones compute)", buckets=LATENCY)
 KV_FAILURES = Counter("pd_kv_transfer_failures", "Handoffs that ended without the decode side's ack")

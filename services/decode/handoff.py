@@ -35,7 +35,7 @@ from shared.config import DecodeSettings
 from shared.engine.engine import Engine
 from shared.engine.kv_io import Reservation
 from shared.kv import TAG_SPAN, KVTransport
-from shared.kv.receiver import KVBrokeOff, KVInbox, KVReceiver
+from shared.kv.receiver import SEGMENTS, KVBrokeOff, KVInbox, KVReceiver
 from shared.lifecycle import kv_deadline_s
 from shared.messages import AdmitRequest, KVAck, KVOutcome, KVSync, PrefillJob, Requeue, Requeued, WorkerInfo
 from shared.state import State
@@ -110,6 +110,12 @@ class Handoffs:
         self.inbox = KVInbox(bus, worker_id)
         self.watch = PrefillWatch(state, settings.heartbeat_s, settings.absent_s, self.off_bus)
 
+    @property
+    def host(self) -> str:
+        """This worker's host identity for PrefillJob.decode_host: prefill workers on this host
+        then place KV in their segments for it (shared/kv/segment.py); "" when it reads none."""
+        return SEGMENTS.host if self.settings.kv_segment_bytes and SEGMENTS.usable else ""
+
     async def off_bus(self, worker: str) -> bool:
         """No connection of `worker` on the bus: the server says no responders on its KVSync
         subject (a live worker subscribes to it, and ignores a sync of no request)."""
@@ -135,7 +141,7 @@ class Handoffs:
                          decode_worker=self.id, decode_address=self.transport.address,
                          decode_fingerprint=self.engine.fingerprint, first_block=rx.res.first_block,
                          kv_tag=rx.kv_tag, generated_token_ids=req.generated_token_ids, attempt=req.attempt,
-                         requeued=requeued)
+                         requeued=requeued, decode_host=self.host)
         try:
             await self.bus.queue_prefill(rx.prefill_worker, job, ctx)
         except Exception as e:  # noqa: BLE001 - NATS or the stream away: prefill here

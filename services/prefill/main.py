@@ -54,6 +54,7 @@ from shared.config import PrefillSettings
 from shared.engine.engine import Engine, RequestOutput
 from shared.engine.sequence import Status
 from shared.kv import KVTransport
+from shared.kv.segment import Segment
 from shared.kv.sender import KVSender
 from shared.messages import (
     CANCELLED,
@@ -91,7 +92,8 @@ class PrefillWorker:
         self.kv_spans: dict[str, trace.Span] = {}
         self.sender = KVSender(transport, bus, self.id, engine.fingerprint, self.read_blocks,
                                settings.kv_max_attempts, settings.kv_transfer_encoding, settings.kv_piece_bytes,
-                               given_up=self.given_up)
+                               given_up=self.given_up,
+                               segment=Segment(settings.kv_segment_bytes) if settings.kv_segment_bytes else None)
         self.cancelled: dict[str, float] = {}  # request -> its placements before this attempt are cancelled
         self.handoffs: set[asyncio.Task] = set()
         self.unacked: dict[str, Msg] = {}  # jobs taken and not yet acked
@@ -218,7 +220,8 @@ class PrefillWorker:
             kv_span = self.tracer.start_span("kv.transfer", context=ctx, attributes={
                 "request_id": job.request_id, "decode_worker": job.decode_worker, "transport": self.transport.name})
             sink = await self.sender.open(job, trace.set_span_in_context(kv_span))
-            kv_span.set_attribute("new_endpoint", self.sender.handoffs[job.request_id].new_endpoint)
+            held = self.sender.handoffs[job.request_id]
+            kv_span.set_attributes({"new_endpoint": held.new_endpoint, "same_host": held.same_host})
             try:
                 await self.host.call(self.queue, job, sink)
             except ValueError as e:  # the router validated it; a mismatch here is a bug, not a retry
@@ -288,14 +291,15 @@ class PrefillWorker:
             if not ack.ok:
                 log.warning("%s: KV handoff ended without the decode side's ack: %s", rid, ack.error)
             exposed_s = time.monotonic() - self.finishing.get(rid, time.monotonic())
-            self.end_kv_span(rid, acked=ack.ok, error=ack.error, bytes=h.bytes_sent, pieces=h.pieces,
-                             resent_blocks=h.resent_blocks, skipped_blocks=job.first_block,
+            self.end_kv_span(rid, acked=ack.ok, error=ack.error, bytes=h.bytes_sent, segment_bytes=h.segment_bytes,
+                             pieces=h.pieces, resent_blocks=h.resent_blocks, skipped_blocks=job.first_block,
                              exposed_ms=round(1e3 * exposed_s, 3))  # last layer computed -> decode side's ack
         except Exception as e:  # noqa: BLE001 - the decode side falls back to a local prefill on its deadline
             log.warning("%s: KV handoff failed: %s", rid, e)
             self.end_kv_span(rid, acked=False, error=str(e))
         finally:
-            metrics.KV_BYTES.labels(self.transport.name).inc(h.bytes_sent)
+            metrics.KV_BYTES.labels(self.transport.name).inc(h.bytes_sent - h.segment_bytes)
+            metrics.KV_BYTES.labels("segment").inc(h.segment_bytes)
             metrics.KV_RESENT.inc(h.resent_blocks)
             metrics.KV_SECONDS.observe(time.monotonic() - self.finishing.pop(rid, time.monotonic()))
             if not acked:

@@ -40,12 +40,27 @@ class Faults:
     corrupt_attempts: int = 1
     delay_s: float = 0.0
 
+    def strikes(self, attempt: int) -> bool:
+        return attempt < self.corrupt_attempts and self.corrupt_rate > 0 and random.random() < self.corrupt_rate
+
     def apply(self, payload: np.ndarray, attempt: int) -> tuple[np.ndarray, bool]:
-        if attempt < self.corrupt_attempts and self.corrupt_rate > 0 and random.random() < self.corrupt_rate:
-            payload = np.array(payload, copy=True).reshape(-1)
-            payload[random.randrange(payload.size)] ^= 0xFF
+        if self.strikes(attempt):
+            payload = np.array(payload, copy=True)
+            self.apply_in_place(payload, attempt, strikes=True)
             return payload, True
         return payload, False
+
+    def apply_in_place(self, payload: np.ndarray, attempt: int, strikes: bool = False) -> bool:
+        """Flip one byte of `payload` itself (a payload in a shared-memory segment: its own region)."""
+        if strikes or self.strikes(attempt):
+            flat = payload.reshape(-1)
+            flat[random.randrange(flat.size)] ^= 0xFF
+            return True
+        return False
+
+    async def hold(self) -> None:
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
 
 
 class KVTransport(abc.ABC):
@@ -64,8 +79,7 @@ class KVTransport(abc.ABC):
         """Send one uint8 payload to a peer on `tag`; returns bytes sent."""
         payload, corrupted = self.faults.apply(payload, attempt)
         self.corrupted += corrupted
-        if self.faults.delay_s:
-            await asyncio.sleep(self.faults.delay_s)
+        await self.faults.hold()
         await self._send(peer, tag, payload)
         return payload.nbytes
 

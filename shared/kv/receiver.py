@@ -5,7 +5,9 @@
 2. Each KVLayer notice (one or more consecutive layers of a run of blocks): check the
    fingerprint, tag and layout against the reservation, then
    receive the payload (posted only now, when it is on its way) into a staging
-   buffer (reused: shared/kv/staging.py) and check every block against its checksum. Good blocks are decoded (native or
+   buffer (reused: shared/kv/staging.py) — or copy it there from the sender's shared-memory
+   segment when the notice says where (same host: shared/kv/segment.py) — and check every
+   block against its checksum. Good blocks are decoded (native or
    int8, shared/kv/codec.py) and written into the reservation; bad ones are asked for again
    (KVResend to the notice's sender, fresh tag) up to `max_attempts` sends in all, then the
    handoff fails.
@@ -36,12 +38,15 @@ from shared.engine.engine import Engine
 from shared.engine.kv_io import Reservation
 from shared.kv import codec
 from shared.kv.base import TAG_SPAN, KVTransport, block_checksums
+from shared.kv.segment import Segments
 from shared.kv.staging import Staging
 from shared.messages import CANCELLED, KVAck, KVEnd, KVLayer, KVResend, KVSync
 
 log = logging.getLogger("kv.receiver")
 WriteBlocks = Callable[[int, list[int], torch.Tensor], None]  # layer, block ids, data
 STAGING = Staging()  # this process's staging buffers, shared by its receivers (one event loop)
+SEGMENTS = Segments()  # the same-host senders' segments this process has mapped
+INLINE_COPY = 1 << 20  # larger copies out of a segment run off the event loop (numpy lets go of the GIL)
 
 
 class KVFailed(RuntimeError):
@@ -118,8 +123,13 @@ class KVReceiver:
             row_bytes = codec.block_nbytes(n.encoding, self.block_shape, self.dtype)
             staged = STAGING.take(n.num_layers * nb * row_bytes)
             try:
-                await self.transport.recv(n.tag, staged)
-            except Exception as e:  # noqa: BLE001 - UCX's error types: the peer failed
+                if n.segment is None:
+                    await self.transport.recv(n.tag, staged)
+                elif staged.nbytes <= INLINE_COPY:
+                    SEGMENTS.read(n.segment, staged)
+                else:
+                    await asyncio.to_thread(SEGMENTS.read, n.segment, staged)
+            except Exception as e:  # noqa: BLE001 - UCX's error types, or the segment gone: the peer failed
                 raise KVBrokeOff(f"KV from {n.prefill_worker} broke off: {e or type(e).__name__}") from e
             try:
                 await self._store(n, start, staged.reshape(n.num_layers * nb, row_bytes))

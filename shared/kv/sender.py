@@ -9,8 +9,10 @@ One Handoff per request:
    gathered into a batch of consecutive layers until it holds `piece_bytes` or the pass's
    last layer is in (`batch_ready`); each batch is encoded (shared/kv/codec.py), checksummed
    per block, announced by one KVLayer notice on NATS and sent over the transport on a fresh
-   tag. A short prompt costs one message, not one per layer: each message takes event-loop
-   time (and the GIL) from the pass it overlaps.
+   tag — or, to a decode worker on this host, written into this worker's shared-memory
+   segment (shared/kv/segment.py) where the notice says, and not sent at all; its region is
+   held until the handoff ends. A short prompt costs one message, not one per layer: each
+   message takes event-loop time (and the GIL) from the pass it overlaps.
    A KVAck(not ok) at any time — the decode side gave up (its deadline, a cancel, a refusal)
    — ends the handoff and is passed to `given_up`: the prefill worker stops computing.
 3. `finish(rid, first_token, lease_s)` after the prompt's last pass: KVEnd(ok, first token),
@@ -22,7 +24,8 @@ One Handoff per request:
 5. After a reconnect of either side's bus (KVSync from the decode side, or `resync` here): the
    notices and KVEnd published so far go out again; the payloads are still in the transport.
    A decode side with no receiver for them answers with the ack it gave, or a refusal.
-The caller frees the request's blocks once `finish` returns.
+The caller frees the request's blocks once `finish` returns; the handoff's segment regions
+are given back then too (or at `drop`).
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ from shared.bus import Bus
 from shared.engine.kv_io import KVPiece
 from shared.kv import codec
 from shared.kv.base import TAG_SPAN, KVTransport, block_checksums
-from shared.messages import KVAck, KVEnd, KVLayer, KVResend, KVSync, PrefillJob
+from shared.kv.segment import Segment
+from shared.messages import KVAck, KVEnd, KVLayer, KVResend, KVSync, PrefillJob, SegmentRef
 from shared.tasks import Background
 
 log = logging.getLogger("kv.sender")
@@ -57,23 +61,28 @@ class Handoff:
     ctx: context.Context                         # trace context carried by the notices
     acked: asyncio.Future                        # the decode side's KVAck
     new_endpoint: bool                           # no endpoint to this peer existed before
+    same_host: bool = False                      # payloads go into this worker's segment when they fit
     next_tag: int = 0
     sends: set[asyncio.Task] = field(default_factory=set)
     pieces: int = 0
     bytes_sent: int = 0
+    segment_bytes: int = 0                       # of those, placed in the segment
     resent_blocks: int = 0
     error: str = ""                              # why the prefill side gave it up
     batch: list[KVPiece] = field(default_factory=list)  # layers not handed over yet (engine thread only)
     batch_bytes: int = 0
     notices: list[KVLayer] = field(default_factory=list)  # published, for a KVSync
     end: KVEnd | None = None                     # published
+    placed: list[SegmentRef] = field(default_factory=list)  # segment regions held until it ends
+    closed: bool = False                         # finished or dropped: nothing more is placed
 
 
 class KVSender:
     def __init__(self, transport: KVTransport, bus: Bus, worker_id: str, fingerprint: str,
                  read_blocks: ReadBlocks, max_attempts: int = 3, encoding: codec.Encoding = "native",
-                 piece_bytes: int = 8 << 20, given_up: GivenUp | None = None):
+                 piece_bytes: int = 8 << 20, given_up: GivenUp | None = None, segment: Segment | None = None):
         self.transport, self.bus, self.worker_id, self.fingerprint = transport, bus, worker_id, fingerprint
+        self.segment = segment  # same-host decode workers read payloads from it (none: transport only)
         self.given_up = given_up  # called when the decode side ends a handoff not ok before its ack
         self.giving_up = Background(log, "give-up")
         self.read_blocks, self.max_attempts, self.encoding = read_blocks, max_attempts, encoding
@@ -90,7 +99,10 @@ class KVSender:
     # -- 1. open -------------------------------------------------------------------------------
     async def open(self, job: PrefillJob, ctx=None) -> Callable[[KVPiece], None] | None:
         loop = asyncio.get_running_loop()
-        h = Handoff(job, ctx, loop.create_future(), not self.transport.has_endpoint(job.decode_address))
+        if (older := self.handoffs.get(job.request_id)) is not None:  # (the worker ends one before taking
+            self._close(older)                                         # the next; never two at once)
+        h = Handoff(job, ctx, loop.create_future(), not self.transport.has_endpoint(job.decode_address),
+                    same_host=self.segment is not None and job.decode_host == self.segment.host)
         self.handoffs[job.request_id] = h
         if job.decode_fingerprint != self.fingerprint:
             await self.cancel(job.request_id, f"fingerprint mismatch: decode {job.decode_fingerprint}, "
@@ -106,7 +118,7 @@ class KVSender:
 
     # -- 2. pieces -----------------------------------------------------------------------------
     def _start_send(self, h: Handoff, pieces: list[KVPiece], attempt: int) -> None:
-        if h.acked.done() or h.error:
+        if h.acked.done() or h.error or h.closed:
             return
         task = asyncio.create_task(self._send(h, pieces, attempt))
         h.sends.add(task)
@@ -120,7 +132,9 @@ class KVSender:
             # (layers x n_blocks, bytes) on the host: for "native" on CPU a view of the pool when
             # it is one layer; a device tensor is staged to the host (checksums are of host bytes)
             rows = [codec.encode(self.encoding, p.data) for p in pieces]
-            host = rows[0] if len(rows) == 1 else np.concatenate(rows)
+            if h.closed:
+                return
+            ref, host = self._place(h, rows)
             if h.next_tag >= TAG_SPAN:
                 raise RuntimeError("handoff used up its tag range")
             tag, h.next_tag = h.job.kv_tag + h.next_tag, h.next_tag + 1
@@ -128,9 +142,11 @@ class KVSender:
             notice = KVLayer(request_id=h.job.request_id, prefill_worker=self.worker_id,
                              fingerprint=self.fingerprint, tag=tag, layer=first.layer, num_layers=len(pieces),
                              first_block=first.first_block, num_blocks=first.num_blocks,
-                             checksums=block_checksums(host), attempt=attempt, encoding=self.encoding)
+                             checksums=block_checksums(host), attempt=attempt, encoding=self.encoding,
+                             segment=ref)
             h.pieces += 1
             h.bytes_sent += host.nbytes  # counted when handed over: the ack may beat the send's completion
+            h.segment_bytes += host.nbytes if ref else 0
             # notice and payload go together: a cancellation between them would leave the decode
             # side a posted receive that nothing answers
             await asyncio.shield(self.posts.start(self._post(h, notice, np.ascontiguousarray(host).reshape(-1))))
@@ -140,10 +156,26 @@ class KVSender:
             log.warning("%s: KV send failed: %s", h.job.request_id, e)
             await self.cancel(h.job.request_id, f"send failed: {e}")
 
+    def _place(self, h: Handoff, rows: list[np.ndarray]) -> tuple[SegmentRef | None, np.ndarray]:
+        """The payload's bytes: in a region of the segment (held by the handoff) when the
+        decode worker is on this host and one is free, else in memory of their own."""
+        region = self.segment.take(sum(r.nbytes for r in rows)) if h.same_host and self.segment else None
+        if region is None:
+            return None, rows[0] if len(rows) == 1 else np.concatenate(rows)
+        ref, out = region
+        h.placed.append(ref)
+        host = out.reshape(-1, rows[0].shape[1])
+        np.concatenate(rows, out=host)
+        return ref, host
+
     async def _post(self, h: Handoff, notice: KVLayer, payload: np.ndarray) -> None:
+        if notice.segment is not None:  # the transport's fault injection, on the segment's bytes
+            await self.transport.faults.hold()
+            self.transport.corrupted += self.transport.faults.apply_in_place(payload, notice.attempt)
         h.notices.append(notice)
         await self.bus.publish(subjects.decode_kv(h.job.decode_worker), notice, ctx=h.ctx)
-        await self.transport.send(h.job.decode_address, notice.tag, payload, notice.attempt)
+        if notice.segment is None:
+            await self.transport.send(h.job.decode_address, notice.tag, payload, notice.attempt)
 
     async def on_resend(self, msg: Msg) -> None:
         req = KVResend.decode(msg.data)
@@ -197,17 +229,26 @@ class KVSender:
                     await self.transport.forget(h.job.decode_address)
                 return KVAck(request_id=rid, ok=False, error=f"lease of {lease_s:g} s expired")
         finally:
-            for task in h.sends:
-                task.cancel()
-            self.handoffs.pop(rid, None)
+            self._close(h)
 
     def drop(self, rid: str) -> Handoff | None:
         """Forget a handoff whose request ended before its last pass (its sends stop)."""
-        h = self.handoffs.pop(rid, None)
+        h = self.handoffs.get(rid)
         if h is not None:
-            for task in h.sends:
-                task.cancel()
+            self._close(h)
         return h
+
+    def _close(self, h: Handoff) -> None:
+        """The handoff is over: its sends stop, its segment regions are free to be written again."""
+        h.closed = True
+        for task in h.sends:
+            task.cancel()
+        if self.handoffs.get(h.job.request_id) is h:
+            del self.handoffs[h.job.request_id]
+        if self.segment is not None:
+            for ref in h.placed:
+                self.segment.give(ref)
+        h.placed.clear()
 
     # -- 4. failure ----------------------------------------------------------------------------
     async def cancel(self, rid: str, reason: str) -> None:

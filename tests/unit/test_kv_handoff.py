@@ -4,6 +4,7 @@ process: fake transport, in-process bus. The same code runs over UCX and NATS in
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import numpy as np
@@ -18,6 +19,7 @@ from shared.engine.engine import Engine
 from shared.engine.sequence import SamplingParams
 from shared.kv import Faults, create_transport, receiver
 from shared.kv.receiver import KVBrokeOff, KVFailed, KVInbox, KVReceiver
+from shared.kv.segment import Segment
 from shared.kv.sender import KVSender
 from shared.kv.staging import Staging
 from shared.messages import KVAck, KVEnd, KVLayer, KVResend, KVSync, PrefillJob, Sampling
@@ -35,23 +37,28 @@ def expected(tiny, prompt=PROMPT):
 
 async def handoff(src: Engine, dst: Engine, prompt=PROMPT, rid="r", faults: Faults | None = None,
                   fingerprint: str | None = None, max_attempts: int = 3, encoding="native", piece_bytes=8 << 20,
-                  bus: LocalBus | None = None, before_wait=None):
-    """Prefill on src streaming to dst; returns (tokens, sender handoff, receiver, bus)."""
+                  bus: LocalBus | None = None, before_wait=None, segment: Segment | None = None,
+                  decode_host: str | None = None):
+    """Prefill on src streaming to dst (through `segment` when given: the same host); returns
+    (tokens, sender handoff, receiver, bus)."""
     bus = bus or LocalBus()
     tx, rx_transport = create_transport("fake", faults=faults), create_transport("fake")
 
     async def read_blocks(r, layer, first, n):
         return src.kv_blocks(r, layer, first, n)
 
-    sender = KVSender(tx, bus, "p", src.fingerprint, read_blocks, max_attempts, encoding, piece_bytes)
+    sender = KVSender(tx, bus, "p", src.fingerprint, read_blocks, max_attempts, encoding, piece_bytes,
+                      segment=segment)
     await sender.start()
     res = dst.reserve(rid, prompt, PARAMS)
     inbox = KVInbox(bus, "d")
     rx = inbox.add(KVReceiver.for_engine(dst, res, 1 << 20, rx_transport, bus, max_attempts))
     await inbox.start()
+    if decode_host is None:
+        decode_host = segment.host if segment else ""
     job = PrefillJob(request_id=rid, prompt_token_ids=prompt, sampling=Sampling(), decode_worker="d",
                      decode_address=rx_transport.address, decode_fingerprint=fingerprint or dst.fingerprint,
-                     first_block=res.first_block, kv_tag=1 << 20)
+                     first_block=res.first_block, kv_tag=1 << 20, decode_host=decode_host)
     sink = await sender.open(job)
     h = sender.handoffs[rid]
     src.add_request(rid, prompt, PARAMS, prefill_only=True)
@@ -396,3 +403,43 @@ def test_a_payload_the_transport_loses_breaks_the_handoff_off_instead_of_failing
 
     asyncio.run(scenario())
     assert staging.made == 1 and staging.idle_bytes == 0
+
+
+@pytest.mark.parametrize("piece_bytes", [0, 8 << 20], ids=["per-layer", "per-pass"])
+def test_kv_to_the_same_host_goes_through_the_segment_and_its_regions_are_free_after_the_ack(tiny, piece_bytes):
+    segment = Segment(16 << 20)
+    src, dst = Engine(tiny, EngineConfig(**CHUNKED)), Engine(tiny, EngineConfig(num_blocks=64))
+    out, h, rx, bus = asyncio.run(handoff(src, dst, piece_bytes=piece_bytes, segment=segment))
+    assert out == expected(tiny)
+    notices = bus.of_type(KVLayer)
+    assert notices and all(n.segment is not None and n.segment.pid == os.getpid() for n in notices)
+    assert h.segment_bytes == h.bytes_sent == rx.bytes_received > 0
+    assert segment.extents.used_bytes == 0 and segment.extents.free == [(0, 16 << 20)]
+    assert not h.placed and segment.full == 0
+
+
+def test_a_byte_corrupted_in_the_segment_is_caught_and_resent(tiny):
+    segment = Segment(16 << 20)
+    src, dst = Engine(tiny, EngineConfig(**CHUNKED)), Engine(tiny, EngineConfig(num_blocks=64))
+    out, h, rx, bus = asyncio.run(handoff(src, dst, faults=Faults(corrupt_rate=1.0, corrupt_attempts=1),
+                                          segment=segment))
+    assert out == expected(tiny)
+    assert rx.bad_blocks == 3 == len(bus.of_type(KVResend)) and h.resent_blocks == 3
+    assert all(n.segment is not None for n in bus.of_type(KVLayer))  # the re-sends too
+    assert segment.extents.used_bytes == 0
+
+
+def test_a_full_segment_sends_over_the_transport_and_another_host_never_uses_it(tiny):
+    block_nbytes = Engine(tiny, EngineConfig(num_blocks=4)).runner.kv[0][0].nbytes
+    segment = Segment(4096)  # smaller than any payload
+    src, dst = Engine(tiny, EngineConfig(**CHUNKED)), Engine(tiny, EngineConfig(num_blocks=64))
+    out, h, _, bus = asyncio.run(handoff(src, dst, piece_bytes=0, segment=segment))
+    assert out == expected(tiny) and 2 * block_nbytes > 4096
+    assert all(n.segment is None for n in bus.of_type(KVLayer)) and h.segment_bytes == 0
+    assert segment.full == len(bus.of_type(KVLayer))
+
+    segment = Segment(16 << 20)  # room enough, but the decode worker is on another host
+    src, dst = Engine(tiny, EngineConfig(**CHUNKED)), Engine(tiny, EngineConfig(num_blocks=64))
+    out, h, _, bus = asyncio.run(handoff(src, dst, piece_bytes=0, segment=segment, decode_host="elsewhere"))
+    assert out == expected(tiny) and h.segment_bytes == 0 and segment.full == 0
+    assert all(n.segment is None for n in bus.of_type(KVLayer))

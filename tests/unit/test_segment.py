@@ -1,0 +1,74 @@
+"""Same-host KV segments (shared/kv/segment.py): the region allocator, and a payload written
+by one side read by the other through /proc (here both in one process; a killed owner in
+tests/integration/test_segment_peer_failure.py)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from shared.kv.segment import ALIGN, Extents, Segment, Segments, host_identity
+from shared.messages import SegmentRef
+
+
+def test_extents_take_first_fit_and_merge_what_is_given_back():
+    e = Extents(10 * ALIGN)
+    a, b, c = e.take(1), e.take(2 * ALIGN), e.take(ALIGN + 1)
+    assert (a, b, c) == (0, ALIGN, 3 * ALIGN) and e.used_bytes == 5 * ALIGN
+    assert e.take(6 * ALIGN) is None            # 5 left
+    e.give(b)                                   # a hole of 2 before c
+    assert e.take(3 * ALIGN) == 5 * ALIGN       # does not fit the hole: after c
+    assert e.take(2 * ALIGN) == ALIGN           # fits it exactly
+    for offset in list(e.used):
+        e.give(offset)
+    assert e.free == [(0, 10 * ALIGN)] and e.used_bytes == 0
+
+
+def test_extents_never_overlap_and_end_whole_in_any_order():
+    rng = random.Random(7)
+    e, held = Extents(256 * ALIGN), []
+    for _ in range(2000):
+        if held and rng.random() < 0.5:
+            e.give(held.pop(rng.randrange(len(held)))[0])
+        elif (offset := e.take(n := rng.randrange(1, 20 * ALIGN))) is not None:
+            held.append((offset, n))
+        spans = sorted([(o, o + e.used[o]) for o, _ in held] + [(o, o + n) for o, n in e.free])
+        assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))  # used and free tile, no overlap
+        assert sum(b - a for a, b in spans) == 256 * ALIGN
+    for offset, _ in held:
+        e.give(offset)
+    assert e.free == [(0, 256 * ALIGN)]
+
+
+def test_a_payload_in_a_segment_is_read_back_through_proc():
+    seg, reader = Segment(1 << 20), Segments()
+    assert seg.host == reader.host == host_identity()
+    ref, region = seg.take(100_000)
+    payload = np.random.default_rng(0).integers(0, 256, 100_000, dtype=np.uint8)
+    region[:] = payload
+    out = np.empty(100_000, dtype=np.uint8)
+    reader.read(ref, out)
+    assert np.array_equal(out, payload)
+    second, region2 = seg.take(10)
+    region2[:] = 9
+    reader.read(second, out[:10])
+    assert (out[:10] == 9).all() and len(reader.maps) == 1   # mapped once
+    seg.give(ref)
+    seg.give(second)
+    seg.close()
+
+
+def test_a_reference_to_another_file_or_past_the_end_is_refused():
+    seg, reader = Segment(64 << 10), Segments()
+    ref, _ = seg.take(4096)
+    with pytest.raises(FileNotFoundError):  # the fd now names another file (the owner restarted)
+        reader.read(ref.model_copy(update={"inode": ref.inode + 1}), np.empty(8, np.uint8))
+    with pytest.raises(OSError, match="past the end"):
+        reader.read(ref.model_copy(update={"offset": 60 << 10}), np.empty(8 << 10, np.uint8))
+    with pytest.raises(FileNotFoundError):
+        reader.read(SegmentRef(pid=ref.pid, fd=9999, inode=1, offset=0), np.empty(8, np.uint8))
+    seg.close()
+    reader.prune()
+    assert not reader.maps   # its owner closed it: the mapping is dropped
