@@ -1,6 +1,8 @@
 """The exposed part of a real KV handoff, streamed layer by layer as the services do it
-(part of `make bench-transfer`): engine layer hook → KVSender → NATS notices + UCX payloads →
-KVReceiver in another process, verified, written into its pool, committed."""
+(part of `make bench-transfer`): engine layer hook → KVSender → NATS notices + payloads
+through the prefill side's shared-memory segment (the services' way on one host) or over UCX
+(their way between hosts) → KVReceiver in another process, verified, written into its pool,
+committed."""
 
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ def _decode_side(url, cmd_q, reply_q):
     from shared import subjects
     from shared.bus import Bus
     from shared.kv import TAG_SPAN, create_transport
-    from shared.kv.receiver import KVInbox, KVReceiver
+    from shared.kv.receiver import SEGMENTS, KVInbox, KVReceiver
     from shared.messages import KVAck
 
     engine = _engine()
@@ -62,7 +64,7 @@ def _decode_side(url, cmd_q, reply_q):
         inbox = KVInbox(bus, "bench-d")
         await inbox.start()
         await bus.nc.flush()
-        reply_q.put((transport.address, engine.fingerprint))
+        reply_q.put((transport.address, engine.fingerprint, SEGMENTS.host))
         loop = asyncio.get_running_loop()
         while (cmd := await loop.run_in_executor(None, cmd_q.get)) is not None:
             rid, prompt = cmd
@@ -89,16 +91,18 @@ def _params():
     return SamplingParams(max_tokens=2, temperature=0)
 
 
-def exposed_fraction(tokens: int = 1024, rounds: int = 5) -> dict:
+def exposed_fraction(tokens: int = 1024, rounds: int = 5, same_host: bool = True) -> dict:
     """A `tokens`-token prompt, prefilled alone vs prefilled while streaming its KV the services' way
-    (engine layer hook → KVSender → NATS notices + UCX payloads → KVReceiver in another
-    process, verified and written into its pool, committed), interleaved `rounds` times.
+    (engine layer hook → KVSender → NATS notices + payloads through the segment, or over UCX
+    when not `same_host` → KVReceiver in another process, verified and written into its pool,
+    committed), interleaved `rounds` times.
     exposed = (prefill start → KV committed on the decode side) − prefill alone, over prefill alone,
     per round (each streamed prefill against the one alone just before it: the machine's speed
     drifts by more than the transfer costs), median over the rounds."""
     from shared.bus import Bus
     from shared.engine_host import EngineHost
     from shared.kv import create_transport
+    from shared.kv.segment import Segment
     from shared.kv.sender import KVSender
     from shared.messages import PrefillJob, Sampling
 
@@ -109,7 +113,7 @@ def exposed_fraction(tokens: int = 1024, rounds: int = 5) -> dict:
         cmd_q, reply_q = ctx.Queue(), ctx.Queue()
         proc = ctx.Process(target=_decode_side, args=(url, cmd_q, reply_q))
         proc.start()
-        address, fingerprint = reply_q.get(timeout=120)
+        address, fingerprint, decode_host = reply_q.get(timeout=120)
 
         def prefill(rid, ids, sink=None):
             engine.add_request(rid, ids, _params(), prefill_only=True)
@@ -123,7 +127,8 @@ def exposed_fraction(tokens: int = 1024, rounds: int = 5) -> dict:
             host = EngineHost(engine)
             bus = await Bus.connect(url, "bench-prefill")
             sender = KVSender(create_transport("ucx"), bus, "bench-p", engine.fingerprint,
-                              lambda *a: host.call(engine.kv_blocks, *a))
+                              lambda *a: host.call(engine.kv_blocks, *a),
+                              segment=Segment(256 << 20) if same_host else None)
             await sender.start()
             loop = asyncio.get_running_loop()
             alone, streamed, after = [], [], []
@@ -138,7 +143,7 @@ def exposed_fraction(tokens: int = 1024, rounds: int = 5) -> dict:
                 first_block, kv_tag = await loop.run_in_executor(None, reply_q.get, True, 60)
                 job = PrefillJob(request_id=rid, prompt_token_ids=ids, sampling=Sampling(), decode_worker="bench-d",
                                  decode_address=address, decode_fingerprint=fingerprint, first_block=first_block,
-                                 kv_tag=kv_tag)
+                                 kv_tag=kv_tag, decode_host=decode_host)
                 w0, t0 = time.time(), time.perf_counter()
                 sink = await sender.open(job)
                 first = await host.call(prefill, rid, ids, sink)
@@ -163,5 +168,6 @@ def exposed_fraction(tokens: int = 1024, rounds: int = 5) -> dict:
     per_round = [(s - a) / a for a, s in zip(alone, streamed)]
     return {"prefill_s": statistics.median(alone), "prefill_and_handoff_s": statistics.median(streamed),
             "kv_ready_after_prefill_s": statistics.median(after), "decode_side_cpu_cores": statistics.median(cpus),
-            "rounds": rounds, "layers": engine.model_config.num_layers, "prompt_tokens": tokens,
+            "path": "segment" if same_host else "ucx", "rounds": rounds,
+            "layers": engine.model_config.num_layers, "prompt_tokens": tokens,
             "exposed_per_round": per_round, "exposed_transfer_fraction": statistics.median(per_round)}

@@ -8,7 +8,11 @@ holds the last byte. The UCX arms send as the services do: up to STREAMED messag
 at a time (the sender sends each batch of layers as soon as it is computed), each received
 into a staging buffer from shared/kv/staging.py:
   memcpy        numpy copy in one process (the limit)
-  ucx_services  what the services use (shared/kv/ucx.py's transport, its defaults): endpoints
+  segment       what the services use on one host (shared/kv/segment.py): the payload in the
+                sender's shared-memory segment, a NATS notice naming where, the receiver's
+                copy into staging (bench/segment_arm.py); up to STREAMED copies at a time
+  segment_one_by_one  the same, one copy at a time
+  ucx_services  what the services use between hosts (shared/kv/ucx.py's transport, its defaults): endpoints
                 with UCX peer-failure handling, shared memory allowed to carry it (sysv for
                 small messages, cma zero-copy reads for payloads), "thread" progress
   ucx_services_one_by_one  the same, one message at a time (each waits for the one before:
@@ -41,8 +45,9 @@ Each arm prints as it finishes; one that fails or runs past ARM_TIMEOUT_S is rep
 services' transport takes while no KV moves (`ucx_idle_cpu_cores`: its progress thread), and
 `exposed_transfer_fraction_1k` / `_2k`: a 1k- / 2k-token prompt (2k: about the longest the
 model takes) prefilled alone vs prefilled while its
-KV streams layer by layer to another process exactly as the services do it (see
-bench/handoff_bench.py), and the quality cost of optional int8 KV (bench/kv_int8_quality.py).
+KV streams layer by layer to another process exactly as the services do it on one host
+(through the segment; `_1k_ucx`: over UCX, as between hosts; see bench/handoff_bench.py),
+and the quality cost of optional int8 KV (bench/kv_int8_quality.py).
 Prints a table, writes bench/results/transfer.json.
 """
 
@@ -341,9 +346,12 @@ def main() -> None:
         sizes = [s for s in sizes if s <= 16 * MIB]
     from bench.handoff_bench import exposed_fraction
     from bench.kv_int8_quality import int8_quality
+    from bench.segment_arm import bench_segment
 
     old_default = {"UCX_MM_ERROR_HANDLING": "n", "UCX_CMA_MEMORY_INVALIDATE": "n"}
     arms = {"memcpy": lambda: bench_memcpy(sizes),
+            "segment": lambda: bench_segment(sizes),
+            "segment_one_by_one": lambda: bench_segment(sizes, window=1),
             "ucx_services": lambda: bench_ucx(sizes, {}),
             "ucx_services_one_by_one": lambda: bench_ucx(sizes, {}, window=1),
             "ucx_services_fresh_buffers": lambda: bench_ucx(sizes, {}, fresh=True),
@@ -382,6 +390,8 @@ def main() -> None:
     # the longest prompt SmolLM2 takes is 2,047 tokens: 2k stands for the long one
     exposed = measured("handoff_1k", in_process, exposed_fraction, 1024, timeout_s=2 * ARM_TIMEOUT_S)
     exposed_2k = measured("handoff_2k", in_process, exposed_fraction, 2000, timeout_s=2 * ARM_TIMEOUT_S)
+    exposed_ucx = measured("handoff_1k_ucx", in_process, exposed_fraction, 1024, 5, False,
+                           timeout_s=2 * ARM_TIMEOUT_S)
     int8 = int8_quality()
 
     big = [s for s in sizes if s >= MIB]
@@ -394,6 +404,10 @@ def main() -> None:
         return statistics.median(results[name][s] / (results[over][s] if over else memcpy) for s in big)
 
     summary = {"memcpy_gbps": memcpy,
+               "segment_over_memcpy": median("segment"),
+               "segment_gbps_1mib_plus": min(results["segment"][s] for s in big) if "segment" in results else None,
+               "segment_one_by_one_over_memcpy": median("segment_one_by_one"),
+               "segment_over_ucx_services": median("segment", over="ucx_services"),
                "ucx_services_over_memcpy": median("ucx_services"),
                "ucx_services_gbps_1mib_plus": min(results["ucx_services"][s] for s in big)
                if "ucx_services" in results else None,
@@ -413,6 +427,7 @@ def main() -> None:
                "ucx_idle_cpu_cores": idle,
                "exposed_transfer_fraction_1k": exposed and exposed["exposed_transfer_fraction"],
                "exposed_transfer_fraction_2k": exposed_2k and exposed_2k["exposed_transfer_fraction"],
+               "exposed_transfer_fraction_1k_ucx": exposed_ucx and exposed_ucx["exposed_transfer_fraction"],
                **{k: v for k, v in int8.items() if k.startswith("int8_")}, "failed_arms": failed}
 
     print(f"\nGB/s, two processes on one host ({os.cpu_count()} cores); ratios: median over payloads >= 1 MiB "
@@ -420,8 +435,9 @@ def main() -> None:
     print(f"{'payload':>14} " + " ".join(f"{m:>10}" for m in results))
     for s in sizes:
         print(f"{label(s):>14} " + " ".join(f"{results[m][s]:10.2f}" for m in results))
-    for e in filter(None, (exposed, exposed_2k)):
-        print(f"\nhandoff of a {e['prompt_tokens']}-token prompt streamed layer by layer (median of {e['rounds']}): "
+    for e in filter(None, (exposed, exposed_2k, exposed_ucx)):
+        print(f"\nhandoff of a {e['prompt_tokens']}-token prompt streamed layer by layer ({e['path']}, median of "
+              f"{e['rounds']}): "
               f"prefill alone {e['prefill_s'] * 1e3:.0f} ms; prefill + handoff until the decode side committed the "
               f"verified KV {e['prefill_and_handoff_s'] * 1e3:.0f} ms; KV ready "
               f"{e['kv_ready_after_prefill_s'] * 1e3:.1f} ms after the prefill's last pass; decode process busy "
@@ -431,13 +447,14 @@ def main() -> None:
                     for n, r in int8["per_prompt"].items()))
     for k, v in summary.items():
         print(f"{k:32} {v:8.3f}" if isinstance(v, float) else f"{k:32} {v}")
-    print("targets: ucx_services_over_memcpy >= 0.5, ucx_tcp_over_socket >= 0.8, exposed_transfer_fraction_1k "
-          "<= 0.05, ucx_idle_cpu_cores <= 0.05")
+    print("targets: segment_over_memcpy (the services' path on one host) >= 0.5, ucx_tcp_over_socket >= 0.8, "
+          "exposed_transfer_fraction_1k <= 0.05, ucx_idle_cpu_cores <= 0.05")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"summary": summary, "gbps": {m: {str(s): v for s, v in r.items()}
                                                                   for m, r in results.items()},
                                    "peers": PEER_RUNS,
-                                   "handoff_1k": exposed, "handoff_2k": exposed_2k, "int8_quality": int8},
+                                   "handoff_1k": exposed, "handoff_2k": exposed_2k, "handoff_1k_ucx": exposed_ucx,
+                                   "int8_quality": int8},
                                   indent=2))
     print(f"wrote {RESULTS}")
 

@@ -221,7 +221,8 @@ class PrefillWorker:
                 "request_id": job.request_id, "decode_worker": job.decode_worker, "transport": self.transport.name})
             sink = await self.sender.open(job, trace.set_span_in_context(kv_span))
             held = self.sender.handoffs[job.request_id]
-            kv_span.set_attributes({"new_endpoint": held.new_endpoint, "same_host": held.same_host})
+            kv_span.set_attributes({"new_endpoint": held.new_endpoint,  # (the segment: where the payloads fit)
+                                    "transport": "segment" if held.same_host else self.transport.name})
             try:
                 await self.host.call(self.queue, job, sink)
             except ValueError as e:  # the router validated it; a mismatch here is a bug, not a retry

@@ -31,7 +31,8 @@ def test_one_trace_spans_every_service_with_parent_links(client, otlp):
     assert parent("decode.generate") == "router.route"
     assert parent("kv.receive") == "decode.generate"
     transfer, receive = spans["kv.transfer"].attributes, spans["kv.receive"].attributes
-    assert transfer["bytes"] > 0 and transfer["transport"] == "ucx" and transfer["acked"] is True
+    assert transfer["bytes"] > 0 and transfer["transport"] == "segment" and transfer["acked"] is True
+    assert transfer["segment_bytes"] == transfer["bytes"]   # one host: through the prefill worker's segment
     assert 0 <= transfer["exposed_ms"] < spans["kv.transfer"].duration_ms
     assert receive["bytes"] == transfer["bytes"] and receive["ok"] is True and receive["bad_blocks"] == 0
     assert spans["kv.transfer"].start_ns < spans["prefill.compute"].end_ns

@@ -1,4 +1,5 @@
-"""The KV handoff through the real services (NATS notices, UCX payloads): integrity under
+"""The KV handoff through the real services (NATS notices; payloads over UCX, or through the
+prefill worker's shared-memory segment as the services do on one host): integrity under
 injected corruption, a restarted decode peer, cancel mid-transfer, and a session's second turn."""
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def _wait_all_blocks_free(stack: Stack, timeout_s: float = 20) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def plain(otlp, tmp_path_factory):
-    with _stack(tmp_path_factory.mktemp("transfer-plain"), otlp) as s:
+    """KV over UCX (as between hosts): no same-host segments."""
+    with _stack(tmp_path_factory.mktemp("transfer-plain"), otlp, PD_KV_SEGMENT_BYTES="0") as s:
         yield s
 
 
@@ -80,6 +82,7 @@ def test_a_second_turn_sends_only_its_new_blocks(plain, otlp, smollm2):
     blocks1 = -(-turn1.json()["usage"]["prompt_tokens"] // 16)
     blocks2 = -(-turn2.json()["usage"]["prompt_tokens"] // 16)
     assert t1["skipped_blocks"] == 0 and t1["bytes"] == blocks1 * LAYERS * BLOCK_NBYTES
+    assert t1["transport"] == "ucx" and t1["segment_bytes"] == 0
     assert t2["skipped_blocks"] >= blocks1 - 1                # the first turn's prompt is on the decode side
     assert t2["bytes"] == (blocks2 - t2["skipped_blocks"]) * LAYERS * BLOCK_NBYTES
     assert t2["bytes"] < blocks2 * LAYERS * BLOCK_NBYTES / 3
@@ -112,7 +115,8 @@ def test_a_restarted_decode_peer_is_reached_through_a_new_endpoint(plain, otlp, 
 
 @pytest.fixture(scope="module")
 def faulty(otlp, tmp_path_factory):
-    """Every first send of a payload has one byte flipped, and every send is held 1.5 s."""
+    """Every first send of a payload has one byte flipped, and every send is held 1.5 s; the
+    payloads go through the prefill worker's segment (the default on one host)."""
     with _stack(tmp_path_factory.mktemp("transfer-faulty"), otlp, PD_KV_FAULT_CORRUPT_RATE="1",
                 PD_KV_FAULT_CORRUPT_ATTEMPTS="1", PD_KV_FAULT_DELAY_S="1.5") as s:
         yield s
@@ -133,7 +137,8 @@ def test_every_corrupted_payload_is_caught_and_resent_and_the_output_is_unchange
     transfer = next(s for s in otlp.trace(r.headers["x-trace-id"]) if s.name == "kv.transfer")
     resends = [attrs for name, attrs in transfer.events if name == "resend"]
     assert len(resends) == passes and {a["blocks"] for a in resends} == {1}   # a span event per re-send
-    assert got["bytes"] == sent["bytes"] == (blocks * LAYERS + passes) * BLOCK_NBYTES
+    assert got["bytes"] == sent["bytes"] == sent["segment_bytes"] == (blocks * LAYERS + passes) * BLOCK_NBYTES
+    assert sent["transport"] == "segment"
 
 
 def test_a_cancel_during_transfer_frees_both_sides(faulty, otlp):
