@@ -390,7 +390,7 @@ def main() -> None:
     # the longest prompt SmolLM2 takes is 2,047 tokens: 2k stands for the long one
     exposed = measured("handoff_1k", in_process, exposed_fraction, 1024, timeout_s=2 * ARM_TIMEOUT_S)
     exposed_2k = measured("handoff_2k", in_process, exposed_fraction, 2000, timeout_s=2 * ARM_TIMEOUT_S)
-    exposed_ucx = measured("handoff_1k_ucx", in_process, exposed_fraction, 1024, 5, False,
+    exposed_ucx = measured("handoff_1k_ucx", in_process, exposed_fraction, 1024, False,
                            timeout_s=2 * ARM_TIMEOUT_S)
     int8 = int8_quality()
 
