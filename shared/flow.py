@@ -26,11 +26,13 @@ that handles each step. (Documentation only; nothing to import.)
     message, up to PD_KV_PIECE_BYTES), a KVLayer notice on
     `pd.decode.<w>.kv` (layers, block range, per-block checksums, tag) and the payload over UCX
     (shared/kv/ucx.py) — or, to a decode worker on the same host, the payload written into the
-    prefill worker's shared-memory segment, where the notice says (shared/kv/segment.py); KVEnd on `pd.decode.<w>.kv.end` with the first token; re-sends on
+    prefill worker's shared-memory segment, where the notice says (shared/kv/segment.py);
+    KVEnd on `pd.decode.<w>.kv.end` with the first token; re-sends on
     `pd.prefill.<p>.kv.resend`; the blocks are freed at `pd.prefill.<p>.kv.ack` (or the lease).
  8. services/decode/main.py (shared/kv/receiver.py) posts each receive when its notice
-    arrives (or copies the payload out of the segment), verifies fingerprint, range and every block's checksum, writes good blocks into
-    the reservation, commits with the first token, acks. Late or bad KV → local prefill
+    arrives (or copies the payload out of the segment), verifies fingerprint, range and
+    every block's checksum, writes good blocks into the reservation, commits with the first
+    token, acks. Late or bad KV → local prefill
     (the gateway drops the duplicate seq 0).
  9. Decode steps the continuous batch (shared/engine_host.py runs the engine on one thread)
     and publishes TokenChunks (seq = index of the first token in the chunk).
