@@ -5,13 +5,18 @@
 3. SmolLM2 on CUDA (bf16): the engine with Triton kernels vs the same engine with torch
    kernels, greedy; and a KV export/import between two CUDA engines continues exactly.
 4. Decode step time at batch 1, 8, 32 with each kernel backend, side by side.
-Exits non-zero on any failure.
+5. The KV path (scripts/gpu_kv.py): streamed layers to pinned host memory on the engine's KV
+   stream and received blocks back to the device, GB/s against pinned cudaMemcpy, and the
+   exposed part of a 2k-token prefill's KV reaching the host.
+Writes bench/results/gpu_check.json; exits non-zero on any failure.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -20,6 +25,11 @@ from shared.engine.engine import Engine
 from shared.engine.kernels import torch_ref, triton_kernels
 from shared.engine.loader import load
 from shared.engine.sequence import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).parent))
+import gpu_kv  # noqa: E402 - beside this script
+
+RESULTS = Path(__file__).parents[1] / "bench" / "results" / "gpu_check.json"
 
 FAILURES: list[str] = []
 
@@ -132,12 +142,30 @@ def engine_on_cuda() -> None:
                 eng.abort(f"b{i}")
 
 
+def kv_on_cuda() -> dict:
+    loaded = load("smollm2", dtype=torch.bfloat16, device="cuda")
+    text = " ".join(f"Entry {i}: the valve on line {i % 17} read {i * 13 % 97} bar." for i in range(400))
+    prompt = loaded.tokenizer.encode(text)[:2000]
+    copies = gpu_kv.memcpy_gbps()
+    kv = gpu_kv.kv_path(loaded, prompt, check)
+    summary = {**copies, **{k: v for k, v in kv.items() if not isinstance(v, list)},
+               "kv_d2h_over_pinned": kv["kv_d2h_gbps"] / copies["d2h_pinned_gbps"],
+               "kv_h2d_over_pinned": kv["kv_h2d_gbps"] / copies["h2d_pinned_gbps"]}
+    for k, v in summary.items():
+        print(f"      {k:32} {v:.4g}")
+    return {"summary": summary, "exposed_per_round": kv["exposed_per_round"]}
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("no CUDA device: this script checks the GPU path")
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     kernels()
     engine_on_cuda()
+    kv = kv_on_cuda()
+    RESULTS.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, **kv,
+                                   "failed": FAILURES}, indent=2))
+    print(f"wrote {RESULTS}")
     print(f"\n{len(FAILURES)} failed: {FAILURES}" if FAILURES else "\nall GPU checks passed")
     sys.exit(1 if FAILURES else 0)
 

@@ -39,6 +39,7 @@ import torch
 from shared.engine.block_manager import BlockManager, CacheChange, OutOfBlocks
 from shared.engine.config import EngineConfig
 from shared.engine.detokenizer import TextStream
+from shared.engine.kv_copies import KVCopies
 from shared.engine.kv_io import KVExport, KVPiece, Reservation
 from shared.engine.loader import LoadedModel
 from shared.engine.runner import ModelRunner
@@ -76,6 +77,7 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}
         self.layer_hook = None
         self._streams: dict[str, _Stream] = {}
+        self.copies = KVCopies(self.runner.device)  # KV to and from the host off the compute stream
         self.last_pass: tuple[bool, int] = (False, 0)  # (was a decode pass, tokens computed)
         self._rng = random.Random(cfg.seed)
 
@@ -215,14 +217,13 @@ class Engine:
 
         Touches only the pool, never engine state: the caller may run it off the engine thread
         for the blocks of a reservation (no pass reads them before `commit_import`)."""
-        pool = self.runner.kv[layer]
-        data = data.to(self.runner.device)
+        pool, device = self.runner.kv[layer], self.runner.device
         data = data.view(pool.dtype) if data.dtype == torch.uint8 else data
         data = data.reshape(-1, *pool.shape[1:])
         if data.shape[0] != len(block_ids):
             raise ValueError(f"{data.shape[0]} blocks of data for {len(block_ids)} block ids")
-        self.runner.ops.scatter_blocks(pool, torch.tensor(block_ids, dtype=torch.long, device=self.runner.device),
-                                       data)
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        self.copies.to_device(lambda d: self.runner.ops.scatter_blocks(pool, ids.to(device), d), data, device)
 
     def import_layer(self, request_id: str, layer: int, buffer: torch.Tensor, first_block: int) -> None:
         """Write one whole layer of an export (KVExport.layer) into a reserved sequence."""
@@ -239,6 +240,7 @@ class Engine:
         seq = self.seqs[request_id]
         if seq.status is not Status.IMPORTING:
             raise ValueError(f"{request_id}: not reserved for import ({seq.status})")
+        self.copies.join()  # its blocks' writes (on the KV stream) before its first step
         seq.num_computed = seq.num_prefill
         self._commit_blocks(seq)
         self.scheduler.join_running(seq)
@@ -276,6 +278,7 @@ class Engine:
                 ready = torch.cuda.Event() if cuda else None
                 if ready is not None:
                     ready.record()
+                    data, ready = self.copies.to_host(data, ready)  # on the KV stream, into pinned memory
                 sink(KVPiece(rid, layer, first, data, ready, layer == last))
         return hook
 

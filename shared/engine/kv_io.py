@@ -4,7 +4,9 @@ Streaming (what the services do): the sender registers `Engine.stream_kv(rid, fi
 sink)`; during every forward pass that computes part of the prompt, once layer i is in the
 pool, the engine hands `sink` a KVPiece: layer i of the blocks that pass completed (from the
 receiver's `first_block` on). Its `data` is (n_blocks, 2, block_size, kv_heads, head_dim): a
-view of the pool when the blocks are adjacent (no copy), else one gather.
+view of the pool when the blocks are adjacent (no copy), else one gather; on CUDA, a copy of
+that in pinned host memory made on the engine's KV stream (kv_copies.py), there once `ready`
+has passed.
 
 Whole (tests, tools): `export_kv` gathers every layer after the prefill (KVExport).
 
@@ -38,7 +40,7 @@ class KVPiece:
     layer: int
     first_block: int         # index among the prompt's blocks
     data: torch.Tensor       # (n_blocks, 2, block_size, kv_heads, head_dim)
-    ready: torch.cuda.Event | None = None  # to wait on before reading `data` (None on CPU)
+    ready: torch.cuda.Event | None = None  # to wait on before reading `data` (None on CPU): its copy to the host
     last: bool = False       # the pass's last layer: nothing more of this pass follows
 
     @property
