@@ -10,9 +10,10 @@ over. `KVCopies` gives the KV path a stream of its own:
   compute stream right after that layer) has passed, into pinned host memory (PyTorch's
   caching host allocator: reused, never freed while a copy uses it); returns the host tensor
   and the event that says it is there. A gathered `data` is kept from reuse until then.
-- `to_device(pool_write, data)`: the decode side's received blocks into the pool, on the KV
-  stream; `join()` before a committed import's first decode step makes the compute stream
-  wait for every such write.
+- `to_device(write, data, device)`: the decode side's received blocks into the pool, on the
+  KV stream; `join()` before a committed import's first decode step makes the compute stream
+  wait for every such write. The blocks come from pageable staging buffers, so the copy has
+  read them when it returns and the buffer may be reused at once.
 
 Not run on a GPU by the session that wrote it (none was lent): `make gpu-check` exercises
 both directions and measures them against pinned cudaMemcpy (scripts/gpu_check.py).
@@ -48,6 +49,9 @@ class KVCopies:
         if self.stream is None:
             write(data.to(device))
             return
+        if data.device.type == "cuda":  # made on the compute stream (an export): after it, and kept till used
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+            data.record_stream(self.stream)
         with torch.cuda.stream(self.stream):
             write(data.to(device, non_blocking=True))
 
