@@ -54,7 +54,7 @@ from shared.config import PrefillSettings
 from shared.engine.engine import Engine, RequestOutput
 from shared.engine.sequence import Status
 from shared.kv import KVTransport
-from shared.kv.segment import Segment
+from shared.kv.segment import make_segment
 from shared.kv.sender import KVSender
 from shared.messages import (
     CANCELLED,
@@ -93,7 +93,7 @@ class PrefillWorker:
         self.sender = KVSender(transport, bus, self.id, engine.fingerprint, self.read_blocks,
                                settings.kv_max_attempts, settings.kv_transfer_encoding, settings.kv_piece_bytes,
                                given_up=self.given_up,
-                               segment=Segment(settings.kv_segment_bytes) if settings.kv_segment_bytes else None)
+                               segment=make_segment(settings.kv_segment_bytes))
         self.cancelled: dict[str, float] = {}  # request -> its placements before this attempt are cancelled
         self.handoffs: set[asyncio.Task] = set()
         self.unacked: dict[str, Msg] = {}  # jobs taken and not yet acked

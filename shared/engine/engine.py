@@ -154,6 +154,8 @@ class Engine:
         """Forget a request in any state and free its blocks (no-op if unknown)."""
         seq = self.seqs.get(request_id)
         if seq is not None:
+            if seq.status is Status.IMPORTING:  # writes into its blocks may still be queued: before
+                self.copies.join()              # the blocks go to anyone else's pass
             seq.finish_reason = seq.finish_reason or "abort"
             self._finish(seq)
 

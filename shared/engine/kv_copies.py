@@ -12,8 +12,11 @@ over. `KVCopies` gives the KV path a stream of its own:
   and the event that says it is there. A gathered `data` is kept from reuse until then.
 - `to_device(write, data, device)`: the decode side's received blocks into the pool, on the
   KV stream; `join()` before a committed import's first decode step makes the compute stream
-  wait for every such write. The blocks come from pageable staging buffers, so the copy has
-  read them when it returns and the buffer may be reused at once.
+  wait for every such write (and `abort` of an import, before its blocks go to anyone else).
+  The caller waits for its own write to finish (not for the compute stream): the staging
+  buffer it came from is reused at once.
+- Pinned host memory comes from PyTorch's caching host allocator, which keeps what it
+  allocated: about the KV of the handoffs under way at once.
 
 Not run on a GPU by the session that wrote it (none was lent): `make gpu-check` exercises
 both directions and measures them against pinned cudaMemcpy (scripts/gpu_check.py).
@@ -54,6 +57,9 @@ class KVCopies:
             data.record_stream(self.stream)
         with torch.cuda.stream(self.stream):
             write(data.to(device, non_blocking=True))
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        done.synchronize()  # this write only (not the compute stream): then its source may be reused
 
     def join(self) -> None:
         """Work queued on the current (compute) stream from now on waits for the KV stream's."""

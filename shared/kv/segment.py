@@ -42,9 +42,12 @@ ALIGN = 4096
 def host_identity() -> str:
     """Equal for two processes that can map each other's segments: same boot, same network
     and PID namespaces (separate ones are separate hosts, as far as the workers can tell), same
-    user."""
-    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    net, pid = (os.stat(f"/proc/self/ns/{ns}").st_ino for ns in ("net", "pid"))
+    user, "" where the system does not say (then no segment is used)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        net, pid = (os.stat(f"/proc/self/ns/{ns}").st_ino for ns in ("net", "pid"))
+    except OSError:
+        return ""
     return f"{boot}:{net}:{pid}:{os.getuid()}"
 
 
@@ -121,6 +124,19 @@ class Segment:
         os.close(self.fd)
 
 
+def make_segment(nbytes: int) -> Segment | None:
+    """The prefill worker's segment, or None (KV over the transport only) when `nbytes` is 0 or
+    the system has no memfd or does not say which host this is."""
+    if not nbytes:
+        return None
+    try:
+        segment = Segment(nbytes)
+    except (OSError, AttributeError) as e:  # (os.memfd_create: Linux only)
+        log.warning("no shared-memory segment for KV (%s): same-host KV goes over the transport", e)
+        return None
+    return segment if segment.host else None
+
+
 class Segments:
     """The decode worker's side: other processes' segments, mapped on first use."""
 
@@ -133,7 +149,7 @@ class Segments:
         """Copy the payload at `ref` into `out` (uint8, the payload's size). Raises OSError
         when the segment cannot be opened (its owner is gone) or is too short."""
         src = self._mapped(ref)
-        if ref.offset + out.nbytes > src.nbytes:
+        if ref.offset < 0 or ref.offset + out.nbytes > src.nbytes:
             raise OSError(f"payload at {ref.offset}+{out.nbytes} past the end of segment {ref.pid}/{ref.fd}")
         np.copyto(out.reshape(-1), src[ref.offset:ref.offset + out.nbytes])
 
@@ -166,4 +182,4 @@ class Segments:
             except OSError:
                 alive = False
             if not alive:
-                del self.maps[key]
+                self.maps.pop(key, None)  # (another thread's copy may have pruned it too)

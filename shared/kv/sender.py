@@ -102,7 +102,7 @@ class KVSender:
         if (older := self.handoffs.get(job.request_id)) is not None:  # (the worker ends one before taking
             self._close(older)                                         # the next; never two at once)
         h = Handoff(job, ctx, loop.create_future(), not self.transport.has_endpoint(job.decode_address),
-                    same_host=self.segment is not None and job.decode_host == self.segment.host)
+                    same_host=self.segment is not None and job.decode_host == self.segment.host != "")
         self.handoffs[job.request_id] = h
         if job.decode_fingerprint != self.fingerprint:
             await self.cancel(job.request_id, f"fingerprint mismatch: decode {job.decode_fingerprint}, "
@@ -171,6 +171,8 @@ class KVSender:
     async def _post(self, h: Handoff, notice: KVLayer, payload: np.ndarray) -> None:
         if notice.segment is not None:  # the transport's fault injection, on the segment's bytes
             await self.transport.faults.hold()
+            if h.closed:  # its region may be another handoff's by now: nothing more of it goes out
+                return
             self.transport.corrupted += self.transport.faults.apply_in_place(payload, notice.attempt)
         h.notices.append(notice)
         await self.bus.publish(subjects.decode_kv(h.job.decode_worker), notice, ctx=h.ctx)

@@ -57,8 +57,9 @@ def test_copies_during_and_after_the_owners_death_read_what_it_wrote():
 
     copier = threading.Thread(target=copy_on)
     copier.start()
-    while copies[0] < 3:
+    while copies[0] < 3 and copier.is_alive():
         time.sleep(0.001)
+    assert not errors, errors
     os.kill(owner.pid, signal.SIGKILL)
     owner.join(10)
     copier.join(120)

@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from shared.kv.segment import ALIGN, Extents, Segment, Segments, host_identity
+from shared.kv.segment import ALIGN, Extents, Segment, Segments, host_identity, make_segment
 from shared.messages import SegmentRef
 
 
@@ -72,3 +72,12 @@ def test_a_reference_to_another_file_or_past_the_end_is_refused():
     seg.close()
     reader.prune()
     assert not reader.maps   # its owner closed it: the mapping is dropped
+
+
+def test_no_segment_without_bytes_or_a_host(monkeypatch):
+    from shared.kv import segment
+
+    assert make_segment(0) is None
+    assert make_segment(1 << 16).host == host_identity() != ""
+    monkeypatch.setattr(segment, "host_identity", lambda: "")   # the system does not say: never "same host"
+    assert make_segment(1 << 16) is None
