@@ -54,11 +54,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import redis
 
 from bench.chaos_measure import Stream, cost
 from deploy.local.stack import Stack, StackConfig
 from shared.state import WORKERS, log_key, worker_key
+from shared.urls import sync_redis
 
 MODEL = "SmolLM2-135M-Instruct"
 RESULTS = Path(__file__).parent / "results" / "chaos.json"
@@ -123,7 +123,7 @@ async def run_all(url: str, requests: list[list[dict]], max_tokens: int,
 
 def request_events(stack: Stack, request_ids: list[str]) -> list[list[dict]]:
     """Each request's events (shared/lifecycle.py), as recorded in Redis."""
-    store = redis.Redis.from_url(stack.redis_url)
+    store = sync_redis(stack.redis_url)
     with store.pipeline(transaction=False) as p:
         for rid in request_ids:
             p.lrange(log_key(rid), 0, -1)
@@ -131,7 +131,7 @@ def request_events(stack: Stack, request_ids: list[str]) -> list[list[dict]]:
 
 
 def pools(stack: Stack) -> dict[str, dict]:
-    store = redis.Redis.from_url(stack.redis_url)
+    store = sync_redis(stack.redis_url)
     ids = [i.decode() for i in store.smembers(WORKERS)]
     infos = [json.loads(v) for v in store.mget([worker_key(i) for i in ids]) if v] if ids else []
     return {w["worker_id"]: w for w in infos if w["role"] in ("prefill", "decode")}

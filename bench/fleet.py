@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import nats.errors
-import redis.asyncio as aioredis
 from nats.aio.msg import Msg
 
 from bench.scale_plan import BLOCK, MODEL, FleetWorker, filler, filler_counts
@@ -52,6 +51,7 @@ from shared.prefix_index import PrefixPublisher
 from shared.service import heartbeat, run, setup_logging
 from shared.state import State
 from shared.tasks import Background
+from shared.urls import async_redis
 
 log = logging.getLogger("fleet")
 FILL_CHUNK = 16_384      # filler blocks handed to a publisher at a time
@@ -208,9 +208,7 @@ class Fleet:
 def store(url: str, workers: int) -> State:
     """The fleet's store: connections as if each simulated worker were its own process (its
     publisher's and its heartbeat's), not one process's pool shared by all of them."""
-    pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=2 * workers + 16, timeout=5,
-                                                    socket_timeout=5, socket_connect_timeout=5)
-    return State(aioredis.Redis(connection_pool=pool))
+    return State(async_redis(url, max_connections=2 * workers + 16))
 
 
 async def serve(plan_path: Path) -> None:

@@ -9,12 +9,14 @@ from typing import TypeVar
 
 import nats
 import nats.errors
+import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js.api import RetentionPolicy, StreamConfig
 from opentelemetry import context
 
 from shared import subjects, tracing
 from shared.messages import Message, PrefillJob
+from shared.urls import nats_servers
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
@@ -39,7 +41,7 @@ class Bus:
         async def on_reconnect() -> None:
             log.warning("nats: reconnected")
 
-        nc = await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+        nc = await nats.connect(nats_servers(url), name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
                                 error_cb=on_error, reconnected_cb=on_reconnect)
         return cls(nc)
 
@@ -77,12 +79,29 @@ class Bus:
         await self.js.publish(subjects.prefill_jobs(prefill_worker), job.encode(),
                               headers={**tracing.inject(ctx), "Nats-Msg-Id": msg_id})
 
-    async def ensure_prefill_stream(self) -> None:
+    async def ensure_prefill_stream(self, replicas: int = 1, timeout_s: float = 60.0) -> None:
         """The work queue of prefill jobs: each job is delivered to one consumer, kept until acked;
         a job nobody acked within PREFILL_JOB_MAX_AGE_S (its worker died for good) is dropped —
-        its decode worker prefilled it long before."""
-        await self.js.add_stream(StreamConfig(name=subjects.PREFILL_STREAM, subjects=[subjects.PREFILL_JOBS],
-                                              retention=RetentionPolicy.WORK_QUEUE, max_age=PREFILL_JOB_MAX_AGE_S))
+        its decode worker prefilled it long before. `replicas`: copies on that many servers of a
+        NATS cluster (a job survives the loss of all but one). A cluster still electing its
+        JetStream leader answers 'unavailable': asked again until `timeout_s`; a stream made
+        before with other settings is updated to these."""
+        config = StreamConfig(name=subjects.PREFILL_STREAM, subjects=[subjects.PREFILL_JOBS],
+                              retention=RetentionPolicy.WORK_QUEUE, max_age=PREFILL_JOB_MAX_AGE_S,
+                              num_replicas=replicas)
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            try:
+                try:
+                    await self.js.add_stream(config)
+                except nats.js.errors.BadRequestError:  # there already, made with other settings
+                    await self.js.update_stream(config)
+                return
+            except (nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError, nats.errors.NoRespondersError):
+                if asyncio.get_running_loop().time() > deadline:
+                    raise
+                log.info("JetStream not ready yet: asking again")
+                await asyncio.sleep(0.5)
 
     async def close(self) -> None:
         if self.nc.is_connected:

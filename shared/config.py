@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.urls import nats_servers, sentinel_target
 
 LEASE_BEATS = 3  # a registry entry (and a worker's prefix-index slot) lives this many heartbeats unrenewed
 
@@ -22,8 +24,11 @@ def lease_s(heartbeat_s: float) -> float:
 class Common(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PD_", extra="ignore")
 
-    nats_url: str = "nats://127.0.0.1:4222"
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    nats_url: str = Field("nats://127.0.0.1:4222", description="one server, or a cluster's separated by commas")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="redis://host:port/db, or the primary Sentinels "
+                           "watch: redis+sentinel://[:password@]host:port,host:port/<service>[/db] (shared/urls.py)")
+    stream_replicas: int = Field(1, ge=1, le=5, description="copies of the prefill job stream on the servers of a "
+                                 "NATS cluster (JetStream): 3 on a 3-node cluster")
     model: str = Field("smollm2", description="smollm2, a .gguf path or a safetensors directory")
     model_name: str = Field("SmolLM2-135M-Instruct", description="the id clients ask for")
     log_level: str = "INFO"
@@ -39,6 +44,18 @@ class Common(BaseSettings):
                                                    "to another worker (the router's supervisor)")
     stall_min_prefill_tokens_per_s: float = Field(50.0, gt=0, description="before the first token a request is "
                                                   "allowed stall_s + its prompt at this rate")
+
+    @field_validator("nats_url")
+    @classmethod
+    def _nats_servers(cls, url: str) -> str:
+        nats_servers(url)  # a malformed list fails the start, naming what is wrong
+        return url
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_target(cls, url: str) -> str:
+        sentinel_target(url)
+        return url
 
     @property
     def lease_s(self) -> float:

@@ -32,6 +32,7 @@ from redis.exceptions import NoScriptError
 from shared.lifecycle import TERMINAL, Event, deadline_s
 from shared.messages import WorkerInfo
 from shared.tasks import Background
+from shared.urls import async_redis
 
 log = logging.getLogger(__name__)
 REQUEST_TTL_S = 24 * 3600
@@ -169,10 +170,9 @@ class State:
 
     @classmethod
     def connect(cls, url: str, stall_s: float = 30.0, min_prefill_tokens_per_s: float = 50.0) -> State:
-        # a blocking pool: a burst of concurrent calls waits for a connection instead of failing
-        pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=MAX_CONNECTIONS, timeout=5,
-                                                        socket_timeout=5, socket_connect_timeout=5)
-        return cls(aioredis.Redis(connection_pool=pool), stall_s, min_prefill_tokens_per_s)
+        """One Redis or a Sentinel-watched primary (shared/urls.py); a blocking pool: a burst of
+        concurrent calls waits for a connection instead of failing."""
+        return cls(async_redis(url, MAX_CONNECTIONS), stall_s, min_prefill_tokens_per_s)
 
     @classmethod
     def for_service(cls, settings) -> State:

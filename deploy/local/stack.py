@@ -24,6 +24,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from deploy.local import ha
 from deploy.local.servers import binary, die_with_parent, free_port
 from services.router.recent import REGISTRY_READ_S
 
@@ -34,6 +35,7 @@ class StackConfig:
     decode: int = 1
     routers: int = 1                   # replicas sharing the route requests (a NATS queue group)
     colocated: bool = False            # no prefill pool: decode workers prefill locally
+    ha: bool = False                   # NATS cluster of 3, Redis primary + replica + 3 Sentinels (deploy/local/ha.py)
     gateway_port: int = 8000
     nats_port: int = 4222
     redis_port: int = 6379
@@ -63,6 +65,7 @@ class Stack:
         # NATS and Redis take a password made for this run (config files in the private data
         # directory, not on a command line), so nothing else on the host can join the bus
         self.secret = secrets.token_urlsafe(24)
+        self.ha_ports = ha.Ports.from_first(cfg.nats_port, cfg.redis_port) if cfg.ha else None
 
     @property
     def url(self) -> str:
@@ -70,10 +73,14 @@ class Stack:
 
     @property
     def nats_url(self) -> str:
+        if self.ha_ports:
+            return ha.nats_url(self.ha_ports, self.secret)
         return f"nats://pdserve:{self.secret}@127.0.0.1:{self.cfg.nats_port}"
 
     @property
     def redis_url(self) -> str:
+        if self.ha_ports:
+            return ha.redis_url(self.ha_ports, self.secret)
         return f"redis://:{self.secret}@127.0.0.1:{self.cfg.redis_port}/0"
 
     def service_env(self) -> dict[str, str]:
@@ -83,6 +90,7 @@ class Stack:
         return {**os.environ, "PD_NATS_URL": self.nats_url, "PD_REDIS_URL": self.redis_url, "PD_MODEL": c.model,
                 "PD_GATEWAY_PORT": str(c.gateway_port), "PD_KV_BLOCKS": str(c.kv_blocks),
                 "PD_THREADS": str(threads), "PD_REQUIRE_PREFILL": str(not c.colocated).lower(),
+                "PD_STREAM_REPLICAS": str(ha.NODES if c.ha else 1),
                 "UCX_WARN_UNUSED_ENV_VARS": "n", "PYTHONUNBUFFERED": "1", **c.env}
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -114,15 +122,7 @@ class Stack:
 
     def start(self, ready_timeout_s: float = 240) -> Stack:
         c = self.cfg
-        nats_conf, redis_conf = self.data / "nats.conf", self.data / "redis.conf"
-        nats_conf.write_text(f'authorization {{ user: pdserve, password: "{self.secret}" }}\n')
-        redis_conf.write_text(f"requirepass {self.secret}\n")
-        self.spawn("nats", [binary("nats-server"), "-c", str(nats_conf), "-js", "-a", "127.0.0.1",
-                            "-p", str(c.nats_port), "-sd", str(self.data / "nats")])
-        self.spawn("redis", [binary("redis-server"), str(redis_conf), "--port", str(c.redis_port),
-                             "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(self.data)])
-        for port in (c.nats_port, c.redis_port):
-            self.wait_port(port, 20)
+        self.start_servers()
         for i in range(c.routers):
             name = "router" if i == 0 else f"router-{i}"
             self.service(name, "services.router.main", PD_ROUTER_ID=name)
@@ -134,6 +134,26 @@ class Stack:
         self.service("gateway", "services.gateway.main")
         self.wait_ready(ready_timeout_s)
         return self
+
+    def start_servers(self) -> None:
+        """NATS and Redis: one of each, or the HA set (deploy/local/ha.py)."""
+        c = self.cfg
+        if self.ha_ports:
+            for name, argv in ha.servers(self.data, self.ha_ports, self.secret).items():
+                self.spawn(name, argv)
+            p = self.ha_ports
+            for port in p.nats + p.redis + p.sentinels:
+                self.wait_port(port, 20)
+            return
+        nats_conf, redis_conf = self.data / "nats.conf", self.data / "redis.conf"
+        nats_conf.write_text(f'authorization {{ user: pdserve, password: "{self.secret}" }}\n')
+        redis_conf.write_text(f"requirepass {self.secret}\n")
+        self.spawn("nats", [binary("nats-server"), "-c", str(nats_conf), "-js", "-a", "127.0.0.1",
+                            "-p", str(c.nats_port), "-sd", str(self.data / "nats")])
+        self.spawn("redis", [binary("redis-server"), str(redis_conf), "--port", str(c.redis_port),
+                             "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(self.data)])
+        for port in (c.nats_port, c.redis_port):
+            self.wait_port(port, 20)
 
     def restart(self, name: str, kill: bool = True) -> subprocess.Popen:
         """Stop a process (SIGKILL, or SIGTERM and wait) and start it again as it was started."""
@@ -176,8 +196,8 @@ class Stack:
 
     def stop(self, timeout_s: float = 30) -> None:
         """Services first (they drain), then the bus and the store."""
-        order = [n for n in self.procs if n not in ("nats", "redis")] + ["nats", "redis"]
-        for group in (order[:-2], order[-2:]):
+        servers = [n for n in self.procs if ha.is_server(n)]
+        for group in ([n for n in self.procs if n not in servers], servers):
             for name in group:
                 if name in self.procs and self.procs[name].poll() is None:
                     self.procs[name].send_signal(signal.SIGTERM)
@@ -191,7 +211,9 @@ class Stack:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-        shutil.rmtree(self.data / "nats", ignore_errors=True)
+        for store in self.data.glob("nats*"):
+            if store.is_dir():
+                shutil.rmtree(store, ignore_errors=True)
 
     def __enter__(self) -> Stack:
         return self.start()
@@ -205,12 +227,14 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
     ap.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     ap.add_argument("--colocated", action="store_true", help="no prefill pool: decode workers do both")
+    ap.add_argument("--ha", action="store_true", help="a 3-node NATS cluster and Redis with a replica and 3 "
+                    "Sentinels (the first node and the primary on --nats-port / --redis-port)")
     ap.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
     ap.add_argument("--nats-port", type=int, default=4222)
     ap.add_argument("--redis-port", type=int, default=6379)
     ap.add_argument("--model", default="smollm2", help="smollm2, a .gguf file or a safetensors directory")
     args = ap.parse_args()
-    cfg = StackConfig(prefill=args.prefill, decode=args.decode, colocated=args.colocated,
+    cfg = StackConfig(prefill=args.prefill, decode=args.decode, colocated=args.colocated, ha=args.ha,
                       gateway_port=args.port, nats_port=args.nats_port, redis_port=args.redis_port,
                       model=args.model, log_dir=Path(".run/logs"))
     stack = Stack(cfg)
@@ -218,13 +242,14 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     start = time.monotonic()
     pools = f"{args.decode} colocated" if args.colocated else f"{args.prefill} prefill + {args.decode} decode"
+    pools += "; NATS cluster of 3, Redis primary + replica + 3 Sentinels" if args.ha else ""
     print(f"starting pdserve: {pools} worker(s); logs in {stack.log_dir}/", flush=True)
     try:
         stack.start()
         env_file = Path(".run/stack.env")  # for operator tools (python -m shared.tools.timeline)
         env_file.touch(mode=0o600)
         env_file.write_text(f"PD_NATS_URL={stack.nats_url}\nPD_REDIS_URL={stack.redis_url}\n")
-        metrics = ", ".join(f"{n} {stack.metrics_url(n)}" for n in stack.procs if n not in ("nats", "redis"))
+        metrics = ", ".join(f"{n} {stack.metrics_url(n)}" for n in stack.procs if not ha.is_server(n))
         print(f"ready in {time.monotonic() - start:.1f} s at {stack.url}\n\n"
               f"  curl {stack.url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
               f"    -d '{{\"model\": \"SmolLM2-135M-Instruct\", \"messages\": "

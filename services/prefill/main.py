@@ -104,7 +104,7 @@ class PrefillWorker:
         return self.core.info()
 
     async def serve(self, stop: asyncio.Event) -> None:
-        await self.bus.ensure_prefill_stream()
+        await self.bus.ensure_prefill_stream(self.settings.stream_replicas)
         pull = await self.bus.js.pull_subscribe(subjects.prefill_jobs(self.id), durable=self.id)
         await self.bus.subscribe(subjects.prefill_control(self.id)["cancel"], self.on_cancel)
         await self.sender.start()

@@ -153,7 +153,7 @@ class Router:
         self._background.start(coro)
 
     async def serve(self, stop: asyncio.Event) -> None:
-        await self.bus.ensure_prefill_stream()
+        await self.bus.ensure_prefill_stream(self.settings.stream_replicas)
         # each route in its own task: one slow admit (a worker that just died) holds up no other
         sub = await self.bus.subscribe(subjects.ROUTE, self.start_route, queue=subjects.ROUTER_QUEUE)
         requeues = await self.bus.subscribe(subjects.REQUEUE, self.start_requeue, queue=subjects.ROUTER_QUEUE)

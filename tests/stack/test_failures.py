@@ -10,13 +10,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import redis
 from conftest import MODEL
 from helpers import generate
 
 from deploy.local.stack import Stack, StackConfig
 from shared.engine.sequence import SamplingParams
 from shared.state import log_key, request_key
+from shared.urls import sync_redis
 
 pytestmark = pytest.mark.slow
 DOCUMENT = " ".join(f"Entry {i}: the {c} gate was opened {i * 7} times in season {i % 4}." for i, c in
@@ -37,7 +37,7 @@ def test_a_prefill_worker_killed_mid_prompt_costs_its_lease_not_the_request(smol
     cfg = StackConfig.on_free_ports(prefill=2, decode=1, kv_blocks=512, log_dir=tmp_path,
                                     env={"PD_HEARTBEAT_S": "0.3", "PD_KV_TIMEOUT_S": "30"})
     with Stack(cfg) as stack, ThreadPoolExecutor(1) as pool:
-        store = redis.Redis.from_url(stack.redis_url)
+        store = sync_redis(stack.redis_url)
 
         def kill_the_one_computing_it(messages) -> tuple[httpx.Response, float, str]:
             reply = pool.submit(httpx.post, stack.url + "/v1/chat/completions", timeout=120, json={
@@ -115,7 +115,7 @@ def test_200_streams_cancelled_at_random_points_leave_no_block_taken(tmp_path):
 
     with Stack(cfg) as stack:
         seen = asyncio.run(run(stack.url))
-        store = redis.Redis.from_url(stack.redis_url)
+        store = sync_redis(stack.redis_url)
 
         def pools():
             infos = [json.loads(store.get(k)) for k in store.keys("pd:worker:*")]
@@ -160,7 +160,7 @@ def test_a_decode_worker_killed_mid_stream_is_continued_on_another(smollm2, tmp_
     cfg = _two_decode_workers(tmp_path)
     ids, text, victim, killed, resumed_at = [], "", None, None, None
     with Stack(cfg) as stack, httpx.Client(base_url=stack.url, timeout=120) as http:
-        store = redis.Redis.from_url(stack.redis_url)
+        store = sync_redis(stack.redis_url)
         with http.stream("POST", "/v1/chat/completions", json=_stream_40(messages)) as r:
             rid = r.headers["x-request-id"]
             for line in r.iter_lines():
@@ -205,7 +205,7 @@ def test_a_failing_kv_path_opens_its_breaker_and_requests_go_colocated(tmp_path)
         "PD_BREAKER_COOLDOWN_S": "300"})
     modes, answers = [], []
     with Stack(cfg) as stack:
-        store = redis.Redis.from_url(stack.redis_url)
+        store = sync_redis(stack.redis_url)
         for i in range(6):
             r = httpx.post(stack.url + "/v1/chat/completions", timeout=120, json={
                 "model": MODEL, "temperature": 0, "max_tokens": 3,
@@ -228,7 +228,7 @@ def test_sigterm_drains_a_decode_worker_its_streams_finish_there_new_ones_go_els
     cfg = _two_decode_workers(tmp_path)
     ids, victim, other = [], None, None
     with Stack(cfg) as stack, httpx.Client(base_url=stack.url, timeout=120) as http:
-        store = redis.Redis.from_url(stack.redis_url)
+        store = sync_redis(stack.redis_url)
         with http.stream("POST", "/v1/chat/completions", json=_stream_40(messages)) as r:
             rid = r.headers["x-request-id"]
             for line in r.iter_lines():
@@ -278,7 +278,7 @@ def test_a_prefill_job_the_queue_refuses_is_prefilled_on_the_decode_worker_at_on
         r = httpx.post(stack.url + "/v1/chat/completions", timeout=120, json={
             "model": MODEL, "temperature": 0, "max_tokens": 3, "messages": [{"role": "user", "content": "Hi."}]})
         took = time.monotonic() - start
-        store, events = redis.Redis.from_url(stack.redis_url), []
+        store, events = sync_redis(stack.redis_url), []
         for _ in range(50):  # events are written in the background
             events = [json.loads(e) for e in store.lrange(f"pd:req:{r.headers['x-request-id']}:log", 0, -1)]
             if any(e["event"] == "prefill_local" for e in events):
@@ -308,7 +308,7 @@ def test_a_frozen_prefill_worker_loses_the_job_to_another_in_about_its_predicted
                                          "PD_PREFILL_POLICY": "round_robin"},
                                     worker_env={"prefill-0": {"PD_FAULT_ENGINE_HANG_AFTER_STEPS": "1"}})
     with Stack(cfg) as stack:
-        store = redis.Redis.from_url(stack.redis_url)
+        store = sync_redis(stack.redis_url)
         for _ in range(4):   # the first step of prefill-0 runs; a later one hangs (whichever gets it)
             start = time.monotonic()
             r = httpx.post(stack.url + "/v1/chat/completions", timeout=120, json={

@@ -1,0 +1,101 @@
+"""The bus and the store as a fleet runs them, on one machine: a 3-node NATS cluster (JetStream
+on every node, the prefill job stream with 3 replicas) and a Redis primary with a replica,
+watched by 3 Sentinels that promote the replica when the primary is gone. The same
+nats-server and redis-server binaries as the single-server stack (redis-server runs as a
+Sentinel with --sentinel). Used by `make run RUN_ARGS=--ha`, the HA tests and `make chaos --ha`.
+
+Every server takes the stack's password (NATS clients and routes, Redis, replication and the
+Sentinels alike) from config files in the stack's private data directory; each has a store
+directory of its own. The clients are given every node (PD_NATS_URL, comma-separated) and the
+Sentinels (PD_REDIS_URL, redis+sentinel://), and find the rest themselves (shared/urls.py).
+
+Process names: nats-0..2, redis (the primary at start), redis-replica, sentinel-0..2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deploy.local.servers import binary, free_port
+
+NODES = 3
+SENTINELS = 3
+SERVICE = "pdserve"             # the Sentinels' name for the primary
+DOWN_AFTER_MS = 1000            # a primary silent this long is down (for a Sentinel; a quorum of 2 agrees)
+FAILOVER_TIMEOUT_MS = 5000
+
+
+@dataclass
+class Ports:
+    nats: list[int] = field(default_factory=lambda: [free_port() for _ in range(NODES)])
+    routes: list[int] = field(default_factory=lambda: [free_port() for _ in range(NODES)])
+    monitor: list[int] = field(default_factory=lambda: [free_port() for _ in range(NODES)])
+    redis: list[int] = field(default_factory=lambda: [free_port() for _ in range(2)])   # primary, replica
+    sentinels: list[int] = field(default_factory=lambda: [free_port() for _ in range(SENTINELS)])
+
+    @classmethod
+    def from_first(cls, nats: int, redis: int) -> Ports:
+        """The first NATS node and the Redis primary on these ports, the rest on free ones."""
+        ports = cls()
+        ports.nats[0], ports.redis[0] = nats, redis
+        return ports
+
+
+def nats_url(ports: Ports, secret: str) -> str:
+    return ",".join(f"nats://pdserve:{secret}@127.0.0.1:{p}" for p in ports.nats)
+
+
+def redis_url(ports: Ports, secret: str) -> str:
+    sentinels = ",".join(f"127.0.0.1:{p}" for p in ports.sentinels)
+    return f"redis+sentinel://:{secret}@{sentinels}/{SERVICE}/0?sentinel_password={secret}"
+
+
+def nats_node(data: Path, ports: Ports, secret: str, i: int) -> list[str]:
+    """Node i of the cluster: its config file written, its command line returned."""
+    routes = ", ".join(f'"nats-route://route:{secret}@127.0.0.1:{p}"' for j, p in enumerate(ports.routes) if j != i)
+    conf = data / f"nats-{i}.conf"
+    conf.write_text(f'server_name: "nats-{i}"\nlisten: "127.0.0.1:{ports.nats[i]}"\n'
+                    f'http: "127.0.0.1:{ports.monitor[i]}"\n'
+                    f'authorization {{ user: pdserve, password: "{secret}" }}\n'
+                    f'jetstream {{ store_dir: "{data / f"nats-{i}"}" }}\n'
+                    f'cluster {{\n  name: "pdserve"\n  listen: "127.0.0.1:{ports.routes[i]}"\n'
+                    f'  authorization {{ user: route, password: "{secret}" }}\n'
+                    # clients are given every node: the cluster need not tell them of the others
+                    f'  no_advertise: true\n  routes: [{routes}]\n}}\n')
+    return [binary("nats-server"), "-c", str(conf)]
+
+
+def redis_node(data: Path, ports: Ports, secret: str, i: int) -> list[str]:
+    """The primary (0) or the replica (1): no persistence, full syncs over the socket."""
+    store = data / ("redis" if i == 0 else "redis-replica")
+    store.mkdir(exist_ok=True)
+    conf = store / "redis.conf"
+    conf.write_text(f"requirepass {secret}\nmasterauth {secret}\n")
+    argv = [binary("redis-server"), str(conf), "--port", str(ports.redis[i]), "--bind", "127.0.0.1",
+            "--save", "", "--appendonly", "no", "--dir", str(store),
+            "--repl-diskless-sync", "yes", "--repl-diskless-sync-delay", "0"]
+    return argv + (["--replicaof", "127.0.0.1", str(ports.redis[0])] if i else [])
+
+
+def sentinel(data: Path, ports: Ports, secret: str, i: int) -> list[str]:
+    """Sentinel i (it rewrites its config file as it learns the replicas and the others)."""
+    conf = data / f"sentinel-{i}.conf"
+    conf.write_text(f"port {ports.sentinels[i]}\nbind 127.0.0.1\ndir {data}\nrequirepass {secret}\n"
+                    f"sentinel monitor {SERVICE} 127.0.0.1 {ports.redis[0]} 2\n"
+                    f"sentinel auth-pass {SERVICE} {secret}\nsentinel sentinel-pass {secret}\n"
+                    f"sentinel down-after-milliseconds {SERVICE} {DOWN_AFTER_MS}\n"
+                    f"sentinel failover-timeout {SERVICE} {FAILOVER_TIMEOUT_MS}\n")
+    return [binary("redis-server"), str(conf), "--sentinel"]
+
+
+def servers(data: Path, ports: Ports, secret: str) -> dict[str, list[str]]:
+    """Every server's command line by process name, in the order to start them."""
+    return {**{f"nats-{i}": nats_node(data, ports, secret, i) for i in range(NODES)},
+            **{name: redis_node(data, ports, secret, i) for i, name in enumerate(("redis", "redis-replica"))},
+            **{f"sentinel-{i}": sentinel(data, ports, secret, i) for i in range(SENTINELS)}}
+
+
+def is_server(name: str) -> bool:
+    """A process of the bus or the store (started first, stopped last)."""
+    return name.startswith(("nats", "redis", "sentinel"))

@@ -1,0 +1,99 @@
+"""What PD_NATS_URL and PD_REDIS_URL name: one NATS server or a cluster's, one Redis or the
+primary a group of Sentinels watches.
+
+    PD_NATS_URL   nats://user:pass@host:4222[,nats://user:pass@host2:4222,...]
+                  one server or several of a cluster: nats-py tries them in turn, learns the
+                  cluster's other servers from the one it reaches, and reconnects to any of them
+    PD_REDIS_URL  redis://[:pass@]host:6379[/db]
+                  redis+sentinel://[:pass@]host:26379[,host2:26379,...]/<service>[/db][?sentinel_password=...]
+                  the primary the Sentinels name for <service>; the password is the primary's
+                  (and its replicas'), sentinel_password the Sentinels' own when they ask for
+                  one. After a failover, a connection that breaks or reaches a replica asks
+                  the Sentinels again (redis-py's Sentinel support)
+
+A malformed URL is a ValueError naming what is wrong, raised when the service starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import redis
+import redis.asyncio as aioredis
+from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+from redis.asyncio.sentinel import SentinelConnectionPool as AsyncSentinelPool
+from redis.sentinel import Sentinel
+
+SENTINEL_SCHEME = "redis+sentinel"
+TIMEOUTS = {"socket_timeout": 5, "socket_connect_timeout": 5}
+
+
+def nats_servers(url: str) -> list[str]:
+    """The servers of a PD_NATS_URL: one, or several separated by commas."""
+    servers = [s.strip() for s in url.split(",") if s.strip()]
+    if not servers:
+        raise ValueError("PD_NATS_URL names no server")
+    for server in servers:
+        if urlsplit(server).scheme not in ("nats", "tls"):
+            raise ValueError(f"PD_NATS_URL: {server!r} is not a nats:// or tls:// URL")
+    return servers
+
+
+@dataclass(frozen=True)
+class SentinelTarget:
+    """A redis+sentinel:// URL, parsed."""
+    sentinels: list[tuple[str, int]]
+    service: str
+    db: int = 0
+    password: str | None = None
+    sentinel_password: str | None = None
+
+
+def sentinel_target(url: str) -> SentinelTarget | None:
+    """The Sentinels, service and credentials of a redis+sentinel:// URL; None for another scheme."""
+    parts = urlsplit(url)
+    if parts.scheme != SENTINEL_SCHEME:
+        return None
+    hosts = parts.netloc.rpartition("@")[2]
+    sentinels = []
+    for host in filter(None, hosts.split(",")):
+        name, _, port = host.rpartition(":")
+        if not name or not port.isdigit():
+            raise ValueError(f"PD_REDIS_URL: Sentinel {host!r} is not host:port")
+        sentinels.append((name, int(port)))
+    if not sentinels:
+        raise ValueError("PD_REDIS_URL names no Sentinel")
+    path = [p for p in parts.path.split("/") if p]
+    if not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
+        raise ValueError("PD_REDIS_URL: a redis+sentinel:// URL ends in /<service> or /<service>/<db>")
+    query = parse_qs(parts.query)
+    return SentinelTarget(sentinels, path[0], int(path[1]) if len(path) == 2 else 0,
+                          unquote(parts.password) if parts.password else None,
+                          query.get("sentinel_password", [None])[0])
+
+
+class _SentinelBlockingPool(AsyncSentinelPool, aioredis.BlockingConnectionPool):
+    """The Sentinels' primary, with a blocking pool's waiting: a burst of calls waits for a
+    connection instead of failing."""
+
+
+def async_redis(url: str, max_connections: int) -> aioredis.Redis:
+    """An asyncio client of PD_REDIS_URL: a blocking pool of at most `max_connections`."""
+    target = sentinel_target(url)
+    if target is None:
+        pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=5, **TIMEOUTS)
+        return aioredis.Redis(connection_pool=pool)
+    sentinels = AsyncSentinel(target.sentinels, sentinel_kwargs={"password": target.sentinel_password, **TIMEOUTS})
+    return sentinels.master_for(target.service, connection_pool_class=_SentinelBlockingPool,
+                                max_connections=max_connections, timeout=5, db=target.db,
+                                password=target.password, **TIMEOUTS)
+
+
+def sync_redis(url: str) -> redis.Redis:
+    """A blocking client of PD_REDIS_URL (operator tools, benchmarks, tests)."""
+    target = sentinel_target(url)
+    if target is None:
+        return redis.Redis.from_url(url, **TIMEOUTS)
+    sentinels = Sentinel(target.sentinels, sentinel_kwargs={"password": target.sentinel_password, **TIMEOUTS})
+    return sentinels.master_for(target.service, db=target.db, password=target.password, **TIMEOUTS)
