@@ -13,6 +13,15 @@ is each request's reference output. Then, per scenario, all requests run again a
   restart-nats   kill -9 of nats-server, started again (JetStream store kept)
   restart-redis  kill -9 of redis-server, started again empty (no persistence)
 
+and on a second stack with the bus and the store as a fleet runs them (deploy/local/ha.py:
+a 3-node NATS cluster, the prefill job stream on all 3; a Redis primary and a replica under
+3 Sentinels), the same workers and load:
+
+  kill-nats-node      kill -9 of the NATS node the gateway is connected to (every client on it
+                      moves to another node; the node is started again after the load)
+  kill-redis-primary  kill -9 of the Redis primary: the Sentinels promote the replica (the old
+                      primary is started again after the load and becomes its replica)
+
 A request is *lost* if it does not complete (an error status or an error in the stream),
 *mismatched* if its tokens differ from its reference in any way (a repeated or missing token
 included). Afterwards every worker still up must return to an empty KV pool (*leaked
@@ -54,15 +63,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import redis
 
 from bench.chaos_measure import Stream, cost
+from deploy.local import ha
 from deploy.local.stack import Stack, StackConfig
 from shared.state import WORKERS, log_key, worker_key
+from shared.subjects import PREFILL_STREAM
 from shared.urls import sync_redis
 
 MODEL = "SmolLM2-135M-Instruct"
 RESULTS = Path(__file__).parent / "results" / "chaos.json"
 SCENARIOS = ("kill-prefill", "kill-decode", "kill-prefill-pool", "restart-nats", "restart-redis")
+HA_SCENARIOS = ("kill-nats-node", "kill-redis-primary")   # on the HA stack
 WORKERS_UP = {"prefill-0", "prefill-1", "decode-0", "decode-1"}
 ENV = {"PD_HEARTBEAT_S": "0.5", "PD_FAILOVER_CHECK_S": "0.5", "PD_KV_TIMEOUT_S": "30"}
 
@@ -162,6 +175,10 @@ def strike(stack: Stack, scenario: str) -> list[str]:
                        key=lambda w: w["running"] + w["waiting"])["worker_id"]]
     elif scenario == "kill-prefill-pool":
         victims = sorted(w for w in WORKERS_UP if w.startswith("prefill"))
+    elif scenario == "kill-nats-node":
+        victims = [gateway_node(stack)]
+    elif scenario == "kill-redis-primary":
+        victims = [redis_primary(stack)]
     else:
         victims = [scenario.removeprefix("restart-")]
     for victim in victims:
@@ -171,6 +188,50 @@ def strike(stack: Stack, scenario: str) -> list[str]:
         if victim in ("nats", "redis"):   # the bus and the store come back at once; workers come back later
             stack.restart(victim)
     return victims
+
+
+def gateway_node(stack: Stack) -> str:
+    """The NATS node the gateway is connected to (from each node's /connz)."""
+    assert stack.ha_ports
+    for i, port in enumerate(stack.ha_ports.monitor):
+        try:
+            conns = httpx.get(f"http://127.0.0.1:{port}/connz?limit=4096", timeout=5).json()["connections"]
+        except httpx.HTTPError:
+            continue
+        if any(c.get("name") == "gateway" for c in conns or []):
+            return f"nats-{i}"
+    raise RuntimeError("the gateway is connected to no NATS node")
+
+
+def redis_primary(stack: Stack) -> str:
+    """The process the Sentinels name as the primary now."""
+    assert stack.ha_ports
+    _, port = sync_redis(stack.redis_url).connection_pool.get_master_address()
+    return "redis" if port == stack.ha_ports.redis[0] else "redis-replica"
+
+
+def rejoin(stack: Stack, server: str, timeout_s: float = 60) -> None:
+    """Start a server of the HA stack the fault killed again and wait until it serves its part:
+    a NATS node back in the cluster with the prefill stream on it, a Redis node a replica of
+    the new primary with its link up (the Sentinels reconfigure it)."""
+    assert stack.ha_ports
+    stack.restart(server)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError, redis.RedisError, KeyError, ValueError):
+            if server.startswith("nats"):
+                port = stack.ha_ports.monitor[int(server.split("-")[1])]
+                streams = httpx.get(f"http://127.0.0.1:{port}/jsz?streams=true", timeout=2).json()
+                if any(s["name"] == PREFILL_STREAM for a in streams["account_details"]
+                       for s in a.get("stream_detail", [])):
+                    return
+            else:
+                port = stack.ha_ports.redis[0 if server == "redis" else 1]
+                info = redis.Redis(port=port, password=stack.secret, socket_timeout=2).info("replication")
+                if info["role"] == "slave" and info["master_link_status"] == "up":
+                    return
+        time.sleep(0.3)
+    raise RuntimeError(f"{server} did not rejoin within {timeout_s} s")
 
 
 def moves(stack: Stack) -> dict[str, float]:
@@ -221,6 +282,8 @@ async def scenario_run(stack: Stack, scenario: str, requests, reference: list[Ou
     collateral = {n: p.returncode for n, p in stack.procs.items() if n not in victims and p.poll() is not None}
     for name in collateral:   # back, so that the next scenario starts whole
         stack.restart(name)
+    for server in (v for v in victims if ha.is_server(v) and stack.procs[v].poll() is not None):
+        await asyncio.to_thread(rejoin, stack, server)
     taken = await asyncio.to_thread(settle, stack, survivors)
     if WORKERS_UP - survivors:   # back for the next scenario
         for victim in sorted(WORKERS_UP - survivors):
@@ -251,13 +314,25 @@ def neighbour(busy: bool):
 
 
 async def main_async(args) -> list[dict]:
+    """Each scenario of args.scenarios on its stack: the single-server one first, then the HA one."""
+    results = []
+    for on_ha in (False, True):
+        scenarios = [s for s in args.scenarios if (s in HA_SCENARIOS) == on_ha]
+        if scenarios:
+            results += await on_stack(args, scenarios, on_ha)
+    return results
+
+
+async def on_stack(args, scenarios: list[str], on_ha: bool) -> list[dict]:
     requests = prompts(args.requests)
     log_dir = Path(tempfile.mkdtemp(prefix="pdserve-chaos-"))
-    cfg = StackConfig.on_free_ports(prefill=2, decode=2, kv_blocks=args.kv_blocks, log_dir=log_dir, env=ENV)
+    cfg = StackConfig.on_free_ports(prefill=2, decode=2, kv_blocks=args.kv_blocks, log_dir=log_dir, env=ENV,
+                                    ha=on_ha)
     results = []
-    with neighbour(getattr(args, "busy", False)), Stack(cfg) as stack:
-        print(f"stack up: 2 prefill + 2 decode{' beside a busy neighbour' if getattr(args, 'busy', False) else ''}; "
-              f"logs in {log_dir}", flush=True)
+    busy = getattr(args, "busy", False)
+    with neighbour(busy), Stack(cfg) as stack:
+        print(f"stack up: 2 prefill + 2 decode{' on the HA bus and store' if on_ha else ''}"
+              f"{' beside a busy neighbour' if busy else ''}; logs in {log_dir}", flush=True)
         t0 = time.monotonic()
         reference = await run_all(stack.url, requests, args.max_tokens)
         reference_s = time.monotonic() - t0
@@ -265,8 +340,9 @@ async def main_async(args) -> list[dict]:
         if bad:
             sys.exit(f"the run without faults failed for {len(bad)} requests: {reference[bad[0]].error}")
         await asyncio.to_thread(settle, stack, WORKERS_UP)
-        for scenario in args.scenarios:
+        for scenario in scenarios:
             r = await scenario_run(stack, scenario, requests, reference, args.max_tokens, reference_s)
+            r["stack"] = "ha" if on_ha else "single"
             results.append(r)
             print(f"chaos: requests={r['requests']} lost={r['lost']} mismatched={r['mismatched']} "
                   f"leaked_blocks={r['leaked_blocks']} scenario={scenario} recovery_s={r['recovery_s']} "
@@ -286,11 +362,11 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=100)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--kv-blocks", type=int, default=1024)
-    ap.add_argument("--scenarios", type=lambda s: s.split(","), default=list(SCENARIOS))
+    ap.add_argument("--scenarios", type=lambda s: s.split(","), default=list(SCENARIOS + HA_SCENARIOS))
     ap.add_argument("--busy", action="store_true", help="beside a process spinning on a core for the whole run; "
                     "writes bench/results/chaos-busy.json")
     args = ap.parse_args()
-    unknown = set(args.scenarios) - set(SCENARIOS)
+    unknown = set(args.scenarios) - set(SCENARIOS) - set(HA_SCENARIOS)
     if unknown:
         sys.exit(f"unknown scenarios: {', '.join(sorted(unknown))}")
     results = asyncio.run(main_async(args))

@@ -200,6 +200,10 @@ class PrefillWorker:
             msgs = await pull.fetch(self.settings.max_jobs - len(self.jobs), timeout=wait_s)
         except (TimeoutError, nats.errors.TimeoutError):  # no job waiting
             return
+        except nats.errors.Error as e:  # JetStream unavailable for now (its stream or consumer electing a
+            log.warning("taking jobs: %s; asking again", e)  # leader as a cluster node goes or comes back),
+            await asyncio.sleep(wait_s)                       # or this connection away: the jobs stay queued
+            return
         for msg in msgs:
             job = PrefillJob.decode(msg.data)
             queued = msg.metadata.timestamp.timestamp() if msg.metadata.timestamp else time.time()

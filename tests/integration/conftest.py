@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import subprocess
 import tempfile
+from pathlib import Path
 
 import pytest
 
+from deploy.local import ha
 from deploy.local.servers import binary, free_port, wait_for_port
 
 
@@ -33,3 +35,21 @@ def nats_url():
         yield f"nats://127.0.0.1:{port}"
         proc.terminate()
         proc.wait()
+
+
+@pytest.fixture
+def ha_servers():
+    """A fresh 3-node NATS cluster and a Redis primary + replica under 3 Sentinels
+    (deploy/local/ha.py): (ports, password, processes by name)."""
+    ports, secret = ha.Ports(), "ha-test-password"
+    with tempfile.TemporaryDirectory() as d:
+        procs = {name: subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                 for name, argv in ha.servers(Path(d), ports, secret).items()}
+        try:
+            for port in ports.nats + ports.redis + ports.sentinels:
+                wait_for_port(port)
+            yield ports, secret, procs
+        finally:
+            for proc in procs.values():
+                proc.kill()
+                proc.wait()

@@ -1,0 +1,37 @@
+"""PD_NATS_URL and PD_REDIS_URL (shared/urls.py): a cluster's servers, a Sentinel-watched
+primary, and a malformed URL refused at start naming what is wrong."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from shared.config import Common
+from shared.urls import SentinelTarget, nats_servers, sentinel_target
+
+
+def test_a_cluster_is_its_servers_separated_by_commas():
+    assert nats_servers("nats://u:p@10.0.0.1:4222, nats://u:p@10.0.0.2:4222,") == [
+        "nats://u:p@10.0.0.1:4222", "nats://u:p@10.0.0.2:4222"]
+    assert nats_servers("nats://127.0.0.1:4222") == ["nats://127.0.0.1:4222"]
+
+
+def test_a_sentinel_url_names_the_sentinels_the_service_the_db_and_both_passwords():
+    url = "redis+sentinel://:p%40ss@10.0.0.1:26379,10.0.0.2:26380/pdserve/2?sentinel_password=s"
+    assert sentinel_target(url) == SentinelTarget([("10.0.0.1", 26379), ("10.0.0.2", 26380)], "pdserve", 2,
+                                                  "p@ss", "s")
+    assert sentinel_target("redis+sentinel://h:26379/mymaster") == SentinelTarget([("h", 26379)], "mymaster")
+    assert sentinel_target("redis://:p@h:6379/0") is None
+
+
+@pytest.mark.parametrize("field,url,says", [
+    ("nats_url", "", "names no server"),
+    ("nats_url", "nats://a:4222,http://b:4222", "not a nats://"),
+    ("redis_url", "redis+sentinel://h:26379", "ends in /<service>"),
+    ("redis_url", "redis+sentinel://h:26379/a/b/c", "ends in /<service>"),
+    ("redis_url", "redis+sentinel://h/pdserve", "is not host:port"),
+    ("redis_url", "redis+sentinel:///pdserve", "names no Sentinel"),
+])
+def test_a_malformed_url_fails_the_settings_naming_what_is_wrong(field, url, says):
+    with pytest.raises(ValidationError, match=says):
+        Common(**{field: url})
