@@ -1,6 +1,7 @@
-"""Two hosts on one machine for the transfer bench: network namespaces joined by a veth pair
+"""Hosts on one machine: network namespaces joined by a veth pair for the transfer bench
 (as tests/stack/test_netns.py does), so TCP crosses a network device with its MTU instead of
-loopback. Needs root and `ip netns`; `veth_pair()` raises NoNetns with the reason otherwise.
+loopback, or several linked to one bridge, a switch (`bridged()`, the multi-host stack test).
+Needs root and `ip netns`; both raise NoNetns with the reason otherwise.
 
 A process enters a namespace with `enter(name)`: setns(2), then, as `ip netns exec` does, a
 mount namespace of its own with /sys mounted afresh, where UCX looks for network devices (a
@@ -16,6 +17,7 @@ import os
 import shutil
 import subprocess
 import uuid
+from dataclasses import dataclass
 
 A_IP, B_IP = "10.231.78.1", "10.231.78.2"
 CLONE_NEWNET, CLONE_NEWNS = 0x40000000, 0x00020000
@@ -57,6 +59,63 @@ def veth_pair(mtu: int = 1500):
     finally:
         for ns in made:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+SUBNET = "10.231.80"   # bridged(): the switch is .1, the hosts .10 on
+DEVICE = "eth0"        # bridged(): each host's end of its link, as named inside its namespace
+
+
+@dataclass(frozen=True)
+class Link:
+    """A host of bridged(): its network namespace, its address, and its link's end on the
+    switch (set it down to cut the host off, as a pulled cable or a failed switch port)."""
+    netns: str
+    ip: str
+    port: str
+
+
+@contextlib.contextmanager
+def bridged(names: list[str]):
+    """One network namespace per name, each linked to a bridge in this namespace (the switch,
+    address SUBNET.1) by a veth pair; yields a Link per name, all removed after."""
+    if shutil.which("ip") is None or os.geteuid() != 0:
+        raise NoNetns("network namespaces need root and iproute2")
+    tag = uuid.uuid4().hex[:5]
+    bridge, made, links = f"pdbr{tag}", [], {}
+    try:
+        _ip("link", "add", bridge, "type", "bridge")
+        made.append(("link", bridge))
+        _ip("addr", "add", f"{SUBNET}.1/24", "dev", bridge)
+        _ip("link", "set", bridge, "up")
+        for i, name in enumerate(names):
+            ns, port, end = f"pdh{tag}{i}", f"pds{tag}{i}", f"pdt{tag}{i}"
+            _ip("netns", "add", ns)
+            made.append(("netns", ns))
+            _ip("link", "add", port, "type", "veth", "peer", "name", end)
+            _ip("link", "set", end, "netns", ns)
+            _ip("link", "set", port, "master", bridge, "up")
+            _ip("link", "set", end, "name", DEVICE, ns=ns)
+            _ip("addr", "add", f"{SUBNET}.{10 + i}/24", "dev", DEVICE, ns=ns)
+            _ip("link", "set", DEVICE, "up", ns=ns)
+            _ip("link", "set", "lo", "up", ns=ns)
+            links[name] = Link(ns, f"{SUBNET}.{10 + i}", port)
+        yield links
+    finally:
+        for kind, what in reversed(made):  # a namespace's removal takes its link's ends with it
+            subprocess.run(["ip", "netns", "del", what] if kind == "netns" else ["ip", "link", "del", what],
+                           capture_output=True)
+
+
+def set_link(link: Link, up: bool) -> None:
+    """Cut a host off the switch, or join it again."""
+    _ip("link", "set", link.port, "up" if up else "down")
+
+
+def rx_bytes(link: Link) -> int:
+    """Bytes the host has received over its link."""
+    out = subprocess.run(["ip", "netns", "exec", link.netns, "cat", f"/sys/class/net/{DEVICE}/statistics/rx_bytes"],
+                         capture_output=True, text=True, check=True)
+    return int(out.stdout)
 
 
 libc = ctypes.CDLL(None, use_errno=True)

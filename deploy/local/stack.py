@@ -29,6 +29,14 @@ from deploy.local.servers import binary, die_with_parent, free_port
 from services.router.recent import REGISTRY_READ_S
 
 
+@dataclass(frozen=True)
+class Host:
+    """A host of the stack other than this machine's loopback: a network namespace (made by
+    the caller, e.g. tests/stack/test_hosts.py) and its address."""
+    netns: str
+    ip: str
+
+
 @dataclass
 class StackConfig:
     prefill: int = 1
@@ -47,6 +55,7 @@ class StackConfig:
     env: dict[str, str] = field(default_factory=dict)
     worker_env: dict[str, dict[str, str]] = field(default_factory=dict)  # by process name, on top of env
     cpus: dict[str, set[int]] = field(default_factory=dict)  # by process name: CPU affinity (benchmark arms)
+    hosts: dict[str, Host] = field(default_factory=dict)     # by process name: where it runs (else 127.0.0.1)
 
     @classmethod
     def on_free_ports(cls, **kw) -> StackConfig:
@@ -69,32 +78,40 @@ class Stack:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.cfg.gateway_port}"
+        return f"http://{self.ip('gateway')}:{self.cfg.gateway_port}"
 
     @property
     def nats_url(self) -> str:
         if self.ha_ports:
             return ha.nats_url(self.ha_ports, self.secret)
-        return f"nats://pdserve:{self.secret}@127.0.0.1:{self.cfg.nats_port}"
+        return f"nats://pdserve:{self.secret}@{self.ip('nats')}:{self.cfg.nats_port}"
 
     @property
     def redis_url(self) -> str:
         if self.ha_ports:
             return ha.redis_url(self.ha_ports, self.secret)
-        return f"redis://:{self.secret}@127.0.0.1:{self.cfg.redis_port}/0"
+        return f"redis://:{self.secret}@{self.ip('redis')}:{self.cfg.redis_port}/0"
+
+    def ip(self, name: str) -> str:
+        """The address of the host process `name` runs on."""
+        host = self.cfg.hosts.get(name)
+        return host.ip if host else "127.0.0.1"
 
     def service_env(self) -> dict[str, str]:
         c = self.cfg
         workers = (0 if c.colocated else c.prefill) + c.decode
         threads = c.threads or max(1, (os.cpu_count() or 1) // max(1, workers))
         return {**os.environ, "PD_NATS_URL": self.nats_url, "PD_REDIS_URL": self.redis_url, "PD_MODEL": c.model,
-                "PD_GATEWAY_PORT": str(c.gateway_port), "PD_KV_BLOCKS": str(c.kv_blocks),
+                "PD_GATEWAY_HOST": self.ip("gateway"), "PD_GATEWAY_PORT": str(c.gateway_port),
+                "PD_KV_BLOCKS": str(c.kv_blocks),
                 "PD_THREADS": str(threads), "PD_REQUIRE_PREFILL": str(not c.colocated).lower(),
                 "PD_STREAM_REPLICAS": str(ha.NODES if c.ha else 1),
                 "UCX_WARN_UNUSED_ENV_VARS": "n", "PYTHONUNBUFFERED": "1", **c.env}
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         self.argv[name] = (argv, env)
+        if name in self.cfg.hosts:  # on its host: in its network namespace (ip netns exec execs the command)
+            argv = ["ip", "netns", "exec", self.cfg.hosts[name].netns, *argv]
         log = open(self.log_dir / f"{name}.log", "ab")
         cpus = self.cfg.cpus.get(name)
 
@@ -118,7 +135,7 @@ class Stack:
     def metrics_url(self, name: str) -> str:
         if name == "gateway":
             return self.url + "/metrics"
-        return f"http://127.0.0.1:{self.metrics_ports[name]}/metrics"
+        return f"http://{self.ip(name)}:{self.metrics_ports[name]}/metrics"
 
     def start(self, ready_timeout_s: float = 240) -> Stack:
         c = self.cfg
@@ -148,12 +165,12 @@ class Stack:
         nats_conf, redis_conf = self.data / "nats.conf", self.data / "redis.conf"
         nats_conf.write_text(f'authorization {{ user: pdserve, password: "{self.secret}" }}\n')
         redis_conf.write_text(f"requirepass {self.secret}\n")
-        self.spawn("nats", [binary("nats-server"), "-c", str(nats_conf), "-js", "-a", "127.0.0.1",
+        self.spawn("nats", [binary("nats-server"), "-c", str(nats_conf), "-js", "-a", self.ip("nats"),
                             "-p", str(c.nats_port), "-sd", str(self.data / "nats")])
         self.spawn("redis", [binary("redis-server"), str(redis_conf), "--port", str(c.redis_port),
-                             "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(self.data)])
-        for port in (c.nats_port, c.redis_port):
-            self.wait_port(port, 20)
+                             "--bind", self.ip("redis"), "--save", "", "--appendonly", "no", "--dir", str(self.data)])
+        self.wait_port(c.nats_port, 20, self.ip("nats"))
+        self.wait_port(c.redis_port, 20, self.ip("redis"))
 
     def restart(self, name: str, kill: bool = True) -> subprocess.Popen:
         """Stop a process (SIGKILL, or SIGTERM and wait) and start it again as it was started."""
@@ -163,11 +180,11 @@ class Stack:
         argv, env = self.argv[name]
         return self.spawn(name, argv, env)
 
-    def wait_port(self, port: int, timeout_s: float) -> None:
+    def wait_port(self, port: int, timeout_s: float, host: str = "127.0.0.1") -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
+                if s.connect_ex((host, port)) == 0:
                     return
             time.sleep(0.05)
         raise TimeoutError(f"nothing listening on port {port} after {timeout_s} s; logs in {self.log_dir}")
