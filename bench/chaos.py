@@ -22,6 +22,14 @@ a 3-node NATS cluster, the prefill job stream on all 3; a Redis primary and a re
   kill-redis-primary  kill -9 of the Redis primary: the Sentinels promote the replica (the old
                       primary is started again after the load and becomes its replica)
 
+and on a third with every process on a host of its own (network namespaces on one switch,
+bench/netns.py; workers share no memory: UCX over TCP on their host's link), where there is
+root and `ip netns` (otherwise reported skipped):
+
+  cut-decode-host     the link of the host of the decode worker with the most running
+                      sequences goes down for CUT_S (longer than its lease), then up again:
+                      its streams move, and back on the network it must end what it held
+
 A request is *lost* if it does not complete (an error status or an error in the stream),
 *mismatched* if its tokens differ from its reference in any way (a repeated or missing token
 included). Afterwards every worker still up must return to an empty KV pool (*leaked
@@ -65,9 +73,10 @@ from pathlib import Path
 import httpx
 import redis
 
+from bench import netns
 from bench.chaos_measure import Stream, cost
 from deploy.local import ha
-from deploy.local.stack import Stack, StackConfig
+from deploy.local.stack import Host, Stack, StackConfig
 from shared.state import WORKERS, log_key, worker_key
 from shared.subjects import PREFILL_STREAM
 from shared.urls import sync_redis
@@ -76,6 +85,8 @@ MODEL = "SmolLM2-135M-Instruct"
 RESULTS = Path(__file__).parent / "results" / "chaos.json"
 SCENARIOS = ("kill-prefill", "kill-decode", "kill-prefill-pool", "restart-nats", "restart-redis")
 HA_SCENARIOS = ("kill-nats-node", "kill-redis-primary")   # on the HA stack
+HOST_SCENARIOS = ("cut-decode-host",)                      # with a host per process
+CUT_S = 5.0   # how long a host is cut off: over three leases (ENV's heartbeat 0.5 s)
 WORKERS_UP = {"prefill-0", "prefill-1", "decode-0", "decode-1"}
 ENV = {"PD_HEARTBEAT_S": "0.5", "PD_FAILOVER_CHECK_S": "0.5", "PD_KV_TIMEOUT_S": "30"}
 
@@ -164,9 +175,13 @@ def settle(stack: Stack, expect: set[str], timeout_s: float = 45) -> dict[str, i
     return taken
 
 
-def strike(stack: Stack, scenario: str) -> list[str]:
+def strike(stack: Stack, scenario: str, links: dict[str, netns.Link]) -> list[str]:
     """The fault; returns the names of the processes hit."""
     now = pools(stack)
+    if scenario == "cut-decode-host":
+        victim = max((w for w in now.values() if w["role"] == "decode"), key=lambda w: w["running"])["worker_id"]
+        netns.set_link(links[victim], up=False)
+        return [victim]
     if scenario == "kill-prefill":
         victims = [max((w for w in now.values() if w["role"] == "prefill"),
                        key=lambda w: w["queued_tokens"])["worker_id"]]
@@ -257,7 +272,7 @@ def moves(stack: Stack) -> dict[str, float]:
 
 
 async def scenario_run(stack: Stack, scenario: str, requests, reference: list[Outcome], max_tokens: int,
-                       reference_s: float) -> dict:
+                       reference_s: float, links: dict[str, netns.Link]) -> dict:
     before = await asyncio.to_thread(moves, stack)
     started = asyncio.Event()
     trigger = max(1, len(requests) // (10 if scenario.startswith("kill-prefill") else 3))
@@ -265,7 +280,11 @@ async def scenario_run(stack: Stack, scenario: str, requests, reference: list[Ou
     load = asyncio.create_task(run_all(stack.url, requests, max_tokens, started, trigger))
     await asyncio.wait({asyncio.create_task(started.wait()), load}, return_when=asyncio.FIRST_COMPLETED)
     fault_at = time.monotonic()
-    victims = await asyncio.to_thread(strike, stack, scenario)
+    hit = await asyncio.to_thread(strike, stack, scenario, links)
+    victims = [] if scenario in HOST_SCENARIOS else hit   # a host cut off: its processes live on
+    if scenario in HOST_SCENARIOS:
+        await asyncio.sleep(CUT_S)
+        netns.set_link(links[hit[0]], up=True)
     outcomes = await load
     took = time.monotonic() - started_at
     after = await asyncio.to_thread(moves, stack)
@@ -289,7 +308,7 @@ async def scenario_run(stack: Stack, scenario: str, requests, reference: list[Ou
         for victim in sorted(WORKERS_UP - survivors):
             stack.restart(victim)
         await asyncio.to_thread(settle, stack, WORKERS_UP, 120)
-    return {"scenario": scenario, "victim": "+".join(victims), "collateral": collateral, "requests": len(requests),
+    return {"scenario": scenario, "victim": "+".join(hit), "collateral": collateral, "requests": len(requests),
             "lost": len(lost),
             "mismatched": len(mismatched), "leaked_blocks": sum(max(0, n) for n in taken.values()),
             "recovery_s": round(max(waits, default=0.0), 2), "extra_s": round(took - reference_s, 2),
@@ -316,23 +335,46 @@ def neighbour(busy: bool):
 async def main_async(args) -> list[dict]:
     """Each scenario of args.scenarios on its stack: the single-server one first, then the HA one."""
     results = []
-    for on_ha in (False, True):
-        scenarios = [s for s in args.scenarios if (s in HA_SCENARIOS) == on_ha]
-        if scenarios:
-            results += await on_stack(args, scenarios, on_ha)
+    for kind, theirs in (("single", SCENARIOS), ("ha", HA_SCENARIOS), ("hosts", HOST_SCENARIOS)):
+        scenarios = [s for s in args.scenarios if s in theirs]
+        if not scenarios:
+            continue
+        try:
+            with placed(kind) as (hosts, links):
+                results += await on_stack(args, scenarios, kind, hosts, links)
+        except netns.NoNetns as e:
+            print(f"chaos: skipped {', '.join(scenarios)}: no separate hosts here ({e})", flush=True)
+            results += [{"scenario": s, "stack": kind, "skipped": str(e)} for s in scenarios]
     return results
 
 
-async def on_stack(args, scenarios: list[str], on_ha: bool) -> list[dict]:
+@contextlib.contextmanager
+def placed(kind: str):
+    """Where each process runs: (StackConfig.hosts, the hosts' links); a host per process for
+    "hosts" (NoNetns where that cannot be made), all on this machine's loopback otherwise."""
+    if kind != "hosts":
+        yield {}, {}
+        return
+    with netns.bridged(["hub", *sorted(WORKERS_UP)]) as links:
+        hub = Host(links["hub"].netns, links["hub"].ip)
+        yield ({**{n: hub for n in ("nats", "redis", "router", "gateway")},
+                **{w: Host(links[w].netns, links[w].ip) for w in WORKERS_UP}}, links)
+
+
+async def on_stack(args, scenarios: list[str], kind: str, hosts: dict[str, Host],
+                   links: dict[str, netns.Link]) -> list[dict]:
     requests = prompts(args.requests)
     log_dir = Path(tempfile.mkdtemp(prefix="pdserve-chaos-"))
+    apart = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": netns.DEVICE}  # no shared memory between hosts
     cfg = StackConfig.on_free_ports(prefill=2, decode=2, kv_blocks=args.kv_blocks, log_dir=log_dir, env=ENV,
-                                    ha=on_ha)
+                                    ha=kind == "ha", hosts=hosts, worker_env={w: apart for w in hosts
+                                                                             if w in WORKERS_UP})
     results = []
     busy = getattr(args, "busy", False)
     with neighbour(busy), Stack(cfg) as stack:
-        print(f"stack up: 2 prefill + 2 decode{' on the HA bus and store' if on_ha else ''}"
-              f"{' beside a busy neighbour' if busy else ''}; logs in {log_dir}", flush=True)
+        where = {"single": "", "ha": " on the HA bus and store", "hosts": " each on a host of its own"}[kind]
+        print(f"stack up: 2 prefill + 2 decode{where}{' beside a busy neighbour' if busy else ''}; "
+              f"logs in {log_dir}", flush=True)
         t0 = time.monotonic()
         reference = await run_all(stack.url, requests, args.max_tokens)
         reference_s = time.monotonic() - t0
@@ -341,8 +383,8 @@ async def on_stack(args, scenarios: list[str], on_ha: bool) -> list[dict]:
             sys.exit(f"the run without faults failed for {len(bad)} requests: {reference[bad[0]].error}")
         await asyncio.to_thread(settle, stack, WORKERS_UP)
         for scenario in scenarios:
-            r = await scenario_run(stack, scenario, requests, reference, args.max_tokens, reference_s)
-            r["stack"] = "ha" if on_ha else "single"
+            r = await scenario_run(stack, scenario, requests, reference, args.max_tokens, reference_s, links)
+            r["stack"] = kind
             results.append(r)
             print(f"chaos: requests={r['requests']} lost={r['lost']} mismatched={r['mismatched']} "
                   f"leaked_blocks={r['leaked_blocks']} scenario={scenario} recovery_s={r['recovery_s']} "
@@ -362,11 +404,11 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=100)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--kv-blocks", type=int, default=1024)
-    ap.add_argument("--scenarios", type=lambda s: s.split(","), default=list(SCENARIOS + HA_SCENARIOS))
+    ap.add_argument("--scenarios", type=lambda s: s.split(","), default=list(SCENARIOS + HA_SCENARIOS + HOST_SCENARIOS))
     ap.add_argument("--busy", action="store_true", help="beside a process spinning on a core for the whole run; "
                     "writes bench/results/chaos-busy.json")
     args = ap.parse_args()
-    unknown = set(args.scenarios) - set(SCENARIOS) - set(HA_SCENARIOS)
+    unknown = set(args.scenarios) - set(SCENARIOS + HA_SCENARIOS + HOST_SCENARIOS)
     if unknown:
         sys.exit(f"unknown scenarios: {', '.join(sorted(unknown))}")
     results = asyncio.run(main_async(args))
@@ -374,7 +416,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"config": vars(args), "scenarios": results}, indent=2))
     print(f"wrote {out}")
-    sys.exit(1 if any(r["lost"] or r["mismatched"] or r["leaked_blocks"] or r["collateral"] for r in results) else 0)
+    sys.exit(1 if any(r.get("lost") or r.get("mismatched") or r.get("leaked_blocks") or r.get("collateral")
+                      for r in results) else 0)
 
 
 if __name__ == "__main__":
