@@ -63,6 +63,22 @@ REGISTRY_SEQ = "pd:registry:seq"          # counts registry changes (heartbeats,
 REGISTRY_CHANGES = "pd:registry:changes"  # sorted set: worker id by the number of its latest change
 REGISTRY_EPOCH = "pd:registry:epoch"      # set with the first change: a Redis that restarted empty has another
 DEADLINES = "pd:deadlines"
+# Deadlines are scored on Redis's clock, not the writer's: a fleet's hosts' clocks differ, and
+# the supervisor (on another host) compares every deadline with one "now". ARGV: seconds from
+# now, 'set' (any) or 'push' (only later, only those still there), the request ids.
+SET_DEADLINES = """
+local t = redis.call('TIME')
+local at = tonumber(t[1]) + tonumber(t[2]) / 1000000 + tonumber(ARGV[1])
+for i = 3, #ARGV do
+  if ARGV[2] == 'push' then redis.call('ZADD', KEYS[1], 'XX', 'GT', at, ARGV[i])
+  else redis.call('ZADD', KEYS[1], at, ARGV[i]) end
+end
+return at
+"""
+OVERDUE = """
+local t = redis.call('TIME')
+return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', tonumber(t[1]) + tonumber(t[2]) / 1000000, 'LIMIT', 0, ARGV[1])
+"""
 GATEWAYS = "pd:gateways"   # gateways that have filed requests (the supervisor's list to check)
 
 
@@ -299,7 +315,7 @@ class State:
                 if fields.get("owner"):
                     p.srem(owned_key(str(fields["owner"])), request_id)
             elif deadline_s is not None:
-                p.zadd(DEADLINES, {request_id: now + deadline_s})
+                p.eval(SET_DEADLINES, 1, DEADLINES, deadline_s, "set", request_id)  # (text: no NOSCRIPT to retry)
             if phase == "received" and fields.get("owner"):
                 p.sadd(owned_key(str(fields["owner"])), request_id)
                 p.sadd(GATEWAYS, str(fields["owner"]))
@@ -317,14 +333,13 @@ class State:
     async def progressed(self, request_ids: list[str], deadline_s: float) -> None:
         """These requests advanced: push their deadlines on (only those still in flight)."""
         if request_ids:
-            until = time.time() + deadline_s
-            await self.r.zadd(DEADLINES, {rid: until for rid in request_ids}, xx=True, gt=True)
+            await self.script(SET_DEADLINES)(keys=[DEADLINES], args=[deadline_s, "push", *request_ids])
 
     async def overdue(self, limit: int = 100) -> list[str]:
-        return [r.decode() for r in await self.r.zrangebyscore(DEADLINES, "-inf", time.time(), start=0, num=limit)]
+        return [r.decode() for r in await self.script(OVERDUE)(keys=[DEADLINES], args=[limit])]
 
     async def postpone(self, request_id: str, deadline_s: float) -> None:
-        await self.r.zadd(DEADLINES, {request_id: time.time() + deadline_s}, xx=True, gt=True)
+        await self.script(SET_DEADLINES)(keys=[DEADLINES], args=[deadline_s, "push", request_id])
 
     async def forget(self, request_id: str) -> None:
         await self.r.zrem(DEADLINES, request_id)
