@@ -21,6 +21,16 @@ def node_of(bus: Bus, ports: ha.Ports) -> int:
     return ports.nats.index(bus.nc.connected_url.port)
 
 
+async def retried(call, deadline: float):
+    """`call()` until it succeeds (JetStream answers nothing while it elects a leader)."""
+    while True:
+        try:
+            return await call()
+        except Exception:  # noqa: BLE001 - no leader yet
+            assert time.monotonic() < deadline, "JetStream did not recover from the loss of a node"
+            await asyncio.sleep(0.2)
+
+
 def test_a_queued_job_outlives_the_node_it_was_sent_to(ha_servers):
     ports, secret, procs = ha_servers
 
@@ -36,14 +46,10 @@ def test_a_queued_job_outlives_the_node_it_was_sent_to(ha_servers):
             assert time.monotonic() < deadline, "the client did not move to another node"
             await asyncio.sleep(0.1)
         then = node_of(bus, ports)
-        while True:  # the stream elects a new leader if it was on the lost node
-            try:
-                await bus.js.publish(subjects.prefill_jobs("prefill-0"), b"job-2", timeout=2)
-                break
-            except Exception:  # noqa: BLE001 - no leader yet
-                assert time.monotonic() < deadline, "the stream took no job after losing a node"
-                await asyncio.sleep(0.2)
-        pull = await bus.js.pull_subscribe(subjects.prefill_jobs("prefill-0"), durable="prefill-0")
+        # the cluster and the stream elect new leaders if theirs were on the lost node
+        await retried(lambda: bus.js.publish(subjects.prefill_jobs("prefill-0"), b"job-2", timeout=2), deadline)
+        pull = await retried(lambda: bus.js.pull_subscribe(subjects.prefill_jobs("prefill-0"), durable="prefill-0"),
+                             deadline)
         got = [m.data for m in await pull.fetch(2, timeout=10)]
         await bus.close()
         return info.config.num_replicas, len(info.cluster.replicas) + 1, first, then, got
