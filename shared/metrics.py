@@ -13,9 +13,13 @@ inter-token latency = the gap before each later chunk of tokens; time per output
 from __future__ import annotations
 
 import logging
+import threading
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
+from shared import probes
 from shared.messages import WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -83,13 +87,31 @@ def worker(info: WorkerInfo) -> None:
 
 
 def serve(port: int, host: str = "0.0.0.0") -> int:
-    """`/metrics` on its own port (router and workers; the gateway mounts it on its app).
-    Returns the port, 0 when off or taken (logged: metrics are not worth a failed start)."""
+    """`/metrics` on its own port (router and workers; the gateway mounts it on its app), with
+    `/health` and `/ready` beside it (shared/probes.py). Returns the port, 0 when off or taken
+    (logged: metrics are not worth a failed start)."""
     if not port:
         return 0
+    scrape = make_wsgi_app(REGISTRY)
+
+    def app(environ, start_response):
+        probe = probes.answer(environ.get("PATH_INFO", ""))
+        if probe is None:
+            return scrape(environ, start_response)
+        status, body = probe
+        start_response(f"{status} {'OK' if status == 200 else 'Service Unavailable'}",
+                       [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+        return [body]
+
     try:
-        start_http_server(port, addr=host)
+        server = make_server(host, port, app, ThreadingWSGIServer, handler_class=_Quiet)
     except OSError as e:
         log.warning("metrics not served on %s:%d: %s", host, port, e)
         return 0
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return port
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format, *args):  # noqa: A002 - scrapes and probes are not logged
+        pass

@@ -63,7 +63,7 @@ from shared.messages import (
     TokenChunk,
     WorkerInfo,
 )
-from shared.service import heartbeat, run, setup_logging
+from shared.service import heartbeat, run, serving, setup_logging
 from shared.state import State
 from shared.tasks import Background
 from shared.worker import WorkerCore, serve_worker
@@ -113,6 +113,7 @@ class DecodeWorker:
         resync = asyncio.create_task(after_reconnects(self.bus, self.settings.heartbeat_s, self.inbox.sync))
         watch = asyncio.create_task(self.handoffs.watch.watch(self.handoffs.waited_on))
         log.info("decode worker %s ready: %d KV blocks", self.id, self.engine.num_blocks)
+        serving()
         await stop.wait()
         await self.core.drain()  # no new admits
         await asyncio.gather(*self.admits, return_exceptions=True)  # those in flight are answered

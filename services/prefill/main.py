@@ -66,7 +66,7 @@ from shared.messages import (
     TokenChunk,
     WorkerInfo,
 )
-from shared.service import heartbeat, run, setup_logging
+from shared.service import heartbeat, run, serving, setup_logging
 from shared.state import PREFILLED_ELSEWHERE, State
 from shared.tasks import Background
 from shared.worker import WorkerCore, serve_worker
@@ -117,6 +117,7 @@ class PrefillWorker:
         watch = asyncio.create_task(self.watch_decode_workers())
         resync = asyncio.create_task(after_reconnects(self.bus, self.settings.heartbeat_s, self.sender.resync))
         log.info("prefill worker %s ready", self.id)
+        serving()
         while not stop.is_set() or self.jobs or self.handoffs:
             if stop.is_set() and not self.core.draining:  # the router sends no more jobs here
                 await self.core.drain()

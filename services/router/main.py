@@ -66,7 +66,7 @@ from shared.messages import (
     RouteRequest,
     WorkerInfo,
 )
-from shared.service import connect, heartbeat, run, setup_logging, stop_event
+from shared.service import connect, heartbeat, run, serving, setup_logging, stop_event
 from shared.state import State, placement_key, route_key, session_key
 from shared.tasks import Background, every
 
@@ -167,6 +167,7 @@ class Router:
         sweeping = asyncio.create_task(every(self.settings.supervise_s, lambda: prefix_index.sweep(
             self.state, self.id, self.settings.supervise_s), stop, log, "prefix index sweep"))
         log.info("router ready")
+        serving()
         await stop.wait()
         await asyncio.gather(beat, supervising, registry, sweeping)
         await self.state.deregister(me.worker_id)
