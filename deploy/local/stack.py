@@ -259,8 +259,8 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     start = time.monotonic()
     pools = f"{args.decode} colocated" if args.colocated else f"{args.prefill} prefill + {args.decode} decode"
-    pools += "; NATS cluster of 3, Redis primary + replica + 3 Sentinels" if args.ha else ""
-    print(f"starting pdserve: {pools} worker(s); logs in {stack.log_dir}/", flush=True)
+    pools += " worker(s)" + ("; NATS cluster of 3, Redis primary + replica + 3 Sentinels" if args.ha else "")
+    print(f"starting pdserve: {pools}; logs in {stack.log_dir}/", flush=True)
     try:
         stack.start()
         env_file = Path(".run/stack.env")  # for operator tools (python -m shared.tools.timeline)
