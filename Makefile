@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 ## run: install, then the whole local stack (NATS, Redis, router, gateway on :8000, workers)
-##   make run RUN_ARGS="--prefill 2 --decode 2"   or   RUN_ARGS=--colocated
+##   make run RUN_ARGS="--prefill 2 --decode 2"   or   RUN_ARGS=--colocated   or   RUN_ARGS=--ha
 run: setup
 	$(BIN)/python -m deploy.local.stack $(RUN_ARGS)
 
@@ -69,7 +69,9 @@ eval-router: setup
 bench-router: setup
 	$(BIN)/python -m bench.router_live
 
-## chaos: 100 concurrent requests through kill -9 of a prefill and a decode worker, a NATS and a Redis restart; one summary line each; writes bench/results/chaos.json
+## chaos: 100 concurrent requests through kill -9 of a prefill and a decode worker, a NATS and a Redis restart,
+##   then on the HA stack a NATS node's and the Redis primary's loss, and a decode host cut off (as root);
+##   one summary line each; writes bench/results/chaos.json
 chaos: setup
 	$(BIN)/python -m bench.chaos
 

@@ -62,6 +62,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import subprocess
 import sys
@@ -145,9 +146,15 @@ async def run_all(url: str, requests: list[list[dict]], max_tokens: int,
     return outcomes
 
 
+@functools.cache
+def client_of(url: str):
+    """One client per store for the whole run (through the Sentinels on the HA stack)."""
+    return sync_redis(url)
+
+
 def request_events(stack: Stack, request_ids: list[str]) -> list[list[dict]]:
     """Each request's events (shared/lifecycle.py), as recorded in Redis."""
-    store = sync_redis(stack.redis_url)
+    store = client_of(stack.redis_url)
     with store.pipeline(transaction=False) as p:
         for rid in request_ids:
             p.lrange(log_key(rid), 0, -1)
@@ -155,7 +162,7 @@ def request_events(stack: Stack, request_ids: list[str]) -> list[list[dict]]:
 
 
 def pools(stack: Stack) -> dict[str, dict]:
-    store = sync_redis(stack.redis_url)
+    store = client_of(stack.redis_url)
     ids = [i.decode() for i in store.smembers(WORKERS)]
     infos = [json.loads(v) for v in store.mget([worker_key(i) for i in ids]) if v] if ids else []
     return {w["worker_id"]: w for w in infos if w["role"] in ("prefill", "decode")}
@@ -200,8 +207,8 @@ def strike(stack: Stack, scenario: str, links: dict[str, netns.Link]) -> list[st
         stack.procs[victim].kill()
     for victim in victims:
         stack.procs[victim].wait(10)
-        if victim in ("nats", "redis"):   # the bus and the store come back at once; workers come back later
-            stack.restart(victim)
+        if victim in ("nats", "redis") and not stack.ha_ports:   # the single servers come back at once;
+            stack.restart(victim)                                  # workers and HA servers after the load
     return victims
 
 
@@ -221,7 +228,7 @@ def gateway_node(stack: Stack) -> str:
 def redis_primary(stack: Stack) -> str:
     """The process the Sentinels name as the primary now."""
     assert stack.ha_ports
-    _, port = sync_redis(stack.redis_url).connection_pool.get_master_address()
+    _, port = client_of(stack.redis_url).connection_pool.get_master_address()
     return "redis" if port == stack.ha_ports.redis[0] else "redis-replica"
 
 
@@ -301,15 +308,17 @@ async def scenario_run(stack: Stack, scenario: str, requests, reference: list[Ou
     collateral = {n: p.returncode for n, p in stack.procs.items() if n not in victims and p.poll() is not None}
     for name in collateral:   # back, so that the next scenario starts whole
         stack.restart(name)
+    promoted = await asyncio.to_thread(redis_primary, stack) if scenario == "kill-redis-primary" else ""
     for server in (v for v in victims if ha.is_server(v) and stack.procs[v].poll() is not None):
         await asyncio.to_thread(rejoin, stack, server)
     taken = await asyncio.to_thread(settle, stack, survivors)
+    missing = sorted(w for w, n in taken.items() if n < 0)   # not back in the registry: not counted as empty
     if WORKERS_UP - survivors:   # back for the next scenario
         for victim in sorted(WORKERS_UP - survivors):
             stack.restart(victim)
         await asyncio.to_thread(settle, stack, WORKERS_UP, 120)
     return {"scenario": scenario, "victim": "+".join(hit), "collateral": collateral, "requests": len(requests),
-            "lost": len(lost),
+            "lost": len(lost), "missing_after": missing, **({"promoted": promoted} if promoted else {}),
             "mismatched": len(mismatched), "leaked_blocks": sum(max(0, n) for n in taken.values()),
             "recovery_s": round(max(waits, default=0.0), 2), "extra_s": round(took - reference_s, 2),
             "streams_in_flight": len(waits), **paid, "moved": moved,
@@ -339,12 +348,14 @@ async def main_async(args) -> list[dict]:
         scenarios = [s for s in args.scenarios if s in theirs]
         if not scenarios:
             continue
-        try:
-            with placed(kind) as (hosts, links):
-                results += await on_stack(args, scenarios, kind, hosts, links)
-        except netns.NoNetns as e:
-            print(f"chaos: skipped {', '.join(scenarios)}: no separate hosts here ({e})", flush=True)
-            results += [{"scenario": s, "stack": kind, "skipped": str(e)} for s in scenarios]
+        with contextlib.ExitStack() as made:
+            try:
+                hosts, links = made.enter_context(placed(kind))
+            except netns.NoNetns as e:   # (only where the hosts are made: a fault mid-run is a failure)
+                print(f"chaos: skipped {', '.join(scenarios)}: no separate hosts here ({e})", flush=True)
+                results += [{"scenario": s, "stack": kind, "skipped": str(e)} for s in scenarios]
+                continue
+            results += await on_stack(args, scenarios, kind, hosts, links)
     return results
 
 
@@ -417,7 +428,7 @@ def main() -> None:
     out.write_text(json.dumps({"config": vars(args), "scenarios": results}, indent=2))
     print(f"wrote {out}")
     sys.exit(1 if any(r.get("lost") or r.get("mismatched") or r.get("leaked_blocks") or r.get("collateral")
-                      for r in results) else 0)
+                      or r.get("missing_after") or r.get("promoted") == r.get("victim") for r in results) else 0)
 
 
 if __name__ == "__main__":

@@ -83,9 +83,10 @@ class Bus:
         """The work queue of prefill jobs: each job is delivered to one consumer, kept until acked;
         a job nobody acked within PREFILL_JOB_MAX_AGE_S (its worker died for good) is dropped —
         its decode worker prefilled it long before. `replicas`: copies on that many servers of a
-        NATS cluster (a job survives the loss of all but one). A cluster still electing its
-        JetStream leader answers 'unavailable': asked again until `timeout_s`; a stream made
-        before with other settings is updated to these."""
+        NATS cluster (a job survives the loss of all but one); a stream made with fewer is given
+        more, never fewer (a process started with the default 1 does not shrink a fleet's). A
+        cluster still electing its JetStream leader, or not yet with enough servers for the
+        copies, is asked again until `timeout_s`."""
         config = StreamConfig(name=subjects.PREFILL_STREAM, subjects=[subjects.PREFILL_JOBS],
                               retention=RetentionPolicy.WORK_QUEUE, max_age=PREFILL_JOB_MAX_AGE_S,
                               num_replicas=replicas)
@@ -93,14 +94,18 @@ class Bus:
         while True:
             try:
                 try:
+                    made = await self.js.stream_info(subjects.PREFILL_STREAM)
+                except nats.js.errors.NotFoundError:
                     await self.js.add_stream(config)
-                except nats.js.errors.BadRequestError:  # there already, made with other settings
-                    await self.js.update_stream(config)
+                    return
+                if (made.config.num_replicas or 1) < replicas:
+                    await self.js.update_stream(made.config.evolve(num_replicas=replicas))
                 return
-            except (nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError, nats.errors.NoRespondersError):
+            except (nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError, nats.errors.NoRespondersError,
+                    nats.js.errors.BadRequestError) as e:  # (400 here: "no suitable peers" while the cluster forms)
                 if asyncio.get_running_loop().time() > deadline:
                     raise
-                log.info("JetStream not ready yet: asking again")
+                log.info("JetStream not ready yet (%s): asking again", e)
                 await asyncio.sleep(0.5)
 
     async def close(self) -> None:

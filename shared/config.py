@@ -78,6 +78,8 @@ class GatewaySettings(Common):
                                      "none with room, no router), keep asking this long before answering 503")
     failover_check_s: float = Field(1.0, gt=0, description="after this long without a token, check that the "
                                     "request's decode worker still holds its lease (lost: continue elsewhere)")
+    drain_s: int = Field(30, gt=0, description="on SIGTERM, new connections are refused and the streams open "
+                           "are finished for up to this long, then closed")
     max_request_bytes: int = 1 << 20
     default_max_tokens: int = Field(512, gt=0, description="max_tokens when a request sets none")
     require_prefill: bool = Field(True, description="/ready waits for a prefill worker (off: colocated)")

@@ -199,6 +199,9 @@ class State:
         if self._writes:
             await asyncio.wait(self._writes, timeout=2)
         await self.r.aclose()
+        sentinels = getattr(self.r.connection_pool, "sentinel_manager", None)  # (redis+sentinel://)
+        if sentinels is not None:
+            await sentinels.aclose()
 
     def script(self, source: str) -> AsyncScript:
         """A Lua script of this store (one object per source: its sha is computed once)."""

@@ -92,7 +92,7 @@ def main() -> None:
     settings = GatewaySettings()
     setup_logging(settings, "gateway")
     uvicorn.run(create_app(settings), host=settings.gateway_host, port=settings.gateway_port,
-                log_level=settings.log_level.lower(), timeout_graceful_shutdown=30,
+                log_level=settings.log_level.lower(), timeout_graceful_shutdown=settings.drain_s,
                 log_config=None)  # uvicorn's loggers go through ours (trace ids, JSON when asked)
 
 

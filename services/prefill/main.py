@@ -44,6 +44,7 @@ import time
 from dataclasses import replace
 
 import nats.errors
+import nats.js.errors
 from nats.aio.msg import Msg
 from opentelemetry import trace
 
@@ -79,6 +80,7 @@ JOB_KEEPALIVE_S = 10.0  # JetStream redelivers a job unacked for 30 s (its ack_w
 # soonest, and one that gave up refuses the KV and tells this worker to stop (only compute is
 # lost). Saves a round trip on every first token; redeliveries and old jobs are still checked.
 FRESH_JOB_S = 5.0
+JETSTREAM_RETRY_S = 0.5  # a consumer JetStream cannot serve now is asked again after this
 
 
 class PrefillWorker:
@@ -99,6 +101,7 @@ class PrefillWorker:
         self.unacked: dict[str, Msg] = {}  # jobs taken and not yet acked
         self.finishing: dict[str, float] = {}  # when each handoff's last layer was computed
         self.ending = Background(log, "cancel")  # work being ended (each waits for the engine thread)
+        self.unavailable_since = 0.0  # when JetStream stopped serving this worker's consumer (0: it serves)
 
     def info(self) -> WorkerInfo:
         return self.core.info()
@@ -201,10 +204,17 @@ class PrefillWorker:
             msgs = await pull.fetch(self.settings.max_jobs - len(self.jobs), timeout=wait_s)
         except (TimeoutError, nats.errors.TimeoutError):  # no job waiting
             return
-        except nats.errors.Error as e:  # JetStream unavailable for now (its stream or consumer electing a
-            log.warning("taking jobs: %s; asking again", e)  # leader as a cluster node goes or comes back),
-            await asyncio.sleep(wait_s)                       # or this connection away: the jobs stay queued
+        except (nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError) as e:
+            # JetStream cannot serve this consumer for now (its group electing a leader as a
+            # cluster node goes or comes back): the jobs stay queued; ask again shortly
+            if not self.unavailable_since:
+                self.unavailable_since = time.monotonic()
+                log.warning("taking jobs: %s; asking again until JetStream serves", type(e).__name__)
+            await asyncio.sleep(JETSTREAM_RETRY_S)
             return
+        if self.unavailable_since:
+            log.warning("taking jobs again after %.1f s", time.monotonic() - self.unavailable_since)
+            self.unavailable_since = 0.0
         for msg in msgs:
             job = PrefillJob.decode(msg.data)
             queued = msg.metadata.timestamp.timestamp() if msg.metadata.timestamp else time.time()

@@ -25,6 +25,7 @@ def test_every_request_survives_each_fault_exactly():
         assert r["collateral"] == {}, r         # no other process died with the one hit
         assert (r["lost"], r["mismatched"], r["leaked_blocks"]) == (0, 0, 0), r
         assert r["streams_in_flight"] > 0, r   # the fault did strike mid-load
+        assert r["missing_after"] == [], r
     nats = results[SCENARIOS.index("restart-nats")]
     # chunks lost with the bus are published again by their decode worker, not recomputed
     assert nats["moved"].get("replays:replayed", 0) > 0, nats

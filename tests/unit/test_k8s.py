@@ -150,7 +150,8 @@ def test_each_deployment_runs_a_real_module_with_real_settings_and_probes(name):
 def test_drain_graces_cover_what_each_service_finishes_before_it_exits():
     grace = {n: d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] for n, d in DEPLOYMENTS.items()}
     assert grace["prefill"] > PrefillSettings().kv_ack_timeout_s        # its handoffs' KV is kept that long
-    assert grace["gateway"] > GatewaySettings().token_timeout_s
+    drain_s = next(int(e["value"]) for e in container("gateway")["env"] if e["name"] == "PD_DRAIN_S")
+    assert grace["gateway"] > drain_s + 5 and drain_s > GatewaySettings().token_timeout_s  # preStop 5 s, then drain
     assert grace["decode"] >= grace["gateway"]                           # it finishes the streams the gateways relay
     preStop = container("gateway")["lifecycle"]["preStop"]["exec"]["command"]
     assert preStop[0] == "sleep"                                         # out of the endpoints before SIGTERM
@@ -179,5 +180,6 @@ def test_services_budgets_and_autoscalers_select_real_deployments_on_exported_me
             assert ref["kind"] == "Deployment" and ref["name"] in DEPLOYMENTS
             scaled[ref["name"]] = [m["pods"]["metric"]["name"] for m in doc["spec"]["metrics"]]
     assert set(scaled) == {"prefill", "decode"}
+    assert all("replicas" not in DEPLOYMENTS[name]["spec"] for name in scaled)   # the autoscaler's to set
     assert all(name in made for names in scaled.values() for name in names), scaled
     assert scaled["prefill"] == ["pd_queued_prompt_tokens"]
