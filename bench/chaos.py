@@ -52,9 +52,10 @@ core at normal priority, started before the stack and stopped after it; slow mus
 never requests. Writes bench/results/chaos-busy.json instead.
 
 A fault must cost only the process it hit: any other process found dead afterwards is
-reported (`collateral`, with its exit status) and started again. Exit status 1 if any
-scenario lost, mismatched, leaked or took another process with it; writes
-bench/results/chaos.json.
+reported (`collateral`, with its exit status) and started again; a worker not back in the
+registry afterwards is reported (`missing_after`), not counted as an empty pool. Exit status 1
+if any scenario lost, mismatched, leaked, took another process with it, left a worker missing,
+or (kill-redis-primary) saw no replica promoted; writes bench/results/chaos.json.
 """
 
 from __future__ import annotations
