@@ -1,6 +1,7 @@
 """The whole stack on one machine, no Docker: `python -m deploy.local.stack` (what `make run` does).
 
-Starts nats-server (JetStream) and redis-server from the pip-installed binaries, then the
+Starts nats-server (JetStream) and redis-server from the pip-installed binaries (`--ha`: a
+3-node NATS cluster and a Redis primary + replica under 3 Sentinels, deploy/local/ha.py), then the
 router, the decode and prefill workers and the gateway as separate processes; waits until
 the gateway's /ready says the pools are up; prints a curl example. Ctrl-C (or SIGTERM)
 stops everything: each service drains, and every child dies with the launcher even if it
@@ -74,6 +75,8 @@ class Stack:
         # NATS and Redis take a password made for this run (config files in the private data
         # directory, not on a command line), so nothing else on the host can join the bus
         self.secret = secrets.token_urlsafe(24)
+        if cfg.ha and cfg.hosts:
+            raise ValueError("the HA servers run on this machine's loopback: not with hosts")
         self.ha_ports = ha.Ports.from_first(cfg.nats_port, cfg.redis_port) if cfg.ha else None
 
     @property
