@@ -19,6 +19,8 @@ import subprocess
 import uuid
 from dataclasses import dataclass
 
+from deploy.local.stack import Host
+
 A_IP, B_IP = "10.231.78.1", "10.231.78.2"
 CLONE_NEWNET, CLONE_NEWNS = 0x40000000, 0x00020000
 MS_REC, MS_SLAVE, MNT_DETACH = 0x4000, 0x80000, 2
@@ -104,6 +106,20 @@ def bridged(names: list[str]):
         for kind, what in reversed(made):  # a namespace's removal takes its link's ends with it
             subprocess.run(["ip", "netns", "del", what] if kind == "netns" else ["ip", "link", "del", what],
                            capture_output=True)
+
+
+# a worker on another host shares no memory with its peers: UCX over TCP on its host's link only
+APART = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": DEVICE}
+HUB = ("nats", "redis", "router", "gateway")   # the processes of the stack's first host
+
+
+def placement(links: dict[str, Link], workers: dict[str, str], hub: str = "hub"
+              ) -> tuple[dict[str, Host], dict[str, dict[str, str]]]:
+    """StackConfig.hosts and .worker_env for bridged() hosts: NATS, Redis, the router and the
+    gateway on `hub`, each worker on its host (`workers`: worker name -> host name), APART."""
+    on = {name: Host(links[host].netns, links[host].ip) for name, host in
+          {**dict.fromkeys(HUB, hub), **workers}.items()}
+    return on, {w: dict(APART) for w in workers}
 
 
 def set_link(link: Link, up: bool) -> None:

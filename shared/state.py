@@ -73,7 +73,6 @@ for i = 3, #ARGV do
   if ARGV[2] == 'push' then redis.call('ZADD', KEYS[1], 'XX', 'GT', at, ARGV[i])
   else redis.call('ZADD', KEYS[1], at, ARGV[i]) end
 end
-return at
 """
 OVERDUE = """
 local t = redis.call('TIME')

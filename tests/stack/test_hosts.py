@@ -19,7 +19,7 @@ from helpers import generate
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench import netns
-from deploy.local.stack import Host, Stack, StackConfig
+from deploy.local.stack import Stack, StackConfig
 from shared.engine.sequence import SamplingParams
 from shared.urls import sync_redis
 
@@ -75,12 +75,9 @@ def test_streams_cross_hosts_and_survive_a_decode_host_cut_off(smollm2, hosts, t
     tok = smollm2.tokenizer
     prompts = {i: tok.encode(tok.apply_chat_template(chat(i))) for i in range(len(TOPICS))}
     expected = generate(smollm2, prompts, SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True))
-    hub = Host(hosts["hub"].netns, hosts["hub"].ip)
-    placed = {name: hub for name in ("nats", "redis", "router", "gateway")}
-    placed |= {w: Host(hosts[h].netns, hosts[h].ip) for w, h in WORKERS.items()}
-    apart = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": netns.DEVICE}  # no shared memory between hosts
+    placed, apart = netns.placement(hosts, WORKERS)  # no shared memory between hosts
     cfg = StackConfig.on_free_ports(prefill=1, decode=2, kv_blocks=512, log_dir=tmp_path, hosts=placed,
-                                    worker_env={w: apart for w in WORKERS},
+                                    worker_env=apart,
                                     env={"PD_HEARTBEAT_S": "0.5", "PD_FAILOVER_CHECK_S": "0.5"})
     decode_links = [hosts["decode-a"], hosts["decode-b"]]
     with Stack(cfg) as stack, httpx.Client(base_url=stack.url, timeout=180) as http, \
