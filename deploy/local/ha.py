@@ -2,7 +2,7 @@
 on every node, the prefill job stream with 3 replicas) and a Redis primary with a replica,
 watched by 3 Sentinels that promote the replica when the primary is gone. The same
 nats-server and redis-server binaries as the single-server stack (redis-server runs as a
-Sentinel with --sentinel). Used by `make run RUN_ARGS=--ha`, the HA tests and `make chaos --ha`.
+Sentinel with --sentinel). Used by `make run RUN_ARGS=--ha`, the HA tests and `make chaos`'s HA stack.
 
 Every server takes the stack's password (NATS clients and routes, Redis, replication and the
 Sentinels alike) from config files in the stack's private data directory; each has a store
@@ -14,10 +14,15 @@ Process names: nats-0..2, redis (the primary at start), redis-replica, sentinel-
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deploy.local.servers import binary, free_port
+import redis
+
+from deploy.local.servers import binary, free_port, wait_for_port
 
 NODES = 3
 SENTINELS = 3
@@ -94,6 +99,45 @@ def servers(data: Path, ports: Ports, secret: str) -> dict[str, list[str]]:
     return {**{f"nats-{i}": nats_node(data, ports, secret, i) for i in range(NODES)},
             **{name: redis_node(data, ports, secret, i) for i, name in enumerate(("redis", "redis-replica"))},
             **{f"sentinel-{i}": sentinel(data, ports, secret, i) for i in range(SENTINELS)}}
+
+
+def start(data: Path, ports: Ports, secret: str, spawn: Callable[[str, list[str]], object],
+          timeout_s: float = 30) -> None:
+    """Start every server with `spawn(name, argv)` and wait until the set is whole. The
+    Sentinels start once the replica has synced, and it is whole when each knows the replica
+    and the other two: a Sentinel learns a primary's replicas from its INFO, asked every 10 s,
+    so one started beside the replica could see none, and a primary lost then is never failed
+    over (no replica to promote, its INFO never asked again)."""
+    commands = servers(data, ports, secret)
+    for name, argv in commands.items():
+        if not name.startswith("sentinel"):
+            spawn(name, argv)
+    for port in ports.nats + ports.redis:
+        wait_for_port(port, timeout_s)
+    deadline = time.monotonic() + timeout_s
+    replica = redis.Redis(port=ports.redis[1], password=secret, socket_timeout=2)
+    until(deadline, lambda: replica.info("replication")["master_link_status"] == "up", "the replica's sync")
+    for name, argv in commands.items():
+        if name.startswith("sentinel"):
+            spawn(name, argv)
+    for port in ports.sentinels:
+        wait_for_port(port, timeout_s)
+    sentinels = [redis.Redis(port=p, password=secret, socket_timeout=2) for p in ports.sentinels]
+
+    def whole() -> bool:
+        views = [s.sentinel_master(SERVICE) for s in sentinels]
+        return all(v["num-slaves"] >= 1 and v["num-other-sentinels"] >= SENTINELS - 1 for v in views)
+    until(deadline, whole, "the Sentinels' view of the replica and of each other")
+
+
+def until(deadline: float, done: Callable[[], bool], what: str) -> None:
+    while True:
+        with contextlib.suppress(redis.RedisError, KeyError):
+            if done():
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"HA servers: no {what} in time")
+        time.sleep(0.1)
 
 
 def is_server(name: str) -> bool:

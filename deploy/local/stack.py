@@ -159,11 +159,7 @@ class Stack:
         """NATS and Redis: one of each, or the HA set (deploy/local/ha.py)."""
         c = self.cfg
         if self.ha_ports:
-            for name, argv in ha.servers(self.data, self.ha_ports, self.secret).items():
-                self.spawn(name, argv)
-            p = self.ha_ports
-            for port in p.nats + p.redis + p.sentinels:
-                self.wait_port(port, 20)
+            ha.start(self.data, self.ha_ports, self.secret, self.spawn)
             return
         nats_conf, redis_conf = self.data / "nats.conf", self.data / "redis.conf"
         nats_conf.write_text(f'authorization {{ user: pdserve, password: "{self.secret}" }}\n')

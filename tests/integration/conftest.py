@@ -42,12 +42,14 @@ def ha_servers():
     """A fresh 3-node NATS cluster and a Redis primary + replica under 3 Sentinels
     (deploy/local/ha.py): (ports, password, processes by name)."""
     ports, secret = ha.Ports(), "ha-test-password"
+    procs: dict[str, subprocess.Popen] = {}
+
+    def spawn(name: str, argv: list[str]) -> None:
+        procs[name] = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
     with tempfile.TemporaryDirectory() as d:
-        procs = {name: subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                 for name, argv in ha.servers(Path(d), ports, secret).items()}
         try:
-            for port in ports.nats + ports.redis + ports.sentinels:
-                wait_for_port(port)
+            ha.start(Path(d), ports, secret, spawn)
             yield ports, secret, procs
         finally:
             for proc in procs.values():
