@@ -12,6 +12,7 @@ prefill worker is up, are prefilled on the decode worker itself.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Literal, NamedTuple
 
 from shared.messages import WorkerInfo
@@ -48,17 +49,15 @@ def decode_candidates(workers: list[WorkerInfo], blocks_needed: int, cached_toke
     fit = [w for w in workers if w.free_blocks >= blocks_needed]
     if not fit:
         return []
-
-    def load_of(w: WorkerInfo) -> int:
-        return w.running + w.waiting + booked.get(w.worker_id, 0)
-    least = min(load_of(w) for w in fit)
-
-    def key(w: WorkerInfo):
-        load, held, headroom = load_of(w), cached.get(w.worker_id, 0), w.free_blocks - w.growth_blocks
-        affine = (w.worker_id == session_worker or 2 * held >= prompt_tokens > 0) and load <= least + affinity_slack
-        return (not affine, -held if affine else 0, headroom < blocks_needed + output_blocks, load, -headroom,
-                w.worker_id)
-    return sorted(fit, key=key)
+    loads = [w.running + w.waiting + booked.get(w.worker_id, 0) for w in fit]
+    bound, need = min(loads) + affinity_slack, blocks_needed + output_blocks
+    ranked = []  # (key, worker): one pass (a large pool's placement reads every worker)
+    for w, load in zip(fit, loads):
+        held, headroom = cached.get(w.worker_id, 0), w.free_blocks - w.growth_blocks
+        affine = (w.worker_id == session_worker or 2 * held >= prompt_tokens > 0) and load <= bound
+        ranked.append(((not affine, -held if affine else 0, headroom < need, load, -headroom, w.worker_id), w))
+    ranked.sort(key=itemgetter(0))
+    return [w for _, w in ranked]
 
 
 class PrefillCandidate(NamedTuple):  # a tuple: hundreds are made per placement in a large pool

@@ -13,9 +13,10 @@ recomputed (mostly from the prefix cache) later.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sized
 from dataclasses import dataclass, field
 from itertools import groupby
+from typing import Protocol, TypeVar
 
 from shared.engine.block_manager import BlockManager, OutOfBlocks
 from shared.engine.config import EngineConfig
@@ -29,19 +30,62 @@ class Schedule:
     preempted: list[Sequence] = field(default_factory=list)
 
 
-def prefill_order(waiting: Iterable[Sequence], chunk: int) -> list[Sequence]:
+class _Params(Protocol):
+    @property
+    def priority(self) -> int: ...
+
+
+class Prompt(Protocol):
+    """What the pass rules read of a waiting prompt (a Sequence; the planner's simulator,
+    bench/sim, passes its own)."""
+
+    num_computed: int
+
+    @property
+    def token_ids(self) -> Sized: ...
+
+    @property
+    def params(self) -> _Params: ...
+
+
+Q = TypeVar("Q", bound=Prompt)
+
+
+def prefill_order(waiting: Iterable[Q], chunk: int) -> list[Q]:
     """The order in which waiting prompts take a prefill pass's token budget.
 
     Lower `priority` value first. Within a level: the oldest long prompt (more than one chunk
     left), which so advances by a chunk every pass and never starves; then the short ones,
     which finish in this pass instead of queueing behind every long one; then the other long
     ones. First come first within each tier."""
-    order: list[Sequence] = []
+    order: list[Q] = []
     for _, tier in groupby(sorted(waiting, key=lambda q: q.params.priority), key=lambda q: q.params.priority):
         level = list(tier)
         long = [q for q in level if len(q.token_ids) - q.num_computed > chunk]
         order += long[:1] + [q for q in level if q not in long] + long[1:]
     return order
+
+
+def prefill_next(waiting: bool, running: bool, last_was_decode: bool) -> bool:
+    """Is the next pass a prefill pass? When prompts wait and sequences run, the two kinds
+    alternate; a prompt alone is prefilled at once."""
+    return waiting and (not running or last_was_decode)
+
+
+def prefill_chunks(order: Iterable[Q], running: int, max_num_seqs: int, budget: int, chunk: int,
+                   admit: Callable[[Q], bool]) -> list[tuple[Q, int]]:
+    """A prefill pass: prompts in `order` take the pass's token `budget`, each at most `chunk`
+    tokens, while the batch (`running` sequences and these) stays within `max_num_seqs`.
+    `admit(q)` gives a prompt its blocks if it has none yet (False: no room, and the prompts
+    after it wait too, in order)."""
+    chunks: list[tuple[Q, int]] = []
+    for q in order:
+        if running + len(chunks) >= max_num_seqs or budget == 0 or not admit(q):
+            break
+        n = min(len(q.token_ids) - q.num_computed, chunk, budget)
+        chunks.append((q, n))
+        budget -= n
+    return chunks
 
 
 class Scheduler:
@@ -71,7 +115,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> Schedule | None:
-        if self.waiting and (not self.running or self._last_was_decode):
+        if prefill_next(bool(self.waiting), bool(self.running), self._last_was_decode):
             prefill = self._schedule_prefill()
             if prefill.chunks:
                 self._last_was_decode = False
@@ -82,21 +126,18 @@ class Scheduler:
         return None
 
     def _schedule_prefill(self) -> Schedule:
-        budget = self.cfg.max_batched_tokens
-        chunks: list[tuple[Sequence, int]] = []
-        for seq in prefill_order(self.waiting, self.cfg.prefill_chunk):
-            if len(self.running) + len(chunks) >= self.cfg.max_num_seqs or budget == 0:
-                break
+        def admit(seq: Sequence) -> bool:
             if not seq.block_table:
                 try:
                     seq.block_table, seq.num_cached = self.blocks.allocate(seq.token_ids, len(seq.token_ids))
                 except OutOfBlocks:
-                    break  # in order: later prompts wait too
+                    return False
                 seq.num_computed = seq.num_cached
-            n = min(len(seq.token_ids) - seq.num_computed, self.cfg.prefill_chunk, budget)
-            chunks.append((seq, n))
-            budget -= n
-        return Schedule(is_decode=False, chunks=chunks)
+            return True
+        cfg = self.cfg
+        return Schedule(is_decode=False, chunks=prefill_chunks(prefill_order(self.waiting, cfg.prefill_chunk),
+                                                               len(self.running), cfg.max_num_seqs,
+                                                               cfg.max_batched_tokens, cfg.prefill_chunk, admit))
 
     def _schedule_decode(self) -> Schedule:
         preempted: list[Sequence] = []
