@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # CPU build of torch (from the local wheel cache when present); GPU users: TORCH_SPEC=torch
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: help setup lint fmt run test test-fast bench-engine bench-stack bench-transfer eval-router bench-router chaos chaos-busy bench-tracing bench-scale bench bench-full compose-up compose-down gpu-check clean
+.PHONY: help setup lint fmt run test test-fast bench-engine bench-stack bench-transfer eval-router bench-router chaos chaos-busy bench-tracing bench-scale bench bench-full profile plan plan-check compose-up compose-down gpu-check clean
 
 .DEFAULT_GOAL := help
 
@@ -97,6 +97,24 @@ bench: setup
 ## bench-full: the same, longer (180 s of mix, 6 rates x 60 s of arrivals)
 bench-full: setup
 	$(BIN)/python -m bench.interference --full
+
+## profile: the engine's cost on this hardware for the planner (prefill passes, decode steps, each worker shape
+##   alone and beside a busy neighbour, the KV handoff, the control plane; ~5 minutes on 2 cores);
+##   writes bench/results/profile-<device>.json
+profile: setup
+	$(BIN)/python -m bench.profile $(PROFILE_ARGS)
+
+## plan: how many prefill and decode workers for a trace and its SLOs, simulated from the profile (every colocated and
+##   P:D configuration of PLAN_ARGS' --workers, default 2); writes bench/results/plan-<trace>-<device>-<N>w.json and .png
+##   make plan PLAN_ARGS="--workers 8 --ttft 2 --tpot 0.15"
+plan: setup
+	$(BIN)/python -m bench.sim.plan $(PLAN_ARGS)
+
+## plan-check: the simulator's predictions of make bench's three arms against the arms measured right after the
+##   profile, in one sitting (~15 minutes on 2 cores); writes bench/results/profile-<device>.json and plan_check.json
+plan-check: setup
+	$(BIN)/python -m bench.profile
+	$(BIN)/python -m bench.plan_check
 
 ## compose-up / compose-down: the Docker Compose stack (NATS, Redis, Jaeger, Prometheus, Grafana, the services)
 COMPOSE := docker compose -f deploy/compose/compose.yaml

@@ -17,6 +17,9 @@ Per arm, on one stack:
    divided by --scale) replayed with Poisson arrivals at each of --rates for --replay-s
    seconds (its first rate x replay-s rows); SLO attainment per rate; goodput = the highest
    rate with >= 90% of requests meeting both SLOs (bench.load.metrics.rate_at_attainment).
+   The SLOs come from this machine's own costs, measured before the arms (TTFT <= 4 x the p90
+   prompt's prefill alone, TPOT <= 2 x a decode step at batch 8; `slo_for`), or are absolute
+   (--replay-slo-ttft / --replay-slo-tpot); the seconds used are printed and written.
 
 Writes bench/results/interference.json (`summary` holds the ratios), then the plots and the
 README's results section (bench/report.py).
@@ -34,10 +37,14 @@ import platform
 import time
 from pathlib import Path
 
+import numpy as np
+
 from bench import report
 from bench.load import workloads
 from bench.load.client import run
 from bench.load.metrics import Timing, percentiles, rate_at_attainment, summarize
+from bench.profile import reference
+from bench.sim.slo import Slo, from_reference
 from deploy.local.stack import Stack, StackConfig
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -134,7 +141,23 @@ def summary_of(results: dict) -> dict:
     }
 
 
-def main() -> None:
+def slo_for(trace: list[workloads.Request], args) -> Slo:
+    """The replay's SLOs: absolute when both bounds are given, else from this machine's own
+    isolated costs (bench/profile.reference: the trace's p90 prompt prefilled alone, a decode
+    step at batch 8 of its median prompts, on all cores), so the same command means the same
+    thing on a slower machine. Sets args.replay_slo_* to the seconds used."""
+    if args.replay_slo_ttft is not None and args.replay_slo_tpot is not None:
+        slo = Slo(args.replay_slo_ttft, args.replay_slo_tpot)
+    else:
+        lengths = [len(r.prompt) for r in trace]
+        p90, p50 = int(np.percentile(lengths, 90)), int(np.percentile(lengths, 50))
+        slo = from_reference(reference(p90, 8, p50), p90, p50, 8, args.ttft_x, args.tpot_x)
+    args.replay_slo_ttft, args.replay_slo_tpot = round(slo.ttft_s, 3), round(slo.tpot_s, 4)
+    return slo
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """make bench's settings (QUICK or FULL where not given)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--full", action="store_true", help=f"longer runs: {FULL}")
     ap.add_argument("--duration", type=float, help="seconds of victim/aggressor arrivals")
@@ -145,17 +168,29 @@ def main() -> None:
     ap.add_argument("--aggressor-rate", type=float, default=0.05)
     ap.add_argument("--slo-ttft", type=float, default=2.0, help="victims' TTFT bound, s")
     ap.add_argument("--slo-tpot", type=float, default=0.2, help="victims' TPOT bound, s")
-    ap.add_argument("--replay-slo-ttft", type=float, default=2.0, help="replay's TTFT bound, s")
-    ap.add_argument("--replay-slo-tpot", type=float, default=0.15, help="replay's TPOT bound, s")
+    ap.add_argument("--replay-slo-ttft", type=float, help="replay's TTFT bound, s (with --replay-slo-tpot: "
+                    "absolute SLOs instead of ones from this machine's costs)")
+    ap.add_argument("--replay-slo-tpot", type=float, help="replay's TPOT bound, s")
+    ap.add_argument("--ttft-x", type=float, default=4.0, help="replay's TTFT bound: this x the p90 prompt's "
+                    "prefill alone, measured here")
+    ap.add_argument("--tpot-x", type=float, default=2.0, help="replay's TPOT bound: this x a decode step at "
+                    "batch 8, measured here")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     for k, v in (FULL if args.full else QUICK).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    return args
+
+
+def main() -> None:
+    args = parse()
     reqs = workloads.victims_and_aggressors(args.duration, args.victim_rate, aggressor_rate=args.aggressor_rate,
                                             seed=args.seed)
     trace = workloads.trace(AZURE, scale=args.scale, limit=max(8, round(max(args.rates) * args.replay_s)),
                             seed=args.seed)
+    replay_slo = slo_for(trace, args)
+    print(f"replay SLO: {replay_slo}", flush=True)
     results = {name: one_arm(name, cfg, reqs, trace, args) for name, cfg in arms().items()}
     summary = summary_of(results)
     print(json.dumps(summary, indent=2))
@@ -170,7 +205,8 @@ def main() -> None:
                                    "rates": args.rates, "mean_prompt_tokens": round(
                                        sum(len(r.prompt) for r in trace) / len(trace), 1),
                                    "mean_output_tokens": round(sum(r.max_tokens for r in trace) / len(trace), 1),
-                                   "slo": {"ttft_s": args.replay_slo_ttft, "tpot_s": args.replay_slo_tpot}}},
+                                   "slo": {"ttft_s": args.replay_slo_ttft, "tpot_s": args.replay_slo_tpot,
+                                           "how": replay_slo.how}}},
            "arms": results, "summary": summary}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(out, indent=1) + "\n")

@@ -101,7 +101,7 @@ def section(data: dict) -> str:
               f"Poisson arrivals at {', '.join(f'{r:g}' for r in rp['rates'])} req/s for "
               f"{rp['seconds_per_rate']:g} s each; goodput = the highest rate "
               f"with ≥ 90% of requests within TTFT ≤ {rp['slo']['ttft_s']} s and TPOT ≤ "
-              f"{ms(rp['slo']['tpot_s'])} ms.", "",
+              f"{ms(rp['slo']['tpot_s'])} ms" + (f" ({rp['slo']['how']})" if rp["slo"].get("how") else "") + ".", "",
               "| arm | " + " | ".join(f"attainment at {r:g}/s" for r in rp["rates"]) + " | goodput (req/s) |",
               "|---|" + "---|" * (len(rp["rates"]) + 1)]
     for arm in ARMS:

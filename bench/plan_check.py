@@ -1,0 +1,132 @@
+"""The planner's predictions against the real system: `make plan-check`.
+
+    python -m bench.plan_check [--profile bench/results/profile-cpu.json] [--measured RESULT.json]
+
+Runs the three arms of `make bench` (bench/interference.py, quick mode: colocated, chunked,
+disaggregated on this machine's cores, the SLOs from this machine's costs) and simulates the
+same three on the very workloads they ran — the same seeded victims and aggressors, the same
+slices of the Azure trace at the same rates, the same SLOs — with the cost models of the
+profile; then sets each prediction beside what was measured: goodput at 90% SLO attainment,
+the victims' ITL p99 and TTFT p50, the attainment at each rate. `make plan-check` measures the
+profile just before (a machine's speed drifts: both in one sitting); `--measured` compares
+with a `make bench` result instead of running the arms. Writes bench/results/plan_check.json
+(`summary`: goodput_error_max, itl_p99_error_max).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from bench import interference
+from bench.load import workloads
+from bench.sim.cluster import Layout, simulate
+from bench.sim.cost import STACKS, Cost, control_plane
+from bench.sim.slo import Slo, goodput, score
+from bench.sim.worker import Knobs
+
+RESULTS = Path(__file__).parent / "results"
+# make bench's quick rates (1, 2, 4) leave goodput to a line between two of them: finer here
+RATES = "0.5,1,1.5,2,3,4"
+
+
+def bench_layouts(profile: dict, cores: int) -> dict[str, Layout]:
+    """`make bench`'s arms (bench/interference.arms) as the simulator's layouts."""
+    over = {s: control_plane(profile, s).get("ttft_overhead_s", 0.0) for s in STACKS}
+    whole = Knobs(prefill_chunk=2048, max_batched_tokens=4096)
+    chunked = Knobs(prefill_chunk=128, max_batched_tokens=4096)
+    all_cores = Cost.of(profile, f"{cores}t", "colocated")
+    half = Cost.of(profile, f"{cores // 2}t+busy", "disaggregated")
+    return {"colocated": Layout("colocated", decode=1, decode_cost=all_cores, decode_knobs=whole,
+                                overhead_s=over["colocated"]),
+            "chunked": Layout("colocated", decode=1, decode_cost=all_cores, decode_knobs=chunked,
+                              overhead_s=over["colocated"]),
+            "disaggregated": Layout("disaggregated", prefill=1, decode=1, decode_cost=half, prefill_cost=half,
+                                    decode_knobs=whole, prefill_knobs=whole, overhead_s=over["disaggregated"])}
+
+
+def as_sim(reqs: list[workloads.Request]) -> list[tuple[float, int, int, str]]:
+    return [(r.at, len(r.prompt), r.max_tokens, r.kind) for r in reqs]
+
+
+def measure(seed: int) -> dict:
+    """make bench's three arms here, now (quick mode), as interference.json holds them."""
+    args = interference.parse(["--seed", str(seed), "--rates", RATES])
+    reqs = workloads.victims_and_aggressors(args.duration, args.victim_rate, aggressor_rate=args.aggressor_rate,
+                                            seed=seed)
+    trace = workloads.trace(interference.AZURE, scale=args.scale, limit=max(8, round(max(args.rates) * args.replay_s)),
+                            seed=seed)
+    slo = interference.slo_for(trace, args)
+    print(f"replay SLO: {slo}", flush=True)
+    arms = {name: interference.one_arm(name, cfg, reqs, trace, args) for name, cfg in interference.arms().items()}
+    for arm in arms.values():
+        del arm["timeline"], arm["victim_itls_s"]
+    return {"machine": {"cpus": len(interference.ALL)},
+            "workload": {"victims_and_aggressors": {"duration_s": args.duration, "victim_rate": args.victim_rate,
+                                                    "aggressor_rate": args.aggressor_rate,
+                                                    "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot}},
+                         "replay": {"seconds_per_rate": args.replay_s, "scale": args.scale, "rates": args.rates,
+                                    "slo": {"ttft_s": args.replay_slo_ttft, "tpot_s": args.replay_slo_tpot,
+                                            "how": slo.how}}},
+            "arms": arms}
+
+
+def error(predicted: float, measured: float) -> float | None:
+    return abs(predicted - measured) / measured if measured else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", type=Path, default=RESULTS / "profile-cpu.json")
+    ap.add_argument("--measured", type=Path, help="a make bench result (interference.json) instead of running the arms")
+    ap.add_argument("--seed", type=int, default=0, help="make bench's --seed")
+    args = ap.parse_args()
+    profile = json.loads(args.profile.read_text())
+    measured = json.loads(args.measured.read_text()) if args.measured else measure(args.seed)
+    w = measured["workload"]
+    va, rp = w["victims_and_aggressors"], w["replay"]
+    victims = workloads.victims_and_aggressors(va["duration_s"], va["victim_rate"],
+                                               aggressor_rate=va["aggressor_rate"], seed=args.seed)
+    trace = workloads.trace(interference.AZURE, scale=rp["scale"],
+                            limit=max(8, round(max(rp["rates"]) * rp["seconds_per_rate"])), seed=args.seed)
+
+    def at_rate(rate: float):
+        return as_sim(workloads.retimed(trace[:max(8, round(rate * rp["seconds_per_rate"]))], rate, seed=args.seed))
+
+    slo = Slo(rp["slo"]["ttft_s"], rp["slo"]["tpot_s"])
+    victim_slo = Slo(va["slo"]["ttft_s"], va["slo"]["tpot_s"])
+    arms = {}
+    for name, layout in bench_layouts(profile, measured["machine"]["cpus"]).items():
+        v = score(simulate(layout, as_sim(victims)), victim_slo, layout.overhead_s, kind="victim")
+        g = goodput(layout, at_rate, rp["rates"], slo)
+        m = measured["arms"][name]
+        arms[name] = {
+            "layout": layout.name,
+            "goodput_rate": {"predicted": g["goodput_rate"], "measured": m["replay"]["goodput_rate"]},
+            "victim_itl_p99_s": {"predicted": v["itl_s"]["p99"], "measured": m["victims"]["itl_s"]["p99"]},
+            "victim_ttft_p50_s": {"predicted": v["ttft_s"]["p50"], "measured": m["victims"]["ttft_s"]["p50"]},
+            "attainment": [{"rate": p["rate"], "predicted": p["slo_attainment"], "measured": q["slo_attainment"]}
+                           for p, q in zip(g["points"], m["replay"]["points"])],
+        }
+        for k in ("goodput_rate", "victim_itl_p99_s", "victim_ttft_p50_s"):
+            arms[name][k]["error"] = error(arms[name][k]["predicted"], arms[name][k]["measured"])
+        g, i, t = (arms[name][k] for k in ("goodput_rate", "victim_itl_p99_s", "victim_ttft_p50_s"))
+        print(f"{name:14} goodput predicted {g['predicted']:.2f} measured {g['measured']:.2f} req/s; victims' "
+              f"ITL p99 predicted {i['predicted'] * 1e3:.0f} measured {i['measured'] * 1e3:.0f} ms; TTFT p50 "
+              f"predicted {t['predicted']:.2f} measured {t['measured']:.2f} s", flush=True)
+    errs = lambda k: [a[k]["error"] for a in arms.values() if a[k]["error"] is not None]  # noqa: E731
+    summary = {"goodput_error_max": max(errs("goodput_rate"), default=None),
+               "itl_p99_error_max": max(errs("victim_itl_p99_s"), default=None),
+               "ttft_p50_error_max": max(errs("victim_ttft_p50_s"), default=None),
+               "targets": {"goodput_error_max": 0.15, "itl_p99_error_max": 0.25}}
+    out = {"profile": args.profile.name, "measured": args.measured.name if args.measured else "measured here",
+           "profile_machine": profile["machine"], "workload": measured["workload"], "arms": arms,
+           "measured_arms": measured["arms"], "summary": summary}
+    (RESULTS / "plan_check.json").write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps(summary, indent=1))
+    print(f"wrote {RESULTS / 'plan_check.json'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,286 @@
+"""The engine's cost on this hardware, for the capacity planner: `make profile`.
+
+    python -m bench.profile [--threads 1,2] [--reps 2] [--no-stack]
+
+Measured with the real model (SmolLM2) in fresh processes, one per worker shape:
+- prefill passes: time against new prompt tokens, tokens already cached (a prefix computed
+  before), and prompts in one pass;
+- decode steps: time against the batch and each sequence's context (sequences reserved and
+  committed as a KV handoff would, so no prefill is needed to fill them);
+- each shape alone and, for workers smaller than the machine, beside a busy neighbour (the
+  same work pinned to the other cores, as the other pool of a disaggregated split runs);
+- the KV handoff: bytes between two processes on one host the way the services move them
+  (bench/segment_arm.py), and the model's KV bytes per token;
+- the control plane: on each kind of stack `make bench` runs (colocated; 1 prefill + 1
+  decode worker), the time to first token through it minus the in-process engine's
+  (bench/stack_overhead.py's two measurements, alternated), and a decode step's time through
+  it (TPOT of B streams at once) minus the engine's.
+Fits the cost models of bench/sim/cost.py to the points and writes both to
+bench/results/profile-<device>.json (device: `cpu`, or the CUDA device's name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import random
+import statistics
+import time
+from pathlib import Path
+
+from bench.children import children, in_process
+from bench.sim import cost
+
+RESULTS = Path(__file__).parent / "results"
+# (new tokens, tokens cached before them): whole prompts, then chunks of a long prompt
+PREFILL = [(16, 0), (64, 0), (256, 0), (512, 0), (1024, 0), (2000, 0),
+           (128, 512), (128, 896), (256, 768), (512, 512)]
+BATCHED = [(4, 64), (8, 32), (16, 16), (4, 256)]          # (prompts in one pass, tokens each)
+DECODE = [(b, n) for b in cost.DECODE_BATCHES for n in cost.DECODE_CONTEXTS]  # (batch, context per sequence)
+DECODE_STEPS = 3
+KV_BLOCKS = 2304
+STACK_TOKENS = 48  # tokens of each stream through the stack
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000, 30000) for _ in range(n)]
+
+
+def _spin(cpus: set[int], stop) -> None:
+    """The neighbour: model-sized matmuls, one thread per core of `cpus`, until told."""
+    import torch
+    os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(len(cpus))
+    a, b = torch.randn(256, 576), torch.randn(576, 1536)
+    while not stop.is_set():
+        for _ in range(20):
+            a @ b
+
+
+def _measure(threads: int, cpus: list[int], reps: int) -> dict:
+    import torch
+
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import Engine
+    from shared.engine.loader import load
+    from shared.engine.sequence import SamplingParams
+
+    os.sched_setaffinity(0, set(cpus))
+    torch.set_num_threads(threads)
+    loaded = load("smollm2")
+    engine = Engine(loaded, EngineConfig(num_blocks=KV_BLOCKS, max_batched_tokens=4096, prefill_chunk=2048,
+                                         max_num_seqs=128))
+    one = SamplingParams(max_tokens=1, temperature=0)
+    seed = iter(range(10**6))
+
+    def prefill(prompts: list[list[int]]) -> tuple[float, int]:
+        """One pass of these prompts: its seconds, and the tokens the first found cached."""
+        for i, p in enumerate(prompts):
+            engine.add_request(f"p{i}", p, one, prefill_only=True)
+        first = engine.seqs["p0"]
+        start = time.perf_counter()
+        engine.step()
+        elapsed, cached = time.perf_counter() - start, first.num_cached
+        for i in range(len(prompts)):
+            engine.abort(f"p{i}")
+        return elapsed, cached
+
+    prefill([_ids(64, next(seed))])  # warm-up
+    points = []
+    prefixes = {c: _ids(c, next(seed)) for _, c in PREFILL}
+    for new, cached in PREFILL:
+        times = []
+        for _ in range(reps):
+            if cached:
+                prefill([prefixes[cached]])  # in the prefix cache (again, if evicted: nothing runs then)
+            elapsed, found = prefill([prefixes[cached] + _ids(new, next(seed))])
+            assert found == cached, f"{found} of {cached} prefix tokens cached"
+            times.append(elapsed)
+        points.append({"new": [new], "cached": [cached], "s": statistics.median(times)})
+    for k, n in BATCHED:
+        times = [prefill([_ids(n, next(seed)) for _ in range(k)])[0] for _ in range(reps)]
+        points.append({"new": [n] * k, "cached": [0] * k, "s": statistics.median(times)})
+
+    steps = []
+    params = SamplingParams(max_tokens=DECODE_STEPS * reps + 4, temperature=0, ignore_eos=True)
+    for batch, context in DECODE:
+        for i in range(batch):
+            engine.reserve(f"d{i}", _ids(context, next(seed)), params)
+            engine.commit_import(f"d{i}", 1000)
+        engine.step()  # warm
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            for _ in range(DECODE_STEPS):
+                engine.step()
+            times.append((time.perf_counter() - start) / DECODE_STEPS)
+        steps.append({"batch": batch, "context": context, "s": statistics.median(times)})
+        for i in range(batch):
+            engine.abort(f"d{i}")
+    assert engine.num_free_blocks == engine.num_blocks
+    mc = loaded.config
+    return {"prefill": points, "decode": steps,
+            "kv_bytes_per_token": mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 4, "layers": mc.num_layers}
+
+
+def _reference(prompt: int, batch: int, context: int, reps: int) -> dict:
+    import torch
+
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import Engine
+    from shared.engine.loader import load
+    from shared.engine.sequence import SamplingParams
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    engine = Engine(load("smollm2"), EngineConfig(num_blocks=1024, max_batched_tokens=4096, prefill_chunk=2048))
+    one = SamplingParams(max_tokens=1, temperature=0)
+    times = []
+    for i in range(reps + 1):  # the first warms up
+        engine.add_request("p", _ids(prompt, i), one, prefill_only=True)
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+        engine.abort("p")
+    params = SamplingParams(max_tokens=4 * reps + 4, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        engine.reserve(f"d{i}", _ids(context, 100 + i), params)
+        engine.commit_import(f"d{i}", 1000)
+    engine.step()
+    start = time.perf_counter()
+    for _ in range(4 * reps):
+        engine.step()
+    return {"prefill_s": statistics.median(times[1:]), "decode_step_s": (time.perf_counter() - start) / (4 * reps)}
+
+
+def reference(prompt: int, batch: int, context: int, reps: int = 3) -> dict:
+    """The isolated costs SLOs are set from (bench/sim/slo.py, `make bench`): a `prompt`-token
+    prefill alone and a decode step of `batch` sequences of `context` tokens, on all cores."""
+    return in_process(_reference, prompt, batch, context, reps, timeout_s=600)
+
+
+def shape(threads: int, neighbour: bool, reps: int) -> dict:
+    """One worker shape: `threads` cores, the rest idle or (neighbour) busy."""
+    cpus = sorted(os.sched_getaffinity(0))
+    mine, rest = cpus[:threads], set(cpus[threads:])
+    if not neighbour:
+        return in_process(_measure, threads, mine, reps, timeout_s=1800)
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    with children(ctx.Process(target=_spin, args=(rest, stop))):
+        try:
+            return in_process(_measure, threads, mine, reps, timeout_s=1800)
+        finally:
+            stop.set()
+
+
+def handoff() -> dict:
+    """KV bytes between two processes as the services move them on one host: seconds per payload."""
+    from bench.segment_arm import bench_segment
+    sizes = [256 << 10, 1 << 20, 4 << 20, 16 << 20]
+    gbps = bench_segment(sizes)
+    return {"points": [{"bytes": s, "s": s / (gbps[s] * 1e9)} for s in sizes]}
+
+
+def control_plane(stack: str, requests: int = 10) -> dict:
+    """What the services add to the engine on `make bench`'s stack of that kind (bench/
+    interference.arms: "colocated", one worker on all cores; "disaggregated", 1 prefill + 1
+    decode worker pinned to a core each): to the first token (a short prompt, one at a time)
+    and to each decode step with B streams at once (their TPOT minus the in-process engine's
+    step at batch B with the worker's threads): publishing, relaying, and the processes beside
+    the engine on the same cores."""
+    import asyncio
+
+    import httpx
+    import torch
+
+    from bench.interference import arms
+    from bench.load.client import run
+    from bench.load.workloads import Request
+    from bench.stack_overhead import MESSAGES, engine_ttft, stack_ttft
+    from deploy.local.stack import Stack
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import Engine
+    from shared.engine.loader import load
+    from shared.engine.sequence import SamplingParams
+
+    cfg = arms()[stack]
+    torch.set_num_threads(cfg.threads or 1)
+    loaded = load("smollm2")
+    engine = Engine(loaded, EngineConfig(num_blocks=256))
+    ids = loaded.tokenizer.encode(loaded.tokenizer.apply_chat_template(MESSAGES))
+
+    def engine_step(batch: int, context: int) -> float:
+        params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+        for i in range(batch):
+            engine.reserve(f"s{i}", _ids(context, i), params)
+            engine.commit_import(f"s{i}", 1000)
+        engine.step()
+        start = time.perf_counter()
+        for _ in range(8):
+            engine.step()
+        elapsed = (time.perf_counter() - start) / 8
+        for i in range(batch):
+            engine.abort(f"s{i}")
+        return elapsed
+
+    steps = []
+    with Stack(cfg) as stack_, httpx.Client(base_url=stack_.url, timeout=60) as http:
+        for i in range(3):
+            stack_ttft(http, "SmolLM2-135M-Instruct"), engine_ttft(engine, ids, -i - 1)
+        over = [stack_ttft(http, "SmolLM2-135M-Instruct") - engine_ttft(engine, ids, i) for i in range(requests)]
+        for batch in (1, 4, 8):
+            reqs = [Request(0.0, _ids(16, 100 + i), STACK_TOKENS) for i in range(batch)]
+            timings, _ = asyncio.run(run(stack_.url, "SmolLM2-135M-Instruct", reqs))
+            tpot = statistics.median(t.tpot for t in timings if t.tpot is not None)
+            steps.append({"batch": batch, "tpot_s": tpot, "engine_step_s": engine_step(batch, 16 + STACK_TOKENS // 2)})
+    return {"threads": cfg.threads, "ttft_overhead_s": statistics.median(over), "decode": steps,
+            **cost.fit_service_step(steps)}
+
+
+def device_name() -> str:
+    import torch
+    if torch.cuda.is_available():
+        return "cuda-" + torch.cuda.get_device_name().lower().replace(" ", "-")
+    return "cpu"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ncpu = len(os.sched_getaffinity(0))
+    ap.add_argument("--threads", default=",".join(sorted({"1", str(ncpu)})), help="worker shapes, in cores")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--no-stack", action="store_true", help="skip the control-plane measurement")
+    args = ap.parse_args()
+    started = time.monotonic()
+    shapes = {}
+    for threads in (int(t) for t in args.threads.split(",")):
+        for neighbour in ((False, True) if threads < ncpu else (False,)):
+            name = cost.shape_name(threads, neighbour)
+            t0 = time.monotonic()
+            raw = shape(threads, neighbour, args.reps)
+            shapes[name] = {"threads": threads, "neighbour": neighbour, **raw, **cost.fit(raw)}
+            print(f"{name:>14}: prefill {cost.describe_prefill(shapes[name])}; "
+                  f"decode {cost.describe_decode(shapes[name])} ({time.monotonic() - t0:.0f} s)", flush=True)
+    out = {"device": device_name(), "machine": {"cpus": ncpu, "platform": platform.platform(),
+                                                "processor": platform.processor()},
+           "model": "SmolLM2-135M-Instruct fp32", "shapes": shapes, "handoff": cost.fit_handoff(handoff())}
+    print(f"handoff: {out['handoff']['fixed_s'] * 1e3:.2f} ms + {out['handoff']['gbps']:.2f} GB/s", flush=True)
+    if not args.no_stack:
+        out["control_plane"] = {}
+        for stack in cost.STACKS:
+            cp = out["control_plane"][stack] = in_process(control_plane, stack, timeout_s=900)
+            print(f"control plane ({stack}): {cp['ttft_overhead_s'] * 1e3:.1f} ms per request; "
+                  f"{cp['step_fixed_s'] * 1e3:.1f} ms + {cp['step_per_seq_s'] * 1e3:.2f} ms per sequence on each "
+                  "decode step", flush=True)
+    out["wall_s"] = round(time.monotonic() - started, 1)
+    path = RESULTS / f"profile-{out['device']}.json"
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {path} in {out['wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""A simulated deployment: requests arrive, the router places them with its own policy
+functions (services/router/policy.py: `decode_candidates`, `prefill_mode`,
+`choose_prefill_by_cost`), the pools run them (bench/sim/worker.py), and each request's
+first and last token times and every token gap are recorded.
+
+    Layout("colocated", decode=2, decode_cost=...)            # each worker prefills and decodes
+    Layout("disaggregated", prefill=1, decode=3, ...)          # P:D
+    simulate(layout, requests) -> Outcome
+
+A request no decode worker has room for waits at the router, first come first, until a
+sequence finishes somewhere (the real router refuses it and the gateway asks again).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+from bench.load.metrics import Timing
+from bench.sim.cost import Cost
+from bench.sim.worker import Knobs, Req, Worker
+from services.router.policy import PrefillCandidate, choose_prefill_by_cost, decode_candidates, prefill_mode
+
+
+@dataclass
+class Layout:
+    mode: str                          # colocated | disaggregated
+    decode: int                        # colocated: the workers
+    decode_cost: Cost
+    prefill: int = 0
+    prefill_cost: Cost | None = None
+    decode_knobs: Knobs = field(default_factory=Knobs)
+    prefill_knobs: Knobs = field(default_factory=Knobs)
+    local_below: int = 0               # PD_LOCAL_PREFILL_BELOW
+    recompute_weight: float = 8.0
+    overhead_s: float = 0.0            # the control plane's share of every token's latency
+
+    @property
+    def workers(self) -> int:
+        return self.prefill + self.decode
+
+    @property
+    def name(self) -> str:
+        if self.mode == "colocated":
+            return f"colocated x{self.decode} (chunk {self.decode_knobs.prefill_chunk})"
+        return f"{self.prefill}P:{self.decode}D"
+
+
+@dataclass
+class Outcome:
+    requests: list[Req]
+    gaps: dict[str, Counter]           # token gaps (s) → how many, per request kind
+    duration_s: float
+    busy: dict[str, float]             # worker → fraction of the run it was in a pass
+    queued_tokens: dict[str, float]    # prefill worker → mean prompt tokens waiting (the prefill HPA's signal)
+    running: dict[str, float]          # decode (or colocated) worker → mean sequences decoding
+
+    def timings(self, kind: str | None = None, overhead_s: float = 0.0) -> list[Timing]:
+        """As the load generator's client would have seen them (bench/load/metrics.py)."""
+        out = []
+        for r in self.requests:
+            if kind is not None and r.kind != kind:
+                continue
+            t = Timing(sent=r.at, prompt_tokens=r.prompt)
+            if r.first_at is None or r.last_at is None:
+                t.ok = False
+            else:
+                t.chunks.append((r.first_at + overhead_s, 1))
+                if r.output > 1:
+                    t.chunks.append((r.last_at + overhead_s, r.output - 1))
+            out.append(t)
+        return out
+
+
+class Cluster:
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self._events: list = []
+        self._order = itertools.count()
+        self.gaps: dict[str, Counter] = defaultdict(Counter)
+        role = "colocated" if layout.mode == "colocated" else "decode"
+        self.decodes = [Worker(f"{role}-{i}", role, layout.decode_cost, layout.decode_knobs, self)
+                        for i in range(layout.decode)]
+        cost = layout.prefill_cost or layout.decode_cost
+        self.prefills = [Worker(f"prefill-{i}", "prefill", cost, layout.prefill_knobs, self)
+                         for i in range(layout.prefill)]
+        self.prefill_rate = 512 / cost.prefill_s([(512, 0)])  # what a worker's measured rate would say
+        self.backlog: list[Req] = []
+        self.now = 0.0
+
+    def at(self, t: float, fn, *args) -> None:
+        heapq.heappush(self._events, (t, next(self._order), fn, args))
+
+    def run(self, requests: list[Req]) -> Outcome:
+        for r in requests:
+            self.at(r.at, self._arrive, r)
+        while self._events:
+            self.now, _, fn, args = heapq.heappop(self._events)
+            fn(self.now, *args)
+        start = min((r.at for r in requests), default=0.0)
+        duration = max(self.now - start, 1e-9)
+        workers = self.decodes + self.prefills
+        for w in workers:
+            w.account(self.now)
+        return Outcome(requests, dict(self.gaps), duration, {w.worker_id: w.busy_s / duration for w in workers},
+                       {w.worker_id: w.queued_s / duration for w in workers if w.role != "decode"},
+                       {w.worker_id: w.running_s / duration for w in self.decodes})
+
+    # -- the router ----------------------------------------------------------------------------
+    def _arrive(self, now: float, r: Req) -> None:
+        if not self._place(r, now):
+            self.backlog.append(r)
+
+    def _place(self, r: Req, now: float) -> bool:
+        limit = self.layout.decode_knobs.max_num_seqs
+        room = [w for w in self.decodes if w.running + w.waiting < limit]
+        ranked = decode_candidates(room, room[0].blocks_for(r) if room else 0, prompt_tokens=r.prompt)  # type: ignore[arg-type]
+        if not ranked:
+            return False
+        d: Worker = ranked[0]  # type: ignore[assignment]
+        d.book(r)
+        r.decode = d
+        mode, _ = prefill_mode(r.prompt, len(self.prefills), self.layout.local_below)
+        if mode == "local":
+            d.enqueue(r, now)
+            return True
+        candidates = [PrefillCandidate(p.worker_id, 0, p.queued, self.prefill_rate) for p in self.prefills]
+        best, _ = choose_prefill_by_cost(candidates, r.prompt, self.layout.recompute_weight)
+        assert best is not None
+        d.importing += 1
+        d.sync()
+        self.prefills[int(best.worker_id.rsplit("-", 1)[1])].enqueue(r, now)
+        return True
+
+    # -- what the workers report ---------------------------------------------------------------
+    def prefilled(self, r: Req, kv_ready_at: float) -> None:
+        """A prefill worker published the first token; its KV lands on the decode worker then."""
+        self.at(kv_ready_at, self._kv_ready, r)
+
+    def _kv_ready(self, now: float, r: Req) -> None:
+        d = r.decode
+        assert d is not None
+        d.importing -= 1
+        d.sync()
+        if r.output > 1:
+            d.join(r, now)
+        else:
+            d.book(r, -1)
+            self.finished(r)
+
+    def finished(self, r: Req) -> None:
+        while self.backlog and self._place(self.backlog[0], self.now):
+            self.backlog.pop(0)
+
+
+def simulate(layout: Layout, requests: list[tuple[float, int, int, str]]) -> Outcome:
+    """`requests`: (arrival s, prompt tokens, output tokens, kind)."""
+    return Cluster(layout).run([Req(i, at, p, max(1, o), k) for i, (at, p, o, k) in enumerate(requests)])

@@ -1,0 +1,241 @@
+"""One simulated engine worker: a colocated worker, a prefill worker or a decode worker.
+
+Its passes follow the engine scheduler's rules (shared/engine/scheduler.py: `prefill_next`,
+`prefill_order`, `prefill_chunks`: the same functions, not copies); what a pass costs comes
+from the worker shape's cost model (bench/sim/cost.py). Decode steps between two events are
+run as one stretch of equal steps (every running sequence gains a token per step): a new
+prompt or an imported KV cuts the stretch at the next step boundary, as the real engine would
+take them into its next pass. Work per event is O(log batch), so a fleet of dozens of workers
+replays hours of traffic in seconds.
+
+Simplifications (named, not hidden): a sequence's blocks for its whole max_tokens are booked
+when the router places it, so a worker never preempts; no prefix cache (the traces' prompts are
+drawn afresh); a step's cost is taken at the stretch's mean context.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from dataclasses import dataclass, field
+
+from bench.sim.cost import Cost
+from shared.engine.scheduler import prefill_chunks, prefill_next, prefill_order
+
+
+@dataclass(frozen=True)
+class _Params:
+    priority: int = 0
+
+
+PARAMS = _Params()
+
+
+@dataclass(eq=False)
+class Req:
+    """A request and what happened to it (times in seconds of simulated time)."""
+
+    id: int
+    at: float
+    prompt: int
+    output: int
+    kind: str = "request"
+    first_at: float | None = None
+    last_at: float | None = None
+    # what the scheduler's rules read while it waits for its prefill
+    num_computed: int = 0
+    params: _Params = PARAMS
+    decode: Worker | None = None     # where it is decoded (disaggregated: chosen with its prefill)
+
+    @property
+    def token_ids(self) -> range:
+        return range(self.prompt)
+
+
+@dataclass
+class Knobs:
+    """The engine settings of a pool (PD_* of its workers)."""
+
+    kv_blocks: int = 2048
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_batched_tokens: int = 4096
+    prefill_chunk: int = 2048
+
+
+@dataclass(eq=False)
+class Worker:
+    worker_id: str
+    role: str                  # colocated | prefill | decode
+    cost: Cost
+    knobs: Knobs
+    sim: object                # the cluster (bench/sim/cluster.py): schedules events, hears of results
+    queue: list[Req] = field(default_factory=list)   # prompts to prefill here, first come first
+    importing: int = 0         # (decode) sequences whose KV is on its way
+    # decode batch: (finish step, id, request); tokens so far = steps - joined step (+1 first)
+    finishing: list[tuple[int, int, Req]] = field(default_factory=list)
+    steps: int = 0             # decode steps run so far
+    context: int = 0           # tokens the running sequences hold, at `steps`
+    kinds: Counter = field(default_factory=Counter)
+    fresh: list[Req] = field(default_factory=list)  # joined since the last decode stretch
+    joining: list[Req] = field(default_factory=list)  # to join when the pass under way ends
+    booked_blocks: int = 0
+    queued: int = 0            # prompt tokens waiting (prefill queue)
+    last_was_decode: bool = True
+    last_decode_end: float = 0.0
+    busy: bool = False
+    version: int = 0
+    pass_end: float = 0.0
+    stretch: tuple[float, float, int] | None = None  # (start, step seconds, steps planned) of a decode stretch
+    busy_s: float = 0.0
+    # time integrals of what an autoscaler would read (the queue's prompt tokens, the batch)
+    queued_s: float = 0.0
+    running_s: float = 0.0
+    _seen: float = 0.0
+
+    def account(self, now: float) -> None:
+        """Add the queue and the batch since the last change to their time integrals."""
+        dt = now - self._seen
+        self.queued_s += self.queued * dt
+        self.running_s += len(self.finishing) * dt
+        self._seen = now
+
+    # -- what the router's policy functions read (WorkerInfo's fields; plain attributes, kept
+    # up to date by sync(): a placement reads them on every worker of the pool) ---------------
+    running: int = 0
+    waiting: int = 0           # queued prompts, and (decode) sequences whose KV is on its way
+    free_blocks: int = 0
+    growth_blocks: int = 0     # blocks are booked whole when placed (see above)
+
+    def __post_init__(self) -> None:
+        self.sync()
+
+    def sync(self) -> None:
+        self.running = len(self.finishing)
+        self.waiting = len(self.queue) + self.importing
+        self.free_blocks = self.knobs.kv_blocks - self.booked_blocks
+
+    def blocks_for(self, r: Req) -> int:
+        return -(-(r.prompt + r.output) // self.knobs.block_size)
+
+    # -- arrivals ------------------------------------------------------------------------------
+    def book(self, r: Req, blocks: int = 1) -> None:
+        """Its blocks set aside here (blocks=-1: given back)."""
+        self.booked_blocks += blocks * self.blocks_for(r)
+        self.sync()
+
+    def enqueue(self, r: Req, now: float) -> None:
+        """A prompt to prefill here."""
+        self.account(now)
+        self.queue.append(r)
+        self.queued += r.prompt
+        self.sync()
+        self._wake(now)
+
+    def join(self, r: Req, now: float) -> None:
+        """A sequence whose first token is out joins the decode batch (KV imported, or prefilled
+        here) when the pass under way ends (a decode stretch is cut), at once when idle."""
+        self.joining.append(r)
+        self._wake(now)
+
+    # -- passes --------------------------------------------------------------------------------
+    def _wake(self, now: float) -> None:
+        if not self.busy:
+            self._resume(now)
+        elif self.stretch is not None:  # cut the decode stretch at the step under way
+            start, step, planned = self.stretch
+            done = min(planned, int((now - start) / step) + 1)
+            if done < planned:
+                self.stretch = (start, step, done)
+                self.version += 1
+                self.pass_end = start + done * step
+                self.sim.at(self.pass_end, self._end, self.version)
+
+    def _next(self, now: float) -> None:
+        k = self.knobs
+        if prefill_next(bool(self.queue), bool(self.finishing), self.last_was_decode):
+            chunks = prefill_chunks(prefill_order(self.queue, k.prefill_chunk), len(self.finishing),
+                                    k.max_num_seqs, k.max_batched_tokens, k.prefill_chunk, self._admit)
+            if chunks:
+                self.last_was_decode, self.busy, self.stretch = False, True, None
+                self.pass_end = now + self.cost.prefill_s([(n, r.num_computed) for r, n in chunks])
+                self.version += 1
+                self.sim.at(self.pass_end, self._prefilled, self.version, chunks, now)
+                return
+        if self.finishing:
+            batch = len(self.finishing)
+            # prompts waiting: one step, then the scheduler looks at them again (the two alternate)
+            planned = 1 if self.queue else max(1, self.finishing[0][0] - self.steps)
+            step = self.cost.step_s(batch, self.context + batch * planned // 2)
+            self.last_was_decode, self.busy = True, True
+            self.stretch = (now, step, planned)
+            self.pass_end = now + planned * step
+            self.version += 1
+            self.sim.at(self.pass_end, self._end, self.version)
+            return
+        self.busy = False
+
+    @staticmethod
+    def _admit(r: Req) -> bool:
+        return True  # its blocks were booked when it was placed (the router saw room for it)
+
+    def _prefilled(self, now: float, version: int, chunks, started: float) -> None:
+        if version != self.version:
+            return
+        self.busy_s += now - started
+        self.account(now)
+        for r, n in chunks:
+            r.num_computed += n
+            self.queued -= n
+            if r.num_computed == r.prompt:
+                self.queue.remove(r)
+                r.first_at = r.last_at = now
+                if self.role == "prefill":
+                    self.sim.prefilled(r, now + self.cost.handoff_s(r.prompt))
+                elif r.output > 1:
+                    self.join(r, now)
+                else:
+                    self.book(r, -1)
+                    self.sim.finished(r)
+        self._resume(now)
+
+    def _end(self, now: float, version: int) -> None:
+        """A decode stretch ended: its steps' gaps (for the ITL), finished sequences."""
+        if version != self.version:
+            return
+        start, step, done = self.stretch  # type: ignore[misc]
+        self.stretch, self.busy_s = None, self.busy_s + now - start
+        self.account(now)
+        gaps, batch = self.sim.gaps, len(self.finishing)
+        new = Counter(r.kind for r in self.fresh)
+        for r in self.fresh:           # their first gap: from the first token (or the handoff)
+            gaps[r.kind][start + step - r.last_at] += 1
+        for kind, n in self.kinds.items():
+            if n - new[kind]:          # the others: from their last step, across any prefill passes since
+                gaps[kind][start + step - self.last_decode_end] += n - new[kind]
+            if done > 1:
+                gaps[kind][step] += n * (done - 1)
+        self.fresh = []
+        self.steps += done
+        self.context += batch * done
+        self.last_decode_end = now
+        while self.finishing and self.finishing[0][0] <= self.steps:  # stretches end at the first finish
+            _, _, r = heapq.heappop(self.finishing)
+            r.last_at = now
+            self.context -= r.prompt + r.output
+            self.kinds[r.kind] -= 1
+            self.book(r, -1)                     # (and the batch's count is up to date)
+            self.sim.finished(r)
+        self._resume(now)
+
+    def _resume(self, now: float) -> None:
+        """Between passes: who joined meanwhile enters the batch, then the next pass."""
+        self.account(now)
+        for r in self.joining:
+            heapq.heappush(self.finishing, (self.steps + r.output - 1, r.id, r))
+            self.context += r.prompt + 1
+            self.kinds[r.kind] += 1
+        self.fresh += self.joining
+        self.joining = []
+        self.sync()
+        self._next(now)

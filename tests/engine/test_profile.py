@@ -1,0 +1,32 @@
+"""The planner's isolated measurements with the real model (bench/profile.py's reference,
+which `make bench` sets its SLOs from), and the make-bench SLOs that come of them."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from bench.interference import slo_for
+from bench.load.workloads import Request
+from bench.profile import reference
+
+pytestmark = pytest.mark.slow
+
+
+def test_reference_costs_grow_with_the_work():
+    short, long = reference(16, 1, 32, reps=1), reference(512, 8, 256, reps=1)
+    for r in (short, long):
+        assert 0 < r["prefill_s"] < 60 and 0 < r["decode_step_s"] < 10
+    assert long["prefill_s"] > short["prefill_s"]          # 32x the tokens
+    assert long["decode_step_s"] > short["decode_step_s"]  # 8 sequences of 8x the context
+
+
+def test_make_bench_slos_are_this_machines_unless_given():
+    trace = [Request(0.0, [1] * n, 8) for n in (32, 64, 128, 256)]
+    given = argparse.Namespace(replay_slo_ttft=2.0, replay_slo_tpot=0.15, ttft_x=4, tpot_x=2)
+    assert (slo_for(trace, given).ttft_s, given.replay_slo_tpot) == (2.0, 0.15)
+    measured = argparse.Namespace(replay_slo_ttft=None, replay_slo_tpot=None, ttft_x=4, tpot_x=2)
+    slo = slo_for(trace, measured)
+    assert slo.how.startswith("4 x prefill of the p90 prompt (")
+    assert measured.replay_slo_ttft == round(slo.ttft_s, 3) > 0 and measured.replay_slo_tpot > 0

@@ -1,0 +1,147 @@
+"""The capacity planner's simulator (bench/sim) against hand-computed timelines, with a made-up
+cost model: prefill 10 ms + 1 ms per token, every decode step 20 ms."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from bench.load import workloads
+from bench.sim.cluster import Layout, simulate
+from bench.sim.cost import DECODE_BATCHES, DECODE_CONTEXTS, Cost, fit
+from bench.sim.plan import search
+from bench.sim.slo import Slo, relative, score, weighted_percentile
+from bench.sim.worker import Knobs
+
+STEP = 0.02
+COST = Cost(prefill=(0.01, 0.001, 0.0, 0.0, 0.0), decode_batches=DECODE_BATCHES, decode_contexts=DECODE_CONTEXTS,
+            decode_grid=tuple((STEP,) * len(DECODE_CONTEXTS) for _ in DECODE_BATCHES), kv_bytes_per_token=1000,
+            layers=10, handoff_fixed_s=0.001, handoff_bytes_per_s=1e9)
+WHOLE = Knobs(prefill_chunk=2048, max_batched_tokens=4096)
+
+
+def colocated(chunk: int = 2048, **knobs) -> Layout:
+    return Layout("colocated", decode=1, decode_cost=COST,
+                  decode_knobs=Knobs(prefill_chunk=chunk, max_batched_tokens=max(chunk, 256), **knobs))
+
+
+def disaggregated(p: int = 1, d: int = 1) -> Layout:
+    return Layout("disaggregated", prefill=p, decode=d, decode_cost=COST, prefill_cost=COST, decode_knobs=WHOLE,
+                  prefill_knobs=WHOLE)
+
+
+def gaps_of(out, kind: str = "request") -> dict[float, int]:
+    return dict(out.gaps.get(kind, {}))
+
+
+def test_one_request_colocated():
+    out = simulate(colocated(), [(0.0, 100, 10, "request")])
+    r = out.requests[0]
+    assert r.first_at == pytest.approx(0.11)
+    assert r.last_at == pytest.approx(0.11 + 9 * STEP)
+    assert sum(gaps_of(out).values()) == 9
+    assert weighted_percentile(gaps_of(out), 99) == pytest.approx(STEP)
+
+
+def test_one_request_disaggregated_waits_for_its_kv():
+    out = simulate(disaggregated(), [(0.0, 100, 10, "request")])
+    r = out.requests[0]
+    kv_ready = 0.11 + 0.001 + 100 * 1000 / 10 / 1e9   # the last layer after the prefill's last pass
+    assert r.first_at == pytest.approx(0.11)          # published by the prefill worker
+    assert r.last_at == pytest.approx(kv_ready + 9 * STEP)
+    assert max(gaps_of(out)) == pytest.approx(kv_ready + STEP - 0.11)
+
+
+def _interference(layout: Layout) -> float:
+    """A victim streaming 200 tokens while a 1000-token prompt arrives: its longest token gap."""
+    out = simulate(layout, [(0.0, 10, 200, "victim"), (1.0, 1000, 2, "aggressor")])
+    assert all(r.last_at is not None for r in out.requests)
+    return max(gaps_of(out, "victim"))
+
+
+def test_a_long_prompt_stalls_colocated_streams_but_not_disaggregated_ones():
+    whole, chunked, disagg = _interference(colocated()), _interference(colocated(chunk=128)), \
+        _interference(disaggregated())
+    assert whole == pytest.approx(STEP + 0.01 + 1.0)         # the whole prompt's pass, then the step
+    assert chunked == pytest.approx(STEP + 0.01 + 0.128)     # one chunk at a time
+    assert disagg == pytest.approx(STEP + 0.001, abs=1e-5)  # its first step after its own KV came
+
+
+def test_chunks_and_decode_steps_alternate():
+    out = simulate(colocated(chunk=128), [(0.0, 10, 200, "victim"), (1.0, 1000, 2, "aggressor")])
+    victim, aggressor = out.requests
+    # the step under way at 1.0 ends at 1.02; then 8 chunks (7 x 128 + 104) with a decode step between each
+    assert aggressor.first_at == pytest.approx(1.02 + 8 * 0.01 + 1.0 + 7 * STEP)
+    # the victim's 199 steps, plus the chunk passes (the aggressor's one decode step is one of them)
+    assert victim.last_at == pytest.approx(0.02 + 199 * STEP + 8 * 0.01 + 1.0)
+
+
+def test_a_pass_follows_the_engine_schedulers_order():
+    # chunk 128, budget 256: the oldest long prompt takes a chunk, the short one finishes in the same pass
+    layout = Layout("colocated", decode=1, decode_cost=COST, decode_knobs=Knobs(prefill_chunk=128,
+                                                                                 max_batched_tokens=256))
+    out = simulate(layout, [(0.0, 100, 1, "first"), (0.05, 300, 2, "long"), (0.06, 50, 2, "short")])
+    first, long, short = out.requests
+    assert first.first_at == pytest.approx(0.11)                  # both arrive during its pass, then share one
+    assert short.first_at == pytest.approx(0.11 + 0.01 + 0.128 + 0.05)
+    # the short one's decode step, then the long one's last 172 tokens, a chunk at a time
+    assert long.first_at == pytest.approx(short.first_at + STEP + (0.01 + 0.128) + (0.01 + 0.044))
+
+
+def test_every_request_finishes_and_every_block_comes_back():
+    rng = random.Random(1)
+    reqs = [(rng.uniform(0, 20), rng.randrange(1, 600), rng.randrange(1, 80), rng.choice("ab")) for _ in range(300)]
+    layout = disaggregated(2, 2)
+    layout.decode_knobs = Knobs(kv_blocks=64, max_num_seqs=8)  # little room: some wait at the router
+    out = simulate(layout, reqs)
+    assert all(r.first_at is not None and r.last_at is not None and r.last_at >= r.first_at for r in out.requests)
+    for kind in "ab":
+        assert sum(out.gaps[kind].values()) == sum(o - 1 for _, _, o, k in reqs if k == kind)
+    for r in out.requests:
+        assert r.decode is not None and r.decode.booked_blocks == 0 and not r.decode.queue
+        assert r.decode.running == 0
+
+
+def test_a_full_worker_holds_new_requests_until_a_sequence_finishes():
+    layout = colocated(max_num_seqs=2)
+    out = simulate(layout, [(0.0, 10, 5, "request")] * 3)
+    third = max(out.requests, key=lambda r: r.first_at)
+    assert third.first_at > min(r.last_at for r in out.requests[:2])
+
+
+def test_fit_recovers_the_costs_it_was_made_from():
+    true = (0.05, 0.002, 1e-7, 3e-7, 0.004)
+    points = [{"new": new, "cached": cached, "s": Cost(true, DECODE_BATCHES, DECODE_CONTEXTS, ((1,) * 3,) * 4,
+                                                          0, 1, 0, 1).prefill_s(list(zip(new, cached)))}
+              for new, cached in [([16], [0]), ([512], [0]), ([2000], [0]), ([128], [896]), ([256], [768]),
+                                  ([64] * 4, [0] * 4), ([16] * 16, [0] * 16)]]
+    decode = [{"batch": b, "context": n, "s": 0.05 + 0.001 * b * n ** 0.5} for b in DECODE_BATCHES
+              for n in DECODE_CONTEXTS]
+    model = fit({"prefill": points, "decode": decode})
+    got = [model["prefill_model"][k] for k in ("fixed_s", "per_token_s", "self_attention_s",
+                                               "context_attention_s", "per_seq_s")]
+    assert got == pytest.approx(true, rel=1e-6)
+    profile = {"shapes": {"x": {**model, "kv_bytes_per_token": 1, "layers": 1}}, "handoff": {"fixed_s": 0, "gbps": 1}}
+    cost = Cost.of(profile, "x")
+    assert cost.decode_s(16, 16 * 256) == pytest.approx(0.05 + 0.001 * 16 * 16)   # on the grid
+    between = cost.decode_s(8, 8 * 256)                                              # linear in between
+    assert between == pytest.approx((0.05 + 0.001 * 4 * 16) + (0.001 * 16 * 16 - 0.001 * 4 * 16) * (8 - 4) / 12)
+
+
+def test_relative_slos_come_from_the_profile():
+    slo = relative(COST, [100] * 9 + [1000], ttft_x=4, tpot_x=2)
+    assert slo.ttft_s == pytest.approx(4 * (0.01 + 0.001 * int(__import__("numpy").percentile([100] * 9 + [1000], 90))))
+    assert slo.tpot_s == pytest.approx(2 * STEP)
+
+
+def test_goodput_search_ends_where_attainment_falls():
+    trace = [workloads.Request(0.0, [1] * 50, 20) for _ in range(50)]
+    layout = colocated()
+    found = search(layout, trace, Slo(0.5, 0.1), seconds=20, seed=0)
+    assert found["goodput_rate"] > 0
+    at = {p["rate"]: p["slo_attainment"] for p in found["points"]}
+    assert at[found["goodput_rate"]] >= 0.9
+    assert min(at.values()) < 0.9 and max(r for r, a in at.items() if a < 0.9) > found["goodput_rate"]
+    s = score(simulate(layout, [(0.0, 50, 20, "request")]), Slo(0.5, 0.1), 0.0)
+    assert s["slo_attainment"] == 1.0
