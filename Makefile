@@ -99,7 +99,7 @@ bench-full: setup
 	$(BIN)/python -m bench.interference --full
 
 ## profile: the engine's cost on this hardware for the planner (prefill passes, decode steps, each worker shape
-##   alone and beside a busy neighbour, the KV handoff, the control plane; ~5 minutes on 2 cores);
+##   alone and beside a busy neighbour, the KV handoff, the control plane; ~6 minutes on 2 cores);
 ##   writes bench/results/profile-<device>.json
 profile: setup
 	$(BIN)/python -m bench.profile $(PROFILE_ARGS)
@@ -111,7 +111,7 @@ plan: setup
 	$(BIN)/python -m bench.sim.plan $(PLAN_ARGS)
 
 ## plan-check: the simulator's predictions of make bench's three arms against the arms measured right after the
-##   profile, in one sitting (~15 minutes on 2 cores); writes bench/results/profile-<device>.json and plan_check.json
+##   profile, in one sitting (~18 minutes on 2 cores); writes bench/results/profile-<device>.json and plan_check.json
 plan-check: setup
 	$(BIN)/python -m bench.profile
 	$(BIN)/python -m bench.plan_check

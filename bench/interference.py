@@ -177,6 +177,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     "batch 8, measured here")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if (args.replay_slo_ttft is None) != (args.replay_slo_tpot is None):
+        ap.error("--replay-slo-ttft and --replay-slo-tpot go together (neither: SLOs from this machine's costs)")
     for k, v in (FULL if args.full else QUICK).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -196,7 +198,8 @@ def main() -> None:
     print(json.dumps(summary, indent=2))
     out = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor()},
            "mode": "full" if args.full else "quick",
-           "workload": {"victims_and_aggressors": {"duration_s": args.duration, "victim_rate": args.victim_rate,
+           "workload": {"seed": args.seed,
+                        "victims_and_aggressors": {"duration_s": args.duration, "victim_rate": args.victim_rate,
                                                    "aggressor_rate": args.aggressor_rate, "requests": len(reqs),
                                                    "victim": "32-token prompt, 128 output tokens",
                                                    "aggressor": "1024-token prompt, 4 output tokens",

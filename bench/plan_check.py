@@ -9,7 +9,8 @@ slices of the Azure trace at the same rates, the same SLOs — with the cost mod
 profile; then sets each prediction beside what was measured: goodput at 90% SLO attainment,
 the victims' ITL p99 and TTFT p50, the attainment at each rate. `make plan-check` measures the
 profile just before (a machine's speed drifts: both in one sitting); `--measured` compares
-with a `make bench` result instead of running the arms. Writes bench/results/plan_check.json
+with a `make bench` result (or an earlier plan_check.json's measurements) instead of running
+the arms. Writes bench/results/plan_check.json
 (`summary`: goodput_error_max, itl_p99_error_max).
 """
 
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from bench import interference
 from bench.load import workloads
+from bench.profile import device_name
 from bench.sim.cluster import Layout, simulate
 from bench.sim.cost import STACKS, Cost, control_plane
 from bench.sim.slo import Slo, goodput, score
@@ -37,12 +39,14 @@ def bench_layouts(profile: dict, cores: int) -> dict[str, Layout]:
     whole = Knobs(prefill_chunk=2048, max_batched_tokens=4096)
     chunked = Knobs(prefill_chunk=128, max_batched_tokens=4096)
     all_cores = Cost.of(profile, f"{cores}t", "colocated")
-    half = Cost.of(profile, f"{cores // 2}t+busy", "disaggregated")
+    # interference.arms: the prefill worker on one core, the decode worker on the others
+    prefill, decode = Cost.of(profile, "1t+busy", "disaggregated"), Cost.of(profile, f"{cores - 1}t+busy",
+                                                                            "disaggregated")
     return {"colocated": Layout("colocated", decode=1, decode_cost=all_cores, decode_knobs=whole,
                                 overhead_s=over["colocated"]),
             "chunked": Layout("colocated", decode=1, decode_cost=all_cores, decode_knobs=chunked,
                               overhead_s=over["colocated"]),
-            "disaggregated": Layout("disaggregated", prefill=1, decode=1, decode_cost=half, prefill_cost=half,
+            "disaggregated": Layout("disaggregated", prefill=1, decode=1, decode_cost=decode, prefill_cost=prefill,
                                     decode_knobs=whole, prefill_knobs=whole, overhead_s=over["disaggregated"])}
 
 
@@ -63,7 +67,8 @@ def measure(seed: int) -> dict:
     for arm in arms.values():
         del arm["timeline"], arm["victim_itls_s"]
     return {"machine": {"cpus": len(interference.ALL)},
-            "workload": {"victims_and_aggressors": {"duration_s": args.duration, "victim_rate": args.victim_rate,
+            "workload": {"seed": seed,
+                         "victims_and_aggressors": {"duration_s": args.duration, "victim_rate": args.victim_rate,
                                                     "aggressor_rate": args.aggressor_rate,
                                                     "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot}},
                          "replay": {"seconds_per_rate": args.replay_s, "scale": args.scale, "rates": args.rates,
@@ -78,21 +83,26 @@ def error(predicted: float, measured: float) -> float | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--profile", type=Path, default=RESULTS / "profile-cpu.json")
+    ap.add_argument("--profile", type=Path, help="default: this machine's (bench/results/profile-<device>.json)")
     ap.add_argument("--measured", type=Path, help="a make bench result (interference.json) instead of running the arms")
     ap.add_argument("--seed", type=int, default=0, help="make bench's --seed")
     args = ap.parse_args()
+    args.profile = args.profile or RESULTS / f"profile-{device_name()}.json"
     profile = json.loads(args.profile.read_text())
     measured = json.loads(args.measured.read_text()) if args.measured else measure(args.seed)
+    if "measured_arms" in measured:  # an earlier plan_check.json: its measurements, simulated again
+        measured = {"machine": profile["machine"], **measured, "arms": measured["measured_arms"],
+                    "measured": "measured right after the profile (simulated again since)"}
+    seed = measured["workload"].get("seed", args.seed)
     w = measured["workload"]
     va, rp = w["victims_and_aggressors"], w["replay"]
     victims = workloads.victims_and_aggressors(va["duration_s"], va["victim_rate"],
-                                               aggressor_rate=va["aggressor_rate"], seed=args.seed)
+                                               aggressor_rate=va["aggressor_rate"], seed=seed)
     trace = workloads.trace(interference.AZURE, scale=rp["scale"],
-                            limit=max(8, round(max(rp["rates"]) * rp["seconds_per_rate"])), seed=args.seed)
+                            limit=max(8, round(max(rp["rates"]) * rp["seconds_per_rate"])), seed=seed)
 
     def at_rate(rate: float):
-        return as_sim(workloads.retimed(trace[:max(8, round(rate * rp["seconds_per_rate"]))], rate, seed=args.seed))
+        return as_sim(workloads.retimed(trace[:max(8, round(rate * rp["seconds_per_rate"]))], rate, seed=seed))
 
     slo = Slo(rp["slo"]["ttft_s"], rp["slo"]["tpot_s"])
     victim_slo = Slo(va["slo"]["ttft_s"], va["slo"]["tpot_s"])
@@ -120,8 +130,11 @@ def main() -> None:
                "itl_p99_error_max": max(errs("victim_itl_p99_s"), default=None),
                "ttft_p50_error_max": max(errs("victim_ttft_p50_s"), default=None),
                "targets": {"goodput_error_max": 0.15, "itl_p99_error_max": 0.25}}
-    out = {"profile": args.profile.name, "measured": args.measured.name if args.measured else "measured here",
-           "profile_machine": profile["machine"], "workload": measured["workload"], "arms": arms,
+    origin = measured.get("measured") if "measured_arms" in measured else None  # kept through a re-simulation
+    out = {"profile": args.profile.name,
+           "measured": origin or (args.measured.name if args.measured else "measured here, right after the profile"),
+           "profile_machine": profile["machine"], "machine": measured["machine"],
+           "workload": {**measured["workload"], "seed": seed}, "arms": arms,
            "measured_arms": measured["arms"], "summary": summary}
     (RESULTS / "plan_check.json").write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(summary, indent=1))

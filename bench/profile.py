@@ -251,7 +251,9 @@ def device_name() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ncpu = len(os.sched_getaffinity(0))
-    ap.add_argument("--threads", default=",".join(sorted({"1", str(ncpu)})), help="worker shapes, in cores")
+    # one core, all of them, and the rest beside one (a disaggregated split's decode worker: bench/interference)
+    ap.add_argument("--threads", default=",".join(map(str, sorted({1, max(1, ncpu - 1), ncpu}))),
+                    help="worker shapes, in cores")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--no-stack", action="store_true", help="skip the control-plane measurement")
     args = ap.parse_args()

@@ -51,6 +51,7 @@ def layouts(profile: dict, workers: int, chunks: list[int]) -> list[Layout]:
         n = workers // threads
         shape = shape_of(profile, threads, alone=n == 1)
         if shape is None:
+            print(f"  (colocated x{n} of {threads} cores: not in the profile, not planned)", flush=True)
             continue
         for chunk in [2048, *chunks]:
             out.append(Layout("colocated", decode=n, decode_cost=Cost.of(profile, shape, "colocated"),

@@ -5,8 +5,8 @@ Its passes follow the engine scheduler's rules (shared/engine/scheduler.py: `pre
 from the worker shape's cost model (bench/sim/cost.py). Decode steps between two events are
 run as one stretch of equal steps (every running sequence gains a token per step): a new
 prompt or an imported KV cuts the stretch at the next step boundary, as the real engine would
-take them into its next pass. Work per event is O(log batch), so a fleet of dozens of workers
-replays hours of traffic in seconds.
+take them into its next pass. So the events are a few per request, not one per token (a
+placement still reads every worker of the pool, as the router's does).
 
 Simplifications (named, not hidden): a sequence's blocks for its whole max_tokens are booked
 when the router places it, so a worker never preempts; no prefix cache (the traces' prompts are
@@ -16,6 +16,7 @@ drawn afresh); a step's cost is taken at the stretch's mean context.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -106,12 +107,14 @@ class Worker:
     waiting: int = 0           # queued prompts, and (decode) sequences whose KV is on its way
     free_blocks: int = 0
     growth_blocks: int = 0     # blocks are booked whole when placed (see above)
+    peak: int = 0              # the largest batch it ran
 
     def __post_init__(self) -> None:
         self.sync()
 
     def sync(self) -> None:
-        self.running = len(self.finishing)
+        self.running = len(self.finishing) + len(self.joining)  # joiners take their place at the next pass
+        self.peak = max(self.peak, len(self.finishing))
         self.waiting = len(self.queue) + self.importing
         self.free_blocks = self.knobs.kv_blocks - self.booked_blocks
 
@@ -136,6 +139,7 @@ class Worker:
         """A sequence whose first token is out joins the decode batch (KV imported, or prefilled
         here) when the pass under way ends (a decode stretch is cut), at once when idle."""
         self.joining.append(r)
+        self.sync()
         self._wake(now)
 
     # -- passes --------------------------------------------------------------------------------
@@ -144,7 +148,7 @@ class Worker:
             self._resume(now)
         elif self.stretch is not None:  # cut the decode stretch at the step under way
             start, step, planned = self.stretch
-            done = min(planned, int((now - start) / step) + 1)
+            done = min(planned, max(1, math.ceil((now - start) / step - 1e-9)))  # the step under way ends it
             if done < planned:
                 self.stretch = (start, step, done)
                 self.version += 1

@@ -13,6 +13,7 @@ from bench.sim.cost import DECODE_BATCHES, DECODE_CONTEXTS, Cost, fit
 from bench.sim.plan import search
 from bench.sim.slo import Slo, relative, score, weighted_percentile
 from bench.sim.worker import Knobs
+from shared.engine.scheduler import prefill_chunks, prefill_next, prefill_order
 
 STEP = 0.02
 COST = Cost(prefill=(0.01, 0.001, 0.0, 0.0, 0.0), decode_batches=DECODE_BATCHES, decode_contexts=DECODE_CONTEXTS,
@@ -69,12 +70,28 @@ def test_a_long_prompt_stalls_colocated_streams_but_not_disaggregated_ones():
 
 
 def test_chunks_and_decode_steps_alternate():
-    out = simulate(colocated(chunk=128), [(0.0, 10, 200, "victim"), (1.0, 1000, 2, "aggressor")])
+    out = simulate(colocated(chunk=128), [(0.0, 10, 200, "victim"), (1.005, 1000, 2, "aggressor")])
     victim, aggressor = out.requests
-    # the step under way at 1.0 ends at 1.02; then 8 chunks (7 x 128 + 104) with a decode step between each
+    # the step under way at 1.005 ends at 1.02; then 8 chunks (7 x 128 + 104) with a decode step between each
     assert aggressor.first_at == pytest.approx(1.02 + 8 * 0.01 + 1.0 + 7 * STEP)
     # the victim's 199 steps, plus the chunk passes (the aggressor's one decode step is one of them)
     assert victim.last_at == pytest.approx(0.02 + 199 * STEP + 8 * 0.01 + 1.0)
+
+
+def test_a_pass_fills_its_budget_in_the_schedulers_order():
+    class P:
+        def __init__(self, n: int, done: int = 0) -> None:
+            self.token_ids, self.num_computed, self.params = range(n), done, type("p", (), {"priority": 0})()
+    long, short, other = P(300), P(50), P(400, 100)
+    order = prefill_order([long, short, other], 128)
+    assert order == [long, short, other]        # the oldest long one, the short ones, the other long ones
+    chunks = prefill_chunks(order, running=0, max_num_seqs=64, budget=256, chunk=128, admit=lambda q: True)
+    assert chunks == [(long, 128), (short, 50), (other, 78)]
+    assert prefill_chunks(order, running=63, max_num_seqs=64, budget=256, chunk=128, admit=lambda q: True) == \
+        [(long, 128)]                            # one seat left in the batch
+    assert prefill_chunks(order, 0, 64, 256, 128, admit=lambda q: q is not short) == [(long, 128)]  # no room: in order
+    assert prefill_next(True, True, last_was_decode=True) and not prefill_next(True, True, last_was_decode=False)
+    assert prefill_next(True, False, last_was_decode=False) and not prefill_next(False, True, True)
 
 
 def test_a_pass_follows_the_engine_schedulers_order():
@@ -101,6 +118,17 @@ def test_every_request_finishes_and_every_block_comes_back():
     for r in out.requests:
         assert r.decode is not None and r.decode.booked_blocks == 0 and not r.decode.queue
         assert r.decode.running == 0
+        assert r.decode.peak <= 8  # max_num_seqs
+
+
+def test_a_batch_never_passes_max_num_seqs():
+    # prefill outpaces decode: KV lands while the decode worker's batch is full and a step is under way
+    rng = random.Random(1)
+    reqs = [(rng.uniform(0, 5), rng.randrange(1, 100), rng.randrange(2, 80), "a") for _ in range(300)]
+    layout = disaggregated(3, 1)
+    layout.decode_knobs = Knobs(kv_blocks=4096, max_num_seqs=4)
+    out = simulate(layout, reqs)
+    assert out.requests[0].decode.peak == 4    # a sequence about to join counts before it has joined
 
 
 def test_a_full_worker_holds_new_requests_until_a_sequence_finishes():
