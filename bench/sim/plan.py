@@ -189,7 +189,7 @@ def main() -> None:
            "simulated": True, "configs": rows, "summary": summary}
     (RESULTS / f"{stem}.json").write_text(json.dumps(out, indent=1) + "\n")
     plot(rows, RESULTS / f"{stem}.png", f"{args.trace.name} / {args.scale:g}, {profile['device']}, "
-         f"{args.workers} workers, {slo} (simulated)")
+         f"{args.workers} workers (simulated)\nTTFT <= {slo.ttft_s:.2f} s, TPOT <= {slo.tpot_s * 1e3:.0f} ms")
     print(f"wrote {RESULTS / stem}.json and .png in {summary['simulated_s']:.0f} s")
 
 
