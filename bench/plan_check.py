@@ -23,7 +23,7 @@ from pathlib import Path
 from bench import interference
 from bench.load import workloads
 from bench.profile import device_name
-from bench.sim.cluster import Layout, simulate
+from bench.sim.cluster import Layout, as_sim, simulate
 from bench.sim.cost import STACKS, Cost, control_plane
 from bench.sim.slo import Slo, goodput, score
 from bench.sim.worker import Knobs
@@ -48,10 +48,6 @@ def bench_layouts(profile: dict, cores: int) -> dict[str, Layout]:
                               overhead_s=over["colocated"]),
             "disaggregated": Layout("disaggregated", prefill=1, decode=1, decode_cost=decode, prefill_cost=prefill,
                                     decode_knobs=whole, prefill_knobs=whole, overhead_s=over["disaggregated"])}
-
-
-def as_sim(reqs: list[workloads.Request]) -> list[tuple[float, int, int, str]]:
-    return [(r.at, len(r.prompt), r.max_tokens, r.kind) for r in reqs]
 
 
 def measure(seed: int) -> dict:

@@ -50,6 +50,43 @@ def _ids(n: int, seed: int) -> list[int]:
     return [rng.randrange(1000, 30000) for _ in range(n)]
 
 
+def _prefill_pass(engine, prompts: list[list[int]]) -> tuple[float, int]:
+    """One prefill pass of these prompts (prefill only, then aborted): its seconds, and the
+    tokens the first found cached."""
+    from shared.engine.sequence import SamplingParams
+    one = SamplingParams(max_tokens=1, temperature=0)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"p{i}", p, one, prefill_only=True)
+    first = engine.seqs["p0"]
+    start = time.perf_counter()
+    engine.step()
+    elapsed, cached = time.perf_counter() - start, first.num_cached
+    for i in range(len(prompts)):
+        engine.abort(f"p{i}")
+    return elapsed, cached
+
+
+def _decode_steps(engine, batch: int, context: int, seed: int, steps: int, reps: int = 1) -> list[float]:
+    """Seconds per step of `reps` runs of `steps` decode steps of `batch` sequences of `context`
+    tokens, reserved and committed as a KV handoff would (no prefill fills them), after one
+    warm-up step; the sequences are aborted after."""
+    from shared.engine.sequence import SamplingParams
+    params = SamplingParams(max_tokens=steps * reps + 4, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        engine.reserve(f"d{i}", _ids(context, seed + i), params)
+        engine.commit_import(f"d{i}", 1000)
+    engine.step()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        times.append((time.perf_counter() - start) / steps)
+    for i in range(batch):
+        engine.abort(f"d{i}")
+    return times
+
+
 def _spin(cpus: set[int], stop) -> None:
     """The neighbour: model-sized matmuls, one thread per core of `cpus`, until told."""
     import torch
@@ -67,60 +104,33 @@ def _measure(threads: int, cpus: list[int], reps: int) -> dict:
     from shared.engine.config import EngineConfig
     from shared.engine.engine import Engine
     from shared.engine.loader import load
-    from shared.engine.sequence import SamplingParams
 
     os.sched_setaffinity(0, set(cpus))
     torch.set_num_threads(threads)
     loaded = load("smollm2")
     engine = Engine(loaded, EngineConfig(num_blocks=KV_BLOCKS, max_batched_tokens=4096, prefill_chunk=2048,
                                          max_num_seqs=128))
-    one = SamplingParams(max_tokens=1, temperature=0)
     seed = iter(range(10**6))
 
-    def prefill(prompts: list[list[int]]) -> tuple[float, int]:
-        """One pass of these prompts: its seconds, and the tokens the first found cached."""
-        for i, p in enumerate(prompts):
-            engine.add_request(f"p{i}", p, one, prefill_only=True)
-        first = engine.seqs["p0"]
-        start = time.perf_counter()
-        engine.step()
-        elapsed, cached = time.perf_counter() - start, first.num_cached
-        for i in range(len(prompts)):
-            engine.abort(f"p{i}")
-        return elapsed, cached
-
-    prefill([_ids(64, next(seed))])  # warm-up
+    _prefill_pass(engine, [_ids(64, next(seed))])  # warm-up
     points = []
     prefixes = {c: _ids(c, next(seed)) for _, c in PREFILL}
     for new, cached in PREFILL:
         times = []
         for _ in range(reps):
             if cached:
-                prefill([prefixes[cached]])  # in the prefix cache (again, if evicted: nothing runs then)
-            elapsed, found = prefill([prefixes[cached] + _ids(new, next(seed))])
+                _prefill_pass(engine, [prefixes[cached]])  # in the prefix cache (again, if evicted: nothing runs then)
+            elapsed, found = _prefill_pass(engine, [prefixes[cached] + _ids(new, next(seed))])
             assert found == cached, f"{found} of {cached} prefix tokens cached"
             times.append(elapsed)
         points.append({"new": [new], "cached": [cached], "s": statistics.median(times)})
     for k, n in BATCHED:
-        times = [prefill([_ids(n, next(seed)) for _ in range(k)])[0] for _ in range(reps)]
+        times = [_prefill_pass(engine, [_ids(n, next(seed)) for _ in range(k)])[0] for _ in range(reps)]
         points.append({"new": [n] * k, "cached": [0] * k, "s": statistics.median(times)})
 
-    steps = []
-    params = SamplingParams(max_tokens=DECODE_STEPS * reps + 4, temperature=0, ignore_eos=True)
-    for batch, context in DECODE:
-        for i in range(batch):
-            engine.reserve(f"d{i}", _ids(context, next(seed)), params)
-            engine.commit_import(f"d{i}", 1000)
-        engine.step()  # warm
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            for _ in range(DECODE_STEPS):
-                engine.step()
-            times.append((time.perf_counter() - start) / DECODE_STEPS)
-        steps.append({"batch": batch, "context": context, "s": statistics.median(times)})
-        for i in range(batch):
-            engine.abort(f"d{i}")
+    steps = [{"batch": batch, "context": context,
+              "s": statistics.median(_decode_steps(engine, batch, context, 1000 * next(seed), DECODE_STEPS, reps))}
+             for batch, context in DECODE]
     assert engine.num_free_blocks == engine.num_blocks
     mc = loaded.config
     return {"prefill": points, "decode": steps,
@@ -133,27 +143,12 @@ def _reference(prompt: int, batch: int, context: int, reps: int) -> dict:
     from shared.engine.config import EngineConfig
     from shared.engine.engine import Engine
     from shared.engine.loader import load
-    from shared.engine.sequence import SamplingParams
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     engine = Engine(load("smollm2"), EngineConfig(num_blocks=1024, max_batched_tokens=4096, prefill_chunk=2048))
-    one = SamplingParams(max_tokens=1, temperature=0)
-    times = []
-    for i in range(reps + 1):  # the first warms up
-        engine.add_request("p", _ids(prompt, i), one, prefill_only=True)
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-        engine.abort("p")
-    params = SamplingParams(max_tokens=4 * reps + 4, temperature=0, ignore_eos=True)
-    for i in range(batch):
-        engine.reserve(f"d{i}", _ids(context, 100 + i), params)
-        engine.commit_import(f"d{i}", 1000)
-    engine.step()
-    start = time.perf_counter()
-    for _ in range(4 * reps):
-        engine.step()
-    return {"prefill_s": statistics.median(times[1:]), "decode_step_s": (time.perf_counter() - start) / (4 * reps)}
+    times = [_prefill_pass(engine, [_ids(prompt, i)])[0] for i in range(reps + 1)]  # the first warms up
+    return {"prefill_s": statistics.median(times[1:]),
+            "decode_step_s": _decode_steps(engine, batch, context, 100, 4 * reps)[0]}
 
 
 def reference(prompt: int, batch: int, context: int, reps: int = 3) -> dict:
@@ -205,27 +200,12 @@ def control_plane(stack: str, requests: int = 10) -> dict:
     from shared.engine.config import EngineConfig
     from shared.engine.engine import Engine
     from shared.engine.loader import load
-    from shared.engine.sequence import SamplingParams
 
     cfg = arms()[stack]
     torch.set_num_threads(cfg.threads or 1)
     loaded = load("smollm2")
     engine = Engine(loaded, EngineConfig(num_blocks=256))
     ids = loaded.tokenizer.encode(loaded.tokenizer.apply_chat_template(MESSAGES))
-
-    def engine_step(batch: int, context: int) -> float:
-        params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
-        for i in range(batch):
-            engine.reserve(f"s{i}", _ids(context, i), params)
-            engine.commit_import(f"s{i}", 1000)
-        engine.step()
-        start = time.perf_counter()
-        for _ in range(8):
-            engine.step()
-        elapsed = (time.perf_counter() - start) / 8
-        for i in range(batch):
-            engine.abort(f"s{i}")
-        return elapsed
 
     steps = []
     with Stack(cfg) as stack_, httpx.Client(base_url=stack_.url, timeout=60) as http:
@@ -236,7 +216,8 @@ def control_plane(stack: str, requests: int = 10) -> dict:
             reqs = [Request(0.0, _ids(16, 100 + i), STACK_TOKENS) for i in range(batch)]
             timings, _ = asyncio.run(run(stack_.url, "SmolLM2-135M-Instruct", reqs))
             tpot = statistics.median(t.tpot for t in timings if t.tpot is not None)
-            steps.append({"batch": batch, "tpot_s": tpot, "engine_step_s": engine_step(batch, 16 + STACK_TOKENS // 2)})
+            step = _decode_steps(engine, batch, 16 + STACK_TOKENS // 2, 0, 8)[0]
+            steps.append({"batch": batch, "tpot_s": tpot, "engine_step_s": step})
     return {"threads": cfg.threads, "ttft_overhead_s": statistics.median(over), "decode": steps,
             **cost.fit_service_step(steps)}
 

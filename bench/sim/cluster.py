@@ -155,6 +155,11 @@ class Cluster:
             self.backlog.pop(0)
 
 
+def as_sim(reqs) -> list[tuple[float, int, int, str]]:
+    """The load generator's requests (bench/load/workloads.Request) as `simulate` takes them."""
+    return [(r.at, len(r.prompt), r.max_tokens, r.kind) for r in reqs]
+
+
 def simulate(layout: Layout, requests: list[tuple[float, int, int, str]]) -> Outcome:
     """`requests`: (arrival s, prompt tokens, output tokens, kind)."""
     return Cluster(layout).run([Req(i, at, p, max(1, o), k) for i, (at, p, o, k) in enumerate(requests)])

@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 from bench.load import workloads
-from bench.sim.cluster import Layout, simulate
+from bench.sim.cluster import Layout, as_sim
 from bench.sim.cost import STACKS, Cost, control_plane
-from bench.sim.slo import Slo, relative, score
+from bench.sim.slo import Slo, point, relative
 from bench.sim.worker import Knobs
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -74,11 +74,7 @@ def search(layout: Layout, trace: list[workloads.Request], slo: Slo, seconds: fl
     def attained(rate: float) -> dict:                                  # gets the trace's early hours only
         n = max(8, round(rate * seconds))
         reqs = workloads.retimed([trace[order[i % len(order)]] for i in range(n)], rate, seed=seed)
-        s = score(simulate(layout, [(r.at, len(r.prompt), r.max_tokens, r.kind) for r in reqs]), slo,
-                  layout.overhead_s)
-        return {"rate": rate, "slo_attainment": s["slo_attainment"], "ttft_p90_s": s["ttft_s"]["p90"],
-                "tpot_p90_s": s["tpot_s"]["p90"], "itl_p99_s": s["itl_s"]["p99"], "busy": s["busy"],
-                "queued_tokens": s["queued_tokens"], "running": s["running"]}
+        return point(layout, as_sim(reqs), slo, rate)
     points, rate = [], 0.05 * layout.workers
     while len(points) < 40:
         points.append(attained(rate))

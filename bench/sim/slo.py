@@ -64,16 +64,20 @@ def score(out: Outcome, slo: Slo, overhead_s: float, kind: str | None = None) ->
     return s
 
 
+def point(layout: Layout, requests: list[tuple[float, int, int, str]], slo: Slo, rate: float) -> dict:
+    """One rate of a sweep: `requests` (arriving at `rate`) simulated and scored."""
+    s = score(simulate(layout, requests), slo, layout.overhead_s)
+    return {"rate": rate, "slo_attainment": s["slo_attainment"], "ttft_p90_s": s["ttft_s"]["p90"],
+            "tpot_p90_s": s["tpot_s"]["p90"], "itl_p99_s": s["itl_s"]["p99"], "busy": s["busy"],
+            "queued_tokens": s["queued_tokens"], "running": s["running"]}
+
+
 def goodput(layout: Layout, at_rate, rates: list[float], slo: Slo) -> dict:
     """SLO attainment at each rate (`at_rate(rate)`: the requests arriving at that rate) and the
     goodput: the highest rate with >= 90% attainment (bench/load/metrics.rate_at_attainment)."""
-    points = []
-    for rate in rates:
-        s = score(simulate(layout, at_rate(rate)), slo, layout.overhead_s)
-        points.append({"rate": rate, "slo_attainment": s["slo_attainment"], "ttft_p90_s": s["ttft_s"]["p90"],
-                       "tpot_p90_s": s["tpot_s"]["p90"], "itl_p99_s": s["itl_s"]["p99"]})
+    points = [point(layout, at_rate(rate), slo, rate) for rate in rates]
     return {"points": points,
             "goodput_rate": rate_at_attainment([(p["rate"], p["slo_attainment"]) for p in points], 0.9)}
 
 
-__all__ = ["Slo", "goodput", "percentiles", "relative", "score", "weighted_percentile"]
+__all__ = ["Slo", "goodput", "percentiles", "point", "relative", "score", "weighted_percentile"]

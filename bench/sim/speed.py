@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from bench.load import workloads
-from bench.sim.cluster import Layout, simulate
+from bench.sim.cluster import Layout, as_sim, simulate
 from bench.sim.cost import Cost
 from bench.sim.plan import AZURE, RESULTS
 from bench.sim.slo import Slo, score
@@ -46,7 +46,8 @@ def main() -> None:
     rows = workloads.trace(AZURE, scale=1, limit=5000)
     n = int(args.rate * args.seconds)
     times = workloads.arrival_times(n, args.rate, seed=0)
-    reqs = [(t, len(r.prompt), r.max_tokens, "request") for t, r in zip(times, (rows[i % len(rows)] for i in range(n)))]
+    reqs = as_sim(workloads.Request(t, rows[i % len(rows)].prompt, rows[i % len(rows)].max_tokens)
+                  for i, t in enumerate(times))
     knobs = Knobs(kv_blocks=1 << 16, max_num_seqs=256, prefill_chunk=2048, max_batched_tokens=8192)
     layout = Layout("disaggregated", prefill=args.prefill, decode=args.decode, decode_cost=cost, prefill_cost=cost,
                     decode_knobs=knobs, prefill_knobs=knobs)

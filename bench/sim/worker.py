@@ -86,7 +86,6 @@ class Worker:
     last_decode_end: float = 0.0
     busy: bool = False
     version: int = 0
-    pass_end: float = 0.0
     stretch: tuple[float, float, int] | None = None  # (start, step seconds, steps planned) of a decode stretch
     busy_s: float = 0.0
     # time integrals of what an autoscaler would read (the queue's prompt tokens, the batch)
@@ -152,8 +151,7 @@ class Worker:
             if done < planned:
                 self.stretch = (start, step, done)
                 self.version += 1
-                self.pass_end = start + done * step
-                self.sim.at(self.pass_end, self._end, self.version)
+                self.sim.at(start + done * step, self._end, self.version)
 
     def _next(self, now: float) -> None:
         k = self.knobs
@@ -162,9 +160,9 @@ class Worker:
                                     k.max_num_seqs, k.max_batched_tokens, k.prefill_chunk, self._admit)
             if chunks:
                 self.last_was_decode, self.busy, self.stretch = False, True, None
-                self.pass_end = now + self.cost.prefill_s([(n, r.num_computed) for r, n in chunks])
                 self.version += 1
-                self.sim.at(self.pass_end, self._prefilled, self.version, chunks, now)
+                self.sim.at(now + self.cost.prefill_s([(n, r.num_computed) for r, n in chunks]), self._prefilled,
+                            self.version, chunks, now)
                 return
         if self.finishing:
             batch = len(self.finishing)
@@ -173,9 +171,8 @@ class Worker:
             step = self.cost.step_s(batch, self.context + batch * planned // 2)
             self.last_was_decode, self.busy = True, True
             self.stretch = (now, step, planned)
-            self.pass_end = now + planned * step
             self.version += 1
-            self.sim.at(self.pass_end, self._end, self.version)
+            self.sim.at(now + planned * step, self._end, self.version)
             return
         self.busy = False
 
