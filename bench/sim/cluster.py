@@ -1,5 +1,5 @@
 """A simulated deployment: requests arrive, the router places them with its own policy
-functions (services/router/policy.py: `decode_candidates`, `prefill_mode`,
+functions (services/router/policy.py: `best_decode` (decode_candidates' first), `prefill_mode`,
 `choose_prefill_by_cost`), the pools run them (bench/sim/worker.py), and each request's
 first and last token times and every token gap are recorded.
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from bench.load.metrics import Timing
 from bench.sim.cost import Cost
 from bench.sim.worker import Knobs, Req, Worker
-from services.router.policy import PrefillCandidate, choose_prefill_by_cost, decode_candidates, prefill_mode
+from services.router.policy import best_decode, choose_prefill_by_cost, prefill_mode
 
 
 @dataclass
@@ -51,7 +51,7 @@ class Layout:
 @dataclass
 class Outcome:
     requests: list[Req]
-    gaps: dict[str, Counter]           # token gaps (s) → how many, per request kind
+    gaps: dict[str, dict[float, int]]  # token gaps (s) → how many, per request kind
     duration_s: float
     busy: dict[str, float]             # worker → fraction of the run it was in a pass
     queued_tokens: dict[str, float]    # prefill worker → mean prompt tokens waiting (the prefill HPA's signal)
@@ -79,15 +79,19 @@ class Cluster:
         self.layout = layout
         self._events: list = []
         self._order = itertools.count()
-        self.gaps: dict[str, Counter] = defaultdict(Counter)
+        self.gaps: dict[str, dict[float, int]] = defaultdict(lambda: defaultdict(int))
         role = "colocated" if layout.mode == "colocated" else "decode"
         self.decodes = [Worker(f"{role}-{i}", role, layout.decode_cost, layout.decode_knobs, self)
                         for i in range(layout.decode)]
         cost = layout.prefill_cost or layout.decode_cost
         self.prefills = [Worker(f"prefill-{i}", "prefill", cost, layout.prefill_knobs, self)
                          for i in range(layout.prefill)]
-        self.prefill_rate = 512 / cost.prefill_s([(512, 0)])  # what a worker's measured rate would say
+        for p in self.prefills:  # what a worker's measured rate would say
+            p.tokens_per_s = 512 / cost.prefill_s([(512, 0)])
         self.backlog: list[Req] = []
+        # decode workers with room for another sequence (max_num_seqs; a full one would refuse the
+        # admission): kept as they change (Worker.sync), not found by reading the pool each time
+        self.room: dict[Worker, None] = dict.fromkeys(self.decodes)
         self.now = 0.0
 
     def at(self, t: float, fn, *args) -> None:
@@ -104,7 +108,7 @@ class Cluster:
         workers = self.decodes + self.prefills
         for w in workers:
             w.account(self.now)
-        return Outcome(requests, dict(self.gaps), duration, {w.worker_id: w.busy_s / duration for w in workers},
+        return Outcome(requests, {k: dict(c) for k, c in self.gaps.items()}, duration, {w.worker_id: w.busy_s / duration for w in workers},
                        {w.worker_id: w.queued_s / duration for w in workers if w.role != "decode"},
                        {w.worker_id: w.running_s / duration for w in self.decodes})
 
@@ -114,27 +118,32 @@ class Cluster:
             self.backlog.append(r)
 
     def _place(self, r: Req, now: float) -> bool:
-        limit = self.layout.decode_knobs.max_num_seqs
-        room = [w for w in self.decodes if w.running + w.waiting < limit]
-        ranked = decode_candidates(room, room[0].blocks_for(r) if room else 0, prompt_tokens=r.prompt)  # type: ignore[arg-type]
-        if not ranked:
+        d = best_decode(list(self.room),  # type: ignore[arg-type]
+                        -(-(r.prompt + r.output) // self.layout.decode_knobs.block_size), prompt_tokens=r.prompt)
+        if d is None:
             return False
-        d: Worker = ranked[0]  # type: ignore[assignment]
-        d.book(r)
+        assert isinstance(d, Worker)
         r.decode = d
         mode, _ = prefill_mode(r.prompt, len(self.prefills), self.layout.local_below)
         if mode == "local":
+            d.book(r)
             d.enqueue(r, now)
             return True
-        candidates = [PrefillCandidate(p.worker_id, 0, p.queued, self.prefill_rate) for p in self.prefills]
-        best, _ = choose_prefill_by_cost(candidates, r.prompt, self.layout.recompute_weight)
-        assert best is not None
+        best, _ = choose_prefill_by_cost(self.prefills, r.prompt, self.layout.recompute_weight)  # type: ignore[arg-type]
+        assert isinstance(best, Worker)
         d.importing += 1
-        d.sync()
-        self.prefills[int(best.worker_id.rsplit("-", 1)[1])].enqueue(r, now)
+        d.book(r)
+        best.enqueue(r, now)
         return True
 
     # -- what the workers report ---------------------------------------------------------------
+    def roomy(self, w: Worker) -> None:
+        """A decode worker's room for another sequence came or went."""
+        if w.roomy:
+            self.room[w] = None
+        else:
+            del self.room[w]
+
     def prefilled(self, r: Req, kv_ready_at: float) -> None:
         """A prefill worker published the first token; its KV lands on the decode worker then."""
         self.at(kv_ready_at, self._kv_ready, r)
@@ -142,8 +151,7 @@ class Cluster:
     def _kv_ready(self, now: float, r: Req) -> None:
         d = r.decode
         assert d is not None
-        d.importing -= 1
-        d.sync()
+        d.importing -= 1  # (join and book bring its registry fields up to date)
         if r.output > 1:
             d.join(r, now)
         else:

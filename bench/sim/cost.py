@@ -19,7 +19,7 @@ dropped and the rest refitted), so a prediction never falls as work grows.
 from __future__ import annotations
 
 from bisect import bisect_left
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -119,6 +119,7 @@ class Cost:
     handoff_fixed_s: float
     handoff_bytes_per_s: float
     service_step_s: tuple[float, float] = (0.0, 0.0)  # the services' share of a decode step: fixed, per sequence
+    _rows: dict[int, list[float]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def of(cls, profile: dict, shape: str, stack: str = "disaggregated") -> Cost:
@@ -140,9 +141,12 @@ class Cost:
 
     def decode_s(self, batch: int, context_tokens: int) -> float:
         """The engine's step of `batch` sequences holding `context_tokens` in all."""
-        per_seq = context_tokens / max(batch, 1)
-        by_batch = [_interp(self.decode_contexts, row, per_seq) for row in self.decode_grid]
-        return max(_interp(self.decode_batches, by_batch, batch), self.decode_grid[0][0] / 2)
+        row = self._rows.get(batch)
+        if row is None:  # the grid interpolated to this batch, once (bilinear: the same either way round)
+            row = self._rows[batch] = [_interp(self.decode_batches, col, batch) for col in zip(*self.decode_grid)]
+        xs, x = self.decode_contexts, context_tokens / max(batch, 1)
+        i = min(max(bisect_left(xs, x) - 1, 0), len(xs) - 2)
+        return max(row[i] + (row[i + 1] - row[i]) * (x - xs[i]) / (xs[i + 1] - xs[i]), self.decode_grid[0][0] / 2)
 
     def handoff_s(self, prompt_tokens: int) -> float:
         """The part of a streamed handoff after the prefill's last pass: its last layer."""

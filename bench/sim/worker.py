@@ -32,7 +32,7 @@ class _Params:
 PARAMS = _Params()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Req:
     """A request and what happened to it (times in seconds of simulated time)."""
 
@@ -64,7 +64,7 @@ class Knobs:
     prefill_chunk: int = 2048
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Worker:
     worker_id: str
     role: str                  # colocated | prefill | decode
@@ -81,7 +81,7 @@ class Worker:
     fresh: list[Req] = field(default_factory=list)  # joined since the last decode stretch
     joining: list[Req] = field(default_factory=list)  # to join when the pass under way ends
     booked_blocks: int = 0
-    queued: int = 0            # prompt tokens waiting (prefill queue)
+    queued_tokens: int = 0     # prompt tokens waiting (prefill queue)
     last_was_decode: bool = True
     last_decode_end: float = 0.0
     busy: bool = False
@@ -96,7 +96,7 @@ class Worker:
     def account(self, now: float) -> None:
         """Add the queue and the batch since the last change to their time integrals."""
         dt = now - self._seen
-        self.queued_s += self.queued * dt
+        self.queued_s += self.queued_tokens * dt
         self.running_s += len(self.finishing) * dt
         self._seen = now
 
@@ -107,15 +107,25 @@ class Worker:
     free_blocks: int = 0
     growth_blocks: int = 0     # blocks are booked whole when placed (see above)
     peak: int = 0              # the largest batch it ran
+    roomy: bool = True         # (decode) room for another sequence: the cluster keeps the list
+    # (prefill) and what choose_prefill_by_cost reads (PrefillCandidate's fields): no prefix cache
+    cached_tokens: int = 0
+    cache_blocks: int = 0
+    tokens_per_s: float = 0.0  # its prefill rate, as the worker would measure it
 
     def __post_init__(self) -> None:
         self.sync()
 
     def sync(self) -> None:
-        self.running = len(self.finishing) + len(self.joining)  # joiners take their place at the next pass
-        self.peak = max(self.peak, len(self.finishing))
+        batch = len(self.finishing)
+        self.running = batch + len(self.joining)  # joiners take their place at the next pass
+        if batch > self.peak:
+            self.peak = batch
         self.waiting = len(self.queue) + self.importing
         self.free_blocks = self.knobs.kv_blocks - self.booked_blocks
+        if self.role != "prefill" and (self.running + self.waiting < self.knobs.max_num_seqs) != self.roomy:
+            self.roomy = not self.roomy
+            self.sim.roomy(self)
 
     def blocks_for(self, r: Req) -> int:
         return -(-(r.prompt + r.output) // self.knobs.block_size)
@@ -130,7 +140,7 @@ class Worker:
         """A prompt to prefill here."""
         self.account(now)
         self.queue.append(r)
-        self.queued += r.prompt
+        self.queued_tokens += r.prompt
         self.sync()
         self._wake(now)
 
@@ -187,7 +197,7 @@ class Worker:
         self.account(now)
         for r, n in chunks:
             r.num_computed += n
-            self.queued -= n
+            self.queued_tokens -= n
             if r.num_computed == r.prompt:
                 self.queue.remove(r)
                 r.first_at = r.last_at = now
@@ -198,6 +208,7 @@ class Worker:
                 else:
                     self.book(r, -1)
                     self.sim.finished(r)
+        self.sync()
         self._resume(now)
 
     def _end(self, now: float, version: int) -> None:
@@ -207,16 +218,17 @@ class Worker:
         start, step, done = self.stretch  # type: ignore[misc]
         self.stretch, self.busy_s = None, self.busy_s + now - start
         self.account(now)
-        gaps, batch = self.sim.gaps, len(self.finishing)
-        new = Counter(r.kind for r in self.fresh)
+        gaps, batch, first = self.sim.gaps, len(self.finishing), start + step
+        new: dict[str, int] = {}
         for r in self.fresh:           # their first gap: from the first token (or the handoff)
-            gaps[r.kind][start + step - r.last_at] += 1
+            gaps[r.kind][first - r.last_at] += 1
+            new[r.kind] = new.get(r.kind, 0) + 1
+        self.fresh = []
         for kind, n in self.kinds.items():
-            if n - new[kind]:          # the others: from their last step, across any prefill passes since
-                gaps[kind][start + step - self.last_decode_end] += n - new[kind]
+            if n - new.get(kind, 0):   # the others: from their last step, across any prefill passes since
+                gaps[kind][first - self.last_decode_end] += n - new.get(kind, 0)
             if done > 1:
                 gaps[kind][step] += n * (done - 1)
-        self.fresh = []
         self.steps += done
         self.context += batch * done
         self.last_decode_end = now
@@ -231,12 +243,13 @@ class Worker:
 
     def _resume(self, now: float) -> None:
         """Between passes: who joined meanwhile enters the batch, then the next pass."""
-        self.account(now)
-        for r in self.joining:
-            heapq.heappush(self.finishing, (self.steps + r.output - 1, r.id, r))
-            self.context += r.prompt + 1
-            self.kinds[r.kind] += 1
-        self.fresh += self.joining
-        self.joining = []
-        self.sync()
+        if self.joining:
+            self.account(now)
+            for r in self.joining:
+                heapq.heappush(self.finishing, (self.steps + r.output - 1, r.id, r))
+                self.context += r.prompt + 1
+                self.kinds[r.kind] += 1
+            self.fresh += self.joining
+            self.joining = []
+            self.sync()
         self._next(now)

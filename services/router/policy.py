@@ -12,7 +12,6 @@ prefill worker is up, are prefilled on the decode worker itself.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from operator import itemgetter
 from typing import Literal, NamedTuple
 
 from shared.messages import WorkerInfo
@@ -45,19 +44,39 @@ def decode_candidates(workers: list[WorkerInfo], blocks_needed: int, cached_toke
     then least loaded first, most headroom first. A worker's load counts the requests admitted
     there since its registry entry was written (`booked`), so a burst spreads over the pool
     instead of piling onto the worker that looked emptiest a heartbeat ago."""
+    return [row[-1] for row in sorted(_decode_rows(workers, blocks_needed, cached_tokens, prompt_tokens,
+                                                   session_worker, affinity_slack, output_blocks, booked))]
+
+
+def best_decode(workers: list[WorkerInfo], blocks_needed: int, cached_tokens: dict[str, int] | None = None,
+                prompt_tokens: int = 0, session_worker: str | None = None, affinity_slack: int = 4,
+                output_blocks: int = 0, booked: dict[str, int] | None = None) -> WorkerInfo | None:
+    """The first of `decode_candidates` (None: no worker has room), found without ranking the
+    rest: for a caller that takes the first answer (the capacity planner's simulator)."""
+    rows = _decode_rows(workers, blocks_needed, cached_tokens, prompt_tokens, session_worker, affinity_slack,
+                        output_blocks, booked)
+    return min(rows)[-1] if rows else None
+
+
+def _decode_rows(workers, blocks_needed, cached_tokens, prompt_tokens, session_worker, affinity_slack,
+                 output_blocks, booked) -> list[tuple]:
+    """(sort key..., worker) for each worker with room: one pass over the pool (a large pool's
+    placement reads every worker); the worker id ends the key, so rows never compare workers."""
+    need = blocks_needed + output_blocks
+    if not cached_tokens and session_worker is None and not booked:  # nothing can be affine: the plain order
+        return [((h := w.free_blocks - w.growth_blocks) < need, w.running + w.waiting, -h, w.worker_id, w)
+                for w in workers if w.free_blocks >= blocks_needed]
     cached, booked = cached_tokens or {}, booked or {}
-    fit = [w for w in workers if w.free_blocks >= blocks_needed]
+    fit = [(w, w.running + w.waiting + booked.get(w.worker_id, 0)) for w in workers if w.free_blocks >= blocks_needed]
     if not fit:
         return []
-    loads = [w.running + w.waiting + booked.get(w.worker_id, 0) for w in fit]
-    bound, need = min(loads) + affinity_slack, blocks_needed + output_blocks
-    ranked = []  # (key, worker): one pass (a large pool's placement reads every worker)
-    for w, load in zip(fit, loads):
+    bound = min(load for _, load in fit) + affinity_slack
+    rows = []
+    for w, load in fit:
         held, headroom = cached.get(w.worker_id, 0), w.free_blocks - w.growth_blocks
         affine = (w.worker_id == session_worker or 2 * held >= prompt_tokens > 0) and load <= bound
-        ranked.append(((not affine, -held if affine else 0, headroom < need, load, -headroom, w.worker_id), w))
-    ranked.sort(key=itemgetter(0))
-    return [w for _, w in ranked]
+        rows.append((not affine, -held if affine else 0, headroom < need, load, -headroom, w.worker_id, w))
+    return rows
 
 
 class PrefillCandidate(NamedTuple):  # a tuple: hundreds are made per placement in a large pool
@@ -100,15 +119,12 @@ def choose_prefill_by_cost(candidates: list[PrefillCandidate], prompt_tokens: in
     pool instead of piling onto one worker), then the id."""
     if not candidates:
         return None, "no prefill worker"
-    most = max(c.cached_tokens for c in candidates)
-
-    def key(c: PrefillCandidate) -> tuple:  # predicted_prefill_s + the recompute penalty, written out (hot)
-        rate = max(c.tokens_per_s, 1e-9)
-        cost = (c.queued_tokens + max(0, prompt_tokens - c.cached_tokens)) / rate \
-            + recompute_weight * (most - c.cached_tokens) / rate
-        return cost, -c.cached_tokens, c.cache_blocks, c.worker_id
-
-    best = min(candidates, key=key)
+    most = max([c.cached_tokens for c in candidates])
+    # predicted_prefill_s + the recompute penalty, written out (hot: a large pool's every worker, every request)
+    rows = [((c.queued_tokens + (prompt_tokens - c.cached_tokens if prompt_tokens > c.cached_tokens else 0)
+              + recompute_weight * (most - c.cached_tokens)) / (c.tokens_per_s if c.tokens_per_s > 1e-9 else 1e-9),
+             -c.cached_tokens, c.cache_blocks, c.worker_id, c) for c in candidates]
+    best = min(rows)[-1]
     return best, (f"{best.worker_id}: first token in ~{predicted_prefill_s(best, prompt_tokens):.2f} s "
                   f"({best.cached_tokens} of {prompt_tokens} tokens cached, {best.queued_tokens} queued)")
 

@@ -58,12 +58,19 @@ def prefill_order(waiting: Iterable[Q], chunk: int) -> list[Q]:
     left), which so advances by a chunk every pass and never starves; then the short ones,
     which finish in this pass instead of queueing behind every long one; then the other long
     ones. First come first within each tier."""
+    queue = list(waiting)
+    if len(queue) < 2:
+        return queue
     order: list[Q] = []
-    for _, tier in groupby(sorted(waiting, key=lambda q: q.params.priority), key=lambda q: q.params.priority):
+    for _, tier in groupby(sorted(queue, key=_priority), key=_priority):
         level = list(tier)
         long = [q for q in level if len(q.token_ids) - q.num_computed > chunk]
         order += long[:1] + [q for q in level if q not in long] + long[1:]
     return order
+
+
+def _priority(q: Prompt) -> int:
+    return q.params.priority
 
 
 def prefill_next(waiting: bool, running: bool, last_was_decode: bool) -> bool:
