@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import Counter, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 from bench.load.metrics import Timing
@@ -108,7 +108,8 @@ class Cluster:
         workers = self.decodes + self.prefills
         for w in workers:
             w.account(self.now)
-        return Outcome(requests, {k: dict(c) for k, c in self.gaps.items()}, duration, {w.worker_id: w.busy_s / duration for w in workers},
+        gaps = {k: dict(c) for k, c in self.gaps.items()}
+        return Outcome(requests, gaps, duration, {w.worker_id: w.busy_s / duration for w in workers},
                        {w.worker_id: w.queued_s / duration for w in workers if w.role != "decode"},
                        {w.worker_id: w.running_s / duration for w in self.decodes})
 

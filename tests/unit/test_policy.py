@@ -163,3 +163,18 @@ def test_pools_split_the_registry_per_model_and_name_each_slots_worker():
     # a lookup's answer by slot, turned into the holders alone (a slot nobody names is dropped)
     from shared import prefix_index
     assert prefix_index.by_worker(a.slots, {3: 4, 9: 2}) == {"p1": (4, 3)}
+
+
+def test_best_decode_is_the_rankings_first_on_any_pool():
+    """The simulator's one-pass choice (best_decode) against the router's ranking, on random
+    pools with and without sessions, cached prefixes and bookings (ties included)."""
+    import random
+    rng = random.Random(7)
+    for _ in range(500):
+        pool = [w(f"w{i}", free=rng.choice([0, 5, 50, 100]), running=rng.randrange(4), waiting=rng.randrange(2),
+                  growth=rng.choice([0, 10, 60])) for i in range(rng.randrange(1, 9))]
+        kw = rng.choice([{}, {"cached_tokens": {"w0": 600}, "prompt_tokens": 1000}, {"session_worker": "w1"},
+                         {"booked": {"w2": 3}}])
+        need, out = rng.choice([1, 10, 60]), rng.choice([0, 20])
+        ranked = policy.decode_candidates(pool, need, output_blocks=out, **kw)
+        assert policy.best_decode(pool, need, output_blocks=out, **kw) is (ranked[0] if ranked else None)
