@@ -29,8 +29,10 @@ from bench.sim.slo import Slo, goodput, score
 from bench.sim.worker import Knobs
 
 RESULTS = Path(__file__).parent / "results"
-# make bench's quick rates (1, 2, 4) leave goodput to a line between two of them: finer here
+# make bench's quick rates (1, 2, 4) leave goodput to a line between two of them: finer here, and
+# 30 s of arrivals per rate instead of 20 (15-120 requests: a point's attainment is a sample)
 RATES = "0.5,1,1.5,2,3,4"
+REPLAY_S = "30"
 
 
 def bench_layouts(profile: dict, cores: int) -> dict[str, Layout]:
@@ -52,7 +54,7 @@ def bench_layouts(profile: dict, cores: int) -> dict[str, Layout]:
 
 def measure(seed: int) -> dict:
     """make bench's three arms here, now (quick mode), as interference.json holds them."""
-    args = interference.parse(["--seed", str(seed), "--rates", RATES])
+    args = interference.parse(["--seed", str(seed), "--rates", RATES, "--replay-s", REPLAY_S])
     reqs = workloads.victims_and_aggressors(args.duration, args.victim_rate, aggressor_rate=args.aggressor_rate,
                                             seed=seed)
     trace = workloads.trace(interference.AZURE, scale=args.scale, limit=max(8, round(max(args.rates) * args.replay_s)),

@@ -14,7 +14,9 @@ Measured with the real model (SmolLM2) in fresh processes, one per worker shape:
 - the control plane: on each kind of stack `make bench` runs (colocated; 1 prefill + 1
   decode worker), the time to first token through it minus the in-process engine's
   (bench/stack_overhead.py's two measurements, alternated), and a decode step's time through
-  it (TPOT of B streams at once) minus the engine's.
+  it (TPOT of B streams at once) minus the step the cost model gives that stack's decode
+  worker shape (the simulator adds the difference to that model, so the two sum to what the
+  stack measured).
 Fits the cost models of bench/sim/cost.py to the points and writes both to
 bench/results/profile-<device>.json (device: `cpu`, or the CUDA device's name).
 """
@@ -184,9 +186,10 @@ def control_plane(stack: str, requests: int = 10) -> dict:
     """What the services add to the engine on `make bench`'s stack of that kind (bench/
     interference.arms: "colocated", one worker on all cores; "disaggregated", 1 prefill + 1
     decode worker pinned to a core each): to the first token (a short prompt, one at a time)
-    and to each decode step with B streams at once (their TPOT minus the in-process engine's
-    step at batch B with the worker's threads): publishing, relaying, and the processes beside
-    the engine on the same cores."""
+    and to each decode step with B streams at once (their TPOT, from which the simulator takes
+    its own model of the stack's decode worker shape at that batch: bench/sim/cost.
+    fit_service_step): publishing, relaying, and the processes beside the engine on the same
+    cores."""
     import asyncio
 
     import httpx
@@ -212,14 +215,13 @@ def control_plane(stack: str, requests: int = 10) -> dict:
         for i in range(3):
             stack_ttft(http, "SmolLM2-135M-Instruct"), engine_ttft(engine, ids, -i - 1)
         over = [stack_ttft(http, "SmolLM2-135M-Instruct") - engine_ttft(engine, ids, i) for i in range(requests)]
-        for batch in (1, 4, 8):
+        for batch in (1, 4, 8, 16):
             reqs = [Request(0.0, _ids(16, 100 + i), STACK_TOKENS) for i in range(batch)]
             timings, _ = asyncio.run(run(stack_.url, "SmolLM2-135M-Instruct", reqs))
-            tpot = statistics.median(t.tpot for t in timings if t.tpot is not None)
-            step = _decode_steps(engine, batch, 16 + STACK_TOKENS // 2, 0, 8)[0]
-            steps.append({"batch": batch, "tpot_s": tpot, "engine_step_s": step})
-    return {"threads": cfg.threads, "ttft_overhead_s": statistics.median(over), "decode": steps,
-            **cost.fit_service_step(steps)}
+            steps.append({"batch": batch, "tpot_s": statistics.median(t.tpot for t in timings if t.tpot is not None)})
+    threads = cfg.threads or 1
+    return {"threads": threads, "shape": cost.shape_name(threads, threads < len(os.sched_getaffinity(0))),
+            "context": 16 + STACK_TOKENS // 2, "ttft_overhead_s": statistics.median(over), "decode": steps}
 
 
 def device_name() -> str:
@@ -256,9 +258,10 @@ def main() -> None:
         out["control_plane"] = {}
         for stack in cost.STACKS:
             cp = out["control_plane"][stack] = in_process(control_plane, stack, timeout_s=900)
+            share = cost.fit_service_step(out, stack)  # (the simulator fits it so too: bench/sim/cost.py)
             print(f"control plane ({stack}): {cp['ttft_overhead_s'] * 1e3:.1f} ms per request; "
-                  f"{cp['step_fixed_s'] * 1e3:.1f} ms + {cp['step_per_seq_s'] * 1e3:.2f} ms per sequence on each "
-                  "decode step", flush=True)
+                  f"{share['step_fixed_s'] * 1e3:.1f} ms + {share['step_per_seq_s'] * 1e3:.2f} ms per sequence on "
+                  f"each decode step over the {share['against']} model's", flush=True)
     out["wall_s"] = round(time.monotonic() - started, 1)
     path = RESULTS / f"profile-{out['device']}.json"
     path.write_text(json.dumps(out, indent=1) + "\n")

@@ -8,7 +8,9 @@ first and last token times and every token gap are recorded.
     simulate(layout, requests) -> Outcome
 
 A request no decode worker has room for waits at the router, first come first, until a
-sequence finishes somewhere (the real router refuses it and the gateway asks again).
+sequence finishes somewhere (the real router refuses it and the gateway asks again). A remote
+prefill starts once the decode worker has admitted the request: its engine thread reserves the
+blocks after the step under way (services/decode/main.py), so the prompt waits for that step.
 """
 
 from __future__ import annotations
@@ -134,8 +136,16 @@ class Cluster:
         assert isinstance(best, Worker)
         d.importing += 1
         d.book(r)
-        best.enqueue(r, now)
+        admitted = d.free_at(now)  # the decode worker reserves the blocks between two of its steps
+        if admitted > now:
+            self.at(admitted, self._admitted, r, best)
+        else:
+            best.enqueue(r, now)
         return True
+
+    @staticmethod
+    def _admitted(now: float, r: Req, prefill: Worker) -> None:
+        prefill.enqueue(r, now)
 
     # -- what the workers report ---------------------------------------------------------------
     def roomy(self, w: Worker) -> None:

@@ -87,11 +87,22 @@ def fit_handoff(raw: dict) -> dict:
     return {**raw, "fixed_s": float(coef[0]), "gbps": 1 / max(coef[1], 1e-15) / 1e9}
 
 
-def fit_service_step(points: list[dict]) -> dict:
-    """What the services add to a decode step of B sequences: fixed + per sequence (s)."""
-    rows = [[1.0, float(p["batch"])] for p in points]
-    coef = _nnls(np.asarray(rows), np.asarray([max(0.0, p["tpot_s"] - p["engine_step_s"]) for p in points]))
-    return {"step_fixed_s": float(coef[0]), "step_per_seq_s": float(coef[1])}
+def fit_service_step(profile: dict, stack: str) -> dict:
+    """What the services add to a decode step of B sequences on a stack of that kind: fixed +
+    per sequence (s), fitted to its B streams' TPOT through the stack minus the step the cost
+    model gives the stack's own decode worker shape at that batch and context — the model the
+    simulator adds the share to, so the two sum to what the stack measured ({} without points)."""
+    cp = control_plane(profile, stack)
+    if not cp.get("decode"):
+        return {}
+    cpus = profile["machine"]["cpus"]
+    shape = cp.get("shape") or shape_name(cp["threads"], cp["threads"] < cpus)
+    engine = Cost.of(profile, shape, None)
+    context = cp.get("context", 40)
+    rows = [[1.0, float(p["batch"])] for p in cp["decode"]]
+    coef = _nnls(np.asarray(rows), np.asarray([max(0.0, p["tpot_s"] - engine.decode_s(p["batch"], p["batch"] * context))
+                                               for p in cp["decode"]]))
+    return {"step_fixed_s": float(coef[0]), "step_per_seq_s": float(coef[1]), "against": shape}
 
 
 def describe_prefill(shape: dict) -> str:
@@ -122,10 +133,11 @@ class Cost:
     _rows: dict[int, list[float]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
-    def of(cls, profile: dict, shape: str, stack: str = "disaggregated") -> Cost:
-        """A worker of `shape` serving on a `stack` of that kind (its control plane's share)."""
+    def of(cls, profile: dict, shape: str, stack: str | None = "disaggregated") -> Cost:
+        """A worker of `shape` serving on a `stack` of that kind (its control plane's share;
+        None: the engine alone)."""
         s, h = profile["shapes"][shape], profile["handoff"]
-        d, cp = s["decode_model"], control_plane(profile, stack)
+        d, cp = s["decode_model"], fit_service_step(profile, stack) if stack else {}
         return cls(tuple(s["prefill_model"][k] for k in PREFILL_TERMS), tuple(d["batches"]), tuple(d["contexts"]),
                    tuple(map(tuple, d["step_s"])), s["kv_bytes_per_token"], s["layers"], h["fixed_s"],
                    h["gbps"] * 1e9, (cp.get("step_fixed_s", 0.0), cp.get("step_per_seq_s", 0.0)))

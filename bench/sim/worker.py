@@ -87,6 +87,7 @@ class Worker:
     busy: bool = False
     version: int = 0
     stretch: tuple[float, float, int] | None = None  # (start, step seconds, steps planned) of a decode stretch
+    pass_end: float = 0.0      # when the prefill pass under way ends
     busy_s: float = 0.0
     # time integrals of what an autoscaler would read (the queue's prompt tokens, the batch)
     queued_s: float = 0.0
@@ -163,6 +164,16 @@ class Worker:
                 self.version += 1
                 self.sim.at(start + done * step, self._end, self.version)
 
+    def free_at(self, now: float) -> float:
+        """When a call on its engine thread (a decode worker's admission: reserving the prompt's
+        blocks) would run: at the end of the step or pass under way, now when idle."""
+        if not self.busy:
+            return now
+        if self.stretch is None:
+            return self.pass_end
+        start, step, planned = self.stretch
+        return start + min(planned, max(1, math.ceil((now - start) / step - 1e-9))) * step
+
     def _next(self, now: float) -> None:
         k = self.knobs
         if prefill_next(bool(self.queue), bool(self.finishing), self.last_was_decode):
@@ -171,8 +182,8 @@ class Worker:
             if chunks:
                 self.last_was_decode, self.busy, self.stretch = False, True, None
                 self.version += 1
-                self.sim.at(now + self.cost.prefill_s([(n, r.num_computed) for r, n in chunks]), self._prefilled,
-                            self.version, chunks, now)
+                self.pass_end = now + self.cost.prefill_s([(n, r.num_computed) for r, n in chunks])
+                self.sim.at(self.pass_end, self._prefilled, self.version, chunks, now)
                 return
         if self.finishing:
             batch = len(self.finishing)
