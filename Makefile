@@ -110,8 +110,8 @@ profile: setup
 plan: setup
 	$(BIN)/python -m bench.sim.plan $(PLAN_ARGS)
 
-## plan-check: the simulator's predictions of make bench's three arms against the arms measured right after the
-##   profile, in one sitting (~18 minutes on 2 cores); writes bench/results/profile-<device>.json and plan_check.json
+## plan-check: the simulator's predictions of make bench's three arms and a 1P:2D split against the arms measured right
+##   after the profile, in one sitting (~35 minutes on 2 cores); writes bench/results/profile-<device>.json and plan_check.json
 plan-check: setup
 	$(BIN)/python -m bench.profile
 	$(BIN)/python -m bench.plan_check

@@ -3,15 +3,18 @@
     python -m bench.plan_check [--profile bench/results/profile-cpu.json] [--measured RESULT.json]
 
 Runs the three arms of `make bench` (bench/interference.py, quick mode: colocated, chunked,
-disaggregated on this machine's cores, the SLOs from this machine's costs) and simulates the
-same three on the very workloads they ran — the same seeded victims and aggressors, the same
-slices of the Azure trace at the same rates, the same SLOs — with the cost models of the
-profile; then sets each prediction beside what was measured: goodput at 90% SLO attainment,
-the victims' ITL p99 and TTFT p50, the attainment at each rate. `make plan-check` measures the
+disaggregated on this machine's cores, the SLOs from this machine's costs), and a fourth with
+another P:D ratio (1P:2D: the prefill worker on one core, two one-thread decode workers sharing
+the rest, `split_arm`), and simulates the same four on the very workloads they ran — the same
+seeded victims and aggressors, the same slices of the Azure trace at the same rates, the same
+SLOs — with the cost models of the profile; then sets each prediction beside what was
+measured: goodput at 90% SLO attainment, the victims' ITL p99 and TTFT p50, the attainment at
+each rate. `make plan-check` measures the
 profile just before (a machine's speed drifts: both in one sitting); `--measured` compares
 with a `make bench` result (or an earlier plan_check.json's measurements) instead of running
 the arms. Writes bench/results/plan_check.json
-(`summary`: goodput_error_max, itl_p99_error_max).
+(`summary`: goodput_error_max, itl_p99_error_max over make bench's three arms; the 1P:2D
+arm's errors beside them).
 """
 
 from __future__ import annotations
@@ -27,16 +30,29 @@ from bench.sim.cluster import Layout, as_sim, simulate
 from bench.sim.cost import STACKS, Cost, control_plane
 from bench.sim.slo import Slo, goodput, score
 from bench.sim.worker import Knobs
+from deploy.local.stack import StackConfig
 
 RESULTS = Path(__file__).parent / "results"
-# make bench's quick rates (1, 2, 4) leave goodput to a line between two of them: finer here, and
-# 30 s of arrivals per rate instead of 20 (15-120 requests: a point's attainment is a sample)
-RATES = "0.5,1,1.5,2,3,4"
+SPLIT = "1P:2D"
+WHOLE = {"PD_PREFILL_CHUNK": "2048", "PD_MAX_BATCHED_TOKENS": "4096"}
+# make bench's quick rates (1, 2, 4) leave goodput to a line between two of them: finer here, low
+# enough for a slow machine (goodput 0.6 req/s on one), and 30 s of arrivals per rate instead of
+# 20 (8-90 requests: a point's attainment is a sample)
+RATES = "0.25,0.5,0.75,1,1.5,2,3"
 REPLAY_S = "30"
 
 
+def split_arm(cores: int) -> StackConfig:
+    """A P:D ratio other than 1:1 on these cores: 1 prefill worker on the first core, 2 decode
+    workers sharing the others (each one thread)."""
+    cpus = sorted(interference.ALL)[:cores]
+    rest = set(cpus[1:]) or {cpus[0]}
+    return StackConfig.on_free_ports(prefill=1, decode=2, kv_blocks=2048, threads=1, env=WHOLE,
+                                     cpus={"prefill-0": {cpus[0]}, "decode-0": rest, "decode-1": rest})
+
+
 def bench_layouts(profile: dict, cores: int) -> dict[str, Layout]:
-    """`make bench`'s arms (bench/interference.arms) as the simulator's layouts."""
+    """`make bench`'s arms (bench/interference.arms) and `split_arm` as the simulator's layouts."""
     over = {s: control_plane(profile, s).get("ttft_overhead_s", 0.0) for s in STACKS}
     whole = Knobs(prefill_chunk=2048, max_batched_tokens=4096)
     chunked = Knobs(prefill_chunk=128, max_batched_tokens=4096)
@@ -44,12 +60,18 @@ def bench_layouts(profile: dict, cores: int) -> dict[str, Layout]:
     # interference.arms: the prefill worker on one core, the decode worker on the others
     prefill, decode = Cost.of(profile, "1t+busy", "disaggregated"), Cost.of(profile, f"{cores - 1}t+busy",
                                                                             "disaggregated")
+    # split_arm: one-thread decode workers, two on the cores that are not the prefill worker's
+    one = Cost.of(profile, "1t+busy", "disaggregated")
+    per_core = max(1, round(2 / max(1, cores - 1)))
     return {"colocated": Layout("colocated", decode=1, decode_cost=all_cores, decode_knobs=whole,
                                 overhead_s=over["colocated"]),
             "chunked": Layout("colocated", decode=1, decode_cost=all_cores, decode_knobs=chunked,
                               overhead_s=over["colocated"]),
             "disaggregated": Layout("disaggregated", prefill=1, decode=1, decode_cost=decode, prefill_cost=prefill,
-                                    decode_knobs=whole, prefill_knobs=whole, overhead_s=over["disaggregated"])}
+                                    decode_knobs=whole, prefill_knobs=whole, overhead_s=over["disaggregated"]),
+            SPLIT: Layout("disaggregated", prefill=1, decode=2, decode_cost=one, prefill_cost=prefill,
+                          decode_knobs=whole, prefill_knobs=whole, overhead_s=over["disaggregated"],
+                          decode_per_core=per_core)}
 
 
 def measure(seed: int) -> dict:
@@ -61,7 +83,8 @@ def measure(seed: int) -> dict:
                             seed=seed)
     slo = interference.slo_for(trace, args)
     print(f"replay SLO: {slo}", flush=True)
-    arms = {name: interference.one_arm(name, cfg, reqs, trace, args) for name, cfg in interference.arms().items()}
+    configs = {**interference.arms(), SPLIT: split_arm(len(interference.ALL))}
+    arms = {name: interference.one_arm(name, cfg, reqs, trace, args) for name, cfg in configs.items()}
     for arm in arms.values():
         del arm["timeline"], arm["victim_itls_s"]
     return {"machine": {"cpus": len(interference.ALL)},
@@ -106,6 +129,8 @@ def main() -> None:
     victim_slo = Slo(va["slo"]["ttft_s"], va["slo"]["tpot_s"])
     arms = {}
     for name, layout in bench_layouts(profile, measured["machine"]["cpus"]).items():
+        if name not in measured["arms"]:  # (a make bench result has no split_arm)
+            continue
         v = score(simulate(layout, as_sim(victims)), victim_slo, layout.overhead_s, kind="victim")
         g = goodput(layout, at_rate, rp["rates"], slo)
         m = measured["arms"][name]
@@ -123,11 +148,14 @@ def main() -> None:
         print(f"{name:14} goodput predicted {g['predicted']:.2f} measured {g['measured']:.2f} req/s; victims' "
               f"ITL p99 predicted {i['predicted'] * 1e3:.0f} measured {i['measured'] * 1e3:.0f} ms; TTFT p50 "
               f"predicted {t['predicted']:.2f} measured {t['measured']:.2f} s", flush=True)
-    errs = lambda k: [a[k]["error"] for a in arms.values() if a[k]["error"] is not None]  # noqa: E731
+    # the targets are over make bench's three arms; the other P:D ratio is reported beside them
+    errs = lambda k: [a[k]["error"] for n, a in arms.items() if n != SPLIT and a[k]["error"] is not None]  # noqa: E731
     summary = {"goodput_error_max": max(errs("goodput_rate"), default=None),
                "itl_p99_error_max": max(errs("victim_itl_p99_s"), default=None),
                "ttft_p50_error_max": max(errs("victim_ttft_p50_s"), default=None),
                "targets": {"goodput_error_max": 0.15, "itl_p99_error_max": 0.25}}
+    if SPLIT in arms:
+        summary[SPLIT] = {k: arms[SPLIT][k]["error"] for k in ("goodput_rate", "victim_itl_p99_s", "victim_ttft_p50_s")}
     origin = measured.get("measured") if "measured_arms" in measured else None  # kept through a re-simulation
     out = {"profile": args.profile.name,
            "measured": origin or (args.measured.name if args.measured else "measured here, right after the profile"),

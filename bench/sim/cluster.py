@@ -15,6 +15,7 @@ blocks after the step under way (services/decode/main.py), so the prompt waits f
 
 from __future__ import annotations
 
+import gc
 import heapq
 import itertools
 from collections import defaultdict
@@ -38,6 +39,7 @@ class Layout:
     local_below: int = 0               # PD_LOCAL_PREFILL_BELOW
     recompute_weight: float = 8.0
     overhead_s: float = 0.0            # the control plane's share of every token's latency
+    decode_per_core: int = 1           # decode (or colocated) workers sharing one core (Worker.peers)
 
     @property
     def workers(self) -> int:
@@ -45,9 +47,10 @@ class Layout:
 
     @property
     def name(self) -> str:
+        shared = f", {self.decode_per_core} per core" if self.decode_per_core > 1 else ""
         if self.mode == "colocated":
-            return f"colocated x{self.decode} (chunk {self.decode_knobs.prefill_chunk})"
-        return f"{self.prefill}P:{self.decode}D"
+            return f"colocated x{self.decode} (chunk {self.decode_knobs.prefill_chunk}{shared})"
+        return f"{self.prefill}P:{self.decode}D{shared}"
 
 
 @dataclass
@@ -85,6 +88,9 @@ class Cluster:
         role = "colocated" if layout.mode == "colocated" else "decode"
         self.decodes = [Worker(f"{role}-{i}", role, layout.decode_cost, layout.decode_knobs, self)
                         for i in range(layout.decode)]
+        k = layout.decode_per_core
+        for i, w in enumerate(self.decodes):
+            w.peers = [p for p in self.decodes[i - i % k:i - i % k + k] if p is not w]
         cost = layout.prefill_cost or layout.decode_cost
         self.prefills = [Worker(f"prefill-{i}", "prefill", cost, layout.prefill_knobs, self)
                          for i in range(layout.prefill)]
@@ -102,9 +108,11 @@ class Cluster:
     def run(self, requests: list[Req]) -> Outcome:
         for r in requests:
             self.at(r.at, self._arrive, r)
-        while self._events:
-            self.now, _, fn, args = heapq.heappop(self._events)
-            fn(self.now, *args)
+        events, pop = self._events, heapq.heappop
+        while events:
+            now, _, fn, args = pop(events)
+            self.now = now
+            fn(now, *args)
         start = min((r.at for r in requests), default=0.0)
         duration = max(self.now - start, 1e-9)
         workers = self.decodes + self.prefills
@@ -180,5 +188,14 @@ def as_sim(reqs) -> list[tuple[float, int, int, str]]:
 
 
 def simulate(layout: Layout, requests: list[tuple[float, int, int, str]]) -> Outcome:
-    """`requests`: (arrival s, prompt tokens, output tokens, kind)."""
-    return Cluster(layout).run([Req(i, at, p, max(1, o), k) for i, (at, p, o, k) in enumerate(requests)])
+    """`requests`: (arrival s, prompt tokens, output tokens, kind). The cyclic garbage collector
+    is paused while it runs: a run makes millions of short-lived tuples and keeps every request,
+    which the collector would walk again and again for the one cycle (the cluster and its
+    workers), freed once it runs again."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return Cluster(layout).run([Req(i, at, p, max(1, o), k) for i, (at, p, o, k) in enumerate(requests)])
+    finally:
+        if enabled:
+            gc.enable()

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 PREFILL_TERMS = ("fixed_s", "per_token_s", "self_attention_s", "context_attention_s", "per_seq_s")
-DECODE_BATCHES = (1, 4, 16, 32)
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32)  # one sequence to two: a matrix-vector product becomes a matrix product
 DECODE_CONTEXTS = (64, 256, 1024)
 
 

@@ -8,6 +8,10 @@ prompt or an imported KV cuts the stretch at the next step boundary, as the real
 take them into its next pass. So the events are a few per request, not one per token (a
 placement still reads every worker of the pool, as the router's does).
 
+Workers pinned to one core (`peers`) share it: a pass takes its cost times the workers busy
+there when it starts, and a peer going busy or idle ends the others' stretches at their step
+under way, so they take the new share from there (a prefill pass under way keeps its share).
+
 Simplifications (named, not hidden): a sequence's blocks for its whole max_tokens are booked
 when the router places it, so a worker never preempts; no prefix cache (the traces' prompts are
 drawn afresh); a step's cost is taken at the stretch's mean context.
@@ -88,6 +92,8 @@ class Worker:
     version: int = 0
     stretch: tuple[float, float, int] | None = None  # (start, step seconds, steps planned) of a decode stretch
     pass_end: float = 0.0      # when the prefill pass under way ends
+    # the other workers pinned to its core (see above)
+    peers: list[Worker] = field(default_factory=list)
     busy_s: float = 0.0
     # time integrals of what an autoscaler would read (the queue's prompt tokens, the batch)
     queued_s: float = 0.0
@@ -156,13 +162,27 @@ class Worker:
     def _wake(self, now: float) -> None:
         if not self.busy:
             self._resume(now)
-        elif self.stretch is not None:  # cut the decode stretch at the step under way
-            start, step, planned = self.stretch
-            done = min(planned, max(1, math.ceil((now - start) / step - 1e-9)))  # the step under way ends it
-            if done < planned:
-                self.stretch = (start, step, done)
-                self.version += 1
-                self.sim.at(start + done * step, self._end, self.version)
+        elif self.stretch is not None:
+            self._cut(now)
+
+    def _cut(self, now: float) -> None:
+        """End the decode stretch under way at the step under way (the next pass looks again)."""
+        start, step, planned = self.stretch  # type: ignore[misc]
+        done = min(planned, max(1, math.ceil((now - start) / step - 1e-9)))
+        if done < planned:
+            self.stretch = (start, step, done)
+            self.version += 1
+            self.sim.at(start + done * step, self._end, self.version)
+
+    def _shared(self, now: float) -> None:
+        """It went busy or idle: its peers' stretches end at their step under way, and take the
+        core's new share from there."""
+        for p in self.peers:
+            if p.stretch is not None:
+                p._cut(now)
+
+    def _sharing(self) -> int:
+        return 1 + sum(p.busy for p in self.peers) if self.peers else 1
 
     def free_at(self, now: float) -> float:
         """When a call on its engine thread (a decode worker's admission: reserving the prompt's
@@ -175,27 +195,33 @@ class Worker:
         return start + min(planned, max(1, math.ceil((now - start) / step - 1e-9))) * step
 
     def _next(self, now: float) -> None:
-        k = self.knobs
+        k, was_busy = self.knobs, self.busy
         if prefill_next(bool(self.queue), bool(self.finishing), self.last_was_decode):
             chunks = prefill_chunks(prefill_order(self.queue, k.prefill_chunk), len(self.finishing),
                                     k.max_num_seqs, k.max_batched_tokens, k.prefill_chunk, self._admit)
             if chunks:
                 self.last_was_decode, self.busy, self.stretch = False, True, None
                 self.version += 1
-                self.pass_end = now + self.cost.prefill_s([(n, r.num_computed) for r, n in chunks])
+                self.pass_end = now + self.cost.prefill_s([(n, r.num_computed) for r, n in chunks]) * self._sharing()
                 self.sim.at(self.pass_end, self._prefilled, self.version, chunks, now)
+                if self.peers and not was_busy:
+                    self._shared(now)
                 return
         if self.finishing:
             batch = len(self.finishing)
             # prompts waiting: one step, then the scheduler looks at them again (the two alternate)
             planned = 1 if self.queue else max(1, self.finishing[0][0] - self.steps)
-            step = self.cost.step_s(batch, self.context + batch * planned // 2)
+            step = self.cost.step_s(batch, self.context + batch * planned // 2) * self._sharing()
             self.last_was_decode, self.busy = True, True
             self.stretch = (now, step, planned)
             self.version += 1
             self.sim.at(now + planned * step, self._end, self.version)
+            if self.peers and not was_busy:
+                self._shared(now)
             return
         self.busy = False
+        if self.peers and was_busy:
+            self._shared(now)
 
     @staticmethod
     def _admit(r: Req) -> bool:

@@ -140,7 +140,8 @@ def test_a_full_worker_holds_new_requests_until_a_sequence_finishes():
 
 def test_fit_recovers_the_costs_it_was_made_from():
     true = (0.05, 0.002, 1e-7, 3e-7, 0.004)
-    points = [{"new": new, "cached": cached, "s": Cost(true, DECODE_BATCHES, DECODE_CONTEXTS, ((1,) * 3,) * 4,
+    grid = ((1,) * len(DECODE_CONTEXTS),) * len(DECODE_BATCHES)
+    points = [{"new": new, "cached": cached, "s": Cost(true, DECODE_BATCHES, DECODE_CONTEXTS, grid,
                                                           0, 1, 0, 1).prefill_s(list(zip(new, cached)))}
               for new, cached in [([16], [0]), ([512], [0]), ([2000], [0]), ([128], [896]), ([256], [768]),
                                   ([64] * 4, [0] * 4), ([16] * 16, [0] * 16)]]
@@ -173,3 +174,23 @@ def test_goodput_search_ends_where_attainment_falls():
     assert min(at.values()) < 0.9 and max(r for r, a in at.items() if a < 0.9) > found["goodput_rate"]
     s = score(simulate(layout, [(0.0, 50, 20, "request")]), Slo(0.5, 0.1), 0.0)
     assert s["slo_attainment"] == 1.0
+
+
+def test_a_prompt_waits_for_its_decode_workers_step_to_be_admitted():
+    """The decode worker reserves the blocks on its engine thread, after the step under way:
+    a prompt arriving at 1.005 mid-step is prefilled from that step's end."""
+    out = simulate(disaggregated(), [(0.0, 10, 200, "victim"), (1.005, 100, 2, "aggressor")])
+    steps_from = 0.02 + 0.001 + 10 * 1000 / 10 / 1e9      # the victim's KV landed: its steps begin
+    assert out.requests[1].first_at == pytest.approx(steps_from + 50 * STEP + 0.01 + 0.1)
+
+
+def test_workers_sharing_a_core_share_its_time():
+    """Two decode workers on one core: a stream alone there steps at full speed; two streams,
+    one on each, step at half."""
+    def median_gap(share: int, streams: int) -> float:
+        layout = Layout("colocated", decode=2, decode_cost=COST, decode_knobs=WHOLE, decode_per_core=share)
+        return weighted_percentile(gaps_of(simulate(layout, [(0.0, 10, 100, "request")] * streams)), 50)
+
+    assert median_gap(2, 1) == pytest.approx(STEP)
+    assert median_gap(1, 2) == pytest.approx(STEP)
+    assert median_gap(2, 2) == pytest.approx(2 * STEP)
