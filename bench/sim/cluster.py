@@ -129,7 +129,7 @@ class Cluster:
             self.backlog.append(r)
 
     def _place(self, r: Req, now: float) -> bool:
-        d = best_decode(list(self.room),  # type: ignore[arg-type]
+        d = best_decode(self.room,  # type: ignore[arg-type]
                         -(-(r.prompt + r.output) // self.layout.decode_knobs.block_size), prompt_tokens=r.prompt)
         if d is None:
             return False
