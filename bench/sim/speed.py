@@ -3,7 +3,7 @@
     python -m bench.sim.speed [--profile bench/results/profile-cpu.json] [--rate 1000] [--seconds 600]
 
 The Azure conversation trace's rows (full lengths), cycled and re-timed as Poisson arrivals, on
-16 prefill + 48 decode workers whose costs are the profile's divided by --faster (default 400:
+16 prefill + 48 decode workers whose costs are the profile's divided by --faster (default 600:
 this CPU's workers could not carry 1,000 req/s at any count the sweep would try, and a
 saturated fleet measures its backlog, not the simulator). Writes bench/results/sim_speed.json.
 """
@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=600)
     ap.add_argument("--prefill", type=int, default=16)
     ap.add_argument("--decode", type=int, default=48)
-    ap.add_argument("--faster", type=float, default=400)
+    ap.add_argument("--faster", type=float, default=600)
     args = ap.parse_args()
     profile = json.loads(args.profile.read_text())
     cost = faster(Cost.of(profile, "1t"), args.faster)
