@@ -146,7 +146,8 @@ def main() -> None:
             arms[name][k]["error"] = error(arms[name][k]["predicted"], arms[name][k]["measured"])
         # the whole curve, not only where it crosses 90% (a goodput of 0 on both sides says little)
         points = arms[name]["attainment"]
-        arms[name]["attainment_error_mean"] = sum(abs(p["predicted"] - p["measured"]) for p in points) / len(points)
+        errors = [abs(p["predicted"] - p["measured"]) for p in points]
+        arms[name]["attainment_error_mean"] = sum(errors) / max(1, len(errors))
         g, i, t = (arms[name][k] for k in ("goodput_rate", "victim_itl_p99_s", "victim_ttft_p50_s"))
         print(f"{name:14} goodput predicted {g['predicted']:.2f} measured {g['measured']:.2f} req/s; victims' "
               f"ITL p99 predicted {i['predicted'] * 1e3:.0f} measured {i['measured'] * 1e3:.0f} ms; TTFT p50 "

@@ -260,8 +260,9 @@ def main() -> None:
             cp = out["control_plane"][stack] = in_process(control_plane, stack, timeout_s=900)
             share = cost.fit_service_step(out, stack)  # (the simulator fits it so too: bench/sim/cost.py)
             print(f"control plane ({stack}): {cp['ttft_overhead_s'] * 1e3:.1f} ms per request; "
-                  f"{share['step_fixed_s'] * 1e3:.1f} ms + {share['step_per_seq_s'] * 1e3:.2f} ms per sequence on "
-                  f"each decode step over the {share['against']} model's", flush=True)
+                  + (f"{share['step_fixed_s'] * 1e3:.1f} ms + {share['step_per_seq_s'] * 1e3:.2f} ms per sequence "
+                     f"on each decode step over the {share['against']} model's" if share else
+                     f"no {cp['shape']} shape profiled to set its decode steps against"), flush=True)
     out["wall_s"] = round(time.monotonic() - started, 1)
     path = RESULTS / f"profile-{out['device']}.json"
     path.write_text(json.dumps(out, indent=1) + "\n")

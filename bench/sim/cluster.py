@@ -144,16 +144,17 @@ class Cluster:
         assert isinstance(best, Worker)
         d.importing += 1
         d.book(r)
+        best.book_prompt(r, now)   # the router books the prefill work as it decides
         admitted = d.free_at(now)  # the decode worker reserves the blocks between two of its steps
         if admitted > now:
             self.at(admitted, self._admitted, r, best)
         else:
-            best.enqueue(r, now)
+            best.enqueue(r, now, booked=True)
         return True
 
     @staticmethod
     def _admitted(now: float, r: Req, prefill: Worker) -> None:
-        prefill.enqueue(r, now)
+        prefill.enqueue(r, now, booked=True)
 
     # -- what the workers report ---------------------------------------------------------------
     def roomy(self, w: Worker) -> None:

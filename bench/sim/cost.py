@@ -93,10 +93,12 @@ def fit_service_step(profile: dict, stack: str) -> dict:
     model gives the stack's own decode worker shape at that batch and context — the model the
     simulator adds the share to, so the two sum to what the stack measured ({} without points)."""
     cp = control_plane(profile, stack)
-    if not cp.get("decode"):
-        return {}
-    cpus = profile["machine"]["cpus"]
+    if not cp.get("decode"):  # (a share stored without its points is taken as it is)
+        return {k: cp[k] for k in ("step_fixed_s", "step_per_seq_s") if k in cp}
+    cpus = profile.get("machine", {}).get("cpus", cp["threads"])
     shape = cp.get("shape") or shape_name(cp["threads"], cp["threads"] < cpus)
+    if shape not in profile["shapes"]:  # not profiled here: no share rather than a guess
+        return {}
     engine = Cost.of(profile, shape, None)
     context = cp.get("context", 40)
     rows = [[1.0, float(p["batch"])] for p in cp["decode"]]

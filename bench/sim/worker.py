@@ -143,11 +143,17 @@ class Worker:
         self.booked_blocks += blocks * self.blocks_for(r)
         self.sync()
 
-    def enqueue(self, r: Req, now: float) -> None:
-        """A prompt to prefill here."""
+    def book_prompt(self, r: Req, now: float) -> None:
+        """Its prompt counted in the queue the router reads (booked when placed, as the router
+        books it, even while its admission waits)."""
         self.account(now)
-        self.queue.append(r)
         self.queued_tokens += r.prompt
+
+    def enqueue(self, r: Req, now: float, booked: bool = False) -> None:
+        """A prompt to prefill here (`booked`: its tokens already counted)."""
+        if not booked:
+            self.book_prompt(r, now)
+        self.queue.append(r)
         self.sync()
         self._wake(now)
 

@@ -194,3 +194,11 @@ def test_workers_sharing_a_core_share_its_time():
     assert median_gap(2, 1) == pytest.approx(STEP)
     assert median_gap(1, 2) == pytest.approx(STEP)
     assert median_gap(2, 2) == pytest.approx(2 * STEP)
+
+
+def test_a_prefill_worker_counts_prompts_booked_while_their_admission_waits():
+    """Four prompts placed within a decode step all wait for its end to be admitted; the
+    router booked each on a prefill worker as it placed it, so they spread over both."""
+    reqs = [(0.0, 10, 200, "victim")] + [(1.0 + i / 1000, 100, 2, "request") for i in range(4)]
+    first = [r.first_at for r in simulate(disaggregated(p=2), reqs).requests[1:]]
+    assert first[0] == first[1] and first[2] == first[3] and first[2] == pytest.approx(first[0] + 0.11)
