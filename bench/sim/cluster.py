@@ -56,11 +56,18 @@ class Layout:
 @dataclass
 class Outcome:
     requests: list[Req]
-    gaps: dict[str, dict[float, int]]  # token gaps (s) → how many, per request kind
+    gaps: dict[str, tuple[list[float], list[int]]]  # per request kind: token gaps (s), and how many of each
     duration_s: float
     busy: dict[str, float]             # worker → fraction of the run it was in a pass
     queued_tokens: dict[str, float]    # prefill worker → mean prompt tokens waiting (the prefill HPA's signal)
     running: dict[str, float]          # decode (or colocated) worker → mean sequences decoding
+
+    def gap_counts(self, kind: str) -> dict[float, int]:
+        """One kind's token gaps as gap → how many."""
+        out: dict[float, int] = {}
+        for v, n in zip(*self.gaps.get(kind, ([], []))):
+            out[v] = out.get(v, 0) + n
+        return out
 
     def timings(self, kind: str | None = None, overhead_s: float = 0.0) -> list[Timing]:
         """As the load generator's client would have seen them (bench/load/metrics.py)."""
@@ -84,7 +91,7 @@ class Cluster:
         self.layout = layout
         self._events: list = []
         self._order = itertools.count()
-        self.gaps: dict[str, dict[float, int]] = defaultdict(lambda: defaultdict(int))
+        self.gaps: dict[str, tuple[list[float], list[int]]] = defaultdict(lambda: ([], []))
         role = "colocated" if layout.mode == "colocated" else "decode"
         self.decodes = [Worker(f"{role}-{i}", role, layout.decode_cost, layout.decode_knobs, self)
                         for i in range(layout.decode)]
@@ -118,8 +125,7 @@ class Cluster:
         workers = self.decodes + self.prefills
         for w in workers:
             w.account(self.now)
-        gaps = {k: dict(c) for k, c in self.gaps.items()}
-        return Outcome(requests, gaps, duration, {w.worker_id: w.busy_s / duration for w in workers},
+        return Outcome(requests, dict(self.gaps), duration, {w.worker_id: w.busy_s / duration for w in workers},
                        {w.worker_id: w.queued_s / duration for w in workers if w.role != "decode"},
                        {w.worker_id: w.running_s / duration for w in self.decodes})
 

@@ -43,23 +43,26 @@ def from_reference(ref: dict, p90: int, p50: int, batch: int, ttft_x: float, tpo
 
 def weighted_percentile(counts: dict[float, int], p: float) -> float:
     """The p-th percentile of values given as value → how many times."""
-    if not counts:
+    return percentile_of(list(counts), list(counts.values()), p)
+
+
+def percentile_of(values, counts, p: float) -> float:
+    """The p-th percentile of `values`, each counted `counts[i]` times."""
+    if not len(values):
         return 0.0
-    values = sorted(counts)
-    cum = np.cumsum([counts[v] for v in values])
-    return float(values[int(np.searchsorted(cum, p / 100 * cum[-1]))])
+    v = np.asarray(values, dtype=float)
+    order = np.argsort(v, kind="stable")
+    cum = np.cumsum(np.asarray(counts)[order])
+    return float(v[order][int(np.searchsorted(cum, p / 100 * cum[-1]))])
 
 
 def score(out: Outcome, slo: Slo, overhead_s: float, kind: str | None = None) -> dict:
     """bench/load/metrics.py's summary of a simulated run, plus the ITL tail from every gap."""
     s = summarize(out.timings(kind, overhead_s), out.duration_s, slo.ttft_s, slo.tpot_s)
-    gaps: dict[float, int] = {}
-    for k, c in out.gaps.items():
-        if kind is None or k == kind:
-            for v, n in c.items():
-                gaps[v] = gaps.get(v, 0) + n
-    s["itl_s"] = {"p50": weighted_percentile(gaps, 50), "p99": weighted_percentile(gaps, 99),
-                  "p99.9": weighted_percentile(gaps, 99.9)}
+    picked = [g for k, g in out.gaps.items() if kind is None or k == kind]
+    values = [v for vs, _ in picked for v in vs]
+    counts = [n for _, ns in picked for n in ns]
+    s["itl_s"] = {f"p{p:g}": percentile_of(values, counts, p) for p in (50, 99, 99.9)}
     s["busy"], s["queued_tokens"], s["running"] = out.busy, out.queued_tokens, out.running
     return s
 

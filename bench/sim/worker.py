@@ -264,14 +264,19 @@ class Worker:
         gaps, batch, first = self.sim.gaps, len(self.finishing), start + step
         new: dict[str, int] = {}
         for r in self.fresh:           # their first gap: from the first token (or the handoff)
-            gaps[r.kind][first - r.last_at] += 1
+            values, counts = gaps[r.kind]
+            values.append(first - r.last_at)
+            counts.append(1)
             new[r.kind] = new.get(r.kind, 0) + 1
         self.fresh = []
         for kind, n in self.kinds.items():
+            values, counts = gaps[kind]
             if n - new.get(kind, 0):   # the others: from their last step, across any prefill passes since
-                gaps[kind][first - self.last_decode_end] += n - new.get(kind, 0)
+                values.append(first - self.last_decode_end)
+                counts.append(n - new.get(kind, 0))
             if done > 1:
-                gaps[kind][step] += n * (done - 1)
+                values.append(step)
+                counts.append(n * (done - 1))
         self.steps += done
         self.context += batch * done
         self.last_decode_end = now

@@ -33,7 +33,7 @@ def disaggregated(p: int = 1, d: int = 1) -> Layout:
 
 
 def gaps_of(out, kind: str = "request") -> dict[float, int]:
-    return dict(out.gaps.get(kind, {}))
+    return out.gap_counts(kind)
 
 
 def test_one_request_colocated():
@@ -114,7 +114,7 @@ def test_every_request_finishes_and_every_block_comes_back():
     out = simulate(layout, reqs)
     assert all(r.first_at is not None and r.last_at is not None and r.last_at >= r.first_at for r in out.requests)
     for kind in "ab":
-        assert sum(out.gaps[kind].values()) == sum(o - 1 for _, _, o, k in reqs if k == kind)
+        assert sum(out.gap_counts(kind).values()) == sum(o - 1 for _, _, o, k in reqs if k == kind)
     for r in out.requests:
         assert r.decode is not None and r.decode.booked_blocks == 0 and not r.decode.queue
         assert r.decode.running == 0
