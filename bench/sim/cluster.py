@@ -101,8 +101,9 @@ class Cluster:
         cost = layout.prefill_cost or layout.decode_cost
         self.prefills = [Worker(f"prefill-{i}", "prefill", cost, layout.prefill_knobs, self)
                          for i in range(layout.prefill)]
-        for p in self.prefills:  # what a worker's measured rate would say
-            p.tokens_per_s = 512 / cost.prefill_s([(512, 0)])
+        rate = 512 / cost.prefill_s([(512, 0)])  # what a worker's measured rate would say
+        for p in self.prefills:
+            p.tokens_per_s = rate
         self.backlog: list[Req] = []
         # decode workers with room for another sequence (max_num_seqs; a full one would refuse the
         # admission): kept as they change (Worker.sync), not found by reading the pool each time

@@ -171,10 +171,15 @@ class Worker:
         elif self.stretch is not None:
             self._cut(now)
 
+    def _steps_by(self, now: float) -> int:
+        """The decode stretch's steps done once the step under way at `now` ends."""
+        start, step, planned = self.stretch  # type: ignore[misc]
+        return min(planned, max(1, math.ceil((now - start) / step - 1e-9)))
+
     def _cut(self, now: float) -> None:
         """End the decode stretch under way at the step under way (the next pass looks again)."""
         start, step, planned = self.stretch  # type: ignore[misc]
-        done = min(planned, max(1, math.ceil((now - start) / step - 1e-9)))
+        done = self._steps_by(now)
         if done < planned:
             self.stretch = (start, step, done)
             self.version += 1
@@ -197,8 +202,8 @@ class Worker:
             return now
         if self.stretch is None:
             return self.pass_end
-        start, step, planned = self.stretch
-        return start + min(planned, max(1, math.ceil((now - start) / step - 1e-9))) * step
+        start, step, _ = self.stretch
+        return start + self._steps_by(now) * step
 
     def _next(self, now: float) -> None:
         k, was_busy = self.knobs, self.busy

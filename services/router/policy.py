@@ -121,13 +121,9 @@ def choose_prefill_by_cost(candidates: list[PrefillCandidate], prompt_tokens: in
         return None, "no prefill worker"
     most = max([c.cached_tokens for c in candidates])
     # predicted_prefill_s + the recompute penalty, written out (hot: a large pool's every worker, every request)
-    if most == 0:  # a new prompt: held nowhere, so queue + prompt at each rate
-        rows = [((c.queued_tokens + prompt_tokens) / (c.tokens_per_s if c.tokens_per_s > 1e-9 else 1e-9), 0,
-                 c.cache_blocks, c.worker_id, c) for c in candidates]
-    else:
-        rows = [((c.queued_tokens + (prompt_tokens - c.cached_tokens if prompt_tokens > c.cached_tokens else 0)
-                  + recompute_weight * (most - c.cached_tokens)) / (c.tokens_per_s if c.tokens_per_s > 1e-9 else 1e-9),
-                 -c.cached_tokens, c.cache_blocks, c.worker_id, c) for c in candidates]
+    rows = [((c.queued_tokens + (prompt_tokens - c.cached_tokens if prompt_tokens > c.cached_tokens else 0)
+              + recompute_weight * (most - c.cached_tokens)) / (c.tokens_per_s if c.tokens_per_s > 1e-9 else 1e-9),
+             -c.cached_tokens, c.cache_blocks, c.worker_id, c) for c in candidates]
     best = min(rows)[-1]
     return best, (f"{best.worker_id}: first token in ~{predicted_prefill_s(best, prompt_tokens):.2f} s "
                   f"({best.cached_tokens} of {prompt_tokens} tokens cached, {best.queued_tokens} queued)")
