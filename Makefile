@@ -111,7 +111,7 @@ plan: setup
 	$(BIN)/python -m bench.sim.plan $(PLAN_ARGS)
 
 ## plan-check: the simulator's predictions of make bench's three arms and a 1P:2D split against the arms measured right
-##   after the profile, in one sitting (~35 minutes on 2 cores); writes bench/results/profile-<device>.json and plan_check.json
+##   after the profile, in one sitting, each arm between two probes of its speed (~40 minutes on 2 cores); writes bench/results/profile-<device>.json and plan_check.json
 plan-check: setup
 	$(BIN)/python -m bench.profile
 	$(BIN)/python -m bench.plan_check

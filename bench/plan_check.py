@@ -10,7 +10,10 @@ seeded victims and aggressors, the same slices of the Azure trace at the same ra
 SLOs — with the cost models of the profile; then sets each prediction beside what was
 measured: goodput at 90% SLO attainment, the victims' ITL p99 and TTFT p50, the attainment at
 each rate. `make plan-check` measures the
-profile just before (a machine's speed drifts: both in one sitting); `--measured` compares
+profile just before, and a probe of each arm's worker shapes either side of it (a few of the
+profile's points again, bench/profile.probe): a machine's speed drifts over minutes, and each
+arm's prediction takes the profile's costs rescaled by its probes (bench/sim/cost.level;
+`--no-drift`: as profiled). `--measured` compares
 with a `make bench` result (or an earlier plan_check.json's measurements) instead of running
 the arms. Writes bench/results/plan_check.json
 (`summary`: goodput_error_max, itl_p99_error_max over make bench's three arms; the 1P:2D
@@ -25,9 +28,9 @@ from pathlib import Path
 
 from bench import interference
 from bench.load import workloads
-from bench.profile import device_name
+from bench.profile import device_name, probe
 from bench.sim.cluster import Layout, as_sim, simulate
-from bench.sim.cost import STACKS, Cost, control_plane
+from bench.sim.cost import STACKS, Cost, control_plane, level
 from bench.sim.slo import Slo, goodput, score
 from bench.sim.worker import Knobs
 from deploy.local.stack import StackConfig
@@ -40,6 +43,7 @@ WHOLE = {"PD_PREFILL_CHUNK": "2048", "PD_MAX_BATCHED_TOKENS": "4096"}
 # 20 (8-90 requests: a point's attainment is a sample)
 RATES = "0.25,0.5,0.75,1,1.5,2,3"
 REPLAY_S = "30"
+NO_DRIFT = {"prefill": 1.0, "decode": 1.0}
 
 
 def split_arm(cores: int) -> StackConfig:
@@ -51,27 +55,49 @@ def split_arm(cores: int) -> StackConfig:
                                      cpus={"prefill-0": {cpus[0]}, "decode-0": rest, "decode-1": rest})
 
 
-def bench_layouts(profile: dict, cores: int) -> dict[str, Layout]:
-    """`make bench`'s arms (bench/interference.arms) and `split_arm` as the simulator's layouts."""
+def arm_shapes(cores: int) -> dict[str, dict[str, str]]:
+    """The profiled worker shape of each arm's pools (bench/interference.arms, `split_arm`)."""
+    return {"colocated": {"decode": f"{cores}t"}, "chunked": {"decode": f"{cores}t"},
+            # the prefill worker on one core, the decode worker on the others
+            "disaggregated": {"prefill": "1t+busy", "decode": f"{cores - 1}t+busy"},
+            # one-thread decode workers, two on the cores that are not the prefill worker's
+            SPLIT: {"prefill": "1t+busy", "decode": "1t+busy"}}
+
+
+def bench_layouts(profile: dict, cores: int, levels: dict[str, dict[str, dict]] | None = None) -> dict[str, Layout]:
+    """`make bench`'s arms (bench/interference.arms) and `split_arm` as the simulator's layouts;
+    `levels`: each arm's drift from the profile, per shape (bench/sim/cost.level), where measured."""
     over = {s: control_plane(profile, s).get("ttft_overhead_s", 0.0) for s in STACKS}
     whole = Knobs(prefill_chunk=2048, max_batched_tokens=4096)
     chunked = Knobs(prefill_chunk=128, max_batched_tokens=4096)
-    all_cores = Cost.of(profile, f"{cores}t", "colocated")
-    # interference.arms: the prefill worker on one core, the decode worker on the others
-    prefill, decode = Cost.of(profile, "1t+busy", "disaggregated"), Cost.of(profile, f"{cores - 1}t+busy",
-                                                                            "disaggregated")
-    # split_arm: one-thread decode workers, two on the cores that are not the prefill worker's
-    one = Cost.of(profile, "1t+busy", "disaggregated")
+    shapes = arm_shapes(cores)
+
+    def cost(arm: str, pool: str) -> Cost:
+        shape = shapes[arm][pool]
+        stack = "colocated" if arm in ("colocated", "chunked") else "disaggregated"
+        return Cost.of(profile, shape, stack).scaled(**(levels or {}).get(arm, {}).get(shape, NO_DRIFT))
+
     per_core = max(1, round(2 / max(1, cores - 1)))
-    return {"colocated": Layout("colocated", decode=1, decode_cost=all_cores, decode_knobs=whole,
+    return {"colocated": Layout("colocated", decode=1, decode_cost=cost("colocated", "decode"), decode_knobs=whole,
                                 overhead_s=over["colocated"]),
-            "chunked": Layout("colocated", decode=1, decode_cost=all_cores, decode_knobs=chunked,
+            "chunked": Layout("colocated", decode=1, decode_cost=cost("chunked", "decode"), decode_knobs=chunked,
                               overhead_s=over["colocated"]),
-            "disaggregated": Layout("disaggregated", prefill=1, decode=1, decode_cost=decode, prefill_cost=prefill,
-                                    decode_knobs=whole, prefill_knobs=whole, overhead_s=over["disaggregated"]),
-            SPLIT: Layout("disaggregated", prefill=1, decode=2, decode_cost=one, prefill_cost=prefill,
-                          decode_knobs=whole, prefill_knobs=whole, overhead_s=over["disaggregated"],
-                          decode_per_core=per_core)}
+            "disaggregated": Layout("disaggregated", prefill=1, decode=1, decode_cost=cost("disaggregated", "decode"),
+                                    prefill_cost=cost("disaggregated", "prefill"), decode_knobs=whole,
+                                    prefill_knobs=whole, overhead_s=over["disaggregated"]),
+            SPLIT: Layout("disaggregated", prefill=1, decode=2, decode_cost=cost(SPLIT, "decode"),
+                          prefill_cost=cost(SPLIT, "prefill"), decode_knobs=whole, prefill_knobs=whole,
+                          overhead_s=over["disaggregated"], decode_per_core=per_core)}
+
+
+def drift(profile: dict, probes: dict[str, list[dict]]) -> dict[str, dict]:
+    """An arm's level per shape: the mean of its probes' (one before the arm, one after) against
+    the profile (bench/sim/cost.level)."""
+    out = {}
+    for shape, runs in probes.items():
+        each = [level(profile["shapes"][shape], r) for r in runs]
+        out[shape] = {k: sum(e[k] for e in each) / len(each) for k in NO_DRIFT}
+    return out
 
 
 def measure(seed: int) -> dict:
@@ -84,9 +110,14 @@ def measure(seed: int) -> dict:
     slo = interference.slo_for(trace, args)
     print(f"replay SLO: {slo}", flush=True)
     configs = {**interference.arms(), SPLIT: split_arm(len(interference.ALL))}
-    arms = {name: interference.one_arm(name, cfg, reqs, trace, args) for name, cfg in configs.items()}
-    for arm in arms.values():
-        del arm["timeline"], arm["victim_itls_s"]
+    shapes = arm_shapes(len(interference.ALL))
+    arms = {}
+    for name, cfg in configs.items():
+        # this machine's speed drifts over minutes: the arm's own shapes measured again either side of it
+        before = {s: probe(s) for s in set(shapes[name].values())}
+        arms[name] = interference.one_arm(name, cfg, reqs, trace, args)
+        del arms[name]["timeline"], arms[name]["victim_itls_s"]
+        arms[name]["probes"] = {s: [before[s], probe(s)] for s in before}
     return {"machine": {"cpus": len(interference.ALL)},
             "workload": {"seed": seed,
                          "victims_and_aggressors": {"duration_s": args.duration, "victim_rate": args.victim_rate,
@@ -107,6 +138,8 @@ def main() -> None:
     ap.add_argument("--profile", type=Path, help="default: this machine's (bench/results/profile-<device>.json)")
     ap.add_argument("--measured", type=Path, help="a make bench result (interference.json) instead of running the arms")
     ap.add_argument("--seed", type=int, default=0, help="make bench's --seed")
+    ap.add_argument("--no-drift", action="store_true", help="simulate with the profile's costs as they are, not "
+                    "rescaled by the probes measured either side of each arm")
     args = ap.parse_args()
     args.profile = args.profile or RESULTS / f"profile-{device_name()}.json"
     profile = json.loads(args.profile.read_text())
@@ -128,14 +161,20 @@ def main() -> None:
     slo = Slo(rp["slo"]["ttft_s"], rp["slo"]["tpot_s"])
     victim_slo = Slo(va["slo"]["ttft_s"], va["slo"]["tpot_s"])
     arms = {}
-    for name, layout in bench_layouts(profile, measured["machine"]["cpus"]).items():
+    levels = {name: drift(profile, m["probes"]) for name, m in measured["arms"].items() if m.get("probes")}
+    if args.no_drift:
+        levels = {}
+    for name, layout in bench_layouts(profile, measured["machine"]["cpus"], levels).items():
         if name not in measured["arms"]:  # (a make bench result has no split_arm)
             continue
+        for shape, d in levels.get(name, {}).items():
+            print(f"{name:14} {shape}: {d['prefill']:.2f}x the profile's prefill time, {d['decode']:.2f}x its decode "
+                  "steps (probes either side of the arm)", flush=True)
         v = score(simulate(layout, as_sim(victims)), victim_slo, layout.overhead_s, kind="victim")
         g = goodput(layout, at_rate, rp["rates"], slo)
         m = measured["arms"][name]
         arms[name] = {
-            "layout": layout.name,
+            "layout": layout.name, "drift": levels.get(name),
             "goodput_rate": {"predicted": g["goodput_rate"], "measured": m["replay"]["goodput_rate"]},
             "victim_itl_p99_s": {"predicted": v["itl_s"]["p99"], "measured": m["victims"]["itl_s"]["p99"]},
             "victim_ttft_p50_s": {"predicted": v["ttft_s"]["p50"], "measured": m["victims"]["ttft_s"]["p50"]},
@@ -159,6 +198,7 @@ def main() -> None:
                "ttft_p50_error_max": max(errs("victim_ttft_p50_s"), default=None),
                "targets": {"goodput_error_max": 0.15, "itl_p99_error_max": 0.25}}
     summary["attainment_error_mean"] = {n: round(a["attainment_error_mean"], 3) for n, a in arms.items()}
+    summary["drift"] = {n: {s: {k: round(v, 3) for k, v in d.items()} for s, d in levels[n].items()} for n in levels}
     if SPLIT in arms:
         summary[SPLIT] = {k: arms[SPLIT][k]["error"] for k in ("goodput_rate", "victim_itl_p99_s", "victim_ttft_p50_s")}
     origin = measured.get("measured") if "measured_arms" in measured else None  # kept through a re-simulation

@@ -43,6 +43,8 @@ PREFILL = [(16, 0), (64, 0), (256, 0), (512, 0), (1024, 0), (2000, 0),
 BATCHED = [(4, 64), (8, 32), (16, 16), (4, 256)]          # (prompts in one pass, tokens each)
 DECODE = [(b, n) for b in cost.DECODE_BATCHES for n in cost.DECODE_CONTEXTS]  # (batch, context per sequence)
 DECODE_STEPS = 3
+# the points `probe` measures again: a short and a middling prompt, and decode steps at 1, 4 and 16
+PROBE = ([(64, 0), (256, 0)], [], [(1, 256), (4, 256), (16, 256)])
 KV_BLOCKS = 2304
 STACK_TOKENS = 48  # tokens of each stream through the stack
 
@@ -100,7 +102,7 @@ def _spin(cpus: set[int], stop) -> None:
             a @ b
 
 
-def _measure(threads: int, cpus: list[int], reps: int) -> dict:
+def _measure(threads: int, cpus: list[int], reps: int, prefill=PREFILL, batched=BATCHED, decode=DECODE) -> dict:
     import torch
 
     from shared.engine.config import EngineConfig
@@ -116,8 +118,8 @@ def _measure(threads: int, cpus: list[int], reps: int) -> dict:
 
     _prefill_pass(engine, [_ids(64, next(seed))])  # warm-up
     points = []
-    prefixes = {c: _ids(c, next(seed)) for _, c in PREFILL}
-    for new, cached in PREFILL:
+    prefixes = {c: _ids(c, next(seed)) for _, c in prefill}
+    for new, cached in prefill:
         times = []
         for _ in range(reps):
             if cached:
@@ -126,13 +128,13 @@ def _measure(threads: int, cpus: list[int], reps: int) -> dict:
             assert found == cached, f"{found} of {cached} prefix tokens cached"
             times.append(elapsed)
         points.append({"new": [new], "cached": [cached], "s": statistics.median(times)})
-    for k, n in BATCHED:
+    for k, n in batched:
         times = [_prefill_pass(engine, [_ids(n, next(seed)) for _ in range(k)])[0] for _ in range(reps)]
         points.append({"new": [n] * k, "cached": [0] * k, "s": statistics.median(times)})
 
     steps = [{"batch": batch, "context": context,
               "s": statistics.median(_decode_steps(engine, batch, context, 1000 * next(seed), DECODE_STEPS, reps))}
-             for batch, context in DECODE]
+             for batch, context in decode]
     assert engine.num_free_blocks == engine.num_blocks
     mc = loaded.config
     return {"prefill": points, "decode": steps,
@@ -159,19 +161,27 @@ def reference(prompt: int, batch: int, context: int, reps: int = 3) -> dict:
     return in_process(_reference, prompt, batch, context, reps, timeout_s=600)
 
 
-def shape(threads: int, neighbour: bool, reps: int) -> dict:
+def shape(threads: int, neighbour: bool, reps: int, points: tuple = (PREFILL, BATCHED, DECODE)) -> dict:
     """One worker shape: `threads` cores, the rest idle or (neighbour) busy."""
     cpus = sorted(os.sched_getaffinity(0))
     mine, rest = cpus[:threads], set(cpus[threads:])
     if not neighbour:
-        return in_process(_measure, threads, mine, reps, timeout_s=1800)
+        return in_process(_measure, threads, mine, reps, *points, timeout_s=1800)
     ctx = mp.get_context("spawn")
     stop = ctx.Event()
     with children(ctx.Process(target=_spin, args=(rest, stop))):
         try:
-            return in_process(_measure, threads, mine, reps, timeout_s=1800)
+            return in_process(_measure, threads, mine, reps, *points, timeout_s=1800)
         finally:
             stop.set()
+
+
+def probe(name: str, reps: int = 2) -> dict:
+    """A few of a profiled shape's points measured again (PROBE: ~10 s and the model's load):
+    set beside the profile's, they say how far this machine's speed has drifted since
+    (bench/sim/cost.level)."""
+    threads, neighbour = int(name.split("t")[0]), name.endswith("+busy")
+    return shape(threads, neighbour, reps, PROBE)
 
 
 def handoff() -> dict:

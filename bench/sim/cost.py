@@ -19,7 +19,7 @@ dropped and the rest refitted), so a prediction never falls as work grows.
 from __future__ import annotations
 
 from bisect import bisect_left
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -79,6 +79,18 @@ def fit(raw: dict) -> dict:
     grid = [[at[b, n] for n in DECODE_CONTEXTS] for b in DECODE_BATCHES]
     return {"prefill_model": pre, "decode_model": {"batches": list(DECODE_BATCHES), "contexts": list(DECODE_CONTEXTS),
                                                    "step_s": grid}}
+
+
+def level(shape: dict, probe: dict) -> dict:
+    """How much slower (> 1) or faster this machine ran a shape's probe (bench/profile.probe:
+    some of its points measured again) than its profile: the geometric mean over the points
+    both hold of measured again / profiled, for prefill passes and decode steps apart."""
+    def ratio(kind: str, key) -> float:
+        then = {key(p): p["s"] for p in shape[kind]}
+        logs = [np.log(p["s"] / then[key(p)]) for p in probe[kind] if key(p) in then]
+        return float(np.exp(np.mean(logs))) if logs else 1.0
+    return {"prefill": ratio("prefill", lambda p: (tuple(p["new"]), tuple(p["cached"]))),
+            "decode": ratio("decode", lambda p: (p["batch"], p["context"]))}
 
 
 def fit_handoff(raw: dict) -> dict:
@@ -143,6 +155,13 @@ class Cost:
         return cls(tuple(s["prefill_model"][k] for k in PREFILL_TERMS), tuple(d["batches"]), tuple(d["contexts"]),
                    tuple(map(tuple, d["step_s"])), s["kv_bytes_per_token"], s["layers"], h["fixed_s"],
                    h["gbps"] * 1e9, (cp.get("step_fixed_s", 0.0), cp.get("step_per_seq_s", 0.0)))
+
+    def scaled(self, prefill: float, decode: float) -> Cost:
+        """This shape on a machine `prefill` times slower at prefill passes and `decode` times at
+        decode steps (its drift: `level`); the services' share of a step runs on the same cores."""
+        return replace(self, prefill=tuple(t * prefill for t in self.prefill),
+                       decode_grid=tuple(tuple(t * decode for t in row) for row in self.decode_grid),
+                       service_step_s=(self.service_step_s[0] * decode, self.service_step_s[1] * decode))
 
     def prefill_s(self, chunks: list[tuple[int, int]]) -> float:
         """A pass of (new tokens, tokens before them) chunks."""

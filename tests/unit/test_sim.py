@@ -3,13 +3,14 @@ cost model: prefill 10 ms + 1 ms per token, every decode step 20 ms."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
 from bench.load import workloads
 from bench.sim.cluster import Layout, simulate
-from bench.sim.cost import DECODE_BATCHES, DECODE_CONTEXTS, Cost, fit
+from bench.sim.cost import DECODE_BATCHES, DECODE_CONTEXTS, Cost, fit, level
 from bench.sim.plan import search
 from bench.sim.slo import Slo, relative, score, weighted_percentile
 from bench.sim.worker import Knobs
@@ -202,3 +203,20 @@ def test_a_prefill_worker_counts_prompts_booked_while_their_admission_waits():
     reqs = [(0.0, 10, 200, "victim")] + [(1.0 + i / 1000, 100, 2, "request") for i in range(4)]
     first = [r.first_at for r in simulate(disaggregated(p=2), reqs).requests[1:]]
     assert first[0] == first[1] and first[2] == first[3] and first[2] == pytest.approx(first[0] + 0.11)
+
+
+def test_a_probe_rescales_the_profile_by_the_machines_drift():
+    """A machine 1.5x slower at prefill and 2x at decode since its profile: `level` says so from
+    the probe's points alone, and the rescaled cost predicts the slower passes and steps."""
+    shape = {"prefill": [{"new": [64], "cached": [0], "s": 0.1}, {"new": [256], "cached": [0], "s": 0.4},
+                         {"new": [512], "cached": [0], "s": 0.8}],
+             "decode": [{"batch": 1, "context": 256, "s": 0.02}, {"batch": 4, "context": 256, "s": 0.03}]}
+    probe = {"prefill": [{"new": [64], "cached": [0], "s": 0.15}, {"new": [256], "cached": [0], "s": 0.6}],
+             "decode": [{"batch": 1, "context": 256, "s": 0.04}, {"batch": 4, "context": 256, "s": 0.06},
+                        {"batch": 8, "context": 256, "s": 1.0}]}   # (a point the profile lacks: not compared)
+    drift = level(shape, probe)
+    assert drift == pytest.approx({"prefill": 1.5, "decode": 2.0})
+    slower = dataclasses.replace(COST, service_step_s=(0.01, 0.001)).scaled(**drift)
+    assert slower.prefill_s([(100, 0)]) == pytest.approx(1.5 * COST.prefill_s([(100, 0)]))
+    assert slower.step_s(4, 400) == pytest.approx(2 * (STEP + 0.01 + 0.004))
+    assert level(shape, {"prefill": [], "decode": []}) == {"prefill": 1.0, "decode": 1.0}
