@@ -5,6 +5,8 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 # CPU build of torch (from the local wheel cache when present); GPU users: TORCH_SPEC=torch
 TORCH_SPEC ?= torch==2.13.0
+# llama.cpp, the side-by-side peer of make bench-engine (built from source on first install)
+LLAMA_CPP_VERSION ?= 0.3.36
 
 .PHONY: help setup lint fmt run test test-fast bench-engine bench-stack bench-transfer eval-router bench-router chaos chaos-busy bench-tracing bench-scale bench bench-full profile plan plan-check compose-up compose-down gpu-check clean
 
@@ -48,8 +50,11 @@ lint: setup
 fmt: setup
 	$(BIN)/ruff check --fix .
 
-## bench-engine: our engine vs transformers, same model, same threads, side by side
+## bench-engine: our engine on fp32 and native (4-bit) weights vs transformers and llama.cpp, same GGUF, same threads,
+##   side by side, and the quality of each format; writes bench/results/engine.json (the first run builds llama.cpp from
+##   PyPI: ~10 minutes on 2 cores; pip keeps the wheel)
 bench-engine: setup
+	$(BIN)/pip install -q llama-cpp-python==$(LLAMA_CPP_VERSION)
 	$(BIN)/python -m bench.engine_bench
 
 ## bench-stack: time to first token through the stack minus the in-process engine's; writes bench/results/stack.json

@@ -1,29 +1,43 @@
-"""Engine vs transformers on the same model, same threads, measured side by side in one run.
+"""The engine on each weights' format against transformers and llama.cpp on the same GGUF and
+threads, measured side by side in one run: `make bench-engine`.
 
-    python -m bench.engine_bench [--threads 2] [--rounds 3] [--decode-steps 16]
+    python -m bench.engine_bench [--threads 2] [--rounds 3] [--decode-steps 16] [--no-quality]
 
-Prints prefill throughput (tokens/s) at 512 and 2048 prompt tokens and the decode step time at
-batch 1, 8 and 32, for both implementations, each the median of interleaved rounds, and our
-figure as a ratio of theirs. Targets: decode at batch 8 and 32 at least as fast as
-transformers; prefill within 1.2x of it. transformers runs its own KV cache (DynamicCache)
-and computes only the last position's logits in prefill, as its generate() does.
+Speed: prompt tokens/s at 512 and 2048 tokens (one prompt, one pass) and the decode step at
+batch 1, 8 and 32 — for our engine with fp32 weights (every matrix dequantized) and with the
+file's own 4-bit blocks (`native`, shared/engine/weights.py), transformers (fp32, its own KV
+cache, only the last position's logits in prefill as its generate() does) and llama.cpp
+(batch 1 only: its server runs one sequence a slot); each the median of interleaved rounds.
+Quality (bench/engine_quality.py): greedy agreement with transformers' fp32 tokens, and
+perplexity, per format. Writes bench/results/engine.json (`summary`: decode_b1_over_llamacpp,
+prefill_512_over_llamacpp, prefill_2048_over_llamacpp, greedy_agreement, perplexity_ratio —
+the last two of `native`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import platform
 import random
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
+from bench import engine_quality
+from bench.llamacpp_arm import LlamaCpp
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.loader import load, smollm2_path
 from shared.engine.sequence import SamplingParams
 
+RESULTS = Path(__file__).parent / "results"
 PROMPT_FOR_DECODE = 128
+PREFILLS = (512, 2048)
+BATCHES = (1, 8, 32)
 
 
 def random_prompt(n: int, seed: int) -> list[int]:
@@ -76,42 +90,107 @@ def hf_decode(model, batch: int, steps: int, seed: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
+def arms(threads: int) -> tuple[dict, dict]:
+    """Each implementation's prefill(n, seed) and decode(batch, steps, seed) (None: not run)."""
+    from transformers import AutoModelForCausalLM
+
+    path = smollm2_path()
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    cfg = EngineConfig(num_blocks=2048, max_batched_tokens=2048, prefill_chunk=2048, max_num_seqs=64)
+    loaded = {f: load("smollm2", weights=f) for f in ("fp32", "native")}
+    engines = {f: Engine(m, cfg) for f, m in loaded.items()}
+    run = {f"pdserve {f}": (lambda n, s, e=e: ours_prefill(e, n, s), lambda b, k, s, e=e: ours_decode(e, b, k, s))
+           for f, e in engines.items()}
+    run["transformers"] = (lambda n, s: hf_prefill(hf, n, s), lambda b, k, s: hf_decode(hf, b, k, s))
+    if LlamaCpp.available():
+        cpp = LlamaCpp(str(path), threads)
+        run["llama.cpp"] = (lambda n, s: cpp.prefill(random_prompt(n, s)),
+                            lambda b, k, s: cpp.decode(random_prompt(PROMPT_FOR_DECODE, s), k) if b == 1 else None)
+    else:
+        print("llama.cpp: not installed (make bench-engine installs llama-cpp-python)", flush=True)
+    return run, {"loaded": loaded, "hf": hf, "engines": engines}
+
+
+def speed(run: dict, rounds: int, steps: int) -> dict:
+    for prefill, _ in run.values():
+        prefill(64, 0)  # warm each up
+    out: dict = {name: {"prefill_tok_s": {}, "decode_ms": {}} for name in run}
+    for n in PREFILLS:
+        times: dict[str, list[float]] = {name: [] for name in run}
+        for r in range(rounds):  # interleaved so drift on a shared machine hits each alike
+            for name, (prefill, _) in run.items():
+                times[name].append(prefill(n, r))
+        for name, t in times.items():
+            out[name]["prefill_tok_s"][str(n)] = n / statistics.median(t)
+        print(f"prefill {n}: " + ", ".join(f"{k} {v['prefill_tok_s'][str(n)]:.0f} tok/s" for k, v in out.items()),
+              flush=True)
+    for b in BATCHES:
+        times = {name: [] for name in run}
+        for r in range(rounds):
+            for name, (_, decode) in run.items():
+                t = decode(b, steps, 100 * r)
+                if t is not None:
+                    times[name].append(t)
+        for name, t in times.items():
+            out[name]["decode_ms"][str(b)] = 1e3 * statistics.median(t) if t else None
+        print(f"decode batch {b}: " + ", ".join(f"{k} {v['decode_ms'][str(b)]:.1f} ms" for k, v in out.items()
+                                                if v["decode_ms"][str(b)] is not None), flush=True)
+    return out
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def summarize(speeds: dict, quality: dict | None) -> dict:
+    ours = {f: speeds[f"pdserve {f}"] for f in ("fp32", "native")}
+    cpp = speeds.get("llama.cpp")
+    # each pool runs the format that suits its phase: the faster of ours for each figure
+    decode_b1 = min(o["decode_ms"]["1"] for o in ours.values())
+    out: dict = {"decode_b1_ms": {f: round(o["decode_ms"]["1"], 2) for f, o in ours.items()},
+                 "decode_b1_over_llamacpp": ratio(decode_b1, cpp and cpp["decode_ms"]["1"]),
+                 "decode_b1_over_llamacpp_target": 1.2}
+    for n in map(str, PREFILLS):
+        best = max(o["prefill_tok_s"][n] for o in ours.values())
+        out[f"prefill_{n}_over_llamacpp"] = ratio(best, cpp and cpp["prefill_tok_s"][n])
+        out[f"prefill_{n}_format"] = max(ours, key=lambda f, n=n: ours[f]["prefill_tok_s"][n])
+    for b in map(str, BATCHES):
+        out[f"native_over_fp32_decode_b{b}"] = ratio(ours["fp32"]["decode_ms"][b], ours["native"]["decode_ms"][b])
+    if quality:
+        native = quality["formats"]["native"]
+        out["greedy_agreement"] = round(native["greedy_agreement"], 4)
+        out["perplexity_ratio"] = round(native["perplexity_ratio"], 5)
+        out["targets"] = {"greedy_agreement": 0.95, "perplexity_ratio_max": 1.01}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--decode-steps", type=int, default=16)
+    ap.add_argument("--no-quality", action="store_true", help="speed only")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    started = time.monotonic()
 
-    from transformers import AutoModelForCausalLM
-
-    path = smollm2_path()
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    engine = Engine(load("smollm2"), EngineConfig(num_blocks=2048, max_batched_tokens=2048,
-                                                  prefill_chunk=2048, max_num_seqs=64))
-    hf_prefill(hf, 64, 0), ours_prefill(engine, 64, 0)  # warm both up
-
-    rows = []
-    for n in (512, 2048):
-        o = statistics.median(ours_prefill(engine, n, r) for r in range(args.rounds))
-        h = statistics.median(hf_prefill(hf, n, r) for r in range(args.rounds))
-        rows.append((f"prefill {n} tok (tok/s)", n / o, n / h, h / o, "ours/theirs tok/s, target >= 0.83"))
-    for b in (1, 8, 32):
-        o_t, h_t = [], []
-        for r in range(args.rounds):  # interleaved so drift on a shared machine hits both
-            o_t.append(ours_decode(engine, b, args.decode_steps, 100 * r))
-            h_t.append(hf_decode(hf, b, args.decode_steps, 100 * r))
-        o, h = statistics.median(o_t), statistics.median(h_t)
-        rows.append((f"decode batch {b} (ms/step)", 1e3 * o, 1e3 * h, h / o, "speedup, target >= 1.0"
-                     if b > 1 else "speedup"))
-    assert engine.num_free_blocks == engine.num_blocks
-
-    print(f"\nSmolLM2-135M fp32, CPU, {args.threads} threads, {args.rounds} rounds (median), "
-          f"decode prompts {PROMPT_FOR_DECODE} tok, {args.decode_steps} steps")
-    print(f"{'measure':28} {'pdserve':>10} {'transformers':>13} {'ratio':>7}  meaning")
-    for name, ours, theirs, ratio, meaning in rows:
-        print(f"{name:28} {ours:10.1f} {theirs:13.1f} {ratio:7.2f}  {meaning}")
+    run, parts = arms(args.threads)
+    speeds = speed(run, args.rounds, args.decode_steps)
+    for engine in parts["engines"].values():
+        assert engine.num_free_blocks == engine.num_blocks
+    quality = None if args.no_quality else engine_quality.measure(parts["loaded"], parts["hf"])
+    if quality:
+        for f, q in quality["formats"].items():
+            print(f"{f}: greedy agreement {q['greedy_agreement']:.4f}, perplexity {q['perplexity']:.3f} "
+                  f"({q['perplexity_ratio']:.4f}x the reference's)", flush=True)
+    summary = summarize(speeds, quality)
+    out = {"model": "SmolLM2-135M-Instruct (GGUF Q4_1, embeddings Q8_0)", "threads": args.threads,
+           "rounds": args.rounds, "decode_steps": args.decode_steps, "decode_prompt_tokens": PROMPT_FOR_DECODE,
+           "machine": {"cpus": os.cpu_count(), "processor": platform.processor(), "torch": torch.__version__},
+           "speed": speeds, "quality": quality, "summary": summary, "wall_s": round(time.monotonic() - started, 1)}
+    (RESULTS / "engine.json").write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps(summary, indent=1))
+    print(f"wrote {RESULTS / 'engine.json'}")
 
 
 if __name__ == "__main__":

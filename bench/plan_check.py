@@ -138,6 +138,7 @@ def main() -> None:
     ap.add_argument("--profile", type=Path, help="default: this machine's (bench/results/profile-<device>.json)")
     ap.add_argument("--measured", type=Path, help="a make bench result (interference.json) instead of running the arms")
     ap.add_argument("--seed", type=int, default=0, help="make bench's --seed")
+    ap.add_argument("--out", type=Path, default=RESULTS / "plan_check.json")
     ap.add_argument("--no-drift", action="store_true", help="simulate with the profile's costs as they are, not "
                     "rescaled by the probes measured either side of each arm")
     args = ap.parse_args()
@@ -207,9 +208,9 @@ def main() -> None:
            "profile_machine": profile["machine"], "machine": measured["machine"],
            "workload": {**measured["workload"], "seed": seed}, "arms": arms,
            "measured_arms": measured["arms"], "summary": summary}
-    (RESULTS / "plan_check.json").write_text(json.dumps(out, indent=1) + "\n")
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(summary, indent=1))
-    print(f"wrote {RESULTS / 'plan_check.json'}")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -133,6 +133,11 @@ class WorkerSettings(Common):
     max_batched_tokens: int = 2048
     prefill_chunk: int = 512
     threads: int = Field(0, ge=0, description="torch threads (0: torch's default)")
+    weights: Literal["fp32", "native"] = Field("fp32", description="fp32: every matrix dequantized; native: a "
+                                               "GGUF's Q4_1/Q8_0 blocks computed with as they are (CPU; "
+                                               "shared/engine/weights.py)")
+    pair_any_weights: bool = Field(False, description="exchange KV with workers computing with the other weights' "
+                                   "format (their KV differs in its last bits); set on both pools")
     ucx_progress_mode: Literal["blocking", "polling", "thread", "thread-polling"] = Field(
         "thread", description="ucxx progress; blocking/polling are faster per transfer but spin a core after one")
     ucx_error_handling: bool = Field(True, description="UCX peer-failure handling on KV endpoints (off: shared "

@@ -29,10 +29,11 @@ def worker_id(settings: WorkerSettings, role: str) -> str:
 def build_engine(settings: WorkerSettings) -> Engine:
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    loaded = load(settings.model, device=settings.device)
+    loaded = load(settings.model, device=settings.device, weights=settings.weights)
     cfg = EngineConfig(num_blocks=settings.kv_blocks, max_num_seqs=settings.max_num_seqs,
                        max_batched_tokens=settings.max_batched_tokens,
-                       prefill_chunk=settings.prefill_chunk, device=settings.device)
+                       prefill_chunk=settings.prefill_chunk, device=settings.device,
+                       pair_any_weights=settings.pair_any_weights)
     return Engine(loaded, cfg)
 
 

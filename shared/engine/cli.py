@@ -10,6 +10,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.loader import load
 from shared.engine.sequence import SamplingParams
+from shared.engine.weights import FORMATS
 
 
 def main() -> None:
@@ -19,9 +20,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--weights", choices=FORMATS, default="fp32", help="native: the GGUF's 4-bit blocks as they are")
     args = ap.parse_args()
 
-    loaded = load(args.model)
+    loaded = load(args.model, weights=args.weights)
     engine = Engine(loaded, EngineConfig(num_blocks=1024))
     assert loaded.tokenizer is not None, "the model file has no tokenizer"
     prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])

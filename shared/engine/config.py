@@ -57,6 +57,7 @@ class EngineConfig:
     dtype: torch.dtype | None = None  # default: float32 on CPU, bfloat16 on CUDA
     kernels: str = "auto"  # auto | torch | triton
     seed: int = 0  # for requests without a seed of their own
+    pair_any_weights: bool = False  # the KV fingerprint leaves out the weights' format (loader.LoadedModel)
 
     def __post_init__(self) -> None:
         if (self.num_blocks is None) == (self.kv_cache_gib is None):

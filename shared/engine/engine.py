@@ -65,7 +65,7 @@ class Engine:
         self.cfg = cfg
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.fingerprint = loaded.fingerprint(cfg.torch_dtype, cfg.block_size)
+        self.fingerprint = loaded.fingerprint(cfg.torch_dtype, cfg.block_size, cfg.pair_any_weights)
         self.num_blocks = cfg.blocks_for(loaded.config)
         self.blocks = BlockManager(self.num_blocks, cfg.block_size, cfg.enable_prefix_cache)
         self.scheduler = Scheduler(cfg, self.blocks)

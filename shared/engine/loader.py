@@ -6,8 +6,12 @@
 - a directory          config.json + *.safetensors (+ tokenizer.json), Llama family
 - "tiny"               random weights from a fixed seed, for unit tests
 
-Each result carries a fingerprint (architecture, dtype, block size, weights identity) that
-two engines compare before exchanging KV.
+`weights` (weights.py): "fp32" dequantizes every matrix; "native" keeps a GGUF's Q4_1/Q8_0
+blocks and computes with them (other sources and formats stay fp32).
+
+Each result carries a fingerprint (architecture, dtype, block size, weights identity, and the
+weights' format where not fp32: the two give KV that differs in its last bits) that two
+engines compare before exchanging KV.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +29,7 @@ import xxhash
 from shared.engine.config import ModelConfig
 from shared.engine.model import LlamaModel, Rotary
 from shared.engine.tokenizer import Tokenizer
+from shared.engine.weights import FORMATS, pack
 
 TINY_SEED = 1234
 
@@ -35,10 +41,14 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     name: str
     weights_id: str  # identity of the weights (content hash or seed)
+    weights: str = "fp32"  # the format computed with (weights.FORMATS)
 
-    def fingerprint(self, dtype: torch.dtype, block_size: int) -> str:
+    def fingerprint(self, dtype: torch.dtype, block_size: int, any_format: bool = False) -> str:
+        """What two engines must share to exchange KV; `any_format`: whatever weights' format
+        each computes with (a prefill pool on fp32 and a decode pool on native, paired knowingly)."""
         arch = json.dumps(asdict(self.config), sort_keys=True, default=str)
-        return xxhash.xxh3_64_hexdigest(f"{arch}|{dtype}|{block_size}|{self.weights_id}".encode())
+        fmt = "" if any_format or self.weights == "fp32" else f"|{self.weights}"
+        return xxhash.xxh3_64_hexdigest(f"{arch}|{dtype}|{block_size}|{self.weights_id}{fmt}".encode())
 
 
 def smollm2_path() -> Path:
@@ -50,11 +60,15 @@ def smollm2_path() -> Path:
     return next(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
 
 
-def load(source: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
+def load(source: str, dtype: torch.dtype = torch.float32, device: str = "cpu", weights: str = "fp32") -> LoadedModel:
+    if weights not in FORMATS:
+        raise ValueError(f"unknown weights format {weights!r}: expected one of {', '.join(FORMATS)}")
+    if weights == "native" and (device != "cpu" or dtype != torch.float32):
+        raise ValueError("native weights run on CPU in float32 (torch's int4 CPU kernel)")
     if source == "tiny":
         return _load_tiny(dtype, device)
     path = _resolve(source)
-    return _load_hf_dir(path, dtype, device) if path.is_dir() else _load_gguf(path, dtype, device)
+    return _load_hf_dir(path, dtype, device) if path.is_dir() else _load_gguf(path, dtype, device, weights)
 
 
 def inspect(source: str) -> tuple[ModelConfig, Tokenizer | None]:
@@ -118,6 +132,10 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
+def _as_is(w: np.ndarray) -> np.ndarray:
+    return w
+
+
 def _gguf_config(reader, path: Path) -> ModelConfig:
     arch = _gguf_field(reader, "general.architecture")
     if arch != "llama":
@@ -139,29 +157,31 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
         eos_token_ids=() if eos is None else (int(eos),))
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
+def _load_gguf(path: Path, dtype: torch.dtype, device: str, weights: str = "fp32") -> LoadedModel:
     import gguf
 
     reader = gguf.GGUFReader(path)
     cfg = _gguf_config(reader, path)
     n_head, n_kv = cfg.num_heads, cfg.num_kv_heads
-    tensors = {}
+    tensors, packed = {}, {}
     for t in reader.tensors:
-        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        heads = 0  # q and k rows are un-permuted (by head) for rotate-half RoPE
         if t.name.startswith("blk."):
             _, layer, kind, _ = t.name.split(".")
-            if kind == "attn_q":
-                w = _unpermute(w, n_head)
-            elif kind == "attn_k":
-                w = _unpermute(w, n_kv)
+            heads = {"attn_q": n_head, "attn_k": n_kv}.get(kind, 0)
             name = f"model.layers.{layer}.{_GGUF_NAMES[kind]}.weight"
         else:
             name = {"token_embd.weight": "model.embed_tokens.weight",
                     "output_norm.weight": "model.norm.weight",
                     "output.weight": "lm_head.weight"}[t.name]
+        reorder = partial(_unpermute, n_head=heads) if heads else _as_is
+        w = reorder(gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False))
         tensors[name] = torch.from_numpy(np.require(w, requirements=["C", "W"]))
+        if weights == "native" and (p := pack(t.data, t.tensor_type.name, reorder)) is not None:
+            packed[name] = p
     model = _build(cfg, tensors, dtype, device)
-    return LoadedModel(model, cfg, Tokenizer.from_gguf(reader), path.stem, _file_digest([path]))
+    model.pack(packed)
+    return LoadedModel(model, cfg, Tokenizer.from_gguf(reader), path.stem, _file_digest([path]), weights)
 
 
 # -- Hugging Face directory ------------------------------------------------------------------

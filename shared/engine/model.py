@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.engine.config import ModelConfig
+from shared.engine.weights import Packed
 
 
 @dataclass
@@ -40,13 +41,36 @@ class ForwardBatch:
 LayerHook = Callable[[int], None]  # called with the layer index once its KV is in the pool
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, min_rows: int = 16, max_rows: int = 256) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | Packed, min_rows: int = 16, max_rows: int = 256) -> torch.Tensor:
     """x (M, in) @ weight(out, in).T. On CPU, MKL runs skinny batches faster as (weight @ x.T).T
     (measured: 25% at M=32, 2x for the vocabulary projection at M=8, nothing from M=512 on,
-    where the transposed copy then costs more than it saves)."""
+    where the transposed copy then costs more than it saves). A `Packed` weight (the file's
+    own blocks, weights.py) goes to its kernel."""
+    if isinstance(weight, Packed):
+        return weight.matmul(x)
     if x.device.type == "cpu" and min_rows <= x.shape[0] <= max_rows:
         return (weight @ x.t()).t().contiguous()
     return F.linear(x, weight)
+
+
+class Projection(nn.Linear):
+    """A bias-free linear layer whose weight may be kept `Packed` (weights.py) instead of fp32."""
+
+    packed: Packed | None = None
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+
+    @property
+    def matrix(self) -> torch.Tensor | Packed:
+        return self.weight if self.packed is None else self.packed
+
+    def pack(self, packed: Packed) -> None:
+        """Compute with `packed` from now on; the fp32 weight is let go."""
+        if packed.shape != tuple(self.weight.shape):
+            raise ValueError(f"packed weight {packed.shape} for a {tuple(self.weight.shape)} projection")
+        self.packed = packed
+        self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
 
 
 class RMSNorm(nn.Module):
@@ -91,14 +115,14 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.h, self.kvh, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.kvh) * self.hd, bias=False)
-        self.o_proj = nn.Linear(self.h * self.hd, cfg.hidden_size, bias=False)
+        self.qkv_proj = Projection(cfg.hidden_size, (self.h + 2 * self.kvh) * self.hd)
+        self.o_proj = Projection(self.h * self.hd, cfg.hidden_size)
         self.scale = self.hd ** -0.5
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor], ops: SimpleNamespace) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = linear(x, self.qkv_proj.weight).split([self.h * self.hd, self.kvh * self.hd, self.kvh * self.hd], -1)
+        q, k, v = linear(x, self.qkv_proj.matrix).split([self.h * self.hd, self.kvh * self.hd, self.kvh * self.hd], -1)
         q = Rotary.rotate(q.view(t, self.h, self.hd), *rope)
         k = Rotary.rotate(k.view(t, self.kvh, self.hd), *rope)
         v = v.view(t, self.kvh, self.hd)
@@ -114,18 +138,18 @@ class Attention(nn.Module):
                 else:
                     out[start:start + n] = ops.paged_prefill_attention(
                         q[start:start + n], pool, table, ctx, self.scale)
-        return linear(out.view(t, self.h * self.hd), self.o_proj.weight)
+        return linear(out.view(t, self.h * self.hd), self.o_proj.matrix)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Projection(cfg.hidden_size, 2 * cfg.intermediate_size)
+        self.down_proj = Projection(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_proj.weight).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.down_proj.weight)
+        gate, up = linear(x, self.gate_up_proj.matrix).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down_proj.matrix)
 
 
 class DecoderLayer(nn.Module):
@@ -144,8 +168,9 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_embeddings else Projection(cfg.hidden_size, cfg.vocab_size)
         self.rotary = Rotary(cfg)
+        self.tied_head: Packed | None = None  # the tied embedding matrix packed for the vocabulary projection
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_pools: torch.Tensor, ops: SimpleNamespace,
@@ -162,8 +187,28 @@ class LlamaModel(nn.Module):
             if layer_hook is not None:
                 layer_hook(i)
         x = self.norm(x[batch.logits_index])
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.lm_head is not None:
+            weight = self.lm_head.matrix
+        else:  # (the embedding lookup keeps its fp32 rows: a lookup streams only the rows it reads)
+            weight = self.embed_tokens.weight if self.tied_head is None else self.tied_head
         return linear(x, weight, min_rows=2).float()
+
+    def pack(self, packed: dict[str, Packed]) -> None:
+        """Compute with these packed matrices (Hugging Face names, as `load_hf_weights` takes
+        them) instead of the fp32 ones; q/k/v and gate/up are stacked as their projections are."""
+        for i, layer in enumerate(cast("Iterable[DecoderLayer]", self.layers)):
+            p = f"model.layers.{i}."
+            parts = {"self_attn.qkv_proj": [f"self_attn.{n}_proj" for n in "qkv"],
+                     "self_attn.o_proj": ["self_attn.o_proj"],
+                     "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"], "mlp.down_proj": ["mlp.down_proj"]}
+            for own, names in parts.items():
+                if all(p + n + ".weight" in packed for n in names):
+                    cast(Projection, layer.get_submodule(own)).pack(Packed.cat([packed[p + n + ".weight"]
+                                                                                for n in names]))
+        if self.lm_head is not None and "lm_head.weight" in packed:
+            self.lm_head.pack(packed["lm_head.weight"])
+        elif self.lm_head is None and "model.embed_tokens.weight" in packed:
+            self.tied_head = packed["model.embed_tokens.weight"]
 
     def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load Hugging Face Llama names (`model.layers.N.self_attn.q_proj.weight`, …)."""

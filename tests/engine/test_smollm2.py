@@ -136,3 +136,28 @@ def test_resumed_request_streams_the_same_text(smollm2, prompts):
     assert before + "".join(o.text for o in after) == "".join(o.text for o in outs)
     assert after[-1].finish_reason == outs[-1].finish_reason == "stop"  # the stop string, cut
     assert "Paris" not in "".join(o.text for o in outs)
+
+
+@pytest.fixture(scope="module")
+def native():
+    return load("smollm2", weights="native")
+
+
+def test_native_weights_rank_the_references_tokens_first(native, prompts, reference):
+    """The file's 4-bit blocks computed with as they are: against transformers' fp32 greedy
+    tokens, teacher-forced (bench/engine_quality.py), the same first choice almost everywhere."""
+    from bench.engine_quality import agreement
+
+    counts = [agreement(native, prompts[name], reference[name]) for name in prompts]
+    assert sum(a for a, _ in counts) / sum(n for _, n in counts) >= 0.95
+
+
+def test_native_weights_serve_decode_steps_like_one_pass(native, prompts):
+    """Decode steps (one row through the int4 kernel) and one prefill pass over the same tokens
+    choose the same tokens: the decode path computes with the packed weights too."""
+    from bench.engine_quality import logits_all
+
+    ours = generate(native, {"short": prompts["short"]}, GREEDY)["short"]
+    again = logits_all(native, prompts["short"] + ours[:-1], start=len(prompts["short"]) - 1).argmax(-1).tolist()
+    assert again == ours
+    assert "Paris" in native.tokenizer.decode(ours)

@@ -1,0 +1,75 @@
+"""The file's own 4-bit blocks computed with as they are (shared/engine/weights.py): the same
+products as the dequantized matrices, to the kernel's bfloat16 rounding of its inputs."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from shared.engine.loader import LoadedModel, _unpermute, load
+from shared.engine.weights import Packed, pack
+
+RNG = np.random.default_rng(0)
+
+
+def q4_1_blocks(rows: int, cols: int) -> np.ndarray:
+    """Random Q4_1 rows: per 32 weights fp16 d, fp16 m, then 16 bytes of two nibbles."""
+    blocks = np.zeros((rows, cols // 32, 20), dtype=np.uint8)
+    blocks[..., 0:2] = (RNG.random((rows, cols // 32, 1)) * 0.1).astype(np.float16).view(np.uint8)
+    blocks[..., 2:4] = (-RNG.random((rows, cols // 32, 1)) * 0.5).astype(np.float16).view(np.uint8)
+    blocks[..., 4:] = RNG.integers(0, 256, (rows, cols // 32, 16), dtype=np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def q8_0_blocks(rows: int, cols: int) -> np.ndarray:
+    """Random Q8_0 rows: per 32 weights fp16 d, then 32 int8 (the extremes included)."""
+    blocks = np.zeros((rows, cols // 32, 34), dtype=np.uint8)
+    blocks[..., 0:2] = (RNG.random((rows, cols // 32, 1)) * 0.05).astype(np.float16).view(np.uint8)
+    q = RNG.integers(-128, 128, (rows, cols // 32, 32), dtype=np.int8)
+    q[0, 0, :2] = (-128, 127)
+    blocks[..., 2:] = q.view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind, make", [("Q4_1", q4_1_blocks), ("Q8_0", q8_0_blocks)])
+def test_packed_blocks_multiply_as_their_dequantized_matrix(kind, make):
+    raw = make(96, 128)
+    dense = torch.from_numpy(gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, kind)))
+    packed = pack(raw, kind)
+    assert packed is not None and packed.shape == (96, 128)
+    x = torch.randn(5, 128)
+    want = x @ dense.t()
+    err = (packed.matmul(x) - want).abs().max() / want.abs().max()
+    assert err < 0.02  # bfloat16 inputs: ~0.4% each
+    assert packed.nbytes <= dense.nbytes * {"Q4_1": 0.625, "Q8_0": 1.25}[kind] / 4  # bytes a weight
+
+
+def test_rows_reordered_and_stacked_as_the_model_fuses_them():
+    """q/k rows are un-permuted for rotate-half RoPE and q, k, v stacked into one projection:
+    the packed form follows both."""
+    q_raw, v_raw = q4_1_blocks(64, 64), q4_1_blocks(32, 64)
+    reorder = lambda w: _unpermute(w, 4)  # noqa: E731
+    dense = torch.cat([torch.from_numpy(reorder(gguf.quants.dequantize(q_raw, gguf.GGMLQuantizationType.Q4_1))),
+                       torch.from_numpy(gguf.quants.dequantize(v_raw, gguf.GGMLQuantizationType.Q4_1))])
+    both = Packed.cat([pack(q_raw, "Q4_1", reorder), pack(v_raw, "Q4_1")])
+    x = torch.randn(3, 64)
+    want = x @ dense.t()
+    assert (both.matmul(x) - want).abs().max() < 0.02 * want.abs().max()
+    with pytest.raises(ValueError, match="same format"):
+        Packed.cat([pack(q_raw, "Q4_1"), pack(q8_0_blocks(32, 64), "Q8_0")])
+
+
+def test_formats_other_than_the_blocks_stay_fp32():
+    assert pack(np.zeros((4, 16), dtype=np.float32), "F32") is None
+
+
+def test_the_weights_format_is_in_the_kv_fingerprint_unless_any_is_allowed():
+    tiny = load("tiny")
+    native = LoadedModel(tiny.model, tiny.config, None, tiny.name, tiny.weights_id, "native")
+    fp = lambda m, any_format=False: m.fingerprint(torch.float32, 16, any_format)  # noqa: E731
+    assert fp(tiny) != fp(native)
+    assert fp(tiny, True) == fp(native, True) == fp(tiny)
+    with pytest.raises(ValueError, match="unknown weights format"):
+        load("tiny", weights="int3")
