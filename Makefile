@@ -130,9 +130,12 @@ compose-up:
 compose-down:
 	$(COMPOSE) down
 
-## gpu-check: Triton kernels and the engine on CUDA (run on a GPU machine)
+## gpu-check: Triton kernels and the engine on CUDA, then the planner's profile of the device and an 8-worker plan on it
+##   (run on a GPU machine; the profile and plan steps have not yet run on one)
 gpu-check:
 	$(BIN)/python scripts/gpu_check.py
+	$(BIN)/python -m bench.profile
+	$(BIN)/python -m bench.sim.plan --workers 8
 
 clean:
 	rm -rf $(VENV) .pytest_cache

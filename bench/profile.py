@@ -102,7 +102,8 @@ def _spin(cpus: set[int], stop) -> None:
             a @ b
 
 
-def _measure(threads: int, cpus: list[int], reps: int, prefill=PREFILL, batched=BATCHED, decode=DECODE) -> dict:
+def _measure(threads: int, cpus: list[int], reps: int, prefill=PREFILL, batched=BATCHED, decode=DECODE,
+             device: str = "cpu") -> dict:
     import torch
 
     from shared.engine.config import EngineConfig
@@ -111,9 +112,10 @@ def _measure(threads: int, cpus: list[int], reps: int, prefill=PREFILL, batched=
 
     os.sched_setaffinity(0, set(cpus))
     torch.set_num_threads(threads)
-    loaded = load("smollm2")
-    engine = Engine(loaded, EngineConfig(num_blocks=KV_BLOCKS, max_batched_tokens=4096, prefill_chunk=2048,
-                                         max_num_seqs=128))
+    cfg = EngineConfig(num_blocks=KV_BLOCKS, max_batched_tokens=4096, prefill_chunk=2048, max_num_seqs=128,
+                       device=device)
+    loaded = load("smollm2", dtype=cfg.torch_dtype, device=device)
+    engine = Engine(loaded, cfg)  # (a step returns its sampled tokens on the host: timed to the end of its work)
     seed = iter(range(10**6))
 
     _prefill_pass(engine, [_ids(64, next(seed))])  # warm-up
@@ -137,8 +139,8 @@ def _measure(threads: int, cpus: list[int], reps: int, prefill=PREFILL, batched=
              for batch, context in decode]
     assert engine.num_free_blocks == engine.num_blocks
     mc = loaded.config
-    return {"prefill": points, "decode": steps,
-            "kv_bytes_per_token": mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 4, "layers": mc.num_layers}
+    return {"prefill": points, "decode": steps, "layers": mc.num_layers,
+            "kv_bytes_per_token": mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * engine.runner.kv.element_size()}
 
 
 def _reference(prompt: int, batch: int, context: int, reps: int) -> dict:
@@ -252,7 +254,14 @@ def main() -> None:
     args = ap.parse_args()
     started = time.monotonic()
     shapes = {}
-    for threads in (int(t) for t in args.threads.split(",")):
+    if device_name() != "cpu":  # one worker a device: one shape, "1t" (the planner's one-worker shape)
+        print("CUDA: one worker shape (the whole device); the stack's control plane is not measured here "
+              "(this path has not yet run on a GPU)", flush=True)
+        raw = in_process(_measure, 1, sorted(os.sched_getaffinity(0)), args.reps, PREFILL, BATCHED, DECODE, "cuda",
+                         timeout_s=1800)
+        shapes["1t"] = {"threads": 1, "neighbour": False, **raw, **cost.fit(raw)}
+        args.threads, args.no_stack = "", True
+    for threads in (int(t) for t in args.threads.split(",") if t):
         for neighbour in ((False, True) if threads < ncpu else (False,)):
             name = cost.shape_name(threads, neighbour)
             t0 = time.monotonic()

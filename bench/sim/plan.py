@@ -121,7 +121,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", type=Path, default=AZURE)
-    ap.add_argument("--profile", type=Path, default=RESULTS / "profile-cpu.json")
+    ap.add_argument("--profile", type=Path, help="default: this machine's (bench/results/profile-<device>.json)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--ttft", type=float, help="absolute TTFT bound, s")
     ap.add_argument("--tpot", type=float, help="absolute TPOT bound, s")
@@ -134,6 +134,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     started = time.monotonic()
+    if args.profile is None:
+        from bench.profile import device_name
+        args.profile = RESULTS / f"profile-{device_name()}.json"
     profile = json.loads(args.profile.read_text())
     trace = workloads.trace(args.trace, scale=args.scale, limit=args.requests, seed=args.seed)
     # as make bench: the isolated costs of the machine's largest worker shape, alone
