@@ -4,7 +4,7 @@ CPU weight-only int4 kernel (`Packed`), so a decode step streams ~0.6 bytes a we
 of 4.
 
 The kernel's vectorized (AVX2) path takes bfloat16 activations, scales and zeros; with fp32
-ones it falls back to a scalar loop ~10x slower than the fp32 matmul (measured here). So a
+ones it is ~10x slower than the fp32 matmul at one row (measured here). So a
 `Packed` product rounds its input, each group's scale and zero to bfloat16 and accumulates in
 fp32: not exact, and bench/engine_quality.py measures what that costs against fp32.
 The conversions of the blocks themselves are exact (the 4-bit values are the file's):
