@@ -5,8 +5,8 @@ of 4.
 
 The kernel's vectorized (AVX2) path takes bfloat16 activations, scales and zeros; with fp32
 ones it is ~10x slower than the fp32 matmul at one row (measured here). So a
-`Packed` product rounds its input, each group's scale and zero to bfloat16 and accumulates in
-fp32: not exact, and bench/engine_quality.py measures what that costs against fp32.
+`Packed` product rounds its input and each group's scale and zero to bfloat16, and its output
+comes back in bfloat16: not exact, and bench/engine_quality.py measures what that costs.
 The conversions of the blocks themselves are exact (the 4-bit values are the file's):
 - Q4_1 (32 weights: q in 0..15, fp16 d and m, w = d·q + m) is the kernel's own form, w =
   (u − 8)·scale + zero, with u = q, scale = d, zero = m + 8d;
