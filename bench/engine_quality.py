@@ -53,12 +53,12 @@ def prompts(loaded: LoadedModel, held_tokens: int = 384) -> dict[str, list[int]]
 
 def reference_greedy(hf_model, ids: list[int], new: int) -> list[int]:
     """transformers' greedy continuation (its own KV cache)."""
-    got: list[int] = []
     with torch.no_grad():
         out = hf_model(torch.tensor([ids]), use_cache=True)
-        for _ in range(new):
-            got.append(int(out.logits[0, -1].argmax()))
+        got = [int(out.logits[0, -1].argmax())]
+        for _ in range(new - 1):  # (no forward pass past the last token)
             out = hf_model(torch.tensor([got[-1:]]), past_key_values=out.past_key_values, use_cache=True)
+            got.append(int(out.logits[0, -1].argmax()))
     return got
 
 

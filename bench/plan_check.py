@@ -162,9 +162,8 @@ def main() -> None:
     slo = Slo(rp["slo"]["ttft_s"], rp["slo"]["tpot_s"])
     victim_slo = Slo(va["slo"]["ttft_s"], va["slo"]["tpot_s"])
     arms = {}
-    levels = {name: drift(profile, m["probes"]) for name, m in measured["arms"].items() if m.get("probes")}
-    if args.no_drift:
-        levels = {}
+    levels = {} if args.no_drift else {name: drift(profile, m["probes"]) for name, m in measured["arms"].items()
+                                        if m.get("probes")}
     for name, layout in bench_layouts(profile, measured["machine"]["cpus"], levels).items():
         if name not in measured["arms"]:  # (a make bench result has no split_arm)
             continue

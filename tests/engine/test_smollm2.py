@@ -6,6 +6,7 @@ import pytest
 import torch
 from helpers import generate, run_all, tokens, transfer
 
+from bench.engine_quality import reference_greedy
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.loader import load, smollm2_path
@@ -35,17 +36,7 @@ def hf_model():
 @pytest.fixture(scope="module")
 def reference(prompts, hf_model):
     """Greedy tokens from transformers loading the same GGUF (an independent implementation)."""
-    model = hf_model
-    out = {}
-    with torch.no_grad():
-        for name, ids in prompts.items():
-            res = model(torch.tensor([ids]), use_cache=True)
-            got = [int(res.logits[0, -1].argmax())]
-            for _ in range(NEW_TOKENS - 1):
-                res = model(torch.tensor([got[-1:]]), past_key_values=res.past_key_values, use_cache=True)
-                got.append(int(res.logits[0, -1].argmax()))
-            out[name] = got
-    return out
+    return {name: reference_greedy(hf_model, ids, NEW_TOKENS) for name, ids in prompts.items()}
 
 
 def test_prompts_cover_lengths_and_turns(prompts):
