@@ -64,7 +64,7 @@ def load(source: str, dtype: torch.dtype = torch.float32, device: str = "cpu", w
     if weights not in FORMATS:
         raise ValueError(f"unknown weights format {weights!r}: expected one of {', '.join(FORMATS)}")
     if weights == "native" and (device != "cpu" or dtype != torch.float32):
-        raise ValueError("native weights run on CPU in float32 (torch's int4 CPU kernel)")
+        raise ValueError("native weights run on CPU in float32 (a C kernel over the file's blocks)")
     if source == "tiny":
         return _load_tiny(dtype, device)
     path = _resolve(source)

@@ -73,6 +73,23 @@ class Projection(nn.Linear):
         self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
 
 
+def product(x: torch.Tensor, proj: Projection, norm: RMSNorm | None = None, swiglu: bool = False,
+            residual: torch.Tensor | None = None) -> torch.Tensor:
+    """residual + f(x) @ proj.T, f the step before the product: `norm`, or `swiglu` (x is (gate,
+    up) side by side: silu(gate)·up). A packed projection's kernel does f and the residual add
+    itself, as one pass over the row; fp32 ones do them in torch."""
+    w = proj.matrix
+    if isinstance(w, Packed):
+        return w.matmul(x, residual, None if norm is None else (norm.weight, norm.eps), swiglu)
+    if norm is not None:
+        x = norm(x)
+    if swiglu:
+        gate, up = x.chunk(2, dim=-1)
+        x = F.silu(gate) * up
+    y = linear(x, w)
+    return y if residual is None else residual + y
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -119,10 +136,12 @@ class Attention(nn.Module):
         self.o_proj = Projection(self.h * self.hd, cfg.hidden_size)
         self.scale = self.hd ** -0.5
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: torch.Tensor,
+    def forward(self, x: torch.Tensor, norm: RMSNorm, batch: ForwardBatch, pool: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor], ops: SimpleNamespace) -> torch.Tensor:
+        """x + attention(norm(x)): the residual stream after this block."""
         t = x.shape[0]
-        q, k, v = linear(x, self.qkv_proj.matrix).split([self.h * self.hd, self.kvh * self.hd, self.kvh * self.hd], -1)
+        qkv = product(x, self.qkv_proj, norm=norm)
+        q, k, v = qkv.split([self.h * self.hd, self.kvh * self.hd, self.kvh * self.hd], -1)
         q = Rotary.rotate(q.view(t, self.h, self.hd), *rope)
         k = Rotary.rotate(k.view(t, self.kvh, self.hd), *rope)
         v = v.view(t, self.kvh, self.hd)
@@ -138,7 +157,7 @@ class Attention(nn.Module):
                 else:
                     out[start:start + n] = ops.paged_prefill_attention(
                         q[start:start + n], pool, table, ctx, self.scale)
-        return linear(out.view(t, self.h * self.hd), self.o_proj.matrix)
+        return product(out.view(t, self.h * self.hd), self.o_proj, residual=x)
 
 
 class MLP(nn.Module):
@@ -147,9 +166,9 @@ class MLP(nn.Module):
         self.gate_up_proj = Projection(cfg.hidden_size, 2 * cfg.intermediate_size)
         self.down_proj = Projection(cfg.intermediate_size, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_proj.matrix).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.down_proj.matrix)
+    def forward(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """x + mlp(norm(x)): the residual stream after this block."""
+        return product(product(x, self.gate_up_proj, norm=norm), self.down_proj, swiglu=True, residual=x)
 
 
 class DecoderLayer(nn.Module):
@@ -182,8 +201,8 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(batch.input_ids)                   # (T, D)
         rope = self.rotary.tables(batch.positions, x.dtype)
         for i, layer in enumerate(cast("Iterable[DecoderLayer]", self.layers)):
-            x = x + layer.self_attn(layer.input_layernorm(x), batch, kv_pools[i], rope, ops)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = layer.self_attn(x, layer.input_layernorm, batch, kv_pools[i], rope, ops)
+            x = layer.mlp(x, layer.post_attention_layernorm)
             if layer_hook is not None:
                 layer_hook(i)
         x = self.norm(x[batch.logits_index])
