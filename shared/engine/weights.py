@@ -54,5 +54,6 @@ def pack(raw: np.ndarray, kind: str, reorder=lambda rows: rows) -> Packed | None
     if kind not in BLOCK_BYTES:
         return None
     rows = raw.shape[0]
-    b = np.array(reorder(np.ascontiguousarray(raw).view(np.uint8).reshape(rows, -1)), order="C")  # a copy: not the file's mapping
+    # a copy, not the file's mapping
+    b = np.array(reorder(np.ascontiguousarray(raw).view(np.uint8).reshape(rows, -1)), order="C")
     return Packed(kind, torch.from_numpy(b), (rows, b.shape[1] // BLOCK_BYTES[kind] * GROUP))
