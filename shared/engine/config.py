@@ -55,7 +55,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     device: str = "cpu"
     dtype: torch.dtype | None = None  # default: float32 on CPU, bfloat16 on CUDA
-    kernels: str = "auto"  # auto | torch | triton
+    kernels: str = "auto"  # auto | torch | triton | c
     seed: int = 0  # for requests without a seed of their own
     pair_any_weights: bool = False  # the KV fingerprint leaves out the weights' format (loader.LoadedModel)
 
@@ -64,7 +64,7 @@ class EngineConfig:
             raise ValueError("set exactly one of num_blocks and kv_cache_gib")
         if self.prefill_chunk < self.block_size or self.prefill_chunk > self.max_batched_tokens:
             raise ValueError("need block_size <= prefill_chunk <= max_batched_tokens")
-        if self.kernels not in ("auto", "torch", "triton"):
+        if self.kernels not in ("auto", "torch", "triton", "c"):
             raise ValueError(f"unknown kernels backend {self.kernels!r}")
 
     @property

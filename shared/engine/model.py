@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.engine.config import ModelConfig
+from shared.engine.kernels.torch_ref import kv_rows
 from shared.engine.weights import Packed
 
 
@@ -36,6 +37,7 @@ class ForwardBatch:
     context_lens: torch.Tensor | None = None  # (B,)
     # prefill: per sequence (query start in T, query length, context length, block table)
     chunks: list[tuple[int, int, int, torch.Tensor]] | None = None
+    kv_rows: torch.Tensor | None = None  # (T,) slots as rows of a layer's pool: set by the forward pass
 
 
 LayerHook = Callable[[int], None]  # called with the layer index once its KV is in the pool
@@ -105,7 +107,7 @@ class RMSNorm(nn.Module):
 
 class Rotary(nn.Module):
     cos: torch.Tensor  # (max_pos, hd) buffers
-    sin: torch.Tensor
+    sin: torch.Tensor  # its first half negated: rotate-half's sign, so a rotation is 4 ops
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -114,7 +116,9 @@ class Rotary(nn.Module):
         freqs = torch.outer(torch.arange(cfg.max_position, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)                   # (max_pos, hd)
         self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        sin = emb.sin()
+        sin[:, :cfg.head_dim // 2].neg_()
+        self.register_buffer("sin", sin, persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (T, 1, hd) for the batch's positions: looked up once per forward pass."""
@@ -122,10 +126,10 @@ class Rotary(nn.Module):
 
     @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x (T, heads, hd); rotate-half convention
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        """x (T, heads, hd), rotate-half convention: x·cos + (−x2, x1)·sin, with the sign in the
+        table (−x2·sin and x2·(−sin) are the same float)."""
+        swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # (x2, x1)
+        return x * cos + swapped * sin
 
 
 class Attention(nn.Module):
@@ -141,11 +145,10 @@ class Attention(nn.Module):
         """x + attention(norm(x)): the residual stream after this block."""
         t = x.shape[0]
         qkv = product(x, self.qkv_proj, norm=norm)
-        q, k, v = qkv.split([self.h * self.hd, self.kvh * self.hd, self.kvh * self.hd], -1)
-        q = Rotary.rotate(q.view(t, self.h, self.hd), *rope)
-        k = Rotary.rotate(k.view(t, self.kvh, self.hd), *rope)
-        v = v.view(t, self.kvh, self.hd)
-        ops.write_kv(pool, batch.slots, k, v)
+        qk = Rotary.rotate(qkv[:, :(self.h + self.kvh) * self.hd].view(t, self.h + self.kvh, self.hd), *rope)
+        q, k = qk[:, :self.h], qk[:, self.h:]
+        v = qkv[:, (self.h + self.kvh) * self.hd:].view(t, self.kvh, self.hd)
+        ops.write_kv(pool, batch.kv_rows, k, v)
         if batch.is_decode:
             out = ops.paged_decode_attention(q, pool, batch.block_tables, batch.context_lens, self.scale)
         else:
@@ -199,6 +202,7 @@ class LlamaModel(nn.Module):
         kv_pools: (layers, num_blocks, 2, block_size, kv_heads, head_dim).
         """
         x = self.embed_tokens(batch.input_ids)                   # (T, D)
+        batch.kv_rows = kv_rows(batch.slots, kv_pools.shape[3])  # once, not once a layer
         rope = self.rotary.tables(batch.positions, x.dtype)
         for i, layer in enumerate(cast("Iterable[DecoderLayer]", self.layers)):
             x = layer.self_attn(x, layer.input_layernorm, batch, kv_pools[i], rope, ops)

@@ -1,11 +1,11 @@
-"""Triton kernels (interpreted on CPU) and torch kernels against plain attention."""
+"""Triton kernels (interpreted on CPU), C and torch kernels against plain attention."""
 
 import math
 
 import pytest
 import torch
 
-from shared.engine.kernels import torch_ref
+from shared.engine.kernels import cpu_attention, torch_ref
 
 triton_kernels = pytest.importorskip("shared.engine.kernels.triton_kernels")
 
@@ -36,10 +36,10 @@ def test_gather_scatter_round_trip(impl):
     assert torch.equal(dst[5], pool[11]) and torch.equal(dst[0], torch.zeros_like(pool[0]))
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("impl", ["torch", "triton", "c"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_decode_attention_matches_naive(impl, dtype):
-    mod = torch_ref if impl == "torch" else triton_kernels
+    mod = {"torch": torch_ref, "triton": triton_kernels, "c": cpu_attention}[impl]
     bs, kvh, hd, h = 4, 2, 8, 6
     pool = _pool(bs=bs, kvh=kvh, hd=hd).to(dtype)
     tables = torch.tensor([[3, 7, 1, 0], [5, 0, 0, 0], [11, 2, 4, 9]])
@@ -62,7 +62,7 @@ def test_write_kv_and_prefill_attention_with_cached_prefix():
     table = torch.tensor([4, 1, 3])
     k, v = torch.randn(10, kvh, hd), torch.randn(10, kvh, hd)
     slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(10)])
-    torch_ref.write_kv(pool, slots, k, v)
+    torch_ref.write_kv(pool, torch_ref.kv_rows(slots, bs), k, v)
     assert torch.equal(pool[1, 0, 2], k[6]) and torch.equal(pool[3, 1, 1], v[9])
     q = torch.randn(3, h, hd)  # the last 3 positions of a 10-token context
     out = torch_ref.paged_prefill_attention(q, pool, table, 10, 0.5)

@@ -99,9 +99,9 @@ def test_the_kernel_does_the_layers_steps_before_and_after_the_product():
 def test_the_kernels_plain_c_path_gives_its_avx2_paths_products():
     """A CPU without AVX2 runs the kernel's plain-C loops: built without AVX2 here, they give the
     same products (to float rounding) as the vectorized build."""
-    from shared.engine.kernels import blocks
+    from shared.engine.kernels import blocks, cc
 
-    portable = blocks.bind(blocks.build(blocks.PORTABLE))
+    portable = blocks.bind(cc.build(blocks.SOURCE, cc.PORTABLE))
     for kind, make in (("Q4_1", q4_1_blocks), ("Q8_0", q8_0_blocks)):
         w = pack(make(40, 96), kind)
         assert w is not None

@@ -1,16 +1,20 @@
-"""Paged-KV kernels behind one small interface, with a torch and a Triton backend.
+"""Paged-KV kernels behind one small interface, with torch, Triton and C backends.
 
 `select(backend, device)` returns a namespace with gather_blocks, scatter_blocks,
 write_kv, paged_decode_attention and paged_prefill_attention. "auto" takes Triton on CUDA
-(when importable) and torch elsewhere; writes and prefill attention always use torch
+(when importable) and, on CPU, C decode attention (cpu_attention.py, when the machine has a C
+compiler; torch's otherwise, with a warning); writes and prefill attention always use torch
 (index_copy_ and SDPA are already the fast path there).
 """
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 
 from shared.engine.kernels import torch_ref
+
+log = logging.getLogger(__name__)
 
 
 def select(backend: str, device: str) -> SimpleNamespace:
@@ -27,6 +31,17 @@ def select(backend: str, device: str) -> SimpleNamespace:
         ops.gather_blocks = tk.gather_blocks
         ops.scatter_blocks = tk.scatter_blocks
         ops.paged_decode_attention = tk.paged_decode_attention
+    elif backend in ("auto", "c") and device == "cpu":
+        from shared.engine.kernels import cpu_attention
+        try:
+            cpu_attention.library()
+        except RuntimeError as e:
+            if backend == "c":
+                raise
+            log.warning("decode attention in torch, not C: %s", e)
+        else:
+            ops.name = "c"
+            ops.paged_decode_attention = cpu_attention.paged_decode_attention
     return ops
 
 

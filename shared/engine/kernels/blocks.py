@@ -1,71 +1,18 @@
 """The C kernel for products with a GGUF file's own Q4_1 / Q8_0 blocks (blocks.c), built on
-first use with the machine's C compiler (`$CC`, else `cc`; `-O3 -march=native -fopenmp`) and
-kept in `$XDG_CACHE_HOME/pdserve` (else ~/.cache/pdserve) under a name that hashes the source,
-the flags and this CPU's feature flags, so a cache shared by other machines is never wrong.
-Several workers building at once each write their own file and rename it into place.
-
-It is called through ctypes, which releases the GIL; its threads are OpenMP's, from the
-runtime torch has already loaded (same `libgomp.so.1`), so they are torch's intra-op threads.
-"""
+first use (cc.py) and called through ctypes."""
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import subprocess
-import tempfile
 from functools import cache
 from pathlib import Path
 
 import torch
 
+from shared.engine.kernels import cc
+
 SOURCE = Path(__file__).with_name("blocks.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-PORTABLE = ("-O3", "-fopenmp", "-shared", "-fPIC")  # no AVX2: the kernel's plain-C path
 KINDS = {"Q4_1": 0, "Q8_0": 1}
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "pdserve"
-
-
-def build(flags: tuple[str, ...] = FLAGS) -> Path:
-    """The kernel built with `flags` (built now if this machine has not built this source with
-    them yet)."""
-    cc = os.environ.get("CC", "cc")
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((cc, *flags, platform.machine(), _cpu_flags())).encode())
-    target = _cache_dir() / f"blocks-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"PD_WEIGHTS=native needs a C compiler to build its kernel ({cc} "
-                               f"{' '.join(flags)} {SOURCE} failed):\n{done.stderr[-2000:]}")
-        os.replace(tmp, target)
-    except FileNotFoundError as e:
-        raise RuntimeError(f"PD_WEIGHTS=native needs a C compiler to build its kernel: {cc} not found "
-                           "(install one, set $CC, or run PD_WEIGHTS=fp32)") from e
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
 
 
 def bind(path: Path) -> ctypes.CDLL:
@@ -80,7 +27,7 @@ def bind(path: Path) -> ctypes.CDLL:
 @cache
 def library() -> ctypes.CDLL:
     """The kernel for this machine's CPU."""
-    return bind(build())
+    return bind(cc.build(SOURCE))
 
 
 def _ptr(t: torch.Tensor | None, shape: tuple[int, ...]) -> int | None:

@@ -20,13 +20,18 @@ def scatter_blocks(pool: torch.Tensor, block_ids: torch.Tensor, buffer: torch.Te
     pool.index_copy_(0, block_ids, buffer.view(-1, *pool.shape[1:]))
 
 
-def write_kv(pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Store new keys/values (T, kvh, hd) at token slots (T,) = block * block_size + offset."""
+def kv_rows(slots: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Token slots (T,) = block * block_size + offset as the rows their keys take in a layer's
+    pool seen as (num_blocks * 2 * block_size, kvh, hd); their values are block_size further."""
+    return (slots // block_size) * (2 * block_size) + slots % block_size
+
+
+def write_kv(pool: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store new keys/values (T, kvh, hd) at `kv_rows` (T,)."""
     n, _, bs, kvh, hd = pool.shape
     flat = pool.view(n * 2 * bs, kvh, hd)
-    k_rows = (slots // bs) * (2 * bs) + slots % bs
-    flat.index_copy_(0, k_rows, k)
-    flat.index_copy_(0, k_rows + bs, v)
+    flat.index_copy_(0, rows, k)
+    flat.index_copy_(0, rows + bs, v)
 
 
 def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
