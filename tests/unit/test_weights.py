@@ -105,8 +105,9 @@ def test_the_kernels_plain_c_path_gives_its_avx2_paths_products():
     for kind, make in (("Q4_1", q4_1_blocks), ("Q8_0", q8_0_blocks)):
         w = pack(make(40, 96), kind)
         assert w is not None
-        x, residual = torch.randn(5, 96), torch.randn(5, 40)
-        norm = (torch.rand(96) + 0.5, 1e-5)
-        want = blocks.matmul(kind, x, w.raw, residual, norm)
-        got = blocks.matmul(kind, x, w.raw, residual, norm, lib=portable)
-        assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), kind
+        for rows in (1, 5):  # one row: the vectorized build's two-output-rows path
+            x, residual = torch.randn(rows, 96), torch.randn(rows, 40)
+            norm = (torch.rand(96) + 0.5, 1e-5)
+            want = blocks.matmul(kind, x, w.raw, residual, norm)
+            got = blocks.matmul(kind, x, w.raw, residual, norm, lib=portable)
+            assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (kind, rows)

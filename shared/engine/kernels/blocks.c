@@ -164,6 +164,37 @@ static inline __attribute__((always_inline)) void row_tile(
 #endif
 }
 
+#ifdef __AVX2__
+/* Two output rows (w8 and w8 + row_bytes) against one row of x, the decode step's shape: each
+   block of x is loaded once for both, and the two rows' multiply-adds interleave. */
+static void row_pair(int kind, const uint8_t *w8, int64_t row_bytes, int64_t nb, const int8_t *xq,
+                     const float *dx, const float *sx, float *out) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float extra0 = 0.0f, extra1 = 0.0f;
+    const uint8_t *w1 = w8 + row_bytes;
+    for (int64_t b = 0; b < nb; b++) {
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
+        if (kind == Q4_1) {
+            const uint8_t *b0 = w8 + b * 20, *b1 = w1 + b * 20;
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(fp16(b0) * dx[b]), dot_block(load_q4(b0 + 4), x), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(fp16(b1) * dx[b]), dot_block(load_q4(b1 + 4), x), acc1);
+            extra0 += fp16(b0 + 2) * sx[b];
+            extra1 += fp16(b1 + 2) * sx[b];
+        } else {
+            const uint8_t *b0 = w8 + b * 34, *b1 = w1 + b * 34;
+            const __m256i q0 = _mm256_loadu_si256((const __m256i *)(b0 + 2));
+            const __m256i q1 = _mm256_loadu_si256((const __m256i *)(b1 + 2));
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(fp16(b0) * dx[b]),
+                                   dot_block(_mm256_sign_epi8(q0, q0), _mm256_sign_epi8(x, q0)), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(fp16(b1) * dx[b]),
+                                   dot_block(_mm256_sign_epi8(q1, q1), _mm256_sign_epi8(x, q1)), acc1);
+        }
+    }
+    out[0] = hsum(acc0) + extra0;
+    out[1] = hsum(acc1) + extra1;
+}
+#endif
+
 /* One output row against every row of x, TILE rows of x at a time. */
 static void row(int kind, const uint8_t *w8, int64_t nb,
                 const int8_t *xq, const float *dx, const float *sx, int64_t K, int64_t M, int64_t N, float *y) {
@@ -198,9 +229,15 @@ int blocks_matmul(int kind, const float *x, int64_t M, int64_t K, const uint8_t 
 #pragma omp parallel for num_threads(threads) schedule(static) if (M * K >= 65536)
     for (int64_t t = 0; t < M; t++)
         quantize_row(x + t * width, K, p, a + t * K, xq + t * K, dx + t * nb, sx + t * nb);
+#ifdef __AVX2__
+    if (M == 1 && N % 2 == 0) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (N * K >= 32768)
+        for (int64_t n = 0; n < N; n += 2) row_pair(kind, w + n * row_bytes, row_bytes, nb, xq, dx, sx, y + n);
+    } else
+#endif
+    {
 #pragma omp parallel for num_threads(threads) schedule(static) if (N * M * K >= 32768)
-    for (int64_t n = 0; n < N; n++) {
-        row(kind, w + n * row_bytes, nb, xq, dx, sx, K, M, N, y + n);
+        for (int64_t n = 0; n < N; n++) row(kind, w + n * row_bytes, nb, xq, dx, sx, K, M, N, y + n);
     }
     if (residual)
         for (int64_t i = 0; i < M * N; i++) y[i] += residual[i];
