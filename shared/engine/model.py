@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.engine.config import ModelConfig
+from shared.engine.kernels import cpu_attention
 from shared.engine.kernels.torch_ref import kv_rows
 from shared.engine.weights import Packed
 
@@ -145,6 +146,10 @@ class Attention(nn.Module):
         """x + attention(norm(x)): the residual stream after this block."""
         t = x.shape[0]
         qkv = product(x, self.qkv_proj, norm=norm)
+        if batch.is_decode and ops.decode_attention is not None and cpu_attention.usable(qkv, pool, *rope):
+            out = ops.decode_attention(qkv, *rope, pool, batch.kv_rows, batch.block_tables, batch.context_lens,
+                                       self.h, self.scale)
+            return product(out, self.o_proj, residual=x)
         qk = Rotary.rotate(qkv[:, :(self.h + self.kvh) * self.hd].view(t, self.h + self.kvh, self.hd), *rope)
         q, k = qk[:, :self.h], qk[:, self.h:]
         v = qkv[:, (self.h + self.kvh) * self.hd:].view(t, self.kvh, self.hd)

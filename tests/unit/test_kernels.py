@@ -69,3 +69,28 @@ def test_write_kv_and_prefill_attention_with_cached_prefix():
     for i in range(3):
         ref = _naive_attention(q[i], k[:8 + i], v[:8 + i], 0.5)
         torch.testing.assert_close(out[i], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_c_decode_attention_is_rope_kv_write_and_attention_in_one_call():
+    """The C decode step (attention.c) against torch's ops one after another: same pool, same
+    output."""
+    from shared.engine.model import Rotary
+
+    bs, kvh, hd, h, width = 4, 2, 8, 6, 4
+    g = torch.Generator().manual_seed(2)
+    pool = _pool(bs=bs, kvh=kvh, hd=hd)
+    tables = torch.tensor([[3, 7, 1, 0], [5, 2, 0, 0]])
+    lens = torch.tensor([11, 6])  # each new token is the last of its context
+    slots = torch.tensor([tables[b, (n - 1) // bs] * bs + (n - 1) % bs for b, n in enumerate(lens.tolist())])
+    rows = torch_ref.kv_rows(slots, bs)
+    qkv = torch.randn(2, (h + 2 * kvh) * hd, generator=g)
+    cos, sin = torch.randn(2, 1, hd, generator=g), torch.randn(2, 1, hd, generator=g)
+
+    want_pool = pool.clone()
+    qk = Rotary.rotate(qkv[:, :(h + kvh) * hd].view(2, h + kvh, hd), cos, sin)
+    torch_ref.write_kv(want_pool, rows, qk[:, h:], qkv[:, (h + kvh) * hd:].view(2, kvh, hd))
+    want = torch_ref.paged_decode_attention(qk[:, :h], want_pool, tables, lens, 0.3).reshape(2, h * hd)
+
+    got = cpu_attention.decode_attention(qkv.clone(), cos, sin, pool, rows, tables[:, :width], lens, h, 0.3)
+    torch.testing.assert_close(pool, want_pool, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

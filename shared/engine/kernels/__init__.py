@@ -1,7 +1,8 @@
 """Paged-KV kernels behind one small interface, with torch, Triton and C backends.
 
 `select(backend, device)` returns a namespace with gather_blocks, scatter_blocks,
-write_kv, paged_decode_attention and paged_prefill_attention. "auto" takes Triton on CUDA
+write_kv, paged_decode_attention and paged_prefill_attention, and decode_attention (RoPE, KV
+write and attention of a decode step in one call; C only, else None). "auto" takes Triton on CUDA
 (when importable) and, on CPU, C decode attention (cpu_attention.py, when the machine has a C
 compiler; torch's otherwise, with a warning); writes and prefill attention always use torch
 (index_copy_ and SDPA are already the fast path there).
@@ -24,7 +25,7 @@ def select(backend: str, device: str) -> SimpleNamespace:
                           scatter_blocks=torch_ref.scatter_blocks, write_kv=torch_ref.write_kv,
                           paged_decode_attention=torch_ref.paged_decode_attention,
                           paged_prefill_attention=torch_ref.paged_prefill_attention,
-                          causal_attention=torch_ref.causal_attention)
+                          causal_attention=torch_ref.causal_attention, decode_attention=None)
     if use_triton:
         from shared.engine.kernels import triton_kernels as tk
         ops.name = "triton"
@@ -42,6 +43,7 @@ def select(backend: str, device: str) -> SimpleNamespace:
         else:
             ops.name = "c"
             ops.paged_decode_attention = cpu_attention.paged_decode_attention
+            ops.decode_attention = cpu_attention.decode_attention
     return ops
 
 

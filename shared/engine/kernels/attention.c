@@ -9,6 +9,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 static inline float dot(const float *a, const float *b, int64_t n) {
     float s[8] = {0};
@@ -21,7 +22,7 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 }
 
 /* Returns 0, or -1 when scratch memory is short. */
-int paged_decode_attention(const float *q, const float *pool, const int64_t *block_tables,
+static int attend(const float *q, const float *pool, const int64_t *block_tables,
                            const int64_t *context_lens, int64_t B, int64_t heads, int64_t kv_heads,
                            int64_t head_dim, int64_t block_size, int64_t width, float scale, float *out,
                            int threads) {
@@ -62,4 +63,46 @@ int paged_decode_attention(const float *q, const float *pool, const int64_t *blo
         free(scores);
     }
     return failed ? -1 : 0;
+}
+
+int paged_decode_attention(const float *q, const float *pool, const int64_t *block_tables,
+                           const int64_t *context_lens, int64_t B, int64_t heads, int64_t kv_heads,
+                           int64_t head_dim, int64_t block_size, int64_t width, float scale, float *out,
+                           int threads) {
+    return attend(q, pool, block_tables, context_lens, B, heads, kv_heads, head_dim, block_size, width, scale, out,
+                  threads);
+}
+
+/* The decode step's whole attention after the qkv product: qkv (B, (heads + 2·kv_heads)·head_dim)
+   as the product gives it; its q and k heads rotated (RoPE, rotate-half: x·cos + (x2, x1)·sin,
+   sin with its first half negated, cos and sin (B, head_dim) at each token's position), the new
+   K and V written at `rows` (B,) of the pool (key rows; values block_size rows further, as
+   torch_ref.kv_rows), then attention as above into out (B, heads·head_dim). qkv is rotated in
+   place. */
+int decode_attention(float *qkv, const float *cos, const float *sin, float *pool, const int64_t *rows,
+                     const int64_t *block_tables, const int64_t *context_lens, int64_t B, int64_t heads,
+                     int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t width, float scale, float *out,
+                     int threads) {
+    const int64_t width_qkv = (heads + 2 * kv_heads) * head_dim, half = head_dim / 2, row = kv_heads * head_dim;
+    float *q = malloc(sizeof(float) * (size_t)(B * heads * head_dim));
+    if (!q) return -1;
+    for (int64_t b = 0; b < B; b++) {
+        float *t = qkv + b * width_qkv;
+        const float *c = cos + b * head_dim, *s = sin + b * head_dim;
+        for (int64_t h = 0; h < heads + kv_heads; h++) {
+            float *x = t + h * head_dim;
+            for (int64_t j = 0; j < half; j++) {
+                const float x1 = x[j], x2 = x[j + half];
+                x[j] = x1 * c[j] + x2 * s[j];
+                x[j + half] = x2 * c[j + half] + x1 * s[j + half];
+            }
+        }
+        memcpy(q + b * heads * head_dim, t, sizeof(float) * (size_t)(heads * head_dim));
+        memcpy(pool + rows[b] * row, t + heads * head_dim, sizeof(float) * (size_t)row);
+        memcpy(pool + (rows[b] + block_size) * row, t + (heads + kv_heads) * head_dim, sizeof(float) * (size_t)row);
+    }
+    const int rc = attend(q, pool, block_tables, context_lens, B, heads, kv_heads, head_dim, block_size, width, scale,
+                          out, threads);
+    free(q);
+    return rc;
 }

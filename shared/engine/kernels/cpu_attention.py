@@ -1,6 +1,8 @@
-"""Decode attention over the paged pool in C on CPU (attention.c, built by cc.py): torch_ref's
-`paged_decode_attention`, one call a layer instead of ~10 small ops. Other dtypes than fp32
-take torch_ref's path."""
+"""Decode attention over the paged pool in C on CPU (attention.c, built by cc.py):
+`paged_decode_attention` is torch_ref's, one call a layer instead of ~10 small ops; and
+`decode_attention` is the decode step's whole attention after the qkv product (RoPE, the KV
+write and attention) in one call. fp32 only (`usable` says; the model takes torch's path
+otherwise)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,31 @@ def library(path: Path | None = None) -> ctypes.CDLL:
     lib.paged_decode_attention.restype = ctypes.c_int
     lib.paged_decode_attention.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6 + [
         ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+    lib.decode_attention.restype = ctypes.c_int
+    lib.decode_attention.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [
+        ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
     return lib
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu" for t in tensors)
+
+
+def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: torch.Tensor,
+                     rows: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, heads: int,
+                     scale: float) -> torch.Tensor:
+    """qkv (B, (heads + 2·kvh)·hd) from the qkv product (rotated in place); cos, sin (B, hd) at
+    each token's position, sin with its first half negated (model.Rotary's tables); rows (B,)
+    `torch_ref.kv_rows` of the new tokens. Writes their K/V into pool; returns (B, heads·hd)."""
+    b, hd, kvh = qkv.shape[0], pool.shape[4], pool.shape[3]
+    out = torch.empty((b, heads * hd), dtype=torch.float32)
+    ints = [t.to(torch.int64).contiguous() for t in (rows, block_tables, context_lens)]
+    rc = library().decode_attention(
+        qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), pool.data_ptr(), *(t.data_ptr() for t in ints), b, heads, kvh,
+        hd, pool.shape[2], ints[1].shape[1], scale, out.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("decode_attention: out of memory for its scores")
+    return out
 
 
 def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
