@@ -21,45 +21,51 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return sum;
 }
 
-/* Returns 0, or -1 when scratch memory is short. */
-static int attend(const float *q, const float *pool, const int64_t *block_tables,
-                           const int64_t *context_lens, int64_t B, int64_t heads, int64_t kv_heads,
-                           int64_t head_dim, int64_t block_size, int64_t width, float scale, float *out,
-                           int threads) {
+/* Returns 0, or -1 when scratch memory is short. Threads over (sequence, head); positions are
+   walked block by block (no division a position). */
+static int attend(const float *q, const float *pool, const int64_t *block_tables, const int64_t *context_lens,
+                  int64_t B, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t width,
+                  float scale, float *out, int threads) {
     const int64_t group = heads / kv_heads, row = kv_heads * head_dim, block = 2 * block_size * row;
     int failed = 0;
-#pragma omp parallel for num_threads(threads) schedule(static) if (B * kv_heads > 1)
-    for (int64_t i = 0; i < B * kv_heads; i++) {
-        const int64_t b = i / kv_heads, kh = i % kv_heads, ctx = context_lens[b];
+    (void)width;
+#pragma omp parallel for num_threads(threads) schedule(static) if (B * heads > 1)
+    for (int64_t i = 0; i < B * heads; i++) {
+        const int64_t b = i / heads, h = i % heads, kh = h / group, ctx = context_lens[b];
         const int64_t *table = block_tables + b * width;
-        float *scores = malloc(sizeof(float) * (size_t)(group * ctx));
+        const float *qh = q + i * head_dim;
+        float *scores = malloc(sizeof(float) * (size_t)ctx);
         if (!scores) {
             failed = 1;
             continue;
         }
-        for (int64_t g = 0; g < group; g++) {
-            const int64_t h = kh * group + g;
-            const float *qh = q + (b * heads + h) * head_dim;
-            float *s = scores + g * ctx, mx = -INFINITY;
-            for (int64_t p = 0; p < ctx; p++) {
-                const float *k = pool + table[p / block_size] * block + (p % block_size) * row + kh * head_dim;
-                s[p] = dot(qh, k, head_dim) * scale;
-                mx = fmaxf(mx, s[p]);
-            }
-            float total = 0.0f;
-            for (int64_t p = 0; p < ctx; p++) {
-                s[p] = expf(s[p] - mx);
-                total += s[p];
-            }
-            float *o = out + (b * heads + h) * head_dim;
-            for (int64_t j = 0; j < head_dim; j++) o[j] = 0.0f;
-            for (int64_t p = 0; p < ctx; p++) {
-                const float *v = pool + table[p / block_size] * block + block_size * row + (p % block_size) * row
-                                 + kh * head_dim;
-                const float w = s[p] / total;
-                for (int64_t j = 0; j < head_dim; j++) o[j] += w * v[j];
+        float mx = -INFINITY;
+        for (int64_t start = 0, blk = 0; start < ctx; start += block_size, blk++) {
+            const float *k = pool + table[blk] * block + kh * head_dim;
+            const int64_t n = ctx - start < block_size ? ctx - start : block_size;
+            for (int64_t o = 0; o < n; o++) {
+                const float sc = dot(qh, k + o * row, head_dim) * scale;
+                scores[start + o] = sc;
+                mx = fmaxf(mx, sc);
             }
         }
+        float total = 0.0f;
+        for (int64_t p = 0; p < ctx; p++) {
+            scores[p] = expf(scores[p] - mx);
+            total += scores[p];
+        }
+        float acc[256] = {0};  /* head_dim <= 256 (checked by the caller) */
+        for (int64_t start = 0, blk = 0; start < ctx; start += block_size, blk++) {
+            const float *v = pool + table[blk] * block + block_size * row + kh * head_dim;
+            const int64_t n = ctx - start < block_size ? ctx - start : block_size;
+            for (int64_t o = 0; o < n; o++) {
+                const float w = scores[start + o];
+                const float *vo = v + o * row;
+                for (int64_t j = 0; j < head_dim; j++) acc[j] += w * vo[j];
+            }
+        }
+        float *oh = out + i * head_dim;
+        for (int64_t j = 0; j < head_dim; j++) oh[j] = acc[j] / total;
         free(scores);
     }
     return failed ? -1 : 0;
@@ -69,6 +75,7 @@ int paged_decode_attention(const float *q, const float *pool, const int64_t *blo
                            const int64_t *context_lens, int64_t B, int64_t heads, int64_t kv_heads,
                            int64_t head_dim, int64_t block_size, int64_t width, float scale, float *out,
                            int threads) {
+    if (head_dim > 256) return -2;
     return attend(q, pool, block_tables, context_lens, B, heads, kv_heads, head_dim, block_size, width, scale, out,
                   threads);
 }
@@ -84,6 +91,7 @@ int decode_attention(float *qkv, const float *cos, const float *sin, float *pool
                      int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t width, float scale, float *out,
                      int threads) {
     const int64_t width_qkv = (heads + 2 * kv_heads) * head_dim, half = head_dim / 2, row = kv_heads * head_dim;
+    if (head_dim > 256) return -2;
     float *q = malloc(sizeof(float) * (size_t)(B * heads * head_dim));
     if (!q) return -1;
     for (int64_t b = 0; b < B; b++) {

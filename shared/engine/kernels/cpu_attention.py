@@ -29,8 +29,18 @@ def library(path: Path | None = None) -> ctypes.CDLL:
     return lib
 
 
+MAX_HEAD_DIM = 256  # attention.c's accumulator
+
+
 def usable(*tensors: torch.Tensor) -> bool:
     return all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu" for t in tensors)
+
+
+def _check(rc: int, name: str) -> None:
+    if rc == -2:
+        raise ValueError(f"{name}: head_dim over {MAX_HEAD_DIM}")
+    if rc != 0:
+        raise MemoryError(f"{name}: out of memory for its scores")
 
 
 def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: torch.Tensor,
@@ -45,8 +55,7 @@ def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, po
     rc = library().decode_attention(
         qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), pool.data_ptr(), *(t.data_ptr() for t in ints), b, heads, kvh,
         hd, pool.shape[2], ints[1].shape[1], scale, out.data_ptr(), torch.get_num_threads())
-    if rc != 0:
-        raise MemoryError("decode_attention: out of memory for its scores")
+    _check(rc, "decode_attention")
     return out
 
 
@@ -54,7 +63,7 @@ def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, block_tables: to
                            context_lens: torch.Tensor, scale: float, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """q (B, H, hd); pool (num_blocks, 2, bs, kvh, hd); block_tables (B, width); context_lens
     (B,). Returns (B, H, hd). `lib`: another build of the kernel (tests)."""
-    if q.dtype != torch.float32 or pool.dtype != torch.float32 or not pool.is_contiguous():
+    if q.dtype != torch.float32 or not usable(pool) or pool.shape[4] > MAX_HEAD_DIM:
         return torch_ref.paged_decode_attention(q, pool, block_tables, context_lens, scale)
     q = q.contiguous()
     tables = block_tables.to(torch.int64).contiguous()
@@ -64,6 +73,5 @@ def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, block_tables: to
     rc = (lib or library()).paged_decode_attention(
         q.data_ptr(), pool.data_ptr(), tables.data_ptr(), lens.data_ptr(), b, h, pool.shape[3], hd, pool.shape[2],
         tables.shape[1], scale, out.data_ptr(), torch.get_num_threads())
-    if rc != 0:
-        raise MemoryError("paged_decode_attention: out of memory for its scores")
+    _check(rc, "paged_decode_attention")
     return out
