@@ -33,7 +33,7 @@ def library() -> ctypes.CDLL:
 def _ptr(t: torch.Tensor | None, shape: tuple[int, ...]) -> int | None:
     if t is None:
         return None
-    if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != shape:
+    if t.dtype is not torch.float32 or not t.is_contiguous() or t.shape != shape:
         raise ValueError(f"expected a contiguous float32 tensor {shape}, got {t.dtype} {tuple(t.shape)}")
     return t.data_ptr()
 
@@ -45,7 +45,8 @@ def matmul(kind: str, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor |
     uint8, contiguous; f RMS-normalizes with `norm` (weight (K,), eps), or with `swiglu` takes
     x (M, 2K) as (gate, up) and computes silu(gate)·up. Returns (M, N) fp32. `lib`: another
     build of the kernel (tests)."""
-    x = x.to(torch.float32).contiguous()
+    if x.dtype is not torch.float32 or not x.is_contiguous():
+        x = x.to(torch.float32).contiguous()
     m, k = x.shape[0], x.shape[1] // 2 if swiglu else x.shape[1]
     n = w.shape[0]
     y = torch.empty((m, n), dtype=torch.float32)
