@@ -146,8 +146,7 @@ class Attention(nn.Module):
         """x + attention(norm(x)): the residual stream after this block."""
         t = x.shape[0]
         qkv = product(x, self.qkv_proj, norm=norm)
-        if (batch.is_decode and ops.decode_attention is not None and self.hd <= cpu_attention.MAX_HEAD_DIM
-                and cpu_attention.usable(qkv, pool, *rope)):
+        if batch.is_decode and ops.decode_attention is not None and cpu_attention.usable(pool, qkv, *rope):
             out = ops.decode_attention(qkv, *rope, pool, batch.kv_rows, batch.block_tables, batch.context_lens,
                                        self.h, self.scale)
             return product(out, self.o_proj, residual=x)

@@ -101,7 +101,7 @@ def test_the_kernels_plain_c_path_gives_its_avx2_paths_products():
     same products (to float rounding) as the vectorized build."""
     from shared.engine.kernels import blocks, cc
 
-    portable = blocks.bind(cc.build(blocks.SOURCE, cc.PORTABLE))
+    portable = blocks.library(cc.build(blocks.SOURCE, cc.PORTABLE))
     for kind, make in (("Q4_1", q4_1_blocks), ("Q8_0", q8_0_blocks)):
         w = pack(make(40, 96), kind)
         assert w is not None

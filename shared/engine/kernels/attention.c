@@ -1,10 +1,10 @@
 /* Decode attention over the paged KV pool on CPU: one query token per sequence against its
-   cached context, for every head, in one call (the torch path takes ~10 small ops a layer).
+   cached context, for every head, in one call (torch's path takes ~10 small ops a layer).
 
    pool (num_blocks, 2, block_size, kv_heads, head_dim) fp32, K at index 0 and V at 1 of dim 1;
    q and out (B, heads, head_dim); block_tables (B, width) int64; context_lens (B,) int64.
    Heads that share a KV head (GQA) are read against the same K/V rows. Softmax in fp32 with the
-   running maximum subtracted. Threads: OpenMP over (sequence, KV head). */
+   running maximum subtracted. Threads: OpenMP over (sequence, head). */
 
 #include <math.h>
 #include <stdint.h>
@@ -28,7 +28,6 @@ static int attend(const float *q, const float *pool, const int64_t *block_tables
                   float scale, float *out, int threads) {
     const int64_t group = heads / kv_heads, row = kv_heads * head_dim, block = 2 * block_size * row;
     int failed = 0;
-    (void)width;
 #pragma omp parallel for num_threads(threads) schedule(static) if (B * heads > 1)
     for (int64_t i = 0; i < B * heads; i++) {
         const int64_t b = i / heads, h = i % heads, kh = h / group, ctx = context_lens[b];

@@ -15,19 +15,15 @@ SOURCE = Path(__file__).with_name("blocks.c")
 KINDS = {"Q4_1": 0, "Q8_0": 1}
 
 
-def bind(path: Path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(path))
+@cache
+def library(path: Path | None = None) -> ctypes.CDLL:
+    """The kernel for this machine's CPU, or the build at `path` (tests)."""
+    lib = ctypes.CDLL(str(path or cc.build(SOURCE)))
     lib.blocks_matmul.restype = ctypes.c_int
     lib.blocks_matmul.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                   ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float,
                                   ctypes.c_int, ctypes.c_int]
     return lib
-
-
-@cache
-def library() -> ctypes.CDLL:
-    """The kernel for this machine's CPU."""
-    return bind(cc.build(SOURCE))
 
 
 def _ptr(t: torch.Tensor | None, shape: tuple[int, ...]) -> int | None:

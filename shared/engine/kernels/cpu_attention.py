@@ -32,8 +32,11 @@ def library(path: Path | None = None) -> ctypes.CDLL:
 MAX_HEAD_DIM = 256  # attention.c's accumulator
 
 
-def usable(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu" for t in tensors)
+def usable(pool: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    """Whether the C kernels take this pool (head_dim within MAX_HEAD_DIM) and these tensors:
+    fp32, contiguous, on CPU."""
+    return pool.shape[4] <= MAX_HEAD_DIM and all(
+        t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu" for t in (pool, *tensors))
 
 
 def _check(rc: int, name: str) -> None:
@@ -63,7 +66,7 @@ def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, block_tables: to
                            context_lens: torch.Tensor, scale: float, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """q (B, H, hd); pool (num_blocks, 2, bs, kvh, hd); block_tables (B, width); context_lens
     (B,). Returns (B, H, hd). `lib`: another build of the kernel (tests)."""
-    if q.dtype != torch.float32 or not usable(pool) or pool.shape[4] > MAX_HEAD_DIM:
+    if q.dtype != torch.float32 or not usable(pool):
         return torch_ref.paged_decode_attention(q, pool, block_tables, context_lens, scale)
     q = q.contiguous()
     tables = block_tables.to(torch.int64).contiguous()
