@@ -37,7 +37,7 @@ def logits_all(loaded: LoadedModel, ids: list[int], start: int = 0) -> torch.Ten
     blocks = -(-n // bs)
     kv = torch.zeros((cfg.num_layers, blocks, 2, bs, cfg.num_kv_heads, cfg.head_dim))
     every = torch.arange(n)
-    batch = ForwardBatch(torch.tensor(ids), every, every, every[start:], is_decode=False,
+    batch = ForwardBatch(torch.tensor(ids), every, every, every[start:],
                          chunks=[(0, n, n, torch.arange(blocks))])
     return loaded.model(batch, kv, select("torch", "cpu"))
 

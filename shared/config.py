@@ -132,6 +132,8 @@ class WorkerSettings(Common):
     max_num_seqs: int = 64
     max_batched_tokens: int = 2048
     prefill_chunk: int = 512
+    mixed_batches: bool = Field(True, description="running sequences' decode tokens and prompt chunks in one "
+                                "forward pass (vLLM's chunked prefill); off: prefill and decode passes alternate")
     threads: int = Field(0, ge=0, description="torch threads (0: torch's default)")
     weights: Literal["fp32", "native"] = Field("fp32", description="fp32: every matrix dequantized; native: a "
                                                "GGUF's Q4_1/Q8_0 blocks computed with as they are (CPU; "

@@ -52,12 +52,12 @@ class EngineHost:
                 self.step_started = 0.0
             return outputs, self.engine.drain_cache_changes(), self.engine.last_pass, time.perf_counter() - start
 
-        outputs, changes, (was_decode, tokens), elapsed = await self.call(run)
+        outputs, changes, done, elapsed = await self.call(run)
         self.recent_steps.append(elapsed)
-        if tokens:  # (a step with nothing schedulable computed nothing)
-            metrics.STEP_SECONDS.labels(self.role, "decode" if was_decode else "prefill").observe(elapsed)
-        if not was_decode and tokens >= 16 and elapsed > 0:
-            rate = tokens / elapsed
+        if done.kind != "idle":  # (a step with nothing schedulable computed nothing)
+            metrics.STEP_SECONDS.labels(self.role, done.kind).observe(elapsed)
+        if done.prefill_tokens >= 16 and elapsed > 0:  # (a mixed pass's decode rows ride in the same products)
+            rate = (done.prefill_tokens + done.decode_tokens) / elapsed
             self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else \
                 0.8 * self.prefill_tokens_per_s + 0.2 * rate
         if changes and self.on_cache_changes is not None:

@@ -32,7 +32,8 @@ def build_engine(settings: WorkerSettings) -> Engine:
     loaded = load(settings.model, device=settings.device, weights=settings.weights)
     cfg = EngineConfig(num_blocks=settings.kv_blocks, max_num_seqs=settings.max_num_seqs,
                        max_batched_tokens=settings.max_batched_tokens,
-                       prefill_chunk=settings.prefill_chunk, device=settings.device,
+                       prefill_chunk=settings.prefill_chunk, mixed_batches=settings.mixed_batches,
+                       device=settings.device,
                        pair_any_weights=settings.pair_any_weights)
     return Engine(loaded, cfg)
 

@@ -43,7 +43,9 @@ class EngineConfig:
 
     The KV pool is sized either in blocks (`num_blocks`) or in GiB (`kv_cache_gib`); one of
     them must be set. `max_batched_tokens` bounds the tokens of one forward pass; a prompt
-    longer than `prefill_chunk` is prefilled in chunks of that many tokens.
+    longer than `prefill_chunk` is prefilled in chunks of that many tokens. `mixed_batches`:
+    running sequences' decode tokens and prompt chunks share a pass (scheduler.py); off, the
+    two kinds of pass alternate.
     """
 
     block_size: int = 16
@@ -52,6 +54,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_batched_tokens: int = 2048
     prefill_chunk: int = 512
+    mixed_batches: bool = True
     enable_prefix_cache: bool = True
     device: str = "cpu"
     dtype: torch.dtype | None = None  # default: float32 on CPU, bfloat16 on CUDA

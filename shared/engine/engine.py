@@ -33,6 +33,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -46,6 +47,20 @@ from shared.engine.runner import ModelRunner
 from shared.engine.sampler import sample
 from shared.engine.scheduler import Scheduler
 from shared.engine.sequence import SamplingParams, Sequence, Status
+
+
+class Pass(NamedTuple):
+    """What one step computed: decode tokens (one per running sequence) and prompt tokens."""
+
+    decode_tokens: int
+    prefill_tokens: int
+
+    @property
+    def kind(self) -> str:
+        """decode | prefill | mixed | idle"""
+        if self.decode_tokens and self.prefill_tokens:
+            return "mixed"
+        return "decode" if self.decode_tokens else "prefill" if self.prefill_tokens else "idle"
 
 
 @dataclass
@@ -78,7 +93,7 @@ class Engine:
         self.layer_hook = None
         self._streams: dict[str, _Stream] = {}
         self.copies = KVCopies(self.runner.device)  # KV to and from the host off the compute stream
-        self.last_pass: tuple[bool, int] = (False, 0)  # (was a decode pass, tokens computed)
+        self.last_pass = Pass(0, 0)  # what the last step computed
         self._rng = random.Random(cfg.seed)
 
     # -- queries -------------------------------------------------------------------------
@@ -128,10 +143,10 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
-        if sched is None:
-            self.last_pass = (False, 0)
+        if sched is None or not sched.chunks:
+            self.last_pass = Pass(0, 0)
             return []
-        self.last_pass = (sched.is_decode, sum(n for _, n in sched.chunks))
+        self.last_pass = Pass(sched.num_decode, sched.prefill_tokens)
         logits = self.runner.run(sched, self._hook_for(sched))
         due: list[Sequence] = []
         for seq, n in sched.chunks:

@@ -10,7 +10,7 @@ time (`load_hf_weights`); q/k/v and gate/up are fused into single matmuls.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import cast
 
@@ -26,18 +26,20 @@ from shared.engine.weights import Packed
 
 @dataclass
 class ForwardBatch:
-    """Tensors of one forward pass. T = new tokens in the batch, B = sequences."""
+    """Tensors of one forward pass. T = new tokens in the batch: first `num_decode` decode
+    tokens (one per running sequence, D of them), then prompt chunks."""
 
     input_ids: torch.Tensor        # (T,)
     positions: torch.Tensor        # (T,)
     slots: torch.Tensor            # (T,) block * block_size + offset where each new KV goes
     logits_index: torch.Tensor     # (B_out,) rows of T whose next-token logits are wanted
-    is_decode: bool
-    # decode: one token per sequence
-    block_tables: torch.Tensor | None = None  # (B, max_blocks)
-    context_lens: torch.Tensor | None = None  # (B,)
-    # prefill: per sequence (query start in T, query length, context length, block table)
-    chunks: list[tuple[int, int, int, torch.Tensor]] | None = None
+    num_decode: int = 0
+    # the decode tokens' sequences
+    block_tables: torch.Tensor | None = None  # (D, max_blocks)
+    context_lens: torch.Tensor | None = None  # (D,)
+    # prompt chunks: (query start among the rows after the decode ones, query length, context
+    # length, block table)
+    chunks: list[tuple[int, int, int, torch.Tensor]] = field(default_factory=list)
     kv_rows: torch.Tensor | None = None  # (T,) slots as rows of a layer's pool: set by the forward pass
 
 
@@ -143,29 +145,49 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, norm: RMSNorm, batch: ForwardBatch, pool: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor], ops: SimpleNamespace) -> torch.Tensor:
-        """x + attention(norm(x)): the residual stream after this block."""
-        t = x.shape[0]
+        """x + attention(norm(x)): the residual stream after this block. Decode rows and prompt
+        rows (a mixed pass has both) each take their own attention, then one o_proj product."""
         qkv = product(x, self.qkv_proj, norm=norm)
-        if batch.is_decode and ops.decode_attention is not None and cpu_attention.usable(pool, qkv, *rope):
-            out = ops.decode_attention(qkv, *rope, pool, batch.kv_rows, batch.block_tables, batch.context_lens,
-                                       self.h, self.scale)
-            return product(out, self.o_proj, residual=x)
-        qk = Rotary.rotate(qkv[:, :(self.h + self.kvh) * self.hd].view(t, self.h + self.kvh, self.hd), *rope)
-        q, k = qk[:, :self.h], qk[:, self.h:]
-        v = qkv[:, (self.h + self.kvh) * self.hd:].view(t, self.kvh, self.hd)
-        ops.write_kv(pool, batch.kv_rows, k, v)
-        if batch.is_decode:
-            out = ops.paged_decode_attention(q, pool, batch.block_tables, batch.context_lens, self.scale)
-        else:
-            out = torch.empty_like(q)
-            for start, n, ctx, table in batch.chunks or ():
-                if ctx == n:  # no cached prefix: attend over the fresh K/V directly
-                    out[start:start + n] = ops.causal_attention(
-                        q[start:start + n], k[start:start + n], v[start:start + n], self.scale)
-                else:
-                    out[start:start + n] = ops.paged_prefill_attention(
-                        q[start:start + n], pool, table, ctx, self.scale)
-        return product(out.view(t, self.h * self.hd), self.o_proj, residual=x)
+        d, rows = batch.num_decode, batch.kv_rows
+        assert rows is not None  # (set by the model's forward)
+        parts = []
+        if d:
+            parts.append(self._decode(qkv[:d], batch, pool, rows[:d], rope[0][:d], rope[1][:d], ops))
+        if d < x.shape[0]:
+            parts.append(self._prefill(qkv[d:], batch, pool, rows[d:], rope[0][d:], rope[1][d:], ops))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return product(out, self.o_proj, residual=x)
+
+    def _split(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q (T, h, hd), k and v (T, kvh, hd), q and k rotated."""
+        t, qk = qkv.shape[0], (self.h + self.kvh) * self.hd
+        rotated = Rotary.rotate(qkv[:, :qk].view(t, self.h + self.kvh, self.hd), cos, sin)
+        return rotated[:, :self.h], rotated[:, self.h:], qkv[:, qk:].view(t, self.kvh, self.hd)
+
+    def _decode(self, qkv: torch.Tensor, batch: ForwardBatch, pool: torch.Tensor, rows: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor, ops: SimpleNamespace) -> torch.Tensor:
+        """One token per sequence against its paged context: (D, h·hd)."""
+        if ops.decode_attention is not None and cpu_attention.usable(pool, qkv, cos, sin):
+            return ops.decode_attention(qkv, cos, sin, pool, rows, batch.block_tables, batch.context_lens,
+                                        self.h, self.scale)
+        q, k, v = self._split(qkv, cos, sin)
+        ops.write_kv(pool, rows, k, v)
+        out = ops.paged_decode_attention(q, pool, batch.block_tables, batch.context_lens, self.scale)
+        return out.reshape(qkv.shape[0], self.h * self.hd)
+
+    def _prefill(self, qkv: torch.Tensor, batch: ForwardBatch, pool: torch.Tensor, rows: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, ops: SimpleNamespace) -> torch.Tensor:
+        """Prompt chunks, each causal over its cached prefix and itself: (P, h·hd)."""
+        q, k, v = self._split(qkv, cos, sin)
+        ops.write_kv(pool, rows, k, v)
+        out = torch.empty_like(q)
+        for start, n, ctx, table in batch.chunks:
+            if ctx == n:  # no cached prefix: attend over the fresh K/V directly
+                out[start:start + n] = ops.causal_attention(
+                    q[start:start + n], k[start:start + n], v[start:start + n], self.scale)
+            else:
+                out[start:start + n] = ops.paged_prefill_attention(q[start:start + n], pool, table, ctx, self.scale)
+        return out.view(qkv.shape[0], self.h * self.hd)
 
 
 class MLP(nn.Module):

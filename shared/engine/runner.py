@@ -25,9 +25,8 @@ class ModelRunner:
 
     def run(self, sched: Schedule, layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
         """Forward one scheduled pass; returns logits (n_out, vocab) for the sequences whose
-        next token is due (every decode sequence; prefill sequences whose prompt is done)."""
-        batch = self._decode_batch(sched.chunks) if sched.is_decode else self._prefill_batch(sched.chunks)
-        return self.model(batch, self.kv, self.ops, layer_hook)
+        next token is due (every decode sequence, then prefill sequences whose prompt is done)."""
+        return self.model(self._batch(sched), self.kv, self.ops, layer_hook)
 
     def _slot(self, seq: Sequence, pos: int) -> int:
         bs = self.cfg.block_size
@@ -36,27 +35,27 @@ class ModelRunner:
     def _tensor(self, data) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)
 
-    def _prefill_batch(self, chunks: list[tuple[Sequence, int]]) -> ForwardBatch:
-        ids: list[int] = []
-        pos: list[int] = []
-        slots, out_rows, meta = [], [], []
-        for seq, n in chunks:
+    def _batch(self, sched: Schedule) -> ForwardBatch:
+        """Decode tokens first (one per sequence: its last token at its last position), then
+        the prompt chunks."""
+        decode = [seq for seq, _ in sched.chunks[:sched.num_decode]]
+        pos: list[int] = [len(s.token_ids) - 1 for s in decode]
+        ids: list[int] = [s.last_token for s in decode]
+        slots = [self._slot(s, p) for s, p in zip(decode, pos)]
+        out_rows, meta = list(range(len(decode))), []
+        for seq, n in sched.chunks[sched.num_decode:]:
             start, end = seq.num_computed, seq.num_computed + n
-            meta.append((len(ids), n, end, self._tensor(seq.block_table[:-(-end // self.cfg.block_size)])))
+            meta.append((len(ids) - len(decode), n, end,
+                         self._tensor(seq.block_table[:-(-end // self.cfg.block_size)])))
             ids += seq.token_ids[start:end]
             pos += range(start, end)
             slots += [self._slot(seq, p) for p in range(start, end)]
             if end == len(seq.token_ids):
                 out_rows.append(len(ids) - 1)
-        return ForwardBatch(self._tensor(ids), self._tensor(pos), self._tensor(slots),
-                            self._tensor(out_rows), is_decode=False, chunks=meta)
-
-    def _decode_batch(self, chunks: list[tuple[Sequence, int]]) -> ForwardBatch:
-        seqs = [seq for seq, _ in chunks]
-        width = max(len(s.block_table) for s in seqs)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
-        pos = [len(s.token_ids) - 1 for s in seqs]
-        return ForwardBatch(self._tensor([s.last_token for s in seqs]), self._tensor(pos),
-                            self._tensor([self._slot(s, p) for s, p in zip(seqs, pos)]),
-                            self._tensor(list(range(len(seqs)))), is_decode=True,
-                            block_tables=self._tensor(tables), context_lens=self._tensor([p + 1 for p in pos]))
+        tables = lens = None
+        if decode:
+            width = max(len(s.block_table) for s in decode)
+            tables = self._tensor([s.block_table + [0] * (width - len(s.block_table)) for s in decode])
+            lens = self._tensor([p + 1 for p in pos[:len(decode)]])
+        return ForwardBatch(self._tensor(ids), self._tensor(pos), self._tensor(slots), self._tensor(out_rows),
+                            num_decode=len(decode), block_tables=tables, context_lens=lens, chunks=meta)

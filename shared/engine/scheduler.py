@@ -1,13 +1,15 @@
 """Which sequences run in the next forward pass (continuous batching, chunked prefill).
 
-Each step is either a prefill pass (prompt chunks of waiting sequences in `prefill_order`,
-up to `max_batched_tokens`, long prompts split into `prefill_chunk`-token pieces, so a short
-prompt shares the next pass with long ones instead of waiting for all of them) or a decode pass
-(one token for every running sequence). When both kinds of work are pending the two
-alternate, so a long prompt delays running streams by one chunk at a time, never by a whole
-prompt. When a decode step has no block for a sequence, the newest running sequence is
-preempted: its blocks are freed and it goes back to the front of the queue, to be
-recomputed (mostly from the prefix cache) later.
+A pass holds one token for every running sequence (decode) and prompt chunks of waiting
+sequences in `prefill_order`, long prompts split into `prefill_chunk`-token pieces, so a short
+prompt shares the next pass with long ones instead of waiting for all of them. With
+`mixed_batches` (the default, as vLLM and Sarathi-Serve do) both go in the same pass, decode
+tokens first, prompt chunks in what is left of `max_batched_tokens`: a long prompt delays
+running streams by the cost of one chunk in their own step. Without it, a pass is either
+prefill or decode and the two alternate when both are pending (a stream then waits a whole
+prefill pass and its own step). When a decode step has no block for a sequence, the newest
+running sequence is preempted: its blocks are freed and it goes back to the front of the
+queue, to be recomputed (mostly from the prefix cache) later.
 """
 
 from __future__ import annotations
@@ -25,9 +27,13 @@ from shared.engine.sequence import Sequence, Status
 
 @dataclass
 class Schedule:
-    is_decode: bool
-    chunks: list[tuple[Sequence, int]]  # (sequence, number of new tokens this pass)
+    chunks: list[tuple[Sequence, int]]  # (sequence, number of new tokens this pass): decode ones first
+    num_decode: int = 0                 # the first num_decode chunks are decode tokens (one each)
     preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(n for _, n in self.chunks[self.num_decode:])
 
 
 class _Params(Protocol):
@@ -74,9 +80,15 @@ def _priority(q: Prompt) -> int:
 
 
 def prefill_next(waiting: bool, running: bool, last_was_decode: bool) -> bool:
-    """Is the next pass a prefill pass? When prompts wait and sequences run, the two kinds
-    alternate; a prompt alone is prefilled at once."""
+    """Without mixed batches: is the next pass a prefill pass? When prompts wait and sequences
+    run, the two kinds alternate; a prompt alone is prefilled at once."""
     return waiting and (not running or last_was_decode)
+
+
+def mixed_budget(max_batched_tokens: int, decode_tokens: int) -> int:
+    """A mixed pass's token budget left for prompt chunks once every running sequence has its
+    decode token (as vLLM's: the pass's tokens, decode and prefill, within max_batched_tokens)."""
+    return max(0, max_batched_tokens - decode_tokens)
 
 
 def prefill_chunks(order: Iterable[Q], running: int, max_num_seqs: int, budget: int, chunk: int,
@@ -122,8 +134,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> Schedule | None:
+        if self.cfg.mixed_batches:
+            return self._schedule_mixed()
         if prefill_next(bool(self.waiting), bool(self.running), self._last_was_decode):
-            prefill = self._schedule_prefill()
+            prefill = self._schedule_prefill(self.cfg.max_batched_tokens)
             if prefill.chunks:
                 self._last_was_decode = False
                 return prefill
@@ -132,7 +146,13 @@ class Scheduler:
             return self._schedule_decode()
         return None
 
-    def _schedule_prefill(self) -> Schedule:
+    def _schedule_mixed(self) -> Schedule | None:
+        sched = self._schedule_decode() if self.running else Schedule([])
+        if self.waiting:
+            sched.chunks += self._schedule_prefill(mixed_budget(self.cfg.max_batched_tokens, sched.num_decode)).chunks
+        return sched if sched.chunks or sched.preempted else None
+
+    def _schedule_prefill(self, budget: int) -> Schedule:
         def admit(seq: Sequence) -> bool:
             if not seq.block_table:
                 try:
@@ -142,9 +162,8 @@ class Scheduler:
                 seq.num_computed = seq.num_cached
             return True
         cfg = self.cfg
-        return Schedule(is_decode=False, chunks=prefill_chunks(prefill_order(self.waiting, cfg.prefill_chunk),
-                                                               len(self.running), cfg.max_num_seqs,
-                                                               cfg.max_batched_tokens, cfg.prefill_chunk, admit))
+        return Schedule(prefill_chunks(prefill_order(self.waiting, cfg.prefill_chunk), len(self.running),
+                                       cfg.max_num_seqs, budget, cfg.prefill_chunk, admit))
 
     def _schedule_decode(self) -> Schedule:
         preempted: list[Sequence] = []
@@ -163,7 +182,7 @@ class Scheduler:
                     preempted.append(victim)
                     if victim is seq:
                         break
-        return Schedule(is_decode=True, chunks=[(s, 1) for s in batch], preempted=preempted)
+        return Schedule([(s, 1) for s in batch], len(batch), preempted)
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1

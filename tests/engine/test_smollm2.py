@@ -63,6 +63,26 @@ def test_chunked_prefill_equals_transformers(smollm2, prompts, reference):
     assert ours["document"] == reference["document"]
 
 
+def test_mixed_passes_equal_transformers(smollm2, prompts, reference):
+    """The document is prefilled 64 tokens a pass while the other prompts decode: their
+    tokens go in the same passes as its chunks, and every sequence's tokens stay the reference's."""
+    eng = Engine(smollm2, EngineConfig(num_blocks=256, max_batched_tokens=96, prefill_chunk=64))
+    others = {name: ids for name, ids in prompts.items() if name != "document"}
+    for name, ids in others.items():
+        eng.add_request(name, ids, GREEDY)
+    while len(eng.scheduler.running) < len(others):
+        eng.step()
+    eng.add_request("document", prompts["document"], GREEDY)
+    outs, kinds = {}, []
+    while eng.has_work():
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+        kinds.append(eng.last_pass.kind)
+    assert kinds.count("mixed") >= len(prompts["document"]) // 64
+    for name, got in outs.items():
+        assert got == reference[name][-len(got):], name
+
+
 @pytest.mark.parametrize("receiver_has_prefix", [False, True])
 def test_export_import_continues_like_an_uninterrupted_run(smollm2, prompts, reference, receiver_has_prefix):
     src = Engine(smollm2, EngineConfig(num_blocks=128))

@@ -264,3 +264,38 @@ def test_degenerate_sampling_parameters_neither_crash_nor_stall_the_batch(tiny):
     logits = torch.full((1, 512), float("nan"))
     logits[0, 7] = 1.0
     assert sample(logits, [seq], ()) in ([0], [7])   # argmax of a NaN row, no exception
+
+
+def test_mixed_passes_hold_decode_tokens_and_prompt_chunks_and_change_no_token(tiny):
+    """While a long prompt is prefilled in chunks, the running sequences' decode tokens go in
+    the same passes (decode rows first, the chunk in what is left of the budget), and every
+    sequence's tokens are those of the alternating form's."""
+    ps = prompts(4, lo=20, hi=30)
+    ps["long"] = prompts(1, lo=150, hi=150, seed=9)["r0"]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    cfg = {"max_batched_tokens": 36, "prefill_chunk": 32}
+    alternating = generate(tiny, ps, params, mixed_batches=False, **cfg)
+
+    eng = Engine(tiny, EngineConfig(num_blocks=512, **cfg))
+    for rid, ids in ps.items():
+        if rid != "long":
+            eng.add_request(rid, ids, params)
+    while len(eng.scheduler.running) < 4:  # the four short prompts in
+        eng.step()
+    eng.add_request("long", ps["long"], params)
+    kinds = []
+    outs: dict[str, list[int]] = {}
+    while eng.has_work():
+        sched_running = len(eng.scheduler.running)
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+        kinds.append(eng.last_pass)
+        if eng.last_pass.kind == "mixed":
+            assert eng.last_pass.decode_tokens == sched_running
+            assert eng.last_pass.prefill_tokens <= 36 - sched_running  # the chunk in the budget left
+    # 150 tokens, 32 a pass (36 less the 4 decode tokens): every chunk beside the streams
+    assert [k.prefill_tokens for k in kinds[:5]] == [32, 32, 32, 32, 22]
+    assert [k.kind for k in kinds[:5]] == ["mixed"] * 5
+    assert {rid: alternating[rid][-len(v):] for rid, v in outs.items()} == outs
+    assert eng.num_free_blocks == eng.num_blocks
+
