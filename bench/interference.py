@@ -12,7 +12,8 @@ Three arms on the same cores, one after the other in one run, the same seeded wo
 Per arm, on one stack:
 1. Victims and aggressors: 32-token prompts with 128 output tokens (Poisson --victim-rate)
    while 1024-token prompts with 4 output tokens arrive (Poisson --aggressor-rate). The
-   victims' TTFT / ITL / TPOT, the longest token gap, a token timeline.
+   victims' TTFT / ITL / TPOT, the longest token gap, a token timeline; before it, the same
+   victims alone (no aggressor), whose TTFT p99 the victims' is divided by.
 2. Goodput: the Azure conversation trace (../shared/traces/azure_conv_2023.csv, lengths
    divided by --scale) replayed with Poisson arrivals at each of --rates for --replay-s
    seconds (its first rate x replay-s rows); SLO attainment per rate; goodput = the highest
@@ -86,7 +87,17 @@ async def interference_phase(url: str, reqs: list[workloads.Request], args) -> d
     return {"victims": summarize(victims, duration, args.slo_ttft, args.slo_tpot),
             "aggressors": summarize(aggressors, duration, args.slo_ttft * 10, 10.0),
             "victim_itls_s": [round(g, 5) for t in victims for g in t.itls],
+            "victim_ttfts_s": [round(t.ttft, 5) for t in victims if t.ttft is not None],
             "timeline": timeline(reqs, timings)}
+
+
+async def alone_phase(url: str, reqs: list[workloads.Request], args) -> dict:
+    """The same victims at the same times with no aggressor: what their first token costs
+    on this arm by itself."""
+    victims = [r for r in reqs if r.kind == "victim"]
+    timings, duration = await run(url, MODEL, victims)
+    return {"victims": summarize(timings, duration, args.slo_ttft, args.slo_tpot),
+            "victim_ttfts_s": [round(t.ttft, 5) for t in timings if t.ttft is not None]}
 
 
 async def goodput_phase(url: str, trace: list[workloads.Request], args) -> dict:
@@ -108,11 +119,14 @@ def one_arm(name: str, cfg: StackConfig, reqs, trace, args) -> dict:
     start = time.monotonic()
     with Stack(cfg) as stack:
         asyncio.run(run(stack.url, MODEL, workloads.shared_prefix(2, 1, 32, 8, 4)))  # warm-up
+        alone = asyncio.run(alone_phase(stack.url, reqs, args))
         out = asyncio.run(interference_phase(stack.url, reqs, args))
-        v = out["victims"]
+        out["alone"] = alone
+        v, a = out["victims"], alone["victims"]
         print(f"{name:14} victims {v['completed']}/{v['requests']}: ITL p50 {v['itl_s']['p50'] * 1e3:6.1f} ms "
               f"p99 {v['itl_s']['p99'] * 1e3:7.1f} ms, max gap {v['max_gap_s']:5.2f} s, TTFT p50 "
-              f"{v['ttft_s']['p50']:5.2f} s, TPOT p50 {v['tpot_s']['p50'] * 1e3:5.1f} ms", flush=True)
+              f"{v['ttft_s']['p50']:5.2f} s p99 {v['ttft_s']['p99']:5.2f} s (alone {a['ttft_s']['p99']:5.2f} s), "
+              f"TPOT p50 {v['tpot_s']['p50'] * 1e3:5.1f} ms", flush=True)
         out["replay"] = asyncio.run(goodput_phase(stack.url, trace, args))
         print(f"{name:14} goodput at 90% SLO attainment: {out['replay']['goodput_rate']:.2f} req/s", flush=True)
     out["wall_s"] = round(time.monotonic() - start, 1)
@@ -125,7 +139,13 @@ def summary_of(results: dict) -> dict:
     rate = {a: results[a]["replay"]["goodput_rate"] for a in results}
     # stalls are rare gaps (a few per aggressor among thousands): the tail past p99 shows them
     p999 = {a: percentiles(results[a]["victim_itls_s"], (99.9,))["p99.9"] for a in results}
+    ttft = {a: {"victims": ttft_tail(r["victim_ttfts_s"]), "alone": ttft_tail(r["alone"]["victim_ttfts_s"])}
+            for a, r in results.items()}
+    over_alone = {a: div(t["victims"]["p99"], t["alone"]["p99"]) for a, t in ttft.items()}
     return {
+        "ttft_p99_victims_over_alone_disagg": over_alone["disaggregated"],
+        "ttft_p99_victims_over_alone": over_alone,
+        "ttft_victims_s": ttft,
         "itl_p99_colocated_over_disagg": div(co["itl_s"]["p99"], dis["itl_s"]["p99"]),
         "itl_p99_chunked_over_disagg": div(ch["itl_s"]["p99"], dis["itl_s"]["p99"]),
         "itl_p999_colocated_over_disagg": div(p999["colocated"], p999["disaggregated"]),
@@ -139,6 +159,11 @@ def summary_of(results: dict) -> dict:
         "goodput_disagg_over_chunked": div(rate["disaggregated"], rate["chunked"]),
         "goodput_rate": rate,
     }
+
+
+def ttft_tail(ttfts: list[float]) -> dict[str, float]:
+    """p50, p99 and p99.9 of first-token times (s)."""
+    return {k: round(v, 4) for k, v in percentiles(ttfts, (50, 99, 99.9)).items() if k != "mean"}
 
 
 def slo_for(trace: list[workloads.Request], args) -> Slo:

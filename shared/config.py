@@ -97,9 +97,13 @@ class RouterSettings(Common):
     admit_timeout_s: float = Field(5.0, gt=0)
     local_prefill_below: int = Field(0, ge=0, description="prompts shorter than this are prefilled "
                                      "on the decode worker (0: always remote when a prefill worker is up)")
-    prefill_mode: Literal["remote", "cost"] = Field("remote", description="remote: the prefill pool whenever "
-                                                    "one is up (and the prompt is not below local_prefill_below); "
-                                                    "cost: on the decode worker when that is cheaper, stalls included")
+    prefill_mode: Literal["remote", "cost"] = Field(
+        "cost", description="cost: the prefill pool unless the prompt would queue there (pool_queue_factor), then "
+        "the cheaper of the pool and the decode worker, stalls of its streams included (policy.local_or_remote); "
+        "remote: the prefill pool whenever one is up (and the prompt is not below local_prefill_below)")
+    pool_queue_factor: float = Field(4.0, ge=0, description="prefill_mode=cost: the prefill pool takes a prompt "
+                                     "while the work queued before it there is at most this many times its own; "
+                                     "beyond, the cheaper of the pool and the decode worker")
     stall_weight: float = Field(1.0, ge=0, description="prefill_mode=cost: weight of the delay a local prefill "
                                 "causes each running stream")
     prefill_policy: Literal["cost", "round_robin"] = Field("cost", description="prefill placement: by cost "

@@ -416,8 +416,8 @@ class Router:
         if self.settings.prefill_mode == "cost":
             mode, reason = policy.local_or_remote(
                 prompt_tokens, decode_cached_tokens, decode.running,
-                decode.prefill_tokens_per_s or self.settings.default_prefill_tokens_per_s,
-                policy.predicted_prefill_s(prefill, prompt_tokens), self.settings.stall_weight)
+                decode.prefill_tokens_per_s or self.settings.default_prefill_tokens_per_s, prefill,
+                self.settings.stall_weight, self.settings.pool_queue_factor)
             if mode == "local":
                 return Placement(decode, "local", reason, "cheaper_locally")
             return Placement(decode, "remote", f"{why}; {reason}", kind, prefill)

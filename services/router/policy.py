@@ -148,21 +148,32 @@ def within_objective(predicted_s: float, slo_s: float) -> tuple[bool, float, str
 
 
 def local_or_remote(prompt_tokens: int, decode_cached_tokens: int, decode_running: int, decode_tokens_per_s: float,
-                    remote_s: float | None, stall_weight: float = 1.0, handoff_s: float = 0.01) -> tuple[Mode, str]:
-    """Prefill on the decode worker, or in the pool, whichever costs less (PD_PREFILL_MODE=cost).
+                    remote: PrefillCandidate | None, stall_weight: float = 1.0, queue_factor: float = 4.0,
+                    handoff_s: float = 0.01) -> tuple[Mode, str]:
+    """Prefill on the decode worker, or in the pool (PD_PREFILL_MODE=cost, the default).
 
-    Local: the uncached part at the decode worker's rate, plus the stall it causes — every
-    running stream waits through those prefill passes, weighted by `stall_weight` per stream.
-    Remote: the chosen prefill worker's predicted first-token time plus the handoff (the KV
-    streams during the prefill; what is left is a few ms)."""
-    if remote_s is None:
+    The pool takes a prompt that would wait there behind at most `queue_factor` x its own
+    work and of which it holds as much as the decode worker does: that is its job. Otherwise
+    (the prompt would queue behind a long one, or the decode worker holds more of it: a
+    follow-up turn) the cheaper side takes it. Local: the uncached part at the decode
+    worker's rate, plus the stall it causes: every running stream waits through it (its
+    tokens share those passes), weighted by `stall_weight` per stream. Remote: the prefill
+    worker's predicted first-token time (its queue, then the part it does not hold) plus the
+    handoff (the KV streams during the prefill; what is left is a few ms). So a short prompt
+    arriving behind a long one is prefilled beside the decode worker's streams instead of
+    waiting for it."""
+    if remote is None:
         return "local", "no prefill worker available"
+    remote_s = predicted_prefill_s(remote, prompt_tokens) + handoff_s
+    own = max(1, prompt_tokens - remote.cached_tokens)
+    if remote.queued_tokens <= queue_factor * own and remote.cached_tokens >= decode_cached_tokens:
+        return "remote", f"prefill pool: {remote.queued_tokens} tokens queued before its {own} ({remote_s:.3f} s)"
     compute = max(0, prompt_tokens - decode_cached_tokens) / max(decode_tokens_per_s, 1e-9)
     local_s = compute * (1 + stall_weight * decode_running)
-    if local_s < remote_s + handoff_s:
+    if local_s < remote_s:
         return "local", (f"local {local_s:.3f} s ({decode_running} streams stalled {compute:.3f} s) < "
-                         f"remote {remote_s + handoff_s:.3f} s")
-    return "remote", f"remote {remote_s + handoff_s:.3f} s <= local {local_s:.3f} s ({decode_running} streams)"
+                         f"remote {remote_s:.3f} s")
+    return "remote", f"remote {remote_s:.3f} s <= local {local_s:.3f} s ({decode_running} streams)"
 
 
 @dataclass

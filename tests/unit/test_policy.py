@@ -102,15 +102,22 @@ def test_admission_refuses_what_would_miss_the_objective_and_says_when_to_retry(
     assert policy.within_objective(5.2, 5.0)[1] == 1.0
 
 
-def test_local_prefill_when_cheaper_stalls_counted():
-    # idle decode worker, short prompt: local beats the hop
-    assert policy.local_or_remote(40, 0, 0, 1000, remote_s=0.04)[0] == "local"
-    # the same prompt with 8 streams running: each would wait through it
-    mode, why = policy.local_or_remote(40, 0, 8, 1000, remote_s=0.04)
+def test_local_prefill_when_the_pool_would_queue_it_or_holds_less_of_it_and_local_is_cheaper():
+    free = policy.PrefillCandidate("p", cached_tokens=0, queued_tokens=0, tokens_per_s=1000)
+    busy = free._replace(queued_tokens=3000)  # a long prompt under way there
+    # the pool can start it soon and holds as much of it: it goes there, even with an idle decode worker
+    mode, why = policy.local_or_remote(40, 0, 0, 1000, free)
+    assert mode == "remote" and "0 tokens queued before its 40" in why
+    assert policy.local_or_remote(40, 0, 0, 1000, free._replace(queued_tokens=160))[0] == "remote"  # 4 x its own
+    assert policy.local_or_remote(40, 0, 0, 1000, free._replace(queued_tokens=161))[0] == "local"
+    # behind a long prompt: a short one is prefilled beside the decode worker's streams
+    assert policy.local_or_remote(40, 0, 4, 1000, busy)[0] == "local"
+    # ... unless the stall of many streams costs more than the wait
+    mode, why = policy.local_or_remote(400, 0, 8, 1000, busy._replace(queued_tokens=2000))
     assert mode == "remote" and "8 streams" in why
-    # a long prompt mostly cached on the decode worker (a follow-up turn) stays local
-    assert policy.local_or_remote(4000, 3968, 2, 1000, remote_s=4.0)[0] == "local"
-    assert policy.local_or_remote(40, 0, 0, 1000, remote_s=None) == ("local", "no prefill worker available")
+    # a long prompt mostly cached on the decode worker (a follow-up turn) stays local, pool free or not
+    assert policy.local_or_remote(4000, 3968, 2, 1000, free)[0] == "local"
+    assert policy.local_or_remote(40, 0, 0, 1000, None) == ("local", "no prefill worker available")
 
 
 def test_a_breaker_opens_on_repeated_transfer_failures_then_probes_and_closes():
