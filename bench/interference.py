@@ -5,9 +5,16 @@ Three arms on the same cores, one after the other in one run, the same seeded wo
 
 - colocated: one worker does prefill and decode, whole prompts in one pass (PD_PREFILL_CHUNK
   above the longest prompt), all cores;
-- chunked: the same worker with chunked prefill (PD_PREFILL_CHUNK=128: a long prompt delays
-  running streams by one chunk at a time);
-- disaggregated: 1 prefill + 1 decode worker, each pinned to its own core (1 torch thread).
+- chunked: the same worker with vLLM's chunked prefill: each pass holds every running stream's
+  decode token and prompt chunks of at most PD_PREFILL_CHUNK=128 tokens each, within
+  PD_MAX_BATCHED_TOKENS=256 (a long prompt delays running streams by one chunk at a time, in
+  their own step);
+- disaggregated: 1 prefill + 1 decode worker, each pinned to its own core (1 torch thread),
+  the router's default placement (PD_PREFILL_MODE=cost: a short prompt that would queue
+  behind a long one is prefilled on the decode worker, beside its streams).
+
+Every worker runs mixed passes (the engine's default), so the colocated arm differs from the
+chunked one only in its chunk and budget.
 
 Per arm, on one stack:
 1. Victims and aggressors: 32-token prompts with 128 output tokens (Poisson --victim-rate)
@@ -64,7 +71,7 @@ def arms() -> dict[str, StackConfig]:
         "colocated": StackConfig.on_free_ports(decode=1, colocated=True, kv_blocks=2048, threads=len(cores),
                                                env=whole),
         "chunked": StackConfig.on_free_ports(decode=1, colocated=True, kv_blocks=2048, threads=len(cores),
-                                             env={"PD_PREFILL_CHUNK": "128", "PD_MAX_BATCHED_TOKENS": "4096"}),
+                                             env={"PD_PREFILL_CHUNK": "128", "PD_MAX_BATCHED_TOKENS": "256"}),
         "disaggregated": StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=2048, threads=len(split[1]),
                                                    env=whole, cpus={"prefill-0": split[0], "decode-0": split[1]}),
     }

@@ -69,7 +69,7 @@ def bench_layouts(profile: dict, cores: int, levels: dict[str, dict[str, dict]] 
     `levels`: each arm's drift from the profile, per shape (bench/sim/cost.level), where measured."""
     over = {s: control_plane(profile, s).get("ttft_overhead_s", 0.0) for s in STACKS}
     whole = Knobs(prefill_chunk=2048, max_batched_tokens=4096)
-    chunked = Knobs(prefill_chunk=128, max_batched_tokens=4096)
+    chunked = Knobs(prefill_chunk=128, max_batched_tokens=256)
     shapes = arm_shapes(cores)
 
     def cost(arm: str, pool: str) -> Cost:

@@ -86,16 +86,22 @@ def section(data: dict) -> str:
     ms = lambda x: f"{x * 1e3:.0f}"  # noqa: E731
     lines = [f"Measured by `make bench{'-full' if data['mode'] == 'full' else ''}` ({data['mode']} mode) on "
              f"{m['cpus']} CPU cores ({m['platform']}), no GPU; all arms on the same cores, one after the other "
-             "in one run: colocated (one worker, whole prompts), chunked (one worker, 128-token prefill chunks), "
-             "disaggregated (1 prefill + 1 decode worker, one core each).", "",
+             "in one run: colocated (one worker, whole prompts in a pass), chunked (one worker, vLLM's chunked "
+             "prefill: each pass holds every running stream's decode token and at most 128 tokens of each prompt, "
+             "256 tokens in all), disaggregated (1 prefill + 1 decode worker, one core each; a short prompt that "
+             "would queue behind a long one is prefilled beside the decode worker's streams: PD_PREFILL_MODE=cost)."
+             " Every worker runs mixed passes (decode tokens and prompt chunks together).", "",
              f"**Victims and aggressors** ({va['duration_s']:.0f} s of arrivals, {va['requests']} requests): "
-             f"{va['victim']} at {va['victim_rate']}/s while {va['aggressor']} arrive at {va['aggressor_rate']}/s.", "",
+             f"{va['victim']} at {va['victim_rate']}/s while {va['aggressor']} arrive at {va['aggressor_rate']}/s; "
+             "TTFT alone: the same victims at the same times with no aggressor, just before.", "",
              "| arm | victim ITL p50 (ms) | ITL p99 (ms) | ITL p99.9 (ms) | longest gap (s) | TTFT p50 (s) | "
-             "TPOT p50 (ms) |", "|---|---|---|---|---|---|---|"]
+             "TTFT p99 (s) | TTFT p99.9 (s) | TTFT p99 alone (s) | TPOT p50 (ms) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for arm in ARMS:
-        v = data["arms"][arm]["victims"]
+        v, t = data["arms"][arm]["victims"], s["ttft_victims_s"][arm]
         lines.append(f"| {arm} | {ms(v['itl_s']['p50'])} | {ms(v['itl_s']['p99'])} | {ms(s['itl_p999_s'][arm])} | "
-                     f"{v['max_gap_s']:.2f} | {v['ttft_s']['p50']:.2f} | {ms(v['tpot_s']['p50'])} |")
+                     f"{v['max_gap_s']:.2f} | {t['victims']['p50']:.2f} | {t['victims']['p99']:.2f} | "
+                     f"{t['victims']['p99.9']:.2f} | {t['alone']['p99']:.2f} | {ms(v['tpot_s']['p50'])} |")
     lines += ["", f"**Goodput** on the Azure conversation trace (lengths ÷ {rp['scale']:g}: "
               f"{rp['mean_prompt_tokens']:.0f} prompt / {rp['mean_output_tokens']:.0f} output tokens on average), "
               f"Poisson arrivals at {', '.join(f'{r:g}' for r in rp['rates'])} req/s for "
@@ -109,7 +115,8 @@ def section(data: dict) -> str:
         lines.append(f"| {arm} | " + " | ".join(f"{p['slo_attainment']:.2f}" for p in rep["points"]) +
                      f" | {rep['goodput_rate']:.2f} |")
     lines += ["", "| ratio (target) | measured |", "|---|---|"]
-    targets = {"itl_p99_colocated_over_disagg": "≥ 10", "itl_p99_chunked_over_disagg": "≥ 2",
+    targets = {"ttft_p99_victims_over_alone_disagg": "≤ 2",
+               "itl_p99_colocated_over_disagg": "≥ 10", "itl_p99_chunked_over_disagg": "≥ 2",
                "itl_p999_colocated_over_disagg": "reported", "itl_p999_chunked_over_disagg": "reported",
                "max_gap_disagg_s": "≤ 1 s", "ttft_p50_disagg_over_colocated": "reported",
                "goodput_disagg_over_colocated": "≥ 1.5", "goodput_disagg_over_chunked": "reported"}

@@ -1,6 +1,6 @@
 """A simulated deployment: requests arrive, the router places them with its own policy
 functions (services/router/policy.py: `best_decode` (decode_candidates' first), `prefill_mode`,
-`choose_prefill_by_cost`), the pools run them (bench/sim/worker.py), and each request's
+`choose_prefill_by_cost`, `local_or_remote`), the pools run them (bench/sim/worker.py), and each request's
 first and last token times and every token gap are recorded.
 
     Layout("colocated", decode=2, decode_cost=...)            # each worker prefills and decodes
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from bench.load.metrics import Timing
 from bench.sim.cost import Cost
 from bench.sim.worker import Knobs, Req, Worker
-from services.router.policy import best_decode, choose_prefill_by_cost, prefill_mode
+from services.router.policy import best_decode, choose_prefill_by_cost, local_or_remote, prefill_mode
 
 
 @dataclass
@@ -37,6 +37,9 @@ class Layout:
     decode_knobs: Knobs = field(default_factory=Knobs)
     prefill_knobs: Knobs = field(default_factory=Knobs)
     local_below: int = 0               # PD_LOCAL_PREFILL_BELOW
+    prefill_mode: str = "cost"         # PD_PREFILL_MODE: remote | cost
+    pool_queue_factor: float = 4.0     # PD_POOL_QUEUE_FACTOR
+    stall_weight: float = 1.0          # PD_STALL_WEIGHT
     recompute_weight: float = 8.0
     overhead_s: float = 0.0            # the control plane's share of every token's latency
     decode_per_core: int = 1           # decode (or colocated) workers sharing one core (Worker.peers)
@@ -101,9 +104,8 @@ class Cluster:
         cost = layout.prefill_cost or layout.decode_cost
         self.prefills = [Worker(f"prefill-{i}", "prefill", cost, layout.prefill_knobs, self)
                          for i in range(layout.prefill)]
-        rate = 512 / cost.prefill_s([(512, 0)])  # what a worker's measured rate would say
-        for p in self.prefills:
-            p.tokens_per_s = rate
+        for w in self.prefills + self.decodes:  # what a worker's measured rate would say
+            w.tokens_per_s = 512 / w.cost.prefill_s([(512, 0)])
         self.backlog: list[Req] = []
         # decode workers with room for another sequence (max_num_seqs; a full one would refuse the
         # admission): kept as they change (Worker.sync), not found by reading the pool each time
@@ -149,6 +151,12 @@ class Cluster:
             return True
         best, _ = choose_prefill_by_cost(self.prefills, r.prompt, self.layout.recompute_weight)  # type: ignore[arg-type]
         assert isinstance(best, Worker)
+        if self.layout.prefill_mode == "cost" and local_or_remote(
+                r.prompt, 0, d.running, d.tokens_per_s, best, self.layout.stall_weight,  # type: ignore[arg-type]
+                self.layout.pool_queue_factor)[0] == "local":
+            d.book(r)
+            d.enqueue(r, now)
+            return True
         d.importing += 1
         d.book(r)
         best.book_prompt(r, now)   # the router books the prefill work as it decides

@@ -168,6 +168,13 @@ class Cost:
         a, b, c, d, e = self.prefill
         return a + sum(b * n + c * n * n / 2 + d * n * k + e for n, k in chunks)
 
+    def mixed_s(self, chunks: list[tuple[int, int]], batch: int, context_tokens: int) -> float:
+        """A mixed pass: these prompt chunks, and `batch` running sequences holding
+        `context_tokens` in all, one new token each (a one-token chunk after its context), with
+        the services' share of their step."""
+        decode = [(1, context_tokens // max(batch, 1))] * batch
+        return self.prefill_s(chunks + decode) + self.service_step_s[0] + self.service_step_s[1] * batch
+
     def step_s(self, batch: int, context_tokens: int) -> float:
         """A decode step as a serving worker takes it: the engine's, and the services' share."""
         return self.decode_s(batch, context_tokens) + self.service_step_s[0] + self.service_step_s[1] * batch

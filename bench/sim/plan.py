@@ -4,8 +4,9 @@
         --profile bench/results/profile-cpu.json --workers 2 [--ttft 2 --tpot 0.15 | --ttft-x 4 --tpot-x 2]
 
 For a budget of N workers (a worker: one core of the profile's machine, or one device), every
-configuration: colocated (whole prompts, and chunked at each of --chunks) with workers of
-every shape the profile measured, and every P:D split of N. For each, the simulator
+configuration: colocated (whole prompts, and chunked at each of --chunks: mixed passes of at
+most twice the chunk's tokens) with workers of every shape the profile measured, and every
+P:D split of N (the router's default placement: PD_PREFILL_MODE=cost). For each, the simulator
 (bench/sim) replays the trace's requests at rising Poisson rates until fewer than 90% meet the
 SLOs; goodput is the highest rate at which 90% do (DistServe's definition, as `make bench`).
 Prints a table, the recommendation beside the best colocated configuration, and the signal each
@@ -55,7 +56,7 @@ def layouts(profile: dict, workers: int, chunks: list[int]) -> list[Layout]:
             continue
         for chunk in [2048, *chunks]:
             out.append(Layout("colocated", decode=n, decode_cost=Cost.of(profile, shape, "colocated"),
-                              decode_knobs=Knobs(prefill_chunk=chunk, max_batched_tokens=4096),
+                              decode_knobs=Knobs(prefill_chunk=chunk, max_batched_tokens=2 * chunk),
                               overhead_s=over["colocated"]))
     one = shape_of(profile, 1, alone=workers == 1)
     if one is not None:

@@ -1,8 +1,9 @@
 """One simulated engine worker: a colocated worker, a prefill worker or a decode worker.
 
 Its passes follow the engine scheduler's rules (shared/engine/scheduler.py: `prefill_next`,
-`prefill_order`, `prefill_chunks`: the same functions, not copies); what a pass costs comes
-from the worker shape's cost model (bench/sim/cost.py). Decode steps between two events are
+`mixed_budget`, `prefill_order`, `prefill_chunks`: the same functions, not copies); what a
+pass costs comes from the worker shape's cost model (bench/sim/cost.py; a mixed pass: its
+prompt chunks and a one-token chunk per running sequence, `Cost.mixed_s`). Decode steps between two events are
 run as one stretch of equal steps (every running sequence gains a token per step): a new
 prompt or an imported KV cuts the stretch at the next step boundary, as the real engine would
 take them into its next pass. So the events are a few per request, not one per token (a
@@ -25,7 +26,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from bench.sim.cost import Cost
-from shared.engine.scheduler import prefill_chunks, prefill_next, prefill_order
+from shared.engine.scheduler import mixed_budget, prefill_chunks, prefill_next, prefill_order
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class Knobs:
     max_num_seqs: int = 64
     max_batched_tokens: int = 4096
     prefill_chunk: int = 2048
+    mixed_batches: bool = True
 
 
 @dataclass(eq=False, slots=True)
@@ -207,14 +209,19 @@ class Worker:
 
     def _next(self, now: float) -> None:
         k, was_busy = self.knobs, self.busy
-        if prefill_next(bool(self.queue), bool(self.finishing), self.last_was_decode):
+        batch = len(self.finishing) if k.mixed_batches else 0  # decode tokens riding in a prefill pass
+        if self.queue and (batch or prefill_next(True, bool(self.finishing), self.last_was_decode)):
             chunks = prefill_chunks(prefill_order(self.queue, k.prefill_chunk), len(self.finishing),
-                                    k.max_num_seqs, k.max_batched_tokens, k.prefill_chunk, self._admit)
+                                    k.max_num_seqs, mixed_budget(k.max_batched_tokens, batch), k.prefill_chunk,
+                                    self._admit)
             if chunks:
+                pass_s = self.cost.prefill_s([(n, r.num_computed) for r, n in chunks])
+                if batch:
+                    pass_s = self.cost.mixed_s([(n, r.num_computed) for r, n in chunks], batch, self.context)
                 self.last_was_decode, self.busy, self.stretch = False, True, None
                 self.version += 1
-                self.pass_end = now + self.cost.prefill_s([(n, r.num_computed) for r, n in chunks]) * self._sharing()
-                self.sim.at(self.pass_end, self._prefilled, self.version, chunks, now)
+                self.pass_end = now + pass_s * self._sharing()
+                self.sim.at(self.pass_end, self._prefilled, self.version, chunks, now, batch > 0)
                 if self.peers and not was_busy:
                     self._shared(now)
                 return
@@ -238,11 +245,14 @@ class Worker:
     def _admit(r: Req) -> bool:
         return True  # its blocks were booked when it was placed (the router saw room for it)
 
-    def _prefilled(self, now: float, version: int, chunks, started: float) -> None:
+    def _prefilled(self, now: float, version: int, chunks, started: float, mixed: bool) -> None:
+        """A prefill pass ended (`mixed`: with a decode step of the batch in it)."""
         if version != self.version:
             return
         self.busy_s += now - started
         self.account(now)
+        if mixed:
+            self._stepped(now, now, now - started, 1)
         for r, n in chunks:
             r.num_computed += n
             self.queued_tokens -= n
@@ -260,13 +270,19 @@ class Worker:
         self._resume(now)
 
     def _end(self, now: float, version: int) -> None:
-        """A decode stretch ended: its steps' gaps (for the ITL), finished sequences."""
+        """A decode stretch ended."""
         if version != self.version:
             return
         start, step, done = self.stretch  # type: ignore[misc]
         self.stretch, self.busy_s = None, self.busy_s + now - start
         self.account(now)
-        gaps, batch, first = self.sim.gaps, len(self.finishing), start + step
+        self._stepped(now, start + step, step, done)
+        self._resume(now)
+
+    def _stepped(self, now: float, first: float, step: float, done: int) -> None:
+        """`done` decode steps of the batch ended by `now`, the first at `first`, `step` apart:
+        their gaps (for the ITL), finished sequences."""
+        gaps, batch = self.sim.gaps, len(self.finishing)
         new: dict[str, int] = {}
         for r in self.fresh:           # their first gap: from the first token (or the handoff)
             values, counts = gaps[r.kind]
@@ -292,7 +308,6 @@ class Worker:
             self.kinds[r.kind] -= 1
             self.book(r, -1)                     # (and the batch's count is up to date)
             self.sim.finished(r)
-        self._resume(now)
 
     def _resume(self, now: float) -> None:
         """Between passes: who joined meanwhile enters the batch, then the next pass."""

@@ -29,6 +29,10 @@ DATA = {
                 "itl_p999_colocated_over_disagg": 12.0, "itl_p999_chunked_over_disagg": 3.0,
                 "itl_p999_s": {"colocated": 1.2, "chunked": 0.3, "disaggregated": 0.1},
                 "max_gap_disagg_s": 0.13, "ttft_p50_disagg_over_colocated": 1.0,
+                "ttft_p99_victims_over_alone_disagg": 1.25,
+                "ttft_victims_s": {a: {"victims": {"p50": 0.2, "p99": 0.5, "p99.9": 0.6},
+                                       "alone": {"p50": 0.2, "p99": 0.4, "p99.9": 0.45}}
+                                   for a in ("colocated", "chunked", "disaggregated")},
                 "goodput_disagg_over_colocated": 1.639, "goodput_disagg_over_chunked": None},
 }
 
@@ -36,7 +40,8 @@ DATA = {
 def test_the_section_carries_the_machine_the_scale_each_arm_and_each_ratio():
     text = report.section(DATA)
     assert "2 CPU cores (Linux-test)" in text and "lengths ÷ 8" in text
-    assert "| colocated | 50 | 321 | 1200 | 1.64 |" in text
+    assert "| colocated | 50 | 321 | 1200 | 1.64 | 0.20 | 0.50 | 0.60 | 0.40 | 60 |" in text
+    assert "| `ttft_p99_victims_over_alone_disagg` (≤ 2) | 1.25 |" in text
     assert "| disaggregated | 1.00 | 0.95 | 1.00 |" in text            # attainment per rate, goodput
     assert "| `goodput_disagg_over_colocated` (≥ 1.5) | 1.639 |" in text
     assert "| `goodput_disagg_over_chunked` (reported) | n/a |" in text

@@ -65,13 +65,27 @@ def _interference(layout: Layout) -> float:
 def test_a_long_prompt_stalls_colocated_streams_but_not_disaggregated_ones():
     whole, chunked, disagg = _interference(colocated()), _interference(colocated(chunk=128)), \
         _interference(disaggregated())
-    assert whole == pytest.approx(STEP + 0.01 + 1.0)         # the whole prompt's pass, then the step
-    assert chunked == pytest.approx(STEP + 0.01 + 0.128)     # one chunk at a time
+    assert whole == pytest.approx(0.01 + 1.0 + 0.001)        # the whole prompt's pass, its token in it
+    assert chunked == pytest.approx(0.01 + 0.128 + 0.001)    # one chunk at a time
     assert disagg == pytest.approx(STEP + 0.001, abs=1e-5)  # its first step after its own KV came
+    # passes that alternate: the pass, then the step
+    assert _interference(colocated(mixed_batches=False)) == pytest.approx(STEP + 0.01 + 1.0)
+    assert _interference(colocated(chunk=128, mixed_batches=False)) == pytest.approx(STEP + 0.01 + 0.128)
+
+
+def test_a_mixed_pass_holds_a_chunk_and_the_running_sequences_tokens():
+    out = simulate(colocated(chunk=128), [(0.0, 10, 200, "victim"), (1.005, 1000, 2, "aggressor")])
+    victim, aggressor = out.requests
+    # the step under way at 1.005 ends at 1.02; then 8 passes (7 x 128 + 104 tokens) with the victim's token in each
+    assert aggressor.first_at == pytest.approx(1.02 + 8 * (0.01 + 0.001) + 1.0)
+    # 8 of the victim's 199 tokens come from those passes, the others from steps
+    assert victim.last_at == pytest.approx(0.02 + 191 * STEP + 8 * (0.01 + 0.001) + 1.0)
+    assert sum(gaps_of(out, "victim").values()) == 199
 
 
 def test_chunks_and_decode_steps_alternate():
-    out = simulate(colocated(chunk=128), [(0.0, 10, 200, "victim"), (1.005, 1000, 2, "aggressor")])
+    out = simulate(colocated(chunk=128, mixed_batches=False),
+                   [(0.0, 10, 200, "victim"), (1.005, 1000, 2, "aggressor")])
     victim, aggressor = out.requests
     # the step under way at 1.005 ends at 1.02; then 8 chunks (7 x 128 + 104) with a decode step between each
     assert aggressor.first_at == pytest.approx(1.02 + 8 * 0.01 + 1.0 + 7 * STEP)
@@ -98,7 +112,8 @@ def test_a_pass_fills_its_budget_in_the_schedulers_order():
 def test_a_pass_follows_the_engine_schedulers_order():
     # chunk 128, budget 256: the oldest long prompt takes a chunk, the short one finishes in the same pass
     layout = Layout("colocated", decode=1, decode_cost=COST, decode_knobs=Knobs(prefill_chunk=128,
-                                                                                 max_batched_tokens=256))
+                                                                                 max_batched_tokens=256,
+                                                                                 mixed_batches=False))
     out = simulate(layout, [(0.0, 100, 1, "first"), (0.05, 300, 2, "long"), (0.06, 50, 2, "short")])
     first, long, short = out.requests
     assert first.first_at == pytest.approx(0.11)                  # both arrive during its pass, then share one
@@ -220,3 +235,13 @@ def test_a_probe_rescales_the_profile_by_the_machines_drift():
     assert slower.prefill_s([(100, 0)]) == pytest.approx(1.5 * COST.prefill_s([(100, 0)]))
     assert slower.step_s(4, 400) == pytest.approx(2 * (STEP + 0.01 + 0.004))
     assert level(shape, {"prefill": [], "decode": []}) == {"prefill": 1.0, "decode": 1.0}
+
+
+def test_a_short_prompt_behind_a_long_one_is_prefilled_on_the_decode_worker():
+    """PD_PREFILL_MODE=cost (the router's default): the prefill worker is 1 s into a 1000-token
+    prompt, so a 10-token one goes to the decode worker, as the router would place it."""
+    reqs = [(0.0, 1000, 2, "aggressor"), (0.1, 10, 5, "victim")]
+    victim = simulate(disaggregated(), reqs).requests[1]
+    assert victim.first_at == pytest.approx(0.1 + 0.01 + 0.01)    # its own pass there, at once
+    remote = dataclasses.replace(disaggregated(), prefill_mode="remote")
+    assert simulate(remote, reqs).requests[1].first_at == pytest.approx(1.01 + 0.01 + 0.01)  # behind it
