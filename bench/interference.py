@@ -16,6 +16,9 @@ Three arms on the same cores, one after the other in one run, the same seeded wo
 Every worker runs mixed passes (the engine's default), so the colocated arm differs from the
 chunked one only in its chunk and budget.
 
+And the victims and aggressors once more on the disaggregated arm with PD_PREFILL_MODE=remote
+(every prompt to the prefill pool: the placement before `cost`), "disaggregated-remote".
+
 Per arm, on one stack:
 1. Victims and aggressors: 32-token prompts with 128 output tokens (Poisson --victim-rate)
    while 1024-token prompts with 4 output tokens arrive (Poisson --aggressor-rate). The
@@ -122,7 +125,18 @@ async def goodput_phase(url: str, trace: list[workloads.Request], args) -> dict:
             "goodput_rate": rate_at_attainment([(p["rate"], p["slo_attainment"]) for p in points], 0.9)}
 
 
-def one_arm(name: str, cfg: StackConfig, reqs, trace, args) -> dict:
+def remote_arm() -> StackConfig:
+    """The disaggregated arm with every prompt sent to the prefill pool (PD_PREFILL_MODE=remote:
+    the placement before `cost`), for the victims only."""
+    cfg = arms()["disaggregated"]
+    cfg.env = {**cfg.env, "PD_PREFILL_MODE": "remote"}
+    return cfg
+
+
+REMOTE = "disaggregated-remote"
+
+
+def one_arm(name: str, cfg: StackConfig, reqs, trace, args, replay: bool = True) -> dict:
     start = time.monotonic()
     with Stack(cfg) as stack:
         asyncio.run(run(stack.url, MODEL, workloads.shared_prefix(2, 1, 32, 8, 4)))  # warm-up
@@ -134,6 +148,9 @@ def one_arm(name: str, cfg: StackConfig, reqs, trace, args) -> dict:
               f"p99 {v['itl_s']['p99'] * 1e3:7.1f} ms, max gap {v['max_gap_s']:5.2f} s, TTFT p50 "
               f"{v['ttft_s']['p50']:5.2f} s p99 {v['ttft_s']['p99']:5.2f} s (alone {a['ttft_s']['p99']:5.2f} s), "
               f"TPOT p50 {v['tpot_s']['p50'] * 1e3:5.1f} ms", flush=True)
+        if not replay:
+            out["wall_s"] = round(time.monotonic() - start, 1)
+            return out
         out["replay"] = asyncio.run(goodput_phase(stack.url, trace, args))
         print(f"{name:14} goodput at 90% SLO attainment: {out['replay']['goodput_rate']:.2f} req/s", flush=True)
     out["wall_s"] = round(time.monotonic() - start, 1)
@@ -143,7 +160,7 @@ def one_arm(name: str, cfg: StackConfig, reqs, trace, args) -> dict:
 def summary_of(results: dict) -> dict:
     co, ch, dis = (results[a]["victims"] for a in report.ARMS)
     div = lambda a, b: round(a / b, 3) if b else None  # noqa: E731
-    rate = {a: results[a]["replay"]["goodput_rate"] for a in results}
+    rate = {a: results[a]["replay"]["goodput_rate"] for a in report.ARMS}
     # stalls are rare gaps (a few per aggressor among thousands): the tail past p99 shows them
     p999 = {a: percentiles(results[a]["victim_itls_s"], (99.9,))["p99.9"] for a in results}
     ttft = {a: {"victims": ttft_tail(r["victim_ttfts_s"]), "alone": ttft_tail(r["alone"]["victim_ttfts_s"])}
@@ -151,6 +168,7 @@ def summary_of(results: dict) -> dict:
     over_alone = {a: div(t["victims"]["p99"], t["alone"]["p99"]) for a, t in ttft.items()}
     return {
         "ttft_p99_victims_over_alone_disagg": over_alone["disaggregated"],
+        "ttft_p99_victims_over_alone_disagg_remote": over_alone.get(REMOTE),
         "ttft_p99_victims_over_alone": over_alone,
         "ttft_victims_s": ttft,
         "itl_p99_colocated_over_disagg": div(co["itl_s"]["p99"], dis["itl_s"]["p99"]),
@@ -226,6 +244,7 @@ def main() -> None:
     replay_slo = slo_for(trace, args)
     print(f"replay SLO: {replay_slo}", flush=True)
     results = {name: one_arm(name, cfg, reqs, trace, args) for name, cfg in arms().items()}
+    results[REMOTE] = one_arm(REMOTE, remote_arm(), reqs, trace, args, replay=False)
     summary = summary_of(results)
     print(json.dumps(summary, indent=2))
     out = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor()},

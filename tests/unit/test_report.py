@@ -59,3 +59,15 @@ def test_the_plots_are_written(tmp_path):
         path = tmp_path / f"{plot.__name__}.png"
         plot(DATA, path)
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_remote_placement_gets_a_victims_row_when_measured():
+    arms = {**DATA["arms"], "disaggregated-remote": _arm(0.09, 0.15, [], 0.0)}
+    ttft = {**DATA["summary"]["ttft_victims_s"],
+            "disaggregated-remote": {"victims": {"p50": 0.3, "p99": 4.0, "p99.9": 4.5},
+                                     "alone": {"p50": 0.2, "p99": 0.4, "p99.9": 0.45}}}
+    text = report.section({**DATA, "arms": arms, "summary": {**DATA["summary"], "ttft_victims_s": ttft,
+                                                             "itl_p999_s": {**DATA["summary"]["itl_p999_s"],
+                                                                            "disaggregated-remote": 0.2}}})
+    assert "| disaggregated-remote | 50 | 90 | 200 | 0.15 | 0.30 | 4.00 | 4.50 | 0.40 | 60 |" in text
+    assert "| `ttft_p99_victims_over_alone_disagg_remote` (reported) | n/a |" in text
