@@ -305,7 +305,9 @@ def test_a_frozen_prefill_worker_loses_the_job_to_another_in_about_its_predicted
                                          "PD_MAX_BATCHED_TOKENS": "256", "PD_PREFILL_CHUNK": "256",
                                          # by cost, the faster-measured worker takes the first request and,
                                          # its prefix cached, every later one: prefill-0 might never get one
-                                         "PD_PREFILL_POLICY": "round_robin"},
+                                         "PD_PREFILL_POLICY": "round_robin",
+                                         # (by cost a prompt behind the hung one's queue is prefilled locally)
+                                         "PD_PREFILL_MODE": "remote"},
                                     worker_env={"prefill-0": {"PD_FAULT_ENGINE_HANG_AFTER_STEPS": "1"}})
     with Stack(cfg) as stack:
         store = sync_redis(stack.redis_url)

@@ -77,7 +77,9 @@ def test_turns_of_a_conversation_follow_their_kv_across_a_router_restart(otlp, t
     (both decode workers idle by then) and send only their new blocks — turn 3 through a
     router restarted in between, which kept nothing in memory."""
     cfg = StackConfig.on_free_ports(prefill=1, decode=2, kv_blocks=1024, log_dir=tmp_path,
-                                    env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.url, "PD_HEARTBEAT_S": "0.3"})
+                                    env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.url, "PD_HEARTBEAT_S": "0.3",
+                                         # (by cost, a turn its decode worker mostly holds is prefilled there)
+                                         "PD_PREFILL_MODE": "remote"})
     convo = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which mill ground the most?"}]
     results = []
 
@@ -125,3 +127,22 @@ def test_a_request_over_the_ttft_objective_is_refused_with_429_and_retry_after(t
     err = r.json()["error"]
     assert err["type"] == "rate_limit_error" and err["code"] == "ttft_objective_exceeded"
     assert "exceeds the 0.001 s objective" in err["message"]
+
+
+def test_a_short_prompt_behind_a_long_one_is_prefilled_on_the_decode_worker(tmp_path):
+    """PD_PREFILL_MODE=cost (the default): while prefill-0 computes a long prompt in one pass, a
+    short chat is placed on the decode worker (it would wait there behind far more than its own
+    work) and has its answer before the long prompt's first token."""
+    cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=1024, log_dir=tmp_path,
+                                    env={"PD_HEARTBEAT_S": "0.3", "PD_PREFILL_CHUNK": "2048",
+                                         "PD_MAX_BATCHED_TOKENS": "2048"})
+    long = [{"role": "user", "content": SYSTEM * 3 + " Summarise."}]
+    with Stack(cfg) as stack, ThreadPoolExecutor(1) as pool:
+        store = redis.Redis.from_url(stack.redis_url)
+        first = pool.submit(_ask, stack.url, long, 2)
+        _wait_until_busy(stack, "prefill-0")
+        short = _ask(stack.url, [{"role": "user", "content": "Name a colour."}], 2)
+        assert not first.done(), "the short prompt waited for the long one"
+        record = {k.decode(): v.decode() for k, v in store.hgetall(f"pd:req:{short.headers['x-request-id']}").items()}
+        assert record["mode"] == "local" and "remote" in record["reason"], record
+        assert first.result().json()["usage"]["prompt_tokens"] > 1000
