@@ -95,7 +95,7 @@ bench-scale: setup
 	$(BIN)/python -m bench.scale $(SCALE_ARGS)
 
 ## bench: victims and aggressors + goodput on the Azure trace, colocated / chunked / disaggregated on the same cores
-##   (quick, under 10 minutes); writes bench/results/interference.json, the plots and the README's results section
+##   (quick, ~15 minutes; bench-full ~65); writes bench/results/interference.json, the plots and the README's results section
 bench: setup
 	$(BIN)/python -m bench.interference
 

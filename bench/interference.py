@@ -1,5 +1,5 @@
 """Does a long prompt freeze everyone else's tokens, and what does disaggregation buy in
-goodput? `make bench` (quick, under 10 minutes) / `make bench-full`.
+goodput? `make bench` (quick, ~15 minutes) / `make bench-full` (~65 minutes).
 
 Three arms on the same cores, one after the other in one run, the same seeded workloads each:
 
