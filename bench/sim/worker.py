@@ -215,9 +215,8 @@ class Worker:
                                     k.max_num_seqs, mixed_budget(k.max_batched_tokens, batch), k.prefill_chunk,
                                     self._admit)
             if chunks:
-                pass_s = self.cost.prefill_s([(n, r.num_computed) for r, n in chunks])
-                if batch:
-                    pass_s = self.cost.mixed_s([(n, r.num_computed) for r, n in chunks], batch, self.context)
+                work = [(n, r.num_computed) for r, n in chunks]
+                pass_s = self.cost.mixed_s(work, batch, self.context) if batch else self.cost.prefill_s(work)
                 self.last_was_decode, self.busy, self.stretch = False, True, None
                 self.version += 1
                 self.pass_end = now + pass_s * self._sharing()
