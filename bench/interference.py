@@ -97,7 +97,7 @@ async def interference_phase(url: str, reqs: list[workloads.Request], args) -> d
     return {"victims": summarize(victims, duration, args.slo_ttft, args.slo_tpot),
             "aggressors": summarize(aggressors, duration, args.slo_ttft * 10, 10.0),
             "victim_itls_s": [round(g, 5) for t in victims for g in t.itls],
-            "victim_ttfts_s": [round(t.ttft, 5) for t in victims if t.ttft is not None],
+            "victim_ttfts_s": ttfts(victims),
             "timeline": timeline(reqs, timings)}
 
 
@@ -107,7 +107,7 @@ async def alone_phase(url: str, reqs: list[workloads.Request], args) -> dict:
     victims = [r for r in reqs if r.kind == "victim"]
     timings, duration = await run(url, MODEL, victims)
     return {"victims": summarize(timings, duration, args.slo_ttft, args.slo_tpot),
-            "victim_ttfts_s": [round(t.ttft, 5) for t in timings if t.ttft is not None]}
+            "victim_ttfts_s": ttfts(timings)}
 
 
 async def goodput_phase(url: str, trace: list[workloads.Request], args) -> dict:
@@ -186,9 +186,14 @@ def summary_of(results: dict) -> dict:
     }
 
 
-def ttft_tail(ttfts: list[float]) -> dict[str, float]:
+def ttfts(timings: list[Timing]) -> list[float]:
+    """First-token times (s) of the requests that had one."""
+    return [round(t.ttft, 5) for t in timings if t.ttft is not None]
+
+
+def ttft_tail(times: list[float]) -> dict[str, float]:
     """p50, p99 and p99.9 of first-token times (s)."""
-    return {k: round(v, 4) for k, v in percentiles(ttfts, (50, 99, 99.9)).items() if k != "mean"}
+    return {k: round(v, 4) for k, v in percentiles(times, (50, 99, 99.9)).items() if k != "mean"}
 
 
 def slo_for(trace: list[workloads.Request], args) -> Slo:

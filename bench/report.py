@@ -99,7 +99,7 @@ def section(data: dict) -> str:
              "| arm | victim ITL p50 (ms) | ITL p99 (ms) | ITL p99.9 (ms) | longest gap (s) | TTFT p50 (s) | "
              "TTFT p99 (s) | TTFT p99.9 (s) | TTFT p99 alone (s) | TPOT p50 (ms) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    for arm in [a for a in data["arms"] if a in ARMS or a in s["ttft_victims_s"]]:
+    for arm in data["arms"]:
         v, t = data["arms"][arm]["victims"], s["ttft_victims_s"][arm]
         lines.append(f"| {arm} | {ms(v['itl_s']['p50'])} | {ms(v['itl_s']['p99'])} | {ms(s['itl_p999_s'][arm])} | "
                      f"{v['max_gap_s']:.2f} | {t['victims']['p50']:.2f} | {t['victims']['p99']:.2f} | "

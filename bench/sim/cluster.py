@@ -145,18 +145,17 @@ class Cluster:
         assert isinstance(d, Worker)
         r.decode = d
         mode, _ = prefill_mode(r.prompt, len(self.prefills), self.layout.local_below)
+        best = None
+        if mode == "remote":
+            best, _ = choose_prefill_by_cost(self.prefills, r.prompt, self.layout.recompute_weight)  # type: ignore[arg-type]
+            if self.layout.prefill_mode == "cost":
+                mode, _ = local_or_remote(r.prompt, 0, d.running, d.tokens_per_s, best,  # type: ignore[arg-type]
+                                          self.layout.stall_weight, self.layout.pool_queue_factor)
         if mode == "local":
             d.book(r)
             d.enqueue(r, now)
             return True
-        best, _ = choose_prefill_by_cost(self.prefills, r.prompt, self.layout.recompute_weight)  # type: ignore[arg-type]
         assert isinstance(best, Worker)
-        if self.layout.prefill_mode == "cost" and local_or_remote(
-                r.prompt, 0, d.running, d.tokens_per_s, best, self.layout.stall_weight,  # type: ignore[arg-type]
-                self.layout.pool_queue_factor)[0] == "local":
-            d.book(r)
-            d.enqueue(r, now)
-            return True
         d.importing += 1
         d.book(r)
         best.book_prompt(r, now)   # the router books the prefill work as it decides
