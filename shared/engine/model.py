@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.engine.config import ModelConfig
-from shared.engine.kernels import cpu_attention
+from shared.engine.kernels import cpu_attention, fused
 from shared.engine.kernels.torch_ref import kv_rows
 from shared.engine.weights import Packed
 
@@ -220,6 +220,8 @@ class LlamaModel(nn.Module):
         self.lm_head = None if cfg.tie_embeddings else Projection(cfg.hidden_size, cfg.vocab_size)
         self.rotary = Rotary(cfg)
         self.tied_head: Packed | None = None  # the tied embedding matrix packed for the vocabulary projection
+        self.packed_layers: fused.Layers | None = None  # every layer packed: decode passes in one C call
+        self.fuse = True  # (tests turn it off to compare with the per-layer path)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_pools: torch.Tensor, ops: SimpleNamespace,
@@ -230,18 +232,34 @@ class LlamaModel(nn.Module):
         """
         x = self.embed_tokens(batch.input_ids)                   # (T, D)
         batch.kv_rows = kv_rows(batch.slots, kv_pools.shape[3])  # once, not once a layer
-        rope = self.rotary.tables(batch.positions, x.dtype)
-        for i, layer in enumerate(cast("Iterable[DecoderLayer]", self.layers)):
-            x = layer.self_attn(x, layer.input_layernorm, batch, kv_pools[i], rope, ops)
-            x = layer.mlp(x, layer.post_attention_layernorm)
-            if layer_hook is not None:
-                layer_hook(i)
+        if self._fused_decode(batch, x, kv_pools, ops, layer_hook):
+            assert self.packed_layers is not None
+            x = fused.decode_layers(self.packed_layers, x, self.rotary.cos[batch.positions],
+                                    self.rotary.sin[batch.positions], kv_pools, batch.kv_rows,
+                                    cast(torch.Tensor, batch.block_tables), cast(torch.Tensor, batch.context_lens),
+                                    self.cfg.num_heads, self.cfg.head_dim ** -0.5)
+        else:
+            rope = self.rotary.tables(batch.positions, x.dtype)
+            for i, layer in enumerate(cast("Iterable[DecoderLayer]", self.layers)):
+                x = layer.self_attn(x, layer.input_layernorm, batch, kv_pools[i], rope, ops)
+                x = layer.mlp(x, layer.post_attention_layernorm)
+                if layer_hook is not None:
+                    layer_hook(i)
         x = self.norm(x[batch.logits_index])
         if self.lm_head is not None:
             weight = self.lm_head.matrix
         else:  # (the embedding lookup keeps its fp32 rows: a lookup streams only the rows it reads)
             weight = self.embed_tokens.weight if self.tied_head is None else self.tied_head
         return linear(x, weight, min_rows=2).float()
+
+    def _fused_decode(self, batch: ForwardBatch, x: torch.Tensor, kv_pools: torch.Tensor, ops: SimpleNamespace,
+                      layer_hook: LayerHook | None) -> bool:
+        """Whether this pass's layers run as one C call (kernels/fused.py): a decode pass (no
+        prompt rows), every projection packed, the C attention backend, fp32 on CPU, and no
+        layer hook (nothing to call between layers)."""
+        return (self.packed_layers is not None and self.fuse and not batch.chunks and batch.num_decode > 0
+                and layer_hook is None and ops.decode_attention is not None
+                and cpu_attention.usable(kv_pools, x))
 
     def pack(self, packed: dict[str, Packed]) -> None:
         """Compute with these packed matrices (Hugging Face names, as `load_hf_weights` takes
@@ -255,10 +273,27 @@ class LlamaModel(nn.Module):
                 if all(p + n + ".weight" in packed for n in names):
                     cast(Projection, layer.get_submodule(own)).pack(Packed.cat([packed[p + n + ".weight"]
                                                                                 for n in names]))
+        self.packed_layers = self._layers_packed()
         if self.lm_head is not None and "lm_head.weight" in packed:
             self.lm_head.pack(packed["lm_head.weight"])
         elif self.lm_head is None and "model.embed_tokens.weight" in packed:
             self.tied_head = packed["model.embed_tokens.weight"]
+
+    def _layers_packed(self) -> fused.Layers | None:
+        """Every layer's weights for fused.c, or None unless all four projections of every
+        layer are packed (a file with some matrices in another format keeps the per-layer path)."""
+        layers: list[tuple[tuple, torch.Tensor, torch.Tensor]] = []
+        eps = {self.cfg.rms_norm_eps}
+        for layer in cast("Iterable[DecoderLayer]", self.layers):
+            projs = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            if any(p.packed is None for p in projs):
+                return None
+            eps |= {layer.input_layernorm.eps, layer.post_attention_layernorm.eps}
+            layers.append((tuple(p.packed for p in projs), layer.input_layernorm.weight,
+                           layer.post_attention_layernorm.weight))
+        if len(eps) != 1:
+            return None
+        return fused.Layers.of(layers, self.cfg.hidden_size, self.cfg.intermediate_size, self.cfg.rms_norm_eps)
 
     def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load Hugging Face Llama names (`model.layers.N.self_attn.q_proj.weight`, …)."""

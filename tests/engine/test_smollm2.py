@@ -174,3 +174,34 @@ def test_native_weights_serve_decode_steps_like_one_pass(native, prompts):
     again = logits_all(native, prompts["short"] + ours[:-1], start=len(prompts["short"]) - 1).argmax(-1).tolist()
     same = sum(a == b for a, b in zip(again, ours))
     assert len(again) == len(ours) and same >= 0.9 * len(ours), (same, len(ours))
+
+
+def _decode_logits(loaded, prompts: dict[str, list[int]], fuse: bool) -> list[torch.Tensor]:
+    """Every pass's logits of a greedy run of these prompts together, with decode passes' layers
+    in one C call (`fuse`) or layer by layer."""
+    loaded.model.fuse = fuse
+    try:
+        engine = Engine(loaded, EngineConfig(num_blocks=256, max_batched_tokens=2048, prefill_chunk=2048))
+        logits, run = [], engine.runner.run
+        engine.runner.run = lambda sched, hook=None: logits.append(run(sched, hook).clone()) or logits[-1]
+        for name, ids in prompts.items():
+            engine.add_request(name, ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        run_all(engine)
+        return logits
+    finally:
+        loaded.model.fuse = True
+
+
+def test_native_decode_passes_in_one_call_equal_the_layer_by_layer_path_to_the_bit(native, prompts, monkeypatch):
+    """kernels/fused.c runs a decode pass's layers as the model's per-layer path does, step
+    for step: the same logits, bit for bit, for sequences of different lengths in one batch."""
+    from shared.engine.kernels import fused
+
+    calls, decode_layers = [], fused.decode_layers
+    monkeypatch.setattr(fused, "decode_layers", lambda *a, **k: calls.append(1) or decode_layers(*a, **k))
+    one_call = _decode_logits(native, prompts, True)
+    taken = len(calls)
+    assert taken >= 11  # every decode pass took the one call
+    layered = _decode_logits(native, prompts, False)
+    assert len(calls) == taken and len(one_call) == len(layered)
+    assert all(torch.equal(a, b) for a, b in zip(one_call, layered))

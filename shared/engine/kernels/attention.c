@@ -21,21 +21,22 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return sum;
 }
 
-/* Returns 0, or -1 when scratch memory is short. Threads over (sequence, head); positions are
-   walked block by block (no division a position). */
-static int attend(const float *q, const float *pool, const int64_t *block_tables, const int64_t *context_lens,
-                  int64_t B, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t width,
-                  float scale, float *out, int threads) {
+/* By the threads of the enclosing parallel region, each calling it (work-sharing over
+   (sequence, head); outside a region one thread does it all); sets *failed when scratch memory
+   is short. Positions are walked block by block (no division a position). */
+static void team_attend(const float *q, const float *pool, const int64_t *block_tables, const int64_t *context_lens,
+                        int64_t B, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                        int64_t width, float scale, float *out, int *failed) {
     const int64_t group = heads / kv_heads, row = kv_heads * head_dim, block = 2 * block_size * row;
-    int failed = 0;
-#pragma omp parallel for num_threads(threads) schedule(static) if (B * heads > 1)
+#pragma omp for schedule(static)
     for (int64_t i = 0; i < B * heads; i++) {
         const int64_t b = i / heads, h = i % heads, kh = h / group, ctx = context_lens[b];
         const int64_t *table = block_tables + b * width;
         const float *qh = q + i * head_dim;
         float *scores = malloc(sizeof(float) * (size_t)ctx);
         if (!scores) {
-            failed = 1;
+#pragma omp atomic write
+            *failed = 1;
             continue;
         }
         float mx = -INFINITY;
@@ -67,6 +68,15 @@ static int attend(const float *q, const float *pool, const int64_t *block_tables
         for (int64_t j = 0; j < head_dim; j++) oh[j] = acc[j] / total;
         free(scores);
     }
+}
+
+static int attend(const float *q, const float *pool, const int64_t *block_tables, const int64_t *context_lens,
+                  int64_t B, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t width,
+                  float scale, float *out, int threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (B * heads > 1)
+    team_attend(q, pool, block_tables, context_lens, B, heads, kv_heads, head_dim, block_size, width, scale, out,
+                &failed);
     return failed ? -1 : 0;
 }
 
@@ -79,20 +89,15 @@ int paged_decode_attention(const float *q, const float *pool, const int64_t *blo
                   threads);
 }
 
-/* The decode step's whole attention after the qkv product: qkv (B, (heads + 2·kv_heads)·head_dim)
-   as the product gives it; its q and k heads rotated (RoPE, rotate-half: x·cos + (x2, x1)·sin,
-   sin with its first half negated, cos and sin (B, head_dim) at each token's position), the new
-   K and V written at `rows` (B,) of the pool (key rows; values block_size rows further, as
-   torch_ref.kv_rows), then attention as above into out (B, heads·head_dim). qkv is rotated in
-   place. */
-int decode_attention(float *qkv, const float *cos, const float *sin, float *pool, const int64_t *rows,
-                     const int64_t *block_tables, const int64_t *context_lens, int64_t B, int64_t heads,
-                     int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t width, float scale, float *out,
-                     int threads) {
+/* RoPE on the q and k heads of each token's qkv row (rotate-half: x·cos + (x2, x1)·sin, sin
+   with its first half negated, cos and sin (B, head_dim) at each token's position; in place),
+   q copied out to q (B, heads·head_dim), the new K and V written at `rows` (B,) of the pool (key
+   rows; values block_size rows further, as torch_ref.kv_rows). Work-sharing over tokens. */
+static void team_rope_write(float *qkv, const float *cos, const float *sin, float *pool, const int64_t *rows,
+                            int64_t B, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                            float *q) {
     const int64_t width_qkv = (heads + 2 * kv_heads) * head_dim, half = head_dim / 2, row = kv_heads * head_dim;
-    if (head_dim > 256) return -2;
-    float *q = malloc(sizeof(float) * (size_t)(B * heads * head_dim));
-    if (!q) return -1;
+#pragma omp for schedule(static)
     for (int64_t b = 0; b < B; b++) {
         float *t = qkv + b * width_qkv;
         const float *c = cos + b * head_dim, *s = sin + b * head_dim;
@@ -108,6 +113,19 @@ int decode_attention(float *qkv, const float *cos, const float *sin, float *pool
         memcpy(pool + rows[b] * row, t + heads * head_dim, sizeof(float) * (size_t)row);
         memcpy(pool + (rows[b] + block_size) * row, t + (heads + kv_heads) * head_dim, sizeof(float) * (size_t)row);
     }
+}
+
+/* The decode step's whole attention after the qkv product: qkv (B, (heads + 2·kv_heads)·head_dim)
+   as the product gives it, rotated and its K/V written (team_rope_write), then attention as
+   above into out (B, heads·head_dim). */
+int decode_attention(float *qkv, const float *cos, const float *sin, float *pool, const int64_t *rows,
+                     const int64_t *block_tables, const int64_t *context_lens, int64_t B, int64_t heads,
+                     int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t width, float scale, float *out,
+                     int threads) {
+    if (head_dim > 256) return -2;
+    float *q = malloc(sizeof(float) * (size_t)(B * heads * head_dim));
+    if (!q) return -1;
+    team_rope_write(qkv, cos, sin, pool, rows, B, heads, kv_heads, head_dim, block_size, q);
     const int rc = attend(q, pool, block_tables, context_lens, B, heads, kv_heads, head_dim, block_size, width, scale,
                           out, threads);
     free(q);

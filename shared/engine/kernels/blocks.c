@@ -211,36 +211,62 @@ static void row(int kind, const uint8_t *w8, int64_t nb,
     }
 }
 
+/* Scratch for quantizing M rows K wide: the prologue's row (floats), xq, dx and sx. */
+struct scratch {
+    float *a, *dx, *sx;
+    int8_t *xq;
+};
+
+static int scratch_alloc(struct scratch *s, int64_t M, int64_t K) {
+    s->xq = malloc((size_t)(M * K));
+    s->a = malloc(sizeof(float) * (size_t)(M * K));
+    s->dx = malloc(sizeof(float) * (size_t)(M * (K / QK)));
+    s->sx = malloc(sizeof(float) * (size_t)(M * (K / QK)));
+    return s->xq && s->a && s->dx && s->sx ? 0 : -1;
+}
+
+static void scratch_free(struct scratch *s) {
+    free(s->xq); free(s->a); free(s->dx); free(s->sx);
+}
+
+/* The product below, by the threads of the enclosing parallel region, each calling it (its
+   loops are OpenMP work-sharing: outside a region, one thread does it all). K % 32 == 0. */
+static void team_matmul(int kind, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y,
+                        const float *residual, struct prologue p, struct scratch s) {
+    const int64_t nb = K / QK, row_bytes = nb * (kind == Q4_1 ? 20 : 34), width = p.swiglu ? 2 * K : K;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < M; t++)
+        quantize_row(x + t * width, K, p, s.a + t * K, s.xq + t * K, s.dx + t * nb, s.sx + t * nb);
+#ifdef __AVX2__
+    if (M == 1 && N % 2 == 0) {
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n += 2) row_pair(kind, w + n * row_bytes, row_bytes, nb, s.xq, s.dx, s.sx, y + n);
+    } else
+#endif
+    {
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) row(kind, w + n * row_bytes, nb, s.xq, s.dx, s.sx, K, M, N, y + n);
+    }
+    if (residual) {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < M * N; i++) y[i] += residual[i];
+    }
+}
+
 /* y (M, N) = residual + prologue(x) (M, K) @ W.T; w (N, K/32 blocks) as in the file; x rows
    K wide (2K with swiglu), residual (M, N) or NULL, norm (K) or NULL. Returns 0, or -1 when K
    is not a multiple of 32 or scratch memory is short. */
 int blocks_matmul(int kind, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y,
                   const float *residual, const float *norm, float eps, int swiglu, int threads) {
     if (K % QK != 0) return -1;
-    const int64_t nb = K / QK, row_bytes = nb * (kind == Q4_1 ? 20 : 34), width = swiglu ? 2 * K : K;
     const struct prologue p = {norm, eps, swiglu};
-    int8_t *xq = malloc((size_t)(M * K));
-    float *a = malloc(sizeof(float) * (size_t)(M * K));
-    float *dx = malloc(sizeof(float) * (size_t)(M * nb)), *sx = malloc(sizeof(float) * (size_t)(M * nb));
-    if (!xq || !a || !dx || !sx) {
-        free(xq); free(a); free(dx); free(sx);
+    struct scratch s;
+    if (scratch_alloc(&s, M, K) != 0) {
+        scratch_free(&s);
         return -1;
     }
-#pragma omp parallel for num_threads(threads) schedule(static) if (M * K >= 65536)
-    for (int64_t t = 0; t < M; t++)
-        quantize_row(x + t * width, K, p, a + t * K, xq + t * K, dx + t * nb, sx + t * nb);
-#ifdef __AVX2__
-    if (M == 1 && N % 2 == 0) {
-#pragma omp parallel for num_threads(threads) schedule(static) if (N * K >= 32768)
-        for (int64_t n = 0; n < N; n += 2) row_pair(kind, w + n * row_bytes, row_bytes, nb, xq, dx, sx, y + n);
-    } else
-#endif
-    {
-#pragma omp parallel for num_threads(threads) schedule(static) if (N * M * K >= 32768)
-        for (int64_t n = 0; n < N; n++) row(kind, w + n * row_bytes, nb, xq, dx, sx, K, M, N, y + n);
-    }
-    if (residual)
-        for (int64_t i = 0; i < M * N; i++) y[i] += residual[i];
-    free(xq); free(a); free(dx); free(sx);
+#pragma omp parallel num_threads(threads) if (N * M * K >= 32768)
+    team_matmul(kind, x, M, K, w, N, y, residual, p, s);
+    scratch_free(&s);
     return 0;
 }

@@ -1,6 +1,6 @@
-"""The engine's C kernels (blocks.c, attention.c), built on first use with the machine's C
+"""The engine's C kernels (blocks.c, attention.c, fused.c), built on first use with the machine's C
 compiler (`$CC`, else `cc`; `-O3 -march=native -fopenmp`) and kept in `$XDG_CACHE_HOME/pdserve`
-(else ~/.cache/pdserve) under a name that hashes the source, the flags and this CPU's feature
+(else ~/.cache/pdserve) under a name that hashes the source (and what it includes), the flags and this CPU's feature
 flags, so a cache shared by other machines is never wrong. Several workers building at once each
 write their own file and rename it into place.
 
@@ -36,11 +36,12 @@ def _cache_dir() -> Path:
     return Path(base) / "pdserve"
 
 
-def build(source: Path, flags: tuple[str, ...] = FLAGS) -> Path:
-    """`source` built with `flags` as a shared library (now, if this machine has not built it)."""
+def build(source: Path, flags: tuple[str, ...] = FLAGS, includes: tuple[Path, ...] = ()) -> Path:
+    """`source` built with `flags` as a shared library (now, if this machine has not built it);
+    `includes`: the files it #includes, hashed with it."""
     compiler = os.environ.get("CC", "cc")
-    key = hashlib.sha256(source.read_bytes() + " ".join((compiler, *flags, platform.machine(),
-                                                          _cpu_flags())).encode())
+    key = hashlib.sha256(b"".join(f.read_bytes() for f in (source, *includes))
+                         + " ".join((compiler, *flags, platform.machine(), _cpu_flags())).encode())
     target = _cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
