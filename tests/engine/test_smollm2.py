@@ -205,3 +205,33 @@ def test_native_decode_passes_in_one_call_equal_the_layer_by_layer_path_to_the_b
     layered = _decode_logits(native, prompts, False)
     assert len(calls) == taken and len(one_call) == len(layered)
     assert all(torch.equal(a, b) for a, b in zip(one_call, layered))
+
+
+def _logits_of(loaded, prompts: dict[str, list[int]], target: str) -> list[torch.Tensor]:
+    """`target`'s next-token logits at each of its passes, in a greedy run of `prompts` together."""
+    engine = Engine(loaded, EngineConfig(num_blocks=256, max_batched_tokens=2048, prefill_chunk=2048))
+    rows, run = [], engine.runner.run
+
+    def capture(sched, hook=None):
+        logits = run(sched, hook)
+        due = [s.request_id for s, _ in sched.chunks[:sched.num_decode]] + [
+            s.request_id for s, n in sched.chunks[sched.num_decode:] if s.num_computed + n == len(s.token_ids)]
+        if target in due:
+            rows.append(logits[due.index(target)].clone())
+        return logits
+
+    engine.runner.run = capture
+    for name, ids in prompts.items():
+        engine.add_request(name, ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    run_all(engine)
+    return rows
+
+
+def test_native_logits_of_a_sequence_do_not_depend_on_its_batch(native, prompts):
+    """With native weights a row is summed alike whatever else is in the pass (kernels/blocks.c),
+    so a sequence alone and beside four others (one prefill pass with a 900-token document, then
+    decode passes of five) gets the same logits, bit for bit, at every step."""
+    alone = _logits_of(native, {"short": prompts["short"]}, "short")
+    together = _logits_of(native, prompts, "short")
+    assert len(alone) == len(together) == 12
+    assert all(torch.equal(a, b) for a, b in zip(alone, together))

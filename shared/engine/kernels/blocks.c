@@ -102,31 +102,32 @@ static inline __m256 dot_block(__m256i w, __m256i x) {
 #endif
 
 /* One output row against rows t0..t0+nt of x (nt a constant where inlined: the accumulators
-   stay in registers). Two accumulators a row, for even and odd blocks, so consecutive blocks'
-   multiply-adds do not wait on each other. */
+   stay in registers). One accumulator a row of x, blocks in order, as row_pair's: a row of x
+   gets the same sums to the bit whatever else is in the batch. */
 static inline __attribute__((always_inline)) void row_tile(
         int kind, const uint8_t *w8, int64_t nb,
         const int8_t *xq, const float *dx, const float *sx, int64_t K, int64_t t0, const int nt, float *out) {
 #ifdef __AVX2__
-    __m256 acc[2 * TILE];
-    float extra[2 * TILE];
-    for (int i = 0; i < 2 * nt; i++) {
-        acc[i] = _mm256_setzero_ps();
-        extra[i] = 0.0f;
+    __m256 acc[TILE];
+    float extra[TILE];
+    for (int t = 0; t < nt; t++) {
+        acc[t] = _mm256_setzero_ps();
+        extra[t] = 0.0f;
     }
-    for (int64_t b = 0; b < nb; b++) {
-        const int e = (int)(b & 1);
-        if (kind == Q4_1) {
+    if (kind == Q4_1) {
+        for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = w8 + b * 20;
             const float d = fp16(blk), m = fp16(blk + 2);
             const __m256i w = load_q4(blk + 4);
             for (int t = 0; t < nt; t++) {
                 const int64_t xb = (t0 + t) * nb + b;
                 const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + (t0 + t) * K + b * QK));
-                acc[2 * t + e] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[xb]), dot_block(w, x), acc[2 * t + e]);
-                extra[2 * t + e] += m * sx[xb];
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[xb]), dot_block(w, x), acc[t]);
+                extra[t] = fmaf(m, sx[xb], extra[t]);  /* fmaf in both paths: alike to the bit */
             }
-        } else {
+        }
+    } else {
+        for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = w8 + b * 34;
             const float d = fp16(blk);
             const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 2));
@@ -134,13 +135,11 @@ static inline __attribute__((always_inline)) void row_tile(
             for (int t = 0; t < nt; t++) {
                 const int64_t xb = (t0 + t) * nb + b;
                 const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + (t0 + t) * K + b * QK));
-                acc[2 * t + e] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[xb]),
-                                                 dot_block(aw, _mm256_sign_epi8(x, w)), acc[2 * t + e]);
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[xb]), dot_block(aw, _mm256_sign_epi8(x, w)), acc[t]);
             }
         }
     }
-    for (int t = 0; t < nt; t++)
-        out[t] = hsum(_mm256_add_ps(acc[2 * t], acc[2 * t + 1])) + extra[2 * t] + extra[2 * t + 1];
+    for (int t = 0; t < nt; t++) out[t] = hsum(acc[t]) + extra[t];
 #else
     for (int t = 0; t < nt; t++) {
         float sum = 0.0f;
@@ -184,8 +183,8 @@ static void row_pair(int kind, const uint8_t *w8, int64_t row_bytes, int64_t nb,
             const uint8_t *b0 = w8 + b * 20, *b1 = w1 + b * 20;
             acc0 = _mm256_fmadd_ps(_mm256_set1_ps(fp16(b0) * dx[b]), dot_block(load_q4(b0 + 4), x), acc0);
             acc1 = _mm256_fmadd_ps(_mm256_set1_ps(fp16(b1) * dx[b]), dot_block(load_q4(b1 + 4), x), acc1);
-            extra0 += fp16(b0 + 2) * sx[b];
-            extra1 += fp16(b1 + 2) * sx[b];
+            extra0 = fmaf(fp16(b0 + 2), sx[b], extra0);
+            extra1 = fmaf(fp16(b1 + 2), sx[b], extra1);
         } else {
             const uint8_t *b0 = w8 + b * 34, *b1 = w1 + b * 34;
             const __m256i q0 = _mm256_loadu_si256((const __m256i *)(b0 + 2));
