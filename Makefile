@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 # llama.cpp, the side-by-side peer of make bench-engine (built from source on first install)
 LLAMA_CPP_VERSION ?= 0.3.36
 
-.PHONY: help setup lint fmt run test test-fast bench-engine bench-stack bench-transfer eval-router bench-router chaos chaos-busy bench-tracing bench-scale bench bench-full profile plan plan-check compose-up compose-down gpu-check clean
+.PHONY: help setup lint fmt run test test-fast bench-engine bench-stack bench-transfer eval-router bench-router chaos chaos-busy bench-tracing bench-scale bench bench-full bench-prefill-chunk profile plan plan-check compose-up compose-down gpu-check clean
 
 .DEFAULT_GOAL := help
 
@@ -102,6 +102,11 @@ bench: setup
 ## bench-full: the same, longer (180 s of mix, 6 rates x 60 s of arrivals)
 bench-full: setup
 	$(BIN)/python -m bench.interference --full
+
+## bench-prefill-chunk: short prompts behind long ones on the disaggregated arm, placement (cost, remote) x the
+##   prefill pool's chunk (2048, 256) side by side (~15 minutes); writes bench/results/prefill-chunk.json
+bench-prefill-chunk: setup
+	$(BIN)/python -m bench.prefill_chunk
 
 ## profile: the engine's cost on this hardware for the planner (prefill passes, decode steps, each worker shape
 ##   alone and beside a busy neighbour, the KV handoff, the control plane; ~6 minutes on 2 cores);
