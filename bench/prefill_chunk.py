@@ -27,7 +27,7 @@ import os
 import platform
 from pathlib import Path
 
-from bench.interference import ALL, one_arm
+from bench.interference import arms, one_arm
 from bench.load import workloads
 from deploy.local.stack import StackConfig
 
@@ -35,13 +35,11 @@ RESULTS = Path(__file__).parent / "results" / "prefill-chunk.json"
 
 
 def arm(mode: str, chunk: int) -> StackConfig:
-    cores = sorted(ALL)
-    split = ({cores[0]}, set(cores[1:]) or {cores[0]})
-    return StackConfig.on_free_ports(
-        prefill=1, decode=1, kv_blocks=2048, threads=len(split[1]),
-        env={"PD_PREFILL_CHUNK": "2048", "PD_MAX_BATCHED_TOKENS": "4096", "PD_PREFILL_MODE": mode},
-        worker_env={"prefill-0": {"PD_PREFILL_CHUNK": str(chunk), "PD_MAX_BATCHED_TOKENS": str(2 * chunk)}},
-        cpus={"prefill-0": split[0], "decode-0": split[1]})
+    """make bench's disaggregated arm with this placement and this prefill-pool chunk."""
+    cfg = arms()["disaggregated"]
+    cfg.env = {**cfg.env, "PD_PREFILL_MODE": mode}
+    cfg.worker_env = {"prefill-0": {"PD_PREFILL_CHUNK": str(chunk), "PD_MAX_BATCHED_TOKENS": str(2 * chunk)}}
+    return cfg
 
 
 def main() -> None:

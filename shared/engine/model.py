@@ -283,16 +283,12 @@ class LlamaModel(nn.Module):
         """Every layer's weights for fused.c, or None unless all four projections of every
         layer are packed (a file with some matrices in another format keeps the per-layer path)."""
         layers: list[tuple[tuple, torch.Tensor, torch.Tensor]] = []
-        eps = {self.cfg.rms_norm_eps}
         for layer in cast("Iterable[DecoderLayer]", self.layers):
             projs = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
             if any(p.packed is None for p in projs):
                 return None
-            eps |= {layer.input_layernorm.eps, layer.post_attention_layernorm.eps}
             layers.append((tuple(p.packed for p in projs), layer.input_layernorm.weight,
                            layer.post_attention_layernorm.weight))
-        if len(eps) != 1:
-            return None
         return fused.Layers.of(layers, self.cfg.hidden_size, self.cfg.intermediate_size, self.cfg.rms_norm_eps)
 
     def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:

@@ -176,20 +176,27 @@ def test_native_weights_serve_decode_steps_like_one_pass(native, prompts):
     assert len(again) == len(ours) and same >= 0.9 * len(ours), (same, len(ours))
 
 
-def _decode_logits(loaded, prompts: dict[str, list[int]], fuse: bool) -> list[torch.Tensor]:
-    """Every pass's logits of a greedy run of these prompts together, with decode passes' layers
-    in one C call (`fuse`) or layer by layer."""
-    loaded.model.fuse = fuse
-    try:
-        engine = Engine(loaded, EngineConfig(num_blocks=256, max_batched_tokens=2048, prefill_chunk=2048))
-        logits, run = [], engine.runner.run
-        engine.runner.run = lambda sched, hook=None: logits.append(run(sched, hook).clone()) or logits[-1]
-        for name, ids in prompts.items():
-            engine.add_request(name, ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-        run_all(engine)
+def _pass_logits(loaded, prompts: dict[str, list[int]]) -> list[dict[str, torch.Tensor]]:
+    """Each pass's next-token logits by request, in a greedy run of `prompts` together."""
+    engine = Engine(loaded, EngineConfig(num_blocks=256, max_batched_tokens=2048, prefill_chunk=2048))
+    passes, run = [], engine.runner.run
+
+    def capture(sched, hook=None):
+        logits = run(sched, hook)
+        due = [s.request_id for s, _ in sched.chunks[:sched.num_decode]] + [
+            s.request_id for s, n in sched.chunks[sched.num_decode:] if s.num_computed + n == len(s.token_ids)]
+        passes.append({rid: row.clone() for rid, row in zip(due, logits)})
         return logits
-    finally:
-        loaded.model.fuse = True
+
+    engine.runner.run = capture
+    for name, ids in prompts.items():
+        engine.add_request(name, ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    run_all(engine)
+    return passes
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_native_decode_passes_in_one_call_equal_the_layer_by_layer_path_to_the_bit(native, prompts, monkeypatch):
@@ -199,39 +206,20 @@ def test_native_decode_passes_in_one_call_equal_the_layer_by_layer_path_to_the_b
 
     calls, decode_layers = [], fused.decode_layers
     monkeypatch.setattr(fused, "decode_layers", lambda *a, **k: calls.append(1) or decode_layers(*a, **k))
-    one_call = _decode_logits(native, prompts, True)
+    one_call = _pass_logits(native, prompts)
     taken = len(calls)
     assert taken >= 11  # every decode pass took the one call
-    layered = _decode_logits(native, prompts, False)
+    monkeypatch.setattr(native.model, "fuse", False)
+    layered = _pass_logits(native, prompts)
     assert len(calls) == taken and len(one_call) == len(layered)
-    assert all(torch.equal(a, b) for a, b in zip(one_call, layered))
-
-
-def _logits_of(loaded, prompts: dict[str, list[int]], target: str) -> list[torch.Tensor]:
-    """`target`'s next-token logits at each of its passes, in a greedy run of `prompts` together."""
-    engine = Engine(loaded, EngineConfig(num_blocks=256, max_batched_tokens=2048, prefill_chunk=2048))
-    rows, run = [], engine.runner.run
-
-    def capture(sched, hook=None):
-        logits = run(sched, hook)
-        due = [s.request_id for s, _ in sched.chunks[:sched.num_decode]] + [
-            s.request_id for s, n in sched.chunks[sched.num_decode:] if s.num_computed + n == len(s.token_ids)]
-        if target in due:
-            rows.append(logits[due.index(target)].clone())
-        return logits
-
-    engine.runner.run = capture
-    for name, ids in prompts.items():
-        engine.add_request(name, ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-    run_all(engine)
-    return rows
+    assert all(_equal(a, b) for a, b in zip(one_call, layered))
 
 
 def test_native_logits_of_a_sequence_do_not_depend_on_its_batch(native, prompts):
     """With native weights a row is summed alike whatever else is in the pass (kernels/blocks.c),
     so a sequence alone and beside four others (one prefill pass with a 900-token document, then
     decode passes of five) gets the same logits, bit for bit, at every step."""
-    alone = _logits_of(native, {"short": prompts["short"]}, "short")
-    together = _logits_of(native, prompts, "short")
+    alone = [p["short"] for p in _pass_logits(native, {"short": prompts["short"]})]
+    together = [p["short"] for p in _pass_logits(native, prompts) if "short" in p]
     assert len(alone) == len(together) == 12
     assert all(torch.equal(a, b) for a, b in zip(alone, together))
