@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from shared.engine.logprobs import Logprob
 from shared.engine.sequence import SamplingParams
 
 if TYPE_CHECKING:
@@ -45,6 +46,13 @@ class Sampling(Message):
     min_tokens: int = 0
     ignore_eos: bool = False
     priority: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def to_engine(self) -> SamplingParams:
         return SamplingParams(**self.model_dump(exclude={"v"}))
@@ -109,13 +117,16 @@ class TokenChunk(Message):
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    logprobs: list[Logprob] | None = None               # one per token in token_ids, when asked
+    prompt_logprobs: list[Logprob | None] | None = None  # with seq 0, when asked (None: the first token's)
 
     @classmethod
     def from_output(cls, out: RequestOutput) -> TokenChunk:
         return cls(request_id=out.request_id, seq=out.num_generated_tokens - len(out.new_token_ids),
                    token_ids=out.new_token_ids, text=out.text, finished=out.finished,
                    finish_reason=out.finish_reason, prompt_tokens=out.num_prompt_tokens,
-                   completion_tokens=out.num_generated_tokens, cached_tokens=out.num_cached_tokens)
+                   completion_tokens=out.num_generated_tokens, cached_tokens=out.num_cached_tokens,
+                   logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs)
 
 
 # -- to a decode worker -------------------------------------------------------------------
@@ -179,6 +190,8 @@ class KVEnd(Message):
     request_id: str
     ok: bool
     first_token: int = -1
+    first_logprob: Logprob | None = None   # the first token's log probabilities, when the request asks
+    prompt_logprobs: list[Logprob | None] | None = None  # and the prompt's (the decode side's chunk log keeps them)
     error: str = ""
     prefill_worker: str = ""  # the sender (a decode side with no receiver answers it)
     kv_tag: int = 0           # the handoff's tag base

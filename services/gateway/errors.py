@@ -29,14 +29,22 @@ def response(err: APIError) -> JSONResponse:
                         headers=err.headers)
 
 
-def _describe(errors: list[dict]) -> tuple[str, str | None]:
+def _describe(errors: list[dict]) -> tuple[str, str | None, str | None]:
+    """(message, param, code) of the first error."""
     first = errors[0]
-    if first.get("type") == "json_invalid":
-        return "The request body is not valid JSON.", None
+    kind = first.get("type")
+    if kind == "json_invalid":
+        return "The request body is not valid JSON.", None, None
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
+    param = ".".join(loc) or (first.get("ctx") or {}).get("param")
     msg = first.get("msg", "invalid value")
-    return (f"Invalid value for '{param}': {msg}." if param else f"Invalid request: {msg}."), param
+    if kind == "extra_forbidden":
+        return f"Unrecognized request argument supplied: {param}", param, "unknown_parameter"
+    if kind == "unsupported_parameter":
+        return msg + ".", param, "unsupported_parameter"
+    if kind == "invalid_value":
+        return msg + ".", param, None
+    return (f"Invalid value for '{param}': {msg}." if param else f"Invalid request: {msg}."), param, None
 
 
 def install(app: FastAPI) -> None:
@@ -46,8 +54,8 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, err: RequestValidationError):
-        message, param = _describe(json.loads(json.dumps(err.errors(), default=str)))
-        return JSONResponse(body(400, message, param), status_code=400)
+        message, param, code = _describe(json.loads(json.dumps(err.errors(), default=str)))
+        return JSONResponse(body(400, message, param, code), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, err: StarletteHTTPException):

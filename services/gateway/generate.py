@@ -15,9 +15,12 @@ from opentelemetry import trace
 
 from services.gateway.deps import Gateway
 from services.gateway.errors import APIError
+from services.gateway.logprobs import CompletionLogprobs
+from services.gateway.logprobs import chat as chat_logprobs
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.timing import timed
 from shared import tracing
+from shared.engine.tokenizer import Tokenizer
 from shared.messages import RouteRequest, TokenChunk
 
 Kind = Literal["chat", "text"]
@@ -59,11 +62,35 @@ def max_tokens(gw: Gateway, body, n_prompt: int) -> int:
     return wanted if wanted is not None else min(room, gw.settings.default_max_tokens, cap or room)
 
 
+# prompt log probabilities one request may ask for (tokens x (1 + alternatives)): they travel
+# in one bus message, under NATS' default 1 MB payload
+MAX_PROMPT_LOGPROBS = 16_384
+
+
+def check_tokens(gw: Gateway, body: ChatCompletionRequest | CompletionRequest, n_prompt: int) -> None:
+    """What the schema cannot know: token ids within this model's vocabulary, and prompt log
+    probabilities that fit one message."""
+    vocab = gw.model_config.vocab_size
+    if any(int(k) >= vocab for k in body.logit_bias or {}):
+        raise APIError(400, f"logit_bias has token ids outside the vocabulary (0..{vocab - 1}).", param="logit_bias")
+    if any(not 0 <= t < vocab for t in body.stop_token_ids or ()):
+        raise APIError(400, f"stop_token_ids has ids outside the vocabulary (0..{vocab - 1}).",
+                       param="stop_token_ids")
+    top = body.prompt_logprobs_wanted()
+    if top is not None and n_prompt * (1 + top) > MAX_PROMPT_LOGPROBS:
+        raise APIError(400, f"echo with logprobs={top} scores {n_prompt} prompt tokens x {1 + top} entries; this "
+                            f"server returns at most {MAX_PROMPT_LOGPROBS} (a shorter prompt or fewer logprobs).",
+                       param="logprobs")
+
+
 async def generate(gw: Gateway, request: Request, body: ChatCompletionRequest | CompletionRequest,
                    kind: Kind) -> JSONResponse | StreamingResponse:
     ids = prompt_ids(gw, body)
+    check_tokens(gw, body, len(ids))
+    scoring = isinstance(body, CompletionRequest) and body.max_tokens == 0  # echo: the prompt scored alone
     try:
-        sampling = body.sampling(max_tokens(gw, body, len(ids)))
+        limit = max_tokens(gw, body, len(ids))  # (the prompt's checks too)
+        sampling = body.sampling(1 if scoring else limit)
     except ValueError as e:
         raise APIError(400, str(e), param="min_tokens") from None
     rid = request.state.request_id  # set with the root span by middleware.RequestContext
@@ -81,40 +108,90 @@ async def generate(gw: Gateway, request: Request, body: ChatCompletionRequest | 
     chunks = timed(chunks, request.state.arrived, placement.mode or "", tracing.trace_id_hex(span))
     meta = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{rid}", "created": int(time.time()),
             "model": body.model}
+    answer = Answer(gw.tokenizer, kind, body, ids, scoring)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_sse(chunks, meta, kind, include_usage, body.return_token_ids),
-                                 media_type="text/event-stream")
-    text, ids, last = await _gather(request, chunks)
-    full = _full_body(meta, kind, text, last)
-    if body.return_token_ids:
-        full["choices"][0]["token_ids"] = ids
-    return JSONResponse(full)
+        return StreamingResponse(_sse(chunks, meta, answer, include_usage), media_type="text/event-stream")
+    last = await _gather(request, chunks, answer)
+    return JSONResponse(answer.body(meta, last))
 
 
-def _usage(last: TokenChunk) -> dict:
-    return {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
-            "total_tokens": last.prompt_tokens + last.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": last.cached_tokens}}
+class Answer:
+    """One choice as its chunks come: text, token ids and log probabilities, each chunk's part
+    (a stream's frame) and the whole (one JSON body). With `echo` the prompt comes first, in
+    the first chunk; `scoring` (completions' max_tokens 0) drops the one generated token."""
+
+    def __init__(self, tok: Tokenizer, kind: Kind, body: ChatCompletionRequest | CompletionRequest,
+                 prompt: list[int], scoring: bool):
+        self.tok, self.kind, self.prompt, self.scoring = tok, kind, prompt, scoring
+        self.echo = isinstance(body, CompletionRequest) and body.echo
+        self.prompt_text = (body.prompt if isinstance(body.prompt, str) else tok.decode(prompt)) \
+            if isinstance(body, CompletionRequest) else ""
+        self.logprobs = body.top_logprobs_wanted() is not None
+        self.token_ids = body.return_token_ids
+        self.offsets = CompletionLogprobs(tok)
+        self.texts: list[str] = []
+        self.ids: list[int] = []
+        self.lps: list[dict] = []      # each chunk's logprobs object
+        self.started = False
+
+    def part(self, chunk: TokenChunk) -> tuple[str, list[int], dict | None]:
+        """This chunk's text, token ids and logprobs object (None when not asked for)."""
+        text, ids, lps, prompt_lps = chunk.text, chunk.token_ids, chunk.logprobs or [], None
+        if self.scoring:
+            text, ids, lps = "", [], []
+        if self.echo and not self.started:
+            text = self.prompt_text + text
+            prompt_lps = chunk.prompt_logprobs or [None] * len(self.prompt)
+        self.started = True
+        obj = None
+        if self.logprobs and self.kind == "chat":
+            obj = chat_logprobs(self.tok, lps)
+        elif self.logprobs:
+            pre = self.offsets.of(prompt_lps, self.prompt) if prompt_lps is not None else None
+            gen = self.offsets.of(lps, ids)
+            obj = CompletionLogprobs.join([pre, gen]) if pre is not None else gen
+        elif prompt_lps is not None:
+            self.offsets.of(prompt_lps, self.prompt)
+        self.texts.append(text)
+        self.ids += ids
+        if obj is not None:
+            self.lps.append(obj)
+        return text, ids, obj
+
+    def body(self, meta: dict, last: TokenChunk) -> dict:
+        text = "".join(self.texts)
+        if self.logprobs:
+            lps = (chat_logprobs(self.tok, []) | {"content": [e for p in self.lps for e in p["content"]]}
+                   if self.kind == "chat" else CompletionLogprobs.join(self.lps))
+        else:
+            lps = None
+        usage = self.usage(last)
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lps,
+                      "finish_reason": last.finish_reason}
+            full = {**meta, "object": "chat.completion", "choices": [choice], "usage": usage}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": lps, "finish_reason": last.finish_reason}
+            full = {**meta, "object": "text_completion", "choices": [choice], "usage": usage}
+        if self.token_ids:
+            choice["token_ids"] = self.ids
+        return full
+
+    def usage(self, last: TokenChunk) -> dict:
+        completion = 0 if self.scoring else last.completion_tokens
+        return {"prompt_tokens": last.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": last.prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": last.cached_tokens}}
 
 
-def _full_body(meta: dict, kind: Kind, text: str, last: TokenChunk) -> dict:
-    if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": last.finish_reason}
-        return {**meta, "object": "chat.completion", "choices": [choice], "usage": _usage(last)}
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
-    return {**meta, "object": "text_completion", "choices": [choice], "usage": _usage(last)}
-
-
-async def _gather(request: Request, chunks: AsyncIterator[TokenChunk]) -> tuple[str, list[int], TokenChunk]:
+async def _gather(request: Request, chunks: AsyncIterator[TokenChunk], answer: Answer) -> TokenChunk:
     """Collect the whole answer; a client that hangs up cancels the request."""
     async def collect():
-        parts, ids, last = [], [], None
+        last = None
         async for last in chunks:
-            parts.append(last.text)
-            ids += last.token_ids
-        return "".join(parts), ids, last
+            answer.part(last)
+        return last
 
     async def hung_up():
         while not await request.is_disconnected():
@@ -134,18 +211,20 @@ def _event(obj) -> bytes:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
 
 
-async def _sse(chunks: AsyncIterator[TokenChunk], meta: dict, kind: Kind, include_usage: bool,
-               token_ids: bool) -> AsyncIterator[bytes]:
+async def _sse(chunks: AsyncIterator[TokenChunk], meta: dict, answer: Answer,
+               include_usage: bool) -> AsyncIterator[bytes]:
+    kind = answer.kind
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
     extra = {"usage": None} if include_usage else {}
 
-    def frame(text: str | None, finish: str | None, ids: list[int] | None = None, first: bool = False) -> bytes:
+    def frame(text: str | None, finish: str | None, ids: list[int] | None = None, lps: dict | None = None,
+              first: bool = False) -> bytes:
         if kind == "chat":
             delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": lps, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-        if token_ids and ids is not None:
+            choice = {"index": 0, "text": text or "", "logprobs": lps, "finish_reason": finish}
+        if answer.token_ids and ids is not None:
             choice["token_ids"] = ids
         return _event({**meta, "object": obj, "choices": [choice], **extra})
 
@@ -154,11 +233,12 @@ async def _sse(chunks: AsyncIterator[TokenChunk], meta: dict, kind: Kind, includ
     last = None
     try:
         async for last in chunks:
-            if last.text or last.finished or token_ids:
-                yield frame(last.text, last.finish_reason if last.finished else None, last.token_ids)
+            text, ids, lps = answer.part(last)
+            if text or last.finished or answer.token_ids or (lps and any(lps.values())):
+                yield frame(text, last.finish_reason if last.finished else None, ids, lps)
     except APIError as e:  # the status line is gone already: report in the stream, as OpenAI does
         yield _event({"error": {"message": e.message, "type": "server_error", "code": e.code}})
         return
     if include_usage and last is not None:
-        yield _event({**meta, "object": obj, "choices": [], "usage": _usage(last)})
+        yield _event({**meta, "object": obj, "choices": [], "usage": answer.usage(last)})
     yield b"data: [DONE]\n\n"

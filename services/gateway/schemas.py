@@ -1,51 +1,102 @@
-"""OpenAI-compatible request bodies, validated (unknown fields are ignored, as OpenAI does)."""
+"""OpenAI-compatible request bodies, validated. Every field means something: a field this
+server does not know, or one OpenAI defines that it does not support, is refused with a 400
+naming it (`refused`); advisory fields (`user`, `metadata`, ...) are accepted and do nothing
+but what their description says."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
+from shared.engine.logprobs import MAX_TOP
 from shared.messages import Sampling
+
+# OpenAI parameters this server refuses (400, code "unsupported_parameter"), and why
+NOT_SUPPORTED = {
+    "response_format": "structured output is not supported yet",
+    "tools": "tool calls are not supported yet",
+    "tool_choice": "tool calls are not supported yet",
+    "parallel_tool_calls": "tool calls are not supported yet",
+    "functions": "function calls are not supported (deprecated by OpenAI for tools)",
+    "function_call": "function calls are not supported (deprecated by OpenAI for tools)",
+    "audio": "this model produces text only",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "this server has no web search",
+    "reasoning_effort": "this model is not a reasoning model",
+    "verbosity": "this model is not a reasoning model",
+    "guided_json": "structured output is not supported yet",
+    "guided_regex": "structured output is not supported yet",
+    "guided_choice": "structured output is not supported yet",
+    "guided_grammar": "structured output is not supported yet",
+    "suffix": "this model has no fill-in-the-middle mode",
+}
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
+    name: str | None = Field(None, description="advisory: accepted, not shown to the model")
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
 
 
+def _refuse(field: str, why: str):
+    return PydanticCustomError("unsupported_parameter", "'{param}' is not supported: {why}",
+                               {"param": field, "why": why})
+
+
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)                     # extension
     n: int = Field(1, ge=1, le=1, description="one choice per request")
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (as a string) -> bias in [-100, 100] added to its logit before sampling")
+    user: str | None = Field(None, description="advisory: accepted, recorded nowhere")
+    # extensions (vLLM's names)
+    top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0, le=10)
+    stop_token_ids: list[int] | None = Field(None, max_length=64)
     ignore_eos: bool = False                         # benchmark extension
     min_tokens: int = Field(0, ge=0)                 # benchmark extension
     return_token_ids: bool = False                   # extension: generated token ids in each choice
     priority: int = Field(0, ge=-100, le=100)        # extension, as vLLM's: lower is prefilled sooner
-    user: str | None = None
     session_id: str | None = Field(None, min_length=1, max_length=200)   # extension (or header x-session-id):
                                                                         # a conversation's turns share a decode worker
+
+    @model_validator(mode="before")
+    @classmethod
+    def _not_supported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, why in NOT_SUPPORTED.items():
+                if data.get(name) not in (None, "") and not _default_value(name, data[name]):
+                    raise _refuse(name, why)
+        return data
 
     @field_validator("stop")
     @classmethod
@@ -55,33 +106,86 @@ class _Common(BaseModel):
             raise ValueError("stop takes up to 4 non-empty strings")
         return stops
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        for key, bias in (v or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids; got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values are in [-100, 100]; got {bias} for {key}")
+        return v
+
+    def top_logprobs_wanted(self) -> int | None:
+        """Alternatives per generated token when log probabilities are asked for, else None."""
+        return None
+
     def sampling(self, max_tokens: int) -> Sampling:
         if self.min_tokens > max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({max_tokens})")
         return Sampling(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                         seed=self.seed, stop=tuple(self.stop or ()), min_tokens=self.min_tokens,
-                        ignore_eos=self.ignore_eos, priority=self.priority)
+                        ignore_eos=self.ignore_eos, priority=self.priority, presence_penalty=self.presence_penalty,
+                        frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                        logit_bias=tuple((int(k), b) for k, b in (self.logit_bias or {}).items()),
+                        min_p=self.min_p, stop_token_ids=tuple(self.stop_token_ids or ()),
+                        logprobs=self.top_logprobs_wanted(), prompt_logprobs=self.prompt_logprobs_wanted())
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        """Alternatives per prompt token when the prompt's log probabilities are asked for."""
+        return None
+
+
+def _default_value(name: str, value: Any) -> bool:
+    """A refused field set to what it means when absent is accepted (a client library's
+    explicit default)."""
+    return ((name == "response_format" and value == {"type": "text"}) or (name == "tool_choice" and value == "none")
+            or (name == "parallel_tool_calls" and value is True) or (name in ("tools", "functions") and value == []))
 
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP)
+    metadata: dict[str, str] | None = Field(None, description="advisory: accepted, recorded nowhere")
+    store: bool | None = Field(None, description="false or absent: this server stores no completions")
+    service_tier: Literal["auto", "default"] | None = None
+    modalities: list[Literal["text"]] | None = None
+    safety_identifier: str | None = Field(None, description="advisory: accepted, recorded nowhere")
+    prompt_cache_key: str | None = Field(None, description="advisory: prompts share cached prefixes anyway")
 
     @model_validator(mode="after")
-    def _max(self):
+    def _chat(self):
         if self.max_tokens is None:
             self.max_tokens = self.max_completion_tokens
+        if self.top_logprobs is not None and not self.logprobs:
+            raise PydanticCustomError("invalid_value", "'top_logprobs' needs 'logprobs' set to true",
+                                      {"param": "top_logprobs"})
+        if self.store:
+            raise _refuse("store", "this server stores no completions")
         return self
+
+    def top_logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Common):
     prompt: str | list[int] = Field(min_length=1)
-    max_tokens: int | None = Field(16, ge=1)
-    echo: bool = False
+    max_tokens: int | None = Field(16, ge=0, description="0 only with echo: the prompt scored, nothing generated")
+    echo: bool = Field(False, description="the prompt before the completion (with logprobs: the prompt's too)")
+    logprobs: int | None = Field(None, ge=0, le=5)
+    best_of: int | None = Field(None, ge=1, le=1, description="one candidate per request")
 
-    @field_validator("echo")
-    @classmethod
-    def _echo(cls, v):
-        if v:
-            raise ValueError("echo is not supported")
-        return v
+    @model_validator(mode="after")
+    def _completion(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise PydanticCustomError("invalid_value", "'max_tokens' of 0 needs 'echo' (the prompt scored alone)",
+                                      {"param": "max_tokens"})
+        return self
+
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        return self.logprobs if self.echo else None

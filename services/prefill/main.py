@@ -292,17 +292,18 @@ class PrefillWorker:
                         prompt_tokens=len(job.prompt_token_ids) + len(job.generated_token_ids),
                         decode=job.decode_worker)
         self.finishing[out.request_id] = time.monotonic()
-        task = asyncio.create_task(self.handoff(job, out.new_token_ids[0]))
+        task = asyncio.create_task(self.handoff(job, out))
         self.handoffs.add(task)
         task.add_done_callback(self.handoffs.discard)
 
-    async def handoff(self, job: PrefillJob, first_token: int) -> None:
+    async def handoff(self, job: PrefillJob, first: RequestOutput) -> None:
         """The lease: the blocks stay until the decode side answers (or time runs out)."""
         rid = job.request_id
         h = self.sender.handoffs[rid]
         acked = False
         try:
-            ack = await self.sender.finish(rid, first_token, self.settings.kv_ack_timeout_s)
+            ack = await self.sender.finish(rid, first.new_token_ids[0], self.settings.kv_ack_timeout_s,
+                                           first.logprobs[0] if first.logprobs else None, first.prompt_logprobs)
             acked = ack.ok
             if not ack.ok:
                 log.warning("%s: KV handoff ended without the decode side's ack: %s", rid, ack.error)

@@ -43,7 +43,8 @@ from shared.engine.detokenizer import TextStream
 from shared.engine.kv_copies import KVCopies
 from shared.engine.kv_io import KVExport, KVPiece, Reservation
 from shared.engine.loader import LoadedModel
-from shared.engine.runner import ModelRunner
+from shared.engine.logprobs import Logprob, logprobs_of
+from shared.engine.runner import ModelRunner, scored_positions
 from shared.engine.sampler import sample
 from shared.engine.scheduler import Scheduler
 from shared.engine.sequence import SamplingParams, Sequence, Status
@@ -73,6 +74,9 @@ class RequestOutput:
     num_prompt_tokens: int
     num_generated_tokens: int
     num_cached_tokens: int
+    logprobs: list[Logprob] | None = None      # each new token's, when its request asks
+    prompt_logprobs: list[Logprob | None] | None = None  # with a request's first token, when asked:
+                                               # one per prompt token (None for the first)
 
 
 class Engine:
@@ -139,6 +143,8 @@ class Engine:
         (failover): they are prefilled with the prompt and count as already generated, so
         max_tokens, seeded sampling and the text stream continue where they stopped."""
         seq = self._new_sequence(request_id, prompt_token_ids, params, prefill_only, generated_token_ids)
+        if params.prompt_logprobs is not None and not generated_token_ids:  # (a failover's were streamed)
+            seq.prompt_logprobs = [None]  # the first prompt token has no context to be scored in
         self.scheduler.add(seq)
 
     def step(self) -> list[RequestOutput]:
@@ -149,20 +155,22 @@ class Engine:
         self.last_pass = Pass(sched.num_decode, sched.prefill_tokens)
         logits = self.runner.run(sched, self._hook_for(sched))
         due: list[Sequence] = []
+        self._score_prompts(sched, logits)
         for seq, n in sched.chunks:
             seq.num_computed += n
             self._commit_blocks(seq)
             if seq.num_computed == len(seq.token_ids):
                 due.append(seq)
         outputs = []
-        for seq, token in zip(due, sample(logits, due, self.eos_token_ids)):
+        tokens, lps = sample(logits[:len(due)], due, self.eos_token_ids)
+        for seq, token, lp in zip(due, tokens, lps):
             if seq.status is Status.WAITING:  # prompt done: leave the prefill queue
                 self.scheduler.waiting.remove(seq)
                 if seq.prefill_only:
                     seq.status = Status.PARKED
                 else:
                     self.scheduler.join_running(seq)
-            outputs.append(self._append_token(seq, token))
+            outputs.append(self._append_token(seq, token, lp))
         return outputs
 
     def abort(self, request_id: str) -> None:
@@ -252,8 +260,10 @@ class Engine:
             raise ValueError(f"{request_id}: {n} blocks received, {len(seq.block_table) - first_block} reserved")
         self.write_kv(layer, seq.block_table[first_block:first_block + n], buffer)
 
-    def commit_import(self, request_id: str, first_token: int) -> RequestOutput:
-        """All layers are in: the sequence joins the decode batch with its first token."""
+    def commit_import(self, request_id: str, first_token: int, logprob: Logprob | None = None,
+                      prompt_logprobs: list[Logprob | None] | None = None) -> RequestOutput:
+        """All layers are in: the sequence joins the decode batch with its first token (and the
+        log probabilities the prefill side computed with it, for its output)."""
         seq = self.seqs[request_id]
         if seq.status is not Status.IMPORTING:
             raise ValueError(f"{request_id}: not reserved for import ({seq.status})")
@@ -261,7 +271,8 @@ class Engine:
         seq.num_computed = seq.num_prefill
         self._commit_blocks(seq)
         self.scheduler.join_running(seq)
-        return self._append_token(seq, first_token)  # (the prefill side published it already)
+        seq.prompt_logprobs = prompt_logprobs
+        return self._append_token(seq, first_token, logprob)  # (the prefill side published it already)
 
     # -- internals -----------------------------------------------------------------------
     def _blocks_view(self, layer: int, block_ids: list[int]) -> torch.Tensor:
@@ -270,6 +281,19 @@ class Engine:
         if block_ids and all(b - a == 1 for a, b in zip(block_ids, block_ids[1:])):
             return pool[block_ids[0]:block_ids[-1] + 1]
         return self.runner.ops.gather_blocks(pool, torch.tensor(block_ids, dtype=torch.long, device=pool.device))
+
+    def _score_prompts(self, sched, logits: torch.Tensor) -> None:
+        """Prompt log probabilities from a pass's extra rows (ModelRunner.run), before the
+        chunks' num_computed moves on."""
+        prompts = sched.chunks[sched.num_decode:]
+        row = sched.num_decode + sum(seq.num_computed + n == len(seq.token_ids) for seq, n in prompts)
+        for seq, n in prompts:
+            scored = scored_positions(seq, n)
+            if len(scored) and seq.prompt_logprobs is not None:
+                seq.prompt_logprobs += logprobs_of(logits[row:row + len(scored)],
+                                                   seq.token_ids[scored.start + 1:scored.stop + 1],
+                                                   seq.params.prompt_logprobs or 0)
+                row += len(scored)
 
     def _hook_for(self, sched):
         """The pass's layer hook: the user's, plus the KV pieces this pass completes."""
@@ -334,7 +358,8 @@ class Engine:
             self.blocks.commit_full_blocks(seq.block_table[done:full], hashes[done:full])
             seq.num_committed_blocks = full
 
-    def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
+    def _append_token(self, seq: Sequence, token: int, logprob: Logprob | None = None) -> RequestOutput:
+        prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None  # handed out once
         seq.token_ids.append(token)
         text = seq.text.push(seq.token_ids) if seq.text is not None else ""
         reason = self._finish_reason(seq, token)
@@ -344,7 +369,8 @@ class Engine:
                 text += seq.text.flush()
             self._finish(seq)
         return RequestOutput(seq.request_id, [token], text, reason is not None, reason,
-                             seq.num_prompt, seq.num_generated, seq.num_cached)
+                             seq.num_prompt, seq.num_generated, seq.num_cached,
+                             None if logprob is None else [logprob], prompt_logprobs)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

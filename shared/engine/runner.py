@@ -25,7 +25,8 @@ class ModelRunner:
 
     def run(self, sched: Schedule, layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
         """Forward one scheduled pass; returns logits (n_out, vocab) for the sequences whose
-        next token is due (every decode sequence, then prefill sequences whose prompt is done)."""
+        next token is due (every decode sequence, then prefill sequences whose prompt is done),
+        then one row for each of `scored_positions` of each prompt chunk, in chunk order."""
         return self.model(self._batch(sched), self.kv, self.ops, layer_hook)
 
     def _slot(self, seq: Sequence, pos: int) -> int:
@@ -42,8 +43,9 @@ class ModelRunner:
         pos: list[int] = [len(s.token_ids) - 1 for s in decode]
         ids: list[int] = [s.last_token for s in decode]
         slots = [self._slot(s, p) for s, p in zip(decode, pos)]
-        out_rows, meta = list(range(len(decode))), []
+        out_rows, meta, scored = list(range(len(decode))), [], []
         for seq, n in sched.chunks[sched.num_decode:]:
+            scored += [len(ids) + p - seq.num_computed for p in scored_positions(seq, n)]
             start, end = seq.num_computed, seq.num_computed + n
             meta.append((len(ids) - len(decode), n, end,
                          self._tensor(seq.block_table[:-(-end // self.cfg.block_size)])))
@@ -52,6 +54,7 @@ class ModelRunner:
             slots += [self._slot(seq, p) for p in range(start, end)]
             if end == len(seq.token_ids):
                 out_rows.append(len(ids) - 1)
+        out_rows += scored
         tables = lens = None
         if decode:
             width = max(len(s.block_table) for s in decode)
@@ -59,3 +62,12 @@ class ModelRunner:
             lens = self._tensor([p + 1 for p in pos[:len(decode)]])
         return ForwardBatch(self._tensor(ids), self._tensor(pos), self._tensor(slots), self._tensor(out_rows),
                             num_decode=len(decode), block_tables=tables, context_lens=lens, chunks=meta)
+
+
+def scored_positions(seq: Sequence, n: int) -> range:
+    """Positions of a prompt chunk of `n` tokens whose logits score the next prompt token, for a
+    sequence gathering prompt log probabilities (the prompt's last position scores the first
+    generated token: it is an output row already)."""
+    if seq.prompt_logprobs is None:
+        return range(0)
+    return range(seq.num_computed, min(seq.num_computed + n, seq.num_prompt - 1))

@@ -1,8 +1,14 @@
-"""Next-token choice for a batch: greedy, temperature, top-k, top-p, per-request seeds.
+"""Next-token choice for a batch: penalties and biases, then greedy or temperature, min-p,
+top-k, top-p, with per-request seeds; each chosen token's log probabilities when asked.
 
-A seeded request draws token n from a generator seeded with H(seed, n), so the same seed
+A seeded request draws token n from a generator seeded with H(seed, n), and every logit
+change reads only the sequence's own tokens (prompt and output so far), so the same seed
 gives the same tokens whether the first token was sampled on a prefill engine and the rest
-on a decode engine, or all in one place.
+on a decode engine, all in one place, or after a failover resumed the request elsewhere.
+
+Order, as vLLM's: logit_bias and the min_tokens ban, then the penalties (repetition over
+prompt and output, frequency and presence over the output), then greedy or temperature,
+min-p, top-k, top-p and the draw.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import logging
 import torch
 import xxhash
 
+from shared.engine.logprobs import Logprob, logprobs_of
 from shared.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -22,14 +29,13 @@ def step_seed(seed: int, index: int) -> int:
 
 
 @torch.inference_mode()
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -> list[int]:
-    """logits (B, vocab) fp32, one row per sequence in `seqs` order. Returns B token ids."""
+def sample(logits: torch.Tensor, seqs: list[Sequence],
+           eos_ids: tuple[int, ...]) -> tuple[list[int], list[Logprob | None]]:
+    """logits (B, vocab) fp32, one row per sequence in `seqs` order (changed in place).
+    Returns B token ids, and each one's Logprob where its sequence asks for them."""
+    raw = {row: logits[row].clone() for row, seq in enumerate(seqs) if seq.params.logprobs is not None}
     for row, seq in enumerate(seqs):
-        p = seq.params
-        if seq.num_generated < p.min_tokens:  # not allowed to stop yet
-            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))
-            if banned:
-                logits[row, banned] = float("-inf")
+        adjust(logits[row], seq, eos_ids)
     out = logits.argmax(dim=-1).tolist()
     for row, seq in enumerate(seqs):
         if not seq.params.greedy:
@@ -37,12 +43,38 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...])
                 out[row] = _sample_row(logits[row], seq)
             except RuntimeError as e:  # numerically degenerate parameters: this row, not the batch
                 log.warning("%s: sampling failed (%s); took the most likely token", seq.request_id, e)
-    return out
+    lps: list[Logprob | None] = [None] * len(seqs)
+    for row, logit in raw.items():
+        lps[row] = logprobs_of(logit[None], [out[row]], seqs[row].params.logprobs or 0)[0]
+    return out, lps
+
+
+def adjust(logits: torch.Tensor, seq: Sequence, eos_ids: tuple[int, ...]) -> None:
+    """The logit changes a sequence's settings ask for, in place on its row (vocab,)."""
+    p = seq.params
+    if p.logit_bias:
+        ids, bias = zip(*p.logit_bias)
+        logits[list(ids)] += torch.tensor(bias, dtype=logits.dtype)
+    if seq.num_generated < p.min_tokens:  # not allowed to stop yet
+        banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))
+        if banned:
+            logits[banned] = float("-inf")
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(seq.token_ids, dtype=torch.long).unique()
+        scores = logits[seen]
+        logits[seen] = torch.where(scores > 0, scores / p.repetition_penalty, scores * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and seq.num_generated:
+        counts = torch.bincount(torch.tensor(seq.token_ids[seq.num_prompt:], dtype=torch.long),
+                                minlength=logits.numel()).to(logits.dtype)
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
 def _sample_row(logits: torch.Tensor, seq: Sequence) -> int:
     p = seq.params
     logits = logits / p.temperature
+    if p.min_p > 0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     if p.top_k > 0:
         kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

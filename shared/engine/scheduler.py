@@ -155,8 +155,10 @@ class Scheduler:
     def _schedule_prefill(self, budget: int) -> Schedule:
         def admit(seq: Sequence) -> bool:
             if not seq.block_table:
+                # a prompt to be scored is computed whole: its cached blocks would have no logits
+                reuse = seq.token_ids if seq.prompt_logprobs is None else []
                 try:
-                    seq.block_table, seq.num_cached = self.blocks.allocate(seq.token_ids, len(seq.token_ids))
+                    seq.block_table, seq.num_cached = self.blocks.allocate(reuse, len(seq.token_ids))
                 except OutOfBlocks:
                     return False
                 seq.num_computed = seq.num_cached

@@ -21,6 +21,13 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     priority: int = 0             # lower is sooner in the prefill queue (ties: first come)
+    presence_penalty: float = 0.0   # minus this from a token's logit once it has been generated (OpenAI)
+    frequency_penalty: float = 0.0  # minus this x how often it has been generated (OpenAI)
+    repetition_penalty: float = 1.0  # a token in the prompt or the output: logit / this if > 0, else x this
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) pairs
+    min_p: float = 0.0            # drop tokens less likely than this x the most likely one
+    logprobs: int | None = None   # each generated token's log probability and this many alternatives
+    prompt_logprobs: int | None = None  # the same for every prompt token (after the first)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -33,6 +40,18 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be > 0")
+        if any(k is not None and k < 0 for k in (self.logprobs, self.prompt_logprobs)):
+            raise ValueError("logprobs and prompt_logprobs must be >= 0")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits are changed before the choice (penalties, biases)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -71,6 +90,9 @@ class Sequence:
     # tokens known at admission: the prompt and, after a failover, the tokens generated before
     # it; they are prefilled together, and their KV is what crosses the boundary
     num_prefill: int = 0
+    # params.prompt_logprobs: each prompt token's Logprob (None for the first), gathered pass by
+    # pass and handed out with the first generated token
+    prompt_logprobs: list | None = None
 
     def full_block_hashes(self, block_size: int, num_tokens: int) -> list[int]:
         """Hashes of the full blocks among the first `num_tokens` (each computed once)."""

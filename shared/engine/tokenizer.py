@@ -18,6 +18,19 @@ from tokenizers import Tokenizer as HFTokenizer
 _CONTROL, _USER_DEFINED = 3, 4  # GGUF token types
 
 
+def _byte_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's bytes_to_unicode), inverted."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {b: b for b in keep}, 0
+    for b in range(256):
+        if b not in chars:
+            chars[b], extra = 256 + extra, extra + 1
+    return {chr(c): b for b, c in chars.items()}
+
+
+_UNICODE_TO_BYTE = _byte_alphabet()
+
+
 class Tokenizer:
     def __init__(self, tok: HFTokenizer, chat_template: str | None, bos_token: str | None,
                  eos_token: str | None, add_bos: bool = False):
@@ -27,6 +40,7 @@ class Tokenizer:
         self.eos_token_id = tok.token_to_id(eos_token) if eos_token else None
         self.bos_token_id = tok.token_to_id(bos_token) if bos_token else None
         self._template = None
+        self._bytes: list[bytes] | None = None  # token_bytes' table, built on first use
         if chat_template:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise
@@ -44,6 +58,25 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (a byte-level BPE token may hold part of a character;
+        an added token, its text)."""
+        if self._bytes is None:
+            self._bytes = self._byte_table()
+        return self._bytes[token_id] if 0 <= token_id < len(self._bytes) else b""
+
+    def _byte_table(self) -> list[bytes]:
+        vocab = self.tok.get_vocab(with_added_tokens=True)
+        table = [b""] * (max(vocab.values(), default=-1) + 1)
+        added = {t.content for t in self.tok.get_added_tokens_decoder().values()}
+        byte_level = type(self.tok.decoder).__name__ == "ByteLevel"
+        for piece, i in vocab.items():
+            if byte_level and piece not in added and all(c in _UNICODE_TO_BYTE for c in piece):
+                table[i] = bytes(_UNICODE_TO_BYTE[c] for c in piece)
+            else:
+                table[i] = self.tok.decode([i], skip_special_tokens=False).encode()
+        return table
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if self._template is None:

@@ -73,6 +73,7 @@ class KVReceiver:
         self.max_attempts = max_attempts
         self.have = np.zeros((num_layers, reservation.num_blocks - reservation.first_block), dtype=bool)
         self.first_token: int | None = None
+        self.end: KVEnd | None = None
         self.outcome: asyncio.Future = asyncio.get_running_loop().create_future()  # the first token, or KVFailed
         self.tasks: set[asyncio.Task] = set()
         self.tags: set[int] = set()              # notices had (a KVSync publishes them again)
@@ -113,6 +114,7 @@ class KVReceiver:
             self.fail(f"prefill side gave up: {end.error}", KVCancelled if end.error == CANCELLED else KVFailed)
             return
         self.first_token = end.first_token
+        self.end = end  # (its log probabilities go with the first token into the engine)
         self._check_done()
 
     # -- one payload ---------------------------------------------------------------------------

@@ -15,7 +15,8 @@ One Handoff per request:
    message takes event-loop time (and the GIL) from the pass it overlaps.
    A KVAck(not ok) at any time — the decode side gave up (its deadline, a cancel, a refusal)
    — ends the handoff and is passed to `given_up`: the prefill worker stops computing.
-3. `finish(rid, first_token, lease_s)` after the prompt's last pass: KVEnd(ok, first token),
+3. `finish(rid, first_token, lease_s)` after the prompt's last pass: KVEnd(ok, first token
+   and, when the request asks, its log probabilities and the prompt's),
    then wait for the KVAck; KVResend requests are answered meanwhile (re-read from the pool,
    attempt n, fresh tag). The lease ends at the ack, at `lease_s`, or at `cancel`. Acks and
    re-send requests come to this worker alone (`pd.prefill.<id>.kv.ack`, `.kv.resend`): each
@@ -44,6 +45,7 @@ from opentelemetry import context, trace
 from shared import subjects
 from shared.bus import Bus
 from shared.engine.kv_io import KVPiece
+from shared.engine.logprobs import Logprob
 from shared.kv import codec
 from shared.kv.base import TAG_SPAN, KVTransport, block_checksums
 from shared.kv.segment import Segment
@@ -216,12 +218,13 @@ class KVSender:
             await self.bus.publish(subjects.decode_kv_end(h.job.decode_worker), h.end, ctx=h.ctx)
 
     # -- 3. finish: the lease ------------------------------------------------------------------
-    async def finish(self, rid: str, first_token: int, lease_s: float) -> KVAck:
+    async def finish(self, rid: str, first_token: int, lease_s: float, logprob: Logprob | None = None,
+                     prompt_logprobs: list[Logprob | None] | None = None) -> KVAck:
         """KVEnd(ok), then the decode side's answer; the handoff is over when this returns."""
         h = self.handoffs[rid]
         try:
             if not h.error:
-                await self._end(h, True, first_token=first_token)
+                await self._end(h, True, first_token=first_token, logprob=logprob, prompt_logprobs=prompt_logprobs)
             try:
                 return await asyncio.wait_for(asyncio.shield(h.acked), lease_s)
             except TimeoutError:
@@ -270,11 +273,13 @@ class KVSender:
             if not ack.ok and self.given_up is not None:  # the decode side gave up: stop computing too (in
                 self.giving_up.start(self.given_up(h.job, ack.error))  # a task: it waits for the engine step)
 
-    async def _end(self, h: Handoff, ok: bool, first_token: int = -1, error: str = "") -> None:
+    async def _end(self, h: Handoff, ok: bool, first_token: int = -1, error: str = "", logprob: Logprob | None = None,
+                   prompt_logprobs: list[Logprob | None] | None = None) -> None:
         if h.end is not None:
             return
         h.error = h.error or error
-        h.end = KVEnd(request_id=h.job.request_id, ok=ok, first_token=first_token, error=error,
+        h.end = KVEnd(request_id=h.job.request_id, ok=ok, first_token=first_token, first_logprob=logprob,
+                      prompt_logprobs=prompt_logprobs, error=error,
                       prefill_worker=self.worker_id, kv_tag=h.job.kv_tag)
         await self.bus.publish(subjects.decode_kv_end(h.job.decode_worker), h.end, ctx=h.ctx)
 
