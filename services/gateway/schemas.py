@@ -94,8 +94,9 @@ class _Common(BaseModel):
     def _not_supported(cls, data: Any) -> Any:
         if isinstance(data, dict):
             for name, why in NOT_SUPPORTED.items():
-                if data.get(name) not in (None, "") and not _default_value(name, data[name]):
+                if name in data and data[name] not in (None, "") and not _default_value(name, data[name]):
                     raise _refuse(name, why)
+            data = {k: v for k, v in data.items() if k not in NOT_SUPPORTED}  # (what is left means its absence)
         return data
 
     @field_validator("stop")

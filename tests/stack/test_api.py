@@ -8,8 +8,10 @@ import httpx
 import nats
 import pytest
 from conftest import MODEL
-from helpers import generate
+from helpers import generate, run_all
 
+from shared.engine.config import EngineConfig
+from shared.engine.engine import Engine
 from shared.engine.sequence import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -150,3 +152,70 @@ def test_client_that_leaves_mid_stream_frees_its_blocks(stack):
         time.sleep(0.3)
     assert all(f == t for f, t in free_blocks().values()), free_blocks()
     assert len(free_blocks()) == 2
+
+
+def test_logprobs_match_the_engine_in_process_streamed_or_not(client, smollm2):
+    tok = smollm2.tokenizer
+    ids = tok.encode(tok.apply_chat_template(PARIS))
+    engine = Engine(smollm2, EngineConfig(num_blocks=256))
+    engine.add_request("x", ids, SamplingParams(max_tokens=8, temperature=0, logprobs=3))
+    expected = [o.logprobs[0] for o in run_all(engine)["x"]]
+    resp = client.chat.completions.create(model=MODEL, messages=PARIS, temperature=0, max_tokens=8,
+                                          logprobs=True, top_logprobs=3)
+    content = resp.choices[0].logprobs.content
+    assert [bytes(e.bytes) for e in content] == [tok.token_bytes(lp.token_id) for lp in expected]
+    for got, want in zip(content, expected, strict=True):
+        assert abs(got.logprob - want.logprob) < 1e-3 and got.logprob <= 0
+        assert [t.token for t in got.top_logprobs] == [tok.token_bytes(i).decode() for i, _ in want.top]
+    streamed = [e for c in client.chat.completions.create(
+        model=MODEL, messages=PARIS, temperature=0, max_tokens=8, logprobs=True, top_logprobs=3, stream=True)
+        if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in content]
+
+
+def test_echo_scores_the_prompt_as_log_likelihood_evaluation_does(client, smollm2):
+    """lm-eval's request: echo, max_tokens 0, logprobs 1; the continuation's log-likelihood is
+    the sum of its tokens' logprobs, and it is greedy when each is the top alternative."""
+    context, continuation = "The capital of France is", " Paris"
+    ids = smollm2.tokenizer.encode(context + continuation)
+    resp = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    lp = resp.choices[0].logprobs
+    assert resp.choices[0].text == context + continuation and resp.usage.completion_tokens == 0
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v < 0 for v in lp.token_logprobs[1:]) and lp.text_offset[-1] == len(context)
+    engine = Engine(smollm2, EngineConfig(num_blocks=256))
+    engine.add_request("x", ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))
+    want = run_all(engine)["x"][0].prompt_logprobs
+    assert all(abs(a - b.logprob) < 1e-3 for a, b in zip(lp.token_logprobs[1:], want[1:], strict=True))
+    assert max(lp.top_logprobs[-1], key=lp.top_logprobs[-1].get) == " Paris"  # the greedy continuation
+    with_text = client.completions.create(model=MODEL, prompt=context, max_tokens=3, echo=True, temperature=0)
+    assert with_text.choices[0].text.startswith(context) and with_text.usage.completion_tokens == 3
+
+
+def test_penalties_bias_and_stop_token_ids_change_the_output_as_they_should(client, smollm2):
+    ask = [{"role": "user", "content": "List ten fruits, one per line."}]
+    kw = dict(model=MODEL, messages=ask, temperature=0, max_tokens=48, extra_body={"return_token_ids": True})
+    plain = client.chat.completions.create(**kw).choices[0].model_extra["token_ids"]
+    penalized = client.chat.completions.create(**kw, frequency_penalty=2.0).choices[0].model_extra["token_ids"]
+    assert penalized != plain
+    assert max(map(penalized.count, penalized)) < max(map(plain.count, plain))
+    newline = smollm2.tokenizer.encode("\n")[0]
+    assert newline in plain
+    banned = client.chat.completions.create(**kw, logit_bias={str(newline): -100}).choices[0].model_extra["token_ids"]
+    assert newline not in banned
+    stopped = client.chat.completions.create(model=MODEL, messages=ask, temperature=0, max_tokens=48,
+                                             extra_body={"return_token_ids": True, "stop_token_ids": [newline]})
+    assert stopped.choices[0].model_extra["token_ids"] == plain[:plain.index(newline) + 1]
+    assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_unknown_and_unsupported_fields_are_refused_by_name(client):
+    import openai
+
+    for extra, code in [({"no_such_field": 1}, "unknown_parameter"),
+                        ({"response_format": {"type": "json_object"}}, "unsupported_parameter")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=PARIS, max_tokens=2, extra_body=extra)
+        assert e.value.body["param"] == next(iter(extra)) and e.value.body["code"] == code
+    ok = client.chat.completions.create(model=MODEL, messages=PARIS, max_tokens=2, user="u1", metadata={"k": "v"})
+    assert ok.choices[0].message.content is not None

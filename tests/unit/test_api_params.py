@@ -1,0 +1,78 @@
+"""Every parameter of OpenAI's chat/completions and completions references is either honoured,
+advisory (accepted, documented as doing nothing), or refused with a 400 naming it: none is
+silently ignored."""
+
+import json
+
+import pytest
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
+from services.gateway.errors import _describe
+from services.gateway.schemas import NOT_SUPPORTED, ChatCompletionRequest, CompletionRequest
+
+MSGS = [{"role": "user", "content": "hi"}]
+# OpenAI's chat/completions request body, each with a value a client would send
+CHAT = {
+    "audio": {"voice": "alloy", "format": "mp3"}, "frequency_penalty": 0.5, "function_call": "auto",
+    "functions": [{"name": "f"}], "logit_bias": {"42": 5}, "logprobs": True, "max_completion_tokens": 8,
+    "max_tokens": 8, "metadata": {"k": "v"}, "modalities": ["text"], "n": 2, "parallel_tool_calls": False,
+    "prediction": {"type": "content", "content": "x"}, "presence_penalty": 0.5, "prompt_cache_key": "k",
+    "reasoning_effort": "low", "response_format": {"type": "json_object"}, "safety_identifier": "u1", "seed": 1,
+    "service_tier": "auto", "stop": ["\n"], "store": True, "stream": True, "stream_options": {"include_usage": True},
+    "temperature": 0.5, "tool_choice": "auto", "tools": [{"type": "function", "function": {"name": "f"}}],
+    "top_logprobs": 3, "top_p": 0.9, "user": "u1", "verbosity": "low", "web_search_options": {},
+}
+COMPLETIONS = {
+    "best_of": 2, "echo": True, "frequency_penalty": 0.5, "logit_bias": {"42": 5}, "logprobs": 2, "max_tokens": 8,
+    "n": 2, "presence_penalty": 0.5, "seed": 1, "stop": "\n", "stream": True, "stream_options": {"include_usage": True},
+    "suffix": "end", "temperature": 0.5, "top_p": 0.9, "user": "u1",
+}
+HONOURED = {"frequency_penalty", "logit_bias", "logprobs", "max_completion_tokens", "max_tokens", "presence_penalty",
+            "seed", "stop", "stream", "stream_options", "temperature", "top_logprobs", "top_p", "echo"}
+ADVISORY = {"metadata", "user", "safety_identifier", "prompt_cache_key", "service_tier", "modalities"}
+REFUSED = {"n": "n", "best_of": "best_of", "store": "store"} | {k: k for k in NOT_SUPPORTED}
+
+
+def refusal(model, body) -> tuple[str, str | None, str | None] | None:
+    try:
+        model.model_validate(body)
+    except ValidationError as e:
+        return _describe(json.loads(json.dumps(RequestValidationError(e.errors()).errors(), default=str)))
+    return None
+
+
+@pytest.mark.parametrize("model, base, params", [
+    (ChatCompletionRequest, {"model": "m", "messages": MSGS}, CHAT),
+    (CompletionRequest, {"model": "m", "prompt": "hi"}, COMPLETIONS)], ids=["chat", "completions"])
+def test_each_openai_parameter_is_honoured_advisory_or_refused_by_name(model, base, params):
+    for name, value in params.items():
+        extra = {"logprobs": True} if name == "top_logprobs" else {}
+        got = refusal(model, {**base, **extra, name: value})
+        if name in HONOURED | ADVISORY:
+            assert got is None, (name, got)
+        else:
+            assert name in REFUSED, f"{name}: neither honoured, advisory nor refused"
+            assert got is not None and got[1] == name and name in got[0], (name, got)
+    assert refusal(model, {**base, "no_such_field": 1}) == (
+        "Unrecognized request argument supplied: no_such_field", "no_such_field", "unknown_parameter")
+
+
+def test_explicit_defaults_of_refused_fields_are_accepted_and_values_are_checked():
+    base = {"model": "m", "messages": MSGS}
+    for name, value in [("response_format", {"type": "text"}), ("tool_choice", "none"), ("tools", []),
+                        ("store", False), ("parallel_tool_calls", True)]:
+        assert refusal(ChatCompletionRequest, {**base, name: value}) is None, name
+    assert refusal(ChatCompletionRequest, {**base, "top_logprobs": 2})[1] == "top_logprobs"  # without logprobs
+    assert refusal(ChatCompletionRequest, {**base, "logprobs": True, "top_logprobs": 21})[1] == "top_logprobs"
+    assert refusal(ChatCompletionRequest, {**base, "logit_bias": {"x": 1}})[1] == "logit_bias"
+    assert refusal(ChatCompletionRequest, {**base, "logit_bias": {"3": 101}})[1] == "logit_bias"
+    assert refusal(CompletionRequest, {"model": "m", "prompt": "hi", "max_tokens": 0})[1] == "max_tokens"
+    ok = CompletionRequest.model_validate({"model": "m", "prompt": "hi", "max_tokens": 0, "echo": True, "logprobs": 1})
+    s = ok.sampling(1)
+    assert (s.logprobs, s.prompt_logprobs) == (1, 1)
+    chat = ChatCompletionRequest.model_validate({**base, "logprobs": True, "logit_bias": {"7": -100},
+                                                 "repetition_penalty": 1.1, "min_p": 0.1, "stop_token_ids": [5]})
+    s = chat.sampling(4)
+    assert (s.logprobs, s.prompt_logprobs, s.logit_bias, s.stop_token_ids) == (0, None, ((7, -100.0),), (5,))
+    assert s.to_engine().repetition_penalty == 1.1 and s.to_engine().min_p == 0.1
