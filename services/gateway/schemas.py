@@ -34,6 +34,9 @@ NOT_SUPPORTED = {
 }
 
 
+_RETURNED = ("tool_calls", "function_call", "audio", "annotations")  # fields of a returned assistant message
+
+
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
@@ -45,6 +48,18 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = Field(None, description="advisory: accepted, not shown to the model")
+    refusal: str | None = Field(None, description="advisory: a returned assistant message's, not shown to the model")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _returned_fields(cls, data: Any) -> Any:
+        """An assistant message passed back as the SDK returned it carries these empty: accepted."""
+        if isinstance(data, dict):
+            for key in _RETURNED:
+                if data.get(key) not in (None, []):
+                    raise _refuse(f"messages.{key}", NOT_SUPPORTED.get(key, "tool calls are not supported yet"))
+            data = {k: v for k, v in data.items() if k not in _RETURNED}
+        return data
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)

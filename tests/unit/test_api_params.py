@@ -63,6 +63,12 @@ def test_explicit_defaults_of_refused_fields_are_accepted_and_values_are_checked
     for name, value in [("response_format", {"type": "text"}), ("tool_choice", "none"), ("tools", []),
                         ("store", False), ("parallel_tool_calls", True)]:
         assert refusal(ChatCompletionRequest, {**base, name: value}) is None, name
+    returned = {"role": "assistant", "content": "Paris.", "refusal": None, "tool_calls": None, "function_call": None,
+                "audio": None, "annotations": []}  # an SDK response's message, passed back as the next turn's
+    assert refusal(ChatCompletionRequest, {**base, "messages": [*MSGS, returned, *MSGS]}) is None
+    called = {**returned, "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": ""}}]}
+    assert "tool_calls" in refusal(ChatCompletionRequest, {**base, "messages": [*MSGS, called]})[0]
+    assert refusal(ChatCompletionRequest, {**base, "messages": [{**MSGS[0], "x": 1}]})[2] == "unknown_parameter"
     assert refusal(ChatCompletionRequest, {**base, "top_logprobs": 2})[1] == "top_logprobs"  # without logprobs
     assert refusal(ChatCompletionRequest, {**base, "logprobs": True, "top_logprobs": 21})[1] == "top_logprobs"
     assert refusal(ChatCompletionRequest, {**base, "logit_bias": {"x": 1}})[1] == "logit_bias"
