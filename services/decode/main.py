@@ -239,8 +239,9 @@ class DecodeWorker:
                         left.append(rx.prefill_worker)
                         rx, expected_s = await self.handoffs.requeue(req, rx, e, left, span)
                 end = rx.end
-                out = await self.host.call(self.engine.commit_import, rid, first_token,
-                                           end.first_logprob if end else None, end.prompt_logprobs if end else None)
+                assert end is not None  # (wait_kv returned: KVEnd(ok) is in)
+                out = await self.host.call(self.engine.commit_import, rid, first_token, end.first_logprob,
+                                           end.prompt_logprobs)
                 if not out.finished:  # published by the prefill side; kept here (before any later
                     self.chunks.record(TokenChunk.from_output(out))  # token) for a gateway that lost it
                 await self.handoffs.ack(rx, KVAck(request_id=rid, ok=True))

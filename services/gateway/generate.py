@@ -151,8 +151,6 @@ class Answer:
             pre = self.offsets.of(prompt_lps, self.prompt) if prompt_lps is not None else None
             gen = self.offsets.of(lps, ids)
             obj = CompletionLogprobs.join([pre, gen]) if pre is not None else gen
-        elif prompt_lps is not None:
-            self.offsets.of(prompt_lps, self.prompt)
         self.texts.append(text)
         self.ids += ids
         if obj is not None:

@@ -72,8 +72,7 @@ class KVReceiver:
         self.transport, self.write, self.bus = transport, write, bus
         self.max_attempts = max_attempts
         self.have = np.zeros((num_layers, reservation.num_blocks - reservation.first_block), dtype=bool)
-        self.first_token: int | None = None
-        self.end: KVEnd | None = None
+        self.end: KVEnd | None = None  # KVEnd(ok): the first token (and its log probabilities)
         self.outcome: asyncio.Future = asyncio.get_running_loop().create_future()  # the first token, or KVFailed
         self.tasks: set[asyncio.Task] = set()
         self.tags: set[int] = set()              # notices had (a KVSync publishes them again)
@@ -113,8 +112,7 @@ class KVReceiver:
         if not end.ok:
             self.fail(f"prefill side gave up: {end.error}", KVCancelled if end.error == CANCELLED else KVFailed)
             return
-        self.first_token = end.first_token
-        self.end = end  # (its log probabilities go with the first token into the engine)
+        self.end = end
         self._check_done()
 
     # -- one payload ---------------------------------------------------------------------------
@@ -188,6 +186,10 @@ class KVReceiver:
     def _check_done(self) -> None:
         if not self.outcome.done() and self.first_token is not None and self.have.all():
             self.outcome.set_result(self.first_token)
+
+    @property
+    def first_token(self) -> int | None:
+        return None if self.end is None else self.end.first_token
 
     def fail(self, reason: str, failure: type[KVFailed] = KVFailed) -> None:
         if not self.outcome.done():
