@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from shared.engine.grammar import Grammar
 from shared.engine.logprobs import Logprob
 from shared.engine.sequence import SamplingParams
 
@@ -53,9 +54,10 @@ class Sampling(Message):
     min_p: float = 0.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    grammar: Grammar | None = None
 
     def to_engine(self) -> SamplingParams:
-        return SamplingParams(**self.model_dump(exclude={"v"}))
+        return SamplingParams(**self.model_dump(exclude={"v", "grammar"}), grammar=self.grammar)
 
 
 # -- to the router ------------------------------------------------------------------------

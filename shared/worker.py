@@ -35,7 +35,10 @@ def build_engine(settings: WorkerSettings) -> Engine:
                        prefill_chunk=settings.prefill_chunk, mixed_batches=settings.mixed_batches,
                        device=settings.device,
                        pair_any_weights=settings.pair_any_weights)
-    return Engine(loaded, cfg)
+    engine = Engine(loaded, cfg)
+    if engine.tokenizer is not None:
+        engine.grammars  # noqa: B018 -- built before registering, not on a structured request's first token
+    return engine
 
 
 class WorkerCore:

@@ -30,9 +30,11 @@ Decode side:
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 import torch
@@ -40,6 +42,7 @@ import torch
 from shared.engine.block_manager import BlockManager, CacheChange, OutOfBlocks
 from shared.engine.config import EngineConfig
 from shared.engine.detokenizer import TextStream
+from shared.engine.grammar import GrammarError, Grammars, token_table
 from shared.engine.kv_copies import KVCopies
 from shared.engine.kv_io import KVExport, KVPiece, Reservation
 from shared.engine.loader import LoadedModel
@@ -48,6 +51,8 @@ from shared.engine.runner import ModelRunner, scored_positions
 from shared.engine.sampler import sample
 from shared.engine.scheduler import Scheduler
 from shared.engine.sequence import SamplingParams, Sequence, Status
+
+log = logging.getLogger(__name__)
 
 
 class Pass(NamedTuple):
@@ -99,6 +104,13 @@ class Engine:
         self.copies = KVCopies(self.runner.device)  # KV to and from the host off the compute stream
         self.last_pass = Pass(0, 0)  # what the last step computed
         self._rng = random.Random(cfg.seed)
+
+    @cached_property
+    def grammars(self) -> Grammars:
+        """Structured output's compiler over this model's vocabulary (built on first use)."""
+        if self.tokenizer is None:
+            raise GrammarError("this model has no tokenizer: structured output needs one")
+        return Grammars(token_table(self.tokenizer, self.model_config.vocab_size), self.eos_token_ids)
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -342,6 +354,10 @@ class Engine:
         seq = Sequence(request_id, [*prompt, *generated], len(prompt), params, prefill_only=prefill_only,
                        num_prefill=total)
         seq.seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        if params.grammar is not None:
+            seq.matcher = self.grammars.matcher(params.grammar)
+            if not all(seq.matcher.accept(t) for t in generated):
+                raise GrammarError("the tokens generated before leave the grammar")
         if self.tokenizer is not None:
             seq.text = TextStream(self.tokenizer, len(prompt), params.stop)
             for end in range(len(prompt) + 1, total + 1):  # already streamed by the engine before
@@ -360,6 +376,8 @@ class Engine:
 
     def _append_token(self, seq: Sequence, token: int, logprob: Logprob | None = None) -> RequestOutput:
         prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None  # handed out once
+        if seq.matcher is not None and not seq.matcher.accept(token):  # (chosen under its mask: a bug)
+            log.error("%s: token %d leaves the request's grammar", seq.request_id, token)
         seq.token_ids.append(token)
         text = seq.text.push(seq.token_ids) if seq.text is not None else ""
         reason = self._finish_reason(seq, token)

@@ -7,8 +7,9 @@ gives the same tokens whether the first token was sampled on a prefill engine an
 on a decode engine, all in one place, or after a failover resumed the request elsewhere.
 
 Order, as vLLM's: logit_bias and the min_tokens ban, then the penalties (repetition over
-prompt and output, frequency and presence over the output), then greedy or temperature,
-min-p, top-k, top-p and the draw.
+prompt and output, frequency and presence over the output), then the grammar's mask
+(structured output: tokens that would leave it are never chosen), then greedy or
+temperature, min-p, top-k, top-p and the draw.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 import torch
 import xxhash
 
+from shared.engine.grammar import mask_rows
 from shared.engine.logprobs import Logprob, logprobs_of
 from shared.engine.sequence import Sequence
 
@@ -36,6 +38,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence],
     raw = {row: logits[row].clone() for row, seq in enumerate(seqs) if seq.params.logprobs is not None}
     for row, seq in enumerate(seqs):
         adjust(logits[row], seq, eos_ids)
+    matchers = {row: seq.matcher for row, seq in enumerate(seqs) if seq.matcher is not None}
+    if matchers:
+        mask_rows(logits, matchers)
     out = logits.argmax(dim=-1).tolist()
     for row, seq in enumerate(seqs):
         if not seq.params.greedy:

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from shared.engine.detokenizer import TextStream
+from shared.engine.grammar import Grammar, Matcher
 from shared.hashing import ROOT_HASH, block_hash
 
 
@@ -28,6 +29,7 @@ class SamplingParams:
     min_p: float = 0.0            # drop tokens less likely than this x the most likely one
     logprobs: int | None = None   # each generated token's log probability and this many alternatives
     prompt_logprobs: int | None = None  # the same for every prompt token (after the first)
+    grammar: Grammar | None = None  # what the output must spell (structured output)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -93,6 +95,7 @@ class Sequence:
     # params.prompt_logprobs: each prompt token's Logprob (None for the first), gathered pass by
     # pass and handed out with the first generated token
     prompt_logprobs: list | None = None
+    matcher: Matcher | None = None  # params.grammar's state: advanced by every token generated
 
     def full_block_hashes(self, block_size: int, num_tokens: int) -> list[int]:
         """Hashes of the full blocks among the first `num_tokens` (each computed once)."""
