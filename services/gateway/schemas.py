@@ -5,17 +5,18 @@ but what their description says."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from shared.engine.grammar import Grammar, GrammarError, check
 from shared.engine.logprobs import MAX_TOP
 from shared.messages import Sampling
 
 # OpenAI parameters this server refuses (400, code "unsupported_parameter"), and why
 NOT_SUPPORTED = {
-    "response_format": "structured output is not supported yet",
     "tools": "tool calls are not supported yet",
     "tool_choice": "tool calls are not supported yet",
     "parallel_tool_calls": "tool calls are not supported yet",
@@ -26,10 +27,6 @@ NOT_SUPPORTED = {
     "web_search_options": "this server has no web search",
     "reasoning_effort": "this model is not a reasoning model",
     "verbosity": "this model is not a reasoning model",
-    "guided_json": "structured output is not supported yet",
-    "guided_regex": "structured output is not supported yet",
-    "guided_choice": "structured output is not supported yet",
-    "guided_grammar": "structured output is not supported yet",
     "suffix": "this model has no fill-in-the-middle mode",
 }
 
@@ -70,6 +67,27 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = Field(None, description="advisory: not shown to the model")
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="absent: any JSON object")
+    strict: bool | None = Field(None, description="the schema is always enforced, strict or not")
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise PydanticCustomError("invalid_value", "'response_format.json_schema' goes with type 'json_schema'",
+                                      {"param": "response_format.json_schema"})
+        return self
+
+
 def _refuse(field: str, why: str):
     return PydanticCustomError("unsupported_parameter", "'{param}' is not supported: {why}",
                                {"param": field, "why": why})
@@ -103,6 +121,12 @@ class _Common(BaseModel):
     priority: int = Field(0, ge=-100, le=100)        # extension, as vLLM's: lower is prefilled sooner
     session_id: str | None = Field(None, min_length=1, max_length=200)   # extension (or header x-session-id):
                                                                         # a conversation's turns share a decode worker
+    # structured output: OpenAI's response_format, or one of vLLM's guided_* extensions
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = Field(None, description="extension: a JSON schema the output follows")
+    guided_regex: str | None = Field(None, min_length=1, description="extension: a regular expression it matches")
+    guided_choice: list[str] | None = Field(None, min_length=1, description="extension: one of these strings")
+    guided_grammar: str | None = Field(None, min_length=1, description="extension: an EBNF grammar (root ::= ...)")
 
     @model_validator(mode="before")
     @classmethod
@@ -132,6 +156,46 @@ class _Common(BaseModel):
                 raise ValueError(f"logit_bias values are in [-100, 100]; got {bias} for {key}")
         return v
 
+    @model_validator(mode="after")
+    def _grammar_compiles(self):
+        named = self._grammars()
+        if len(named) > 1:
+            raise PydanticCustomError("invalid_value", "'{param}' and '" + named[0][0] + "' cannot be used together",
+                                      {"param": named[1][0]})
+        for param, grammar in named:
+            try:
+                check(grammar)
+            except GrammarError as e:
+                raise PydanticCustomError("invalid_value", "'{param}' does not compile: {why}",
+                                          {"param": param, "why": str(e)}) from None
+        return self
+
+    def _grammars(self) -> list[tuple[str, Grammar]]:
+        """(field, grammar) for each structured-output field set."""
+        out: list[tuple[str, Grammar]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            out.append(("response_format", Grammar("json_object")))
+        elif fmt is not None and fmt.json_schema is not None:
+            schema = fmt.json_schema.schema_
+            out.append(("response_format.json_schema.schema",
+                        Grammar("json_schema", json.dumps(schema)) if schema is not None else Grammar("json_object")))
+        if self.guided_json is not None:
+            spec = self.guided_json if isinstance(self.guided_json, str) else json.dumps(self.guided_json)
+            out.append(("guided_json", Grammar("json_schema", spec)))
+        if self.guided_regex is not None:
+            out.append(("guided_regex", Grammar("regex", self.guided_regex)))
+        if self.guided_choice is not None:
+            out.append(("guided_choice", Grammar("choice", json.dumps(self.guided_choice))))
+        if self.guided_grammar is not None:
+            out.append(("guided_grammar", Grammar("ebnf", self.guided_grammar)))
+        return out
+
+    def grammar(self) -> Grammar | None:
+        """What the output must spell (structured output), or None."""
+        named = self._grammars()
+        return named[0][1] if named else None
+
     def top_logprobs_wanted(self) -> int | None:
         """Alternatives per generated token when log probabilities are asked for, else None."""
         return None
@@ -145,7 +209,8 @@ class _Common(BaseModel):
                         frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                         logit_bias=tuple((int(k), b) for k, b in (self.logit_bias or {}).items()),
                         min_p=self.min_p, stop_token_ids=tuple(self.stop_token_ids or ()),
-                        logprobs=self.top_logprobs_wanted(), prompt_logprobs=self.prompt_logprobs_wanted())
+                        logprobs=self.top_logprobs_wanted(), prompt_logprobs=self.prompt_logprobs_wanted(),
+                        grammar=self.grammar())
 
     def prompt_logprobs_wanted(self) -> int | None:
         """Alternatives per prompt token when the prompt's log probabilities are asked for."""

@@ -18,6 +18,7 @@ other whitespace): a small model given free whitespace may spend its tokens on n
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Literal
@@ -45,7 +46,14 @@ def check(grammar: Grammar) -> None:
     try:
         _parse(grammar)
     except (RuntimeError, ValueError, TypeError) as e:
-        raise GrammarError(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from e
+        raise GrammarError(_reason(e)) from e
+
+
+def _reason(e: Exception) -> str:
+    """The library's message without its log prefix ("[hh:mm:ss] file.cc:83: Check failed: ...")."""
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    text = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text)
+    return re.sub(r"^Check failed: .*? is false: ", "", text)[:300]
 
 
 def _parse(grammar: Grammar) -> xgr.Grammar:
@@ -122,7 +130,7 @@ class Grammars:
         try:
             return self._compiler.compile_grammar(_parse(grammar))
         except (RuntimeError, ValueError, TypeError) as e:
-            raise GrammarError(f"{grammar.kind}: {e}") from e
+            raise GrammarError(f"{grammar.kind}: {_reason(e)}") from e
 
     def matcher(self, grammar: Grammar) -> Matcher:
         return Matcher(self.compile(grammar))

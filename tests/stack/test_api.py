@@ -213,7 +213,7 @@ def test_unknown_and_unsupported_fields_are_refused_by_name(client):
     import openai
 
     for extra, code in [({"no_such_field": 1}, "unknown_parameter"),
-                        ({"response_format": {"type": "json_object"}}, "unsupported_parameter")]:
+                        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "unsupported_parameter")]:
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=PARIS, max_tokens=2, extra_body=extra)
         assert e.value.body["param"] == next(iter(extra)) and e.value.body["code"] == code

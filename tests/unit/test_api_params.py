@@ -29,7 +29,8 @@ COMPLETIONS = {
     "suffix": "end", "temperature": 0.5, "top_p": 0.9, "user": "u1",
 }
 HONOURED = {"frequency_penalty", "logit_bias", "logprobs", "max_completion_tokens", "max_tokens", "presence_penalty",
-            "seed", "stop", "stream", "stream_options", "temperature", "top_logprobs", "top_p", "echo"}
+            "seed", "stop", "stream", "stream_options", "temperature", "top_logprobs", "top_p", "echo",
+            "response_format"}
 ADVISORY = {"metadata", "user", "safety_identifier", "prompt_cache_key", "service_tier", "modalities"}
 REFUSED = {"n": "n", "best_of": "best_of", "store": "store"} | {k: k for k in NOT_SUPPORTED}
 
