@@ -83,7 +83,8 @@ class Llguidance:
         self.mask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
 
     def compile(self, schema: str):
-        return self.llg.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
+        compact = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+        return self.llg.LLMatcher.grammar_from_json_schema(schema, defaults=compact)
 
     def matcher(self, compiled):
         return self.llg.LLMatcher(self.tok, compiled)

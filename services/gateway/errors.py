@@ -36,7 +36,8 @@ def _describe(errors: list[dict]) -> tuple[str, str | None, str | None]:
     if kind == "json_invalid":
         return "The request body is not valid JSON.", None, None
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or (first.get("ctx") or {}).get("param")
+    named = (first.get("ctx") or {}).get("param")  # a model's check names its field, under the model's place
+    param = ".".join([*loc, *([named] if named else [])]) or None
     msg = first.get("msg", "invalid value")
     if kind == "extra_forbidden":
         return f"Unrecognized request argument supplied: {param}", param, "unknown_parameter"

@@ -7,12 +7,13 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from opentelemetry import trace
 
+from services.gateway import tools
 from services.gateway.deps import Gateway
 from services.gateway.errors import APIError
 from services.gateway.logprobs import CompletionLogprobs
@@ -31,8 +32,7 @@ def prompt_ids(gw: Gateway, body: ChatCompletionRequest | CompletionRequest) -> 
         raise APIError(404, f"The model '{body.model}' does not exist; this server serves "
                             f"'{gw.settings.model_name}'.", param="model", code="model_not_found")
     if isinstance(body, ChatCompletionRequest):
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in body.messages]
+        messages = tools.prompt_messages([m.for_template() for m in body.messages], body.functions())
         return gw.tokenizer.encode(gw.tokenizer.apply_chat_template(messages))
     if isinstance(body.prompt, str):
         return gw.tokenizer.encode(body.prompt)
@@ -116,10 +116,20 @@ async def generate(gw: Gateway, request: Request, body: ChatCompletionRequest | 
     return JSONResponse(answer.body(meta, last))
 
 
+class Part(NamedTuple):
+    """What one chunk adds to a choice (a stream's frame)."""
+
+    text: str
+    ids: list[int]
+    logprobs: dict | None  # None when not asked for
+    tool_calls: list[dict]
+
+
 class Answer:
-    """One choice as its chunks come: text, token ids and log probabilities, each chunk's part
-    (a stream's frame) and the whole (one JSON body). With `echo` the prompt comes first, in
-    the first chunk; `scoring` (completions' max_tokens 0) drops the one generated token."""
+    """One choice as its chunks come: text, token ids, log probabilities and tool calls, each
+    chunk's part (a stream's frame) and the whole (one JSON body). With `echo` the prompt comes
+    first, in the first chunk; `scoring` (completions' max_tokens 0) drops the one generated
+    token; with tools, calls are taken out of the text as each completes."""
 
     def __init__(self, tok: Tokenizer, kind: Kind, body: ChatCompletionRequest | CompletionRequest,
                  prompt: list[int], scoring: bool):
@@ -134,9 +144,11 @@ class Answer:
         self.ids: list[int] = []
         self.lps: list[dict] = []      # each chunk's logprobs object
         self.started = False
+        functions = body.functions() if isinstance(body, ChatCompletionRequest) else None
+        self.calls = tools.CallStream() if functions else None
+        self.tool_calls: list[dict] = []
 
-    def part(self, chunk: TokenChunk) -> tuple[str, list[int], dict | None]:
-        """This chunk's text, token ids and logprobs object (None when not asked for)."""
+    def part(self, chunk: TokenChunk) -> Part:
         text, ids, lps, prompt_lps = chunk.text, chunk.token_ids, chunk.logprobs or [], None
         if self.scoring:
             text, ids, lps = "", [], []
@@ -151,11 +163,19 @@ class Answer:
             pre = self.offsets.of(prompt_lps, self.prompt) if prompt_lps is not None else None
             gen = self.offsets.of(lps, ids)
             obj = CompletionLogprobs.join([pre, gen]) if pre is not None else gen
+        calls: list[dict] = []
+        if self.calls is not None:
+            text, calls = self.calls.feed(text)
+            text += self.calls.flush() if chunk.finished else ""
+            self.tool_calls += calls
         self.texts.append(text)
         self.ids += ids
         if obj is not None:
             self.lps.append(obj)
-        return text, ids, obj
+        return Part(text, ids, obj, calls)
+
+    def finish_reason(self, last: TokenChunk) -> str | None:
+        return "tool_calls" if self.tool_calls and last.finish_reason == "stop" else last.finish_reason
 
     def body(self, meta: dict, last: TokenChunk) -> dict:
         text = "".join(self.texts)
@@ -166,8 +186,11 @@ class Answer:
             lps = None
         usage = self.usage(last)
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lps,
-                      "finish_reason": last.finish_reason}
+            message: dict = {"role": "assistant", "content": text}
+            if self.tool_calls:
+                calls = [{k: v for k, v in c.items() if k != "index"} for c in self.tool_calls]  # (a delta's)
+                message = {"role": "assistant", "content": text.strip() or None, "tool_calls": calls}
+            choice = {"index": 0, "message": message, "logprobs": lps, "finish_reason": self.finish_reason(last)}
             full = {**meta, "object": "chat.completion", "choices": [choice], "usage": usage}
         else:
             choice = {"index": 0, "text": text, "logprobs": lps, "finish_reason": last.finish_reason}
@@ -216,9 +239,11 @@ async def _sse(chunks: AsyncIterator[TokenChunk], meta: dict, answer: Answer,
     extra = {"usage": None} if include_usage else {}
 
     def frame(text: str | None, finish: str | None, ids: list[int] | None = None, lps: dict | None = None,
-              first: bool = False) -> bytes:
+              first: bool = False, calls: list[dict] | None = None) -> bytes:
         if kind == "chat":
-            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+            delta: dict = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+            if calls:
+                delta["tool_calls"] = calls
             choice = {"index": 0, "delta": delta, "logprobs": lps, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": lps, "finish_reason": finish}
@@ -231,9 +256,11 @@ async def _sse(chunks: AsyncIterator[TokenChunk], meta: dict, answer: Answer,
     last = None
     try:
         async for last in chunks:
-            text, ids, lps = answer.part(last)
-            if text or last.finished or answer.token_ids or (lps and any(lps.values())):
-                yield frame(text, last.finish_reason if last.finished else None, ids, lps)
+            text, ids, lps, calls = answer.part(last)
+            if answer.calls is not None and not text.strip():  # (between calls: the separators)
+                text = ""
+            if text or calls or last.finished or answer.token_ids or (lps and any(lps.values())):
+                yield frame(text, answer.finish_reason(last) if last.finished else None, ids, lps, calls=calls)
     except APIError as e:  # the status line is gone already: report in the stream, as OpenAI does
         yield _event({"error": {"message": e.message, "type": "server_error", "code": e.code}})
         return

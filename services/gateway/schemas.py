@@ -11,15 +11,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from services.gateway import tools
 from shared.engine.grammar import Grammar, GrammarError, check
 from shared.engine.logprobs import MAX_TOP
 from shared.messages import Sampling
 
 # OpenAI parameters this server refuses (400, code "unsupported_parameter"), and why
 NOT_SUPPORTED = {
-    "tools": "tool calls are not supported yet",
-    "tool_choice": "tool calls are not supported yet",
-    "parallel_tool_calls": "tool calls are not supported yet",
     "functions": "function calls are not supported (deprecated by OpenAI for tools)",
     "function_call": "function calls are not supported (deprecated by OpenAI for tools)",
     "audio": "this model produces text only",
@@ -31,7 +29,7 @@ NOT_SUPPORTED = {
 }
 
 
-_RETURNED = ("tool_calls", "function_call", "audio", "annotations")  # fields of a returned assistant message
+_RETURNED = ("function_call", "audio", "annotations")  # fields of a returned assistant message, refused unless empty
 
 
 class TextPart(BaseModel):
@@ -40,12 +38,27 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str = Field(description="the arguments as a JSON text")
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = Field(None, description="none only on an assistant's tool calls")
     name: str | None = Field(None, description="advisory: accepted, not shown to the model")
     refusal: str | None = Field(None, description="advisory: a returned assistant message's, not shown to the model")
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant's calls, as this server returned them")
+    tool_call_id: str | None = Field(None, description="a tool message's: the call it answers")
 
     @model_validator(mode="before")
     @classmethod
@@ -54,12 +67,57 @@ class ChatMessage(BaseModel):
         if isinstance(data, dict):
             for key in _RETURNED:
                 if data.get(key) not in (None, []):
-                    raise _refuse(f"messages.{key}", NOT_SUPPORTED.get(key, "tool calls are not supported yet"))
+                    raise _refuse(key, NOT_SUPPORTED[key] if key in NOT_SUPPORTED else
+                                  f"this server returns no {key}")
             data = {k: v for k, v in data.items() if k not in _RETURNED}
         return data
 
+    @model_validator(mode="after")
+    def _content(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise PydanticCustomError("invalid_value", "a {role} message needs 'content'",
+                                      {"param": "content", "role": self.role})
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise PydanticCustomError("invalid_value", "'tool_call_id' goes with (and only with) a tool message",
+                                      {"param": "tool_call_id"})
+        return self
+
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict:
+        """Role and text as the chat template takes them (developer is system), and any calls."""
+        msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            msg["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        return msg
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema; absent: any JSON object")
+    strict: bool | None = Field(None, description="arguments always follow the parameters, strict or not")
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionName
 
 
 class StreamOptions(BaseModel):
@@ -84,7 +142,7 @@ class ResponseFormat(BaseModel):
     def _schema_with_its_type(self):
         if (self.type == "json_schema") != (self.json_schema is not None):
             raise PydanticCustomError("invalid_value", "'response_format.json_schema' goes with type 'json_schema'",
-                                      {"param": "response_format.json_schema"})
+                                      {"param": "json_schema"})
         return self
 
 
@@ -220,8 +278,7 @@ class _Common(BaseModel):
 def _default_value(name: str, value: Any) -> bool:
     """A refused field set to what it means when absent is accepted (a client library's
     explicit default)."""
-    return ((name == "response_format" and value == {"type": "text"}) or (name == "tool_choice" and value == "none")
-            or (name == "parallel_tool_calls" and value is True) or (name in ("tools", "functions") and value == []))
+    return name == "functions" and value == []
 
 
 class ChatCompletionRequest(_Common):
@@ -235,6 +292,10 @@ class ChatCompletionRequest(_Common):
     modalities: list[Literal["text"]] | None = None
     safety_identifier: str | None = Field(None, description="advisory: accepted, recorded nowhere")
     prompt_cache_key: str | None = Field(None, description="advisory: prompts share cached prefixes anyway")
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="with tools, auto when absent; none: the tools are not shown to the model")
+    parallel_tool_calls: bool = Field(True, description="false: at most one call an answer")
 
     @model_validator(mode="after")
     def _chat(self):
@@ -245,7 +306,29 @@ class ChatCompletionRequest(_Common):
                                       {"param": "top_logprobs"})
         if self.store:
             raise _refuse("store", "this server stores no completions")
+        names = [t.function.name for t in self.tools or ()]
+        if self.tool_choice not in (None, "none") and not names:
+            raise PydanticCustomError("invalid_value", "'tool_choice' needs 'tools'", {"param": "tool_choice"})
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise PydanticCustomError("invalid_value", "'tool_choice' names no function in 'tools'",
+                                      {"param": "tool_choice"})
         return self
+
+    def functions(self) -> list[dict] | None:
+        """The function definitions shown to the model (None: no tools, or tool_choice none)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.function.model_dump(exclude_none=True, exclude={"strict"}) for t in self.tools]
+
+    def _grammars(self) -> list[tuple[str, Grammar]]:
+        functions = self.functions()
+        if functions is None:
+            return super()._grammars()
+        choice = self.tool_choice or "auto"
+        name = choice.function.name if isinstance(choice, NamedToolChoice) else choice
+        if name not in ("auto", "required") and all(f["name"] != name for f in functions):
+            return super()._grammars()  # (refused by name in _chat)
+        return [*super()._grammars(), ("tools", tools.grammar(functions, name, self.parallel_tool_calls))]
 
     def top_logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -28,7 +28,7 @@ import torch
 if TYPE_CHECKING:  # imported where first used: the library costs a second at import, and most
     import xgrammar as xgr  # processes importing this module (the router, a gateway's messages) never match
 
-KINDS = ("json_schema", "json_object", "regex", "choice", "ebnf")
+KINDS = ("json_schema", "json_object", "regex", "choice", "ebnf", "structural_tag")
 
 
 class GrammarError(ValueError):
@@ -37,8 +37,10 @@ class GrammarError(ValueError):
 
 @dataclass(frozen=True)
 class Grammar:
-    kind: Literal["json_schema", "json_object", "regex", "choice", "ebnf"]
-    spec: str = ""  # json_schema: the schema's JSON text; regex; choice: a JSON list of strings; ebnf
+    kind: Literal["json_schema", "json_object", "regex", "choice", "ebnf", "structural_tag"]
+    # json_schema: the schema's JSON text; regex; choice: a JSON list of strings; ebnf;
+    # structural_tag: xgrammar's structural tag as JSON (free text with tagged parts: tool calls)
+    spec: str = ""
 
 
 def check(grammar: Grammar) -> None:
@@ -67,6 +69,8 @@ def _parse(grammar: Grammar) -> xgr.Grammar:
         return xgr.Grammar.from_ebnf(choice_ebnf(json.loads(grammar.spec)))
     if grammar.kind == "ebnf":
         return xgr.Grammar.from_ebnf(grammar.spec)
+    if grammar.kind == "structural_tag":
+        return xgr.Grammar.from_structural_tag(json.dumps(_compact(json.loads(grammar.spec))))
     raise GrammarError(f"unknown grammar kind {grammar.kind!r}")
 
 
@@ -84,6 +88,15 @@ def _json_strings(g: xgr.Grammar) -> xgr.Grammar:
     for chars in _STRING_CHARS:
         ebnf = ebnf.replace(chars, _JSON_CHARS)
     return xgr.Grammar.from_ebnf(ebnf)
+
+
+def _compact(part):
+    """A structural tag with each JSON schema part made this module's compact JSON grammar."""
+    if isinstance(part, dict) and part.get("type") == "json_schema" and "json_schema" in part:
+        return {"type": "grammar", "grammar": str(_parse(Grammar("json_schema", json.dumps(part["json_schema"]))))}
+    if isinstance(part, dict):
+        return {k: _compact(v) for k, v in part.items()}
+    return [_compact(v) for v in part] if isinstance(part, list) else part
 
 
 def choice_ebnf(choices: list[str]) -> str:

@@ -90,3 +90,60 @@ def test_grammars_that_do_not_compile_are_refused_by_name(client):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=ask("Paris"), max_tokens=2, extra_body=extra)
         assert e.value.body["param"] == param and param in e.value.body["message"], e.value.body
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "description": "The time now in a timezone.",
+                                         "parameters": {"type": "object", "properties": {
+                                             "timezone": {"type": "string", "maxLength": 40}},
+                                             "required": ["timezone"]}}}
+
+
+def test_a_tool_call_round_trip(client):
+    """required: the answer is a call with arguments that follow the schema; the result goes
+    back as a tool message and the model answers in text."""
+    msgs = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    first = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, TIME], tool_choice="required",
+                                           temperature=0, max_tokens=120)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice.message
+    call = choice.message.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    assert call.function.name in ("get_weather", "get_time") and call.id.startswith("call_")
+    required = (WEATHER if call.function.name == "get_weather" else TIME)["function"]["parameters"]["required"]
+    assert set(required) <= set(args)
+    alone = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, TIME], tool_choice="none",
+                                           max_tokens=1)
+    msgs += [choice.message.model_dump(exclude_none=True),
+             {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18, "sky": "clear"})}]
+    answer = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, TIME], tool_choice="none",
+                                            temperature=0, max_tokens=40)
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+    assert answer.usage.prompt_tokens > alone.usage.prompt_tokens + 20  # the call and its result were in the prompt
+
+
+def test_a_named_tool_streamed_equals_non_streamed(client):
+    msgs = [{"role": "user", "content": "What time is it in Tokyo?"}]
+    kw = dict(model=MODEL, messages=msgs, tools=[WEATHER, TIME], temperature=0, max_tokens=80,
+              tool_choice={"type": "function", "function": {"name": "get_time"}}, parallel_tool_calls=False)
+    full = client.chat.completions.create(**kw).choices[0]
+    assert [c.function.name for c in full.message.tool_calls] == ["get_time"]
+    assert "timezone" in json.loads(full.message.tool_calls[0].function.arguments)
+    chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    deltas = [t for c in chunks for t in c.choices[0].delta.tool_calls or ()]
+    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == \
+        [(0, "get_time", full.message.tool_calls[0].function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_auto_gives_text_or_calls_that_follow_their_schema(client):
+    for question in ("What is the weather in Rome in celsius?", "Tell me a joke about cats."):
+        got = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                             tools=[WEATHER], temperature=0, max_tokens=80).choices[0]
+        for call in got.message.tool_calls or ():
+            assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city", "unit"}
+        assert got.message.content or got.message.tool_calls

@@ -30,7 +30,7 @@ COMPLETIONS = {
 }
 HONOURED = {"frequency_penalty", "logit_bias", "logprobs", "max_completion_tokens", "max_tokens", "presence_penalty",
             "seed", "stop", "stream", "stream_options", "temperature", "top_logprobs", "top_p", "echo",
-            "response_format"}
+            "response_format", "tools", "tool_choice", "parallel_tool_calls"}
 ADVISORY = {"metadata", "user", "safety_identifier", "prompt_cache_key", "service_tier", "modalities"}
 REFUSED = {"n": "n", "best_of": "best_of", "store": "store"} | {k: k for k in NOT_SUPPORTED}
 
@@ -48,7 +48,7 @@ def refusal(model, body) -> tuple[str, str | None, str | None] | None:
     (CompletionRequest, {"model": "m", "prompt": "hi"}, COMPLETIONS)], ids=["chat", "completions"])
 def test_each_openai_parameter_is_honoured_advisory_or_refused_by_name(model, base, params):
     for name, value in params.items():
-        extra = {"logprobs": True} if name == "top_logprobs" else {}
+        extra = {"top_logprobs": {"logprobs": True}, "tool_choice": {"tools": CHAT["tools"]}}.get(name, {})
         got = refusal(model, {**base, **extra, name: value})
         if name in HONOURED | ADVISORY:
             assert got is None, (name, got)
@@ -67,8 +67,8 @@ def test_explicit_defaults_of_refused_fields_are_accepted_and_values_are_checked
     returned = {"role": "assistant", "content": "Paris.", "refusal": None, "tool_calls": None, "function_call": None,
                 "audio": None, "annotations": []}  # an SDK response's message, passed back as the next turn's
     assert refusal(ChatCompletionRequest, {**base, "messages": [*MSGS, returned, *MSGS]}) is None
-    called = {**returned, "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": ""}}]}
-    assert "tool_calls" in refusal(ChatCompletionRequest, {**base, "messages": [*MSGS, called]})[0]
+    called = {**returned, "function_call": {"name": "f", "arguments": "{}"}}
+    assert "function_call" in refusal(ChatCompletionRequest, {**base, "messages": [*MSGS, called]})[0]
     assert refusal(ChatCompletionRequest, {**base, "messages": [{**MSGS[0], "x": 1}]})[2] == "unknown_parameter"
     assert refusal(ChatCompletionRequest, {**base, "top_logprobs": 2})[1] == "top_logprobs"  # without logprobs
     assert refusal(ChatCompletionRequest, {**base, "logprobs": True, "top_logprobs": 21})[1] == "top_logprobs"

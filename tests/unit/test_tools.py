@@ -1,0 +1,90 @@
+"""Tool calls at the gateway: the request's checks, the prompt the model sees, the grammar
+that holds arguments to their schema, and calls taken out of streamed text."""
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from services.gateway import tools
+from services.gateway.errors import _describe
+from services.gateway.schemas import ChatCompletionRequest
+from shared.engine.grammar import Grammars, check
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string", "maxLength": 30},
+                                                "unit": {"enum": ["c", "f"]}},
+                                                "required": ["city", "unit"]}}}
+NOW = {"type": "function", "function": {"name": "now"}}
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def request(**kw) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": "m", "messages": ASK, **kw})
+
+
+def param_of(**kw) -> str:
+    with pytest.raises(ValidationError) as e:
+        request(**kw)
+    return _describe(json.loads(json.dumps(e.value.errors(), default=str)))[1]
+
+
+def test_tool_choice_and_messages_are_checked():
+    assert param_of(tool_choice="required") == "tool_choice"  # no tools
+    assert param_of(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}) == "tool_choice"
+    assert param_of(tools=[WEATHER], response_format={"type": "json_object"}) == "tools"
+    assert param_of(tools=[{"type": "function", "function": {"name": "bad name!"}}]).startswith("tools")
+    assert param_of(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}]) == "tools"
+    assert param_of(messages=[*ASK, {"role": "tool", "content": "12 C"}]) == "messages.1.tool_call_id"
+    assert param_of(messages=[{"role": "user"}]) == "messages.0.content"
+    assert request(tools=[WEATHER], tool_choice="none").grammar() is None
+    assert request(tools=[WEATHER]).grammar().kind == "structural_tag"
+
+
+def test_the_prompt_lists_the_tools_and_replays_earlier_calls():
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                             "arguments": '{"city": "Paris", "unit": "c"}'}}
+    body = request(tools=[WEATHER], messages=[*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+                                              {"role": "tool", "tool_call_id": "call_1", "content": "12 C"}])
+    msgs = tools.prompt_messages([m.for_template() for m in body.messages], body.functions())
+    assert msgs[0]["role"] == "system" and '"name": "get_weather"' in msgs[0]["content"]
+    assert msgs[2] == {"role": "assistant", "content": tools.block("get_weather", '{"city": "Paris", "unit": "c"}')}
+    assert msgs[3] == {"role": "tool", "content": "<tool_response>\n12 C\n</tool_response>"}
+    assert tools.prompt_messages([m.for_template() for m in body.messages], None)[0]["role"] == "user"
+
+
+def walk(grammar, text: str) -> bool:
+    """Whether `text` (then the end) is in the grammar, over a vocabulary of bytes."""
+    m = Grammars([bytes([i]) if i else b"" for i in range(256)], (0,)).matcher(grammar)
+    return all(m.accept(b) for b in text.encode()) and m.accept(0)
+
+
+def test_the_grammar_holds_calls_to_their_schemas_under_each_choice():
+    fns = [WEATHER["function"], NOW["function"]]
+    ok = tools.block("get_weather", '{"city": "Paris", "unit": "c"}')
+    bad_unit = tools.block("get_weather", '{"city": "Paris", "unit": "k"}')
+    now = tools.block("now", "{}")
+    auto, required = tools.grammar(fns, "auto", True), tools.grammar(fns, "required", True)
+    named, single = tools.grammar(fns, "now", True), tools.grammar(fns, "required", False)
+    for g in (auto, required, named, single):
+        check(g)
+    assert walk(auto, "Let me look. " + ok + "\nDone.") and walk(auto, "No call at all.")
+    assert not walk(auto, "Let me look. " + bad_unit)
+    assert walk(required, ok + "\n" + now) and not walk(required, "Sure. " + ok) and not walk(required, "")
+    assert walk(named, now) and not walk(named, ok)
+    assert walk(single, ok) and not walk(single, ok + "\n" + now)
+
+
+def test_calls_are_taken_out_of_streamed_text_whatever_the_pieces():
+    text = "Checking. " + tools.block("get_weather", '{"city": "Paris", "unit": "c"}') + "\n" + \
+        tools.block("now", "{}") + " <tool"
+    for size in (1, 3, 7, len(text)):
+        s = tools.CallStream()
+        parts = [s.feed(text[i:i + size]) for i in range(0, len(text), size)]
+        content = "".join(c for c, _ in parts) + s.flush()
+        calls = [c for _, cs in parts for c in cs]
+        assert content == "Checking. \n <tool"
+        assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+            [(0, "get_weather", {"city": "Paris", "unit": "c"}), (1, "now", {})]
+        assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
