@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 # llama.cpp, the side-by-side peer of make bench-engine (built from source on first install)
 LLAMA_CPP_VERSION ?= 0.3.36
 
-.PHONY: help setup lint fmt run test test-fast bench-engine bench-stack bench-transfer eval-router bench-router chaos chaos-busy bench-tracing bench-scale bench bench-full bench-prefill-chunk profile plan plan-check compose-up compose-down gpu-check clean
+.PHONY: help setup lint fmt run test test-fast bench-engine bench-grammar bench-stack bench-transfer eval-router bench-router chaos chaos-busy bench-tracing bench-scale bench bench-full bench-prefill-chunk profile plan plan-check compose-up compose-down gpu-check clean
 
 .DEFAULT_GOAL := help
 
@@ -51,11 +51,17 @@ fmt: setup
 	$(BIN)/ruff check --fix .
 
 ## bench-engine: our engine on fp32 and native (4-bit) weights vs transformers and llama.cpp, same GGUF, same threads,
-##   side by side, and the quality of each format; writes bench/results/engine.json (the first run builds llama.cpp from
-##   PyPI: ~10 minutes on 2 cores; pip keeps the wheel)
+##   side by side, the quality of each format, and the decode step at batch 8 under a JSON schema; writes
+##   bench/results/engine.json (the first run builds llama.cpp from PyPI: ~10 minutes on 2 cores; pip keeps the wheel)
 bench-engine: setup
 	$(BIN)/pip install -q llama-cpp-python==$(LLAMA_CPP_VERSION)
 	$(BIN)/python -m bench.engine_bench
+
+## bench-grammar: xgrammar, llguidance and outlines-core masking SmolLM2's vocabulary for the same JSON schemas
+##   (compile time, mask and advance per token); writes bench/results/grammar-libs.json (~1 minute)
+bench-grammar: setup
+	$(BIN)/pip install -q llguidance==1.9.1 outlines-core==0.2.14
+	$(BIN)/python -m bench.grammar_libs
 
 ## bench-stack: time to first token through the stack minus the in-process engine's; writes bench/results/stack.json
 bench-stack: setup

@@ -8,10 +8,12 @@ batch 1, 8 and 32 — for our engine with fp32 weights (every matrix dequantized
 file's own 4-bit blocks (`native`, shared/engine/weights.py), transformers (fp32, its own KV
 cache, only the last position's logits in prefill as its generate() does) and llama.cpp
 (batch 1 only: its server runs one sequence a slot); each the median of interleaved rounds.
+Structured output (bench/structured_bench.py): the decode step at batch 8 under a JSON schema
+against the same prompts unconstrained, per format.
 Quality (bench/engine_quality.py): greedy agreement with transformers' fp32 tokens, and
 perplexity, per format. Writes bench/results/engine.json (`summary`: decode_b1_over_llamacpp,
 prefill_512_over_llamacpp, prefill_2048_over_llamacpp, greedy_agreement, perplexity_ratio —
-the last two of `native`).
+the last two of `native`; structured_b8_overhead, the larger format's).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from bench import engine_quality
+from bench import engine_quality, structured_bench
 from bench.llamacpp_arm import LlamaCpp
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
@@ -176,6 +178,7 @@ def main() -> None:
 
     run, parts = arms(args.threads)
     speeds = speed(run, args.rounds, args.decode_steps)
+    structured = structured_bench.measure(parts["engines"], max(args.rounds, 5), args.decode_steps)
     for engine in parts["engines"].values():
         assert engine.num_free_blocks == engine.num_blocks
     quality = None if args.no_quality else engine_quality.measure(parts["loaded"], parts["hf"])
@@ -183,11 +186,12 @@ def main() -> None:
         for f, q in quality["formats"].items():
             print(f"{f}: greedy agreement {q['greedy_agreement']:.4f}, perplexity {q['perplexity']:.3f} "
                   f"({q['perplexity_ratio']:.4f}x the reference's)", flush=True)
-    summary = summarize(speeds, quality)
+    summary = {**summarize(speeds, quality), **structured_bench.summary(structured)}
     out = {"model": "SmolLM2-135M-Instruct (GGUF Q4_1, embeddings Q8_0)", "threads": args.threads,
            "rounds": args.rounds, "decode_steps": args.decode_steps, "decode_prompt_tokens": PROMPT_FOR_DECODE,
            "machine": {"cpus": os.cpu_count(), "processor": platform.processor(), "torch": torch.__version__},
-           "speed": speeds, "quality": quality, "summary": summary, "wall_s": round(time.monotonic() - started, 1)}
+           "speed": speeds, "structured": structured, "quality": quality, "summary": summary,
+           "wall_s": round(time.monotonic() - started, 1)}
     (RESULTS / "engine.json").write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(summary, indent=1))
     print(f"wrote {RESULTS / 'engine.json'}")

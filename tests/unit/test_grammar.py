@@ -110,3 +110,25 @@ def test_a_model_without_a_tokenizer_refuses_structured_output(tiny):
     e = Engine(tiny, EngineConfig(num_blocks=64))
     with pytest.raises(GrammarError, match="tokenizer"):
         e.add_request("a", PROMPT, SamplingParams(grammar=Grammar("json_object")))
+
+
+def test_the_cpu_mask_equals_xgrammars_kernel_on_all_rows_or_some():
+    import torch
+    import xgrammar as xgr
+
+    from shared.engine.grammar import mask_rows
+
+    grammars = Grammars(VOCAB, (EOS,))
+    ms = {row: grammars.matcher(Grammar("json_schema", json.dumps(PERSON))) for row in range(4)}
+    for m, prefix in zip(ms.values(), [b"", b'{"na', b'{"name": "Al', b'{"name": "A", "age": 3']):
+        assert all(m.accept(b) for b in prefix)
+    for rows in ([0, 1, 2, 3], [1, 3]):
+        logits = torch.randn(4, len(VOCAB))
+        expected = logits.clone()
+        bitmask = xgr.allocate_token_bitmask(4, len(VOCAB))
+        for row in rows:
+            ms[row].fill(bitmask, row)
+        xgr.apply_token_bitmask_inplace(expected, bitmask, indices=rows)
+        mask_rows(logits, {row: ms[row] for row in rows})
+        assert torch.equal(logits, expected)
+        assert torch.isinf(logits[rows]).any() and not torch.isinf(logits[[r for r in range(4) if r not in rows]]).any()
