@@ -6,25 +6,20 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
-from typing import Literal, NamedTuple
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from opentelemetry import trace
 
-from services.gateway import tools
+from services.gateway import answer, choices, tools
+from services.gateway.answer import Answer, Kind, Part, usage
 from services.gateway.deps import Gateway
 from services.gateway.errors import APIError
-from services.gateway.logprobs import CompletionLogprobs
-from services.gateway.logprobs import chat as chat_logprobs
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.timing import timed
 from shared import tracing
-from shared.engine.tokenizer import Tokenizer
 from shared.messages import RouteRequest, TokenChunk
-
-Kind = Literal["chat", "text"]
 
 
 def prompt_ids(gw: Gateway, body: ChatCompletionRequest | CompletionRequest) -> list[int]:
@@ -97,122 +92,37 @@ async def generate(gw: Gateway, request: Request, body: ChatCompletionRequest | 
     span = trace.get_current_span()
     span.set_attributes({"prompt_tokens": len(ids), "stream": body.stream, "max_tokens": sampling.max_tokens})
     try:
-        session = body.session_id or request.headers.get("x-session-id") or None
-        placement, chunks = await gw.relay.run(RouteRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling,
-                                                            model=body.model, session_id=session))
+        # n > 1: the later choices follow choice 0 to its decode worker (choices.py), under one session
+        session = body.session_id or request.headers.get("x-session-id") or (f"n-{rid}" if body.n > 1 else None)
+        placement, streams = await choices.run(gw.relay.run, RouteRequest(
+            request_id=rid, prompt_token_ids=ids, sampling=sampling, model=body.model, session_id=session), body.n)
     except APIError as e:
         span.set_attribute("error", e.message)
         raise
     span.set_attributes({"mode": placement.mode or "", "decode_worker": placement.decode_worker or "",
-                         "prefill_worker": placement.prefill_worker or ""})
-    chunks = timed(chunks, request.state.arrived, placement.mode or "", tracing.trace_id_hex(span))
+                         "prefill_worker": placement.prefill_worker or "", "n": body.n})
+    merged = choices.merge([timed(s, request.state.arrived, placement.mode or "", tracing.trace_id_hex(span))
+                            for s in streams])
     meta = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{rid}", "created": int(time.time()),
             "model": body.model}
-    answer = Answer(gw.tokenizer, kind, body, ids, scoring)
+    answers = [Answer(gw.tokenizer, kind, body, ids, scoring) for _ in range(body.n)]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_sse(chunks, meta, answer, include_usage), media_type="text/event-stream")
-    last = await _gather(request, chunks, answer)
-    return JSONResponse(answer.body(meta, last))
+        return StreamingResponse(_sse(merged, meta, answers, include_usage), media_type="text/event-stream")
+    lasts = await _gather(request, merged, answers)
+    return JSONResponse(answer.body(meta, answers, lasts))
 
 
-class Part(NamedTuple):
-    """What one chunk adds to a choice (a stream's frame)."""
-
-    text: str
-    ids: list[int]
-    logprobs: dict | None  # None when not asked for
-    tool_calls: list[dict]
-
-
-class Answer:
-    """One choice as its chunks come: text, token ids, log probabilities and tool calls, each
-    chunk's part (a stream's frame) and the whole (one JSON body). With `echo` the prompt comes
-    first, in the first chunk; `scoring` (completions' max_tokens 0) drops the one generated
-    token; with tools, calls are taken out of the text as each completes."""
-
-    def __init__(self, tok: Tokenizer, kind: Kind, body: ChatCompletionRequest | CompletionRequest,
-                 prompt: list[int], scoring: bool):
-        self.tok, self.kind, self.prompt, self.scoring = tok, kind, prompt, scoring
-        self.echo = isinstance(body, CompletionRequest) and body.echo
-        self.prompt_text = (body.prompt if isinstance(body.prompt, str) else tok.decode(prompt)) \
-            if isinstance(body, CompletionRequest) else ""
-        self.logprobs = body.top_logprobs_wanted() is not None
-        self.token_ids = body.return_token_ids
-        self.offsets = CompletionLogprobs(tok)
-        self.texts: list[str] = []
-        self.ids: list[int] = []
-        self.lps: list[dict] = []      # each chunk's logprobs object
-        self.started = False
-        functions = body.functions() if isinstance(body, ChatCompletionRequest) else None
-        self.calls = tools.CallStream() if functions else None
-        self.tool_calls: list[dict] = []
-
-    def part(self, chunk: TokenChunk) -> Part:
-        text, ids, lps, prompt_lps = chunk.text, chunk.token_ids, chunk.logprobs or [], None
-        if self.scoring:
-            text, ids, lps = "", [], []
-        if self.echo and not self.started:
-            text = self.prompt_text + text
-            prompt_lps = chunk.prompt_logprobs or [None] * len(self.prompt)
-        self.started = True
-        obj = None
-        if self.logprobs and self.kind == "chat":
-            obj = chat_logprobs(self.tok, lps)
-        elif self.logprobs:
-            pre = self.offsets.of(prompt_lps, self.prompt) if prompt_lps is not None else None
-            gen = self.offsets.of(lps, ids)
-            obj = CompletionLogprobs.join([pre, gen]) if pre is not None else gen
-        calls: list[dict] = []
-        if self.calls is not None:
-            text, calls = self.calls.feed(text)
-            text += self.calls.flush() if chunk.finished else ""
-            self.tool_calls += calls
-        self.texts.append(text)
-        self.ids += ids
-        if obj is not None:
-            self.lps.append(obj)
-        return Part(text, ids, obj, calls)
-
-    def finish_reason(self, last: TokenChunk) -> str | None:
-        return "tool_calls" if self.tool_calls and last.finish_reason == "stop" else last.finish_reason
-
-    def body(self, meta: dict, last: TokenChunk) -> dict:
-        text = "".join(self.texts)
-        if self.logprobs:
-            lps = (chat_logprobs(self.tok, []) | {"content": [e for p in self.lps for e in p["content"]]}
-                   if self.kind == "chat" else CompletionLogprobs.join(self.lps))
-        else:
-            lps = None
-        usage = self.usage(last)
-        if self.kind == "chat":
-            message: dict = {"role": "assistant", "content": text}
-            if self.tool_calls:
-                calls = [{k: v for k, v in c.items() if k != "index"} for c in self.tool_calls]  # (a delta's)
-                message = {"role": "assistant", "content": text.strip() or None, "tool_calls": calls}
-            choice = {"index": 0, "message": message, "logprobs": lps, "finish_reason": self.finish_reason(last)}
-            full = {**meta, "object": "chat.completion", "choices": [choice], "usage": usage}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": lps, "finish_reason": last.finish_reason}
-            full = {**meta, "object": "text_completion", "choices": [choice], "usage": usage}
-        if self.token_ids:
-            choice["token_ids"] = self.ids
-        return full
-
-    def usage(self, last: TokenChunk) -> dict:
-        completion = 0 if self.scoring else last.completion_tokens
-        return {"prompt_tokens": last.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": last.prompt_tokens + completion,
-                "prompt_tokens_details": {"cached_tokens": last.cached_tokens}}
-
-
-async def _gather(request: Request, chunks: AsyncIterator[TokenChunk], answer: Answer) -> TokenChunk:
-    """Collect the whole answer; a client that hangs up cancels the request."""
+async def _gather(request: Request, chunks: AsyncIterator[tuple[int, TokenChunk]],
+                  answers: list[Answer]) -> list[TokenChunk]:
+    """Collect every choice whole (each one's last chunk); a client that hangs up cancels the request."""
     async def collect():
-        last = None
-        async for last in chunks:
-            answer.part(last)
-        return last
+        lasts: list[TokenChunk | None] = [None] * len(answers)
+        async for index, chunk in chunks:
+            answers[index].part(chunk)
+            lasts[index] = chunk
+        assert all(last is not None for last in lasts)
+        return lasts
 
     async def hung_up():
         while not await request.is_disconnected():
@@ -232,38 +142,45 @@ def _event(obj) -> bytes:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
 
 
-async def _sse(chunks: AsyncIterator[TokenChunk], meta: dict, answer: Answer,
+async def _sse(chunks: AsyncGenerator[tuple[int, TokenChunk]], meta: dict, answers: list[Answer],
                include_usage: bool) -> AsyncIterator[bytes]:
-    kind = answer.kind
+    kind = answers[0].kind
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
     extra = {"usage": None} if include_usage else {}
 
-    def frame(text: str | None, finish: str | None, ids: list[int] | None = None, lps: dict | None = None,
-              first: bool = False, calls: list[dict] | None = None) -> bytes:
+    def frame(index: int, part: Part | None, finish: str | None) -> bytes:
         if kind == "chat":
-            delta: dict = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-            if calls:
-                delta["tool_calls"] = calls
-            choice = {"index": 0, "delta": delta, "logprobs": lps, "finish_reason": finish}
+            delta: dict = {"role": "assistant", "content": ""} if part is None else \
+                ({"content": part.text} if part.text else {})
+            if part is not None and part.tool_calls:
+                delta["tool_calls"] = part.tool_calls
+            choice = {"index": index, "delta": delta, "logprobs": part and part.logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": lps, "finish_reason": finish}
-        if answer.token_ids and ids is not None:
-            choice["token_ids"] = ids
+            choice = {"index": index, "text": part.text if part else "", "logprobs": part and part.logprobs,
+                      "finish_reason": finish}
+        if answers[index].token_ids and part is not None:
+            choice["token_ids"] = part.ids
         return _event({**meta, "object": obj, "choices": [choice], **extra})
 
     if kind == "chat":
-        yield frame(None, None, first=True)
-    last = None
+        for index in range(len(answers)):
+            yield frame(index, None, None)
+    lasts: list[TokenChunk | None] = [None] * len(answers)
     try:
-        async for last in chunks:
-            text, ids, lps, calls = answer.part(last)
-            if answer.calls is not None and not text.strip():  # (between calls: the separators)
-                text = ""
-            if text or calls or last.finished or answer.token_ids or (lps and any(lps.values())):
-                yield frame(text, answer.finish_reason(last) if last.finished else None, ids, lps, calls=calls)
+        async for index, last in chunks:
+            answer, lasts[index] = answers[index], last
+            part = answer.part(last)
+            if answer.calls is not None and not part.text.strip():  # (between calls: the separators)
+                part = part._replace(text="")
+            if part.text or part.tool_calls or last.finished or answer.token_ids or \
+                    (part.logprobs and any(part.logprobs.values())):
+                yield frame(index, part, answer.finish_reason(last) if last.finished else None)
     except APIError as e:  # the status line is gone already: report in the stream, as OpenAI does
         yield _event({"error": {"message": e.message, "type": "server_error", "code": e.code}})
         return
-    if include_usage and last is not None:
-        yield _event({**meta, "object": obj, "choices": [], "usage": answer.usage(last)})
+    finally:
+        await chunks.aclose()  # (a client gone: every choice's work stops)
+    ended = [last for last in lasts if last is not None]
+    if include_usage and len(ended) == len(answers):
+        yield _event({**meta, "object": obj, "choices": [], "usage": usage(answers, ended)})
     yield b"data: [DONE]\n\n"

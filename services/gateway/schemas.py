@@ -29,6 +29,8 @@ NOT_SUPPORTED = {
 }
 
 
+MAX_CHOICES = 16  # n at most
+
 _RETURNED = ("function_call", "audio", "annotations")  # fields of a returned assistant message, refused unless empty
 
 
@@ -158,7 +160,7 @@ class _Common(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    n: int = Field(1, ge=1, le=1, description="one choice per request")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices from the one prompt (prefilled once)")
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False

@@ -82,7 +82,7 @@ BAD = [
     ("empty messages", {"model": MODEL, "messages": []}, 400, "messages"),
     ("negative max_tokens", {"model": MODEL, "messages": PARIS, "max_tokens": -5}, 400, "max_tokens"),
     ("temperature too high", {"model": MODEL, "messages": PARIS, "temperature": 7}, 400, "temperature"),
-    ("n > 1", {"model": MODEL, "messages": PARIS, "n": 3}, 400, "n"),
+    ("n over the limit", {"model": MODEL, "messages": PARIS, "n": 17}, 400, "n"),
     ("bad role", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages"),
     ("unknown model", {"model": "gpt-9", "messages": PARIS}, 404, "model"),
     ("prompt over the context", {"model": MODEL, "messages": [{"role": "user", "content": "hello " * 9000}]},
@@ -213,7 +213,7 @@ def test_unknown_and_unsupported_fields_are_refused_by_name(client):
     import openai
 
     for extra, code in [({"no_such_field": 1}, "unknown_parameter"),
-                        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "unsupported_parameter")]:
+                        ({"prediction": {"type": "content", "content": "x"}}, "unsupported_parameter")]:
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=PARIS, max_tokens=2, extra_body=extra)
         assert e.value.body["param"] == next(iter(extra)) and e.value.body["code"] == code

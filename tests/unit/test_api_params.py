@@ -30,9 +30,9 @@ COMPLETIONS = {
 }
 HONOURED = {"frequency_penalty", "logit_bias", "logprobs", "max_completion_tokens", "max_tokens", "presence_penalty",
             "seed", "stop", "stream", "stream_options", "temperature", "top_logprobs", "top_p", "echo",
-            "response_format", "tools", "tool_choice", "parallel_tool_calls"}
+            "response_format", "tools", "tool_choice", "parallel_tool_calls", "n"}
 ADVISORY = {"metadata", "user", "safety_identifier", "prompt_cache_key", "service_tier", "modalities"}
-REFUSED = {"n": "n", "best_of": "best_of", "store": "store"} | {k: k for k in NOT_SUPPORTED}
+REFUSED = {"best_of": "best_of", "store": "store"} | {k: k for k in NOT_SUPPORTED}
 
 
 def refusal(model, body) -> tuple[str, str | None, str | None] | None:
