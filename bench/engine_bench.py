@@ -66,18 +66,8 @@ def hf_prefill(model, n: int, seed: int) -> float:
 
 
 def ours_decode(engine: Engine, batch: int, steps: int, seed: int) -> float:
-    params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"d{i}", random_prompt(PROMPT_FOR_DECODE, seed + i), params)
-    while any(s.status.value == "waiting" for s in engine.seqs.values()):
-        engine.step()
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    elapsed = (time.perf_counter() - start) / steps
-    for i in range(batch):
-        engine.abort(f"d{i}")
-    return elapsed
+    prompts = [random_prompt(PROMPT_FOR_DECODE, seed + i) for i in range(batch)]
+    return structured_bench.decode_step(engine, prompts, None, steps)
 
 
 def hf_decode(model, batch: int, steps: int, seed: int) -> float:

@@ -43,8 +43,8 @@ def prompts(engine: Engine) -> list[list[int]]:
 
 
 def decode_step(engine: Engine, batch: list[list[int]], grammar: Grammar | None, steps: int) -> float:
-    """Seconds per decode step of `batch` (greedy), once every prompt is prefilled; each sequence
-    is inside its answer the whole time (the schema's answers run past `steps` tokens)."""
+    """Seconds per decode step of `batch` (greedy), once every prompt is prefilled; every
+    sequence runs through the measured steps (a schema's answer runs past `steps` tokens)."""
     params = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True, grammar=grammar)
     for i, ids in enumerate(batch):
         engine.add_request(f"s{i}", ids, params)

@@ -37,6 +37,7 @@ from services.gateway.relay import Relay
 from shared import tracing
 from shared.bus import Bus
 from shared.config import GatewaySettings
+from shared.engine import grammar
 from shared.engine.loader import inspect
 from shared.messages import WorkerInfo
 from shared.service import heartbeat, setup_logging
@@ -54,6 +55,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         model_config, tokenizer = await asyncio.to_thread(inspect, settings.model)
         if tokenizer is None:
             raise RuntimeError(f"model {settings.model!r} has no tokenizer; the gateway needs one")
+        await asyncio.to_thread(grammar.check, grammar.Grammar("json_object"))  # (loads the library: not on a request)
         bus = await Bus.connect(settings.nats_url, name="gateway")
         state = State.for_service(settings)
         me = WorkerInfo(worker_id=settings.gateway_id or f"gateway-{uuid.uuid4().hex[:8]}", role="gateway")

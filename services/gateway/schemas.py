@@ -34,27 +34,29 @@ MAX_CHOICES = 16  # n at most
 _RETURNED = ("function_call", "audio", "annotations")  # fields of a returned assistant message, refused unless empty
 
 
-class TextPart(BaseModel):
+class Strict(BaseModel):
+    """A request's part: a field it does not define is refused by name."""
+
     model_config = ConfigDict(extra="forbid")
+
+
+class TextPart(Strict):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FunctionCall(Strict):
     name: str
     arguments: str = Field(description="the arguments as a JSON text")
 
 
-class ToolCall(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ToolCall(Strict):
     id: str
     type: Literal["function"]
     function: FunctionCall
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = Field(None, description="none only on an assistant's tool calls")
     name: str | None = Field(None, description="advisory: accepted, not shown to the model")
@@ -97,33 +99,28 @@ class ChatMessage(BaseModel):
         return msg
 
 
-class FunctionDef(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FunctionDef(Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = Field(None, description="a JSON schema; absent: any JSON object")
     strict: bool | None = Field(None, description="arguments always follow the parameters, strict or not")
 
 
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Tool(Strict):
     type: Literal["function"]
     function: FunctionDef
 
 
-class FunctionName(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FunctionName(Strict):
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class NamedToolChoice(Strict):
     type: Literal["function"]
     function: FunctionName
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
@@ -135,8 +132,7 @@ class JSONSchemaFormat(BaseModel):
     strict: bool | None = Field(None, description="the schema is always enforced, strict or not")
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
@@ -153,8 +149,7 @@ def _refuse(field: str, why: str):
                                {"param": field, "why": why})
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Common(Strict):
 
     model: str
     max_tokens: int | None = Field(None, ge=1)

@@ -3,9 +3,10 @@ regular expression, one of several strings, an EBNF grammar), enforced by maskin
 choice, every token that would leave the grammar — with xgrammar, measured the fastest of
 three libraries on this vocabulary (`python -m bench.grammar_libs`).
 
-    grammars = Grammars(tokenizer, vocab_size, eos_ids)     # one per engine
-    matcher = grammars.matcher(Grammar("json_schema", schema_text))
-    matcher.fill(bitmask, row); ... ; matcher.accept(token)
+    grammars = Grammars(token_table(tokenizer, vocab_size), eos_ids)   # one per engine
+    matcher = grammars.matcher(Grammar("json_schema", schema_text))   # one per sequence
+    mask_rows(logits, {row: matcher})     # before the choice: tokens that leave it set to -inf
+    matcher.accept(token)                 # after it
 
 A matcher's state is a function of the tokens it accepted, so the decode side rebuilds it
 from the tokens generated before (the first token, or a failover's), and the first token
@@ -29,9 +30,6 @@ import torch
 
 if TYPE_CHECKING:  # imported where first used: the library costs a second at import, and most
     import xgrammar as xgr  # processes importing this module (the router, a gateway's messages) never match
-
-KINDS = ("json_schema", "json_object", "regex", "choice", "ebnf", "structural_tag")
-
 
 class GrammarError(ValueError):
     """The grammar cannot be compiled (the message says where)."""
@@ -122,11 +120,6 @@ class Matcher:
     def accept(self, token: int) -> bool:
         """Advance by `token`; False (state unchanged) where the grammar does not allow it."""
         return self._m.accept_token(token)
-
-    @property
-    def done(self) -> bool:
-        """The grammar is complete and the end token was accepted."""
-        return self._m.is_terminated()
 
 
 class Grammars:
