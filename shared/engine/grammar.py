@@ -47,7 +47,7 @@ def check(grammar: Grammar) -> None:
     """Raise GrammarError if `grammar` does not parse (no vocabulary needed: a gateway's check)."""
     try:
         _parse(grammar)
-    except (RuntimeError, ValueError, TypeError) as e:
+    except Exception as e:  # noqa: BLE001 - whatever the parser raises, the input was at fault
         raise GrammarError(_reason(e)) from e
 
 
