@@ -3,6 +3,7 @@ changes published, registry entry, draining), how the engine is built, and start
 
 from __future__ import annotations
 
+import threading
 import uuid
 from contextlib import AsyncExitStack
 from typing import Literal
@@ -36,8 +37,9 @@ def build_engine(settings: WorkerSettings) -> Engine:
                        device=settings.device,
                        pair_any_weights=settings.pair_any_weights)
     engine = Engine(loaded, cfg)
-    if engine.tokenizer is not None:
-        engine.grammars  # noqa: B018 -- built before registering, not on a structured request's first token
+    if engine.tokenizer is not None:  # structured output's tables, built beside the start (a few seconds,
+        # mostly the library's import), not on a structured request's first token
+        threading.Thread(target=lambda: engine.grammars, name="grammars", daemon=True).start()
     return engine
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import uuid
 from contextlib import asynccontextmanager
 
@@ -55,7 +56,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         model_config, tokenizer = await asyncio.to_thread(inspect, settings.model)
         if tokenizer is None:
             raise RuntimeError(f"model {settings.model!r} has no tokenizer; the gateway needs one")
-        await asyncio.to_thread(grammar.check, grammar.Grammar("json_object"))  # (loads the library: not on a request)
+        threading.Thread(target=grammar.check, args=(grammar.Grammar("json_object"),), name="grammars",
+                         daemon=True).start()  # the library loaded beside the start, not on a request
         bus = await Bus.connect(settings.nats_url, name="gateway")
         state = State.for_service(settings)
         me = WorkerInfo(worker_id=settings.gateway_id or f"gateway-{uuid.uuid4().hex[:8]}", role="gateway")
