@@ -45,7 +45,7 @@ async def run(relay_run: Run, req: RouteRequest, n: int) -> tuple[RouteReply, li
     async def lead() -> AsyncIterator[TokenChunk]:
         try:
             async for chunk in first:
-                if chunk.seq >= 1 or chunk.finished or chunk.error:
+                if chunk.seq >= 1 or chunk.finished:  # (an error is raised by the relay: the finally)
                     landed.set()
                 yield chunk
         finally:

@@ -71,8 +71,7 @@ class ChatMessage(Strict):
         if isinstance(data, dict):
             for key in _RETURNED:
                 if data.get(key) not in (None, []):
-                    raise _refuse(key, NOT_SUPPORTED[key] if key in NOT_SUPPORTED else
-                                  f"this server returns no {key}")
+                    raise _refuse(key, NOT_SUPPORTED.get(key, f"this server returns no {key}"))
             data = {k: v for k, v in data.items() if k not in _RETURNED}
         return data
 
