@@ -35,7 +35,8 @@ def logits_all(loaded: LoadedModel, ids: list[int], start: int = 0) -> torch.Ten
     """Next-token logits (n - start, vocab) at every position from `start` of one prefill of `ids`."""
     cfg, n, bs = loaded.config, len(ids), 16
     blocks = -(-n // bs)
-    kv = torch.zeros((cfg.num_layers, blocks, 2, bs, cfg.num_kv_heads, cfg.head_dim))
+    kv = torch.zeros((cfg.num_layers, blocks, 2, bs, cfg.num_kv_heads, cfg.head_dim),
+                     dtype=loaded.model.embed_tokens.weight.dtype)
     every = torch.arange(n)
     batch = ForwardBatch(torch.tensor(ids), every, every, every[start:],
                          chunks=[(0, n, n, torch.arange(blocks))])

@@ -26,8 +26,10 @@ import numpy as np
 import torch
 import xxhash
 
+from shared.engine.architectures import model_config
 from shared.engine.config import ModelConfig
-from shared.engine.model import LlamaModel, Rotary
+from shared.engine.model import DecoderModel
+from shared.engine.rope import Rope
 from shared.engine.tokenizer import Tokenizer
 from shared.engine.weights import FORMATS, pack
 
@@ -36,7 +38,7 @@ TINY_SEED = 1234
 
 @dataclass
 class LoadedModel:
-    model: LlamaModel
+    model: DecoderModel
     config: ModelConfig
     tokenizer: Tokenizer | None
     name: str
@@ -93,12 +95,12 @@ def _resolve(source: str) -> Path:
 
 
 def _build(cfg: ModelConfig, tensors: dict[str, torch.Tensor] | None, dtype: torch.dtype,
-           device: str) -> LlamaModel:
+           device: str) -> DecoderModel:
     """Allocate the model once, in its final dtype and device, then fill it."""
     with torch.device("meta"):
-        model = LlamaModel(cfg)
+        model = DecoderModel(cfg)
     model = model.to(dtype=dtype).to_empty(device=device)
-    model.rotary = Rotary(cfg).to(device)  # fp32 tables, not weights
+    model.make_rotary(device)  # fp32 tables, not weights
     if tensors is None:
         with torch.no_grad():
             for p in model.parameters():
@@ -150,7 +152,7 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
         hidden_size=hidden, intermediate_size=g("feed_forward_length"),
         num_layers=g("block_count"), num_heads=n_head, num_kv_heads=n_kv,
         head_dim=g("rope.dimension_count", hidden // n_head),
-        rope_theta=float(g("rope.freq_base", 10000.0)),
+        rope=Rope(float(g("rope.freq_base", 10000.0))),
         rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
         max_position=g("context_length", 2048), tie_embeddings="output.weight" not in names,
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
@@ -186,26 +188,18 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: str, weights: str = "fp32
 
 # -- Hugging Face directory ------------------------------------------------------------------
 def _hf_config(path: Path) -> ModelConfig:
-    hf = json.loads((path / "config.json").read_text())
-    if hf.get("model_type", "llama") != "llama":
-        raise ValueError(f"{path}: model_type {hf.get('model_type')!r} is not supported (llama only)")
-    eos = hf.get("eos_token_id")
-    heads = hf["num_attention_heads"]
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}  # newer configs nest rope_theta
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"{path}: RoPE scaling {rope_type!r} is not supported yet (plain RoPE only)")
-    return ModelConfig(
-        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
-        num_heads=heads, num_kv_heads=hf.get("num_key_value_heads", heads),
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-        max_position=hf.get("max_position_embeddings", 2048),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)))
+    """The directory's config.json read by transformers (the architecture's own defaults filled
+    in), as the engine's (architectures.py)."""
+    from transformers import AutoConfig
+
+    try:
+        hf = AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError) as e:  # a model_type this transformers does not know
+        raise ValueError(f"{path}: {e}") from e
+    try:
+        return model_config(hf)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
 
 
 def _load_hf_dir(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:

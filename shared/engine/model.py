@@ -1,4 +1,8 @@
-"""Llama-architecture decoder over a paged KV cache (RMSNorm, RoPE, GQA, SwiGLU, tied embeddings).
+"""The decoder over a paged KV cache: Llama's layer (RMSNorm, RoPE, GQA, SwiGLU, tied or untied
+embeddings) and the few places where Qwen2/3, Mistral, Phi-3 and Gemma 2/3 differ from it, each
+a field of `ModelConfig` read where it applies: q/k/v biases, q/k norms, partial rotary, a
+sliding window per layer (with its own RoPE for Gemma 3), soft-capped scores and logits,
+GeGLU, Gemma's (1 + w) norms around both blocks and its scaled embeddings.
 
 One forward pass takes a flat batch of new tokens from several sequences (`ForwardBatch`,
 built by runner.py): prompt chunks in a prefill pass, one token per sequence in a decode
@@ -10,7 +14,9 @@ time (`load_hf_weights`); q/k/v and gate/up are fused into single matmuls.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from types import SimpleNamespace
 from typing import cast
 
@@ -20,7 +26,8 @@ from torch import nn
 
 from shared.engine.config import ModelConfig
 from shared.engine.kernels import cpu_attention, fused
-from shared.engine.kernels.torch_ref import kv_rows
+from shared.engine.kernels.torch_ref import kv_rows, softcapped
+from shared.engine.rope import Rope
 from shared.engine.weights import Packed
 
 
@@ -59,12 +66,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Packed, min_rows: int = 16, m
 
 
 class Projection(nn.Linear):
-    """A bias-free linear layer whose weight may be kept `Packed` (weights.py) instead of fp32."""
+    """A linear layer whose weight may be kept `Packed` (weights.py) instead of fp32."""
 
     packed: Packed | None = None
 
-    def __init__(self, in_features: int, out_features: int):
-        super().__init__(in_features, out_features, bias=False)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(in_features, out_features, bias=bias)
 
     @property
     def matrix(self) -> torch.Tensor | Packed:
@@ -72,55 +79,68 @@ class Projection(nn.Linear):
 
     def pack(self, packed: Packed) -> None:
         """Compute with `packed` from now on; the fp32 weight is let go."""
+        if self.bias is not None:
+            raise ValueError("a projection with a bias is not packed")
         if packed.shape != tuple(self.weight.shape):
             raise ValueError(f"packed weight {packed.shape} for a {tuple(self.weight.shape)} projection")
         self.packed = packed
         self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
 
 
-def product(x: torch.Tensor, proj: Projection, norm: RMSNorm | None = None, swiglu: bool = False,
+_GATES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
+
+
+def product(x: torch.Tensor, proj: Projection, norm: RMSNorm | None = None, gate: str = "",
             residual: torch.Tensor | None = None) -> torch.Tensor:
-    """residual + f(x) @ proj.T, f the step before the product: `norm`, or `swiglu` (x is (gate,
-    up) side by side: silu(gate)·up). A packed projection's kernel does f and the residual add
-    itself, as one pass over the row; fp32 ones do them in torch."""
+    """residual + f(x) @ proj.T (+ its bias), f the step before the product: `norm`, or a
+    `gate` (x is (gate, up) side by side: act(gate)·up, act silu or gelu_tanh). A packed
+    projection's kernel does f and the residual add itself, as one pass over the row (SwiGLU
+    only); other ones do them in torch."""
     w = proj.matrix
     if isinstance(w, Packed):
-        return w.matmul(x, residual, None if norm is None else (norm.weight, norm.eps), swiglu)
+        assert gate in ("", "silu") and proj.bias is None  # (ModelConfig.plain: nothing else is packed)
+        return w.matmul(x, residual, None if norm is None else (norm.weight, norm.eps), gate == "silu")
     if norm is not None:
         x = norm(x)
-    if swiglu:
-        gate, up = x.chunk(2, dim=-1)
-        x = F.silu(gate) * up
+    if gate:
+        g, up = x.chunk(2, dim=-1)
+        x = _GATES[gate](g) * up
     y = linear(x, w)
+    if proj.bias is not None:
+        y = y + proj.bias
     return y if residual is None else residual + y
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, plus_one: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.eps, self.plus_one = eps, plus_one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # computed in fp32 whatever the weight dtype, as the reference implementation does
+        # normalized in fp32 whatever the weight dtype, as the reference implementations do;
+        # Llama scales in x's dtype, Gemma (weights as offsets from 1) in fp32
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.plus_one:
+            return (xf * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)
 
 
 class Rotary(nn.Module):
-    cos: torch.Tensor  # (max_pos, hd) buffers
+    cos: torch.Tensor  # (max_pos, rotary dims) buffers, times the scaling's attention factor
     sin: torch.Tensor  # its first half negated: rotate-half's sign, so a rotation is 4 ops
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, rope: Rope):
         super().__init__()
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32)
-                                              / cfg.head_dim))
+        dim = cfg.rotary_dim or cfg.head_dim
+        inv_freq, factor = rope.frequencies(dim, cfg.max_position)
         freqs = torch.outer(torch.arange(cfg.max_position, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)                   # (max_pos, hd)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        sin = emb.sin()
-        sin[:, :cfg.head_dim // 2].neg_()
+        emb = torch.cat((freqs, freqs), dim=-1)                   # (max_pos, dim)
+        self.register_buffer("cos", emb.cos() * factor, persistent=False)
+        sin = emb.sin() * factor
+        sin[:, :dim // 2].neg_()
         self.register_buffer("sin", sin, persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,18 +155,27 @@ class Rotary(nn.Module):
         return x * cos + swapped * sin
 
 
+Rope2 = tuple[torch.Tensor, torch.Tensor]  # cos, sin (T, 1, rotary dims) at the batch's positions
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.h, self.kvh, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv_proj = Projection(cfg.hidden_size, (self.h + 2 * self.kvh) * self.hd)
-        self.o_proj = Projection(self.h * self.hd, cfg.hidden_size)
-        self.scale = self.hd ** -0.5
+        self.qkv_proj = Projection(cfg.hidden_size, (self.h + 2 * self.kvh) * self.hd, cfg.qkv_bias)
+        self.o_proj = Projection(self.h * self.hd, cfg.hidden_size, cfg.o_bias)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps, cfg.norm_plus_one) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps, cfg.norm_plus_one) if cfg.qk_norm else None
+        self.scale, self.softcap, self.window = cfg.scale, cfg.attn_softcap, cfg.window(layer)
+        self.rotary_dim = cfg.rotary_dim or self.hd
+        self.local = bool(self.window) and cfg.local_rope is not None  # takes the local RoPE tables
+        self.plain = cfg.plain  # what the C decode attention computes
 
     def forward(self, x: torch.Tensor, norm: RMSNorm, batch: ForwardBatch, pool: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor], ops: SimpleNamespace) -> torch.Tensor:
-        """x + attention(norm(x)): the residual stream after this block. Decode rows and prompt
-        rows (a mixed pass has both) each take their own attention, then one o_proj product."""
+                rope: Rope2, ops: SimpleNamespace, post_norm: RMSNorm | None = None) -> torch.Tensor:
+        """x + post_norm(attention(norm(x))): the residual stream after this block. Decode rows
+        and prompt rows (a mixed pass has both) each take their own attention, then one o_proj
+        product."""
         qkv = product(x, self.qkv_proj, norm=norm)
         d, rows = batch.num_decode, batch.kv_rows
         assert rows is not None  # (set by the model's forward)
@@ -156,23 +185,34 @@ class Attention(nn.Module):
         if d < x.shape[0]:
             parts.append(self._prefill(qkv[d:], batch, pool, rows[d:], rope[0][d:], rope[1][d:], ops))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return product(out, self.o_proj, residual=x)
+        if post_norm is None:
+            return product(out, self.o_proj, residual=x)
+        return x + post_norm(product(out, self.o_proj))
 
     def _split(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """q (T, h, hd), k and v (T, kvh, hd), q and k rotated."""
+        """q (T, h, hd), k and v (T, kvh, hd), q and k normed (where the model does) and rotated
+        (their first rotary_dim dimensions)."""
         t, qk = qkv.shape[0], (self.h + self.kvh) * self.hd
-        rotated = Rotary.rotate(qkv[:, :qk].view(t, self.h + self.kvh, self.hd), cos, sin)
+        heads = qkv[:, :qk].view(t, self.h + self.kvh, self.hd)
+        if self.q_norm is not None and self.k_norm is not None:
+            heads = torch.cat([self.q_norm(heads[:, :self.h]), self.k_norm(heads[:, self.h:])], dim=1)
+        if self.rotary_dim == self.hd:
+            rotated = Rotary.rotate(heads, cos, sin)
+        else:
+            rd = self.rotary_dim
+            rotated = torch.cat([Rotary.rotate(heads[..., :rd], cos, sin), heads[..., rd:]], dim=-1)
         return rotated[:, :self.h], rotated[:, self.h:], qkv[:, qk:].view(t, self.kvh, self.hd)
 
     def _decode(self, qkv: torch.Tensor, batch: ForwardBatch, pool: torch.Tensor, rows: torch.Tensor,
                 cos: torch.Tensor, sin: torch.Tensor, ops: SimpleNamespace) -> torch.Tensor:
         """One token per sequence against its paged context: (D, h·hd)."""
-        if ops.decode_attention is not None and cpu_attention.usable(pool, qkv, cos, sin):
+        if ops.decode_attention is not None and self.plain and cpu_attention.usable(pool, qkv, cos, sin):
             return ops.decode_attention(qkv, cos, sin, pool, rows, batch.block_tables, batch.context_lens,
                                         self.h, self.scale)
         q, k, v = self._split(qkv, cos, sin)
         ops.write_kv(pool, rows, k, v)
-        out = ops.paged_decode_attention(q, pool, batch.block_tables, batch.context_lens, self.scale)
+        out = ops.paged_decode_attention(q, pool, batch.block_tables, batch.context_lens, self.scale,
+                                         self.window, self.softcap)
         return out.reshape(qkv.shape[0], self.h * self.hd)
 
     def _prefill(self, qkv: torch.Tensor, batch: ForwardBatch, pool: torch.Tensor, rows: torch.Tensor,
@@ -184,9 +224,10 @@ class Attention(nn.Module):
         for start, n, ctx, table in batch.chunks:
             if ctx == n:  # no cached prefix: attend over the fresh K/V directly
                 out[start:start + n] = ops.causal_attention(
-                    q[start:start + n], k[start:start + n], v[start:start + n], self.scale)
+                    q[start:start + n], k[start:start + n], v[start:start + n], self.scale, self.window, self.softcap)
             else:
-                out[start:start + n] = ops.paged_prefill_attention(q[start:start + n], pool, table, ctx, self.scale)
+                out[start:start + n] = ops.paged_prefill_attention(q[start:start + n], pool, table, ctx, self.scale,
+                                                                   self.window, self.softcap)
         return out.view(qkv.shape[0], self.h * self.hd)
 
 
@@ -195,30 +236,52 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Projection(cfg.hidden_size, 2 * cfg.intermediate_size)
         self.down_proj = Projection(cfg.intermediate_size, cfg.hidden_size)
+        self.gate = cfg.activation
 
-    def forward(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        """x + mlp(norm(x)): the residual stream after this block."""
-        return product(product(x, self.gate_up_proj, norm=norm), self.down_proj, swiglu=True, residual=x)
+    def forward(self, x: torch.Tensor, norm: RMSNorm, post_norm: RMSNorm | None = None) -> torch.Tensor:
+        """x + post_norm(mlp(norm(x))): the residual stream after this block."""
+        up = product(x, self.gate_up_proj, norm=norm)
+        if post_norm is None:
+            return product(up, self.down_proj, gate=self.gate, residual=x)
+        return x + post_norm(product(up, self.down_proj, gate=self.gate))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Hugging Face's module names: Llama's two norms are `input_layernorm` (before attention)
+    and `post_attention_layernorm` (before the MLP); Gemma's four, one before and one after each
+    block, are `input_layernorm`, `post_attention_layernorm`, `pre_feedforward_layernorm` and
+    `post_feedforward_layernorm`."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        norm = partial(RMSNorm, cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one)
+        self.input_layernorm = norm()
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = norm()
         self.mlp = MLP(cfg)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: torch.Tensor, rope: Rope2,
+                ops: SimpleNamespace) -> torch.Tensor:
+        if self.sandwich:
+            x = self.self_attn(x, self.input_layernorm, batch, pool, rope, ops, self.post_attention_layernorm)
+            return self.mlp(x, self.pre_feedforward_layernorm, self.post_feedforward_layernorm)
+        x = self.self_attn(x, self.input_layernorm, batch, pool, rope, ops)
+        return self.mlp(x, self.post_attention_layernorm)
 
 
-class LlamaModel(nn.Module):
+class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one)
         self.lm_head = None if cfg.tie_embeddings else Projection(cfg.hidden_size, cfg.vocab_size)
-        self.rotary = Rotary(cfg)
+        self.make_rotary()
         self.tied_head: Packed | None = None  # the tied embedding matrix packed for the vocabulary projection
         self.packed_layers: fused.Layers | None = None  # every layer packed: decode passes in one C call
         self.fuse = True  # (tests turn it off to compare with the per-layer path)
@@ -231,18 +294,20 @@ class LlamaModel(nn.Module):
         kv_pools: (layers, num_blocks, 2, block_size, kv_heads, head_dim).
         """
         x = self.embed_tokens(batch.input_ids)                   # (T, D)
+        if self.cfg.embed_scale != 1.0:  # (in the weights' dtype, as Gemma's reference does)
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
         batch.kv_rows = kv_rows(batch.slots, kv_pools.shape[3])  # once, not once a layer
         if self._fused_decode(batch, x, kv_pools, ops, layer_hook):
             assert self.packed_layers is not None
             x = fused.decode_layers(self.packed_layers, x, self.rotary.cos[batch.positions],
                                     self.rotary.sin[batch.positions], kv_pools, batch.kv_rows,
                                     cast(torch.Tensor, batch.block_tables), cast(torch.Tensor, batch.context_lens),
-                                    self.cfg.num_heads, self.cfg.head_dim ** -0.5)
+                                    self.cfg.num_heads, self.cfg.scale)
         else:
             rope = self.rotary.tables(batch.positions, x.dtype)
+            local = rope if self.local_rotary is None else self.local_rotary.tables(batch.positions, x.dtype)
             for i, layer in enumerate(cast("Iterable[DecoderLayer]", self.layers)):
-                x = layer.self_attn(x, layer.input_layernorm, batch, kv_pools[i], rope, ops)
-                x = layer.mlp(x, layer.post_attention_layernorm)
+                x = layer(x, batch, kv_pools[i], local if layer.self_attn.local else rope, ops)
                 if layer_hook is not None:
                     layer_hook(i)
         x = self.norm(x[batch.logits_index])
@@ -250,7 +315,15 @@ class LlamaModel(nn.Module):
             weight = self.lm_head.matrix
         else:  # (the embedding lookup keeps its fp32 rows: a lookup streams only the rows it reads)
             weight = self.embed_tokens.weight if self.tied_head is None else self.tied_head
-        return linear(x, weight, min_rows=2).float()
+        return softcapped(linear(x, weight, min_rows=2).float(), self.cfg.final_softcap)
+
+    def make_rotary(self, device: str | torch.device | None = None) -> None:
+        """The RoPE tables (fp32 buffers, not weights): the global layers', and the local
+        (sliding-window) layers' where their RoPE differs; made on `device` (default: the
+        current one)."""
+        with torch.device(device) if device is not None else nullcontext():
+            self.rotary = Rotary(self.cfg, self.cfg.rope)
+            self.local_rotary = None if self.cfg.local_rope is None else Rotary(self.cfg, self.cfg.local_rope)
 
     def _fused_decode(self, batch: ForwardBatch, x: torch.Tensor, kv_pools: torch.Tensor, ops: SimpleNamespace,
                       layer_hook: LayerHook | None) -> bool:
@@ -280,8 +353,11 @@ class LlamaModel(nn.Module):
             self.tied_head = packed["model.embed_tokens.weight"]
 
     def _layers_packed(self) -> fused.Layers | None:
-        """Every layer's weights for fused.c, or None unless all four projections of every
-        layer are packed (a file with some matrices in another format keeps the per-layer path)."""
+        """Every layer's weights for fused.c, or None unless the layers are Llama's and all four
+        projections of every layer are packed (a file with some matrices in another format keeps
+        the per-layer path)."""
+        if not self.cfg.plain:
+            return None
         layers: list[tuple[tuple, torch.Tensor, torch.Tensor]] = []
         for layer in cast("Iterable[DecoderLayer]", self.layers):
             projs = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
@@ -292,7 +368,8 @@ class LlamaModel(nn.Module):
         return fused.Layers.of(layers, self.cfg.hidden_size, self.cfg.intermediate_size, self.cfg.rms_norm_eps)
 
     def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Load Hugging Face Llama names (`model.layers.N.self_attn.q_proj.weight`, …)."""
+        """Load Hugging Face names (`model.layers.N.self_attn.q_proj.weight`, …): q/k/v and
+        gate/up separate (their biases too) or already fused (Phi-3's `qkv_proj`, `gate_up_proj`)."""
         own = {}
         for name, t in tensors.items():
             name = name.removeprefix("model.")
@@ -303,13 +380,15 @@ class LlamaModel(nn.Module):
             own[name] = t
         for i in range(self.cfg.num_layers):
             p = f"layers.{i}."
-            own[p + "self_attn.qkv_proj.weight"] = torch.cat(
-                [own.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-            own[p + "mlp.gate_up_proj.weight"] = torch.cat(
-                [own.pop(p + "mlp.gate_proj.weight"), own.pop(p + "mlp.up_proj.weight")])
+            for kind in ("weight", "bias"):
+                fused_from = {"self_attn.qkv_proj": [f"self_attn.{n}_proj" for n in "qkv"],
+                              "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"]}
+                for fused_name, parts in fused_from.items():
+                    if all(f"{p}{n}.{kind}" in own for n in parts):
+                        own[f"{p}{fused_name}.{kind}"] = torch.cat([own.pop(f"{p}{n}.{kind}") for n in parts])
         own.pop("rotary_emb.inv_freq", None)
         missing, unexpected = self.load_state_dict(own, strict=False)
-        missing = [m for m in missing if not m.startswith("rotary.")]
+        missing = [m for m in missing if not m.startswith(("rotary.", "local_rotary."))]
         if missing or unexpected:
             raise ValueError(f"weights do not match the architecture: missing {missing}, "
                              f"unexpected {unexpected}")

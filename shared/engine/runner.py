@@ -8,13 +8,13 @@ import torch
 
 from shared.engine.config import EngineConfig, ModelConfig
 from shared.engine.kernels import select
-from shared.engine.model import ForwardBatch, LlamaModel
+from shared.engine.model import DecoderModel, ForwardBatch
 from shared.engine.scheduler import Schedule
 from shared.engine.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, mcfg: ModelConfig, cfg: EngineConfig, num_blocks: int):
+    def __init__(self, model: DecoderModel, mcfg: ModelConfig, cfg: EngineConfig, num_blocks: int):
         self.model, self.mcfg, self.cfg = model, mcfg, cfg
         self.device = torch.device(cfg.device)
         self.ops = select(cfg.kernels, cfg.device)

@@ -15,11 +15,16 @@ def _pool(num_blocks=12, bs=4, kvh=2, hd=8, seed=0):
     return torch.randn(num_blocks, 2, bs, kvh, hd, generator=g)
 
 
-def _naive_attention(q, k, v, scale):
-    """q (H, hd) against k, v (L, kvh, hd) with repeated KV heads."""
+def _naive_attention(q, k, v, scale, window=0, softcap=0.0):
+    """q (H, hd) against k, v (L, kvh, hd) with repeated KV heads: the last `window` of them
+    when set, scores soft-capped when `softcap` is."""
+    if window:
+        k, v = k[-window:], v[-window:]
     rep = q.shape[0] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     w = torch.einsum("hd,lhd->hl", q, k) * scale
+    if softcap:
+        w = softcap * torch.tanh(w / softcap)
     return torch.einsum("hl,lhd->hd", w.softmax(-1), v)
 
 
@@ -54,6 +59,40 @@ def test_paged_decode_attention_matches_naive(impl, dtype):
         ref = _naive_attention(q[b].float(), k, v, scale)
         tol = 1e-5 if dtype == torch.float32 else 3e-2
         torch.testing.assert_close(out[b].float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton", "c"])
+@pytest.mark.parametrize("window,softcap", [(5, 0.0), (0, 2.0), (6, 1.5)])
+def test_paged_decode_attention_with_a_sliding_window_and_soft_capping(impl, window, softcap):
+    """Mistral's and Gemma's attention: the context's last `window` tokens (a window smaller
+    than a sequence's context, one larger than another's), scores soft-capped."""
+    mod = {"torch": torch_ref, "triton": triton_kernels, "c": cpu_attention}[impl]
+    bs, kvh, hd, h = 4, 2, 8, 4
+    pool = _pool(bs=bs, kvh=kvh, hd=hd)
+    tables = torch.tensor([[3, 7, 1, 0], [5, 0, 0, 0], [11, 2, 4, 9]])
+    lens = torch.tensor([10, 3, 16])
+    q = 3 * torch.randn(3, h, hd, generator=torch.Generator().manual_seed(1))
+    out = mod.paged_decode_attention(q, pool, tables, lens, 0.4, window, softcap)
+    for b in range(3):
+        kv = pool[tables[b]]
+        k, v = kv[:, 0].reshape(-1, kvh, hd)[:lens[b]], kv[:, 1].reshape(-1, kvh, hd)[:lens[b]]
+        torch.testing.assert_close(out[b], _naive_attention(q[b], k, v, 0.4, window, softcap), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (4, 0.0), (0, 2.0), (5, 1.5)])
+def test_prefill_attention_with_a_sliding_window_and_soft_capping(window, softcap):
+    """A prompt chunk after a cached prefix, and one with none: each position sees its own last
+    `window` tokens."""
+    kvh, hd, h = 2, 8, 4
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(12, kvh, hd, generator=g), torch.randn(12, kvh, hd, generator=g)
+    q = 3 * torch.randn(12, h, hd, generator=g)
+    for n in (5, 12):  # the last 5 of a 12-token context; the whole context at once
+        out = torch_ref.causal_attention(q[-n:], k, v, 0.4, window, softcap)
+        for i in range(n):
+            end = 12 - n + i + 1
+            ref = _naive_attention(q[12 - n + i], k[:end], v[:end], 0.4, window, softcap)
+            torch.testing.assert_close(out[i], ref, atol=1e-5, rtol=1e-5)
 
 
 def test_write_kv_and_prefill_attention_with_cached_prefix():

@@ -63,11 +63,13 @@ def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, po
 
 
 def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
-                           context_lens: torch.Tensor, scale: float, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+                           context_lens: torch.Tensor, scale: float, window: int = 0, softcap: float = 0.0,
+                           lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """q (B, H, hd); pool (num_blocks, 2, bs, kvh, hd); block_tables (B, width); context_lens
-    (B,). Returns (B, H, hd). `lib`: another build of the kernel (tests)."""
-    if q.dtype != torch.float32 or not usable(pool):
-        return torch_ref.paged_decode_attention(q, pool, block_tables, context_lens, scale)
+    (B,). Returns (B, H, hd). `lib`: another build of the kernel (tests). A sliding window or
+    soft-capped scores take torch's (the C kernel attends over the whole context, uncapped)."""
+    if q.dtype != torch.float32 or not usable(pool) or window or softcap:
+        return torch_ref.paged_decode_attention(q, pool, block_tables, context_lens, scale, window, softcap)
     q = q.contiguous()
     tables = block_tables.to(torch.int64).contiguous()
     lens = context_lens.to(torch.int64).contiguous()

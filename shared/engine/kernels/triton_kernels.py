@@ -51,10 +51,11 @@ def scatter_blocks(pool: torch.Tensor, block_ids: torch.Tensor, buffer: torch.Te
 
 
 @triton.jit
-def _paged_decode_kernel(q_ptr, pool_ptr, tables_ptr, lens_ptr, out_ptr, scale,
+def _paged_decode_kernel(q_ptr, pool_ptr, tables_ptr, lens_ptr, out_ptr, scale, window, softcap,
                          max_blocks, H: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr,
                          HD_P: tl.constexpr, BS: tl.constexpr):
-    # program (b, h): query head h of sequence b, online softmax over its context blocks
+    # program (b, h): query head h of sequence b, online softmax over its context blocks (the
+    # last `window` positions when window > 0: the blocks before them are not read)
     b = tl.program_id(0)
     h = tl.program_id(1)
     kv_head = h // (H // KVH)
@@ -66,15 +67,20 @@ def _paged_decode_kernel(q_ptr, pool_ptr, tables_ptr, lens_ptr, out_ptr, scale,
     m_i = -float("inf")
     l_i = 0.0
     acc = tl.zeros([HD_P], dtype=tl.float32)
-    for i in range(0, tl.cdiv(ctx, BS)):
+    first = 0
+    if window > 0:
+        first = tl.maximum(ctx - window, 0)
+    for i in range(first // BS, tl.cdiv(ctx, BS)):
         block = tl.load(tables_ptr + b * max_blocks + i).to(tl.int64)
         row = ((block * 2) * BS + t) * KVH + kv_head                       # (BS,) K rows
         kv_off = row[:, None] * HD + d[None, :]
-        valid = (i * BS + t) < ctx
+        valid = ((i * BS + t) < ctx) & ((i * BS + t) >= first)
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(pool_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
         v = tl.load(pool_ptr + kv_off + BS * KVH * HD, mask=kv_mask, other=0.0).to(tl.float32)
         s = tl.sum(k * q[None, :], axis=1) * scale
+        if softcap > 0:  # cap * tanh(s / cap), tanh as 2 sigmoid(2x) - 1
+            s = softcap * (2 * tl.sigmoid(2 * s / softcap) - 1)
         s = tl.where(valid, s, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
         p = tl.exp(s - m_new)
@@ -87,13 +93,14 @@ def _paged_decode_kernel(q_ptr, pool_ptr, tables_ptr, lens_ptr, out_ptr, scale,
 
 
 def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
-                           context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           context_lens: torch.Tensor, scale: float, window: int = 0,
+                           softcap: float = 0.0) -> torch.Tensor:
     b, h, hd = q.shape
     _, _, bs, kvh, _ = pool.shape
     q = q.contiguous()
     tables = block_tables.to(torch.int32).contiguous()
     out = torch.empty_like(q)
-    _paged_decode_kernel[(b, h)](q, pool, tables, context_lens.to(torch.int32), out, scale,
+    _paged_decode_kernel[(b, h)](q, pool, tables, context_lens.to(torch.int32), out, scale, window, float(softcap),
                                  tables.shape[1], H=h, KVH=kvh, HD=hd,
                                  HD_P=triton.next_power_of_2(hd), BS=bs)
     return out

@@ -1,0 +1,76 @@
+"""Tiny random checkpoints of each architecture the engine serves, built with transformers' own
+config classes and saved as Hugging Face directories (config.json + model.safetensors): no
+download. Each is small enough to run in a second and keeps what its architecture changes:
+sliding windows (24 tokens: prompts here are longer), soft-capping, q/k norms, biases, partial
+rotary and each RoPE scaling."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+SEED = 1234
+COMMON = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.25,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0)
+WINDOW = 24
+
+
+def _llama(tied: bool = False, **rope):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**COMMON, tie_word_embeddings=tied, rope_theta=10000.0, **rope)
+
+
+def configs() -> dict[str, object]:
+    """name -> transformers config (a fresh object each call)."""
+    from transformers import Gemma2Config, Gemma3TextConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+
+    no_head_dim = {k: v for k, v in COMMON.items() if k != "head_dim"}
+    return {
+        "llama": _llama(),
+        "llama-tied": _llama(tied=True),
+        "llama3-rope": _llama(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+        "linear-rope": _llama(rope_scaling={"rope_type": "linear", "factor": 4.0}),
+        "dynamic-rope": _llama(rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+        "yarn-rope": _llama(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}),
+        "mistral": MistralConfig(**COMMON, sliding_window=WINDOW),
+        "qwen2": Qwen2Config(**COMMON, tie_word_embeddings=True),
+        "qwen3": Qwen3Config(**COMMON, tie_word_embeddings=False),
+        "phi3": Phi3Config(**no_head_dim, hidden_act="silu", partial_rotary_factor=0.5, sliding_window=None),
+        "gemma2": Gemma2Config(**COMMON, sliding_window=WINDOW, query_pre_attn_scalar=16,
+                               attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+        "gemma3": Gemma3TextConfig(**COMMON, sliding_window=WINDOW, query_pre_attn_scalar=16,
+                                   layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                                "sliding_attention"],
+                                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                       "rope_theta": 1_000_000.0},
+                                                    "sliding_attention": {"rope_type": "default",
+                                                                          "rope_theta": 10_000.0}}),
+    }
+
+
+def build(name: str, dtype: torch.dtype = torch.float32):
+    """The transformers model for `name`, random weights from SEED (eager attention: the
+    reference every implementation is held to)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = configs()[name]
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    with torch.no_grad():  # norms away from their init (Gemma's start at 0, i.e. 1 + 0)
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def save(name: str, root: Path) -> Path:
+    """`name` saved as a Hugging Face directory under `root`; returns its path."""
+    path = root / name
+    if not (path / "config.json").exists():
+        build(name).save_pretrained(path)
+    return path

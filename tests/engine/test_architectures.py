@@ -1,0 +1,145 @@
+"""Every architecture the engine serves against transformers, on tiny random checkpoints of each
+(bench/tiny_archs.py: built from transformers' config classes, saved as safetensors directories).
+
+Greedy tokens equal transformers' exactly, in one pass, in chunks, beside other sequences,
+after a prefix-cache hit, after a KV transfer and after a failover; logits within LOGITS_TOL in
+fp32. In bfloat16 (the GPU's dtype, run here on CPU) the logits are as far from transformers'
+fp32 ones as transformers' own bfloat16 logits are (BF16_SLACK times that, at most). Each architecture's
+differences from Llama matter: without one, the logits move (so the equalities test them)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from helpers import generate, run_all, tokens, transfer
+
+from bench import tiny_archs
+from bench.engine_quality import logits_all, reference_greedy
+from shared.engine.config import EngineConfig
+from shared.engine.engine import Engine
+from shared.engine.loader import load
+from shared.engine.model import DecoderModel
+from shared.engine.rope import Rope
+from shared.engine.sequence import SamplingParams
+
+NEW = 12
+GREEDY = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+LOGITS_TOL = 1e-4   # fp32, max abs difference over every position (logits' std is ~2)
+BF16_SLACK = (1.5, 1.25)  # bf16: (max, mean) abs difference from fp32, over transformers' bf16 own
+NAMES = list(tiny_archs.configs())
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("archs")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    """Longer than the 24-token sliding windows, one shorter, and one sharing a 48-token prefix."""
+    g = torch.Generator().manual_seed(0)
+    ids = {n: torch.randint(3, 384, (k,), generator=g).tolist() for n, k in (("short", 9), ("mid", 40), ("long", 70))}
+    ids["shared"] = ids["long"][:48] + torch.randint(3, 384, (13,), generator=g).tolist()
+    return ids
+
+
+_cache: dict[str, tuple] = {}
+
+
+def _model(name: str, root):
+    """(transformers model, our loaded model, the reference's greedy tokens per prompt)."""
+    if name not in _cache:
+        _cache[name] = (tiny_archs.build(name), load(str(tiny_archs.save(name, root))), {})
+    return _cache[name]
+
+
+def _reference(name, root, prompts):
+    hf, ours, ref = _model(name, root)
+    for k, ids in prompts.items():
+        if k not in ref:
+            ref[k] = reference_greedy(hf, ids, NEW)
+    return hf, ours, ref
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_tokens_and_logits_equal_transformers(name, root, prompts):
+    hf, ours, ref = _reference(name, root, prompts)
+    assert generate(ours, prompts, GREEDY) == ref
+    ids = prompts["long"] + ref["long"]
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+    assert float((logits_all(ours, ids) - want).abs().max()) < LOGITS_TOL
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_chunks_prefix_cache_transfer_and_failover_keep_the_tokens(name, root, prompts):
+    _, ours, ref = _reference(name, root, prompts)
+    # chunked prefill of 16-token chunks, beside the other prompts' decode steps
+    assert generate(ours, prompts, GREEDY, max_batched_tokens=32, prefill_chunk=16) == ref
+    # a prefix-cache hit: "shared" reuses 3 blocks of "long"
+    eng = Engine(ours, EngineConfig(num_blocks=64))
+    assert generate(ours, {"long": prompts["long"]}, GREEDY, engine=eng)["long"] == ref["long"]
+    eng.add_request("shared", prompts["shared"], GREEDY)
+    outs = run_all(eng)["shared"]
+    assert outs[-1].num_cached_tokens == 48 and tokens(outs) == ref["shared"]
+    # prefill in one engine, KV moved to another, decode there
+    src, dst = Engine(ours, EngineConfig(num_blocks=64)), Engine(ours, EngineConfig(num_blocks=64))
+    first = transfer(src, dst, "long", prompts["long"], GREEDY)
+    assert first.new_token_ids + tokens(run_all(dst)["long"]) == ref["long"]
+    # failover after 5 tokens: the prompt and those tokens prefilled again elsewhere
+    dst.add_request("again", prompts["long"], GREEDY, generated_token_ids=ref["long"][:5])
+    assert tokens(run_all(dst)["again"]) == ref["long"][5:]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bfloat16_logits_and_engine_paths(name, root, prompts):
+    """bfloat16 weights, activations and KV pool (PD_DTYPE on a GPU): logits as close to
+    transformers' fp32 ones as transformers' own bf16 logits, and the engine's paths agree with
+    each other in bf16 too."""
+    hf, _, ref = _reference(name, root, prompts)
+    ours = load(str(tiny_archs.save(name, root)), dtype=torch.bfloat16)
+    hf_bf16 = tiny_archs.build(name, torch.bfloat16)
+    ids = prompts["long"] + ref["long"]
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+        theirs = (hf_bf16(torch.tensor([ids])).logits[0].float() - want).abs()
+    err = (logits_all(ours, ids) - want).abs()
+    assert float(err.max()) <= BF16_SLACK[0] * float(theirs.max())
+    assert float(err.mean()) <= BF16_SLACK[1] * float(theirs.mean())
+    # fed transformers' fp32 greedy tokens, the bf16 engine ranks them first as often as
+    # transformers in bf16 does (bf16 rounding turns near ties either way)
+    ours_agree = theirs_agree = 0
+    for k, ids in prompts.items():
+        fed = ids + ref[k][:-1]
+        with torch.no_grad():
+            theirs_first = hf_bf16(torch.tensor([fed])).logits[0, len(ids) - 1:].argmax(-1)
+        ours_agree += int((logits_all(ours, fed, start=len(ids) - 1).argmax(-1) == torch.tensor(ref[k])).sum())
+        theirs_agree += int((theirs_first == torch.tensor(ref[k])).sum())
+    assert ours_agree >= theirs_agree - 2, (ours_agree, theirs_agree)
+    bf16 = dict(dtype=torch.bfloat16)
+    one = generate(ours, prompts, GREEDY, **bf16)
+    # a transfer in bf16 decodes from the same KV bytes: the same tokens as one engine
+    src, dst = (Engine(ours, EngineConfig(num_blocks=64, **bf16)) for _ in range(2))
+    first = transfer(src, dst, "mid", prompts["mid"], GREEDY)
+    assert first.new_token_ids + tokens(run_all(dst)["mid"]) == one["mid"]
+
+
+# what each architecture changes, and its Llama value: taking it away must move the logits
+ABLATIONS = [("mistral", "windows", ()), ("gemma2", "windows", ()), ("gemma3", "windows", ()),
+             ("gemma2", "attn_softcap", 0.0), ("gemma2", "final_softcap", 0.0), ("gemma2", "embed_scale", 1.0),
+             ("gemma3", "local_rope", None), ("phi3", "rotary_dim", 0), ("llama3-rope", "rope", Rope()),
+             ("linear-rope", "rope", Rope()), ("yarn-rope", "rope", Rope()), ("gemma2", "activation", "silu")]
+
+
+@pytest.mark.parametrize("name,field,plain", ABLATIONS, ids=[f"{n}-{f}" for n, f, _ in ABLATIONS])
+def test_each_difference_from_llama_matters(name, field, plain, root, prompts):
+    _, ours, ref = _reference(name, root, prompts)
+    cfg = dataclasses.replace(ours.config, **{field: plain})
+    other = DecoderModel(cfg)
+    other.load_state_dict(ours.model.state_dict())
+    ids = prompts["long"] + ref["long"]
+    moved = float((logits_all(dataclasses.replace(ours, model=other, config=cfg), ids) - logits_all(ours, ids))
+                  .abs().max())
+    assert moved > 100 * LOGITS_TOL
