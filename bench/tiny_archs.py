@@ -68,9 +68,36 @@ def build(name: str, dtype: torch.dtype = torch.float32):
     return model
 
 
-def save(name: str, root: Path) -> Path:
-    """`name` saved as a Hugging Face directory under `root`; returns its path."""
+SPECIALS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]  # ids 0-4 (pad, bos, eos as in COMMON)
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TEXT = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France; Rome is the capital "
+        "of Italy. Write a haiku about rain. What is 17 times 3? Bees make honey, and copper carries current.")
+
+
+def save_tokenizer(path: Path) -> None:
+    """A byte-level BPE of COMMON's vocabulary size trained on TEXT, with ChatML as its chat
+    template: enough for the gateway to serve the tiny model (the text means nothing)."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([TEXT] * 4, trainers.BpeTrainer(
+        vocab_size=COMMON["vocab_size"], special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "chat_template": CHATML}))
+
+
+def save(name: str, root: Path, tokenizer: bool = False) -> Path:
+    """`name` saved as a Hugging Face directory under `root` (with a tokenizer: save_tokenizer);
+    returns its path."""
     path = root / name
     if not (path / "config.json").exists():
         build(name).save_pretrained(path)
+    if tokenizer and not (path / "tokenizer.json").exists():
+        save_tokenizer(path)
     return path

@@ -6,12 +6,27 @@ the environment. OpenTelemetry reads its own standard variables (OTEL_EXPORTER_O
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.urls import nats_servers, sentinel_target
+
+SMOLLM2_ID = "SmolLM2-135M-Instruct"
+
+
+def model_id(source: str) -> str:
+    """The id a model is served under by default: SmolLM2's for `smollm2`, a local directory's
+    or file's name (a .gguf without its suffix), or the Hugging Face Hub id as given."""
+    if source == "smollm2":
+        return SMOLLM2_ID
+    path = Path(source)
+    if path.exists():
+        return path.stem if path.suffix == ".gguf" else path.resolve().name
+    return source
+
 
 LEASE_BEATS = 3  # a registry entry (and a worker's prefix-index slot) lives this many heartbeats unrenewed
 
@@ -29,8 +44,9 @@ class Common(BaseSettings):
                            "watch: redis+sentinel://[:password@]host:port,host:port/<service>[/db] (shared/urls.py)")
     stream_replicas: int = Field(1, ge=1, le=5, description="copies of the prefill job stream on the servers of a "
                                  "NATS cluster (JetStream): 3 on a 3-node cluster")
-    model: str = Field("smollm2", description="smollm2, a .gguf path or a safetensors directory")
-    model_name: str = Field("SmolLM2-135M-Instruct", description="the id clients ask for")
+    model: str = Field("smollm2", description="smollm2, a .gguf file, a directory (config.json + *.safetensors) or "
+                       "a Hugging Face Hub id (from the HF_HOME cache, downloaded there if absent)")
+    model_name: str = Field("", description="the id clients ask for (default: the model's own name, model_id)")
     log_level: str = "INFO"
     log_format: Literal["text", "json"] = Field("text", description="json: one object per line, with trace_id "
                                                 "and request_id (text lines carry them too, when in a request)")
@@ -44,6 +60,11 @@ class Common(BaseSettings):
                                                    "to another worker (the router's supervisor)")
     stall_min_prefill_tokens_per_s: float = Field(50.0, gt=0, description="before the first token a request is "
                                                   "allowed stall_s + its prompt at this rate")
+
+    @model_validator(mode="after")
+    def _served_id(self):
+        self.model_name = self.model_name or model_id(self.model)
+        return self
 
     @field_validator("nats_url")
     @classmethod
@@ -132,6 +153,8 @@ class RouterSettings(Common):
 class WorkerSettings(Common):
     worker_id: str = ""                       # default: <role>-<random>
     device: str = "cpu"
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="weights, activations and the KV pool (auto: bfloat16 on CUDA, float32 on CPU)")
     kv_blocks: int = Field(2048, gt=0, description="KV pool size in blocks of 16 tokens")
     max_num_seqs: int = 64
     max_batched_tokens: int = 2048

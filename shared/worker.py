@@ -27,11 +27,19 @@ def worker_id(settings: WorkerSettings, role: str) -> str:
     return settings.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
 
 
+def torch_dtype(name: str, device: str) -> torch.dtype:
+    """PD_DTYPE as torch's: `auto` is bfloat16 on CUDA, float32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return getattr(torch, name)
+
+
 def build_engine(settings: WorkerSettings) -> Engine:
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    loaded = load(settings.model, device=settings.device, weights=settings.weights)
-    cfg = EngineConfig(num_blocks=settings.kv_blocks, max_num_seqs=settings.max_num_seqs,
+    dtype = torch_dtype(settings.dtype, settings.device)
+    loaded = load(settings.model, dtype=dtype, device=settings.device, weights=settings.weights)
+    cfg = EngineConfig(num_blocks=settings.kv_blocks, dtype=dtype, max_num_seqs=settings.max_num_seqs,
                        max_batched_tokens=settings.max_batched_tokens,
                        prefill_chunk=settings.prefill_chunk, mixed_batches=settings.mixed_batches,
                        device=settings.device,

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from deploy.local import ha
 from deploy.local.servers import binary, die_with_parent, free_port
+from shared.config import model_id
 from services.router.recent import REGISTRY_READ_S
 
 
@@ -248,7 +249,8 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
     ap.add_argument("--nats-port", type=int, default=4222)
     ap.add_argument("--redis-port", type=int, default=6379)
-    ap.add_argument("--model", default="smollm2", help="smollm2, a .gguf file or a safetensors directory")
+    ap.add_argument("--model", default="smollm2", help="smollm2, a .gguf file, a safetensors directory or a "
+                    "Hugging Face Hub id (served as its own name; PD_MODEL_NAME overrides)")
     args = ap.parse_args()
     cfg = StackConfig(prefill=args.prefill, decode=args.decode, colocated=args.colocated, ha=args.ha,
                       gateway_port=args.port, nats_port=args.nats_port, redis_port=args.redis_port,
@@ -268,7 +270,7 @@ def main() -> None:
         metrics = ", ".join(f"{n} {stack.metrics_url(n)}" for n in stack.procs if not ha.is_server(n))
         print(f"ready in {time.monotonic() - start:.1f} s at {stack.url}\n\n"
               f"  curl {stack.url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-              f"    -d '{{\"model\": \"SmolLM2-135M-Instruct\", \"messages\": "
+              f"    -d '{{\"model\": \"{os.environ.get('PD_MODEL_NAME') or model_id(args.model)}\", \"messages\": "
               f"[{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}]}}'\n\n"
               f"  metrics: {metrics}\n\n"
               "Ctrl-C stops everything.", flush=True)

@@ -86,12 +86,40 @@ def inspect(source: str) -> tuple[ModelConfig, Tokenizer | None]:
     return _gguf_config(reader, path), Tokenizer.from_gguf(reader)
 
 
+HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
+             "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+             "chat_template.json"]
+
+
 def _resolve(source: str) -> Path:
-    path = smollm2_path() if source == "smollm2" else Path(source)
-    if not (path.is_dir() or path.suffix == ".gguf"):
-        raise ValueError(f"unknown model source {source!r}: expected smollm2, tiny, a .gguf file "
-                         "or a directory with config.json and *.safetensors")
-    return path
+    """smollm2, a local .gguf or directory, or a Hub id: its snapshot in the Hugging Face cache
+    (HF_HOME), downloaded there first if absent (and the network allows)."""
+    if source == "smollm2":
+        return smollm2_path()
+    path = Path(source)
+    if path.is_dir() or (path.suffix == ".gguf" and path.exists()):
+        return path
+    if path.exists() or path.is_absolute() or source.startswith(".") or source.count("/") != 1:
+        raise ValueError(f"unknown model source {source!r}: expected smollm2, tiny, a .gguf file, a directory "
+                         "with config.json and *.safetensors, or a Hugging Face Hub id (org/name)")
+    return _hub_snapshot(source)
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES, local_files_only=True))
+    except HFValidationError as e:
+        raise ValueError(f"{repo_id!r} is not a Hugging Face Hub id: {e}") from e
+    except Exception:  # noqa: BLE001 (not in the cache: download it)
+        pass
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+    except Exception as e:  # noqa: BLE001 (offline, unknown id, gated: each is the same answer to the user)
+        raise ValueError(f"model {repo_id!r} is not in the Hugging Face cache (HF_HOME) and could not be "
+                         f"downloaded: {type(e).__name__}: {e}") from e
 
 
 def _build(cfg: ModelConfig, tensors: dict[str, torch.Tensor] | None, dtype: torch.dtype,
