@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 # llama.cpp, the side-by-side peer of make bench-engine (built from source on first install)
 LLAMA_CPP_VERSION ?= 0.3.36
 
-.PHONY: help setup lint fmt run test test-fast bench-engine bench-grammar bench-stack bench-transfer eval-router bench-router chaos chaos-busy bench-tracing bench-scale bench bench-full bench-prefill-chunk profile plan plan-check compose-up compose-down gpu-check clean
+.PHONY: help setup lint fmt run test test-fast bench-engine bench-archs bench-grammar bench-stack bench-transfer eval-router bench-router chaos chaos-busy bench-tracing bench-scale bench bench-full bench-prefill-chunk profile plan plan-check compose-up compose-down gpu-check clean
 
 .DEFAULT_GOAL := help
 
@@ -56,6 +56,11 @@ fmt: setup
 bench-engine: setup
 	$(BIN)/pip install -q llama-cpp-python==$(LLAMA_CPP_VERSION)
 	$(BIN)/python -m bench.engine_bench
+
+## bench-archs: each architecture served (tiny random checkpoints) against transformers: greedy tokens, logits
+##   in fp32 and bf16; writes bench/results/architectures.json and the README's table (~1 minute)
+bench-archs: setup
+	$(BIN)/python -m bench.architectures
 
 ## bench-grammar: xgrammar, llguidance and outlines-core masking SmolLM2's vocabulary for the same JSON schemas
 ##   (compile time, mask and advance per token); writes bench/results/grammar-libs.json (~1 minute)

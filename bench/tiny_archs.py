@@ -17,6 +17,15 @@ COMMON = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_
 WINDOW = 24
 
 
+# what each checkpoint holds beyond its architecture's defaults
+NOTES = {"llama": "untied embeddings", "llama-tied": "tied embeddings", "llama3-rope": "`llama3` RoPE (Llama 3.1+)",
+         "linear-rope": "linear RoPE", "dynamic-rope": "dynamic (NTK) RoPE", "yarn-rope": "YaRN RoPE",
+         "mistral": f"{WINDOW}-token window", "qwen2": "q/k/v biases, tied embeddings", "qwen3": "q/k norms",
+         "phi3": "fused projections, half the head rotated",
+         "gemma2": f"{WINDOW}-token window on alternate layers, soft caps 50 / 30",
+         "gemma3": f"{WINDOW}-token windows, 1 global layer in 4 with linear RoPE x8"}
+
+
 def _llama(tied: bool = False, **rope):
     from transformers import LlamaConfig
 

@@ -27,8 +27,8 @@ from pathlib import Path
 
 from deploy.local import ha
 from deploy.local.servers import binary, die_with_parent, free_port
-from shared.config import model_id
 from services.router.recent import REGISTRY_READ_S
+from shared.config import model_id
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from shared.engine.rope import Rope
 # model_type -> what its layer changes (documented in the README's table, checked by
 # tests/engine/test_architectures.py)
 ARCHITECTURES: dict[str, str] = {
-    "llama": "Llama 1-3.x: RoPE default, linear, dynamic, llama3, yarn; tied or untied embeddings",
+    "llama": "(Llama 1-3.x; RoPE default, linear, dynamic, llama3 or yarn; tied or untied embeddings)",
     "mistral": "Llama with a sliding window on every layer (where set)",
     "qwen2": "biases on q, k, v; sliding window on the layers from max_window_layers (where used)",
     "qwen3": "RMSNorm on each head's q and k",
