@@ -155,7 +155,7 @@ class Rotary(nn.Module):
         return x * cos + swapped * sin
 
 
-Rope2 = tuple[torch.Tensor, torch.Tensor]  # cos, sin (T, 1, rotary dims) at the batch's positions
+RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin (T, 1, rotary dims) at the batch's positions
 
 
 class Attention(nn.Module):
@@ -172,7 +172,7 @@ class Attention(nn.Module):
         self.plain = cfg.plain  # what the C decode attention computes
 
     def forward(self, x: torch.Tensor, norm: RMSNorm, batch: ForwardBatch, pool: torch.Tensor,
-                rope: Rope2, ops: SimpleNamespace, post_norm: RMSNorm | None = None) -> torch.Tensor:
+                rope: RopeTables, ops: SimpleNamespace, post_norm: RMSNorm | None = None) -> torch.Tensor:
         """x + post_norm(attention(norm(x))): the residual stream after this block. Decode rows
         and prompt rows (a mixed pass has both) each take their own attention, then one o_proj
         product."""
@@ -264,7 +264,7 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: torch.Tensor, rope: Rope2,
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: torch.Tensor, rope: RopeTables,
                 ops: SimpleNamespace) -> torch.Tensor:
         if self.sandwich:
             x = self.self_attn(x, self.input_layernorm, batch, pool, rope, ops, self.post_attention_layernorm)
