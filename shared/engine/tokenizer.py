@@ -86,13 +86,25 @@ class Tokenizer:
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
-    def from_gguf(cls, reader) -> Tokenizer:
+    def from_gguf(cls, path: Path, reader=None) -> Tokenizer:
+        """Byte-level BPE (`tokenizer.ggml.model` gpt2) rebuilt here from the file's fields
+        (`reader`: a gguf.GGUFReader of it, when one is open); every other kind (SentencePiece
+        `llama`, as Gemma, Llama 2 and Mistral files carry) by transformers' GGUF converter, which
+        gives each architecture's normalizer, pre-tokenizer and decoder."""
+        from shared.engine.gguf_file import metadata
+
+        meta, _ = metadata(path)
+        if meta.get("tokenizer.ggml.model") != "gpt2":
+            return cls._converted_gguf(path, meta.get("tokenizer.chat_template"))
+        if reader is None:
+            import gguf
+
+            reader = gguf.GGUFReader(path)
+
         def field(key, default=None):
             f = reader.fields.get(key)
             return default if f is None else f.contents()
 
-        if field("tokenizer.ggml.model") != "gpt2":
-            raise ValueError("only byte-level BPE (gpt2-style) GGUF tokenizers are supported")
         tokens = field("tokenizer.ggml.tokens")
         types = field("tokenizer.ggml.token_type", [1] * len(tokens))
         merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges")]
@@ -111,6 +123,15 @@ class Tokenizer:
         name = lambda key: None if field(key) is None else tokens[field(key)]  # noqa: E731
         return cls(tok, field("tokenizer.chat_template"), name("tokenizer.ggml.bos_token_id"),
                    name("tokenizer.ggml.eos_token_id"), bool(field("tokenizer.ggml.add_bos_token", False)))
+
+    @classmethod
+    def _converted_gguf(cls, path: Path, chat_template: str | None) -> Tokenizer:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
+
+        arch, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(path))
+        backend, _ = convert_gguf_tokenizer(arch, tokenizer_dict)
+        return cls(backend, chat_template, tokenizer_config.get("bos_token"), tokenizer_config.get("eos_token"),
+                   bool(tokenizer_config.get("add_bos_token", False)))
 
     @classmethod
     def from_hf_dir(cls, path: Path) -> Tokenizer:

