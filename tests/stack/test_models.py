@@ -1,18 +1,20 @@
 """Other architectures through the disaggregated stack (`make run RUN_ARGS="--model DIR"`): tiny
-random Qwen3 and Gemma 3 checkpoints (bench/tiny_archs.py) served under their own names, every
-prompt prefilled in the prefill pool and decoded after the KV handoff, each request's greedy
-tokens equal to transformers' for it."""
+random Qwen3 and Gemma 3 checkpoints (bench/tiny_archs.py) served under their own names, and
+the real Gemma 3 270M Q4_K_M file; every prompt prefilled in the prefill pool and decoded after
+the KV handoff, each request's greedy tokens equal to transformers' (or the in-process engine's)."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
+from helpers import generate
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench import tiny_archs
 from bench.engine_quality import reference_greedy
 from deploy.local.stack import Stack, StackConfig
 from shared.engine.loader import load
+from shared.engine.sequence import SamplingParams
 
 pytestmark = pytest.mark.slow
 QUESTIONS = ["What is the capital of France?", "Write a haiku about rain. " * 6, "What is 17 times 3?"]
@@ -44,3 +46,23 @@ def test_a_tiny_checkpoint_served_through_the_handoff_equals_transformers(name, 
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["token_ids"] == expected[q], q
         assert _received_kv_bytes(stack) > 0  # the prompts' KV came from the prefill pool
+
+
+def test_gemma3_270m_q4_k_m_served_end_to_end(tmp_path):
+    """The real Gemma 3 270M file through the handoff: completions (the base model has no chat
+    template), each request's tokens the in-process engine's for it."""
+    gemma = load("gemma3-270m")
+    texts = ["The capital of France is", "def fibonacci(n):\n    "]
+    assert gemma.tokenizer is not None
+    expected = generate(gemma, {t: gemma.tokenizer.encode(t) for t in texts},
+                        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=256, threads=1, model="gemma3-270m",
+                                    log_dir=tmp_path, env={"PD_PREFILL_MODE": "remote"})
+    with Stack(cfg) as stack:
+        for t in texts:
+            r = httpx.post(stack.url + "/v1/completions", timeout=120, json={
+                "model": "gemma-3-270m", "prompt": t, "temperature": 0, "max_tokens": 12, "ignore_eos": True,
+                "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == expected[t], t
+        assert _received_kv_bytes(stack) > 0
