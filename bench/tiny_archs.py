@@ -80,6 +80,9 @@ def build(name: str, dtype: torch.dtype = torch.float32):
 SPECIALS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]  # ids 0-4 (pad, bos, eos as in COMMON)
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# ChatML that lists tools in the system turn (as Qwen's templates do): PD_CHAT_TEMPLATE's test
+CHATML_TOOLS = ("{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}{% endfor %}"
+                "<|im_end|>\n{% endif %}" + CHATML)
 TEXT = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France; Rome is the capital "
         "of Italy. Write a haiku about rain. What is 17 times 3? Bees make honey, and copper carries current.")
 

@@ -103,6 +103,8 @@ class GatewaySettings(Common):
                                     "request's decode worker still holds its lease (lost: continue elsewhere)")
     drain_s: int = Field(30, gt=0, description="on SIGTERM, new connections are refused and the streams open "
                            "are finished for up to this long, then closed")
+    chat_template: str = Field("", description="a Jinja chat template, or the path of a file holding one, "
+                               "rendered instead of the model's own (vLLM's --chat-template)")
     max_request_bytes: int = 1 << 20
     default_max_tokens: int = Field(512, gt=0, description="max_tokens when a request sets none")
     require_prefill: bool = Field(True, description="/ready waits for a prefill worker (off: colocated)")

@@ -10,6 +10,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from jinja2.exceptions import TemplateError
 from opentelemetry import trace
 
 from services.gateway import answer, choices, tools
@@ -27,13 +28,25 @@ def prompt_ids(gw: Gateway, body: ChatCompletionRequest | CompletionRequest) -> 
         raise APIError(404, f"The model '{body.model}' does not exist; this server serves "
                             f"'{gw.settings.model_name}'.", param="model", code="model_not_found")
     if isinstance(body, ChatCompletionRequest):
-        messages = tools.prompt_messages([m.for_template() for m in body.messages], body.functions())
-        return gw.tokenizer.encode(gw.tokenizer.apply_chat_template(messages))
+        return gw.tokenizer.encode(chat_prompt(gw, body))
     if isinstance(body.prompt, str):
         return gw.tokenizer.encode(body.prompt)
     if any(not 0 <= t < gw.model_config.vocab_size for t in body.prompt):
         raise APIError(400, "The prompt has token ids outside the vocabulary.", param="prompt")
     return list(body.prompt)
+
+
+def chat_prompt(gw: Gateway, body: ChatCompletionRequest) -> str:
+    """The conversation through the chat template: the tools given to a template that reads
+    them, else listed in the Hermes format (tools.py); a template's refusal is a 400."""
+    messages, functions, tok = [m.for_template() for m in body.messages], body.functions(), gw.tokenizer
+    try:
+        if tok.template_takes_tools:
+            return tok.apply_chat_template(tools.template_messages(messages),
+                                           tools=tools.listing(functions) if functions else None)
+        return tok.apply_chat_template(tools.prompt_messages(messages, functions))
+    except TemplateError as e:
+        raise APIError(400, f"The model's chat template refused the messages: {e}", param="messages") from e
 
 
 def max_tokens(gw: Gateway, body, n_prompt: int) -> int:

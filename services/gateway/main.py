@@ -40,6 +40,7 @@ from shared.bus import Bus
 from shared.config import GatewaySettings
 from shared.engine import grammar
 from shared.engine.loader import inspect
+from shared.engine.tokenizer import template_text
 from shared.messages import WorkerInfo
 from shared.service import heartbeat, setup_logging
 from shared.state import State
@@ -56,6 +57,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         model_config, tokenizer = await asyncio.to_thread(inspect, settings.model)
         if tokenizer is None:
             raise RuntimeError(f"model {settings.model!r} has no tokenizer; the gateway needs one")
+        if settings.chat_template:
+            tokenizer.chat_template = template_text(settings.chat_template)
         threading.Thread(target=grammar.check, args=(grammar.Grammar("json_object"),), name="grammars",
                          daemon=True).start()  # the library loaded beside the start, not on a request
         bus = await Bus.connect(settings.nats_url, name="gateway")

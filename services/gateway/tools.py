@@ -1,6 +1,8 @@
-"""Tool calls (OpenAI's `tools` / `tool_choice`) in the Hermes format, which SmolLM2's chat
-template does not define and this module adds: the tools are listed in the system message,
-and the model writes each call as
+"""Tool calls (OpenAI's `tools` / `tool_choice`) in the Hermes format. A chat template that
+reads `tools` (Qwen2.5, Qwen3, Llama 3.1…) is given them and the earlier calls
+(`template_messages`) and lists them its own way; for one that does not (SmolLM2's) this module
+adds the Hermes listing (`prompt_messages`): the tools are listed in the system message, and
+the model writes each call as
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -37,6 +39,30 @@ For each function call, return a json object with function name and arguments wi
 <tool_call>
 {{"name": <function-name>, "arguments": <args-json-object>}}
 </tool_call>"""
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """The messages as a template that takes tools reads them: calls' arguments as objects
+    (templates write them with `tojson`; OpenAI sends them as JSON text)."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            m = {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": _arguments(c["function"])}}
+                                     for c in m["tool_calls"]]}
+        out.append(m)
+    return out
+
+
+def _arguments(function: dict) -> Any:
+    try:
+        return json.loads(function["arguments"])
+    except (TypeError, ValueError):
+        return function["arguments"]
+
+
+def listing(functions: list[dict]) -> list[dict]:
+    """OpenAI's tool objects for a template's `tools`."""
+    return [{"type": "function", "function": f} for f in functions]
 
 
 def prompt_messages(messages: list[dict], functions: list[dict] | None) -> list[dict]:

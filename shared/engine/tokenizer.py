@@ -1,17 +1,20 @@
 """Tokenizer and chat template, built from GGUF metadata or a Hugging Face `tokenizer.json`.
 
 The GGUF path rebuilds the byte-level BPE (vocab + merges + special tokens) with the
-`tokenizers` library and renders the model's own Jinja chat template (for SmolLM2: ChatML
-with its default system prompt) in a sandbox, as Hugging Face does.
+`tokenizers` library (other kinds: transformers' converter). The model's own Jinja chat
+template (for SmolLM2: ChatML with its default system prompt), or the one the operator gives
+(PD_CHAT_TEMPLATE), is rendered by transformers' `render_jinja_template`: the sandbox and the
+globals `apply_chat_template` gives templates (raise_exception, strftime_now, tojson with
+indent), with `tools` and template keyword arguments passed through.
 """
 
 from __future__ import annotations
 
 import json
+from functools import cache
 from pathlib import Path
+from typing import Any, cast
 
-from jinja2.exceptions import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -39,12 +42,7 @@ class Tokenizer:
         self.bos_token, self.eos_token, self.add_bos = bos_token, eos_token, add_bos
         self.eos_token_id = tok.token_to_id(eos_token) if eos_token else None
         self.bos_token_id = tok.token_to_id(bos_token) if bos_token else None
-        self._template = None
         self._bytes: list[bytes] | None = None  # token_bytes' table, built on first use
-        if chat_template:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise
-            self._template = env.from_string(chat_template)
 
     @property
     def vocab_size(self) -> int:
@@ -78,11 +76,24 @@ class Tokenizer:
                 table[i] = self.tok.decode([i], skip_special_tokens=False).encode()
         return table
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        if self._template is None:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, **kwargs) -> str:
+        """The conversation as the template renders it (a template's own error, e.g. roles
+        that do not alternate, is a jinja2 TemplateError naming it)."""
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        if not self.chat_template:
             raise ValueError("this model has no chat template; use the completions API")
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        rendered: Any = render_jinja_template([messages], tools=cast(Any, tools), chat_template=self.chat_template,
+                                              add_generation_prompt=add_generation_prompt,
+                                              **{"bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
+                                                 **kwargs})
+        return rendered[0][0]  # (the rendered conversations, their generation indices)
+
+    @property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template reads `tools` (it lists them and writes calls its own way)."""
+        return self.chat_template is not None and _reads_tools(self.chat_template)
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
@@ -145,5 +156,18 @@ class Tokenizer:
                    token(cfg.get("eos_token")), bool(cfg.get("add_bos_token", False)))
 
 
-def _raise(message: str):
-    raise TemplateError(message)
+@cache
+def _reads_tools(template: str) -> bool:
+    from jinja2 import Environment, meta
+
+    return "tools" in meta.find_undeclared_variables(Environment().parse(template))
+
+
+def template_text(value: str) -> str:
+    """A chat template given as its text or as the path of a file holding it."""
+    path = Path(value)
+    if "{" not in value and path.is_file():
+        return path.read_text()
+    if "{" not in value:
+        raise ValueError(f"chat template {value!r} is neither a Jinja template nor a file")
+    return value

@@ -34,11 +34,22 @@ def test_a_tiny_checkpoint_served_through_the_handoff_equals_transformers(name, 
     prompts = {q: tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS}
     hf = tiny_archs.build(name)
     expected = {q: reference_greedy(hf, ids, 10) for q, ids in prompts.items()}
+    template = tmp_path / "tools.jinja"  # the operator's template, which reads tools
+    template.write_text(tiny_archs.CHATML_TOOLS)
     cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=256, threads=1, model=str(path),
-                                    log_dir=tmp_path / "logs", env={"PD_PREFILL_MODE": "remote"})
+                                    log_dir=tmp_path / "logs", env={"PD_PREFILL_MODE": "remote",
+                                                                    "PD_CHAT_TEMPLATE": str(template)})
     with Stack(cfg) as stack:
         models = httpx.get(stack.url + "/v1/models", timeout=10).json()
         assert [m["id"] for m in models["data"]] == [name]  # the directory's name
+        tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+        r = httpx.post(stack.url + "/v1/chat/completions", timeout=120, json={
+            "model": name, "messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 4,
+            "tools": [tool]})
+        assert r.status_code == 200, r.text
+        tok.chat_template = tiny_archs.CHATML_TOOLS
+        listed = tok.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}], tools=[tool])
+        assert "Tools: get_weather" in listed and r.json()["usage"]["prompt_tokens"] == len(tok.encode(listed))
         for q in QUESTIONS:
             r = httpx.post(stack.url + "/v1/chat/completions", timeout=120, json={
                 "model": name, "messages": [{"role": "user", "content": q}], "temperature": 0,
