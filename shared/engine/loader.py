@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -135,19 +136,20 @@ def _hub_snapshot(repo_id: str) -> Path:
                          f"downloaded: {type(e).__name__}: {e}") from e
 
 
-def _build(cfg: ModelConfig, tensors: dict[str, torch.Tensor] | None, dtype: torch.dtype,
+def _build(cfg: ModelConfig, shards: Iterable[dict[str, torch.Tensor]] | None, dtype: torch.dtype,
            device: str) -> DecoderModel:
-    """Allocate the model once, in its final dtype and device, then fill it."""
+    """Allocate the model once, in its final dtype and device, then fill it from the shards'
+    tensors (Hugging Face names; random from the seed when None)."""
     with torch.device("meta"):
         model = DecoderModel(cfg)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.make_rotary(device)  # fp32 tables, not weights
-    if tensors is None:
+    if shards is None:
         with torch.no_grad():
             for p in model.parameters():
                 p.normal_(0, 0.2) if p.dim() > 1 else p.fill_(1.0)
     else:
-        model.load_hf_weights(tensors)
+        model.load_hf_weights(shards)
     return model.eval()
 
 
@@ -167,7 +169,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: str, weights: str = "fp32
         raise ValueError(f"{path}: native weights compute Llama's layer only, not {cfg.arch}'s: use fp32")
     reader = gguf.GGUFReader(path)
     tensors, packed = gguf_file.tensors(reader, cfg, weights == "native")
-    model = _build(cfg, tensors, dtype, device)
+    model = _build(cfg, [tensors], dtype, device)
     model.pack(packed)
     return LoadedModel(model, cfg, Tokenizer.from_gguf(path, reader), path.stem, _file_digest([path]), weights)
 
@@ -195,10 +197,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path}: no *.safetensors files")
-    tensors = {}
-    for f in files:
-        tensors.update(load_file(f))
-    model = _build(cfg, tensors, dtype, device)
+    model = _build(cfg, (load_file(f) for f in files), dtype, device)  # one shard in memory at a time
     return LoadedModel(model, cfg, _hf_tokenizer(path), path.name, _file_digest(files))
 
 

@@ -367,28 +367,39 @@ class DecoderModel(nn.Module):
                            layer.post_attention_layernorm.weight))
         return fused.Layers.of(layers, self.cfg.hidden_size, self.cfg.intermediate_size, self.cfg.rms_norm_eps)
 
-    def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Load Hugging Face names (`model.layers.N.self_attn.q_proj.weight`, …): q/k/v and
-        gate/up separate (their biases too) or already fused (Phi-3's `qkv_proj`, `gate_up_proj`)."""
-        own = {}
-        for name, t in tensors.items():
-            name = name.removeprefix("model.")
-            if name == "lm_head.weight":
-                if self.lm_head is not None:
-                    own["lm_head.weight"] = t
-                continue
-            own[name] = t
-        for i in range(self.cfg.num_layers):
-            p = f"layers.{i}."
-            for kind in ("weight", "bias"):
-                fused_from = {"self_attn.qkv_proj": [f"self_attn.{n}_proj" for n in "qkv"],
-                              "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"]}
-                for fused_name, parts in fused_from.items():
-                    if all(f"{p}{n}.{kind}" in own for n in parts):
-                        own[f"{p}{fused_name}.{kind}"] = torch.cat([own.pop(f"{p}{n}.{kind}") for n in parts])
-        own.pop("rotary_emb.inv_freq", None)
-        missing, unexpected = self.load_state_dict(own, strict=False)
-        missing = [m for m in missing if not m.startswith(("rotary.", "local_rotary."))]
-        if missing or unexpected:
+    def load_hf_weights(self, shards: Iterable[dict[str, torch.Tensor]]) -> None:
+        """Load Hugging Face names (`model.layers.N.self_attn.q_proj.weight`, …), one shard at a
+        time (each is copied into the model before the next is read): q/k/v and gate/up
+        separate (their biases too, fused once all parts have come, in whichever shards) or
+        already fused (Phi-3's `qkv_proj`, `gate_up_proj`)."""
+        fused_from = {"self_attn.qkv_proj": [f"self_attn.{n}_proj" for n in "qkv"],
+                      "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"]}
+        waiting: dict[str, torch.Tensor] = {}  # parts of a fused projection whose siblings are still to come
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        for tensors in shards:
+            own: dict[str, torch.Tensor] = {}
+            for name, t in tensors.items():
+                name = name.removeprefix("model.")
+                if name == "lm_head.weight" and self.lm_head is None:
+                    continue  # (tied: the embedding is the head)
+                if name != "rotary_emb.inv_freq":
+                    (waiting if _fused_part(name, fused_from) else own)[name] = t
+            for i in range(self.cfg.num_layers):
+                for kind in ("weight", "bias"):
+                    for fused_name, parts in fused_from.items():
+                        names = [f"layers.{i}.{n}.{kind}" for n in parts]
+                        if all(n in waiting for n in names):
+                            own[f"layers.{i}.{fused_name}.{kind}"] = torch.cat([waiting.pop(n) for n in names])
+            unexpected += self.load_state_dict(own, strict=False).unexpected_keys
+            loaded |= own.keys()
+        missing = [k for k in self.state_dict() if k not in loaded and not k.startswith(("rotary.", "local_rotary."))]
+        if missing or unexpected or waiting:
             raise ValueError(f"weights do not match the architecture: missing {missing}, "
-                             f"unexpected {unexpected}")
+                             f"unexpected {unexpected + sorted(waiting)}")
+
+
+def _fused_part(name: str, fused_from: dict[str, list[str]]) -> bool:
+    """Whether `name` (layers.N.<module>.<weight|bias>) is one part of a projection the model fuses."""
+    module = name.split(".", 2)[-1].rsplit(".", 1)[0] if name.startswith("layers.") else ""
+    return any(module in parts for parts in fused_from.values())

@@ -69,3 +69,24 @@ def _with_config(tmp_path, name: str, **changes):
 def test_what_the_engine_does_not_compute_is_refused_by_name(tmp_path, name, changes, said):
     with pytest.raises(ValueError, match=said):
         load(_with_config(tmp_path, name, **changes))
+
+
+def test_sharded_safetensors_load_shard_by_shard_to_the_same_model(tmp_path, monkeypatch):
+    import safetensors.torch
+    import torch
+
+    from bench.engine_quality import logits_all
+
+    whole = load(str(tiny_archs.save("qwen2", tmp_path)))
+    sharded = tmp_path / "sharded"
+    tiny_archs.build("qwen2").save_pretrained(sharded, max_shard_size="40KB")  # q, k and v in different shards
+    shards = sorted(sharded.glob("*.safetensors"))
+    assert len(shards) > 10
+    opened, read = [], safetensors.torch.load_file
+    monkeypatch.setattr(safetensors.torch, "load_file", lambda f: opened.append(f) or read(f))
+    ids = list(range(3, 40))
+    assert torch.equal(logits_all(load(str(sharded)), ids), logits_all(whole, ids))
+    assert opened == shards
+    shards[3].unlink()  # a shard missing: its tensors are named
+    with pytest.raises(ValueError, match="missing"):
+        load(str(sharded))
