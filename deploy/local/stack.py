@@ -268,10 +268,14 @@ def main() -> None:
         env_file.touch(mode=0o600)
         env_file.write_text(f"PD_NATS_URL={stack.nats_url}\nPD_REDIS_URL={stack.redis_url}\n")
         metrics = ", ".join(f"{n} {stack.metrics_url(n)}" for n in stack.procs if not ha.is_server(n))
+        served = os.environ.get("PD_MODEL_NAME") or model_id(args.model)
         print(f"ready in {time.monotonic() - start:.1f} s at {stack.url}\n\n"
               f"  curl {stack.url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-              f"    -d '{{\"model\": \"{os.environ.get('PD_MODEL_NAME') or model_id(args.model)}\", \"messages\": "
+              f"    -d '{{\"model\": \"{served}\", \"messages\": "
               f"[{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}]}}'\n\n"
+              f"  a model without a chat template (gemma3-270m, a base model) takes text:\n"
+              f"  curl {stack.url}/v1/completions -H 'Content-Type: application/json' \\\n"
+              f"    -d '{{\"model\": \"{served}\", \"prompt\": \"The capital of France is\", \"max_tokens\": 16}}'\n\n"
               f"  metrics: {metrics}\n\n"
               "Ctrl-C stops everything.", flush=True)
         while all(p.poll() is None for p in stack.procs.values()):
