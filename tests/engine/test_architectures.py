@@ -3,7 +3,7 @@
 
 Greedy tokens equal transformers' exactly, in one pass, in chunks, beside other sequences,
 after a prefix-cache hit, after a KV transfer and after a failover; logits within LOGITS_TOL in
-fp32. In bfloat16 (the GPU's dtype, run here on CPU) the logits are as far from transformers'
+fp32; a JSON schema's output follows it and is the same after a transfer. In bfloat16 (the GPU's dtype, run here on CPU) the logits are as far from transformers'
 fp32 ones as transformers' own bfloat16 logits are (BF16_SLACK times that, at most). Each architecture's
 differences from Llama matter: without one, the logits move (so the equalities test them)."""
 
@@ -124,6 +124,38 @@ def test_bfloat16_logits_and_engine_paths(name, root, prompts):
     src, dst = (Engine(ours, EngineConfig(num_blocks=64, **bf16)) for _ in range(2))
     first = transfer(src, dst, "mid", prompts["mid"], GREEDY)
     assert first.new_token_ids + tokens(run_all(dst)["mid"]) == one["mid"]
+
+
+# the tiny checkpoints' vocabulary read as bytes (structured output's masks need one): tokens 0-255
+# spell their byte, the rest two printable bytes each; the end token (2) spells nothing
+VOCAB = [b"" if i == 2 else bytes([i]) for i in range(256)] + \
+    [bytes([33 + (i % 90), 33 + (i * 7 % 90)]) for i in range(tiny_archs.COMMON["vocab_size"] - 256)]
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_structured_output_follows_the_schema_after_a_transfer(name, root, prompts):
+    import json
+
+    from shared.engine.grammar import Grammar, Grammars
+
+    _, ours, _ = _model(name, root)
+    params = SamplingParams(max_tokens=60, temperature=1.0, seed=3, grammar=Grammar("json_schema", json.dumps(PERSON)))
+    engines = [Engine(ours, EngineConfig(num_blocks=64)) for _ in range(3)]
+    for e in engines:
+        e.grammars = Grammars(VOCAB, e.eos_token_ids)
+    one = tokens(run_all(_added(engines[0], prompts["mid"], params))["a"])
+    first = transfer(engines[1], engines[2], "a", prompts["mid"], params)
+    assert first.new_token_ids + tokens(run_all(engines[2])["a"]) == one
+    value = json.loads(b"".join(VOCAB[t] for t in one).decode())
+    assert set(value) == {"name", "age"} and 0 <= value["age"] <= 120
+
+
+def _added(engine: Engine, ids: list[int], params: SamplingParams) -> Engine:
+    engine.add_request("a", ids, params)
+    return engine
 
 
 # what each architecture changes, and its Llama value: taking it away must move the logits
