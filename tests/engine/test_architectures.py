@@ -3,8 +3,9 @@
 
 Greedy tokens equal transformers' exactly, in one pass, in chunks, beside other sequences,
 after a prefix-cache hit, after a KV transfer and after a failover; logits within LOGITS_TOL in
-fp32; a JSON schema's output follows it and is the same after a transfer. In bfloat16 (the GPU's dtype, run here on CPU) the logits are as far from transformers'
-fp32 ones as transformers' own bfloat16 logits are (BF16_SLACK times that, at most). Each architecture's
+fp32; a JSON schema's output follows it and is the same after a transfer. In bfloat16 (the
+GPU's dtype, run here on CPU) the logits are as far from transformers' fp32 ones as
+transformers' own bfloat16 logits are (BF16_SLACK times that, at most). Each architecture's
 differences from Llama matter: without one, the logits move (so the equalities test them)."""
 
 from __future__ import annotations
