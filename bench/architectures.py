@@ -5,7 +5,8 @@ bench/tiny_archs.py (what tests/engine/test_architectures.py asserts, measured):
 
 Writes bench/results/architectures.json (per architecture: greedy tokens equal to transformers'
 in fp32, the logits' max abs difference in fp32, and in bf16 beside transformers' own bf16
-difference from its fp32) and the README's table between the `bench:archs` markers.
+difference from its fp32; the same fp32 figures from the checkpoint converted to GGUF by
+llama.cpp's converter) and the README's table between the `bench:archs` markers.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def greedy(loaded, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
     return got
 
 
-def measure(name: str, root: Path, prompts: dict[str, list[int]]) -> dict:
+def measure(name: str, root: Path, prompts: dict[str, list[int]], gguf: Path) -> dict:
     hf, hf_bf16 = tiny_archs.build(name), tiny_archs.build(name, torch.bfloat16)
     path = tiny_archs.save(name, root)
     ours, ours_bf16 = load(str(path)), load(str(path), dtype=torch.bfloat16)
@@ -58,12 +59,22 @@ def measure(name: str, root: Path, prompts: dict[str, list[int]]) -> dict:
             "fp32_max_abs_logit_diff": float((logits_all(ours, ids) - want).abs().max()),
             "bf16_max_abs_logit_diff": float((logits_all(ours_bf16, ids) - want).abs().max()),
             "transformers_bf16_max_abs_logit_diff": theirs,
-            "logit_std": float(want.std())}
+            "logit_std": float(want.std()), **measure_gguf(name, gguf, prompts)}
+
+
+def measure_gguf(name: str, path: Path, prompts: dict[str, list[int]]) -> dict:
+    hf, ours = tiny_archs.gguf_reference(name), load(str(path))
+    ref = {k: reference_greedy(hf, ids, NEW) for k, ids in prompts.items()}
+    ids = prompts["long"] + ref["long"]
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+    return {"gguf_greedy_equal": greedy(ours, prompts) == ref,
+            "gguf_fp32_max_abs_logit_diff": float((logits_all(ours, ids) - want).abs().max())}
 
 
 def table(results: dict) -> str:
     rows = ["| `model_type`: what differs from Llama | tiny checkpoint | greedy = transformers | logits Δ fp32 | "
-            "logits Δ bf16 (transformers' bf16) |", "|---|---|---|---|---|"]
+            "logits Δ bf16 (transformers' bf16) | as GGUF: greedy =, logits Δ |", "|---|---|---|---|---|---|"]
     seen = set()
     for name, r in results["architectures"].items():
         arch = "" if r["model_type"] in seen else f"`{r['model_type']}`: {ARCHITECTURES[r['model_type']]}"
@@ -71,7 +82,8 @@ def table(results: dict) -> str:
         rows.append(f"| {arch} | {name}: {tiny_archs.NOTES[name]} | "
                     f"{'yes' if r['greedy_equal'] else 'no'} ({r['tokens_equal']}/{r['tokens']}) | "
                     f"{r['fp32_max_abs_logit_diff']:.1e} | {r['bf16_max_abs_logit_diff']:.2f} "
-                    f"({r['transformers_bf16_max_abs_logit_diff']:.2f}) |")
+                    f"({r['transformers_bf16_max_abs_logit_diff']:.2f}) | "
+                    f"{'yes' if r['gguf_greedy_equal'] else 'no'}, {r['gguf_fp32_max_abs_logit_diff']:.1e} |")
     return "\n".join(rows)
 
 
@@ -81,11 +93,14 @@ def main() -> None:
     prompts = {n: torch.randint(3, 384, (k,), generator=g).tolist() for n, k in (("short", 9), ("mid", 40),
                                                                                  ("long", 70))}
     with tempfile.TemporaryDirectory() as root:
-        archs = {name: measure(name, Path(root), prompts) for name in tiny_archs.configs()}
+        files = tiny_archs.save_gguf(list(tiny_archs.configs()), Path(root))
+        archs = {name: measure(name, Path(root), prompts, files[name]) for name in tiny_archs.configs()}
     out = {"machine": platform.processor() or platform.machine(), "new_tokens": NEW,
            "prompt_tokens": {k: len(v) for k, v in prompts.items()}, "architectures": archs,
            "summary": {"checkpoints": len(archs), "greedy_equal": sum(r["greedy_equal"] for r in archs.values()),
                        "fp32_max_abs_logit_diff": max(r["fp32_max_abs_logit_diff"] for r in archs.values()),
+                       "gguf_greedy_equal": sum(r["gguf_greedy_equal"] for r in archs.values()),
+                       "gguf_fp32_max_abs_logit_diff": max(r["gguf_fp32_max_abs_logit_diff"] for r in archs.values()),
                        "bf16_over_transformers_bf16": max(r["bf16_max_abs_logit_diff"]
                                                           / r["transformers_bf16_max_abs_logit_diff"]
                                                           for r in archs.values())}}
