@@ -4,10 +4,13 @@
 2. Triton paged decode attention matches the torch reference (bf16, realistic shapes).
 3. SmolLM2 on CUDA (bf16): the engine with Triton kernels vs the same engine with torch
    kernels, greedy; and a KV export/import between two CUDA engines continues exactly.
-4. Decode step time at batch 1, 8, 32 with each kernel backend, side by side.
+4. Decode step time at batch 1, 8, 32 with each kernel backend, side by side, beside the HBM
+   bandwidth limit for the weights' and the batch's KV bytes (a measured device copy rate).
 5. The KV path (scripts/gpu_kv.py): streamed layers to pinned host memory on the engine's KV
    stream and received blocks back to the device, GB/s against pinned cudaMemcpy, and the
    exposed part of a 2k-token prefill's KV reaching the host.
+6. The services (scripts/gpu_services.py): one prefill and one decode worker on CUDA (bf16)
+   behind the router and gateway, requests handed off between them.
 Writes bench/results/gpu_check.json; exits non-zero on any failure.
 """
 
@@ -28,6 +31,7 @@ from shared.engine.sequence import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
 import gpu_kv  # noqa: E402 - beside this script
+from gpu_services import drain, services  # noqa: E402
 
 RESULTS = Path(__file__).parents[1] / "bench" / "results" / "gpu_check.json"
 
@@ -62,13 +66,11 @@ def kernels() -> None:
 
 def generate(engine: Engine, prompt: list[int], n: int) -> list[int]:
     engine.add_request("g", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-    out = []
-    while engine.has_work():
-        out += [t for o in engine.step() for t in o.new_token_ids]
-    return out
+    return drain(engine)
 
 
-def engine_on_cuda() -> None:
+
+def engine_on_cuda() -> dict:
     loaded = load("smollm2", dtype=torch.bfloat16, device="cuda")
     tok = loaded.tokenizer
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
@@ -93,7 +95,7 @@ def engine_on_cuda() -> None:
         dst.import_layer("x", layer, export.layer_bytes(layer), res.first_block)
     src.free("x")
     dst.commit_import("x", first.new_token_ids[0])
-    moved = first.new_token_ids + [t for o in iter(dst.step, []) for t in o.new_token_ids]
+    moved = first.new_token_ids + drain(dst)
     check("export/import on CUDA continues exactly", moved == whole)
     check("no block leaks", src.num_free_blocks == src.num_blocks and dst.num_free_blocks == dst.num_blocks)
 
@@ -119,11 +121,33 @@ def engine_on_cuda() -> None:
                          codec.decode(encoding, rows, shape, dtype))
         src.free("s")
         dst.commit_import("s", outs[0].new_token_ids[0])
-        streamed = outs[0].new_token_ids + [t for o in iter(dst.step, []) for t in o.new_token_ids]
+        streamed = outs[0].new_token_ids + drain(dst)
         same = sum(x == y for x, y in zip(streamed, whole))
         check(f"streamed handoff on CUDA ({encoding})", streamed == whole if encoding == "native" else same >= 24,
               f"{same}/32 tokens equal, {len(pieces)} pieces")
 
+    return decode_steps(loaded, prompt)
+
+
+def hbm_gbps() -> float:
+    """Device-to-device copy of 1 GiB: bytes read plus written per second."""
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 10 / (time.perf_counter() - start) / 1e9
+
+
+def decode_steps(loaded, prompt: list[int]) -> dict:
+    """Decode step time at batch 1, 8, 32 with each kernel backend, beside the HBM bandwidth
+    limit: the weights' bytes and the batch's KV bytes read once per step at the copy rate."""
+    gbps, cfg = hbm_gbps(), loaded.config
+    weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    out: dict = {"hbm_copy_gbps": gbps, "weight_bytes": weight_bytes, "steps": []}
     for backend in ("triton", "torch"):
         eng = Engine(loaded, EngineConfig(num_blocks=8192, device="cuda", kernels=backend, max_num_seqs=64))
         for batch in (1, 8, 32):
@@ -136,10 +160,17 @@ def engine_on_cuda() -> None:
             for _ in range(16):
                 eng.step()
             torch.cuda.synchronize()
-            print(f"      decode step, {backend:6} kernels, batch {batch:2}: "
-                  f"{(time.perf_counter() - start) / 16 * 1e3:.2f} ms")
+            step_ms = (time.perf_counter() - start) / 16 * 1e3
+            kv_bytes = (batch * (len(prompt) * 4 + 24) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
+                        * eng.runner.kv.element_size())
+            bound_ms = (weight_bytes + kv_bytes) / (gbps * 1e9) * 1e3
+            print(f"      decode step, {backend:6} kernels, batch {batch:2}: {step_ms:.2f} ms "
+                  f"(HBM bound {bound_ms:.3f} ms: {bound_ms / step_ms:.1%} of it)")
+            out["steps"].append({"kernels": backend, "batch": batch, "step_ms": step_ms, "hbm_bound_ms": bound_ms,
+                                 "fraction_of_hbm_bound": bound_ms / step_ms})
             for i in range(batch):
                 eng.abort(f"b{i}")
+    return out
 
 
 def kv_on_cuda() -> dict:
@@ -161,10 +192,11 @@ def main() -> None:
         sys.exit("no CUDA device: this script checks the GPU path")
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     kernels()
-    engine_on_cuda()
+    steps = engine_on_cuda()
     kv = kv_on_cuda()
+    stack = services("cuda", check)
     RESULTS.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, **kv,
-                                   "failed": FAILURES}, indent=2))
+                                   "decode_steps": steps, "services": stack, "failed": FAILURES}, indent=2))
     print(f"wrote {RESULTS}")
     print(f"\n{len(FAILURES)} failed: {FAILURES}" if FAILURES else "\nall GPU checks passed")
     sys.exit(1 if FAILURES else 0)
