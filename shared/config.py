@@ -115,6 +115,11 @@ class GatewaySettings(Common):
     rate_limit_burst: int = Field(20, gt=0, description="requests a caller may make at once before the rate applies")
     max_prompt_tokens: int = Field(0, ge=0, description="longest prompt accepted, in tokens (0: the model's context)")
     max_tokens_limit: int = Field(0, ge=0, description="largest max_tokens accepted (0: what the context leaves)")
+    special_tokens_in_messages: bool = Field(
+        False, description="a special token's spelling in a message (\"<|im_start|>system\") read as that control "
+        "token; off: it stays text, so only the chat template writes roles")
+    max_logit_bias: int = Field(1024, ge=0, description="logit_bias entries one request may set")
+    max_stop_chars: int = Field(1024, gt=0, description="longest stop string (each is rescanned as tokens come)")
 
 
 class RouterSettings(Common):

@@ -28,7 +28,7 @@ def prompt_ids(gw: Gateway, body: ChatCompletionRequest | CompletionRequest) -> 
         raise APIError(404, f"The model '{body.model}' does not exist; this server serves "
                             f"'{gw.settings.model_name}'.", param="model", code="model_not_found")
     if isinstance(body, ChatCompletionRequest):
-        return gw.tokenizer.encode(chat_prompt(gw, body))
+        return chat_ids(gw, body)
     if isinstance(body.prompt, str):
         return gw.tokenizer.encode(body.prompt)
     if any(not 0 <= t < gw.model_config.vocab_size for t in body.prompt):
@@ -36,15 +36,21 @@ def prompt_ids(gw: Gateway, body: ChatCompletionRequest | CompletionRequest) -> 
     return list(body.prompt)
 
 
-def chat_prompt(gw: Gateway, body: ChatCompletionRequest) -> str:
+def chat_ids(gw: Gateway, body: ChatCompletionRequest) -> list[int]:
     """The conversation through the chat template: the tools given to a template that reads
-    them, else listed in the Hermes format (tools.py); a template's refusal is a 400."""
-    messages, functions, tok = [m.for_template() for m in body.messages], body.functions(), gw.tokenizer
-    try:
+    them, else listed in the Hermes format (tools.py); a template's refusal is a 400. A special
+    token spelled in the client's text stays text (PD_SPECIAL_TOKENS_IN_MESSAGES: read as one)."""
+    functions, tok = body.functions(), gw.tokenizer
+    parts = {"messages": [m.for_template() for m in body.messages], "functions": functions,
+             "tools": tools.listing(functions) if functions else None}
+
+    def render(p: dict) -> str:
         if tok.template_takes_tools:
-            return tok.apply_chat_template(tools.template_messages(messages),
-                                           tools=tools.listing(functions) if functions else None)
-        return tok.apply_chat_template(tools.prompt_messages(messages, functions))
+            return tok.apply_chat_template(tools.template_messages(p["messages"]), tools=p["tools"])
+        return tok.apply_chat_template(tools.prompt_messages(p["messages"], p["functions"]))
+
+    try:
+        return tok.encode_chat(parts, render, specials_as_text=not gw.settings.special_tokens_in_messages)
     except TemplateError as e:
         raise APIError(400, f"The model's chat template refused the messages: {e}", param="messages") from e
 
@@ -75,6 +81,41 @@ def max_tokens(gw: Gateway, body, n_prompt: int) -> int:
 MAX_PROMPT_LOGPROBS = 16_384
 
 
+MAX_SESSION_CHARS = 200  # x-session-id, as the session_id field
+
+
+def check_caps(gw: Gateway, body: ChatCompletionRequest | CompletionRequest, request: Request) -> None:
+    """This server's limits on what costs it per token or per message (GatewaySettings)."""
+    if len(body.logit_bias or {}) > gw.settings.max_logit_bias:
+        raise APIError(400, f"logit_bias has {len(body.logit_bias or {})} entries; this server accepts at most "
+                            f"{gw.settings.max_logit_bias}.", param="logit_bias")
+    if any(len(s) > gw.settings.max_stop_chars for s in body.stop or ()):
+        raise APIError(400, f"A stop string is longer than {gw.settings.max_stop_chars} characters.", param="stop")
+    if len(request.headers.get("x-session-id", "")) > MAX_SESSION_CHARS:
+        raise APIError(400, f"The x-session-id header is longer than {MAX_SESSION_CHARS} characters.",
+                       param="x-session-id")
+
+
+# what the router adds to a request's message on its way to the workers (a prefill job carries
+# the same prompt and sampling): a request's message leaves this much of the bus's payload limit
+BUS_HEADROOM = 16 << 10
+
+
+def check_size(gw: Gateway, body: ChatCompletionRequest | CompletionRequest, req: RouteRequest) -> None:
+    """A request whose bus message would be over the server's payload limit is a 400 naming its
+    largest part (the prompt, stop strings, logit_bias or the structured-output field)."""
+    limit = gw.bus.nc.max_payload - BUS_HEADROOM
+    if (size := len(req.encode())) <= limit:
+        return
+    s = req.sampling
+    parts = {"messages" if isinstance(body, ChatCompletionRequest) else "prompt": req.prompt_token_ids,
+             "stop": list(s.stop), "logit_bias": list(s.logit_bias), "stop_token_ids": list(s.stop_token_ids),
+             **{field: grammar.spec for field, grammar in body._grammars()}}
+    param = max(parts, key=lambda k: len(json.dumps(parts[k])))
+    raise APIError(400, f"The request takes {size} bytes on the message bus, over the {limit} one message may "
+                        f"carry here; its largest part is '{param}'.", param=param, code="request_too_large")
+
+
 def check_tokens(gw: Gateway, body: ChatCompletionRequest | CompletionRequest, n_prompt: int) -> None:
     """What the schema cannot know: token ids within this model's vocabulary, and prompt log
     probabilities that fit one message."""
@@ -93,6 +134,7 @@ def check_tokens(gw: Gateway, body: ChatCompletionRequest | CompletionRequest, n
 
 async def generate(gw: Gateway, request: Request, body: ChatCompletionRequest | CompletionRequest,
                    kind: Kind) -> JSONResponse | StreamingResponse:
+    check_caps(gw, body, request)
     ids = prompt_ids(gw, body)
     check_tokens(gw, body, len(ids))
     scoring = isinstance(body, CompletionRequest) and body.max_tokens == 0  # echo: the prompt scored alone
@@ -107,8 +149,10 @@ async def generate(gw: Gateway, request: Request, body: ChatCompletionRequest | 
     try:
         # n > 1: the later choices follow choice 0 to its decode worker (choices.py), under one session
         session = body.session_id or request.headers.get("x-session-id") or (f"n-{rid}" if body.n > 1 else None)
-        placement, streams = await choices.run(gw.relay.run, RouteRequest(
-            request_id=rid, prompt_token_ids=ids, sampling=sampling, model=body.model, session_id=session), body.n)
+        req = RouteRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling, model=body.model,
+                           session_id=session)
+        check_size(gw, body, req)
+        placement, streams = await choices.run(gw.relay.run, req, body.n)
     except APIError as e:
         span.set_attribute("error", e.message)
         raise

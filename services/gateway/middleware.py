@@ -1,16 +1,30 @@
 """Every HTTP request: a request id, the root span of its trace, both returned as headers
-(`x-request-id`, `x-trace-id`) on every response, errors included; and the body size limit."""
+(`x-request-id`, `x-trace-id`) on every response, errors included; the body size limit, counted
+as the bytes arrive (a chunked body has no Content-Length); and the last word on a failure no
+handler answered: a 500 in OpenAI's error shape, with the ids, its traceback in the log."""
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 
 from fastapi.responses import JSONResponse
 from opentelemetry import trace
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.gateway import errors
 from shared import tracing
+
+log = logging.getLogger("gateway")
+
+
+class BodyTooLarge(StarletteHTTPException):
+    """Raised from the body's reading (an HTTP error, so FastAPI's body parser passes it on as
+    itself, answered by errors.py's handler)."""
+
+    def __init__(self, limit: int):
+        super().__init__(413, f"Request body over {limit} bytes.")
 
 
 class RequestContext:
@@ -28,15 +42,43 @@ class RequestContext:
         with self.tracer.start_as_current_span("gateway.request", kind=trace.SpanKind.SERVER, attributes={
                 "request_id": request_id, "http.route": name}) as span:
             ids = [(b"x-request-id", request_id.encode()), (b"x-trace-id", tracing.trace_id_hex(span).encode())]
+            started = False
 
             async def send_with_ids(message):
+                nonlocal started
                 if message["type"] == "http.response.start":
+                    started = True
                     message["headers"] = [*message.get("headers", []), *ids]
                     span.set_attribute("http.status_code", message["status"])
                 await send(message)
 
+            received = 0
+
+            async def counted():
+                nonlocal received
+                message = await receive()
+                if message["type"] == "http.request":
+                    received += len(message.get("body", b""))
+                    if received > self.max_bytes:
+                        raise BodyTooLarge(self.max_bytes)
+                return message
+
             size = dict(scope["headers"]).get(b"content-length", b"")
-            if size.isdigit() and int(size) > self.max_bytes:
-                too_big = JSONResponse(errors.body(413, f"Request body over {self.max_bytes} bytes."), status_code=413)
-                return await too_big(scope, receive, send_with_ids)
-            await self.app(scope, receive, send_with_ids)
+            if len(size) > 20 or (size.isdigit() and int(size) > self.max_bytes):
+                return await self._too_large(scope, receive, send_with_ids)
+            try:
+                await self.app(scope, counted, send_with_ids)
+            except BodyTooLarge:
+                if not started:
+                    await self._too_large(scope, receive, send_with_ids)
+            except Exception as e:  # noqa: BLE001 - the catch-all: no request gets a bare 500
+                log.exception("%s: %s failed", request_id, name)
+                span.record_exception(e)
+                if not started:
+                    failed = JSONResponse(errors.body(500, f"The server failed on this request ({type(e).__name__}); "
+                                                           f"its id is {request_id}."), status_code=500)
+                    await failed(scope, receive, send_with_ids)
+
+    async def _too_large(self, scope, receive, send) -> None:
+        too_big = JSONResponse(errors.body(413, f"Request body over {self.max_bytes} bytes."), status_code=413)
+        await too_big(scope, receive, send)

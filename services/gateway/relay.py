@@ -100,10 +100,11 @@ class Relay:
                               await self.bus.subscribe(subjects.stalled(req.request_id), on_event)])
         try:
             reply = await self.place(req)
-        except (APIError, asyncio.CancelledError) as e:  # refused for good, or the client left meanwhile
+        except BaseException as e:  # refused for good, the client gone meanwhile, or a failure here
             await subs.unsubscribe()
             await asyncio.shield(self.abandon(req))
-            outcome, reason = ("failed", e.message) if isinstance(e, APIError) else ("cancelled", "client gone")
+            outcome, reason = ("failed", e.message) if isinstance(e, APIError) else \
+                ("cancelled", "client gone") if isinstance(e, asyncio.CancelledError) else ("failed", repr(e))
             self.note(req.request_id, outcome, by=self.owner, owner=self.owner, reason=reason)
             metrics.REQUESTS.labels(outcome).inc()
             raise

@@ -200,12 +200,20 @@ class _Common(Strict):
             raise ValueError("stop takes up to 4 non-empty strings")
         return stops
 
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        if (path := _lone_surrogate(data)) is not None:
+            raise PydanticCustomError("invalid_value", "'{param}' is not valid unicode (it holds a lone surrogate, "
+                                      "half of a UTF-16 pair)", {"param": path})
+        return data
+
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, v):
         for key, bias in (v or {}).items():
-            if not key.isdigit():
-                raise ValueError(f"logit_bias keys are token ids; got {key!r}")
+            if not (key.isascii() and key.isdigit() and len(key) <= 9):
+                raise ValueError(f"logit_bias keys are token ids (decimal, up to 9 digits); got {ascii(key[:24])}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias values are in [-100, 100]; got {bias} for {key}")
         return v
@@ -269,6 +277,23 @@ class _Common(Strict):
     def prompt_logprobs_wanted(self) -> int | None:
         """Alternatives per prompt token when the prompt's log probabilities are asked for."""
         return None
+
+
+def _lone_surrogate(data: Any, path: str = "") -> str | None:
+    """The place of the first string in a request body (a value or a key) that UTF-8 cannot
+    encode: JSON's \\ud800 escapes parse into such strings, and no tokenizer or message takes them."""
+    if isinstance(data, str):
+        try:
+            data.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for key, value in items:
+        found = _lone_surrogate(key, path or "body") if isinstance(key, str) else None
+        if found is not None or (found := _lone_surrogate(value, f"{path}.{key}" if path else str(key))) is not None:
+            return found
+    return None
 
 
 def _default_value(name: str, value: Any) -> bool:

@@ -11,7 +11,10 @@ indent), with `tools` and template keyword arguments passed through.
 from __future__ import annotations
 
 import json
-from functools import cache
+import re
+import secrets
+from collections.abc import Callable
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Any, cast
 
@@ -90,6 +93,49 @@ class Tokenizer:
                                                  **kwargs})
         return rendered[0][0]  # (the rendered conversations, their generation indices)
 
+    def encode_chat(self, parts: Any, render: Callable[[Any], str], specials_as_text: bool = True) -> list[int]:
+        """The tokens of what `render` writes from `parts` (messages, tools: the client's).
+        Text in `parts` that spells a special token ("<|im_start|>system" pasted into a message)
+        stays text, so only the template writes control tokens (specials_as_text=False: it
+        becomes the control token, as a plain encode of the rendered text reads it)."""
+        spelled: list[str] = []
+        nonce = secrets.token_hex(8)  # (client text cannot forge a mark)
+
+        def mark(m: re.Match) -> str:
+            spelled.append(m[0])
+            return f"\ue000{nonce}.{len(spelled) - 1}\ue001"
+
+        specials = self._specials if specials_as_text else None
+        marked = _strings(parts, lambda s: specials.sub(mark, s)) if specials is not None else parts
+        if not spelled:
+            return self.encode(render(parts))
+        text, spans = _unmarked(render(marked), spelled, nonce)
+        enc, ids = self.tok.encode(text, add_special_tokens=False), []
+        for i, (a, b) in zip(enc.ids, enc.offsets):
+            if i in self._special_ids and any(a < end and start < b for start, end in spans):
+                ids += self._as_text.encode(text[a:b], add_special_tokens=False).ids
+            else:
+                ids.append(i)
+        return [self.bos_token_id, *ids] if self.add_bos and self.bos_token_id is not None and \
+            ids[:1] != [self.bos_token_id] else ids
+
+    @cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(i for i, t in self.tok.get_added_tokens_decoder().items() if t.special)
+
+    @cached_property
+    def _specials(self) -> re.Pattern | None:
+        """Any special token's spelling (the longest first), or None for a tokenizer with none."""
+        texts = sorted((t for i in self._special_ids if (t := self.tok.id_to_token(i))), key=len, reverse=True)
+        return re.compile("|".join(re.escape(t) for t in texts)) if texts else None
+
+    @cached_property
+    def _as_text(self) -> HFTokenizer:
+        """This tokenizer reading special tokens' spellings as text."""
+        tok = HFTokenizer.from_str(self.tok.to_str())
+        tok.encode_special_tokens = True
+        return tok
+
     @property
     def template_takes_tools(self) -> bool:
         """Whether the chat template reads `tools` (it lists them and writes calls its own way)."""
@@ -154,6 +200,31 @@ class Tokenizer:
         template = template_file.read_text() if template_file.exists() else cfg.get("chat_template")
         return cls(tok, template, token(cfg.get("bos_token")),
                    token(cfg.get("eos_token")), bool(cfg.get("add_bos_token", False)))
+
+
+def _strings(value: Any, change: Callable[[str], str]) -> Any:
+    """`value` (JSON-like) with `change` applied to every string in it."""
+    if isinstance(value, str):
+        return change(value)
+    if isinstance(value, dict):
+        return {k: _strings(v, change) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_strings(v, change) for v in value]
+    return value
+
+
+def _unmarked(rendered: str, spelled: list[str], nonce: str) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered text with each mark (private-use characters around the nonce and an index
+    into `spelled`) back as its spelling, and where those spellings are."""
+    out, spans, at = [], [], 0
+    for m in re.finditer(f"\ue000{nonce}\\.(\\d+)\ue001", rendered):
+        out.append(rendered[at:m.start()])
+        start = sum(map(len, out))
+        out.append(spelled[int(m[1])])
+        spans.append((start, start + len(spelled[int(m[1])])))
+        at = m.end()
+    out.append(rendered[at:])
+    return "".join(out), spans
 
 
 @cache

@@ -1,5 +1,5 @@
-"""Other architectures through the disaggregated stack (`make run RUN_ARGS="--model DIR"`): tiny
-random Qwen3 and Gemma 3 checkpoints (bench/tiny_archs.py) served under their own names, and
+"""Other architectures through the disaggregated stack (`make run RUN_ARGS="--model DIR"`): a tiny
+random checkpoint of each `model_type` (bench/tiny_archs.py) served under its own name, and
 the real Gemma 3 270M Q4_K_M file; every prompt prefilled in the prefill pool and decoded after
 the KV handoff, each request's greedy tokens equal to transformers' (or the in-process engine's)."""
 
@@ -26,7 +26,11 @@ def _received_kv_bytes(stack: Stack) -> float:
                if s.name == "pd_kv_received_bytes_total")
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+# one checkpoint per model_type (Llama's with Llama 3.1's RoPE)
+ARCHS = ["llama3-rope", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"]
+
+
+@pytest.mark.parametrize("name", ARCHS)
 def test_a_tiny_checkpoint_served_through_the_handoff_equals_transformers(name, tmp_path):
     path = tiny_archs.save(name, tmp_path, tokenizer=True)
     tok = load(str(path)).tokenizer

@@ -1,0 +1,68 @@
+"""Inputs a careless client or an attacker sends, on the real stack: each one a 4xx in OpenAI's
+error shape naming its field, with the request's id, never a 5xx; the stack answers normally
+after them."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from conftest import MODEL
+
+pytestmark = pytest.mark.slow
+HI = [{"role": "user", "content": "hi"}]
+
+
+def _post(stack, body: dict | bytes, headers: dict | None = None) -> httpx.Response:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(stack.url + "/v1/chat/completions", content=data, timeout=60,
+                      headers={"content-type": "application/json", **(headers or {})})
+
+
+def _refused(r: httpx.Response, status: int, param: str | None) -> None:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"], err
+    assert len(r.headers["x-request-id"]) == 32
+
+
+@pytest.mark.parametrize("key", ["²", "٣", "9" * 5000, "-1", ""])
+def test_logit_bias_keys_that_are_no_token_id(stack, key):
+    _refused(_post(stack, {"model": MODEL, "messages": HI, "logit_bias": {key: 1}}), 400, "logit_bias")
+
+
+@pytest.mark.parametrize("raw, param", [
+    (b'{"model": "%s", "messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages.0.content"),
+    (b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "stop": ["\\udfff"]}', "stop.0"),
+    (b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"\\ud800": 1}}', "logit_bias"),
+], ids=["content", "stop", "key"])
+def test_lone_surrogates_are_a_400_naming_where(stack, raw, param):
+    _refused(_post(stack, raw % MODEL.encode()), 400, param)
+
+
+def test_caps_on_logit_bias_stop_and_session_header(stack):
+    _refused(_post(stack, {"model": MODEL, "messages": HI, "logit_bias": {str(i): 1 for i in range(40_000)}}),
+             400, "logit_bias")
+    _refused(_post(stack, {"model": MODEL, "messages": HI, "stop": ["x" * 300_000]}), 400, "stop")
+    _refused(_post(stack, {"model": MODEL, "messages": HI, "max_tokens": 2}, {"x-session-id": "s" * 5000}),
+             400, "x-session-id")
+
+
+def test_a_chunked_body_over_the_limit_is_a_413_as_it_arrives(stack):
+    def chunks():
+        yield b'{"model": "%s", "messages": [{"role": "user", "content": "' % MODEL.encode()
+        for _ in range(1200):
+            yield b"x" * 1024
+        yield b'"}]}'
+
+    r = httpx.post(stack.url + "/v1/chat/completions", content=chunks(), timeout=60,
+                   headers={"content-type": "application/json"})
+    assert "content-length" not in r.request.headers
+    _refused(r, 413, None)
+
+
+def test_the_stack_answers_normally_after_them(stack):
+    r = _post(stack, {"model": MODEL, "messages": HI, "max_tokens": 4, "logit_bias": {"42": 5}, "stop": ["zz"]})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] >= 1

@@ -1,0 +1,51 @@
+"""The gateway's last line: a failure no handler answers is a 500 in OpenAI's shape with the
+request's id (never plain text); a request whose bus message would pass the server's payload
+limit is a 400 naming its largest part."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from opentelemetry import trace
+
+from services.gateway.errors import APIError
+from services.gateway.generate import BUS_HEADROOM, check_size
+from services.gateway.middleware import RequestContext
+from services.gateway.schemas import ChatCompletionRequest
+from shared.messages import RouteRequest
+
+
+async def _failing(scope, receive, send):
+    raise RuntimeError("a bug")
+
+
+def test_an_unanswered_failure_is_a_500_in_openais_shape_with_the_ids():
+    app = RequestContext(_failing, trace.get_tracer("test"), max_bytes=1 << 20)
+
+    async def call():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+            return await c.post("/v1/chat/completions", json={})
+
+    r = asyncio.run(call())
+    assert r.status_code == 500
+    assert r.json()["error"]["type"] == "api_error" and "RuntimeError" in r.json()["error"]["message"]
+    assert r.headers["x-request-id"] in r.json()["error"]["message"] and len(r.headers["x-trace-id"]) == 32
+
+
+@pytest.mark.parametrize("extra, param", [({"stop": ["x" * 1000] * 4}, "stop"),
+                                          ({"logit_bias": {str(i): 1 for i in range(900)}}, "logit_bias"),
+                                          ({"guided_choice": ["y" * 100] * 60}, "guided_choice")])
+def test_a_message_over_the_bus_limit_names_its_largest_part(extra, param):
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                 **extra})
+    req = RouteRequest(request_id="r", prompt_token_ids=list(range(50)), sampling=body.sampling(4), model="m")
+    size = len(req.encode())
+    gw = SimpleNamespace(bus=SimpleNamespace(nc=SimpleNamespace(max_payload=BUS_HEADROOM + size)))
+    check_size(gw, body, req)  # (fits exactly)
+    gw.bus.nc.max_payload -= 1
+    with pytest.raises(APIError) as e:
+        check_size(gw, body, req)
+    assert e.value.status == 400 and e.value.param == param and str(size) in e.value.message
