@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from bench import engine_quality, structured_bench
+from bench import engine_quality, engine_readme, structured_bench
 from bench.llamacpp_arm import LlamaCpp
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
@@ -183,6 +183,7 @@ def main() -> None:
            "speed": speeds, "structured": structured, "quality": quality, "summary": summary,
            "wall_s": round(time.monotonic() - started, 1)}
     (RESULTS / "engine.json").write_text(json.dumps(out, indent=1) + "\n")
+    engine_readme.write(out)
     print(json.dumps(summary, indent=1))
     print(f"wrote {RESULTS / 'engine.json'}")
 

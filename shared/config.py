@@ -191,6 +191,8 @@ class WorkerSettings(Common):
     kv_fault_delay_s: float = Field(0.0, ge=0, description="fault injection: hold each KV payload send this long")
     fault_engine_hang_after_steps: int = Field(0, ge=0, description="fault injection: the engine step after "
                                                "this many never returns (heartbeats go on)")
+    fault_engine_raise_after_steps: int = Field(0, ge=0, description="fault injection: the engine step after "
+                                                "this many raises (the worker leaves and exits)")
 
 
 class PrefillSettings(WorkerSettings):

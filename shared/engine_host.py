@@ -23,7 +23,7 @@ RECENT_STEPS = 32
 
 class EngineHost:
     def __init__(self, engine: Engine, on_cache_changes: Callable[[list[CacheChange]], None] | None = None,
-                 fault_hang_after_steps: int = 0, role: str = "engine"):
+                 fault_hang_after_steps: int = 0, role: str = "engine", fault_raise_after_steps: int = 0):
         self.engine, self.role = engine, role
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self.wake = asyncio.Event()
@@ -32,6 +32,7 @@ class EngineHost:
         self.steps, self.step_started = 0, 0.0  # monotonic start of the step running now (0: none)
         self.recent_steps: deque[float] = deque(maxlen=RECENT_STEPS)  # durations of the last steps
         self.fault_hang_after_steps = fault_hang_after_steps  # fault injection: a step that never ends
+        self.fault_raise_after_steps = fault_raise_after_steps  # fault injection: a step that raises
 
     @property
     def step_s(self) -> float:
@@ -46,6 +47,8 @@ class EngineHost:
             self.step_started, self.steps = time.monotonic(), self.steps + 1
             if self.fault_hang_after_steps and self.steps > self.fault_hang_after_steps:
                 threading.Event().wait()
+            if self.fault_raise_after_steps and self.steps > self.fault_raise_after_steps:
+                raise RuntimeError(f"fault injection: engine step {self.steps} raised")
             try:
                 outputs = self.engine.step()
             finally:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from collections.abc import Callable, Coroutine
 from contextlib import AsyncExitStack
+from typing import NoReturn
 
 import uvloop
 
@@ -58,6 +60,41 @@ def stop_event() -> asyncio.Event:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
     return stop
+
+
+async def until_stopped(stop: asyncio.Event, required: dict[str, asyncio.Task], state: State,
+                        worker_id: str) -> None:
+    """Wait for `stop`. A task the worker needs (its engine loop, heartbeat, watchers) that
+    ends first, raising or not, ends the worker: `leave_and_exit`."""
+    stopped = asyncio.ensure_future(stop.wait())
+    done, _ = await asyncio.wait([stopped, *required.values()], return_when=asyncio.FIRST_COMPLETED)
+    if stopped in done:
+        return
+    stopped.cancel()
+    name, task = next((n, t) for n, t in required.items() if t in done)
+    error = None if task.cancelled() else task.exception()
+    await leave_and_exit(state, worker_id, f"its {name} ended" + (f": {error!r}" if error else ""), error)
+
+
+async def check_required(required: dict[str, asyncio.Task], state: State, worker_id: str) -> None:
+    """`until_stopped` for a loop that polls: a needed task already ended ends the worker."""
+    for name, task in required.items():
+        if task.done():
+            error = None if task.cancelled() else task.exception()
+            await leave_and_exit(state, worker_id, f"its {name} ended" + (f": {error!r}" if error else ""), error)
+
+
+async def leave_and_exit(state: State, worker_id: str, why: str, error: BaseException | None = None) -> NoReturn:
+    """The worker cannot do its work: it leaves the registry now (its requests fail over as
+    after a kill -9, without waiting out its lease) and exits non-zero, whatever its threads
+    are doing (an engine step may never return)."""
+    log.critical("%s: %s; leaving the registry and exiting", worker_id, why, exc_info=error)
+    try:
+        await asyncio.wait_for(state.deregister(worker_id), timeout=2.0)
+    except Exception as e:  # noqa: BLE001 - Redis away: the lease lapses by itself
+        log.warning("could not leave the registry: %s", e)
+    logging.shutdown()
+    os._exit(1)
 
 
 def serving() -> None:

@@ -62,7 +62,8 @@ class WorkerCore:
         self.id = worker_id(settings, role)
         self.prefix = PrefixPublisher(state, self.id, lease_s=settings.lease_s,
                                       snapshot=lambda: self.host.call(engine.cached_hashes))
-        self.host = EngineHost(engine, self.prefix.publish, settings.fault_engine_hang_after_steps, role)
+        self.host = EngineHost(engine, self.prefix.publish, settings.fault_engine_hang_after_steps, role,
+                               settings.fault_engine_raise_after_steps)
         self.draining = False
 
     def info(self) -> WorkerInfo:

@@ -63,7 +63,7 @@ from shared.messages import (
     TokenChunk,
     WorkerInfo,
 )
-from shared.service import heartbeat, run, serving, setup_logging
+from shared.service import heartbeat, run, serving, setup_logging, until_stopped
 from shared.state import State
 from shared.tasks import Background
 from shared.worker import WorkerCore, serve_worker
@@ -114,7 +114,8 @@ class DecodeWorker:
         watch = asyncio.create_task(self.handoffs.watch.watch(self.handoffs.waited_on))
         log.info("decode worker %s ready: %d KV blocks", self.id, self.engine.num_blocks)
         serving()
-        await stop.wait()
+        await until_stopped(stop, {"engine loop": engine_loop, "heartbeat": beat, "deadlines": deadlines,
+                                   "resync": resync, "handoff watch": watch}, self.state, self.id)
         await self.core.drain()  # no new admits
         await asyncio.gather(*self.admits, return_exceptions=True)  # those in flight are answered
         if self.receiving:  # KV still on its way: those sequences join the batch and finish too

@@ -67,7 +67,7 @@ from shared.messages import (
     TokenChunk,
     WorkerInfo,
 )
-from shared.service import heartbeat, run, serving, setup_logging
+from shared.service import check_required, heartbeat, leave_and_exit, run, serving, setup_logging
 from shared.state import PREFILLED_ELSEWHERE, State
 from shared.tasks import Background
 from shared.worker import WorkerCore, serve_worker
@@ -81,6 +81,7 @@ JOB_KEEPALIVE_S = 10.0  # JetStream redelivers a job unacked for 30 s (its ack_w
 # lost). Saves a round trip on every first token; redeliveries and old jobs are still checked.
 FRESH_JOB_S = 5.0
 JETSTREAM_RETRY_S = 0.5  # a consumer JetStream cannot serve now is asked again after this
+MAX_JOB_DELIVERIES = 3  # a job the engine fails on this often is ended, not taken again
 
 
 class PrefillWorker:
@@ -121,16 +122,21 @@ class PrefillWorker:
         resync = asyncio.create_task(after_reconnects(self.bus, self.settings.heartbeat_s, self.sender.resync))
         log.info("prefill worker %s ready", self.id)
         serving()
-        while not stop.is_set() or self.jobs or self.handoffs:
-            if stop.is_set() and not self.core.draining:  # the router sends no more jobs here
-                await self.core.drain()
-            if not stop.is_set() and len(self.jobs) < self.settings.max_jobs:
-                await self.take_jobs(pull, wait_s=0.005 if self.jobs else 0.5)
-            if self.engine.has_work():
-                for out in await self.host.step():
-                    await self.on_first_token(out)
-            elif self.handoffs:
-                await asyncio.wait(self.handoffs, timeout=0.05)
+        required = {"heartbeat": beat, "job keepalive": keepalive, "decode worker watch": watch, "resync": resync}
+        try:
+            while not stop.is_set() or self.jobs or self.handoffs:
+                await check_required(required, self.state, self.id)
+                if stop.is_set() and not self.core.draining:  # the router sends no more jobs here
+                    await self.core.drain()
+                if not stop.is_set() and len(self.jobs) < self.settings.max_jobs:
+                    await self.take_jobs(pull, wait_s=0.005 if self.jobs else 0.5)
+                if self.engine.has_work():
+                    for out in await self.host.step():
+                        await self.on_first_token(out)
+                elif self.handoffs:
+                    await asyncio.wait(self.handoffs, timeout=0.05)
+        except Exception as e:  # noqa: BLE001 - a worker that cannot go on leaves, and does not look alive
+            await leave_and_exit(self.state, self.id, f"its serve loop failed: {e!r}", e)
         keepalive.cancel()
         watch.cancel()
         resync.cancel()
@@ -216,7 +222,12 @@ class PrefillWorker:
             log.warning("taking jobs again after %.1f s", time.monotonic() - self.unavailable_since)
             self.unavailable_since = 0.0
         for msg in msgs:
-            job = PrefillJob.decode(msg.data)
+            try:
+                job = PrefillJob.decode(msg.data)
+            except ValueError as e:  # (pydantic's ValidationError is one) no sender could mean it: dropped
+                log.error("a prefill job that does not decode, terminated: %s", e)
+                await msg.term()
+                continue
             queued = msg.metadata.timestamp.timestamp() if msg.metadata.timestamp else time.time()
             fresh = msg.metadata.num_delivered == 1 and time.time() - queued < FRESH_JOB_S
             held = self.sender.handoffs.get(job.request_id)
@@ -240,7 +251,11 @@ class PrefillWorker:
                                     "transport": "segment" if held.same_host else self.transport.name})
             try:
                 await self.host.call(self.queue, job, sink)
-            except ValueError as e:  # the router validated it; a mismatch here is a bug, not a retry
+            except Exception as e:  # noqa: BLE001 - refused (ValueError: the router validated it, so a bug),
+                # or the engine failed on it: this worker leaves (the job comes back to it when it
+                # restarts) until the job has failed MAX_JOB_DELIVERIES times, then the job ends here
+                if not isinstance(e, ValueError) and msg.metadata.num_delivered < MAX_JOB_DELIVERIES:
+                    raise
                 await self.sender.cancel(job.request_id, f"prefill refused the prompt: {e}")
                 self.sender.drop(job.request_id)
                 for s in (span, kv_span):
