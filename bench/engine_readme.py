@@ -28,8 +28,8 @@ def block(out: dict) -> str:
                                                                      for a in ARMS) + " |")
     if q:
         f = q["formats"]
-        rows.append(f"| greedy agreement with transformers fp32 (teacher-forced) | {f['fp32']['greedy_agreement']:.3f} | "
-                    f"{f['native']['greedy_agreement']:.3f} | — | — |")
+        rows.append("| greedy agreement with transformers fp32 (teacher-forced) | "
+                    f"{f['fp32']['greedy_agreement']:.3f} | {f['native']['greedy_agreement']:.3f} | — | — |")
         rows.append(f"| perplexity, {q['perplexity_tokens']:,} tokens (reference {q['reference_perplexity']:.3f}) | "
                     f"{f['fp32']['perplexity']:.3f} | {f['native']['perplexity']:.3f} | "
                     f"{q['reference_perplexity']:.3f} | — |")
