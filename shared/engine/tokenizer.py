@@ -125,9 +125,11 @@ class Tokenizer:
 
     @cached_property
     def _specials(self) -> re.Pattern | None:
-        """Any special token's spelling (the longest first), or None for a tokenizer with none."""
-        texts = sorted((t for i in self._special_ids if (t := self.tok.id_to_token(i))), key=len, reverse=True)
-        return re.compile("|".join(re.escape(t) for t in texts)) if texts else None
+        """Any special token's spelling (the longest first), or None for a tokenizer with none.
+        A trie, not an alternation: Gemma's vocabulary has thousands of `<unusedN>` specials,
+        and an alternation would try each at every position of a message."""
+        texts = [t for i in self._special_ids if (t := self.tok.id_to_token(i))]
+        return re.compile(_trie_pattern(texts)) if texts else None
 
     @cached_property
     def _as_text(self) -> HFTokenizer:
@@ -200,6 +202,25 @@ class Tokenizer:
         template = template_file.read_text() if template_file.exists() else cfg.get("chat_template")
         return cls(tok, template, token(cfg.get("bos_token")),
                    token(cfg.get("eos_token")), bool(cfg.get("add_bos_token", False)))
+
+
+def _trie_pattern(words: list[str]) -> str:
+    """A regular expression matching any of `words`, the longest where several match."""
+    trie: dict = {}
+    for word in words:
+        node = trie
+        for c in word:
+            node = node.setdefault(c, {})
+        node[""] = {}
+
+    def pattern(node: dict) -> str:
+        alts = [re.escape(c) + pattern(child) for c, child in sorted(node.items()) if c]
+        if not alts:
+            return ""
+        body = alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
+        return f"(?:{body})?" if "" in node else body
+
+    return pattern(trie)
 
 
 def _strings(value: Any, change: Callable[[str], str]) -> Any:

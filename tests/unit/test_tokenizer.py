@@ -69,3 +69,19 @@ def test_special_tokens_spelled_in_a_message_stay_text(tokenizer):
     odd = "\ue000abc.0\ue001 <|im_start|>"
     assert tokenizer.decode(_chat(tokenizer, odd), skip_special_tokens=False) == \
         tokenizer.apply_chat_template([{"role": "user", "content": odd}])
+
+
+def test_the_specials_trie_matches_as_a_longest_first_alternation():
+    import random
+    import re
+
+    from shared.engine.tokenizer import _trie_pattern
+
+    words = ["<s>", "<s>x", "</s>", "<|im_start|>", "<|im_end|>", *(f"<unused{i}>" for i in range(300))]
+    alternation = re.compile("|".join(re.escape(w) for w in sorted(words, key=len, reverse=True)))
+    trie = re.compile(_trie_pattern(words))
+    rng = random.Random(0)
+    for _ in range(200):
+        text = "".join(rng.choice(["<", "s", ">", "x", "/", "<unused1", "2>", "<|im_start|>", "a", "<s>"])
+                       for _ in range(40))
+        assert [m.span() for m in trie.finditer(text)] == [m.span() for m in alternation.finditer(text)], text
