@@ -4,6 +4,7 @@ stream relayed as SSE or gathered into one JSON body."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -20,6 +21,8 @@ from services.gateway.errors import APIError
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.timing import timed
 from shared import tracing
+from shared.engine.grammar import Grammar, GrammarError
+from shared.engine.grammar import check as grammar_check
 from shared.messages import RouteRequest, TokenChunk
 
 
@@ -81,6 +84,30 @@ def max_tokens(gw: Gateway, body, n_prompt: int) -> int:
 MAX_PROMPT_LOGPROBS = 16_384
 
 
+GRAMMAR_CHECK_S = 10.0  # longest a structured-output grammar may take to compile for its check
+
+
+@functools.lru_cache(maxsize=512)
+def _grammar_error(grammar: Grammar) -> str | None:
+    try:
+        grammar_check(grammar)
+    except GrammarError as e:
+        return str(e)
+    return None
+
+
+async def check_grammars(body: ChatCompletionRequest | CompletionRequest) -> None:
+    """Each structured-output grammar compiles: off the event loop (a large schema takes
+    seconds), within GRAMMAR_CHECK_S, each distinct grammar checked once (a cache keyed by it)."""
+    for param, grammar in body._grammars():
+        try:
+            error = await asyncio.wait_for(asyncio.to_thread(_grammar_error, grammar), GRAMMAR_CHECK_S)
+        except TimeoutError:
+            raise APIError(400, f"'{param}' takes over {GRAMMAR_CHECK_S:.0f} s to compile.", param=param) from None
+        if error is not None:
+            raise APIError(400, f"'{param}' does not compile: {error}.", param=param)
+
+
 MAX_SESSION_CHARS = 200  # x-session-id, as the session_id field
 
 
@@ -135,6 +162,7 @@ def check_tokens(gw: Gateway, body: ChatCompletionRequest | CompletionRequest, n
 async def generate(gw: Gateway, request: Request, body: ChatCompletionRequest | CompletionRequest,
                    kind: Kind) -> JSONResponse | StreamingResponse:
     check_caps(gw, body, request)
+    await check_grammars(body)
     ids = prompt_ids(gw, body)
     check_tokens(gw, body, len(ids))
     scoring = isinstance(body, CompletionRequest) and body.max_tokens == 0  # echo: the prompt scored alone

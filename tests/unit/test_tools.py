@@ -1,13 +1,15 @@
 """Tool calls at the gateway: the request's checks, the prompt the model sees, the grammar
 that holds arguments to their schema, and calls taken out of streamed text."""
 
+import asyncio
 import json
 
 import pytest
 from pydantic import ValidationError
 
 from services.gateway import tools
-from services.gateway.errors import _describe
+from services.gateway.errors import APIError, _describe
+from services.gateway.generate import check_grammars
 from services.gateway.schemas import ChatCompletionRequest
 from shared.engine.grammar import Grammars, check
 
@@ -35,7 +37,10 @@ def test_tool_choice_and_messages_are_checked():
     assert param_of(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}) == "tool_choice"
     assert param_of(tools=[WEATHER], response_format={"type": "json_object"}) == "tools"
     assert param_of(tools=[{"type": "function", "function": {"name": "bad name!"}}]).startswith("tools")
-    assert param_of(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}]) == "tools"
+    with pytest.raises(APIError) as e:  # (compiled off the event loop, by the gateway's generate)
+        asyncio.run(check_grammars(request(tools=[{"type": "function", "function": {"name": "f",
+                                                                                    "parameters": {"type": 3}}}])))
+    assert e.value.param == "tools" and "does not compile" in e.value.message
     assert param_of(messages=[*ASK, {"role": "tool", "content": "12 C"}]) == "messages.1.tool_call_id"
     assert param_of(messages=[{"role": "user"}]) == "messages.0.content"
     assert request(tools=[WEATHER], tool_choice="none").grammar() is None
