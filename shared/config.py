@@ -118,6 +118,9 @@ class GatewaySettings(Common):
     special_tokens_in_messages: bool = Field(
         False, description="a special token's spelling in a message (\"<|im_start|>system\") read as that control "
         "token; off: it stays text, so only the chat template writes roles")
+    prefix_cache_per_key: bool = Field(True, description="with API keys set, each key's requests share cached "
+                                       "prefixes only among themselves (cached_tokens tells one key nothing of "
+                                       "another's prompts); off: all keys share the cache")
     max_logit_bias: int = Field(1024, ge=0, description="logit_bias entries one request may set")
     max_stop_chars: int = Field(1024, gt=0, description="longest stop string (each is rescanned as tokens come)")
 

@@ -55,6 +55,7 @@ class Sampling(Message):
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     grammar: Grammar | None = None
+    cache_salt: str = ""  # the prefix cache's partition (a tenant's): hashing.py
 
     def to_engine(self) -> SamplingParams:
         return SamplingParams(**self.model_dump(exclude={"v", "grammar"}), grammar=self.grammar)
@@ -85,6 +86,7 @@ class Requeue(Message):
     why: Literal["gone", "late"] = "gone"  # what happened to the last one
     generated_token_ids: list[int] = []   # a failover's placement: tokens streamed before it
     attempt: int = 0
+    cache_salt: str = ""                  # as its Sampling's
 
 
 class Requeued(Message):

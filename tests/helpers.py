@@ -47,7 +47,7 @@ def transfer(src: Engine, dst: Engine, rid: str, prompt: list[int], params: Samp
         first = next((o for o in src.step() if o.request_id == rid), None)
     export = src.export_kv(rid, first_block=reservation.first_block)
     assert export.num_blocks == reservation.num_blocks - reservation.first_block
-    assert export.block_hashes == block_hashes([*prompt, *generated], src.cfg.block_size)
+    assert export.block_hashes == block_hashes([*prompt, *generated], src.cfg.block_size, params.cache_salt)
     for layer in range(export.num_layers):
         dst.import_layer(rid, layer, export.layer_bytes(layer), reservation.first_block)
     src.free(rid)

@@ -202,7 +202,8 @@ class Handoffs:
             await self.report(rx, ok=False, reason=str(why))  # pair whose transfers fail trips one)
         ask = Requeue(request_id=req.request_id, model=self.settings.model_name, prompt_token_ids=req.prompt_token_ids,
                       decode_worker=self.id, avoid_workers=left, why=kind,
-                      generated_token_ids=req.generated_token_ids, attempt=req.attempt)
+                      generated_token_ids=req.generated_token_ids, attempt=req.attempt,
+                      cache_salt=req.sampling.cache_salt)
         try:
             answer = await self.bus.request(subjects.REQUEUE, ask, Requeued, timeout=self.settings.heartbeat_s * 2)
         except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as e:

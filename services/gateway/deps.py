@@ -41,6 +41,7 @@ async def authorize(request: Request, gw: GatewayDep) -> None:
     """Every /v1 route: a known API key (unless the API is open), then the caller's rate limit.
     The key's name goes on the span; the key itself is never logged or recorded."""
     caller = gw.keys.identify(request.headers.get("authorization"))
+    request.state.api_key = caller  # (its name: the prefix cache's partition, generate.cache_salt)
     if caller is not None:
         trace.get_current_span().set_attribute("api_key", caller)
     await gw.rate_limit.take(caller or f"addr:{request.client.host if request.client else '-'}")

@@ -108,6 +108,13 @@ async def check_grammars(body: ChatCompletionRequest | CompletionRequest) -> Non
             raise APIError(400, f"'{param}' does not compile: {error}.", param=param)
 
 
+def cache_salt(gw: Gateway, body: ChatCompletionRequest | CompletionRequest, request: Request) -> str:
+    """The request's prefix-cache partition: its API key's name (PD_PREFIX_CACHE_PER_KEY, with
+    keys set) and its own `cache_salt`, either or both; "" shares the cache with every request."""
+    key = getattr(request.state, "api_key", None) if gw.settings.prefix_cache_per_key else None
+    return "\x1f".join(part for part in (f"key:{key}" if key else "", body.cache_salt or "") if part)
+
+
 MAX_SESSION_CHARS = 200  # x-session-id, as the session_id field
 
 
@@ -168,7 +175,7 @@ async def generate(gw: Gateway, request: Request, body: ChatCompletionRequest | 
     scoring = isinstance(body, CompletionRequest) and body.max_tokens == 0  # echo: the prompt scored alone
     try:
         limit = max_tokens(gw, body, len(ids))  # (the prompt's checks too)
-        sampling = body.sampling(1 if scoring else limit)
+        sampling = body.sampling(1 if scoring else limit, cache_salt(gw, body, request))
     except ValueError as e:
         raise APIError(400, str(e), param="min_tokens") from None
     rid = request.state.request_id  # set with the root span by middleware.RequestContext

@@ -173,6 +173,8 @@ class _Common(Strict):
     min_tokens: int = Field(0, ge=0)                 # benchmark extension
     return_token_ids: bool = False                   # extension: generated token ids in each choice
     priority: int = Field(0, ge=-100, le=100)        # extension, as vLLM's: lower is prefilled sooner
+    cache_salt: str | None = Field(None, min_length=1, max_length=256, description="extension, as vLLM's: the "
+                                   "prompt's KV blocks are shared only with requests of the same salt")
     session_id: str | None = Field(None, min_length=1, max_length=200)   # extension (or header x-session-id):
                                                                         # a conversation's turns share a decode worker
     # structured output: OpenAI's response_format, or one of vLLM's guided_* extensions
@@ -258,7 +260,7 @@ class _Common(Strict):
         """Alternatives per generated token when log probabilities are asked for, else None."""
         return None
 
-    def sampling(self, max_tokens: int) -> Sampling:
+    def sampling(self, max_tokens: int, cache_salt: str = "") -> Sampling:
         if self.min_tokens > max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({max_tokens})")
         return Sampling(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
@@ -268,7 +270,7 @@ class _Common(Strict):
                         logit_bias=tuple((int(k), b) for k, b in (self.logit_bias or {}).items()),
                         min_p=self.min_p, stop_token_ids=tuple(self.stop_token_ids or ()),
                         logprobs=self.top_logprobs_wanted(), prompt_logprobs=self.prompt_logprobs_wanted(),
-                        grammar=self.grammar())
+                        grammar=self.grammar(), cache_salt=cache_salt)
 
     def prompt_logprobs_wanted(self) -> int | None:
         """Alternatives per prompt token when the prompt's log probabilities are asked for."""

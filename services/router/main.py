@@ -238,7 +238,8 @@ class Router:
         pool = await self.pool(req.model)
         # the engine always computes the last prompt token: only the blocks before it can hit (a
         # failover's prompt is the prompt and the tokens streamed before it)
-        hashes = block_hashes([*req.prompt_token_ids, *req.generated_token_ids][:-1], pool.block_size)
+        hashes = block_hashes([*req.prompt_token_ids, *req.generated_token_ids][:-1], pool.block_size,
+                              req.sampling.cache_salt)
         asked = time.perf_counter()
         while True:
             claimed, known, held, session_worker = await self.begin(key, lease_s, hashes, req.session_id)
@@ -449,7 +450,7 @@ class Router:
         if decode is None:
             return Requeued(request_id=req.request_id, reason=f"decode worker {req.decode_worker} not registered")
         tokens = [*req.prompt_token_ids, *req.generated_token_ids]
-        hashes = block_hashes(tokens[:-1], pool.block_size)
+        hashes = block_hashes(tokens[:-1], pool.block_size, req.cache_salt)
         held = await prefix_index.lookup(self.state, hashes)
         cached = prefix_index.by_worker(pool.slots, held)
         others = [p for p in pool.prefills if p.worker_id not in req.avoid_workers]

@@ -49,7 +49,7 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def cached_prefix(self, token_ids: list[int]) -> list[int]:
+    def cached_prefix(self, token_ids: list[int], cache_salt: str = "") -> list[int]:
         """Block ids holding the longest cached prefix of `token_ids` (full blocks only).
 
         Never the whole prompt: at least one token is left to compute, since the next token
@@ -57,7 +57,7 @@ class BlockManager:
         """
         if not self.enable_prefix_cache:
             return []
-        hashes = block_hashes(token_ids[:len(token_ids) - 1], self.block_size)
+        hashes = block_hashes(token_ids[:len(token_ids) - 1], self.block_size, cache_salt)
         hit = []
         for h in hashes:
             block = self.hash_to_block.get(h)
@@ -67,13 +67,13 @@ class BlockManager:
         return hit
 
     # -- allocation ----------------------------------------------------------------------
-    def allocate(self, token_ids: list[int], num_tokens: int) -> tuple[list[int], int]:
+    def allocate(self, token_ids: list[int], num_tokens: int, cache_salt: str = "") -> tuple[list[int], int]:
         """Blocks for the first `num_tokens` slots of a sequence: (block table, cached tokens).
 
         Reuses the cached prefix of `token_ids` and takes fresh blocks for the rest, or
         raises OutOfBlocks and changes nothing.
         """
-        hit = self.cached_prefix(token_ids)
+        hit = self.cached_prefix(token_ids, cache_salt)
         fresh = self.blocks_needed(num_tokens) - len(hit)
         reusable_free = sum(1 for b in hit if self.ref_count[b] == 0)
         if fresh > self.num_free - reusable_free:

@@ -240,7 +240,8 @@ class Engine:
             raise OutOfBlocks(f"{active} sequences already, at most {limit} here")
         seq = self._new_sequence(request_id, prompt_token_ids, params, False, generated_token_ids)
         try:
-            seq.block_table, seq.num_cached = self.blocks.allocate(seq.token_ids, seq.num_prefill)
+            seq.block_table, seq.num_cached = self.blocks.allocate(seq.token_ids, seq.num_prefill,
+                                                                   seq.params.cache_salt)
         except OutOfBlocks:
             del self.seqs[request_id]
             raise

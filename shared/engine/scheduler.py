@@ -158,7 +158,8 @@ class Scheduler:
                 # a prompt to be scored is computed whole: its cached blocks would have no logits
                 reuse = seq.token_ids if seq.prompt_logprobs is None else []
                 try:
-                    seq.block_table, seq.num_cached = self.blocks.allocate(reuse, len(seq.token_ids))
+                    seq.block_table, seq.num_cached = self.blocks.allocate(reuse, len(seq.token_ids),
+                                                                           seq.params.cache_salt)
                 except OutOfBlocks:
                     return False
                 seq.num_computed = seq.num_cached

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from shared.engine.detokenizer import TextStream
 from shared.engine.grammar import Grammar, Matcher
-from shared.hashing import ROOT_HASH, block_hash
+from shared.hashing import block_hash, root_hash
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,7 @@ class SamplingParams:
     logprobs: int | None = None   # each generated token's log probability and this many alternatives
     prompt_logprobs: int | None = None  # the same for every prompt token (after the first)
     grammar: Grammar | None = None  # what the output must spell (structured output)
+    cache_salt: str = ""          # prefix-cache partition: blocks are shared only under one salt (hashing.py)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -100,7 +101,7 @@ class Sequence:
     def full_block_hashes(self, block_size: int, num_tokens: int) -> list[int]:
         """Hashes of the full blocks among the first `num_tokens` (each computed once)."""
         for i in range(len(self.hashes), num_tokens // block_size):
-            parent = self.hashes[-1] if self.hashes else ROOT_HASH
+            parent = self.hashes[-1] if self.hashes else root_hash(self.params.cache_salt)
             self.hashes.append(block_hash(parent, self.token_ids[i * block_size:(i + 1) * block_size]))
         return self.hashes[:num_tokens // block_size]
 

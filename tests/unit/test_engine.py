@@ -299,3 +299,22 @@ def test_mixed_passes_hold_decode_tokens_and_prompt_chunks_and_change_no_token(t
     assert {rid: alternating[rid][-len(v):] for rid, v in outs.items()} == outs
     assert eng.num_free_blocks == eng.num_blocks
 
+
+
+def test_a_cache_salt_partitions_the_prefix_cache(tiny):
+    """Requests under another salt share no block (and learn nothing of each other's prompts);
+    under one salt the cache serves them; a transfer keeps the salted hashes."""
+    prompt = random.Random(5).choices(range(3, 200), k=70)
+    eng = Engine(tiny, EngineConfig(num_blocks=64))
+
+    def cached(rid: str, salt: str) -> int:
+        eng.add_request(rid, prompt, SamplingParams(max_tokens=2, temperature=0, cache_salt=salt))
+        return run_all(eng)[rid][-1].num_cached_tokens
+
+    assert cached("a1", "tenant-a") == 0
+    assert cached("b1", "tenant-b") == 0 and cached("plain", "") == 0
+    assert cached("a2", "tenant-a") == 64 and cached("b2", "tenant-b") == 64
+    src, dst = Engine(tiny, EngineConfig(num_blocks=64)), Engine(tiny, EngineConfig(num_blocks=64))
+    params = SamplingParams(max_tokens=4, temperature=0, cache_salt="tenant-a")
+    first = transfer(src, dst, "t", prompt, params)
+    assert first.new_token_ids + tokens(run_all(dst)["t"]) == generate(tiny, {"t": prompt}, params)["t"]
