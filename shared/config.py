@@ -113,6 +113,13 @@ class GatewaySettings(Common):
     rate_limit_per_s: float = Field(0.0, ge=0, description="requests per second per API key (per client address "
                                     "when the API is open), shared by all gateways through Redis; 0: no limit")
     rate_limit_burst: int = Field(20, gt=0, description="requests a caller may make at once before the rate applies")
+    token_rate_limit_per_s: float = Field(0.0, ge=0, description="tokens per second per caller (prompt + n x "
+                                          "max_tokens each request), shared through Redis; 0: no limit")
+    token_rate_limit_burst: int = Field(100_000, gt=0, description="tokens a caller may take at once")
+    rate_limit_fail_open: bool | None = Field(None, description="Redis away: serve unchecked (true) or 503 "
+                                              "(false); default: false with API keys set, true without")
+    priority_keys: str = Field("", description="API key names that may set priority below 0 (ahead of the "
+                               "default), comma-separated; with keys set, no other key may")
     max_prompt_tokens: int = Field(0, ge=0, description="longest prompt accepted, in tokens (0: the model's context)")
     max_tokens_limit: int = Field(0, ge=0, description="largest max_tokens accepted (0: what the context leaves)")
     special_tokens_in_messages: bool = Field(

@@ -27,7 +27,8 @@ class Gateway:
     model_config: ModelConfig
     relay: Relay
     keys: KeyCheck
-    rate_limit: RateLimit
+    rate_limit: RateLimit   # requests per caller per second
+    token_limit: RateLimit  # tokens (prompt + n x max_tokens) per caller per second
 
 
 def _gateway(request: Request) -> Gateway:
@@ -41,7 +42,8 @@ async def authorize(request: Request, gw: GatewayDep) -> None:
     """Every /v1 route: a known API key (unless the API is open), then the caller's rate limit.
     The key's name goes on the span; the key itself is never logged or recorded."""
     caller = gw.keys.identify(request.headers.get("authorization"))
-    request.state.api_key = caller  # (its name: the prefix cache's partition, generate.cache_salt)
+    request.state.api_key = caller  # (its name: the prefix cache's partition, checks.cache_salt)
+    request.state.caller = caller or f"addr:{request.client.host if request.client else '-'}"
     if caller is not None:
         trace.get_current_span().set_attribute("api_key", caller)
-    await gw.rate_limit.take(caller or f"addr:{request.client.host if request.client else '-'}")
+    await gw.rate_limit.take(request.state.caller)

@@ -4,7 +4,6 @@ stream relayed as SSE or gathered into one JSON body."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -14,15 +13,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2.exceptions import TemplateError
 from opentelemetry import trace
 
-from services.gateway import answer, choices, tools
+from services.gateway import answer, checks, choices, tools
 from services.gateway.answer import Answer, Kind, Part, usage
 from services.gateway.deps import Gateway
 from services.gateway.errors import APIError
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.timing import timed
 from shared import tracing
-from shared.engine.grammar import Grammar, GrammarError
-from shared.engine.grammar import check as grammar_check
 from shared.messages import RouteRequest, TokenChunk
 
 
@@ -79,105 +76,19 @@ def max_tokens(gw: Gateway, body, n_prompt: int) -> int:
     return wanted if wanted is not None else min(room, gw.settings.default_max_tokens, cap or room)
 
 
-# prompt log probabilities one request may ask for (tokens x (1 + alternatives)): they travel
-# in one bus message, under NATS' default 1 MB payload
-MAX_PROMPT_LOGPROBS = 16_384
-
-
-GRAMMAR_CHECK_S = 10.0  # longest a structured-output grammar may take to compile for its check
-
-
-@functools.lru_cache(maxsize=512)
-def _grammar_error(grammar: Grammar) -> str | None:
-    try:
-        grammar_check(grammar)
-    except GrammarError as e:
-        return str(e)
-    return None
-
-
-async def check_grammars(body: ChatCompletionRequest | CompletionRequest) -> None:
-    """Each structured-output grammar compiles: off the event loop (a large schema takes
-    seconds), within GRAMMAR_CHECK_S, each distinct grammar checked once (a cache keyed by it)."""
-    for param, grammar in body._grammars():
-        try:
-            error = await asyncio.wait_for(asyncio.to_thread(_grammar_error, grammar), GRAMMAR_CHECK_S)
-        except TimeoutError:
-            raise APIError(400, f"'{param}' takes over {GRAMMAR_CHECK_S:.0f} s to compile.", param=param) from None
-        if error is not None:
-            raise APIError(400, f"'{param}' does not compile: {error}.", param=param)
-
-
-def cache_salt(gw: Gateway, body: ChatCompletionRequest | CompletionRequest, request: Request) -> str:
-    """The request's prefix-cache partition: its API key's name (PD_PREFIX_CACHE_PER_KEY, with
-    keys set) and its own `cache_salt`, either or both; "" shares the cache with every request."""
-    key = getattr(request.state, "api_key", None) if gw.settings.prefix_cache_per_key else None
-    return "\x1f".join(part for part in (f"key:{key}" if key else "", body.cache_salt or "") if part)
-
-
-MAX_SESSION_CHARS = 200  # x-session-id, as the session_id field
-
-
-def check_caps(gw: Gateway, body: ChatCompletionRequest | CompletionRequest, request: Request) -> None:
-    """This server's limits on what costs it per token or per message (GatewaySettings)."""
-    if len(body.logit_bias or {}) > gw.settings.max_logit_bias:
-        raise APIError(400, f"logit_bias has {len(body.logit_bias or {})} entries; this server accepts at most "
-                            f"{gw.settings.max_logit_bias}.", param="logit_bias")
-    if any(len(s) > gw.settings.max_stop_chars for s in body.stop or ()):
-        raise APIError(400, f"A stop string is longer than {gw.settings.max_stop_chars} characters.", param="stop")
-    if len(request.headers.get("x-session-id", "")) > MAX_SESSION_CHARS:
-        raise APIError(400, f"The x-session-id header is longer than {MAX_SESSION_CHARS} characters.",
-                       param="x-session-id")
-
-
-# what the router adds to a request's message on its way to the workers (a prefill job carries
-# the same prompt and sampling): a request's message leaves this much of the bus's payload limit
-BUS_HEADROOM = 16 << 10
-
-
-def check_size(gw: Gateway, body: ChatCompletionRequest | CompletionRequest, req: RouteRequest) -> None:
-    """A request whose bus message would be over the server's payload limit is a 400 naming its
-    largest part (the prompt, stop strings, logit_bias or the structured-output field)."""
-    limit = gw.bus.nc.max_payload - BUS_HEADROOM
-    if (size := len(req.encode())) <= limit:
-        return
-    s = req.sampling
-    parts = {"messages" if isinstance(body, ChatCompletionRequest) else "prompt": req.prompt_token_ids,
-             "stop": list(s.stop), "logit_bias": list(s.logit_bias), "stop_token_ids": list(s.stop_token_ids),
-             **{field: grammar.spec for field, grammar in body._grammars()}}
-    param = max(parts, key=lambda k: len(json.dumps(parts[k])))
-    raise APIError(400, f"The request takes {size} bytes on the message bus, over the {limit} one message may "
-                        f"carry here; its largest part is '{param}'.", param=param, code="request_too_large")
-
-
-def check_tokens(gw: Gateway, body: ChatCompletionRequest | CompletionRequest, n_prompt: int) -> None:
-    """What the schema cannot know: token ids within this model's vocabulary, and prompt log
-    probabilities that fit one message."""
-    vocab = gw.model_config.vocab_size
-    if any(int(k) >= vocab for k in body.logit_bias or {}):
-        raise APIError(400, f"logit_bias has token ids outside the vocabulary (0..{vocab - 1}).", param="logit_bias")
-    if any(not 0 <= t < vocab for t in body.stop_token_ids or ()):
-        raise APIError(400, f"stop_token_ids has ids outside the vocabulary (0..{vocab - 1}).",
-                       param="stop_token_ids")
-    top = body.prompt_logprobs_wanted()
-    if top is not None and n_prompt * (1 + top) > MAX_PROMPT_LOGPROBS:
-        raise APIError(400, f"echo with logprobs={top} scores {n_prompt} prompt tokens x {1 + top} entries; this "
-                            f"server returns at most {MAX_PROMPT_LOGPROBS} (a shorter prompt or fewer logprobs).",
-                       param="logprobs")
-
-
 async def generate(gw: Gateway, request: Request, body: ChatCompletionRequest | CompletionRequest,
                    kind: Kind) -> JSONResponse | StreamingResponse:
-    check_caps(gw, body, request)
-    await check_grammars(body)
+    checks.check_caps(gw, body, request)
+    await checks.check_grammars(body)
     ids = prompt_ids(gw, body)
-    check_tokens(gw, body, len(ids))
+    checks.check_tokens(gw, body, len(ids))
     scoring = isinstance(body, CompletionRequest) and body.max_tokens == 0  # echo: the prompt scored alone
     try:
         limit = max_tokens(gw, body, len(ids))  # (the prompt's checks too)
-        sampling = body.sampling(1 if scoring else limit, cache_salt(gw, body, request))
+        sampling = body.sampling(1 if scoring else limit, checks.cache_salt(gw, body, request))
     except ValueError as e:
         raise APIError(400, str(e), param="min_tokens") from None
+    await checks.fair_share(gw, body, request, len(ids), sampling.max_tokens)
     rid = request.state.request_id  # set with the root span by middleware.RequestContext
     span = trace.get_current_span()
     span.set_attributes({"prompt_tokens": len(ids), "stream": body.stream, "max_tokens": sampling.max_tokens})
@@ -186,7 +97,7 @@ async def generate(gw: Gateway, request: Request, body: ChatCompletionRequest | 
         session = body.session_id or request.headers.get("x-session-id") or (f"n-{rid}" if body.n > 1 else None)
         req = RouteRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling, model=body.model,
                            session_id=session)
-        check_size(gw, body, req)
+        checks.check_size(gw, body, req)
         placement, streams = await choices.run(gw.relay.run, req, body.n)
     except APIError as e:
         span.set_attribute("error", e.message)

@@ -64,9 +64,13 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         bus = await Bus.connect(settings.nats_url, name="gateway")
         state = State.for_service(settings)
         me = WorkerInfo(worker_id=settings.gateway_id or f"gateway-{uuid.uuid4().hex[:8]}", role="gateway")
+        fail_open = keys.open if settings.rate_limit_fail_open is None else settings.rate_limit_fail_open
         app.state.gateway = Gateway(settings, bus, state, tokenizer, model_config,
                                     Relay.for_gateway(settings, bus, state, me.worker_id), keys,
-                                    RateLimit(state, settings.rate_limit_per_s, settings.rate_limit_burst))
+                                    RateLimit(state, settings.rate_limit_per_s, settings.rate_limit_burst,
+                                              fail_open=fail_open),
+                                    RateLimit(state, settings.token_rate_limit_per_s, settings.token_rate_limit_burst,
+                                              unit="tokens", fail_open=fail_open))
         # the lease tells the routers' supervisors that someone still reads these requests' tokens
         stop = asyncio.Event()
         beat = asyncio.create_task(heartbeat(state, lambda: me, settings.heartbeat_s, stop))

@@ -27,3 +27,27 @@ def test_a_caller_over_its_rate_gets_429_with_retry_after_and_others_are_not_aff
         return results
 
     assert asyncio.run(run()) == ["ok", "ok", "ok", (429, "rate_limit_exceeded", "1"), "ok"]
+
+
+def test_a_request_takes_its_cost_and_an_absent_store_fails_closed_when_told(redis_url):
+    async def run():
+        state = State.connect(redis_url)
+        tokens = RateLimit(state, rate_per_s=1.0, burst=100, unit="tokens")
+        await tokens.take("a", 80)
+        try:
+            await tokens.take("a", 40)   # 20 left: 16 x max_tokens counts, not one request
+        except APIError as e:
+            over = (e.status, e.code, "tokens/s" in e.message)
+        await state.close()
+        away = State.connect("redis://127.0.0.1:1")  # nothing listens there
+        results = []
+        for fail_open in (True, False):
+            try:
+                await RateLimit(away, 1.0, 5, fail_open=fail_open).take("a")
+                results.append("served")
+            except APIError as e:
+                results.append((e.status, e.code))
+        await away.close()
+        return over, results
+
+    assert asyncio.run(run()) == ((429, "rate_limit_exceeded", True), ["served", (503, "rate_limit_unavailable")])

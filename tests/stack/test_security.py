@@ -54,26 +54,36 @@ def test_keys_rate_limit_and_length_limits_on_the_live_gateway(tmp_path):
         assert leak not in logs, leak
 
 
-def test_two_keys_share_no_cached_prefix_and_cached_tokens_tells_nothing(tmp_path):
+def test_tenants_share_no_cached_prefix_and_get_their_fair_share(tmp_path):
     """Key B's request gets no cached tokens from key A's identical prompt (each key's prefix
     cache is its own, PD_PREFIX_CACHE_PER_KEY), while each key's own repeat hits; a request's
-    `cache_salt` partitions further within a key."""
+    `cache_salt` partitions further within a key. A priority ahead of the default is only for
+    the keys allowed it; a request's tokens (prompt + n x max_tokens) come from its key's token
+    bucket."""
     other = "pd-" + "0th3r" * 8
     cfg = StackConfig.on_free_ports(colocated=True, decode=1, kv_blocks=256, log_dir=tmp_path, env={
-        "PD_API_KEYS": f"alice:{hash_key(KEY)},bob:{hash_key(other)}"})
+        "PD_API_KEYS": f"alice:{hash_key(KEY)},bob:{hash_key(other)}", "PD_PRIORITY_KEYS": "alice",
+        "PD_TOKEN_RATE_LIMIT_PER_S": "1", "PD_TOKEN_RATE_LIMIT_BURST": "5000"})
     document = " ".join(f"Line {i}: the pump on deck {i % 5} ran {i * 3} hours." for i in range(20))
     body = {"model": MODEL, "messages": [{"role": "user", "content": document}], "max_tokens": 2}
 
     with Stack(cfg) as stack:
+        def post(key: str, **extra) -> httpx.Response:
+            return httpx.post(stack.url + "/v1/chat/completions", json={**body, **extra}, timeout=60,
+                              headers={"Authorization": f"Bearer {key}"})
+
         def cached(key: str, **extra) -> int:
-            r = httpx.post(stack.url + "/v1/chat/completions", json={**body, **extra}, timeout=60,
-                           headers={"Authorization": f"Bearer {key}"})
+            r = post(key, **extra)
             assert r.status_code == 200, r.text
             return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
         alice = [cached(KEY), cached(KEY)]
         bob = [cached(other), cached(other)]
         salted = [cached(KEY, cache_salt="s1"), cached(KEY, cache_salt="s1")]
+        ahead = [post(KEY, priority=-5).status_code, post(other, priority=-5)]
+        heavy = post(KEY, n=16, max_tokens=200)  # 16 x 200 tokens and the prompt: more than alice has left
     assert alice[0] == 0 and alice[1] > 0
     assert bob[0] == 0 and bob[1] > 0  # nothing from alice's identical prompt
     assert salted[0] == 0 and salted[1] > 0
+    assert ahead[0] == 200 and ahead[1].status_code == 400 and ahead[1].json()["error"]["param"] == "priority"
+    assert heavy.status_code == 429 and "tokens/s" in heavy.json()["error"]["message"], heavy.text

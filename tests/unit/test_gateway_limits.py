@@ -11,8 +11,8 @@ import httpx
 import pytest
 from opentelemetry import trace
 
+from services.gateway.checks import BUS_HEADROOM, check_size
 from services.gateway.errors import APIError
-from services.gateway.generate import BUS_HEADROOM, check_size
 from services.gateway.middleware import RequestContext
 from services.gateway.schemas import ChatCompletionRequest
 from shared.messages import RouteRequest

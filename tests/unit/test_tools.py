@@ -8,8 +8,8 @@ import pytest
 from pydantic import ValidationError
 
 from services.gateway import tools
+from services.gateway.checks import check_grammars
 from services.gateway.errors import APIError, _describe
-from services.gateway.generate import check_grammars
 from services.gateway.schemas import ChatCompletionRequest
 from shared.engine.grammar import Grammars, check
 
