@@ -1,6 +1,6 @@
 """What a request must pass before it reaches the bus, beyond its schema: this server's caps,
 grammars that compile, token ids in the vocabulary, a bus message that fits; and, per caller,
-its prefix-cache partition and its fair share (priority, tokens per second, requests at once)."""
+its prefix-cache partition and its fair share (priority, requests and tokens per second)."""
 
 from __future__ import annotations
 
