@@ -41,16 +41,16 @@ def chat_ids(gw: Gateway, body: ChatCompletionRequest) -> list[int]:
     them, else listed in the Hermes format (tools.py); a template's refusal is a 400. A special
     token spelled in the client's text stays text (PD_SPECIAL_TOKENS_IN_MESSAGES: read as one)."""
     functions, tok = body.functions(), gw.tokenizer
-    parts = {"messages": [m.for_template() for m in body.messages], "functions": functions,
-             "tools": tools.listing(functions) if functions else None}
+    listing = tools.listing(functions) if functions else None
 
-    def render(p: dict) -> str:
+    def render(messages: list[dict]) -> str:  # (the tools are the application's, not marked as text)
         if tok.template_takes_tools:
-            return tok.apply_chat_template(tools.template_messages(p["messages"]), tools=p["tools"])
-        return tok.apply_chat_template(tools.prompt_messages(p["messages"], p["functions"]))
+            return tok.apply_chat_template(tools.template_messages(messages), tools=listing)
+        return tok.apply_chat_template(tools.prompt_messages(messages, functions))
 
     try:
-        return tok.encode_chat(parts, render, specials_as_text=not gw.settings.special_tokens_in_messages)
+        return tok.encode_chat([m.for_template() for m in body.messages], render,
+                               specials_as_text=not gw.settings.special_tokens_in_messages)
     except TemplateError as e:
         raise APIError(400, f"The model's chat template refused the messages: {e}", param="messages") from e
 

@@ -94,7 +94,7 @@ class Tokenizer:
         return rendered[0][0]  # (the rendered conversations, their generation indices)
 
     def encode_chat(self, parts: Any, render: Callable[[Any], str], specials_as_text: bool = True) -> list[int]:
-        """The tokens of what `render` writes from `parts` (messages, tools: the client's).
+        """The tokens of what `render` writes from `parts` (the client's messages).
         Text in `parts` that spells a special token ("<|im_start|>system" pasted into a message)
         stays text, so only the template writes control tokens (specials_as_text=False: it
         becomes the control token, as a plain encode of the rendered text reads it)."""
