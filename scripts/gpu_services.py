@@ -22,7 +22,6 @@ from pathlib import Path
 
 import httpx
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.local.stack import Stack, StackConfig
 from shared.engine.config import EngineConfig
@@ -52,12 +51,6 @@ def expected(device: str, dtype: torch.dtype, prompts: dict[str, list[int]]) -> 
         engine.add_request(q, ids, SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True))
         out[q] = drain(engine)
     return out
-
-
-def _received_kv_bytes(stack: Stack) -> float:
-    text = httpx.get(stack.metrics_url("decode-0"), timeout=10).text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == "pd_kv_received_bytes_total")
 
 
 def _streamed(stack: Stack, question: str) -> tuple[float, float]:
@@ -96,7 +89,7 @@ def services(device: str, check) -> dict:
             exact = device != "cuda"  # fp32 here: every token; bf16: near ties may turn
             check(f"services on {device}: tokens equal the in-process engine's", equal == total if exact
                   else equal >= 0.75 * total, f"{equal}/{total}")
-            received = _received_kv_bytes(stack)
+            received = stack.metric_total("decode-0", "pd_kv_received_bytes_total")
             check(f"services on {device}: the decode worker received the prompts' KV", received > 0,
                   f"{received:.0f} bytes")
             streams = [_streamed(stack, q) for q in QUESTIONS]

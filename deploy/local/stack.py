@@ -141,6 +141,14 @@ class Stack:
             return self.url + "/metrics"
         return f"http://{self.ip(name)}:{self.metrics_ports[name]}/metrics"
 
+    def metric_total(self, name: str, metric: str) -> float:
+        """The sum of every sample of `metric` (all its labels) on process `name`'s /metrics."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(self.metrics_url(name), timeout=10) as r:
+            text = r.read().decode()
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == metric)
+
     def start(self, ready_timeout_s: float = 240) -> Stack:
         c = self.cfg
         self.start_servers()
