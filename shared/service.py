@@ -71,17 +71,20 @@ async def until_stopped(stop: asyncio.Event, required: dict[str, asyncio.Task], 
     if stopped in done:
         return
     stopped.cancel()
-    name, task = next((n, t) for n, t in required.items() if t in done)
-    error = None if task.cancelled() else task.exception()
-    await leave_and_exit(state, worker_id, f"its {name} ended" + (f": {error!r}" if error else ""), error)
+    await _ended(next((n, t) for n, t in required.items() if t in done), state, worker_id)
 
 
 async def check_required(required: dict[str, asyncio.Task], state: State, worker_id: str) -> None:
     """`until_stopped` for a loop that polls: a needed task already ended ends the worker."""
-    for name, task in required.items():
-        if task.done():
-            error = None if task.cancelled() else task.exception()
-            await leave_and_exit(state, worker_id, f"its {name} ended" + (f": {error!r}" if error else ""), error)
+    for named in required.items():
+        if named[1].done():
+            await _ended(named, state, worker_id)
+
+
+async def _ended(named: tuple[str, asyncio.Task], state: State, worker_id: str) -> NoReturn:
+    name, task = named
+    error = None if task.cancelled() else task.exception()
+    await leave_and_exit(state, worker_id, f"its {name} ended" + (f": {error!r}" if error else ""), error)
 
 
 async def leave_and_exit(state: State, worker_id: str, why: str, error: BaseException | None = None) -> NoReturn:

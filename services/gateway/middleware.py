@@ -68,9 +68,6 @@ class RequestContext:
                 return await self._too_large(scope, receive, send_with_ids)
             try:
                 await self.app(scope, counted, send_with_ids)
-            except BodyTooLarge:
-                if not started:
-                    await self._too_large(scope, receive, send_with_ids)
             except Exception as e:  # noqa: BLE001 - the catch-all: no request gets a bare 500
                 log.exception("%s: %s failed", request_id, name)
                 span.record_exception(e)
@@ -80,5 +77,5 @@ class RequestContext:
                     await failed(scope, receive, send_with_ids)
 
     async def _too_large(self, scope, receive, send) -> None:
-        too_big = JSONResponse(errors.body(413, f"Request body over {self.max_bytes} bytes."), status_code=413)
+        too_big = JSONResponse(errors.body(413, BodyTooLarge(self.max_bytes).detail), status_code=413)
         await too_big(scope, receive, send)

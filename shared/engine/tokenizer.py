@@ -52,9 +52,11 @@ class Tokenizer:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        ids = self.tok.encode(text, add_special_tokens=False).ids
+        return self._with_bos(self.tok.encode(text, add_special_tokens=False).ids)
+
+    def _with_bos(self, ids: list[int]) -> list[int]:
         if self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
-            ids = [self.bos_token_id, *ids]
+            return [self.bos_token_id, *ids]
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -116,8 +118,7 @@ class Tokenizer:
                 ids += self._as_text.encode(text[a:b], add_special_tokens=False).ids
             else:
                 ids.append(i)
-        return [self.bos_token_id, *ids] if self.add_bos and self.bos_token_id is not None and \
-            ids[:1] != [self.bos_token_id] else ids
+        return self._with_bos(ids)
 
     @cached_property
     def _special_ids(self) -> frozenset[int]:
