@@ -43,15 +43,22 @@ def greedy(loaded, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
     return got
 
 
+def reference(hf, prompts: dict[str, list[int]]) -> tuple[dict[str, list[int]], list[int], torch.Tensor]:
+    """transformers' greedy tokens for each prompt, the long prompt with its tokens, and the
+    logits over that."""
+    ref = {k: reference_greedy(hf, ids, NEW) for k, ids in prompts.items()}
+    ids = prompts["long"] + ref["long"]
+    with torch.no_grad():
+        return ref, ids, hf(torch.tensor([ids])).logits[0]
+
+
 def measure(name: str, root: Path, prompts: dict[str, list[int]], gguf: Path) -> dict:
     hf, hf_bf16 = tiny_archs.build(name), tiny_archs.build(name, torch.bfloat16)
     path = tiny_archs.save(name, root)
     ours, ours_bf16 = load(str(path)), load(str(path), dtype=torch.bfloat16)
-    ref = {k: reference_greedy(hf, ids, NEW) for k, ids in prompts.items()}
+    ref, ids, want = reference(hf, prompts)
     got = greedy(ours, prompts)
-    ids = prompts["long"] + ref["long"]
     with torch.no_grad():
-        want = hf(torch.tensor([ids])).logits[0]
         theirs = float((hf_bf16(torch.tensor([ids])).logits[0].float() - want).abs().max())
     return {"model_type": ours.config.arch, "greedy_equal": got == ref,
             "tokens_equal": sum(a == b for k in ref for a, b in zip(got[k], ref[k])),
@@ -63,11 +70,8 @@ def measure(name: str, root: Path, prompts: dict[str, list[int]], gguf: Path) ->
 
 
 def measure_gguf(name: str, path: Path, prompts: dict[str, list[int]]) -> dict:
-    hf, ours = tiny_archs.gguf_reference(name), load(str(path))
-    ref = {k: reference_greedy(hf, ids, NEW) for k, ids in prompts.items()}
-    ids = prompts["long"] + ref["long"]
-    with torch.no_grad():
-        want = hf(torch.tensor([ids])).logits[0]
+    ours = load(str(path))
+    ref, ids, want = reference(tiny_archs.gguf_reference(name), prompts)
     return {"gguf_greedy_equal": greedy(ours, prompts) == ref,
             "gguf_fp32_max_abs_logit_diff": float((logits_all(ours, ids) - want).abs().max())}
 
