@@ -106,6 +106,10 @@ class GatewaySettings(Common):
     chat_template: str = Field("", description="a Jinja chat template, or the path of a file holding one, "
                                "rendered instead of the model's own (vLLM's --chat-template)")
     max_request_bytes: int = 1 << 20
+    keep_alive_s: int = Field(75, gt=0, description="an idle client connection is closed after this long (longer "
+                                "than clients' and load balancers' own idle timeouts, so they close first)")
+    head_timeout_s: float = Field(10.0, gt=0, description="a request's headers must all arrive within this long of "
+                                  "the connection opening or of their first byte (slowloris), else it is closed")
     default_max_tokens: int = Field(512, gt=0, description="max_tokens when a request sets none")
     require_prefill: bool = Field(True, description="/ready waits for a prefill worker (off: colocated)")
     api_keys: str = Field("", description="name:sha256(key) entries, comma-separated (make one with `python -m "

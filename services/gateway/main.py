@@ -28,7 +28,7 @@ import uvicorn
 from fastapi import FastAPI
 from opentelemetry import trace
 
-from services.gateway import errors
+from services.gateway import connections, errors
 from services.gateway.api import router, v1
 from services.gateway.auth import KeyCheck
 from services.gateway.deps import Gateway
@@ -104,6 +104,7 @@ def main() -> None:
     setup_logging(settings, "gateway")
     uvicorn.run(create_app(settings), host=settings.gateway_host, port=settings.gateway_port,
                 log_level=settings.log_level.lower(), timeout_graceful_shutdown=settings.drain_s,
+                timeout_keep_alive=settings.keep_alive_s, http=connections.protocol(settings.head_timeout_s),
                 log_config=None)  # uvicorn's loggers go through ours (trace ids, JSON when asked)
 
 
