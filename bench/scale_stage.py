@@ -18,6 +18,7 @@ from bench.scale_meters import Meters, cpu_s
 from bench.scale_plan import FleetWorker
 from deploy.local.servers import binary, free_port
 from deploy.local.stack import Stack, StackConfig
+from shared import grants
 from shared.bus import Bus
 from shared.state import State
 from shared.tools.otlp_sink import OtlpReceiver
@@ -35,7 +36,7 @@ class Backend:
 
     def start(self) -> None:
         s, c = self.stack, self.stack.cfg
-        (s.data / "nats.conf").write_text(f'authorization {{ user: pdserve, password: "{s.secret}" }}\n')
+        (s.data / "nats.conf").write_text(grants.nats_authorization(s.nats_passwords))
         # commands over 1 ms are logged: what holds the single-threaded Redis up, per run
         (s.data / "redis.conf").write_text(f"requirepass {s.secret}\nslowlog-log-slower-than 1000\n"
                                            "slowlog-max-len 4096\n")

@@ -16,7 +16,7 @@ from opentelemetry import context
 
 from shared import subjects, tracing
 from shared.messages import Message, PrefillJob
-from shared.urls import nats_servers
+from shared.urls import nats_inbox, nats_servers
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
@@ -42,7 +42,7 @@ class Bus:
             log.warning("nats: reconnected")
 
         nc = await nats.connect(nats_servers(url), name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                                error_cb=on_error, reconnected_cb=on_reconnect)
+                                error_cb=on_error, reconnected_cb=on_reconnect, inbox_prefix=nats_inbox(url))
         return cls(nc)
 
     async def publish(self, subject: str, msg: Message, ctx: context.Context | None = None) -> None:

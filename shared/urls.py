@@ -25,6 +25,8 @@ from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 from redis.asyncio.sentinel import SentinelConnectionPool as AsyncSentinelPool
 from redis.sentinel import Sentinel
 
+from shared.grants import inbox
+
 SENTINEL_SCHEME = "redis+sentinel"
 TIMEOUTS = {"socket_timeout": 5, "socket_connect_timeout": 5}
 
@@ -38,6 +40,13 @@ def nats_servers(url: str) -> list[str]:
         if urlsplit(server).scheme not in ("nats", "tls"):
             raise ValueError(f"PD_NATS_URL: {server!r} is not a nats:// or tls:// URL")
     return servers
+
+
+def nats_inbox(url: str) -> str:
+    """Where a client of PD_NATS_URL gets its replies: under its user's name (the only inboxes
+    that user's grant reads, shared/grants.py), or nats-py's default with no user."""
+    parts = urlsplit(nats_servers(url)[0])
+    return inbox(unquote(parts.username)) if parts.username and parts.password else "_INBOX"
 
 
 @dataclass(frozen=True)

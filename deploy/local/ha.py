@@ -4,10 +4,11 @@ watched by 3 Sentinels that promote the replica when the primary is gone. The sa
 nats-server and redis-server binaries as the single-server stack (redis-server runs as a
 Sentinel with --sentinel). Used by `make run RUN_ARGS=--ha`, the HA tests and `make chaos`'s HA stack.
 
-Every server takes the stack's password (NATS clients and routes, Redis, replication and the
-Sentinels alike) from config files in the stack's private data directory; each has a store
-directory of its own. The clients are given every node (PD_NATS_URL, comma-separated) and the
-Sentinels (PD_REDIS_URL, redis+sentinel://), and find the rest themselves (shared/urls.py).
+Every server takes the stack's password (NATS routes, Redis, replication and the Sentinels
+alike; NATS clients a password per user, shared/grants.py) from config files in the stack's
+private data directory; each has a store directory of its own. The clients are given every
+node (PD_NATS_URL, comma-separated) and the Sentinels (PD_REDIS_URL, redis+sentinel://), and
+find the rest themselves (shared/urls.py).
 
 Process names: nats-0..2, redis (the primary at start), redis-replica, sentinel-0..2.
 """
@@ -16,13 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
 
 from deploy.local.servers import binary, free_port, wait_for_port
+from shared import grants
 
 NODES = 3
 SENTINELS = 3
@@ -47,8 +49,8 @@ class Ports:
         return ports
 
 
-def nats_url(ports: Ports, secret: str) -> str:
-    return ",".join(f"nats://pdserve:{secret}@127.0.0.1:{p}" for p in ports.nats)
+def nats_url(ports: Ports, user: str, password: str) -> str:
+    return ",".join(f"nats://{user}:{password}@127.0.0.1:{p}" for p in ports.nats)
 
 
 def redis_url(ports: Ports, secret: str) -> str:
@@ -56,13 +58,14 @@ def redis_url(ports: Ports, secret: str) -> str:
     return f"redis+sentinel://:{secret}@{sentinels}/{SERVICE}/0?sentinel_password={secret}"
 
 
-def nats_node(data: Path, ports: Ports, secret: str, i: int) -> list[str]:
-    """Node i of the cluster: its config file written, its command line returned."""
+def nats_node(data: Path, ports: Ports, secret: str, users: Mapping[str, str], i: int) -> list[str]:
+    """Node i of the cluster: its config file written, its command line returned. `users`:
+    the clients' passwords by user (each role's grant: shared/grants.py)."""
     routes = ", ".join(f'"nats-route://route:{secret}@127.0.0.1:{p}"' for j, p in enumerate(ports.routes) if j != i)
     conf = data / f"nats-{i}.conf"
     conf.write_text(f'server_name: "nats-{i}"\nlisten: "127.0.0.1:{ports.nats[i]}"\n'
                     f'http: "127.0.0.1:{ports.monitor[i]}"\n'
-                    f'authorization {{ user: pdserve, password: "{secret}" }}\n'
+                    f'{grants.nats_authorization(users)}'
                     f'jetstream {{ store_dir: "{data / f"nats-{i}"}" }}\n'
                     f'cluster {{\n  name: "pdserve"\n  listen: "127.0.0.1:{ports.routes[i]}"\n'
                     f'  authorization {{ user: route, password: "{secret}" }}\n'
@@ -94,21 +97,21 @@ def sentinel(data: Path, ports: Ports, secret: str, i: int) -> list[str]:
     return [binary("redis-server"), str(conf), "--sentinel"]
 
 
-def servers(data: Path, ports: Ports, secret: str) -> dict[str, list[str]]:
+def servers(data: Path, ports: Ports, secret: str, users: Mapping[str, str]) -> dict[str, list[str]]:
     """Every server's command line by process name, in the order to start them."""
-    return {**{f"nats-{i}": nats_node(data, ports, secret, i) for i in range(NODES)},
+    return {**{f"nats-{i}": nats_node(data, ports, secret, users, i) for i in range(NODES)},
             **{name: redis_node(data, ports, secret, i) for i, name in enumerate(("redis", "redis-replica"))},
             **{f"sentinel-{i}": sentinel(data, ports, secret, i) for i in range(SENTINELS)}}
 
 
-def start(data: Path, ports: Ports, secret: str, spawn: Callable[[str, list[str]], object],
-          timeout_s: float = 30) -> None:
+def start(data: Path, ports: Ports, secret: str, users: Mapping[str, str],
+          spawn: Callable[[str, list[str]], object], timeout_s: float = 30) -> None:
     """Start every server with `spawn(name, argv)` and wait until the set is whole. The
     Sentinels start once the replica has synced, and it is whole when each knows the replica
     and the other two: a Sentinel learns a primary's replicas from its INFO, asked every 10 s,
     so one started beside the replica could see none, and a primary lost then is never failed
     over (no replica to promote, its INFO never asked again)."""
-    commands = servers(data, ports, secret)
+    commands = servers(data, ports, secret, users)
     for name, argv in commands.items():
         if not name.startswith("sentinel"):
             spawn(name, argv)

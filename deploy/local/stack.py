@@ -28,6 +28,7 @@ from pathlib import Path
 from deploy.local import ha
 from deploy.local.servers import binary, die_with_parent, free_port
 from services.router.recent import REGISTRY_READ_S
+from shared import grants
 from shared.config import model_id
 
 
@@ -73,9 +74,11 @@ class Stack:
         self.procs: dict[str, subprocess.Popen] = {}
         self.metrics_ports: dict[str, int] = {}  # router and workers (the gateway serves /metrics itself)
         self.argv: dict[str, tuple[list[str], dict[str, str] | None]] = {}
-        # NATS and Redis take a password made for this run (config files in the private data
-        # directory, not on a command line), so nothing else on the host can join the bus
+        # NATS and Redis take passwords made for this run (config files in the private data
+        # directory, not on a command line), so nothing else on the host can join the bus; on
+        # NATS each service role is a user of its own, with its grant (shared/grants.py)
         self.secret = secrets.token_urlsafe(24)
+        self.nats_passwords = {user: secrets.token_urlsafe(24) for user in (*grants.ROLES, grants.OPERATOR)}
         if cfg.ha and cfg.hosts:
             raise ValueError("the HA servers run on this machine's loopback: not with hosts")
         self.ha_ports = ha.Ports.from_first(cfg.nats_port, cfg.redis_port) if cfg.ha else None
@@ -86,9 +89,14 @@ class Stack:
 
     @property
     def nats_url(self) -> str:
+        """The operator's: every subject (tools, tests)."""
+        return self.nats_url_of(grants.OPERATOR)
+
+    def nats_url_of(self, user: str) -> str:
+        """The URL with `user`'s credentials: a service role's, or the operator's."""
         if self.ha_ports:
-            return ha.nats_url(self.ha_ports, self.secret)
-        return f"nats://pdserve:{self.secret}@{self.ip('nats')}:{self.cfg.nats_port}"
+            return ha.nats_url(self.ha_ports, user, self.nats_passwords[user])
+        return f"nats://{user}:{self.nats_passwords[user]}@{self.ip('nats')}:{self.cfg.nats_port}"
 
     @property
     def redis_url(self) -> str:
@@ -130,9 +138,11 @@ class Stack:
         return proc
 
     def service(self, name: str, module: str, **env: str) -> subprocess.Popen:
+        """Process `name` running `module` (services.<role>.main), on NATS as its role's user."""
         if name != "gateway":
             self.metrics_ports[name] = free_port()
             env = {**env, "PD_METRICS_PORT": str(self.metrics_ports[name])}
+        env = {"PD_NATS_URL": self.nats_url_of(module.split(".")[1]), **env}
         return self.spawn(name, [sys.executable, "-m", module],
                           {**self.service_env(), **env, **self.cfg.worker_env.get(name, {})})
 
@@ -168,10 +178,10 @@ class Stack:
         """NATS and Redis: one of each, or the HA set (deploy/local/ha.py)."""
         c = self.cfg
         if self.ha_ports:
-            ha.start(self.data, self.ha_ports, self.secret, self.spawn)
+            ha.start(self.data, self.ha_ports, self.secret, self.nats_passwords, self.spawn)
             return
         nats_conf, redis_conf = self.data / "nats.conf", self.data / "redis.conf"
-        nats_conf.write_text(f'authorization {{ user: pdserve, password: "{self.secret}" }}\n')
+        nats_conf.write_text(grants.nats_authorization(self.nats_passwords))
         redis_conf.write_text(f"requirepass {self.secret}\n")
         self.spawn("nats", [binary("nats-server"), "-c", str(nats_conf), "-js", "-a", self.ip("nats"),
                             "-p", str(c.nats_port), "-sd", str(self.data / "nats")])
@@ -240,11 +250,23 @@ class Stack:
             if store.is_dir():
                 shutil.rmtree(store, ignore_errors=True)
 
+    def refused(self) -> list[str]:
+        """The operations NATS refused a client (outside its grant: shared/grants.py), from its
+        servers' logs."""
+        return [line for log in sorted(self.log_dir.glob("nats*.log"))
+                for line in log.read_text(errors="replace").splitlines() if "Violation" in line]
+
     def __enter__(self) -> Stack:
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        """Stops the stack; a run in which NATS refused one of the services an operation (a
+        grant that misses a subject the services use) fails here."""
         self.stop()
+        refused = self.refused()
+        if exc_type is None and refused:
+            raise RuntimeError(f"NATS refused the services {len(refused)} operation(s), e.g. {refused[0]!r}; "
+                               "shared/grants.py must grant what the services do")
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ import pytest
 
 from deploy.local import ha
 from deploy.local.servers import binary, free_port, wait_for_port
+from shared import grants
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,7 @@ def ha_servers():
 
     with tempfile.TemporaryDirectory() as d:
         try:
-            ha.start(Path(d), ports, secret, spawn)
+            ha.start(Path(d), ports, secret, {u: secret for u in (*grants.ROLES, grants.OPERATOR)}, spawn)
             yield ports, secret, procs
         finally:
             for proc in procs.values():

@@ -35,7 +35,7 @@ def test_keys_rate_limit_and_length_limits_on_the_live_gateway(tmp_path):
         big = post({**body, "max_tokens": 100})                                  # 3
         again = post(body)                                                       # 4
         over = post(body)                                                        # the bucket is empty
-        secret = stack.secret
+        passwords = [stack.secret, *stack.nats_passwords.values()]
     logs = "".join(p.read_text(errors="replace") for p in tmp_path.glob("*.log"))
 
     assert (missing.status_code, missing.json()["error"]["code"]) == (401, "missing_api_key")
@@ -50,7 +50,7 @@ def test_keys_rate_limit_and_length_limits_on_the_live_gateway(tmp_path):
     assert over.status_code == 429 and over.json()["error"]["code"] == "rate_limit_exceeded"
     assert 1 <= int(over.headers["retry-after"]) <= 10
     assert "1 API keys configured" in logs
-    for leak in (KEY, SECRET_PROMPT, "vault code", secret):
+    for leak in (KEY, SECRET_PROMPT, "vault code", *passwords):
         assert leak not in logs, leak
 
 

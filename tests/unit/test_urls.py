@@ -35,3 +35,11 @@ def test_a_sentinel_url_names_the_sentinels_the_service_the_db_and_both_password
 def test_a_malformed_url_fails_the_settings_naming_what_is_wrong(field, url, says):
     with pytest.raises(ValidationError, match=says):
         Common(**{field: url})
+
+
+def test_a_nats_users_replies_come_to_inboxes_under_its_name():
+    from shared.urls import nats_inbox
+
+    assert nats_inbox("nats://gateway:pw@a:4222,nats://gateway:pw@b:4222") == "_INBOX.gateway"
+    assert nats_inbox("nats://a:4222") == "_INBOX"          # no user: nats-py's default
+    assert nats_inbox("nats://s3cr3t-token@a:4222") == "_INBOX"  # a token is no name to put on the bus

@@ -1,0 +1,94 @@
+"""Who may do what on the bus: a NATS user per service role, each allowed to publish and
+subscribe on exactly the subjects of its part of the request path (shared/subjects.py, one
+source for both), rendered as nats-server's `authorization` block.
+
+    role      publishes                                       subscribes
+    gateway   route requests; replays; cancels                 its requests' tokens and events
+    router    admits; events; cancels; the job stream's setup  route requests, requeues, KV outcomes
+    prefill   tokens (a failed handoff); KV to decode workers  its cancels and KV acks; its job stream
+    decode    tokens; prefill jobs; KV acks; requeues          admits, cancels, replays, KV notices
+
+Every role may answer the requests it receives (`allow_responses`: the reply subject of one
+received request, once) and reads the replies to its own requests, which come to inboxes
+under its name (`_INBOX.<user>.`, nats-py's inbox prefix: shared/urls.py), not to another
+role's. The operator's user (`pdserve`: `make run`'s tools, the tests) has every subject.
+So prompts are read by the router (route requests), the decode pool (admits) and the prefill
+pool (its job stream) only, outputs by the gateway only, and only decode workers (which hold
+the KV blocks a job fills) queue jobs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from shared import subjects
+
+ROLES = ("gateway", "router", "prefill", "decode")
+OPERATOR = "pdserve"
+ANY = "*"
+_STREAM = subjects.PREFILL_STREAM
+
+
+@dataclass(frozen=True)
+class Grant:
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+
+
+def inbox(user: str) -> str:
+    """The prefix of the inboxes `user`'s requests are answered on."""
+    return f"_INBOX.{user}"
+
+
+_STREAM_SETUP = tuple(f"$JS.API.STREAM.{verb}.{_STREAM}" for verb in ("INFO", "CREATE", "UPDATE"))
+_CANCELS = (subjects.decode_cancel(ANY), subjects.prefill_cancel(ANY))
+
+GRANTS: dict[str, Grant] = {
+    "gateway": Grant(
+        publish=(subjects.ROUTE, subjects.decode_replay(ANY), *_CANCELS),
+        subscribe=(subjects.tokens(ANY), subjects.stalled(ANY))),
+    "router": Grant(
+        publish=(subjects.decode_admit(ANY), subjects.stalled(ANY), *_CANCELS, *_STREAM_SETUP),
+        subscribe=(subjects.ROUTE, subjects.REQUEUE, subjects.KV_OUTCOMES)),
+    "prefill": Grant(
+        publish=(subjects.tokens(ANY), subjects.decode_cancel(ANY), subjects.decode_kv(ANY),
+                 subjects.decode_kv_end(ANY), subjects.decode_replay(ANY), *_STREAM_SETUP,
+                 # its consumer of the job stream: found by subject, made durable, pulled, acked
+                 "$JS.API.STREAM.NAMES", f"$JS.API.CONSUMER.INFO.{_STREAM}.*", f"$JS.API.CONSUMER.CREATE.{_STREAM}.>",
+                 f"$JS.API.CONSUMER.DURABLE.CREATE.{_STREAM}.*", f"$JS.API.CONSUMER.MSG.NEXT.{_STREAM}.*",
+                 f"$JS.ACK.{_STREAM}.>"),
+        subscribe=tuple(subjects.prefill_control(ANY).values())),
+    "decode": Grant(
+        publish=(subjects.tokens(ANY), subjects.prefill_jobs(ANY), subjects.REQUEUE, subjects.KV_OUTCOMES,
+                 subjects.prefill_kv_ack(ANY), subjects.prefill_kv_resend(ANY), subjects.prefill_kv_sync(ANY)),
+        subscribe=(subjects.decode_admit(ANY), subjects.decode_cancel(ANY), subjects.decode_replay(ANY),
+                   subjects.decode_kv(ANY), subjects.decode_kv_end(ANY))),
+}
+
+
+def password_variable(user: str) -> str:
+    """The environment variable a deployment's nats-server config reads `user`'s password from."""
+    return f"$PD_NATS_{user.upper()}_PASSWORD"
+
+
+def nats_authorization(passwords: Mapping[str, str]) -> str:
+    """nats-server's `authorization` block: each role with its grant, and the operator, with
+    the passwords given by user (a literal, or a `$VARIABLE` nats-server reads from its
+    environment: `password_variable`)."""
+
+    def secret(user: str) -> str:
+        p = passwords[user]
+        return p if p.startswith("$") else json.dumps(p)
+
+    users = []
+    for role in ROLES:
+        g = GRANTS[role]
+        users.append(
+            f"    {{ user: {role}, password: {secret(role)}, permissions: {{\n"
+            f"        publish: {{ allow: {json.dumps(list(g.publish))} }}\n"
+            f"        subscribe: {{ allow: {json.dumps([*g.subscribe, inbox(role) + '.>'])} }}\n"
+            f"        allow_responses: true }} }}")
+    users.append(f"    {{ user: {OPERATOR}, password: {secret(OPERATOR)} }}")
+    return "authorization {\n  users: [\n" + "\n".join(users) + "\n  ]\n}\n"

@@ -1,0 +1,171 @@
+"""Each service role's NATS user (shared/grants.py) on a real nats-server: what the request path
+needs works (a route request answered across roles, a prefill job queued by a decode worker
+and pulled and acked by a prefill worker), and each named operation outside a role's grant is
+refused by the server and delivers nothing. The stack tests run every service under its grant
+(deploy/local/stack.py fails a run in which NATS refused a service anything)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+
+import nats
+import pytest
+
+from deploy.local.servers import binary, free_port, wait_for_port
+from shared import grants, subjects
+from shared.bus import Bus
+from shared.messages import PrefillJob, RouteReply, RouteRequest, Sampling
+from shared.urls import nats_inbox
+
+PASSWORDS = {user: f"pw-{user}" for user in (*grants.ROLES, grants.OPERATOR)}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("nats")
+    conf = d / "nats.conf"
+    conf.write_text(grants.nats_authorization(PASSWORDS))
+    port = free_port()
+    proc = subprocess.Popen([binary("nats-server"), "-c", str(conf), "-js", "-a", "127.0.0.1", "-p", str(port),
+                             "-sd", str(d / "store")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for_port(port)
+    yield port
+    proc.terminate()
+    proc.wait()
+
+
+def url(port: int, user: str, password: str | None = None) -> str:
+    return f"nats://{user}:{password or PASSWORDS[user]}@127.0.0.1:{port}"
+
+
+class Client:
+    """A connection as `user` that keeps the server's refusals."""
+
+    def __init__(self, port: int, user: str):
+        self.url, self.refusals = url(port, user), []
+
+    async def __aenter__(self) -> nats.NATS:
+        async def on_error(e: Exception) -> None:
+            self.refusals.append(str(e))
+
+        self.nc = await nats.connect(self.url, error_cb=on_error, inbox_prefix=nats_inbox(self.url),
+                                     allow_reconnect=False)
+        return self.nc
+
+    async def __aexit__(self, *exc) -> None:
+        await self.nc.close()
+
+
+DENIED_SUBSCRIPTIONS = [
+    ("gateway", subjects.ROUTE),                       # read the prompts routed
+    ("router", subjects.tokens("r1")),                 # read another service's outputs
+    ("prefill", subjects.tokens("r1")),
+    ("decode", subjects.tokens("r1")),
+    ("decode", subjects.ROUTE),
+    ("prefill", subjects.decode_admit("decode-0")),    # read the prompts admitted to a decode worker
+    ("decode", grants.inbox("gateway") + ".>"),        # read the replies to another role's requests
+    ("router", subjects.PREFILL_JOBS),                 # read the job stream's prompts
+]
+
+DENIED_PUBLISHES = [
+    ("gateway", subjects.tokens("r1")),                # write into a user's stream
+    ("router", subjects.tokens("r1")),
+    ("gateway", subjects.decode_admit("decode-0")),    # hand a decode worker a prompt
+    ("prefill", subjects.prefill_jobs("prefill-0")),   # queue a job (only decode workers do)
+    ("gateway", subjects.prefill_jobs("prefill-0")),
+    ("decode", subjects.ROUTE),
+    ("decode", subjects.stalled("r1")),                # end another request's stream
+    ("prefill", f"$JS.API.STREAM.PURGE.{subjects.PREFILL_STREAM}"),
+    ("router", f"$JS.API.STREAM.DELETE.{subjects.PREFILL_STREAM}"),
+]
+
+
+async def _refused(client: Client) -> list[str]:
+    """The refusals `client` has had, once the server has answered what it sent."""
+    await client.nc.flush()
+    await asyncio.sleep(0.2)   # a refusal comes as an error after the flush's pong
+    return [e.lower() for e in client.refusals]
+
+
+@pytest.mark.parametrize(("role", "subject"), DENIED_SUBSCRIPTIONS, ids=[f"{r}:{s}" for r, s in DENIED_SUBSCRIPTIONS])
+def test_a_role_cannot_subscribe_outside_its_grant(server, role, subject):
+    async def scenario() -> tuple[list, list[str]]:
+        got: list = []
+        client, operator = Client(server, role), Client(server, grants.OPERATOR)
+        async with client as nc, operator as op:
+            async def keep(msg) -> None:
+                got.append(msg)
+            await nc.subscribe(subject, cb=keep)
+            refused = await _refused(client)
+            await op.publish(subject.replace(">", "x").replace("*", "x"), b"a prompt")
+            await op.flush()
+            await asyncio.sleep(0.2)
+        return got, refused
+
+    got, refused = asyncio.run(scenario())
+    assert got == []
+    assert any(f'permissions violation for subscription to "{subject.lower()}"' in e for e in refused), refused
+
+
+@pytest.mark.parametrize(("role", "subject"), DENIED_PUBLISHES, ids=[f"{r}:{s}" for r, s in DENIED_PUBLISHES])
+def test_a_role_cannot_publish_outside_its_grant(server, role, subject):
+    async def scenario() -> tuple[list, list[str]]:
+        got: list = []
+        client, operator = Client(server, role), Client(server, grants.OPERATOR)
+        async with client as nc, operator as op:
+            async def keep(msg) -> None:
+                got.append(msg)
+            await op.subscribe(subject, cb=keep)
+            await op.flush()
+            await nc.publish(subject, b"forged")
+            refused = await _refused(client)
+        return got, refused
+
+    got, refused = asyncio.run(scenario())
+    assert got == []
+    assert any(f'permissions violation for publish to "{subject.lower()}"' in e for e in refused), refused
+
+
+def test_a_wrong_password_is_refused(server):
+    async def scenario() -> None:
+        await nats.connect(url(server, "gateway", "guess"), allow_reconnect=False, max_reconnect_attempts=0)
+
+    with pytest.raises(Exception, match="(?i)authorization"):
+        asyncio.run(scenario())
+
+
+def test_the_request_path_works_across_roles(server):
+    """gateway -> router request/reply (the reply on the gateway's own inboxes, answered under
+    the router's allow_responses), and the job stream: set up by the router, a job queued by a
+    decode worker (acked by the stream), pulled and acked by a prefill worker."""
+    async def scenario() -> None:
+        gateway = await Bus.connect(url(server, "gateway"), "gateway")
+        router = await Bus.connect(url(server, "router"), "router")
+        decode = await Bus.connect(url(server, "decode"), "decode")
+        prefill = await Bus.connect(url(server, "prefill"), "prefill")
+        try:
+            async def answer(msg) -> None:
+                ask = RouteRequest.decode(msg.data)
+                await router.respond(msg, RouteReply(request_id=ask.request_id, ok=True, decode_worker="decode-0"))
+
+            await router.subscribe(subjects.ROUTE, answer, queue=subjects.ROUTER_QUEUE)
+            await router.nc.flush()
+            ask = RouteRequest(request_id="r1", prompt_token_ids=[1, 2, 3], sampling=Sampling(), model="m")
+            reply = await gateway.request(subjects.ROUTE, ask, RouteReply, timeout=5)
+            assert reply.ok and reply.decode_worker == "decode-0"
+
+            await router.ensure_prefill_stream()
+            job = PrefillJob(request_id="r1", prompt_token_ids=[1, 2, 3], sampling=Sampling(),
+                             decode_worker="decode-0", decode_address="", decode_fingerprint="", first_block=0,
+                             kv_tag=1)
+            await decode.queue_prefill("prefill-0", job)
+            pull = await prefill.js.pull_subscribe(subjects.prefill_jobs("prefill-0"), durable="prefill-0")
+            [msg] = await pull.fetch(1, timeout=5)
+            assert PrefillJob.decode(msg.data).request_id == "r1"
+            await msg.ack_sync()
+        finally:
+            for bus in (gateway, router, decode, prefill):
+                await bus.close()
+
+    asyncio.run(scenario())
