@@ -6,6 +6,7 @@ the environment. OpenTelemetry reads its own standard variables (OTEL_EXPORTER_O
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Literal
 
@@ -39,7 +40,8 @@ def lease_s(heartbeat_s: float) -> float:
 
 
 class Common(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="PD_", extra="ignore")
+    # a value that fails validation is not echoed: URLs carry passwords
+    model_config = SettingsConfigDict(env_prefix="PD_", extra="ignore", hide_input_in_errors=True)
 
     nats_url: str = Field("nats://127.0.0.1:4222", description="one server, or a cluster's separated by commas")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="redis://host:port/db, or the primary Sentinels "
@@ -114,6 +116,8 @@ class GatewaySettings(Common):
     require_prefill: bool = Field(True, description="/ready waits for a prefill worker (off: colocated)")
     api_keys: str = Field("", description="name:sha256(key) entries, comma-separated (make one with `python -m "
                           "services.gateway.auth new NAME`); empty: the API is open")
+    allow_open: bool = Field(False, description="serve with no API keys on an address other than loopback (without "
+                             "it, such a gateway refuses to start)")
     rate_limit_per_s: float = Field(0.0, ge=0, description="requests per second per API key (per client address "
                                     "when the API is open), shared by all gateways through Redis; 0: no limit")
     rate_limit_burst: int = Field(20, gt=0, description="requests a caller may make at once before the rate applies")
@@ -134,6 +138,21 @@ class GatewaySettings(Common):
                                        "another's prompts); off: all keys share the cache")
     max_logit_bias: int = Field(1024, ge=0, description="logit_bias entries one request may set")
     max_stop_chars: int = Field(1024, gt=0, description="longest stop string (each is rescanned as tokens come)")
+
+
+    @model_validator(mode="after")
+    def _open_on_purpose(self):
+        if not self.api_keys and not self.allow_open and not _loopback(self.gateway_host):
+            raise ValueError(f"the gateway would serve {self.gateway_host} with no API keys: set PD_API_KEYS, or "
+                             "PD_ALLOW_OPEN=1 to serve an open API on purpose")
+        return self
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # another name: it may resolve anywhere
+        return False
 
 
 class RouterSettings(Common):

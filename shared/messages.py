@@ -123,14 +123,16 @@ class TokenChunk(Message):
     error: str | None = None
     logprobs: list[Logprob] | None = None               # one per token in token_ids, when asked
     prompt_logprobs: list[Logprob | None] | None = None  # with seq 0, when asked (None: the first token's)
+    attempt: int = 0      # the placement it was generated for: the gateway takes only its current one's
+    worker: str = ""      # who published it
 
     @classmethod
-    def from_output(cls, out: RequestOutput) -> TokenChunk:
+    def from_output(cls, out: RequestOutput, attempt: int, worker: str) -> TokenChunk:
         return cls(request_id=out.request_id, seq=out.num_generated_tokens - len(out.new_token_ids),
                    token_ids=out.new_token_ids, text=out.text, finished=out.finished,
                    finish_reason=out.finish_reason, prompt_tokens=out.num_prompt_tokens,
                    completion_tokens=out.num_generated_tokens, cached_tokens=out.num_cached_tokens,
-                   logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs)
+                   logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs, attempt=attempt, worker=worker)
 
 
 # -- to a decode worker -------------------------------------------------------------------

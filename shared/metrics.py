@@ -55,6 +55,8 @@ KV_BLOCKS = Gauge("pd_kv_blocks", "KV cache blocks", ["role", "state"])         
 SEQUENCES = Gauge("pd_sequences", "Sequences in the engine", ["role", "state"])      # running, waiting
 QUEUED_TOKENS = Gauge("pd_queued_prompt_tokens", "Prompt tokens waiting to be computed", ["role"])
 STEP_SECONDS = Histogram("pd_engine_step_seconds", "Engine steps", ["role", "kind"], buckets=LATENCY)
+STALE_CHUNKS = Counter("pd_stale_chunks", "Token chunks the gateway dropped: from a placement the request has "
+                       "left (a worker still publishing after its request moved)")
 REPLAYED_CHUNKS = Counter("pd_replayed_chunks", "Token chunks published again for a gateway that lost them")
 PROMPT_TOKENS = Counter("pd_prompt_tokens", "Prompt tokens prefilled (cached ones included)", ["role"])
 CACHED_TOKENS = Counter("pd_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache", ["role"])

@@ -38,8 +38,14 @@ def nats_servers(url: str) -> list[str]:
         raise ValueError("PD_NATS_URL names no server")
     for server in servers:
         if urlsplit(server).scheme not in ("nats", "tls"):
-            raise ValueError(f"PD_NATS_URL: {server!r} is not a nats:// or tls:// URL")
+            raise ValueError(f"PD_NATS_URL: {redacted(server)!r} is not a nats:// or tls:// URL")
     return servers
+
+
+def redacted(url: str) -> str:
+    """`url` without its credentials, to name it in an error or a log."""
+    scheme, sep, rest = url.rpartition("://")
+    return f"{scheme}{sep}***@{rest.rpartition('@')[2]}" if "@" in rest else url
 
 
 def nats_inbox(url: str) -> str:

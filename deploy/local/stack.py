@@ -115,6 +115,7 @@ class Stack:
         threads = c.threads or max(1, (os.cpu_count() or 1) // max(1, workers))
         return {**os.environ, "PD_NATS_URL": self.nats_url, "PD_REDIS_URL": self.redis_url, "PD_MODEL": c.model,
                 "PD_GATEWAY_HOST": self.ip("gateway"), "PD_GATEWAY_PORT": str(c.gateway_port),
+                "PD_ALLOW_OPEN": str("gateway" in c.hosts).lower(),  # (its host's address is not loopback)
                 "PD_KV_BLOCKS": str(c.kv_blocks),
                 "PD_THREADS": str(threads), "PD_REQUIRE_PREFILL": str(not c.colocated).lower(),
                 "PD_STREAM_REPLICAS": str(ha.NODES if c.ha else 1),

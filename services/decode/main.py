@@ -244,7 +244,8 @@ class DecodeWorker:
                 out = await self.host.call(self.engine.commit_import, rid, first_token, end.first_logprob,
                                            end.prompt_logprobs)
                 if not out.finished:  # published by the prefill side; kept here (before any later
-                    self.chunks.record(TokenChunk.from_output(out))  # token) for a gateway that lost it
+                    # token) for a gateway that lost it
+                    self.chunks.record(TokenChunk.from_output(out, req.attempt, self.id))
                 await self.handoffs.ack(rx, KVAck(request_id=rid, ok=True))
                 await self.handoffs.report(rx, ok=True)
                 span.set_attribute("ok", True)
@@ -306,7 +307,7 @@ class DecodeWorker:
             rid = out.request_id
             if not out.finished and rid not in self.engine.seqs:  # cancelled since its step ran
                 continue
-            chunk = TokenChunk.from_output(out)
+            chunk = TokenChunk.from_output(out, self.attempts.get(rid, 0), self.id)
             self.chunks.record(chunk)
             await self.bus.publish(subjects.tokens(rid), chunk)
             if not out.finished and rid not in self.engine.seqs:  # cancelled while it was published

@@ -158,7 +158,8 @@ class Relay:
 
     async def _ordered(self, req: RouteRequest, placement: RouteReply, queue: asyncio.Queue,
                        sub) -> AsyncIterator[TokenChunk]:
-        """Chunks in `seq` order, once each (reorder.py). Silence, a gap that stays open, or the
+        """Chunks in `seq` order, once each (reorder.py), of the request's current placement
+        only (a worker it left may still publish: dropped, counted). Silence, a gap that stays open, or the
         supervisor's word moves the request (`recover`). Its end goes to Redis and, unless it
         finished, a cancel to every worker it was placed on."""
         stream = Stream(placement, req.attempt, self.liveness())
@@ -170,6 +171,11 @@ class Relay:
                     item = await asyncio.wait_for(queue.get(), self.check_s)
                 except TimeoutError:
                     item = None
+                if isinstance(item, TokenChunk) and item.attempt != stream.attempt:  # a placement it left
+                    metrics.STALE_CHUNKS.inc()
+                    log.info("%s: chunk %d of attempt %d from %s dropped (attempt %d now)", req.request_id,
+                             item.seq, item.attempt, item.worker or "?", stream.attempt)
+                    continue
                 await self.recover(req, stream, item)
                 if isinstance(item, TokenChunk):
                     stream.liveness.silent_since = time.monotonic()

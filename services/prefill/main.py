@@ -294,7 +294,7 @@ class PrefillWorker:
         metrics.CACHED_TOKENS.labels("prefill").inc(out.num_cached_tokens)
         span.set_attribute("cached_tokens", out.num_cached_tokens)
         span.end()
-        await self.bus.publish(subjects.tokens(out.request_id), TokenChunk.from_output(out),
+        await self.bus.publish(subjects.tokens(out.request_id), TokenChunk.from_output(out, job.attempt, self.id),
                                ctx=trace.set_span_in_context(span))
         if out.finished:  # done on its first token: nothing to hand off
             self.sender.drop(out.request_id)

@@ -36,9 +36,9 @@ class FakeSub:
         self.unsubscribed = True
 
 
-def chunk(seq, n=1, finished=False):
-    return TokenChunk(request_id="r", seq=seq, token_ids=[100 + seq + i for i in range(n)], text=f"<{seq}>",
-                      finished=finished)
+def chunk(seq, n=1, finished=False, attempt=0, token=100):
+    return TokenChunk(request_id="r", seq=seq, token_ids=[token + seq + i for i in range(n)], text=f"<{seq}>",
+                      finished=finished, attempt=attempt)
 
 
 def collect(chunks, stop_after=None):
@@ -79,7 +79,7 @@ def test_a_lost_decode_worker_is_replaced_and_the_stream_goes_on_without_gaps_or
         class Bus(FakeBus):
             async def request(self, subject, msg, reply_type, timeout):
                 routed.append(msg)
-                for c in (chunk(1), chunk(2), chunk(3, finished=True)):   # from d1
+                for c in (chunk(1, attempt=1), chunk(2, attempt=1), chunk(3, finished=True, attempt=1)):   # from d1
                     queue.put_nowait(c)
                 return RouteReply(request_id="r", ok=True, mode="local", decode_worker="d1")
 
@@ -98,6 +98,33 @@ def test_a_lost_decode_worker_is_replaced_and_the_stream_goes_on_without_gaps_or
     assert routed[0].request_id == "r" and routed[0].prompt_token_ids == [1, 2, 3]
 
 
+def test_chunks_of_a_placement_the_request_left_are_dropped_and_counted():
+    """d0 is lost after token 1 but still publishes (a worker cut off from its lease, not
+    dead): its token 2 arrives before d1's. The stream takes d1's (attempt 1) and counts d0's."""
+    from shared import metrics
+
+    async def run():
+        queue = asyncio.Queue()
+
+        class Bus(FakeBus):
+            async def request(self, subject, msg, reply_type, timeout):
+                for c in (chunk(2, token=900), chunk(2, attempt=1), chunk(3, finished=True, attempt=1)):
+                    queue.put_nowait(c)
+                return RouteReply(request_id="r", ok=True, mode="local", decode_worker="d1")
+
+        async def alive(worker):
+            return worker != "d0"
+
+        for c in (chunk(0), chunk(1)):
+            queue.put_nowait(c)
+        relay = Relay(Bus(), 1, 10, alive=alive, check_s=0.05)
+        return [c.token_ids for c in [c async for c in relay._ordered(REQ, PLACED, queue, FakeSub())]]
+
+    before = metrics.STALE_CHUNKS._value.get()
+    assert asyncio.run(run()) == [[100], [101], [102], [103]]
+    assert metrics.STALE_CHUNKS._value.get() == before + 1
+
+
 def test_a_cancel_goes_to_the_workers_of_every_placement_once_each():
     """d0 (fed by p0) is lost and d1 continues; then the client leaves: the cancel goes to d0,
     p0 and d1 — a worker that missed the failover's cancel still hears this one — and to no
@@ -107,7 +134,7 @@ def test_a_cancel_goes_to_the_workers_of_every_placement_once_each():
 
         class Bus(FakeBus):
             async def request(self, subject, msg, reply_type, timeout):
-                queue.put_nowait(chunk(1))   # from d1
+                queue.put_nowait(chunk(1, attempt=1))   # from d1
                 return RouteReply(request_id="r", ok=True, mode="local", decode_worker="d1")
 
         async def alive(worker):
@@ -144,7 +171,8 @@ def test_the_supervisors_word_moves_a_stalled_placement_once_and_a_stale_word_is
         class Bus(FakeBus):
             async def request(self, subject, msg, reply_type, timeout):
                 routed.append(msg)
-                for c in (Stalled(request_id="r", attempt=0, phase="decoding"), chunk(2), chunk(3, finished=True)):
+                for c in (Stalled(request_id="r", attempt=0, phase="decoding"), chunk(2, attempt=1),
+                          chunk(3, finished=True, attempt=1)):
                     queue.put_nowait(c)
                 return RouteReply(request_id="r", ok=True, mode="local", decode_worker="d1")
 
@@ -188,7 +216,7 @@ def _gap_stream(replay_answer, away=0):
                         for c in (chunk(1), chunk(2), chunk(3, finished=True)):   # d0 publishes them again
                             queue.put_nowait(c)
                     return ReplayReply(request_id="r", ok=replay_answer, chunks=3 if replay_answer else 0)
-                for c in (chunk(1), chunk(2), chunk(3, finished=True)):           # d1, after a failover
+                for c in (chunk(1, attempt=1), chunk(2, attempt=1), chunk(3, finished=True, attempt=1)):  # d1
                     queue.put_nowait(c)
                 return RouteReply(request_id="r", ok=True, mode="local", decode_worker="d1")
 
@@ -290,7 +318,7 @@ def _silent_d0(settled: bool):
                 if subject.endswith(".replay"):
                     return ReplayReply(request_id="r", ok=True)
                 routed.append(msg)
-                for c in (chunk(1), chunk(2), chunk(3, finished=True)):   # from d1
+                for c in (chunk(1, attempt=1), chunk(2, attempt=1), chunk(3, finished=True, attempt=1)):   # from d1
                     queue.put_nowait(c)
                 return RouteReply(request_id="r", ok=True, mode="local", decode_worker="d1")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from shared.config import Common
+from shared.config import Common, GatewaySettings
 from shared.urls import SentinelTarget, nats_servers, sentinel_target
 
 
@@ -43,3 +43,19 @@ def test_a_nats_users_replies_come_to_inboxes_under_its_name():
     assert nats_inbox("nats://gateway:pw@a:4222,nats://gateway:pw@b:4222") == "_INBOX.gateway"
     assert nats_inbox("nats://a:4222") == "_INBOX"          # no user: nats-py's default
     assert nats_inbox("nats://s3cr3t-token@a:4222") == "_INBOX"  # a token is no name to put on the bus
+
+
+def test_settings_errors_name_no_password():
+    """A URL that fails validation is named without its credentials, and pydantic does not
+    echo the input (startup errors reach logs)."""
+    with pytest.raises(ValidationError) as e:
+        GatewaySettings(nats_url="http://gateway:s3cret@bus:4222")
+    assert "s3cret" not in str(e.value) and "***@bus:4222" in str(e.value)
+
+
+def test_an_open_api_serves_loopback_only_unless_allowed():
+    assert GatewaySettings(gateway_host="127.0.0.1").api_keys == ""
+    with pytest.raises(ValidationError, match="PD_ALLOW_OPEN"):
+        GatewaySettings(gateway_host="0.0.0.0")
+    assert GatewaySettings(gateway_host="0.0.0.0", allow_open=True).allow_open
+    assert GatewaySettings(gateway_host="0.0.0.0", api_keys="a:" + "0" * 64).api_keys
