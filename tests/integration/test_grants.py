@@ -88,41 +88,37 @@ async def _refused(client: Client) -> list[str]:
     return [e.lower() for e in client.refusals]
 
 
-@pytest.mark.parametrize(("role", "subject"), DENIED_SUBSCRIPTIONS, ids=[f"{r}:{s}" for r, s in DENIED_SUBSCRIPTIONS])
-def test_a_role_cannot_subscribe_outside_its_grant(server, role, subject):
+def _try(server: int, role: str, subject: str, operation: str) -> tuple[list, list[str]]:
+    """`role` tries `operation` ("subscription" or "publish") on `subject` while the operator
+    does the other side; returns what was delivered and the refusals `role` had."""
     async def scenario() -> tuple[list, list[str]]:
         got: list = []
         client, operator = Client(server, role), Client(server, grants.OPERATOR)
         async with client as nc, operator as op:
             async def keep(msg) -> None:
                 got.append(msg)
-            await nc.subscribe(subject, cb=keep)
+            reader, writer = (nc, op) if operation == "subscription" else (op, nc)
+            await reader.subscribe(subject, cb=keep)
+            await reader.flush()
+            await writer.publish(subject.replace(">", "x").replace("*", "x"), b"a prompt, or a forged chunk")
             refused = await _refused(client)
-            await op.publish(subject.replace(">", "x").replace("*", "x"), b"a prompt")
             await op.flush()
             await asyncio.sleep(0.2)
         return got, refused
 
-    got, refused = asyncio.run(scenario())
+    return asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("role", "subject"), DENIED_SUBSCRIPTIONS, ids=[f"{r}:{s}" for r, s in DENIED_SUBSCRIPTIONS])
+def test_a_role_cannot_subscribe_outside_its_grant(server, role, subject):
+    got, refused = _try(server, role, subject, "subscription")
     assert got == []
     assert any(f'permissions violation for subscription to "{subject.lower()}"' in e for e in refused), refused
 
 
 @pytest.mark.parametrize(("role", "subject"), DENIED_PUBLISHES, ids=[f"{r}:{s}" for r, s in DENIED_PUBLISHES])
 def test_a_role_cannot_publish_outside_its_grant(server, role, subject):
-    async def scenario() -> tuple[list, list[str]]:
-        got: list = []
-        client, operator = Client(server, role), Client(server, grants.OPERATOR)
-        async with client as nc, operator as op:
-            async def keep(msg) -> None:
-                got.append(msg)
-            await op.subscribe(subject, cb=keep)
-            await op.flush()
-            await nc.publish(subject, b"forged")
-            refused = await _refused(client)
-        return got, refused
-
-    got, refused = asyncio.run(scenario())
+    got, refused = _try(server, role, subject, "publish")
     assert got == []
     assert any(f'permissions violation for publish to "{subject.lower()}"' in e for e in refused), refused
 

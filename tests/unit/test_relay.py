@@ -70,16 +70,16 @@ def test_leaving_early_cancels_the_request_on_its_workers():
                          ("pd.prefill.p0.cancel", Cancel(request_id="r"))]
 
 
-def test_a_lost_decode_worker_is_replaced_and_the_stream_goes_on_without_gaps_or_repeats():
-    """d0 streams tokens 0-1 and dies (its lease lapsed); the relay asks for a new placement
-    with those tokens; d1 continues from token 2 (its replay of token 1 is dropped)."""
+def _d0_lost_after_token_1(after_failover):
+    """d0 streams tokens 0-1 and loses its lease; placed again, the relay is sent
+    `after_failover`. Returns the chunks streamed and the route requests made."""
     async def run():
         queue, routed = asyncio.Queue(), []
 
         class Bus(FakeBus):
             async def request(self, subject, msg, reply_type, timeout):
                 routed.append(msg)
-                for c in (chunk(1, attempt=1), chunk(2, attempt=1), chunk(3, finished=True, attempt=1)):   # from d1
+                for c in after_failover:
                     queue.put_nowait(c)
                 return RouteReply(request_id="r", ok=True, mode="local", decode_worker="d1")
 
@@ -89,11 +89,17 @@ def test_a_lost_decode_worker_is_replaced_and_the_stream_goes_on_without_gaps_or
         for c in (chunk(0), chunk(1)):
             queue.put_nowait(c)
         relay = Relay(Bus(), 1, 10, alive=alive, check_s=0.05)
-        got = [c.seq async for c in relay._ordered(REQ, PLACED, queue, FakeSub())]
-        return got, routed
+        return [c async for c in relay._ordered(REQ, PLACED, queue, FakeSub())], routed
 
-    got, routed = asyncio.run(run())
-    assert got == [0, 1, 2, 3]
+    return asyncio.run(run())
+
+
+def test_a_lost_decode_worker_is_replaced_and_the_stream_goes_on_without_gaps_or_repeats():
+    """d0 streams tokens 0-1 and dies (its lease lapsed); the relay asks for a new placement
+    with those tokens; d1 continues from token 2 (its replay of token 1 is dropped)."""
+    got, routed = _d0_lost_after_token_1([chunk(1, attempt=1), chunk(2, attempt=1),
+                                          chunk(3, finished=True, attempt=1)])   # from d1
+    assert [c.seq for c in got] == [0, 1, 2, 3]
     assert len(routed) == 1 and routed[0].attempt == 1 and routed[0].generated_token_ids == [100, 101]
     assert routed[0].request_id == "r" and routed[0].prompt_token_ids == [1, 2, 3]
 
@@ -103,25 +109,9 @@ def test_chunks_of_a_placement_the_request_left_are_dropped_and_counted():
     dead): its token 2 arrives before d1's. The stream takes d1's (attempt 1) and counts d0's."""
     from shared import metrics
 
-    async def run():
-        queue = asyncio.Queue()
-
-        class Bus(FakeBus):
-            async def request(self, subject, msg, reply_type, timeout):
-                for c in (chunk(2, token=900), chunk(2, attempt=1), chunk(3, finished=True, attempt=1)):
-                    queue.put_nowait(c)
-                return RouteReply(request_id="r", ok=True, mode="local", decode_worker="d1")
-
-        async def alive(worker):
-            return worker != "d0"
-
-        for c in (chunk(0), chunk(1)):
-            queue.put_nowait(c)
-        relay = Relay(Bus(), 1, 10, alive=alive, check_s=0.05)
-        return [c.token_ids for c in [c async for c in relay._ordered(REQ, PLACED, queue, FakeSub())]]
-
     before = metrics.STALE_CHUNKS._value.get()
-    assert asyncio.run(run()) == [[100], [101], [102], [103]]
+    got, _ = _d0_lost_after_token_1([chunk(2, token=900), chunk(2, attempt=1), chunk(3, finished=True, attempt=1)])
+    assert [c.token_ids for c in got] == [[100], [101], [102], [103]]
     assert metrics.STALE_CHUNKS._value.get() == before + 1
 
 
