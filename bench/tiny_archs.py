@@ -83,6 +83,10 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_
 # ChatML that lists tools in the system turn (as Qwen's templates do): PD_CHAT_TEMPLATE's test
 CHATML_TOOLS = ("{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}{% endfor %}"
                 "<|im_end|>\n{% endif %}" + CHATML)
+# the same with Llama 3.x's call instructions (the gateway then takes calls in the llama3_json format)
+LLAMA3_TOOLS = ("{% if tools %}<|start_header_id|>system<|end_header_id|>\nTools:{% for t in tools %} "
+                "{{ t.function.name }}{% endfor %}. Respond in the format {\"name\": function name, \"parameters\": "
+                "dictionary of argument name and its value}.<|eot_id|>\n{% endif %}" + CHATML)
 TEXT = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France; Rome is the capital "
         "of Italy. Write a haiku about rain. What is 17 times 3? Bees make honey, and copper carries current. "
         "Seven ravens watched the harbour while a violin played; jazz, quartz and wax glowed. Kyoto, Oslo and "

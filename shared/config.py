@@ -107,6 +107,9 @@ class GatewaySettings(Common):
                            "are finished for up to this long, then closed")
     chat_template: str = Field("", description="a Jinja chat template, or the path of a file holding one, "
                                "rendered instead of the model's own (vLLM's --chat-template)")
+    tool_call_parser: Literal["auto", "hermes", "llama3_json"] = Field(
+        "auto", description="how the model writes tool calls (vLLM's --tool-call-parser names); auto: the format "
+        "its chat template asks for (Llama 3.x: llama3_json), else hermes")
     max_request_bytes: int = 1 << 20
     keep_alive_s: int = Field(75, gt=0, description="an idle client connection is closed after this long (longer "
                                 "than clients' and load balancers' own idle timeouts, so they close first)")

@@ -31,7 +31,7 @@ class Answer:
     token; with tools, calls are taken out of the text as each completes."""
 
     def __init__(self, tok: Tokenizer, kind: Kind, body: ChatCompletionRequest | CompletionRequest,
-                 prompt: list[int], scoring: bool):
+                 prompt: list[int], scoring: bool, calls: tools.CallFormat):
         self.tok, self.kind, self.prompt, self.scoring = tok, kind, prompt, scoring
         self.echo = isinstance(body, CompletionRequest) and body.echo
         self.prompt_text = (body.prompt if isinstance(body.prompt, str) else tok.decode(prompt)) \
@@ -44,7 +44,7 @@ class Answer:
         self.lps: list[dict] = []      # each chunk's logprobs object
         self.started = False
         functions = body.functions() if isinstance(body, ChatCompletionRequest) else None
-        self.calls = tools.CallStream() if functions else None
+        self.calls = tools.CallStream(calls) if functions else None
         self.tool_calls: list[dict] = []
 
     def part(self, chunk: TokenChunk) -> Part:

@@ -13,6 +13,7 @@ from fastapi import Request
 from services.gateway.deps import Gateway
 from services.gateway.errors import APIError
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from services.gateway.tools import CallFormat
 from shared.engine.grammar import Grammar, GrammarError
 from shared.engine.grammar import check as grammar_check
 from shared.messages import RouteRequest
@@ -37,10 +38,10 @@ def _grammar_error(grammar: Grammar) -> str | None:
     return None
 
 
-async def check_grammars(body: Body) -> None:
+async def check_grammars(body: Body, calls: CallFormat) -> None:
     """Each structured-output grammar compiles: off the event loop (a large schema takes
     seconds), within GRAMMAR_CHECK_S, each distinct grammar checked once (a cache keyed by it)."""
-    for param, grammar in body._grammars():
+    for param, grammar in body._grammars(calls):
         try:
             error = await asyncio.wait_for(asyncio.to_thread(_grammar_error, grammar), GRAMMAR_CHECK_S)
         except TimeoutError:
@@ -85,7 +86,7 @@ def check_size(gw: Gateway, body: Body, req: RouteRequest) -> None:
     s = req.sampling
     parts = {"messages" if isinstance(body, ChatCompletionRequest) else "prompt": req.prompt_token_ids,
              "stop": list(s.stop), "logit_bias": list(s.logit_bias), "stop_token_ids": list(s.stop_token_ids),
-             **{field: grammar.spec for field, grammar in body._grammars()}}
+             **{field: grammar.spec for field, grammar in body._grammars(gw.calls)}}
     param = max(parts, key=lambda k: len(json.dumps(parts[k])))
     raise APIError(400, f"The request takes {size} bytes on the message bus, over the {limit} one message may "
                         f"carry here; its largest part is '{param}'.", param=param, code="request_too_large")

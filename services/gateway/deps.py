@@ -11,6 +11,7 @@ from opentelemetry import trace
 from services.gateway.auth import KeyCheck
 from services.gateway.ratelimit import RateLimit
 from services.gateway.relay import Relay
+from services.gateway.tools import CallFormat
 from shared.bus import Bus
 from shared.config import GatewaySettings
 from shared.engine.config import ModelConfig
@@ -25,6 +26,7 @@ class Gateway:
     state: State
     tokenizer: Tokenizer
     model_config: ModelConfig
+    calls: CallFormat       # how the model writes tool calls (tools.call_format)
     relay: Relay
     keys: KeyCheck
     rate_limit: RateLimit   # requests per caller per second

@@ -79,13 +79,13 @@ def max_tokens(gw: Gateway, body, n_prompt: int) -> int:
 async def generate(gw: Gateway, request: Request, body: ChatCompletionRequest | CompletionRequest,
                    kind: Kind) -> JSONResponse | StreamingResponse:
     checks.check_caps(gw, body, request)
-    await checks.check_grammars(body)
+    await checks.check_grammars(body, gw.calls)
     ids = prompt_ids(gw, body)
     checks.check_tokens(gw, body, len(ids))
     scoring = isinstance(body, CompletionRequest) and body.max_tokens == 0  # echo: the prompt scored alone
     try:
         limit = max_tokens(gw, body, len(ids))  # (the prompt's checks too)
-        sampling = body.sampling(1 if scoring else limit, checks.cache_salt(gw, body, request))
+        sampling = body.sampling(1 if scoring else limit, checks.cache_salt(gw, body, request), gw.calls)
     except ValueError as e:
         raise APIError(400, str(e), param="min_tokens") from None
     await checks.fair_share(gw, body, request, len(ids), sampling.max_tokens)
@@ -108,7 +108,7 @@ async def generate(gw: Gateway, request: Request, body: ChatCompletionRequest | 
                             for s in streams])
     meta = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{rid}", "created": int(time.time()),
             "model": body.model}
-    answers = [Answer(gw.tokenizer, kind, body, ids, scoring) for _ in range(body.n)]
+    answers = [Answer(gw.tokenizer, kind, body, ids, scoring, gw.calls) for _ in range(body.n)]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_sse(merged, meta, answers, include_usage), media_type="text/event-stream")

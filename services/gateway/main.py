@@ -28,7 +28,7 @@ import uvicorn
 from fastapi import FastAPI
 from opentelemetry import trace
 
-from services.gateway import connections, errors
+from services.gateway import connections, errors, tools
 from services.gateway.api import router, v1
 from services.gateway.auth import KeyCheck
 from services.gateway.deps import Gateway
@@ -65,7 +65,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         state = State.for_service(settings)
         me = WorkerInfo(worker_id=settings.gateway_id or f"gateway-{uuid.uuid4().hex[:8]}", role="gateway")
         fail_open = keys.open if settings.rate_limit_fail_open is None else settings.rate_limit_fail_open
-        app.state.gateway = Gateway(settings, bus, state, tokenizer, model_config,
+        calls = tools.call_format(tokenizer.chat_template, tokenizer.template_takes_tools, settings.tool_call_parser)
+        log.info("tool calls in the %s format", calls.name)
+        app.state.gateway = Gateway(settings, bus, state, tokenizer, model_config, calls,
                                     Relay.for_gateway(settings, bus, state, me.worker_id), keys,
                                     RateLimit(state, settings.rate_limit_per_s, settings.rate_limit_burst,
                                               fail_open=fail_open),

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from services.gateway import tools
+from services.gateway.tools import HERMES, CallFormat
 from shared.engine.grammar import Grammar
 from shared.engine.logprobs import MAX_TOP
 from shared.messages import Sampling
@@ -230,8 +231,8 @@ class _Common(Strict):
                                       {"param": named[1][0]})
         return self
 
-    def _grammars(self) -> list[tuple[str, Grammar]]:
-        """(field, grammar) for each structured-output field set."""
+    def _grammars(self, calls: CallFormat = HERMES) -> list[tuple[str, Grammar]]:
+        """(field, grammar) for each structured-output field set (tools: calls written as `calls`)."""
         out: list[tuple[str, Grammar]] = []
         fmt = self.response_format
         if fmt is not None and fmt.type == "json_object":
@@ -251,16 +252,16 @@ class _Common(Strict):
             out.append(("guided_grammar", Grammar("ebnf", self.guided_grammar)))
         return out
 
-    def grammar(self) -> Grammar | None:
+    def grammar(self, calls: CallFormat = HERMES) -> Grammar | None:
         """What the output must spell (structured output), or None."""
-        named = self._grammars()
+        named = self._grammars(calls)
         return named[0][1] if named else None
 
     def top_logprobs_wanted(self) -> int | None:
         """Alternatives per generated token when log probabilities are asked for, else None."""
         return None
 
-    def sampling(self, max_tokens: int, cache_salt: str = "") -> Sampling:
+    def sampling(self, max_tokens: int, cache_salt: str = "", calls: CallFormat = HERMES) -> Sampling:
         if self.min_tokens > max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({max_tokens})")
         return Sampling(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
@@ -270,7 +271,7 @@ class _Common(Strict):
                         logit_bias=tuple((int(k), b) for k, b in (self.logit_bias or {}).items()),
                         min_p=self.min_p, stop_token_ids=tuple(self.stop_token_ids or ()),
                         logprobs=self.top_logprobs_wanted(), prompt_logprobs=self.prompt_logprobs_wanted(),
-                        grammar=self.grammar(), cache_salt=cache_salt)
+                        grammar=self.grammar(calls), cache_salt=cache_salt)
 
     def prompt_logprobs_wanted(self) -> int | None:
         """Alternatives per prompt token when the prompt's log probabilities are asked for."""
@@ -339,15 +340,15 @@ class ChatCompletionRequest(_Common):
             return None
         return [t.function.model_dump(exclude_none=True, exclude={"strict"}) for t in self.tools]
 
-    def _grammars(self) -> list[tuple[str, Grammar]]:
+    def _grammars(self, calls: CallFormat = HERMES) -> list[tuple[str, Grammar]]:
         functions = self.functions()
         if functions is None:
-            return super()._grammars()
+            return super()._grammars(calls)
         choice = self.tool_choice or "auto"
         name = choice.function.name if isinstance(choice, NamedToolChoice) else choice
         if name not in ("auto", "required") and all(f["name"] != name for f in functions):
-            return super()._grammars()  # (refused by name in _chat)
-        return [*super()._grammars(), ("tools", tools.grammar(functions, name, self.parallel_tool_calls))]
+            return super()._grammars(calls)  # (refused by name in _chat)
+        return [*super()._grammars(calls), ("tools", tools.grammar(functions, name, self.parallel_tool_calls, calls))]
 
     def top_logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -31,8 +31,8 @@ def test_a_tiny_checkpoint_served_through_the_handoff_equals_transformers(name, 
     prompts = {q: tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS}
     hf = tiny_archs.build(name)
     expected = {q: reference_greedy(hf, ids, 10) for q, ids in prompts.items()}
-    template = tmp_path / "tools.jinja"  # the operator's template, which reads tools
-    template.write_text(tiny_archs.CHATML_TOOLS)
+    template = tmp_path / "tools.jinja"  # the operator's template, which reads tools (Llama's: its call format)
+    template.write_text(tiny_archs.LLAMA3_TOOLS if name.startswith("llama") else tiny_archs.CHATML_TOOLS)
     cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=256, threads=1, model=str(path),
                                     log_dir=tmp_path / "logs", env={"PD_PREFILL_MODE": "remote",
                                                                     "PD_CHAT_TEMPLATE": str(template)})
@@ -44,9 +44,20 @@ def test_a_tiny_checkpoint_served_through_the_handoff_equals_transformers(name, 
             "model": name, "messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 4,
             "tools": [tool]})
         assert r.status_code == 200, r.text
-        tok.chat_template = tiny_archs.CHATML_TOOLS
+        tok.chat_template = template.read_text()
         listed = tok.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}], tools=[tool])
         assert "Tools: get_weather" in listed and r.json()["usage"]["prompt_tokens"] == len(tok.encode(listed))
+        city = {"type": "object", "properties": {"city": {"enum": ["Paris"]}}, "required": ["city"]}
+        r = httpx.post(stack.url + "/v1/chat/completions", timeout=120, json={
+            "model": name, "messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 200,
+            "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": city}}],
+            "tool_choice": "required", "parallel_tool_calls": False})
+        choice = r.json()["choices"][0]  # the call as the model wrote it in its format, taken out of the text
+        assert choice["finish_reason"] == "tool_calls", choice
+        assert [c["function"] for c in choice["message"]["tool_calls"]] == \
+            [{"name": "get_weather", "arguments": '{"city": "Paris"}'}]
+        fmt = "llama3_json" if name.startswith("llama") else "hermes"
+        assert f"tool calls in the {fmt} format" in (tmp_path / "logs" / "gateway.log").read_text()
         for q in QUESTIONS:
             r = httpx.post(stack.url + "/v1/chat/completions", timeout=120, json={
                 "model": name, "messages": [{"role": "user", "content": q}], "temperature": 0,

@@ -15,6 +15,7 @@ from services.gateway.checks import BUS_HEADROOM, check_size
 from services.gateway.errors import APIError
 from services.gateway.middleware import RequestContext
 from services.gateway.schemas import ChatCompletionRequest
+from services.gateway.tools import HERMES
 from shared.messages import RouteRequest
 
 
@@ -43,7 +44,7 @@ def test_a_message_over_the_bus_limit_names_its_largest_part(extra, param):
                                                  **extra})
     req = RouteRequest(request_id="r", prompt_token_ids=list(range(50)), sampling=body.sampling(4), model="m")
     size = len(req.encode())
-    gw = SimpleNamespace(bus=SimpleNamespace(nc=SimpleNamespace(max_payload=BUS_HEADROOM + size)))
+    gw = SimpleNamespace(bus=SimpleNamespace(nc=SimpleNamespace(max_payload=BUS_HEADROOM + size)), calls=HERMES)
     check_size(gw, body, req)  # (fits exactly)
     gw.bus.nc.max_payload -= 1
     with pytest.raises(APIError) as e:
