@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -31,13 +30,12 @@ from redis.exceptions import NoScriptError
 
 from shared.lifecycle import TERMINAL, Event, deadline_s
 from shared.messages import WorkerInfo
-from shared.tasks import Background
+from shared.notes import Note, Notes
 from shared.urls import async_redis
 
 log = logging.getLogger(__name__)
 REQUEST_TTL_S = 24 * 3600
 MAX_CONNECTIONS = 64  # per process
-MAX_PENDING_WRITES = 1000  # request events waiting for Redis; beyond: dropped (counted in the log)
 PREFILLED_ELSEWHERE = ("prefill_local",)  # phases after which a request's prefill job has nothing left to do
 
 
@@ -178,8 +176,7 @@ class State:
     def __init__(self, r: aioredis.Redis, stall_s: float = 30.0, min_prefill_tokens_per_s: float = 50.0):
         self.r = r
         self.stall_s, self.min_prefill_tokens_per_s = stall_s, min_prefill_tokens_per_s  # phase deadlines
-        self._writes = Background(log, "request state write")
-        self.dropped = 0
+        self.notes = Notes(self._send)
         self._scripts: dict[str, AsyncScript] = {}
         self._decoded: dict[bytes, WorkerInfo] = {}  # registry entries as last read: unchanged ones not decoded again
 
@@ -195,8 +192,7 @@ class State:
         return cls.connect(settings.redis_url, settings.stall_s, settings.stall_min_prefill_tokens_per_s)
 
     async def close(self) -> None:
-        if self._writes:
-            await asyncio.wait(self._writes, timeout=2)
+        await self.notes.flush(2)
         await self.r.aclose()
         sentinels = getattr(self.r.connection_pool, "sentinel_manager", None)  # (redis+sentinel://)
         if sentinels is not None:
@@ -285,17 +281,13 @@ class State:
         Redis (a Redis away costs the request's history, logged, not its progress). `also`
         queues more writes on the same round trip. The event's time is `at` (default now), when
         it happened, not when the write gets to run (the timeline orders events from several
-        processes by it)."""
-        if len(self._writes) >= MAX_PENDING_WRITES:  # Redis slow or away: keep the pool for the request path
-            self.dropped += 1
-            if self.dropped % 1000 == 1:
-                log.warning("request state: %d events dropped (Redis not keeping up)", self.dropped)
-            return
-        limit = deadline_s(phase, prompt_tokens, self.stall_s, self.min_prefill_tokens_per_s)
+        processes by it). Queued for one writer (shared/notes.py): an event another process acts
+        on is kept until written, a history-only one may be dropped while Redis is away."""
         if prompt_tokens:
             fields["prompt_tokens"] = prompt_tokens
-        self._writes.start(self.record(request_id, phase, by, attempt, limit, also,
-                                       at=time.time() if at is None else at, **fields))
+        self.notes.add(Note(request_id, phase, by, attempt, deadline_s(phase, prompt_tokens, self.stall_s,
+                                                                       self.min_prefill_tokens_per_s),
+                            also, time.time() if at is None else at, fields))
 
     async def record(self, request_id: str, phase: str, by: str = "", attempt: int = 0,
                      deadline_s: float | None = None, also: Callable[[Pipeline], None] | None = None,
@@ -303,26 +295,13 @@ class State:
         """A request entered `phase` (or a mark: failover, stalled) `at` (default: now): append
         the event to its log, update its summary, and set when the phase is overdue (or, at the
         end, clear it). A `received` with `owner` files the request under its gateway."""
-        now = time.time() if at is None else at
-        event = Event(t=now, event=phase, attempt=attempt, by=by, **fields)
-        key = request_key(request_id)
+        await self._send([Note(request_id, phase, by, attempt, deadline_s, also,
+                               time.time() if at is None else at, fields)])
+
+    async def _send(self, notes: list[Note]) -> None:
         async with self.r.pipeline(transaction=False) as p:
-            p.rpush(log_key(request_id), event.model_dump_json())
-            p.expire(log_key(request_id), REQUEST_TTL_S)
-            p.hset(key, mapping={"phase": phase, f"t_{phase}": f"{now:.6f}", "attempt": str(attempt),
-                                 **{k: str(v) for k, v in fields.items() if v not in ("", None)}})
-            p.expire(key, REQUEST_TTL_S)
-            if phase in TERMINAL:
-                p.zrem(DEADLINES, request_id)
-                if fields.get("owner"):
-                    p.srem(owned_key(str(fields["owner"])), request_id)
-            elif deadline_s is not None:
-                p.eval(SET_DEADLINES, 1, DEADLINES, deadline_s, "set", request_id)  # (text: no NOSCRIPT to retry)
-            if phase == "received" and fields.get("owner"):
-                p.sadd(owned_key(str(fields["owner"])), request_id)
-                p.sadd(GATEWAYS, str(fields["owner"]))
-            if also is not None:
-                also(p)
+            for n in notes:
+                _queue_note(p, n)
             await p.execute()
 
     async def request(self, request_id: str) -> dict[str, str]:
@@ -404,3 +383,25 @@ class State:
         """What is known of a request's placement: {"decode": worker, "reply": RouteReply JSON}."""
         raw = await self.r.hgetall(route_key(request_id))
         return {k.decode(): v.decode() for k, v in raw.items()}
+
+
+def _queue_note(p: Pipeline, n: Note) -> None:
+    """The writes of one event (State.record) on pipeline `p`."""
+    event = Event(t=n.at, event=n.phase, attempt=n.attempt, by=n.by, **n.fields)
+    key, owner = request_key(n.request_id), str(n.fields.get("owner") or "")
+    p.rpush(log_key(n.request_id), event.model_dump_json())
+    p.expire(log_key(n.request_id), REQUEST_TTL_S)
+    p.hset(key, mapping={"phase": n.phase, f"t_{n.phase}": f"{n.at:.6f}", "attempt": str(n.attempt),
+                         **{k: str(v) for k, v in n.fields.items() if v not in ("", None)}})
+    p.expire(key, REQUEST_TTL_S)
+    if n.phase in TERMINAL:
+        p.zrem(DEADLINES, n.request_id)
+        if owner:
+            p.srem(owned_key(owner), n.request_id)
+    elif n.deadline_s is not None:
+        p.eval(SET_DEADLINES, 1, DEADLINES, n.deadline_s, "set", n.request_id)  # (text: no NOSCRIPT to retry)
+    if n.phase == "received" and owner:
+        p.sadd(owned_key(owner), n.request_id)
+        p.sadd(GATEWAYS, owner)
+    if n.also is not None:
+        n.also(p)
