@@ -131,6 +131,9 @@ class GatewaySettings(Common):
                                               "(false); default: false with API keys set, true without")
     priority_keys: str = Field("", description="API key names that may set priority below 0 (ahead of the "
                                "default), comma-separated; with keys set, no other key may")
+    max_concurrent_per_key: int = Field(0, ge=0, description="requests in flight per caller (API key, or client "
+                                        "address when the API is open) across every gateway, each choice "
+                                        "counting; over it a 429 (0: no limit)")
     max_prompt_tokens: int = Field(0, ge=0, description="longest prompt accepted, in tokens (0: the model's context)")
     max_tokens_limit: int = Field(0, ge=0, description="largest max_tokens accepted (0: what the context leaves)")
     special_tokens_in_messages: bool = Field(

@@ -9,6 +9,7 @@ from fastapi import Depends, Request
 from opentelemetry import trace
 
 from services.gateway.auth import KeyCheck
+from services.gateway.concurrency import Concurrency
 from services.gateway.ratelimit import RateLimit
 from services.gateway.relay import Relay
 from services.gateway.tools import CallFormat
@@ -31,6 +32,7 @@ class Gateway:
     keys: KeyCheck
     rate_limit: RateLimit   # requests per caller per second
     token_limit: RateLimit  # tokens (prompt + n x max_tokens) per caller per second
+    in_flight: Concurrency  # requests in flight per caller
 
 
 def _gateway(request: Request) -> Gateway:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -88,24 +88,28 @@ async def generate(gw: Gateway, request: Request, body: ChatCompletionRequest | 
         sampling = body.sampling(1 if scoring else limit, checks.cache_salt(gw, body, request), gw.calls)
     except ValueError as e:
         raise APIError(400, str(e), param="min_tokens") from None
-    await checks.fair_share(gw, body, request, len(ids), sampling.max_tokens)
     rid = request.state.request_id  # set with the root span by middleware.RequestContext
     span = trace.get_current_span()
     span.set_attributes({"prompt_tokens": len(ids), "stream": body.stream, "max_tokens": sampling.max_tokens})
+    await gw.in_flight.join(checks.caller(request), rid, body.n)  # (refused: nothing taken from the rate limits)
     try:
+        await checks.fair_share(gw, body, request, len(ids), sampling.max_tokens)
         # n > 1: the later choices follow choice 0 to its decode worker (choices.py), under one session
         session = body.session_id or request.headers.get("x-session-id") or (f"n-{rid}" if body.n > 1 else None)
         req = RouteRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling, model=body.model,
                            session_id=session)
         checks.check_size(gw, body, req)
         placement, streams = await choices.run(gw.relay.run, req, body.n)
-    except APIError as e:
-        span.set_attribute("error", e.message)
+    except BaseException as e:
+        gw.in_flight.leave(rid)
+        if isinstance(e, APIError):
+            span.set_attribute("error", e.message)
         raise
     span.set_attributes({"mode": placement.mode or "", "decode_worker": placement.decode_worker or "",
                          "prefill_worker": placement.prefill_worker or "", "n": body.n})
     merged = choices.merge([timed(s, request.state.arrived, placement.mode or "", tracing.trace_id_hex(span))
                             for s in streams])
+    merged = _leaving(merged, lambda: gw.in_flight.leave(rid))
     meta = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{rid}", "created": int(time.time()),
             "model": body.model}
     answers = [Answer(gw.tokenizer, kind, body, ids, scoring, gw.calls) for _ in range(body.n)]
@@ -114,6 +118,17 @@ async def generate(gw: Gateway, request: Request, body: ChatCompletionRequest | 
         return StreamingResponse(_sse(merged, meta, answers, include_usage), media_type="text/event-stream")
     lasts = await _gather(request, merged, answers)
     return JSONResponse(answer.body(meta, answers, lasts))
+
+
+async def _leaving(chunks: AsyncGenerator[tuple[int, TokenChunk]],
+                   leave: Callable[[], None]) -> AsyncGenerator[tuple[int, TokenChunk]]:
+    """The chunks, then `leave()` however the answer ends (its end, an error, the client gone)."""
+    try:
+        async for item in chunks:
+            yield item
+    finally:
+        leave()
+        await chunks.aclose()
 
 
 async def _gather(request: Request, chunks: AsyncIterator[tuple[int, TokenChunk]],

@@ -31,6 +31,7 @@ from opentelemetry import trace
 from services.gateway import connections, errors, tools
 from services.gateway.api import router, v1
 from services.gateway.auth import KeyCheck
+from services.gateway.concurrency import Concurrency
 from services.gateway.deps import Gateway
 from services.gateway.middleware import RequestContext
 from services.gateway.ratelimit import RateLimit
@@ -44,6 +45,7 @@ from shared.engine.tokenizer import template_text
 from shared.messages import WorkerInfo
 from shared.service import heartbeat, setup_logging
 from shared.state import State
+from shared.tasks import every
 
 log = logging.getLogger("gateway")
 
@@ -72,17 +74,20 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                                     RateLimit(state, settings.rate_limit_per_s, settings.rate_limit_burst,
                                               fail_open=fail_open),
                                     RateLimit(state, settings.token_rate_limit_per_s, settings.token_rate_limit_burst,
-                                              unit="tokens", fail_open=fail_open))
+                                              unit="tokens", fail_open=fail_open),
+                                    Concurrency(state, settings.max_concurrent_per_key, settings.lease_s, fail_open))
         # the lease tells the routers' supervisors that someone still reads these requests' tokens
         stop = asyncio.Event()
         beat = asyncio.create_task(heartbeat(state, lambda: me, settings.heartbeat_s, stop))
+        renew = asyncio.create_task(every(settings.heartbeat_s, app.state.gateway.in_flight.renew, stop, log,
+                                          "renewing the in-flight leases"))
         if keys.open:
             log.warning("no API keys configured (PD_API_KEYS): the API is open to anyone who can reach it")
         else:
             log.info("%d API keys configured", len(keys.keys))
         yield
         stop.set()
-        await beat
+        await asyncio.gather(beat, renew)
         try:
             await state.deregister(me.worker_id)
         except Exception as e:  # noqa: BLE001 - Redis away: the lease lapses by itself

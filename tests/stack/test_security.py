@@ -4,6 +4,9 @@ prompt nor the bus passwords appear in any service's log."""
 
 from __future__ import annotations
 
+import time
+from contextlib import ExitStack
+
 import httpx
 import pytest
 from conftest import MODEL
@@ -59,11 +62,12 @@ def test_tenants_share_no_cached_prefix_and_get_their_fair_share(tmp_path):
     cache is its own, PD_PREFIX_CACHE_PER_KEY), while each key's own repeat hits; a request's
     `cache_salt` partitions further within a key. A priority ahead of the default is only for
     the keys allowed it; a request's tokens (prompt + n x max_tokens) come from its key's token
-    bucket."""
+    bucket; a key has at most PD_MAX_CONCURRENT_PER_KEY requests in flight, and a stream the
+    client closes frees its place."""
     other = "pd-" + "0th3r" * 8
     cfg = StackConfig.on_free_ports(colocated=True, decode=1, kv_blocks=256, log_dir=tmp_path, env={
         "PD_API_KEYS": f"alice:{hash_key(KEY)},bob:{hash_key(other)}", "PD_PRIORITY_KEYS": "alice",
-        "PD_TOKEN_RATE_LIMIT_PER_S": "1", "PD_TOKEN_RATE_LIMIT_BURST": "5000"})
+        "PD_TOKEN_RATE_LIMIT_PER_S": "1", "PD_TOKEN_RATE_LIMIT_BURST": "5000", "PD_MAX_CONCURRENT_PER_KEY": "2"})
     document = " ".join(f"Line {i}: the pump on deck {i % 5} ran {i * 3} hours." for i in range(20))
     body = {"model": MODEL, "messages": [{"role": "user", "content": document}], "max_tokens": 2}
 
@@ -81,9 +85,25 @@ def test_tenants_share_no_cached_prefix_and_get_their_fair_share(tmp_path):
         bob = [cached(other), cached(other)]
         salted = [cached(KEY, cache_salt="s1"), cached(KEY, cache_salt="s1")]
         ahead = [post(KEY, priority=-5).status_code, post(other, priority=-5)]
-        heavy = post(KEY, n=16, max_tokens=200)  # 16 x 200 tokens and the prompt: more than alice has left
+        heavy = post(KEY, n=2, max_tokens=1700)  # 2 x 1,700 tokens and the prompt: more than alice has left
+        wide = post(KEY, n=3)  # more choices than alice may have in flight
+        short = {"messages": [{"role": "user", "content": "Count to fifty."}], "max_tokens": 2}
+        with httpx.Client(timeout=60) as client, ExitStack() as held:
+            streams = []  # alice's two places, taken by streams (1,000 tokens each: open for seconds)
+            for _ in range(2):
+                r = held.enter_context(client.stream("POST", stack.url + "/v1/chat/completions", json={
+                    **body, **short, "max_tokens": 1000, "ignore_eos": True, "stream": True},
+                    headers={"Authorization": f"Bearer {KEY}"}))
+                streams.append(r.iter_lines())  # (kept: a line iterator let go closes its connection)
+                assert r.status_code == 200 and next(streams[-1]).startswith("data:")
+            third, bob_meanwhile = post(KEY, **short), post(other, **short)
+        freed = next((r for r in (post(KEY, **short) for _ in range(50))
+                      if r.status_code != 429 or time.sleep(0.1)), None)  # the closed streams' places
     assert alice[0] == 0 and alice[1] > 0
     assert bob[0] == 0 and bob[1] > 0  # nothing from alice's identical prompt
     assert salted[0] == 0 and salted[1] > 0
     assert ahead[0] == 200 and ahead[1].status_code == 400 and ahead[1].json()["error"]["param"] == "priority"
     assert heavy.status_code == 429 and "tokens/s" in heavy.json()["error"]["message"], heavy.text
+    assert wide.status_code == 400 and wide.json()["error"]["param"] == "n"
+    assert third.status_code == 429 and third.json()["error"]["code"] == "concurrency_limit_exceeded", third.text
+    assert bob_meanwhile.status_code == 200 and freed is not None and freed.status_code == 200
