@@ -56,6 +56,7 @@ class Sampling(Message):
     prompt_logprobs: int | None = None
     grammar: Grammar | None = None
     cache_salt: str = ""  # the prefix cache's partition (a tenant's): hashing.py
+    tenant: str = ""      # who asked (an API key's name, or a client address): the prefill queue's fairness
 
     def to_engine(self) -> SamplingParams:
         return SamplingParams(**self.model_dump(exclude={"v", "grammar"}), grammar=self.grammar)

@@ -32,6 +32,7 @@ from shared.engine.scheduler import mixed_budget, prefill_chunks, prefill_next, 
 @dataclass(frozen=True)
 class _Params:
     priority: int = 0
+    tenant: str = ""
 
 
 PARAMS = _Params()

@@ -85,7 +85,8 @@ async def generate(gw: Gateway, request: Request, body: ChatCompletionRequest | 
     scoring = isinstance(body, CompletionRequest) and body.max_tokens == 0  # echo: the prompt scored alone
     try:
         limit = max_tokens(gw, body, len(ids))  # (the prompt's checks too)
-        sampling = body.sampling(1 if scoring else limit, checks.cache_salt(gw, body, request), gw.calls)
+        sampling = body.sampling(1 if scoring else limit, checks.cache_salt(gw, body, request), gw.calls,
+                                checks.caller(request))
     except ValueError as e:
         raise APIError(400, str(e), param="min_tokens") from None
     rid = request.state.request_id  # set with the root span by middleware.RequestContext

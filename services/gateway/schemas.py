@@ -261,7 +261,8 @@ class _Common(Strict):
         """Alternatives per generated token when log probabilities are asked for, else None."""
         return None
 
-    def sampling(self, max_tokens: int, cache_salt: str = "", calls: CallFormat = HERMES) -> Sampling:
+    def sampling(self, max_tokens: int, cache_salt: str = "", calls: CallFormat = HERMES,
+                 tenant: str = "") -> Sampling:
         if self.min_tokens > max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({max_tokens})")
         return Sampling(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
@@ -271,7 +272,7 @@ class _Common(Strict):
                         logit_bias=tuple((int(k), b) for k, b in (self.logit_bias or {}).items()),
                         min_p=self.min_p, stop_token_ids=tuple(self.stop_token_ids or ()),
                         logprobs=self.top_logprobs_wanted(), prompt_logprobs=self.prompt_logprobs_wanted(),
-                        grammar=self.grammar(calls), cache_salt=cache_salt)
+                        grammar=self.grammar(calls), cache_salt=cache_salt, tenant=tenant)
 
     def prompt_logprobs_wanted(self) -> int | None:
         """Alternatives per prompt token when the prompt's log probabilities are asked for."""

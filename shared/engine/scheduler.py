@@ -40,6 +40,9 @@ class _Params(Protocol):
     @property
     def priority(self) -> int: ...
 
+    @property
+    def tenant(self) -> str: ...
+
 
 class Prompt(Protocol):
     """What the pass rules read of a waiting prompt (a Sequence; the planner's simulator,
@@ -63,7 +66,9 @@ def prefill_order(waiting: Iterable[Q], chunk: int) -> list[Q]:
     Lower `priority` value first. Within a level: the oldest long prompt (more than one chunk
     left), which so advances by a chunk every pass and never starves; then the short ones,
     which finish in this pass instead of queueing behind every long one; then the other long
-    ones. First come first within each tier."""
+    ones. First come first within each tier. Then round-robin across tenants: each tenant's
+    first prompt in that order, then each one's second..., so a tenant with many prompts
+    waiting delays another's by one prompt each, not by all of them."""
     queue = list(waiting)
     if len(queue) < 2:
         return queue
@@ -71,8 +76,19 @@ def prefill_order(waiting: Iterable[Q], chunk: int) -> list[Q]:
     for _, tier in groupby(sorted(queue, key=_priority), key=_priority):
         level = list(tier)
         long = [q for q in level if len(q.token_ids) - q.num_computed > chunk]
-        order += long[:1] + [q for q in level if q not in long] + long[1:]
+        order += _round_robin(long[:1] + [q for q in level if q not in long] + long[1:])
     return order
+
+
+def _round_robin(level: list[Q]) -> list[Q]:
+    """`level` interleaved across tenants, each tenant's prompts in their order."""
+    taken: dict[str, int] = {}
+    ranks = []
+    for i, q in enumerate(level):
+        rank = taken.get(q.params.tenant, 0)
+        taken[q.params.tenant] = rank + 1
+        ranks.append((rank, i))
+    return [level[i] for _, i in sorted(ranks)]
 
 
 def _priority(q: Prompt) -> int:

@@ -31,6 +31,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for every prompt token (after the first)
     grammar: Grammar | None = None  # what the output must spell (structured output)
     cache_salt: str = ""          # prefix-cache partition: blocks are shared only under one salt (hashing.py)
+    tenant: str = ""              # who asked: a priority level's prompts are taken round-robin across tenants
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

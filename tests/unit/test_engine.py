@@ -231,6 +231,21 @@ def test_a_short_prompt_is_not_stuck_behind_long_ones_and_the_oldest_long_one_ke
     assert [q.request_id for q in prefill_order(eng.scheduler.waiting, 16)] == ["short9", "short10", "short11"]
 
 
+def test_prompts_are_taken_round_robin_across_tenants(tiny):
+    """Tenant a has eight prompts waiting when b's one comes: b's is in the first pass (four
+    prompts fit one), not after all of a's; a's keep their order."""
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import Engine
+    from shared.engine.sequence import SamplingParams
+
+    eng = Engine(tiny, EngineConfig(num_blocks=256, prefill_chunk=16, max_batched_tokens=64, enable_prefix_cache=False))
+    for i in range(8):
+        eng.add_request(f"a{i}", [3 + i] * 16, SamplingParams(max_tokens=2, tenant="key:a"), prefill_only=True)
+    eng.add_request("b0", [20] * 16, SamplingParams(max_tokens=2, tenant="key:b"), prefill_only=True)
+    assert [o.request_id for o in eng.step()] == ["a0", "b0", "a1", "a2"]
+    assert [o.request_id for o in eng.step()] == ["a3", "a4", "a5", "a6"]
+
+
 def test_growth_blocks_count_what_unfinished_sequences_may_still_take(tiny):
     from shared.engine.config import EngineConfig
     from shared.engine.engine import Engine

@@ -13,7 +13,7 @@ from bench.sim.cluster import Layout, simulate
 from bench.sim.cost import DECODE_BATCHES, DECODE_CONTEXTS, Cost, fit, level
 from bench.sim.plan import search
 from bench.sim.slo import Slo, relative, score, weighted_percentile
-from bench.sim.worker import Knobs
+from bench.sim.worker import PARAMS, Knobs
 from shared.engine.scheduler import prefill_chunks, prefill_next, prefill_order
 
 STEP = 0.02
@@ -96,7 +96,7 @@ def test_chunks_and_decode_steps_alternate():
 def test_a_pass_fills_its_budget_in_the_schedulers_order():
     class P:
         def __init__(self, n: int, done: int = 0) -> None:
-            self.token_ids, self.num_computed, self.params = range(n), done, type("p", (), {"priority": 0})()
+            self.token_ids, self.num_computed, self.params = range(n), done, PARAMS
     long, short, other = P(300), P(50), P(400, 100)
     order = prefill_order([long, short, other], 128)
     assert order == [long, short, other]        # the oldest long one, the short ones, the other long ones
