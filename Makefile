@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 # llama.cpp, the side-by-side peer of make bench-engine (built from source on first install)
 LLAMA_CPP_VERSION ?= 0.3.36
 
-.PHONY: help setup lint fmt run test test-fast bench-engine bench-archs bench-grammar bench-stack bench-transfer eval-router bench-router chaos chaos-busy bench-tracing bench-scale bench bench-full bench-prefill-chunk profile plan plan-check compose-up compose-down gpu-check clean
+.PHONY: help setup lint fmt run test test-fast bench-engine bench-archs bench-grammar bench-stack bench-transfer eval-router bench-router chaos fuzz chaos-busy bench-tracing bench-scale bench bench-full bench-prefill-chunk profile plan plan-check compose-up compose-down gpu-check clean
 
 .DEFAULT_GOAL := help
 
@@ -94,6 +94,11 @@ bench-router: setup
 ##   one summary line each; writes bench/results/chaos.json
 chaos: setup
 	$(BIN)/python -m bench.chaos
+
+## fuzz: schemathesis against the live stack's OpenAPI, over 5,000 generated requests: every status counted,
+##   no 5xx, no hang, the stack answering after; writes bench/results/fuzz.json (~5 minutes)
+fuzz: setup
+	$(BIN)/python -m bench.fuzz
 
 ## chaos-busy: the same beside a busy neighbour (a process spinning on a core for the whole run); writes bench/results/chaos-busy.json
 chaos-busy: setup
