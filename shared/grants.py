@@ -15,6 +15,12 @@ role's. The operator's user (`pdserve`: `make run`'s tools, the tests) has every
 So prompts are read by the router (route requests), the decode pool (admits) and the prefill
 pool (its job stream) only, outputs by the gateway only, and only decode workers (which hold
 the KV blocks a job fills) queue jobs.
+
+In Redis each role is an ACL user (its password the role's NATS password) with the keys of its
+part (`REDIS_KEYS`, the prefixes shared/state.py names) and every command but the dangerous
+ones (FLUSHALL, CONFIG, KEYS, DEBUG, SHUTDOWN, ACL, REPLICAOF, MONITOR, ...); the operator is
+Redis's default user. Redis 6.2's key patterns grant reading and writing together, so a role
+that reads a key can write it: every role reads and writes the registry and the request state.
 """
 
 from __future__ import annotations
@@ -66,6 +72,24 @@ GRANTS: dict[str, Grant] = {
         subscribe=(subjects.decode_admit(ANY), subjects.decode_cancel(ANY), subjects.decode_replay(ANY),
                    subjects.decode_kv(ANY), subjects.decode_kv_end(ANY))),
 }
+
+
+# Redis keys by role (shared/state.py, prefix_index.py, the gateway's limits)
+_REGISTRY = ("pd:worker:*", "pd:workers", "pd:registry:*")
+_REQUESTS = ("pd:req:*", "pd:deadlines", "pd:owned:*", "pd:gateways")
+REDIS_KEYS: dict[str, tuple[str, ...]] = {
+    "gateway": (*_REGISTRY, *_REQUESTS, "pd:route:*", "pd:rate:*", "pd:inflight:*"),
+    "router": (*_REGISTRY, *_REQUESTS, "pd:route:*", "pd:session:*", "pd:prefix:*"),
+    "prefill": (*_REGISTRY, *_REQUESTS, "pd:prefix:*"),
+    "decode": (*_REGISTRY, *_REQUESTS, "pd:prefix:*"),
+}
+REDIS_COMMANDS = "+@all -@dangerous"
+
+
+def redis_users(passwords: Mapping[str, str]) -> str:
+    """redis.conf's `user` lines: each role on, with its password, its keys and its commands."""
+    return "".join(f"user {role} on >{passwords[role]} {' '.join('~' + k for k in REDIS_KEYS[role])} "
+                   f"{REDIS_COMMANDS}\n" for role in ROLES)
 
 
 def password_variable(user: str) -> str:

@@ -4,12 +4,13 @@ primary a group of Sentinels watches.
     PD_NATS_URL   nats://user:pass@host:4222[,nats://user:pass@host2:4222,...]
                   one server or several of a cluster: nats-py tries them in turn, learns the
                   cluster's other servers from the one it reaches, and reconnects to any of them
-    PD_REDIS_URL  redis://[:pass@]host:6379[/db]
-                  redis+sentinel://[:pass@]host:26379[,host2:26379,...]/<service>[/db][?sentinel_password=...]
-                  the primary the Sentinels name for <service>; the password is the primary's
-                  (and its replicas'), sentinel_password the Sentinels' own when they ask for
-                  one. After a failover, a connection that breaks or reaches a replica asks
-                  the Sentinels again (redis-py's Sentinel support)
+    PD_REDIS_URL  redis://[user:pass@]host:6379[/db]
+                  redis+sentinel://[user:pass@]host:26379[,host2:26379,...]/<service>[/db][?sentinel_password=...]
+                  the primary the Sentinels name for <service>; the user and password are the
+                  primary's (and its replicas': an ACL user, or the default user with no
+                  name), sentinel_password the Sentinels' own when they ask for one. After a
+                  failover, a connection that breaks or reaches a replica asks the Sentinels
+                  again (redis-py's Sentinel support)
 
 A malformed URL is a ValueError naming what is wrong, raised when the service starts.
 """
@@ -63,6 +64,7 @@ class SentinelTarget:
     db: int = 0
     password: str | None = None
     sentinel_password: str | None = None
+    username: str | None = None
 
 
 def sentinel_target(url: str) -> SentinelTarget | None:
@@ -82,10 +84,10 @@ def sentinel_target(url: str) -> SentinelTarget | None:
     path = [p for p in parts.path.split("/") if p]
     if not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
         raise ValueError("PD_REDIS_URL: a redis+sentinel:// URL ends in /<service> or /<service>/<db>")
-    query = parse_qs(parts.query)
+    query, user = parse_qs(parts.query), unquote(parts.username) if parts.username else None
     return SentinelTarget(sentinels, path[0], int(path[1]) if len(path) == 2 else 0,
                           unquote(parts.password) if parts.password else None,
-                          query.get("sentinel_password", [None])[0])
+                          query.get("sentinel_password", [None])[0], user)
 
 
 class _SentinelBlockingPool(AsyncSentinelPool, aioredis.BlockingConnectionPool):
@@ -102,7 +104,7 @@ def async_redis(url: str, max_connections: int) -> aioredis.Redis:
     sentinels = AsyncSentinel(target.sentinels, sentinel_kwargs={"password": target.sentinel_password, **TIMEOUTS})
     return sentinels.master_for(target.service, connection_pool_class=_SentinelBlockingPool,
                                 max_connections=max_connections, timeout=5, db=target.db,
-                                password=target.password, **TIMEOUTS)
+                                username=target.username, password=target.password, **TIMEOUTS)
 
 
 def sync_redis(url: str) -> redis.Redis:
@@ -111,4 +113,5 @@ def sync_redis(url: str) -> redis.Redis:
     if target is None:
         return redis.Redis.from_url(url, **TIMEOUTS)
     sentinels = Sentinel(target.sentinels, sentinel_kwargs={"password": target.sentinel_password, **TIMEOUTS})
-    return sentinels.master_for(target.service, db=target.db, password=target.password, **TIMEOUTS)
+    return sentinels.master_for(target.service, db=target.db, username=target.username, password=target.password,
+                                **TIMEOUTS)

@@ -4,11 +4,11 @@ watched by 3 Sentinels that promote the replica when the primary is gone. The sa
 nats-server and redis-server binaries as the single-server stack (redis-server runs as a
 Sentinel with --sentinel). Used by `make run RUN_ARGS=--ha`, the HA tests and `make chaos`'s HA stack.
 
-Every server takes the stack's password (NATS routes, Redis, replication and the Sentinels
-alike; NATS clients a password per user, shared/grants.py) from config files in the stack's
-private data directory; each has a store directory of its own. The clients are given every
-node (PD_NATS_URL, comma-separated) and the Sentinels (PD_REDIS_URL, redis+sentinel://), and
-find the rest themselves (shared/urls.py).
+Every server takes the stack's password (NATS routes, Redis's default user, replication)
+from config files in the stack's private data directory (NATS and Redis clients a password per
+role, shared/grants.py; the Sentinels one of their own); each has a store directory of its
+own. The clients are given every node (PD_NATS_URL, comma-separated) and the Sentinels
+(PD_REDIS_URL, redis+sentinel://), and find the rest themselves (shared/urls.py).
 
 Process names: nats-0..2, redis (the primary at start), redis-replica, sentinel-0..2.
 """
@@ -53,9 +53,10 @@ def nats_url(ports: Ports, user: str, password: str) -> str:
     return ",".join(f"nats://{user}:{password}@127.0.0.1:{p}" for p in ports.nats)
 
 
-def redis_url(ports: Ports, secret: str) -> str:
+def redis_url(ports: Ports, user: str, password: str, sentinel_password: str) -> str:
+    """The primary through the Sentinels, as `user` (\"\": Redis's default user)."""
     sentinels = ",".join(f"127.0.0.1:{p}" for p in ports.sentinels)
-    return f"redis+sentinel://:{secret}@{sentinels}/{SERVICE}/0?sentinel_password={secret}"
+    return f"redis+sentinel://{user}:{password}@{sentinels}/{SERVICE}/0?sentinel_password={sentinel_password}"
 
 
 def nats_node(data: Path, ports: Ports, secret: str, users: Mapping[str, str], i: int) -> list[str]:
@@ -74,44 +75,47 @@ def nats_node(data: Path, ports: Ports, secret: str, users: Mapping[str, str], i
     return [binary("nats-server"), "-c", str(conf)]
 
 
-def redis_node(data: Path, ports: Ports, secret: str, i: int) -> list[str]:
-    """The primary (0) or the replica (1): no persistence, full syncs over the socket."""
+def redis_node(data: Path, ports: Ports, secret: str, users: Mapping[str, str], i: int) -> list[str]:
+    """The primary (0) or the replica (1): no persistence, full syncs over the socket; the
+    default user's password `secret`, each role an ACL user (shared/grants.py)."""
     store = data / ("redis" if i == 0 else "redis-replica")
     store.mkdir(exist_ok=True)
     conf = store / "redis.conf"
-    conf.write_text(f"requirepass {secret}\nmasterauth {secret}\n")
+    conf.write_text(f"requirepass {secret}\nmasterauth {secret}\n{grants.redis_users(users)}")
     argv = [binary("redis-server"), str(conf), "--port", str(ports.redis[i]), "--bind", "127.0.0.1",
             "--save", "", "--appendonly", "no", "--dir", str(store),
             "--repl-diskless-sync", "yes", "--repl-diskless-sync-delay", "0"]
     return argv + (["--replicaof", "127.0.0.1", str(ports.redis[0])] if i else [])
 
 
-def sentinel(data: Path, ports: Ports, secret: str, i: int) -> list[str]:
-    """Sentinel i (it rewrites its config file as it learns the replicas and the others)."""
+def sentinel(data: Path, ports: Ports, secret: str, sentinel_secret: str, i: int) -> list[str]:
+    """Sentinel i (it rewrites its config file as it learns the replicas and the others): its
+    clients' password `sentinel_secret`, the primary's `secret`."""
     conf = data / f"sentinel-{i}.conf"
-    conf.write_text(f"port {ports.sentinels[i]}\nbind 127.0.0.1\ndir {data}\nrequirepass {secret}\n"
+    conf.write_text(f"port {ports.sentinels[i]}\nbind 127.0.0.1\ndir {data}\nrequirepass {sentinel_secret}\n"
                     f"sentinel monitor {SERVICE} 127.0.0.1 {ports.redis[0]} 2\n"
-                    f"sentinel auth-pass {SERVICE} {secret}\nsentinel sentinel-pass {secret}\n"
+                    f"sentinel auth-pass {SERVICE} {secret}\nsentinel sentinel-pass {sentinel_secret}\n"
                     f"sentinel down-after-milliseconds {SERVICE} {DOWN_AFTER_MS}\n"
                     f"sentinel failover-timeout {SERVICE} {FAILOVER_TIMEOUT_MS}\n")
     return [binary("redis-server"), str(conf), "--sentinel"]
 
 
-def servers(data: Path, ports: Ports, secret: str, users: Mapping[str, str]) -> dict[str, list[str]]:
+def servers(data: Path, ports: Ports, secret: str, users: Mapping[str, str],
+            sentinel_secret: str) -> dict[str, list[str]]:
     """Every server's command line by process name, in the order to start them."""
     return {**{f"nats-{i}": nats_node(data, ports, secret, users, i) for i in range(NODES)},
-            **{name: redis_node(data, ports, secret, i) for i, name in enumerate(("redis", "redis-replica"))},
-            **{f"sentinel-{i}": sentinel(data, ports, secret, i) for i in range(SENTINELS)}}
+            **{name: redis_node(data, ports, secret, users, i) for i, name in enumerate(("redis", "redis-replica"))},
+            **{f"sentinel-{i}": sentinel(data, ports, secret, sentinel_secret, i) for i in range(SENTINELS)}}
 
 
 def start(data: Path, ports: Ports, secret: str, users: Mapping[str, str],
-          spawn: Callable[[str, list[str]], object], timeout_s: float = 30) -> None:
+          spawn: Callable[[str, list[str]], object], sentinel_secret: str, timeout_s: float = 30) -> None:
     """Start every server with `spawn(name, argv)` and wait until the set is whole. The
     Sentinels start once the replica has synced, and it is whole when each knows the replica
     and the other two: a Sentinel learns a primary's replicas from its INFO, asked every 10 s,
     so one started beside the replica could see none, and a primary lost then is never failed
     over (no replica to promote, its INFO never asked again)."""
-    commands = servers(data, ports, secret, users)
+    commands = servers(data, ports, secret, users, sentinel_secret)
     for name, argv in commands.items():
         if not name.startswith("sentinel"):
             spawn(name, argv)
@@ -125,7 +129,7 @@ def start(data: Path, ports: Ports, secret: str, users: Mapping[str, str],
             spawn(name, argv)
     for port in ports.sentinels:
         wait_for_port(port, timeout_s)
-    sentinels = [redis.Redis(port=p, password=secret, socket_timeout=2) for p in ports.sentinels]
+    sentinels = [redis.Redis(port=p, password=sentinel_secret, socket_timeout=2) for p in ports.sentinels]
 
     def whole() -> bool:
         views = [s.sentinel_master(SERVICE) for s in sentinels]

@@ -78,6 +78,7 @@ class Stack:
         # directory, not on a command line), so nothing else on the host can join the bus; on
         # NATS each service role is a user of its own, with its grant (shared/grants.py)
         self.secret = secrets.token_urlsafe(24)
+        self.sentinel_secret = secrets.token_urlsafe(24)  # (HA: the services' key to the Sentinels)
         self.nats_passwords = {user: secrets.token_urlsafe(24) for user in (*grants.ROLES, grants.OPERATOR)}
         if cfg.ha and cfg.hosts:
             raise ValueError("the HA servers run on this machine's loopback: not with hosts")
@@ -100,9 +101,16 @@ class Stack:
 
     @property
     def redis_url(self) -> str:
+        """The operator's: Redis's default user (tools, tests)."""
+        return self.redis_url_of(grants.OPERATOR)
+
+    def redis_url_of(self, user: str) -> str:
+        """The URL with `user`'s credentials: a service role's ACL user (its NATS password), or
+        the operator's (Redis's default user)."""
+        name, password = ("", self.secret) if user == grants.OPERATOR else (user, self.nats_passwords[user])
         if self.ha_ports:
-            return ha.redis_url(self.ha_ports, self.secret)
-        return f"redis://:{self.secret}@{self.ip('redis')}:{self.cfg.redis_port}/0"
+            return ha.redis_url(self.ha_ports, name, password, self.sentinel_secret)
+        return f"redis://{name}:{password}@{self.ip('redis')}:{self.cfg.redis_port}/0"
 
     def ip(self, name: str) -> str:
         """The address of the host process `name` runs on."""
@@ -139,11 +147,12 @@ class Stack:
         return proc
 
     def service(self, name: str, module: str, **env: str) -> subprocess.Popen:
-        """Process `name` running `module` (services.<role>.main), on NATS as its role's user."""
+        """Process `name` running `module` (services.<role>.main), on NATS and Redis as its role's user."""
         if name != "gateway":
             self.metrics_ports[name] = free_port()
             env = {**env, "PD_METRICS_PORT": str(self.metrics_ports[name])}
-        env = {"PD_NATS_URL": self.nats_url_of(module.split(".")[1]), **env}
+        role = module.split(".")[1]
+        env = {"PD_NATS_URL": self.nats_url_of(role), "PD_REDIS_URL": self.redis_url_of(role), **env}
         return self.spawn(name, [sys.executable, "-m", module],
                           {**self.service_env(), **env, **self.cfg.worker_env.get(name, {})})
 
@@ -179,11 +188,11 @@ class Stack:
         """NATS and Redis: one of each, or the HA set (deploy/local/ha.py)."""
         c = self.cfg
         if self.ha_ports:
-            ha.start(self.data, self.ha_ports, self.secret, self.nats_passwords, self.spawn)
+            ha.start(self.data, self.ha_ports, self.secret, self.nats_passwords, self.spawn, self.sentinel_secret)
             return
         nats_conf, redis_conf = self.data / "nats.conf", self.data / "redis.conf"
         nats_conf.write_text(grants.nats_authorization(self.nats_passwords))
-        redis_conf.write_text(f"requirepass {self.secret}\n")
+        redis_conf.write_text(f"requirepass {self.secret}\n{grants.redis_users(self.nats_passwords)}")
         self.spawn("nats", [binary("nats-server"), "-c", str(nats_conf), "-js", "-a", self.ip("nats"),
                             "-p", str(c.nats_port), "-sd", str(self.data / "nats")])
         self.spawn("redis", [binary("redis-server"), str(redis_conf), "--port", str(c.redis_port),
@@ -252,21 +261,25 @@ class Stack:
                 shutil.rmtree(store, ignore_errors=True)
 
     def refused(self) -> list[str]:
-        """The operations NATS refused a client (outside its grant: shared/grants.py), from its
-        servers' logs."""
-        return [line for log in sorted(self.log_dir.glob("nats*.log"))
-                for line in log.read_text(errors="replace").splitlines() if "Violation" in line]
+        """The operations NATS or Redis refused a service (outside its grant: shared/grants.py),
+        from NATS's logs (a violation) and the services' (Redis's NOPERM, as they report it)."""
+        def lines(log: Path) -> list[str]:
+            return log.read_text(errors="replace").splitlines()
+        logs = sorted(self.log_dir.glob("*.log"))
+        return [line for log in logs if log.name.startswith("nats") for line in lines(log) if "Violation" in line] + \
+            [line for log in logs if not ha.is_server(log.stem) for line in lines(log)
+             if "NOPERM" in line or "no permissions to" in line or "can't access at least one of the keys" in line]
 
     def __enter__(self) -> Stack:
         return self.start()
 
     def __exit__(self, exc_type, *exc) -> None:
-        """Stops the stack; a run in which NATS refused one of the services an operation (a
-        grant that misses a subject the services use) fails here."""
+        """Stops the stack; a run in which NATS or Redis refused one of the services an operation
+        (a grant that misses a subject or a key the services use) fails here."""
         self.stop()
         refused = self.refused()
         if exc_type is None and refused:
-            raise RuntimeError(f"NATS refused the services {len(refused)} operation(s), e.g. {refused[0]!r}; "
+            raise RuntimeError(f"NATS or Redis refused the services {len(refused)} operation(s), e.g. {refused[0]!r}; "
                                "shared/grants.py must grant what the services do")
 
 

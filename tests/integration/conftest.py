@@ -50,7 +50,7 @@ def ha_servers():
 
     with tempfile.TemporaryDirectory() as d:
         try:
-            ha.start(Path(d), ports, secret, {u: secret for u in (*grants.ROLES, grants.OPERATOR)}, spawn)
+            ha.start(Path(d), ports, secret, {u: secret for u in (*grants.ROLES, grants.OPERATOR)}, spawn, secret)
             yield ports, secret, procs
         finally:
             for proc in procs.values():

@@ -64,7 +64,7 @@ def test_the_store_follows_the_promotion_with_what_was_written_before(ha_servers
     ports, secret, procs = ha_servers
 
     async def scenario():
-        state = State.connect(ha.redis_url(ports, secret))
+        state = State.connect(ha.redis_url(ports, "", secret, secret))
         await state.heartbeat(WorkerInfo(worker_id="decode-0", role="decode"), lease_s=60)
         replicated = await state.r.execute_command("WAIT", 1, 5000)  # on the replica before the fault
         procs["redis"].kill()

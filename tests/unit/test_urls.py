@@ -21,6 +21,7 @@ def test_a_sentinel_url_names_the_sentinels_the_service_the_db_and_both_password
     assert sentinel_target(url) == SentinelTarget([("10.0.0.1", 26379), ("10.0.0.2", 26380)], "pdserve", 2,
                                                   "p@ss", "s")
     assert sentinel_target("redis+sentinel://h:26379/mymaster") == SentinelTarget([("h", 26379)], "mymaster")
+    assert sentinel_target("redis+sentinel://router:p@h:26379/m").username == "router"  # an ACL user
     assert sentinel_target("redis://:p@h:6379/0") is None
 
 

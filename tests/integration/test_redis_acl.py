@@ -1,0 +1,81 @@
+"""Each service role's Redis ACL user (shared/grants.py) on a real redis-server: the role's
+part of the store works through the code that uses it (the registry, request state, the
+gateway's limits), and each named operation outside the role's grant is refused (NOPERM):
+admin commands, keys of another part, and a key touched from inside a script. The stack tests
+run every service as its Redis user (deploy/local/stack.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+
+import pytest
+import redis
+
+from deploy.local.servers import binary, free_port, wait_for_port
+from services.gateway.concurrency import Concurrency
+from shared import grants
+from shared.messages import WorkerInfo
+from shared.state import State
+
+PASSWORDS = {role: f"pw-{role}" for role in grants.ROLES}
+OPERATOR = "operator-pw"
+# (role, what, a command as redis-py sends it): each must be refused
+DENIED = [(role, what, command) for role in grants.ROLES for what, command in [
+    ("flush the store", ("FLUSHALL",)), ("read the config", ("CONFIG", "GET", "*")), ("list keys", ("KEYS", "*")),
+    ("stop the server", ("SHUTDOWN", "NOSAVE")), ("change users", ("ACL", "SETUSER", "x", "on")),
+    ("a key outside pd:", ("SET", "other", "1")),
+    ("a key from a script", ("EVAL", "return redis.call('GET', 'other')", "0"))]] + [
+    ("gateway", "the prefix index", ("SET", "pd:prefix:live:1", "1")),
+    ("prefill", "a rate bucket", ("HSET", "pd:rate:alice", "tokens", "999")),
+    ("decode", "a route record", ("HSET", "pd:route:r1", "decode", "decode-evil")),
+    ("router", "the in-flight count", ("ZREM", "pd:inflight:alice", "r1:0")),
+    ("prefill", "a session", ("SET", "pd:session:s1", "decode-evil")),
+]
+
+
+@pytest.fixture(scope="module")
+def port(tmp_path_factory):
+    d = tmp_path_factory.mktemp("redis")
+    conf = d / "redis.conf"
+    conf.write_text(f"requirepass {OPERATOR}\n{grants.redis_users(PASSWORDS)}")
+    p = free_port()
+    proc = subprocess.Popen([binary("redis-server"), str(conf), "--port", str(p), "--bind", "127.0.0.1",
+                             "--save", "", "--appendonly", "no", "--dir", str(d)], stdout=subprocess.DEVNULL)
+    wait_for_port(p)
+    yield p
+    proc.terminate()
+    proc.wait()
+
+
+def url(port: int, role: str) -> str:
+    return f"redis://{role}:{PASSWORDS[role]}@127.0.0.1:{port}/0"
+
+
+@pytest.mark.parametrize("role, what, command", DENIED, ids=[f"{r}: {w}" for r, w, _ in DENIED])
+def test_a_role_is_refused_what_is_outside_its_grant(port, role, what, command):
+    r = redis.Redis.from_url(url(port, role))
+    with pytest.raises(redis.exceptions.ResponseError, match="permission|can't access"):  # (NOPERM; in a script)
+        r.execute_command(*command)
+    assert redis.Redis(port=port, password=OPERATOR).ping()  # (still up: SHUTDOWN was refused)
+
+
+def test_each_roles_part_of_the_store_works_as_that_role(port):
+    async def scenario():
+        stores = {role: State.connect(url(port, role)) for role in grants.ROLES}
+        for role, store in stores.items():  # every role registers and records request events
+            await store.heartbeat(WorkerInfo(worker_id=f"{role}-0", role=role), lease_s=5)
+            await store.record(f"r-{role}", "received" if role == "gateway" else "decoding", by=f"{role}-0",
+                               owner="gw-0" if role == "gateway" else "", deadline_s=30)
+        workers = await stores["router"].workers()
+        limit = Concurrency(stores["gateway"], 2, 5.0, fail_open=False)
+        await limit.join("alice", "r1", 2)
+        await stores["router"].set_session_worker("s1", "decode-0", 10)
+        phases = {role: (await stores["router"].request(f"r-{role}"))["phase"] for role in grants.ROLES}
+        for store in stores.values():
+            await store.close()
+        return [w.worker_id for w in workers], phases
+
+    workers, phases = asyncio.run(scenario())
+    assert workers == sorted(f"{role}-0" for role in grants.ROLES)
+    assert phases == {"gateway": "received", "router": "decoding", "prefill": "decoding", "decode": "decoding"}
