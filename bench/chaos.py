@@ -75,7 +75,7 @@ from pathlib import Path
 import httpx
 import redis
 
-from bench import netns
+from bench import chaos_readme, netns
 from bench.chaos_measure import Stream, cost
 from deploy.local import ha
 from deploy.local.stack import Host, Stack, StackConfig
@@ -428,7 +428,8 @@ def main() -> None:
     out = RESULTS.with_name("chaos-busy.json") if args.busy else RESULTS
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"config": vars(args), "scenarios": results}, indent=2))
-    print(f"wrote {out}")
+    chaos_readme.write()
+    print(f"wrote {out} and the README's chaos figures")
     sys.exit(1 if any(map(failed, results)) else 0)
 
 
