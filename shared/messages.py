@@ -57,6 +57,8 @@ class Sampling(Message):
     grammar: Grammar | None = None
     cache_salt: str = ""  # the prefix cache's partition (a tenant's): hashing.py
     tenant: str = ""      # who asked (an API key's name, or a client address): the prefill queue's fairness
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def to_engine(self) -> SamplingParams:
         return SamplingParams(**self.model_dump(exclude={"v", "grammar"}), grammar=self.grammar)

@@ -17,7 +17,7 @@ from services.gateway import answer, checks, choices, tools
 from services.gateway.answer import Answer, Kind, Part, usage
 from services.gateway.deps import Gateway
 from services.gateway.errors import APIError
-from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, StreamOptions
 from services.gateway.timing import timed
 from shared import tracing
 from shared.messages import RouteRequest, TokenChunk
@@ -39,20 +39,28 @@ def prompt_ids(gw: Gateway, body: ChatCompletionRequest | CompletionRequest) -> 
 def chat_ids(gw: Gateway, body: ChatCompletionRequest) -> list[int]:
     """The conversation through the chat template: the tools given to a template that reads
     them, else listed in the Hermes format (tools.py); a template's refusal is a 400. A special
-    token spelled in the client's text stays text (PD_SPECIAL_TOKENS_IN_MESSAGES: read as one)."""
+    token spelled in the client's text (its messages, its chat_template_kwargs) stays text
+    (PD_SPECIAL_TOKENS_IN_MESSAGES: read as one)."""
     functions, tok = body.functions(), gw.tokenizer
     listing = tools.listing(functions) if functions else None
 
-    def render(messages: list[dict]) -> str:  # (the tools are the application's, not marked as text)
+    def render(parts: dict) -> str:  # (the tools are the application's, not marked as text)
+        messages, extra = parts["messages"], parts["kwargs"]
         if tok.template_takes_tools:
-            return tok.apply_chat_template(tools.template_messages(messages), tools=listing)
-        return tok.apply_chat_template(tools.prompt_messages(messages, functions))
+            return tok.apply_chat_template(tools.template_messages(messages), tools=listing, **extra)
+        return tok.apply_chat_template(tools.prompt_messages(messages, functions), **extra)
 
     try:
-        return tok.encode_chat([m.for_template() for m in body.messages], render,
+        return tok.encode_chat({"messages": [m.for_template() for m in body.messages],
+                                "kwargs": body.chat_template_kwargs or {}}, render,
                                specials_as_text=not gw.settings.special_tokens_in_messages)
     except TemplateError as e:
         raise APIError(400, f"The model's chat template refused the messages: {e}", param="messages") from e
+    except (TypeError, ValueError) as e:  # (a template given variables of a type it does not expect)
+        if not body.chat_template_kwargs:
+            raise
+        raise APIError(400, f"The model's chat template failed with these variables: {e}",
+                       param="chat_template_kwargs") from e
 
 
 def max_tokens(gw: Gateway, body, n_prompt: int) -> int:
@@ -115,8 +123,8 @@ async def generate(gw: Gateway, request: Request, body: ChatCompletionRequest | 
             "model": body.model}
     answers = [Answer(gw.tokenizer, kind, body, ids, scoring, gw.calls) for _ in range(body.n)]
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_sse(merged, meta, answers, include_usage), media_type="text/event-stream")
+        return StreamingResponse(_sse(merged, meta, answers, body.stream_options or StreamOptions()),
+                                 media_type="text/event-stream")
     lasts = await _gather(request, merged, answers)
     return JSONResponse(answer.body(meta, answers, lasts))
 
@@ -162,12 +170,13 @@ def _event(obj) -> bytes:
 
 
 async def _sse(chunks: AsyncGenerator[tuple[int, TokenChunk]], meta: dict, answers: list[Answer],
-               include_usage: bool) -> AsyncIterator[bytes]:
+               options: StreamOptions) -> AsyncIterator[bytes]:
     kind = answers[0].kind
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-    extra = {"usage": None} if include_usage else {}
+    extra = {"usage": None} if options.include_usage else {}
+    every = options.include_usage and options.continuous_usage_stats  # (as vLLM: with include_usage only)
 
-    def frame(index: int, part: Part | None, finish: str | None) -> bytes:
+    def frame(index: int, part: Part | None, finish: str | None, last: TokenChunk | None = None) -> bytes:
         if kind == "chat":
             delta: dict = {"role": "assistant", "content": ""} if part is None else \
                 ({"content": part.text} if part.text else {})
@@ -179,7 +188,10 @@ async def _sse(chunks: AsyncGenerator[tuple[int, TokenChunk]], meta: dict, answe
                       "finish_reason": finish}
         if answers[index].token_ids and part is not None:
             choice["token_ids"] = part.ids
-        return _event({**meta, "object": obj, "choices": [choice], **extra})
+        so_far = {"usage": {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
+                            "total_tokens": last.prompt_tokens + last.completion_tokens}} \
+            if every and last is not None else {}
+        return _event({**meta, "object": obj, "choices": [choice], **extra, **so_far})
 
     if kind == "chat":
         for index in range(len(answers)):
@@ -193,13 +205,13 @@ async def _sse(chunks: AsyncGenerator[tuple[int, TokenChunk]], meta: dict, answe
                 part = part._replace(text="")
             if part.text or part.tool_calls or last.finished or answer.token_ids or \
                     (part.logprobs and any(part.logprobs.values())):
-                yield frame(index, part, answer.finish_reason(last) if last.finished else None)
+                yield frame(index, part, answer.finish_reason(last) if last.finished else None, last)
     except APIError as e:  # the status line is gone already: report in the stream, as OpenAI does
         yield _event({"error": {"message": e.message, "type": "server_error", "code": e.code}})
         return
     finally:
         await chunks.aclose()  # (a client gone: every choice's work stops)
     ended = [last for last in lasts if last is not None]
-    if include_usage and len(ended) == len(answers):
+    if options.include_usage and len(ended) == len(answers):
         yield _event({**meta, "object": obj, "choices": [], "usage": usage(answers, ended)})
     yield b"data: [DONE]\n\n"

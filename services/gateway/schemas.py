@@ -31,6 +31,10 @@ NOT_SUPPORTED = {
 
 
 MAX_CHOICES = 16  # n at most
+# what the gateway gives a chat template itself (tokenizer.apply_chat_template, generate.chat_ids)
+TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token",
+                                "raise_exception", "strftime_now", "continue_final_message"})
+MAX_TEMPLATE_KWARGS_CHARS = 4096
 
 _RETURNED = ("function_call", "audio", "annotations")  # fields of a returned assistant message, refused unless empty
 
@@ -122,6 +126,8 @@ class NamedToolChoice(Strict):
 
 class StreamOptions(Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="extension, vLLM's: with include_usage, each chunk "
+                                         "carries the usage so far")
 
 
 class JSONSchemaFormat(BaseModel):
@@ -147,6 +153,29 @@ class ResponseFormat(Strict):
 def _refuse(field: str, why: str):
     return PydanticCustomError("unsupported_parameter", "'{param}' is not supported: {why}",
                                {"param": field, "why": why})
+
+
+class StructuredOutputs(Strict):
+    """vLLM's `structured_outputs` (its successor to the guided_* fields): one of these."""
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="a JSON schema the output follows")
+    regex: str | None = Field(None, min_length=1)
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = Field(None, min_length=1, description="an EBNF grammar (root ::= ...)")
+    json_object: bool | None = None
+    structural_tag: str | None = Field(None, min_length=1, description="xgrammar's structural tag, as JSON text")
+
+    def grammars(self) -> list[tuple[str, Grammar]]:
+        out: list[tuple[str, Grammar]] = []
+        if self.json_ is not None:
+            schema = self.json_ if isinstance(self.json_, str) else json.dumps(self.json_)
+            out.append(("structured_outputs.json", Grammar("json_schema", schema)))
+        for field, kind, spec in (("regex", "regex", self.regex), ("grammar", "ebnf", self.grammar),
+                                  ("structural_tag", "structural_tag", self.structural_tag),
+                                  ("choice", "choice", json.dumps(self.choice) if self.choice else None),
+                                  ("json_object", "json_object", "" if self.json_object else None)):
+            if spec is not None:
+                out.append((f"structured_outputs.{field}", Grammar(kind, spec)))  # type: ignore[arg-type]
+        return out
 
 
 class _Common(Strict):
@@ -178,12 +207,17 @@ class _Common(Strict):
                                    "prompt's KV blocks are shared only with requests of the same salt")
     session_id: str | None = Field(None, min_length=1, max_length=200)   # extension (or header x-session-id):
                                                                         # a conversation's turns share a decode worker
+    include_stop_str_in_output: bool = Field(False, description="extension, vLLM's: the stop string that ended the "
+                                             "text kept at its end")
+    skip_special_tokens: bool = Field(True, description="extension, vLLM's: false writes special tokens in the text")
+    spaces_between_special_tokens: Literal[True] = Field(True, description="extension, vLLM's: only its default")
     # structured output: OpenAI's response_format, or one of vLLM's guided_* extensions
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = Field(None, description="extension: a JSON schema the output follows")
     guided_regex: str | None = Field(None, min_length=1, description="extension: a regular expression it matches")
     guided_choice: list[str] | None = Field(None, min_length=1, description="extension: one of these strings")
     guided_grammar: str | None = Field(None, min_length=1, description="extension: an EBNF grammar (root ::= ...)")
+    structured_outputs: StructuredOutputs | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -250,7 +284,7 @@ class _Common(Strict):
             out.append(("guided_choice", Grammar("choice", json.dumps(self.guided_choice))))
         if self.guided_grammar is not None:
             out.append(("guided_grammar", Grammar("ebnf", self.guided_grammar)))
-        return out
+        return out + (self.structured_outputs.grammars() if self.structured_outputs else [])
 
     def grammar(self, calls: CallFormat = HERMES) -> Grammar | None:
         """What the output must spell (structured output), or None."""
@@ -272,7 +306,9 @@ class _Common(Strict):
                         logit_bias=tuple((int(k), b) for k, b in (self.logit_bias or {}).items()),
                         min_p=self.min_p, stop_token_ids=tuple(self.stop_token_ids or ()),
                         logprobs=self.top_logprobs_wanted(), prompt_logprobs=self.prompt_logprobs_wanted(),
-                        grammar=self.grammar(calls), cache_salt=cache_salt, tenant=tenant)
+                        grammar=self.grammar(calls), cache_salt=cache_salt, tenant=tenant,
+                        include_stop_str_in_output=self.include_stop_str_in_output,
+                        skip_special_tokens=self.skip_special_tokens)
 
     def prompt_logprobs_wanted(self) -> int | None:
         """Alternatives per prompt token when the prompt's log probabilities are asked for."""
@@ -317,6 +353,9 @@ class ChatCompletionRequest(_Common):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="with tools, auto when absent; none: the tools are not shown to the model")
     parallel_tool_calls: bool = Field(True, description="false: at most one call an answer")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, max_length=32, description="extension, vLLM's: more variables for the chat template (enable_thinking, "
+        "...); not the ones the server sets")
 
     @model_validator(mode="after")
     def _chat(self):
@@ -327,6 +366,13 @@ class ChatCompletionRequest(_Common):
                                       {"param": "top_logprobs"})
         if self.store:
             raise _refuse("store", "this server stores no completions")
+        taken = sorted(set(self.chat_template_kwargs or ()) & TEMPLATE_VARIABLES)
+        if taken:
+            raise PydanticCustomError("invalid_value", "'{param}' may not set " + ", ".join(taken) + " (the server "
+                                      "sets it)", {"param": "chat_template_kwargs"})
+        if len(json.dumps(self.chat_template_kwargs or {})) > MAX_TEMPLATE_KWARGS_CHARS:
+            raise PydanticCustomError("invalid_value", "'{param}' is over " + str(MAX_TEMPLATE_KWARGS_CHARS) +
+                                      " characters of JSON", {"param": "chat_template_kwargs"})
         names = [t.function.name for t in self.tools or ()]
         if self.tool_choice not in (None, "none") and not names:
             raise PydanticCustomError("invalid_value", "'tool_choice' needs 'tools'", {"param": "tool_choice"})

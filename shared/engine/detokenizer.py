@@ -3,7 +3,8 @@
 `TextStream.push(token_ids)` returns the new text since the last call. It never emits half a
 UTF-8 character (a token that ends mid-character waits for the next one), and it holds back
 a tail that could still grow into a stop string, so a stop string never reaches the client
-even in part. Deterministic in the token ids alone: two processes that push the same ids
+even in part (`keep_stop`: the one that matched ends the text). `skip_special`: special tokens
+add no text. Deterministic in the token ids alone: two processes that push the same ids
 emit the same text (the decode side replays the prefill side's first token this way).
 """
 
@@ -13,8 +14,9 @@ from shared.engine.tokenizer import Tokenizer
 
 
 class TextStream:
-    def __init__(self, tokenizer: Tokenizer, start: int, stop: tuple[str, ...] = ()):
-        self.tok = tokenizer
+    def __init__(self, tokenizer: Tokenizer, start: int, stop: tuple[str, ...] = (), keep_stop: bool = False,
+                 skip_special: bool = True):
+        self.tok, self.keep_stop, self.skip_special = tokenizer, keep_stop, skip_special
         self.prefix_offset = self.read_offset = start  # token offsets into the id list
         self.stop = tuple(s for s in stop if s)
         self.text = ""        # all text decoded so far (cut at a stop string once matched)
@@ -34,8 +36,8 @@ class TextStream:
         return self._emit(len(self.text))
 
     def _new_text(self, ids: list[int]) -> str:
-        before = self.tok.decode(ids[self.prefix_offset:self.read_offset])
-        after = self.tok.decode(ids[self.prefix_offset:])
+        before = self.tok.decode(ids[self.prefix_offset:self.read_offset], self.skip_special)
+        after = self.tok.decode(ids[self.prefix_offset:], self.skip_special)
         if len(after) > len(before) and not after.endswith("\ufffd"):
             self.prefix_offset, self.read_offset = self.read_offset, len(ids)
             return after[len(before):]
@@ -44,9 +46,10 @@ class TextStream:
     def _match_stop(self) -> None:
         longest = max((len(s) for s in self.stop), default=0)
         window_start = max(0, self.emitted - longest)
-        hits = [i for s in self.stop if (i := self.text.find(s, window_start)) >= 0]
+        hits = [(i, -len(s)) for s in self.stop if (i := self.text.find(s, window_start)) >= 0]
         if hits:
-            self.text = self.text[:min(hits)]
+            at, minus_length = min(hits)  # the first to match (the longest of those that start there)
+            self.text = self.text[:at - minus_length if self.keep_stop else at]
             self.stopped = True
 
     def _held_back(self) -> int:

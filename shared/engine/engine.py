@@ -360,7 +360,8 @@ class Engine:
             if not all(seq.matcher.accept(t) for t in generated):
                 raise GrammarError("the tokens generated before leave the grammar")
         if self.tokenizer is not None:
-            seq.text = TextStream(self.tokenizer, len(prompt), params.stop)
+            seq.text = TextStream(self.tokenizer, len(prompt), params.stop, params.include_stop_str_in_output,
+                                  params.skip_special_tokens)
             for end in range(len(prompt) + 1, total + 1):  # already streamed by the engine before
                 seq.text.push(seq.token_ids[:end])
         self.seqs[request_id] = seq

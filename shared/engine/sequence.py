@@ -32,6 +32,8 @@ class SamplingParams:
     grammar: Grammar | None = None  # what the output must spell (structured output)
     cache_salt: str = ""          # prefix-cache partition: blocks are shared only under one salt (hashing.py)
     tenant: str = ""              # who asked: a priority level's prompts are taken round-robin across tenants
+    include_stop_str_in_output: bool = False  # the stop string that ended the text kept at its end
+    skip_special_tokens: bool = True          # special tokens left out of the text (their ids are kept)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

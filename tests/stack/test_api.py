@@ -39,6 +39,19 @@ def test_chat_streaming_matches_non_streaming(client):
     finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finals == [full.choices[0].finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    every = list(client.chat.completions.create(  # vLLM's continuous_usage_stats (guidellm sends it)
+        model=MODEL, messages=messages, temperature=0, max_tokens=24, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in every if c.choices and c.usage]
+    assert counts == sorted(counts) and counts[-1] == full.usage.completion_tokens and len(counts) > 1
+    assert all(c.usage.prompt_tokens == full.usage.prompt_tokens for c in every if c.usage)
+
+
+def test_the_stop_string_kept_on_request(client):
+    kw = dict(model=MODEL, messages=PARIS, temperature=0, max_tokens=32, stop=["Paris"])
+    cut = client.chat.completions.create(**kw).choices[0].message.content
+    kept = client.chat.completions.create(**kw, extra_body={"include_stop_str_in_output": True})
+    assert "Paris" not in cut and kept.choices[0].message.content == cut + "Paris"
 
 
 def test_completions_with_text_and_token_prompts(client, smollm2):

@@ -19,9 +19,9 @@ def test_encode_decode_round_trip_and_digits(tokenizer):
     assert len(digits) == 5  # the smollm pre-tokenizer splits numbers into single digits
 
 
-def _stream(tokenizer, text, stop=()):
+def _stream(tokenizer, text, stop=(), **kw):
     ids = tokenizer.encode(text)
-    s = TextStream(tokenizer, 0, stop)
+    s = TextStream(tokenizer, 0, stop, **kw)
     pieces = [s.push(ids[:i + 1]) for i in range(len(ids))]
     return pieces, s
 
@@ -40,6 +40,15 @@ def test_stop_string_is_cut_and_never_emitted_in_part(tokenizer):
     out = "".join(pieces) + s.flush()
     assert out == "The answer is 42. "
     assert not any("E" in p for p in pieces)
+
+
+def test_the_stop_string_kept_and_special_tokens_spelled_on_request(tokenizer):
+    pieces, s = _stream(tokenizer, "The answer is 42. END of story", stop=("END", "42. EN"), keep_stop=True)
+    assert "".join(pieces) + s.flush() == "The answer is 42. EN"  # (the first to match, whole)
+    ids = tokenizer.encode("<|im_start|>assistant\nHi<|im_end|>")
+    for skip, text in ((True, "assistant\nHi"), (False, "<|im_start|>assistant\nHi<|im_end|>")):
+        s = TextStream(tokenizer, 0, skip_special=skip)
+        assert "".join(s.push(ids[:i + 1]) for i in range(len(ids))) + s.flush() == text
 
 
 def test_held_back_text_is_flushed_when_stop_never_comes(tokenizer):
