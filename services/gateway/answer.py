@@ -31,11 +31,13 @@ class Answer:
     token; with tools, calls are taken out of the text as each completes."""
 
     def __init__(self, tok: Tokenizer, kind: Kind, body: ChatCompletionRequest | CompletionRequest,
-                 prompt: list[int], scoring: bool, calls: tools.CallFormat):
-        self.tok, self.kind, self.prompt, self.scoring = tok, kind, prompt, scoring
+                 prompt: list[int], scoring: bool, calls: tools.CallFormat, text: str | list[int] = "",
+                 first: bool = True):
+        """`prompt`: its tokens; `text`: the prompt as the client sent it (ids: decoded for
+        `echo`); `first`: its prompt's first choice (the one whose usage counts the prompt)."""
+        self.tok, self.kind, self.prompt, self.scoring, self.first = tok, kind, prompt, scoring, first
         self.echo = isinstance(body, CompletionRequest) and body.echo
-        self.prompt_text = (body.prompt if isinstance(body.prompt, str) else tok.decode(prompt)) \
-            if isinstance(body, CompletionRequest) else ""
+        self.prompt_text = text if isinstance(text, str) else tok.decode(prompt)
         self.logprobs = body.top_logprobs_wanted() is not None
         self.token_ids = body.return_token_ids
         self.offsets = CompletionLogprobs(tok)
@@ -98,12 +100,12 @@ class Answer:
 
 
 def usage(answers: list[Answer], lasts: list[TokenChunk]) -> dict:
-    """The prompt once (as choice 0 computed it), the completions of every choice."""
-    first = lasts[0]
+    """Each prompt once (as its choice 0 computed it), the completions of every choice."""
+    firsts = [last for a, last in zip(answers, lasts) if a.first]
+    prompt = sum(last.prompt_tokens for last in firsts)
     completion = sum(0 if a.scoring else last.completion_tokens for a, last in zip(answers, lasts))
-    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": first.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(last.cached_tokens for last in firsts)}}
 
 
 def body(meta: dict, answers: list[Answer], lasts: list[TokenChunk]) -> dict:

@@ -113,15 +113,16 @@ def caller(request: Request) -> str:
     return request.state.caller
 
 
-async def fair_share(gw: Gateway, body: Body, request: Request, n_prompt: int, max_tokens: int) -> None:
+async def fair_share(gw: Gateway, body: Body, request: Request, choices: int, n_prompt: int,
+                     max_tokens: int) -> None:
     """A priority ahead of the default only for the keys allowed it (PD_PRIORITY_KEYS; anyone's
-    while the API is open); the request's other choices from the request bucket, and its tokens
-    (prompt + n x max_tokens) from the token bucket."""
+    while the API is open); the request's other choices (of every prompt) from the request
+    bucket, and its tokens (prompts + n x each prompt's max_tokens) from the token bucket."""
     key = getattr(request.state, "api_key", None)
     allowed = {k.strip() for k in gw.settings.priority_keys.split(",") if k.strip()}
     if body.priority < 0 and key is not None and key not in allowed:
         raise APIError(400, "priority below 0 (ahead of the default) is not allowed for this API key.",
                        param="priority", code="priority_not_allowed")
-    if body.n > 1:
-        await gw.rate_limit.take(caller(request), body.n - 1)
+    if choices > 1:
+        await gw.rate_limit.take(caller(request), choices - 1)
     await gw.token_limit.take(caller(request), n_prompt + body.n * max_tokens)

@@ -23,17 +23,22 @@ from shared import tracing
 from shared.messages import RouteRequest, TokenChunk
 
 
-def prompt_ids(gw: Gateway, body: ChatCompletionRequest | CompletionRequest) -> list[int]:
+def prompt_ids(gw: Gateway, body: ChatCompletionRequest | CompletionRequest) -> list[list[int]]:
+    """Each prompt's tokens (a chat's conversation, or a completions request's prompts)."""
     if body.model != gw.settings.model_name:
         raise APIError(404, f"The model '{body.model}' does not exist; this server serves "
                             f"'{gw.settings.model_name}'.", param="model", code="model_not_found")
     if isinstance(body, ChatCompletionRequest):
-        return chat_ids(gw, body)
-    if isinstance(body.prompt, str):
-        return gw.tokenizer.encode(body.prompt)
-    if any(not 0 <= t < gw.model_config.vocab_size for t in body.prompt):
-        raise APIError(400, "The prompt has token ids outside the vocabulary.", param="prompt")
-    return list(body.prompt)
+        return [chat_ids(gw, body)]
+    out = []
+    for prompt in body.prompts():
+        if isinstance(prompt, str):
+            out.append(gw.tokenizer.encode(prompt))
+        elif any(not 0 <= t < gw.model_config.vocab_size for t in prompt):
+            raise APIError(400, "The prompt has token ids outside the vocabulary.", param="prompt")
+        else:
+            out.append(list(prompt))
+    return out
 
 
 def chat_ids(gw: Gateway, body: ChatCompletionRequest) -> list[int]:
@@ -86,47 +91,76 @@ def max_tokens(gw: Gateway, body, n_prompt: int) -> int:
 
 async def generate(gw: Gateway, request: Request, body: ChatCompletionRequest | CompletionRequest,
                    kind: Kind) -> JSONResponse | StreamingResponse:
+    """The request's answer: each prompt (several in a completions batch) placed as a request
+    of its own, with its `n` choices (choices.py); choice i of prompt j is index j x n + i."""
     checks.check_caps(gw, body, request)
     await checks.check_grammars(body, gw.calls)
-    ids = prompt_ids(gw, body)
-    checks.check_tokens(gw, body, len(ids))
+    prompts = prompt_ids(gw, body)
+    for ids in prompts:
+        checks.check_tokens(gw, body, len(ids))
     scoring = isinstance(body, CompletionRequest) and body.max_tokens == 0  # echo: the prompt scored alone
-    try:
-        limit = max_tokens(gw, body, len(ids))  # (the prompt's checks too)
-        sampling = body.sampling(1 if scoring else limit, checks.cache_salt(gw, body, request), gw.calls,
-                                checks.caller(request))
+    salt, caller = checks.cache_salt(gw, body, request), checks.caller(request)
+    try:  # (max_tokens: the prompt's checks too)
+        samplings = [body.sampling(1 if scoring else max_tokens(gw, body, len(ids)), salt, gw.calls, caller)
+                     for ids in prompts]
     except ValueError as e:
         raise APIError(400, str(e), param="min_tokens") from None
     rid = request.state.request_id  # set with the root span by middleware.RequestContext
     span = trace.get_current_span()
-    span.set_attributes({"prompt_tokens": len(ids), "stream": body.stream, "max_tokens": sampling.max_tokens})
-    await gw.in_flight.join(checks.caller(request), rid, body.n)  # (refused: nothing taken from the rate limits)
+    span.set_attributes({"prompt_tokens": sum(map(len, prompts)), "stream": body.stream,
+                         "max_tokens": samplings[0].max_tokens})
+    n = body.n
+    await gw.in_flight.join(caller, rid, n * len(prompts))  # (refused: nothing taken from the rate limits)
+    streams: list[AsyncIterator[TokenChunk]] = []
     try:
-        await checks.fair_share(gw, body, request, len(ids), sampling.max_tokens)
-        # n > 1: the later choices follow choice 0 to its decode worker (choices.py), under one session
-        session = body.session_id or request.headers.get("x-session-id") or (f"n-{rid}" if body.n > 1 else None)
-        req = RouteRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling, model=body.model,
-                           session_id=session)
-        checks.check_size(gw, body, req)
-        placement, streams = await choices.run(gw.relay.run, req, body.n)
+        await checks.fair_share(gw, body, request, n * len(prompts), sum(map(len, prompts)),
+                                sum(s.max_tokens for s in samplings))
+        placements = []
+        for j, (ids, sampling) in enumerate(zip(prompts, samplings)):
+            # n > 1: the later choices follow choice 0 to its decode worker (choices.py), under one session
+            prid = rid if len(prompts) == 1 else f"{rid}-p{j}"
+            session = body.session_id or request.headers.get("x-session-id") or (f"n-{prid}" if n > 1 else None)
+            req = RouteRequest(request_id=prid, prompt_token_ids=ids, sampling=sampling, model=body.model,
+                               session_id=session)
+            checks.check_size(gw, body, req)
+            placement, placed = await choices.run(gw.relay.run, req, n)
+            placements.append(placement)
+            streams += placed
     except BaseException as e:
         gw.in_flight.leave(rid)
+        await _cancel(streams)  # (a batch's prompts placed before the one that failed)
         if isinstance(e, APIError):
             span.set_attribute("error", e.message)
         raise
-    span.set_attributes({"mode": placement.mode or "", "decode_worker": placement.decode_worker or "",
-                         "prefill_worker": placement.prefill_worker or "", "n": body.n})
-    merged = choices.merge([timed(s, request.state.arrived, placement.mode or "", tracing.trace_id_hex(span))
-                            for s in streams])
-    merged = _leaving(merged, lambda: gw.in_flight.leave(rid))
+    first = placements[0]
+    span.set_attributes({"mode": first.mode or "", "decode_worker": first.decode_worker or "",
+                         "prefill_worker": first.prefill_worker or "", "n": n, "prompts": len(prompts)})
+    merged = _leaving(choices.merge([timed(s, request.state.arrived, placements[k // n].mode or "",
+                                           tracing.trace_id_hex(span)) for k, s in enumerate(streams)]),
+                      lambda: gw.in_flight.leave(rid))
     meta = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{rid}", "created": int(time.time()),
             "model": body.model}
-    answers = [Answer(gw.tokenizer, kind, body, ids, scoring, gw.calls) for _ in range(body.n)]
+    texts = body.prompts() if isinstance(body, CompletionRequest) else [""]
+    answers = [Answer(gw.tokenizer, kind, body, ids, scoring, gw.calls, text, first=i == 0)
+               for ids, text in zip(prompts, texts) for i in range(n)]
     if body.stream:
         return StreamingResponse(_sse(merged, meta, answers, body.stream_options or StreamOptions()),
                                  media_type="text/event-stream")
     lasts = await _gather(request, merged, answers)
     return JSONResponse(answer.body(meta, answers, lasts))
+
+
+async def _cancel(streams: list[AsyncIterator[TokenChunk]]) -> None:
+    """Streams given up before anyone read them: each started, then cancelled and closed, so
+    its placement is cancelled and its subscriptions end."""
+    tasks = [asyncio.ensure_future(anext(s)) for s in streams]
+    await asyncio.sleep(0)
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for s in streams:
+        if isinstance(s, AsyncGenerator):
+            await s.aclose()
 
 
 async def _leaving(chunks: AsyncGenerator[tuple[int, TokenChunk]],

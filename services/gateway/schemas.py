@@ -31,6 +31,7 @@ NOT_SUPPORTED = {
 
 
 MAX_CHOICES = 16  # n at most
+MAX_PROMPT_CHOICES = 64  # a batch of completions prompts: prompts x n at most
 # what the gateway gives a chat template itself (tokenizer.apply_chat_template, generate.chat_ids)
 TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token",
                                 "raise_exception", "strftime_now", "continue_final_message"})
@@ -402,7 +403,9 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] = Field(min_length=1)
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        min_length=1, description="a text, token ids, or a batch of either: each prompt answered as its own choices "
+        "(index prompt x n + choice, as OpenAI numbers them)")
     max_tokens: int | None = Field(16, ge=0, description="0 only with echo: the prompt scored, nothing generated")
     echo: bool = Field(False, description="the prompt before the completion (with logprobs: the prompt's too)")
     logprobs: int | None = Field(None, ge=0, le=5)
@@ -413,7 +416,19 @@ class CompletionRequest(_Common):
         if self.max_tokens == 0 and not self.echo:
             raise PydanticCustomError("invalid_value", "'max_tokens' of 0 needs 'echo' (the prompt scored alone)",
                                       {"param": "max_tokens"})
+        prompts = self.prompts()
+        if any(len(p) == 0 for p in prompts):
+            raise PydanticCustomError("invalid_value", "'{param}' holds an empty prompt", {"param": "prompt"})
+        if len(prompts) * self.n > MAX_PROMPT_CHOICES:
+            raise PydanticCustomError("invalid_value", "'{param}' asks for " + str(len(prompts) * self.n) +
+                                      " choices (prompts x n); this server answers at most " +
+                                      str(MAX_PROMPT_CHOICES) + " a request", {"param": "prompt"})
         return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or a batch's."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
 
     def top_logprobs_wanted(self) -> int | None:
         return self.logprobs

@@ -64,6 +64,29 @@ def test_completions_with_text_and_token_prompts(client, smollm2):
     assert streamed == text.choices[0].text
 
 
+def test_a_batch_of_prompts_is_answered_prompt_by_prompt(client, smollm2):
+    """Completions' batched prompts (lm-eval's local-completions sends them): choice j x n + i
+    is prompt j's choice i, each the answer that prompt alone gets; token-id batches too, and
+    log-likelihood scoring (echo, max_tokens 0) of each."""
+    prompts = ["The capital of France is", "Two plus two equals"]
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0) for p in prompts]
+    batch = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    ids = [smollm2.tokenizer.encode(p) for p in prompts]
+    two = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0, n=2, seed=3)
+    assert [c.index for c in two.choices] == [0, 1, 2, 3]
+    assert [two.choices[k].text for k in (0, 2)] == [a.choices[0].text for a in alone]  # (greedy: n alike)
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {0: alone[0].choices[0].text, 1: alone[1].choices[0].text}
+    scored = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1)
+    assert [len(c.logprobs.tokens) for c in scored.choices] == [len(i) for i in ids]
+
+
 def test_greedy_tokens_equal_the_engine_in_process(client, smollm2):
     tok = smollm2.tokenizer
     questions = ["Name three rivers in Europe.", "What is 2 + 2?", "Why do cats purr?"]

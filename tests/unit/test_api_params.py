@@ -75,6 +75,9 @@ def test_explicit_defaults_of_refused_fields_are_accepted_and_values_are_checked
     assert refusal(ChatCompletionRequest, {**base, "logit_bias": {"x": 1}})[1] == "logit_bias"
     assert refusal(ChatCompletionRequest, {**base, "logit_bias": {"3": 101}})[1] == "logit_bias"
     assert refusal(CompletionRequest, {"model": "m", "prompt": "hi", "max_tokens": 0})[1] == "max_tokens"
+    assert refusal(CompletionRequest, {"model": "m", "prompt": ["a", ""]})[1] == "prompt"  # an empty one in a batch
+    assert refusal(CompletionRequest, {"model": "m", "prompt": ["a"] * 9, "n": 8})[1] == "prompt"  # 72 choices
+    assert CompletionRequest.model_validate({"model": "m", "prompt": [[1, 2], [3]]}).prompts() == [[1, 2], [3]]
     ok = CompletionRequest.model_validate({"model": "m", "prompt": "hi", "max_tokens": 0, "echo": True, "logprobs": 1})
     s = ok.sampling(1)
     assert (s.logprobs, s.prompt_logprobs) == (1, 1)
