@@ -1,7 +1,10 @@
-"""Routes: OpenAI-compatible generation and the model list (API key and rate limit checked
-first), liveness, readiness and Prometheus metrics (open)."""
+"""Routes: OpenAI-compatible generation, the model list, and vLLM's /tokenize and /detokenize
+(API key and rate limit checked first); the version, liveness, readiness and Prometheus metrics
+(open)."""
 
 from __future__ import annotations
+
+import importlib.metadata
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
@@ -9,11 +12,13 @@ from prometheus_client import REGISTRY
 from prometheus_client.exposition import choose_encoder
 
 from services.gateway.deps import GatewayDep, authorize
-from services.gateway.generate import generate
-from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from services.gateway.errors import APIError
+from services.gateway.generate import chat_ids, generate
+from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 router = APIRouter()
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
+tokens = APIRouter(dependencies=[Depends(authorize)])  # vLLM's, beside /v1
 
 
 @v1.post("/chat/completions")
@@ -26,10 +31,52 @@ async def completions(body: CompletionRequest, request: Request, gw: GatewayDep)
     return await generate(gw, request, body, "text")
 
 
+def _model(gw: GatewayDep) -> dict:
+    return {"id": gw.settings.model_name, "object": "model", "created": 0, "owned_by": "pdserve",
+            "max_model_len": gw.model_config.max_position}
+
+
+def _served(gw: GatewayDep, model: str | None) -> None:
+    if model is not None and model != gw.settings.model_name:
+        raise APIError(404, f"The model '{model}' does not exist; this server serves '{gw.settings.model_name}'.",
+                       param="model", code="model_not_found")
+
+
 @v1.get("/models")
 async def models(gw: GatewayDep):
-    return {"object": "list", "data": [{"id": gw.settings.model_name, "object": "model", "created": 0,
-                                         "owned_by": "pdserve", "max_model_len": gw.model_config.max_position}]}
+    return {"object": "list", "data": [_model(gw)]}
+
+
+@v1.get("/models/{model_id:path}")
+async def model(model_id: str, gw: GatewayDep):
+    _served(gw, model_id)
+    return _model(gw)
+
+
+@tokens.post("/tokenize")
+async def tokenize(body: TokenizeRequest, gw: GatewayDep):
+    """A text's tokens, or a conversation's through the chat template (as a chat request's)."""
+    _served(gw, body.model)
+    if body.messages is not None:
+        ids = chat_ids(gw, ChatCompletionRequest(model=gw.settings.model_name, messages=body.messages))
+    elif body.add_special_tokens:
+        ids = gw.tokenizer.encode(body.prompt or "")
+    else:
+        ids = gw.tokenizer.tok.encode(body.prompt or "", add_special_tokens=False).ids
+    return {"count": len(ids), "max_model_len": gw.model_config.max_position, "tokens": ids, "token_strs": None}
+
+
+@tokens.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, gw: GatewayDep):
+    _served(gw, body.model)
+    if any(not 0 <= t < gw.model_config.vocab_size for t in body.tokens):
+        raise APIError(400, "tokens has ids outside the vocabulary.", param="tokens")
+    return {"prompt": gw.tokenizer.decode(body.tokens)}
+
+
+@router.get("/version")
+async def version():
+    return {"version": importlib.metadata.version("pdserve")}
 
 
 @router.get("/metrics", include_in_schema=False)

@@ -29,7 +29,7 @@ from fastapi import FastAPI
 from opentelemetry import trace
 
 from services.gateway import connections, errors, tools
-from services.gateway.api import router, v1
+from services.gateway.api import router, tokens, v1
 from services.gateway.auth import KeyCheck
 from services.gateway.concurrency import Concurrency
 from services.gateway.deps import Gateway
@@ -99,6 +99,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app = FastAPI(title="pdserve", version="0.1.0", lifespan=lifespan)
     errors.install(app)
     app.include_router(v1)
+    app.include_router(tokens)
     app.include_router(router)
 
     app.add_middleware(RequestContext, tracer=trace.get_tracer("pdserve.gateway"),

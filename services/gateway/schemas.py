@@ -435,3 +435,23 @@ class CompletionRequest(_Common):
 
     def prompt_logprobs_wanted(self) -> int | None:
         return self.logprobs if self.echo else None
+
+
+class TokenizeRequest(Strict):
+    """vLLM's /tokenize: a text, or a conversation through the chat template."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool = Field(True, description="with `prompt`: the tokenizer's BOS rule; false: none")
+    add_generation_prompt: Literal[True] = True
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise PydanticCustomError("invalid_value", "'{param}' or 'messages', one of them", {"param": "prompt"})
+        return self
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1 << 20)

@@ -113,6 +113,25 @@ def test_models_health_ready(stack):
     assert [m["id"] for m in models["data"]] == [MODEL]
 
 
+def test_vllms_model_version_and_token_endpoints(stack, client, smollm2):
+    one = httpx.get(f"{stack.url}/v1/models/{MODEL}")
+    assert one.status_code == 200 and one.json()["id"] == MODEL
+    other = httpx.get(f"{stack.url}/v1/models/nope")
+    assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
+    assert httpx.get(stack.url + "/version").json()["version"]
+    text = "The capital of France is"
+    r = httpx.post(stack.url + "/tokenize", json={"model": MODEL, "prompt": text}).json()
+    assert r["tokens"] == smollm2.tokenizer.encode(text) and r["count"] == len(r["tokens"]) and r["max_model_len"]
+    chat = httpx.post(stack.url + "/tokenize", json={"messages": PARIS}).json()
+    usage = client.chat.completions.create(model=MODEL, messages=PARIS, max_tokens=1).usage
+    assert chat["count"] == usage.prompt_tokens  # the conversation as a chat request's prompt
+    assert httpx.post(stack.url + "/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": text}
+    bad = httpx.post(stack.url + "/detokenize", json={"tokens": [10 ** 9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    both = httpx.post(stack.url + "/tokenize", json={"prompt": "a", "messages": PARIS})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "prompt"
+
+
 BAD = [
     ("missing messages", {"model": MODEL}, 400, "messages"),
     ("empty messages", {"model": MODEL, "messages": []}, 400, "messages"),
