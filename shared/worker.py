@@ -10,7 +10,7 @@ from typing import Literal
 
 import torch
 
-from shared import metrics, tracing
+from shared import metrics, metrics_vllm, tracing
 from shared.config import WorkerSettings
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
@@ -98,6 +98,7 @@ async def serve_worker(role: str, settings: WorkerSettings, worker_cls) -> None:
     until SIGTERM/SIGINT, then unwind in reverse (transport closed, Redis closed, NATS drained)."""
     tracer = tracing.setup(role, settings.otlp_endpoint)
     metrics.serve(settings.metrics_port)
+    metrics_vllm.register(settings.model_name)
     engine = build_engine(settings)
     async with AsyncExitStack() as stack:
         stop = stop_event()

@@ -36,7 +36,7 @@ from services.gateway.deps import Gateway
 from services.gateway.middleware import RequestContext
 from services.gateway.ratelimit import RateLimit
 from services.gateway.relay import Relay
-from shared import tracing
+from shared import metrics_vllm, tracing
 from shared.bus import Bus
 from shared.config import GatewaySettings
 from shared.engine import grammar
@@ -52,6 +52,7 @@ log = logging.getLogger("gateway")
 
 def create_app(settings: GatewaySettings) -> FastAPI:
     keys = KeyCheck(settings.api_keys)  # a malformed entry stops the start, before any request
+    metrics_vllm.register(settings.model_name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

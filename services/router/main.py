@@ -52,7 +52,7 @@ from services.router.pools import EMPTY, Pool, pools
 from services.router.recent import REGISTRY_READ_S, Recent, horizons
 from services.router.registry import Registry
 from services.router.supervisor import Supervisor
-from shared import metrics, prefix_index, subjects, tracing
+from shared import metrics, metrics_vllm, prefix_index, subjects, tracing
 from shared.bus import Bus, context_of
 from shared.config import RouterSettings
 from shared.hashing import block_hashes
@@ -484,6 +484,7 @@ class Router:
 async def serve(settings: RouterSettings) -> None:
     tracer = tracing.setup("router", settings.otlp_endpoint)
     metrics.serve(settings.metrics_port)
+    metrics_vllm.register(settings.model_name)
     async with AsyncExitStack() as stack:
         stop = stop_event()
         bus, state = await connect(stack, settings, "router")
