@@ -2,15 +2,19 @@
 the official client, generated from its OpenAPI spec: every field known, typed and required
 ones present, at every depth — and against the code: real modules, real settings, probe paths
 the services serve on the ports they listen on, Services, budgets and autoscalers that select
-real Deployments, autoscaler metrics the adapter rules make from metrics the workers export.
-The GPU overlay's patch is applied and the result checked the same way. (Not run on a cluster
-here: no `kubectl`, no cluster.)"""
+real Deployments, autoscaler metrics the adapter rules make from metrics the workers export,
+each service on NATS and Redis as its own role (shared/grants.py), every container non-root on
+a read-only root with limits, NetworkPolicies around every workload. The GPU overlay's patch is
+applied and the result checked the same way. The compose file and the image get the same role
+and non-root checks. (Not run on a cluster here: no `kubectl`, no cluster, no docker.)"""
 
 from __future__ import annotations
 
 import copy
 import importlib.util
+import re
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import kubernetes.client.models as k8s
 import pytest
@@ -20,15 +24,19 @@ from prometheus_client import REGISTRY
 
 import shared.metrics  # noqa: F401 - registers the metrics the adapter rules read
 from services.gateway.api import router as gateway_routes
-from shared import probes
+from shared import grants, probes
 from shared.config import DecodeSettings, GatewaySettings, PrefillSettings, RouterSettings
+from shared.engine.kernels import cc
+from shared.urls import nats_inbox
 
-K8S = Path(__file__).parents[2] / "deploy" / "k8s"
+DEPLOY = Path(__file__).parents[2] / "deploy"
+K8S = DEPLOY / "k8s"
 SETTINGS = {"gateway": GatewaySettings, "router": RouterSettings, "prefill": PrefillSettings,
             "decode": DecodeSettings}
 MODELS = {("apps/v1", "Deployment"): "V1Deployment", ("v1", "Service"): "V1Service",
           ("v1", "Secret"): "V1Secret", ("policy/v1", "PodDisruptionBudget"): "V1PodDisruptionBudget",
-          ("autoscaling/v2", "HorizontalPodAutoscaler"): "V2HorizontalPodAutoscaler"}
+          ("autoscaling/v2", "HorizontalPodAutoscaler"): "V2HorizontalPodAutoscaler",
+          ("networking.k8s.io/v1", "NetworkPolicy"): "V1NetworkPolicy", ("v1", "ConfigMap"): "V1ConfigMap"}
 SCALARS = {"str": str, "int": int, "float": (int, float), "bool": bool}
 
 
@@ -91,6 +99,9 @@ BASE = documents(K8S / "base" / "kustomization.yaml")
 DEPLOYMENTS = {d["metadata"]["name"]: d for d in BASE if d["kind"] == "Deployment"}
 CONFIG = dict(item.split("=", 1) for item in yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())
               ["configMapGenerator"][0]["literals"])
+SECRETS = {d["metadata"]["name"]: d["stringData"]
+           for d in yaml.safe_load_all((K8S / "secret.example.yaml").read_text())}
+DOCKERFILE = (DEPLOY / "compose" / "Dockerfile").read_text()
 
 
 def container(name: str) -> dict:
@@ -103,7 +114,8 @@ def test_every_manifest_is_a_valid_kubernetes_object():
         assert (K8S / "base" / name).is_file(), name
     for i, doc in enumerate(BASE):
         validated(doc, f"base[{i}] {doc['kind']} {doc['metadata']['name']}")
-    validated(yaml.safe_load((K8S / "secret.example.yaml").read_text()), "secret.example.yaml")
+    for doc in yaml.safe_load_all((K8S / "secret.example.yaml").read_text()):
+        validated(doc, f"secret.example.yaml {doc['metadata']['name']}")
     assert set(DEPLOYMENTS) == set(SETTINGS)
 
 
@@ -128,7 +140,7 @@ def test_each_deployment_runs_a_real_module_with_real_settings_and_probes(name):
     env = [e["name"] for e in c["env"]] + list(CONFIG)
     unknown = [k for k in env if k.startswith("PD_") and k not in fields]
     assert not unknown, unknown
-    secret = yaml.safe_load((K8S / "secret.example.yaml").read_text())["stringData"]
+    secret = SECRETS["pdserve-bus"]
     for e in c["env"]:
         ref = e.get("valueFrom", {}).get("secretKeyRef")
         assert ref is None or (ref["name"] == "pdserve-bus" and ref["key"] in secret), e
@@ -183,3 +195,161 @@ def test_services_budgets_and_autoscalers_select_real_deployments_on_exported_me
     assert all("replicas" not in DEPLOYMENTS[name]["spec"] for name in scaled)   # the autoscaler's to set
     assert all(name in made for names in scaled.values() for name in names), scaled
     assert scaled["prefill"] == ["pd_queued_prompt_tokens"]
+
+
+def image_user() -> tuple[int, int]:
+    uid, gid = re.search(r"^USER (\d+):(\d+)$", DOCKERFILE, re.M).groups()
+    return int(uid), int(gid)
+
+
+def image_env(name: str) -> str:
+    return re.search(rf"\b{name}=(\S+)", DOCKERFILE).group(1)
+
+
+def test_the_image_runs_as_a_fixed_non_root_user_with_a_home_and_a_kernel_cache(monkeypatch):
+    uid, gid = image_user()
+    assert uid >= 1000 and gid >= 1000
+    assert re.search(rf"useradd .*--uid {uid} --gid {gid} --home-dir {image_env('HOME')}", DOCKERFILE)
+    cache = image_env("XDG_CACHE_HOME")
+    assert cache.startswith(image_env("HOME") + "/") and f"-o {uid} -g {gid}" in DOCKERFILE
+    monkeypatch.setenv("XDG_CACHE_HOME", cache)
+    assert cc._cache_dir() == Path(cache) / "pdserve"   # where the engine keeps its compiled kernels
+
+
+def hardened(doc: dict, where: str) -> None:
+    """The pod runs as the image's user, each container unprivileged on a read-only root with
+    requests and a memory limit; the paths it writes (the kernel cache, /tmp) are emptyDirs."""
+    pod = doc["spec"]["template"]["spec"]
+    uid, gid = image_user()
+    assert pod["securityContext"]["runAsNonRoot"] is True, where
+    assert (pod["securityContext"]["runAsUser"], pod["securityContext"]["runAsGroup"]) == (uid, gid), where
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    for c in pod["containers"]:
+        sc = c["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True, where
+        assert sc["capabilities"]["drop"] == ["ALL"] and not sc["capabilities"].get("add"), where
+        assert sc.get("runAsUser", uid) == uid and not sc.get("privileged"), where
+        assert {"cpu", "memory"} <= set(c["resources"]["requests"]) and "memory" in c["resources"]["limits"], where
+        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        for path in (image_env("XDG_CACHE_HOME"), "/tmp"):
+            (mount,) = [m for m in mounts if path == m or path.startswith(m + "/")]
+            assert "emptyDir" in volumes[mounts[mount]], (where, path)
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_every_container_runs_non_root_on_a_read_only_root_with_limits(name):
+    hardened(DEPLOYMENTS[name], name)
+    overlay = K8S / "overlays" / "gpu"
+    for p in yaml.safe_load((overlay / "kustomization.yaml").read_text())["patches"]:
+        if p["target"]["name"] == name:
+            hardened(patched(DEPLOYMENTS[name], yaml.safe_load((overlay / p["path"]).read_text())), f"gpu {name}")
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_each_deployment_is_its_own_role_on_nats_and_redis(name):
+    assert set(DEPLOYMENTS) == set(grants.ROLES)
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container(name)["env"]
+            if "secretKeyRef" in e.get("valueFrom", {})}
+    assert refs["PD_NATS_URL"] == {"name": "pdserve-bus", "key": f"nats-url-{name}"}
+    assert refs["PD_REDIS_URL"] == {"name": "pdserve-bus", "key": f"redis-url-{name}"}
+    nats, redis = SECRETS["pdserve-bus"][f"nats-url-{name}"], SECRETS["pdserve-bus"][f"redis-url-{name}"]
+    assert urlsplit(nats).username == urlsplit(redis).username == name
+    assert nats_inbox(nats) == grants.inbox(name)            # the inboxes its grant reads
+    # nats-server reads each user's password from its environment: one per user, the role's the URL's
+    users = SECRETS["pdserve-nats-users"]
+    assert set(users) == {grants.password_variable(u)[1:] for u in (*grants.ROLES, grants.OPERATOR)}
+    assert urlsplit(nats).password == urlsplit(redis).password == users[grants.password_variable(name)[1:]]
+    assert not any(k.startswith("nats-url") and not k.endswith(grants.ROLES) for k in SECRETS["pdserve-bus"])
+
+
+def test_the_nats_users_configmap_is_the_rendered_authorization():
+    (doc,) = [d for d in BASE if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "pdserve-nats-authorization"]
+    assert doc["data"]["authorization.conf"] == (DEPLOY / "nats" / "authorization.conf").read_text()
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    assert set(selector) <= {"matchLabels", "matchExpressions"}, selector
+    ok = selector.get("matchLabels", {}).items() <= labels.items()
+    for e in selector.get("matchExpressions", []):
+        assert e["operator"] == "In", e
+        ok = ok and labels.get(e["key"]) in e["values"]
+    return ok
+
+
+def port_range(port: dict, ports: dict[str, int]) -> tuple[int, int]:
+    first = ports[port["port"]] if isinstance(port["port"], str) else port["port"]
+    return first, port.get("endPort", first)
+
+
+def test_network_policies_admit_only_the_gateway_from_outside_and_the_workers_to_each_other():
+    policies = [d for d in BASE if d["kind"] == "NetworkPolicy"]
+    labels = {n: d["spec"]["template"]["metadata"]["labels"] for n, d in DEPLOYMENTS.items()}
+    ucx = tuple(int(p) for p in CONFIG["UCX_TCP_PORT_RANGE"].split("-"))
+    prometheus = {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+    workers = {"prefill", "decode"}
+    bus = SECRETS["pdserve-bus"]
+    needed = {53, urlsplit(bus["nats-url-gateway"]).port, urlsplit(bus["redis-url-gateway"]).port, 6379,
+              urlsplit(CONFIG["OTEL_EXPORTER_OTLP_ENDPOINT"]).port}   # DNS, NATS, Sentinel, Redis, OTLP
+    for name in DEPLOYMENTS:
+        mine = [p["spec"] for p in policies if selects(p["spec"]["podSelector"], labels[name])]
+        assert any("Ingress" in p["policyTypes"] for p in mine), name   # default deny, then what is listed
+        assert any("Egress" in p["policyTypes"] for p in mine), name
+        ports = {p["name"]: p["containerPort"] for p in container(name)["ports"]}
+        served = {(port, port) for port in ports.values()} | ({ucx} if name in workers else set())
+        for rule in (r for p in mine if "Ingress" in p["policyTypes"] for r in p.get("ingress", [])):
+            opened = {port_range(p, ports) for p in rule["ports"]}
+            assert opened <= served, (name, rule)   # only ports it listens on
+            if "from" not in rule:                  # from anywhere: the gateway's API only
+                assert name == "gateway" and opened == {(ports["http"], ports["http"])}, (name, rule)
+            elif opened == {ucx}:                   # KV: from prefill and decode pods only
+                assert name in workers and all(
+                    set(n for n in DEPLOYMENTS if selects(peer["podSelector"], labels[n])) == workers
+                    and "namespaceSelector" not in peer for peer in rule["from"]), rule
+            else:                                   # metrics: Prometheus's scrapes
+                assert rule["from"] == [prometheus] and opened == {(ports["metrics"],) * 2}, (name, rule)
+        egress = [r for p in mine if "Egress" in p["policyTypes"] for r in p.get("egress", [])]
+        reached = {port_range(p, ports) for r in egress for p in r["ports"]}
+        assert {(p, p) for p in needed} <= reached | ({ucx} if name in workers else set()), name
+        assert all("ipBlock" not in peer for r in egress for peer in r.get("to", [])), name
+        if name in workers:
+            assert ucx in reached
+        else:
+            assert ucx not in reached and all(port_range(p, ports) != ucx for r in egress for p in r["ports"])
+    assert 1 <= ucx[0] <= ucx[1] < 65536
+
+
+# Compose: the same roles, no password on a command line, the services non-root.
+COMPOSE = yaml.safe_load((DEPLOY / "compose" / "compose.yaml").read_text())
+INTERPOLATED_PASSWORD = re.compile(r"(?<!\$)\$\{?PD_\w*PASSWORD")   # `$$` is a literal `$`
+
+
+def interpolated(text: str) -> str:
+    """`text` as compose sets it, each ${VAR...} the sample value `<VAR>`."""
+    return re.sub(r"\$\{(\w+)(:[-?][^}]*)?\}", lambda m: f"<{m.group(1)}>", text)
+
+
+def test_compose_gives_each_service_its_role_and_no_password_on_a_command_line():
+    services = COMPOSE["services"]
+    for role in grants.ROLES:
+        env, var = services[role]["environment"], grants.password_variable(role)[1:]
+        for key, scheme in (("PD_NATS_URL", "nats"), ("PD_REDIS_URL", "redis")):
+            url = urlsplit(interpolated(env[key]))
+            assert (url.scheme, url.username, url.password) == (scheme, role, f"<{var}>"), env[key]
+        assert nats_inbox(interpolated(env["PD_NATS_URL"])) == grants.inbox(role)
+        assert services[role]["user"] == "{}:{}".format(*image_user()) and services[role]["cap_drop"] == ["ALL"]
+    nats = services["nats"]
+    assert {grants.password_variable(u)[1:] for u in (*grants.ROLES, grants.OPERATOR)} <= set(nats["environment"])
+    assert "../nats/authorization.conf:/etc/nats/authorization.conf:ro" in nats["volumes"]
+    conf = COMPOSE["configs"][nats["configs"][0]["source"]]["content"]
+    assert "include ./authorization.conf" in conf and "jetstream" in conf
+    assert nats["configs"][0]["target"] == "/etc/nats/" + nats["command"][-1].rsplit("/", 1)[-1]
+    # redis.conf written at start: each role's ACL user as shared/grants.py has it, passwords from the environment
+    script = services["redis"]["command"][0].replace("$$", "$")
+    users = [line for line in script.splitlines() if line.startswith("user ")]
+    assert users == grants.redis_users({r: grants.password_variable(r) for r in grants.ROLES}).splitlines()
+    assert {grants.password_variable(r)[1:] for r in grants.ROLES} | {"PD_REDIS_PASSWORD"} <= set(
+        services["redis"]["environment"])
+    for name, service in services.items():
+        argv = [*service.get("entrypoint", []), *(service.get("command") or [])]
+        assert not any(INTERPOLATED_PASSWORD.search(a) for a in argv), name
+        assert "PD_NATS_PASSWORD" not in str(service.get("environment", {})), name
