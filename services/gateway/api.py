@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import REGISTRY
 from prometheus_client.exposition import choose_encoder
 
+from services.gateway.checks import check_model
 from services.gateway.deps import GatewayDep, authorize
 from services.gateway.errors import APIError
 from services.gateway.generate import chat_ids, generate
@@ -36,12 +37,6 @@ def _model(gw: GatewayDep) -> dict:
             "max_model_len": gw.model_config.max_position}
 
 
-def _served(gw: GatewayDep, model: str | None) -> None:
-    if model is not None and model != gw.settings.model_name:
-        raise APIError(404, f"The model '{model}' does not exist; this server serves '{gw.settings.model_name}'.",
-                       param="model", code="model_not_found")
-
-
 @v1.get("/models")
 async def models(gw: GatewayDep):
     return {"object": "list", "data": [_model(gw)]}
@@ -49,14 +44,14 @@ async def models(gw: GatewayDep):
 
 @v1.get("/models/{model_id:path}")
 async def model(model_id: str, gw: GatewayDep):
-    _served(gw, model_id)
+    check_model(gw, model_id)
     return _model(gw)
 
 
 @tokens.post("/tokenize")
 async def tokenize(body: TokenizeRequest, gw: GatewayDep):
     """A text's tokens, or a conversation's through the chat template (as a chat request's)."""
-    _served(gw, body.model)
+    check_model(gw, body.model)
     if body.messages is not None:
         ids = chat_ids(gw, ChatCompletionRequest(model=gw.settings.model_name, messages=body.messages))
     elif body.add_special_tokens:
@@ -68,7 +63,7 @@ async def tokenize(body: TokenizeRequest, gw: GatewayDep):
 
 @tokens.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, gw: GatewayDep):
-    _served(gw, body.model)
+    check_model(gw, body.model)
     if any(not 0 <= t < gw.model_config.vocab_size for t in body.tokens):
         raise APIError(400, "tokens has ids outside the vocabulary.", param="tokens")
     return {"prompt": gw.tokenizer.decode(body.tokens)}

@@ -60,6 +60,13 @@ def cache_salt(gw: Gateway, body: Body, request: Request) -> str:
 MAX_SESSION_CHARS = 200  # x-session-id, as the session_id field
 
 
+def check_model(gw: Gateway, model: str | None) -> None:
+    """The model a request names is the one served (None: not named) — a 404 otherwise."""
+    if model is not None and model != gw.settings.model_name:
+        raise APIError(404, f"The model '{model}' does not exist; this server serves '{gw.settings.model_name}'.",
+                       param="model", code="model_not_found")
+
+
 def check_caps(gw: Gateway, body: Body, request: Request) -> None:
     """This server's limits on what costs it per token or per message (GatewaySettings)."""
     if len(body.logit_bias or {}) > gw.settings.max_logit_bias:

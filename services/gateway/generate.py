@@ -25,9 +25,7 @@ from shared.messages import RouteRequest, TokenChunk
 
 def prompt_ids(gw: Gateway, body: ChatCompletionRequest | CompletionRequest) -> list[list[int]]:
     """Each prompt's tokens (a chat's conversation, or a completions request's prompts)."""
-    if body.model != gw.settings.model_name:
-        raise APIError(404, f"The model '{body.model}' does not exist; this server serves "
-                            f"'{gw.settings.model_name}'.", param="model", code="model_not_found")
+    checks.check_model(gw, body.model)
     if isinstance(body, ChatCompletionRequest):
         return [chat_ids(gw, body)]
     out = []
