@@ -57,6 +57,8 @@ class Common(BaseSettings):
     heartbeat_s: float = Field(1.0, gt=0, description=f"worker heartbeat period; the lease is {LEASE_BEATS}x this")
     otlp_endpoint: str | None = Field(None, validation_alias="OTEL_EXPORTER_OTLP_ENDPOINT",
                                       description="OTLP/HTTP collector (Jaeger: http://host:4318)")
+    trace_baggage_keys: str = Field("", description="W3C baggage entries (a client's, carried with the trace) "
+                                    "copied onto every span as attributes: their keys, separated by commas")
     metrics_port: int = Field(9400, ge=0, description="router and workers: /metrics on this port (0: off); the "
                               "gateway serves /metrics on its own port")
     stall_s: float = Field(30.0, gt=0, description="a request that does not advance this long (no token while "

@@ -2,12 +2,19 @@
 
 Spans are exported over OTLP/HTTP when an endpoint is configured (the standard
 OTEL_EXPORTER_OTLP_ENDPOINT, e.g. Jaeger's http://localhost:4318); otherwise they are
-created and dropped, so the code path is the same either way.
+created and dropped, so the code path is the same either way. The context carries W3C
+`baggage` on with the trace (OpenTelemetry's default propagators); the entries named in
+PD_TRACE_BAGGAGE_KEYS become attributes of every span (a client's entries are not all copied:
+their keys and values are the client's).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from opentelemetry import context, propagate, trace
+from opentelemetry.processor.baggage import BaggageSpanProcessor
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -15,9 +22,13 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 _provider: TracerProvider | None = None
 
 
-def setup(service: str, otlp_endpoint: str | None) -> trace.Tracer:
+def setup(service: str, otlp_endpoint: str | None, baggage_keys: str = "") -> trace.Tracer:
+    """`baggage_keys`: separated by commas."""
     global _provider
     _provider = TracerProvider(resource=Resource.create({"service.name": f"pdserve-{service}"}))
+    keys = {k.strip() for k in baggage_keys.split(",") if k.strip()}
+    if keys:
+        _provider.add_span_processor(BaggageSpanProcessor(keys.__contains__))
     if otlp_endpoint:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
@@ -42,6 +53,19 @@ def inject(ctx: context.Context | None = None) -> dict[str, str]:
 
 def extract(headers: dict[str, str] | None) -> context.Context:
     return propagate.extract(headers or {})
+
+
+@contextmanager
+def continued(tracer: trace.Tracer, name: str, ctx: context.Context, **kwargs) -> Iterator[trace.Span]:
+    """A span continuing `ctx` (a caller's or a message's context), made current with the whole
+    of `ctx`: its baggage goes on with the trace (`start_as_current_span(context=ctx)` alone
+    makes current the span only)."""
+    token = context.attach(ctx)
+    try:
+        with tracer.start_as_current_span(name, **kwargs) as span:
+            yield span
+    finally:
+        context.detach(token)
 
 
 def trace_id_hex(span: trace.Span) -> str:

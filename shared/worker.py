@@ -96,7 +96,7 @@ def worker_info(engine: Engine, wid: str, role: str, settings: WorkerSettings, u
 async def serve_worker(role: str, settings: WorkerSettings, worker_cls) -> None:
     """Build the engine, connect NATS, Redis and the UCX transport, run `worker_cls(...).serve`
     until SIGTERM/SIGINT, then unwind in reverse (transport closed, Redis closed, NATS drained)."""
-    tracer = tracing.setup(role, settings.otlp_endpoint)
+    tracer = tracing.setup(role, settings.otlp_endpoint, settings.trace_baggage_keys)
     metrics.serve(settings.metrics_port)
     metrics_vllm.register(settings.model_name)
     engine = build_engine(settings)

@@ -44,7 +44,7 @@ from opentelemetry import trace
 
 from services.decode.chunk_log import ChunkLog
 from services.decode.handoff import Handoffs, PrefillWorkerLate, PrefillWorkerLost
-from shared import metrics, subjects
+from shared import metrics, subjects, tracing
 from shared.bus import Bus, after_reconnects, context_of
 from shared.config import DecodeSettings
 from shared.engine.block_manager import OutOfBlocks
@@ -143,7 +143,7 @@ class DecodeWorker:
     async def on_admit(self, msg: Msg) -> None:
         req = AdmitRequest.decode(msg.data)
         parent = context_of(msg)
-        with self.tracer.start_as_current_span("decode.admit", context=parent) as span:
+        with tracing.continued(self.tracer, "decode.admit", parent) as span:
             span.set_attributes({"request_id": req.request_id, "mode": req.mode, "worker": self.id})
             key = (req.request_id, req.attempt)
             repeat = key in self.admitted or key in self.admitting

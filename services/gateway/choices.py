@@ -19,6 +19,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 import xxhash
 
+from services.gateway import ids
 from shared.messages import RouteReply, RouteRequest, TokenChunk
 
 Run = Callable[[RouteRequest], Awaitable[tuple[RouteReply, AsyncIterator[TokenChunk]]]]
@@ -31,7 +32,7 @@ def child(req: RouteRequest, index: int) -> RouteRequest:
     seed = req.sampling.seed
     sampling = req.sampling if seed is None else req.sampling.model_copy(
         update={"seed": xxhash.xxh64_intdigest(f"{seed}:choice{index}".encode()) & 0x7FFF_FFFF_FFFF_FFFF})
-    return req.model_copy(update={"request_id": f"{req.request_id}-{index}", "sampling": sampling})
+    return req.model_copy(update={"request_id": ids.choice_id(req.request_id, index), "sampling": sampling})
 
 
 async def run(relay_run: Run, req: RouteRequest, n: int) -> tuple[RouteReply, list[AsyncIterator[TokenChunk]]]:

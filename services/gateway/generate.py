@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2.exceptions import TemplateError
 from opentelemetry import trace
 
-from services.gateway import answer, checks, choices, tools
+from services.gateway import answer, checks, choices, genai, ids, tools
 from services.gateway.answer import Answer, Kind, Part, usage
 from services.gateway.deps import Gateway
 from services.gateway.errors import APIError
@@ -94,19 +94,20 @@ async def generate(gw: Gateway, request: Request, body: ChatCompletionRequest | 
     checks.check_caps(gw, body, request)
     await checks.check_grammars(body, gw.calls)
     prompts = prompt_ids(gw, body)
-    for ids in prompts:
-        checks.check_tokens(gw, body, len(ids))
+    for prompt in prompts:
+        checks.check_tokens(gw, body, len(prompt))
     scoring = isinstance(body, CompletionRequest) and body.max_tokens == 0  # echo: the prompt scored alone
     salt, caller = checks.cache_salt(gw, body, request), checks.caller(request)
     try:  # (max_tokens: the prompt's checks too)
-        samplings = [body.sampling(1 if scoring else max_tokens(gw, body, len(ids)), salt, gw.calls, caller)
-                     for ids in prompts]
+        samplings = [body.sampling(1 if scoring else max_tokens(gw, body, len(p)), salt, gw.calls, caller)
+                     for p in prompts]
     except ValueError as e:
         raise APIError(400, str(e), param="min_tokens") from None
-    rid = request.state.request_id  # set with the root span by middleware.RequestContext
     span = trace.get_current_span()
+    rid = await request_id(gw, request, len(prompts), body.n)
     span.set_attributes({"prompt_tokens": sum(map(len, prompts)), "stream": body.stream,
-                         "max_tokens": samplings[0].max_tokens})
+                         "max_tokens": samplings[0].max_tokens,
+                         **genai.request_attributes(body, kind, samplings[0].max_tokens)})
     n = body.n
     await gw.in_flight.join(caller, rid, n * len(prompts))  # (refused: nothing taken from the rate limits)
     streams: list[AsyncIterator[TokenChunk]] = []
@@ -114,11 +115,11 @@ async def generate(gw: Gateway, request: Request, body: ChatCompletionRequest | 
         await checks.fair_share(gw, body, request, n * len(prompts), sum(map(len, prompts)),
                                 sum(s.max_tokens for s in samplings))
         placements = []
-        for j, (ids, sampling) in enumerate(zip(prompts, samplings)):
+        for j, (tokens, sampling) in enumerate(zip(prompts, samplings)):
             # n > 1: the later choices follow choice 0 to its decode worker (choices.py), under one session
-            prid = rid if len(prompts) == 1 else f"{rid}-p{j}"
+            prid = ids.prompt_id(rid, len(prompts), j)
             session = body.session_id or request.headers.get("x-session-id") or (f"n-{prid}" if n > 1 else None)
-            req = RouteRequest(request_id=prid, prompt_token_ids=ids, sampling=sampling, model=body.model,
+            req = RouteRequest(request_id=prid, prompt_token_ids=tokens, sampling=sampling, model=body.model,
                                session_id=session)
             checks.check_size(gw, body, req)
             placement, placed = await choices.run(gw.relay.run, req, n)
@@ -139,13 +140,25 @@ async def generate(gw: Gateway, request: Request, body: ChatCompletionRequest | 
     meta = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{rid}", "created": int(time.time()),
             "model": body.model}
     texts = body.prompts() if isinstance(body, CompletionRequest) else [""]
-    answers = [Answer(gw.tokenizer, kind, body, ids, scoring, gw.calls, text, first=i == 0)
-               for ids, text in zip(prompts, texts) for i in range(n)]
+    answers = [Answer(gw.tokenizer, kind, body, tokens, scoring, gw.calls, text, first=i == 0)
+               for tokens, text in zip(prompts, texts) for i in range(n)]
     if body.stream:
-        return StreamingResponse(_sse(merged, meta, answers, body.stream_options or StreamOptions()),
+        return StreamingResponse(_sse(merged, meta, answers, body.stream_options or StreamOptions(), span),
                                  media_type="text/event-stream")
     lasts = await _gather(request, merged, answers)
+    span.set_attributes(genai.response_attributes(meta, answers, lasts))
     return JSONResponse(answer.body(meta, answers, lasts))
+
+
+async def request_id(gw: Gateway, request: Request, prompts: int, n: int) -> str:
+    """The request's id (ids.py): the one middleware.RequestContext gave it, or, when that is the
+    client's `x-request-id`, the client's as claimed (and the response's header says which)."""
+    rid = request.state.request_id
+    if request.state.client_id:
+        rid = await ids.settle(gw.state, rid, prompts, n, gw.relay.owner)
+        request.state.request_id = rid
+        trace.get_current_span().set_attribute("request_id", rid)
+    return rid
 
 
 async def _cancel(streams: list[AsyncIterator[TokenChunk]]) -> None:
@@ -202,7 +215,7 @@ def _event(obj) -> bytes:
 
 
 async def _sse(chunks: AsyncGenerator[tuple[int, TokenChunk]], meta: dict, answers: list[Answer],
-               options: StreamOptions) -> AsyncIterator[bytes]:
+               options: StreamOptions, span: trace.Span) -> AsyncIterator[bytes]:
     kind = answers[0].kind
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
     extra = {"usage": None} if options.include_usage else {}
@@ -244,6 +257,8 @@ async def _sse(chunks: AsyncGenerator[tuple[int, TokenChunk]], meta: dict, answe
     finally:
         await chunks.aclose()  # (a client gone: every choice's work stops)
     ended = [last for last in lasts if last is not None]
+    if len(ended) == len(answers):
+        span.set_attributes(genai.response_attributes(meta, answers, ended))
     if options.include_usage and len(ended) == len(answers):
         yield _event({**meta, "object": obj, "choices": [], "usage": usage(answers, ended)})
     yield b"data: [DONE]\n\n"

@@ -56,7 +56,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        tracing.setup("gateway", settings.otlp_endpoint)
+        tracing.setup("gateway", settings.otlp_endpoint, settings.trace_baggage_keys)
         model_config, tokenizer = await asyncio.to_thread(inspect, settings.model)
         if tokenizer is None:
             raise RuntimeError(f"model {settings.model!r} has no tokenizer; the gateway needs one")

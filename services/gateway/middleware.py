@@ -1,5 +1,6 @@
-"""Every HTTP request: a request id, the root span of its trace, both returned as headers
-(`x-request-id`, `x-trace-id`) on every response, errors included; the body size limit, counted
+"""Every HTTP request: a request id (the client's `x-request-id` when it sends one, ids.py), the
+root span of its trace (continuing the client's `traceparent`, `tracestate` and `baggage`), both
+returned as headers (`x-request-id`, `x-trace-id`) on every response, errors included; the body size limit, counted
 as the bytes arrive (a chunked body has no Content-Length); and the last word on a failure no
 handler answered: a 500 in OpenAI's error shape, with the ids, its traceback in the log."""
 
@@ -7,13 +8,12 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 
 from fastapi.responses import JSONResponse
 from opentelemetry import trace
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.gateway import errors
+from services.gateway import errors, ids
 from shared import tracing
 
 log = logging.getLogger("gateway")
@@ -36,19 +36,23 @@ class RequestContext:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] == "/metrics":  # scrapes: no trace each few seconds
             return await self.app(scope, receive, send)
-        request_id = uuid.uuid4().hex
-        scope.setdefault("state", {}).update(request_id=request_id, arrived=time.monotonic())
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        client_id = headers.get("x-request-id") or None  # (an empty one: as if absent)
+        valid = client_id is not None and ids.CLIENT_ID.fullmatch(client_id) is not None
+        request_id = client_id if valid else ids.new()
+        state = scope.setdefault("state", {})
+        state.update(request_id=request_id, client_id=valid, arrived=time.monotonic())
         name = f"{scope['method']} {scope['path']}"
-        with self.tracer.start_as_current_span("gateway.request", kind=trace.SpanKind.SERVER, attributes={
-                "request_id": request_id, "http.route": name}) as span:
-            ids = [(b"x-request-id", request_id.encode()), (b"x-trace-id", tracing.trace_id_hex(span).encode())]
+        with tracing.continued(self.tracer, "gateway.request", tracing.extract(headers), kind=trace.SpanKind.SERVER,
+                               attributes={"request_id": request_id, "http.route": name}) as span:
             started = False
 
             async def send_with_ids(message):
                 nonlocal started
                 if message["type"] == "http.response.start":
-                    started = True
-                    message["headers"] = [*message.get("headers", []), *ids]
+                    started = True  # (the id as generate.py settled it)
+                    message["headers"] = [*message.get("headers", []), (b"x-request-id", state["request_id"].encode()),
+                                          (b"x-trace-id", tracing.trace_id_hex(span).encode())]
                     span.set_attribute("http.status_code", message["status"])
                 await send(message)
 
@@ -63,12 +67,15 @@ class RequestContext:
                         raise BodyTooLarge(self.max_bytes)
                 return message
 
-            size = dict(scope["headers"]).get(b"content-length", b"")
+            size = headers.get("content-length", "")
             if len(size) > 20 or (size.isdigit() and int(size) > self.max_bytes):
                 return await self._too_large(scope, receive, send_with_ids)
+            if client_id is not None and not valid:
+                return await self._refused_id(scope, receive, send_with_ids)
             try:
                 await self.app(scope, counted, send_with_ids)
             except Exception as e:  # noqa: BLE001 - the catch-all: no request gets a bare 500
+                request_id = state["request_id"]
                 log.exception("%s: %s failed", request_id, name)
                 span.record_exception(e)
                 if not started:
@@ -79,3 +86,8 @@ class RequestContext:
     async def _too_large(self, scope, receive, send) -> None:
         too_big = JSONResponse(errors.body(413, BodyTooLarge(self.max_bytes).detail), status_code=413)
         await too_big(scope, receive, send)
+
+    async def _refused_id(self, scope, receive, send) -> None:
+        refused = JSONResponse(errors.body(400, f"The x-request-id header must be {ids.CLIENT_ID_RULE}.",
+                                           param="x-request-id"), status_code=400)
+        await refused(scope, receive, send)

@@ -208,7 +208,7 @@ class Router:
     async def on_route(self, msg: Msg) -> None:
         req = RouteRequest.decode(msg.data)
         self.in_flight += 1
-        with self.tracer.start_as_current_span("router.route", context=context_of(msg)) as span:
+        with tracing.continued(self.tracer, "router.route", context_of(msg)) as span:
             span.set_attributes({"request_id": req.request_id, "prompt_tokens": len(req.prompt_token_ids),
                                  "router": self.id, "attempt": req.attempt})
             start = time.perf_counter()
@@ -429,7 +429,7 @@ class Router:
 
     async def on_requeue(self, msg: Msg) -> None:
         req = Requeue.decode(msg.data)
-        with self.tracer.start_as_current_span("router.requeue", context=context_of(msg)) as span:
+        with tracing.continued(self.tracer, "router.requeue", context_of(msg)) as span:
             span.set_attributes({"request_id": req.request_id, "decode_worker": req.decode_worker, "why": req.why,
                                  "avoid_workers": req.avoid_workers, "attempt": req.attempt, "router": self.id})
             try:
@@ -482,7 +482,7 @@ class Router:
 
 
 async def serve(settings: RouterSettings) -> None:
-    tracer = tracing.setup("router", settings.otlp_endpoint)
+    tracer = tracing.setup("router", settings.otlp_endpoint, settings.trace_baggage_keys)
     metrics.serve(settings.metrics_port)
     metrics_vllm.register(settings.model_name)
     async with AsyncExitStack() as stack:

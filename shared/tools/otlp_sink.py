@@ -22,14 +22,20 @@ class Span:
     start_ns: int = 0
     end_ns: int = 0
     events: tuple = ()          # (name, attributes) of each span event, in order
+    trace_state: str = ""       # W3C tracestate, as the trace's caller sent it
 
     @property
     def duration_ms(self) -> float:
         return (self.end_ns - self.start_ns) / 1e6
 
 
+def _value(v):
+    kind = v.WhichOneof("value")
+    return [_value(x) for x in v.array_value.values] if kind == "array_value" else getattr(v, kind)
+
+
 def _attributes(kvs) -> dict:
-    return {a.key: getattr(a.value, a.value.WhichOneof("value")) for a in kvs}
+    return {a.key: _value(a.value) for a in kvs}
 
 
 class OtlpReceiver:
@@ -62,7 +68,8 @@ class OtlpReceiver:
                 for s in ss.spans:
                     events = tuple((e.name, _attributes(e.attributes)) for e in s.events)
                     span = Span(service, s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(),
-                                _attributes(s.attributes), s.start_time_unix_nano, s.end_time_unix_nano, events)
+                                _attributes(s.attributes), s.start_time_unix_nano, s.end_time_unix_nano, events,
+                                s.trace_state)
                     with self._lock:
                         self.spans.append(span)
 

@@ -22,7 +22,8 @@ def stack(otlp, tmp_path_factory):
     """1 prefill + 1 decode worker, exporting traces to the in-process receiver."""
     cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=1024,
                                     log_dir=tmp_path_factory.mktemp("stack-logs"),
-                                    env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.url})
+                                    env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.url,
+                                         "PD_TRACE_BAGGAGE_KEYS": "app.tenant"})  # (tests/stack/test_ids.py)
     with Stack(cfg) as s:
         yield s
 
