@@ -1,6 +1,6 @@
-"""Routes: OpenAI-compatible generation, the model list, and vLLM's /tokenize and /detokenize
-(API key and rate limit checked first); the version, liveness, readiness and Prometheus metrics
-(open)."""
+"""Routes: OpenAI-compatible generation (chat, completions, responses), the model list, and
+vLLM's /tokenize and /detokenize (API key and rate limit checked first); the version, liveness,
+readiness and Prometheus metrics (open)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from services.gateway.checks import check_model
 from services.gateway.deps import GatewayDep, authorize
 from services.gateway.errors import APIError
 from services.gateway.generate import chat_ids, generate
+from services.gateway.responses import respond
+from services.gateway.responses_request import ResponsesRequest
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 router = APIRouter()
@@ -30,6 +32,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, gw: Ga
 @v1.post("/completions")
 async def completions(body: CompletionRequest, request: Request, gw: GatewayDep):
     return await generate(gw, request, body, "text")
+
+
+@v1.post("/responses")
+async def responses(body: ResponsesRequest, request: Request, gw: GatewayDep):
+    return await respond(gw, request, body)
 
 
 def _model(gw: GatewayDep) -> dict:

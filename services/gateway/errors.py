@@ -29,7 +29,7 @@ def response(err: APIError) -> JSONResponse:
                         headers=err.headers)
 
 
-def _describe(errors: list[dict]) -> tuple[str, str | None, str | None]:
+def describe(errors: list[dict]) -> tuple[str, str | None, str | None]:
     """(message, param, code) of the first error."""
     first = errors[0]
     kind = first.get("type")
@@ -55,7 +55,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, err: RequestValidationError):
-        message, param, code = _describe(json.loads(json.dumps(err.errors(), default=str)))
+        message, param, code = describe(json.loads(json.dumps(err.errors(), default=str)))
         return JSONResponse(body(400, message, param, code), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)

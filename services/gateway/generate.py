@@ -1,20 +1,20 @@
-"""From a validated request to an OpenAI response: prompt checks, placement, the token
-stream relayed as SSE or gathered into one JSON body."""
+"""From a validated request to an OpenAI response: prompt checks, placement, and the answer
+streamed (stream.py) or gathered into one JSON body."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import NamedTuple
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2.exceptions import TemplateError
 from opentelemetry import trace
 
-from services.gateway import answer, checks, choices, genai, ids, tools
-from services.gateway.answer import Answer, Kind, Part, usage
+from services.gateway import answer, checks, choices, genai, ids, stream, tools
+from services.gateway.answer import Answer, Kind
 from services.gateway.deps import Gateway
 from services.gateway.errors import APIError
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, StreamOptions
@@ -87,9 +87,32 @@ def max_tokens(gw: Gateway, body, n_prompt: int) -> int:
     return wanted if wanted is not None else min(room, gw.settings.default_max_tokens, cap or room)
 
 
+class Started(NamedTuple):
+    """A request placed: its answers (one per choice) and the chunks that fill them, as
+    (answer index, chunk)."""
+
+    rid: str
+    meta: dict  # the response's id, created and model
+    answers: list[Answer]
+    chunks: AsyncGenerator[tuple[int, TokenChunk]]
+    span: trace.Span  # the request's (gateway.request)
+
+
 async def generate(gw: Gateway, request: Request, body: ChatCompletionRequest | CompletionRequest,
                    kind: Kind) -> JSONResponse | StreamingResponse:
-    """The request's answer: each prompt (several in a completions batch) placed as a request
+    """The request's answer, streamed (stream.py) or whole."""
+    s = await start(gw, request, body, kind)
+    if body.stream:
+        return StreamingResponse(stream.events(s.chunks, s.meta, s.answers, body.stream_options or StreamOptions(),
+                                               s.span), media_type="text/event-stream")
+    lasts = await gather(request, s.chunks, s.answers)
+    s.span.set_attributes(genai.response_attributes(s.meta, s.answers, lasts))
+    return JSONResponse(answer.body(s.meta, s.answers, lasts))
+
+
+async def start(gw: Gateway, request: Request, body: ChatCompletionRequest | CompletionRequest,
+                kind: Kind) -> Started:
+    """The request checked and placed: each prompt (several in a completions batch) a request
     of its own, with its `n` choices (choices.py); choice i of prompt j is index j x n + i."""
     checks.check_caps(gw, body, request)
     await checks.check_grammars(body, gw.calls)
@@ -142,12 +165,7 @@ async def generate(gw: Gateway, request: Request, body: ChatCompletionRequest | 
     texts = body.prompts() if isinstance(body, CompletionRequest) else [""]
     answers = [Answer(gw.tokenizer, kind, body, tokens, scoring, gw.calls, text, first=i == 0)
                for tokens, text in zip(prompts, texts) for i in range(n)]
-    if body.stream:
-        return StreamingResponse(_sse(merged, meta, answers, body.stream_options or StreamOptions(), span),
-                                 media_type="text/event-stream")
-    lasts = await _gather(request, merged, answers)
-    span.set_attributes(genai.response_attributes(meta, answers, lasts))
-    return JSONResponse(answer.body(meta, answers, lasts))
+    return Started(rid, meta, answers, merged, span)
 
 
 async def request_id(gw: Gateway, request: Request, prompts: int, n: int) -> str:
@@ -185,7 +203,7 @@ async def _leaving(chunks: AsyncGenerator[tuple[int, TokenChunk]],
         await chunks.aclose()
 
 
-async def _gather(request: Request, chunks: AsyncIterator[tuple[int, TokenChunk]],
+async def gather(request: Request, chunks: AsyncIterator[tuple[int, TokenChunk]],
                   answers: list[Answer]) -> list[TokenChunk]:
     """Collect every choice whole (each one's last chunk); a client that hangs up cancels the request."""
     async def collect():
@@ -208,57 +226,3 @@ async def _gather(request: Request, chunks: AsyncIterator[tuple[int, TokenChunk]
         await asyncio.gather(work, return_exceptions=True)
         raise APIError(499, "client closed the request")
     return work.result()
-
-
-def _event(obj) -> bytes:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
-
-
-async def _sse(chunks: AsyncGenerator[tuple[int, TokenChunk]], meta: dict, answers: list[Answer],
-               options: StreamOptions, span: trace.Span) -> AsyncIterator[bytes]:
-    kind = answers[0].kind
-    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-    extra = {"usage": None} if options.include_usage else {}
-    every = options.include_usage and options.continuous_usage_stats  # (as vLLM: with include_usage only)
-
-    def frame(index: int, part: Part | None, finish: str | None, last: TokenChunk | None = None) -> bytes:
-        if kind == "chat":
-            delta: dict = {"role": "assistant", "content": ""} if part is None else \
-                ({"content": part.text} if part.text else {})
-            if part is not None and part.tool_calls:
-                delta["tool_calls"] = part.tool_calls
-            choice = {"index": index, "delta": delta, "logprobs": part and part.logprobs, "finish_reason": finish}
-        else:
-            choice = {"index": index, "text": part.text if part else "", "logprobs": part and part.logprobs,
-                      "finish_reason": finish}
-        if answers[index].token_ids and part is not None:
-            choice["token_ids"] = part.ids
-        so_far = {"usage": {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
-                            "total_tokens": last.prompt_tokens + last.completion_tokens}} \
-            if every and last is not None else {}
-        return _event({**meta, "object": obj, "choices": [choice], **extra, **so_far})
-
-    if kind == "chat":
-        for index in range(len(answers)):
-            yield frame(index, None, None)
-    lasts: list[TokenChunk | None] = [None] * len(answers)
-    try:
-        async for index, last in chunks:
-            answer, lasts[index] = answers[index], last
-            part = answer.part(last)
-            if answer.calls is not None and not part.text.strip():  # (between calls: the separators)
-                part = part._replace(text="")
-            if part.text or part.tool_calls or last.finished or answer.token_ids or \
-                    (part.logprobs and any(part.logprobs.values())):
-                yield frame(index, part, answer.finish_reason(last) if last.finished else None, last)
-    except APIError as e:  # the status line is gone already: report in the stream, as OpenAI does
-        yield _event({"error": {"message": e.message, "type": "server_error", "code": e.code}})
-        return
-    finally:
-        await chunks.aclose()  # (a client gone: every choice's work stops)
-    ended = [last for last in lasts if last is not None]
-    if len(ended) == len(answers):
-        span.set_attributes(genai.response_attributes(meta, answers, ended))
-    if options.include_usage and len(ended) == len(answers):
-        yield _event({**meta, "object": obj, "choices": [], "usage": usage(answers, ended)})
-    yield b"data: [DONE]\n\n"

@@ -97,7 +97,7 @@ class _Common(Strict):
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:
-        if (path := _lone_surrogate(data)) is not None:
+        if (path := lone_surrogate(data)) is not None:
             raise PydanticCustomError("invalid_value", "'{param}' is not valid unicode (it holds a lone surrogate, "
                                       "half of a UTF-16 pair)", {"param": path})
         return data
@@ -172,7 +172,7 @@ class _Common(Strict):
         return None
 
 
-def _lone_surrogate(data: Any, path: str = "") -> str | None:
+def lone_surrogate(data: Any, path: str = "") -> str | None:
     """The place of the first string in a request body (a value or a key) that UTF-8 cannot
     encode: JSON's \\ud800 escapes parse into such strings, and no tokenizer or message takes them."""
     if isinstance(data, str):
@@ -183,8 +183,8 @@ def _lone_surrogate(data: Any, path: str = "") -> str | None:
         return None
     items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
     for key, value in items:
-        found = _lone_surrogate(key, path or "body") if isinstance(key, str) else None
-        if found is not None or (found := _lone_surrogate(value, f"{path}.{key}" if path else str(key))) is not None:
+        found = lone_surrogate(key, path or "body") if isinstance(key, str) else None
+        if found is not None or (found := lone_surrogate(value, f"{path}.{key}" if path else str(key))) is not None:
             return found
     return None
 
