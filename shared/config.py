@@ -51,7 +51,7 @@ class Common(BaseSettings):
     model: str = Field("smollm2", description="smollm2, a .gguf file, a directory (config.json + *.safetensors) or "
                        "a Hugging Face Hub id (from the HF_HOME cache, downloaded there if absent)")
     model_name: str = Field("", description="the id clients ask for (default: the model's own name, model_id)")
-    log_level: str = "INFO"
+    log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
     log_format: Literal["text", "json"] = Field("text", description="json: one object per line, with trace_id "
                                                 "and request_id (text lines carry them too, when in a request)")
     heartbeat_s: float = Field(1.0, gt=0, description=f"worker heartbeat period; the lease is {LEASE_BEATS}x this")
@@ -97,8 +97,9 @@ class Common(BaseSettings):
 
 class GatewaySettings(Common):
     gateway_id: str = Field("", description="registry id (default: gateway-<random>)")
-    gateway_host: str = "127.0.0.1"
-    gateway_port: int = 8000
+    gateway_host: str = Field("127.0.0.1", description="address the HTTP API listens on (other than loopback: "
+                              "API keys or allow_open)")
+    gateway_port: int = Field(8000, description="port the HTTP API listens on")
     route_timeout_s: float = Field(10.0, gt=0, description="router reply deadline")
     token_timeout_s: float = Field(120.0, gt=0, description="longest wait for the next token")
     placement_retry_s: float = Field(30.0, ge=0, description="while no decode worker can take a request (none up, "
@@ -112,7 +113,7 @@ class GatewaySettings(Common):
     tool_call_parser: Literal["auto", "hermes", "llama3_json"] = Field(
         "auto", description="how the model writes tool calls (vLLM's --tool-call-parser names); auto: the format "
         "its chat template asks for (Llama 3.x: llama3_json), else hermes")
-    max_request_bytes: int = 1 << 20
+    max_request_bytes: int = Field(1 << 20, gt=0, description="largest request body accepted (413 beyond)")
     keep_alive_s: int = Field(75, gt=0, description="an idle client connection is closed after this long (longer "
                                 "than clients' and load balancers' own idle timeouts, so they close first)")
     head_timeout_s: float = Field(10.0, gt=0, description="a request's headers must all arrive within this long of "
@@ -164,8 +165,8 @@ def _loopback(host: str) -> bool:
 
 
 class RouterSettings(Common):
-    router_id: str = ""                       # default: router-<random>
-    admit_timeout_s: float = Field(5.0, gt=0)
+    router_id: str = Field("", description="registry id (default: router-<random>)")
+    admit_timeout_s: float = Field(5.0, gt=0, description="longest wait for a decode worker's answer to an admit")
     local_prefill_below: int = Field(0, ge=0, description="prompts shorter than this are prefilled "
                                      "on the decode worker (0: always remote when a prefill worker is up)")
     prefill_mode: Literal["remote", "cost"] = Field(
@@ -190,7 +191,7 @@ class RouterSettings(Common):
                                  "long after its last turn")
     breaker_failures: int = Field(5, gt=0, description="failed KV handoffs on one prefill -> decode path within "
                                   "breaker_window_s (and no fewer than its successes) that open its breaker")
-    breaker_window_s: float = Field(30.0, gt=0)
+    breaker_window_s: float = Field(30.0, gt=0, description="the window breaker_failures are counted in")
     breaker_cooldown_s: float = Field(10.0, gt=0, description="an open path is avoided this long, then probed")
     affinity_slack: int = Field(4, ge=0, description="a conversation stays on its decode worker while that "
                                 "runs at most this many more sequences than the least loaded")
@@ -201,14 +202,15 @@ class RouterSettings(Common):
 
 
 class WorkerSettings(Common):
-    worker_id: str = ""                       # default: <role>-<random>
-    device: str = "cpu"
+    worker_id: str = Field("", description="registry id (default: <role>-<random>)")
+    device: str = Field("cpu", description="torch device: cpu, cuda, cuda:1…")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="weights, activations and the KV pool (auto: bfloat16 on CUDA, float32 on CPU)")
     kv_blocks: int = Field(2048, gt=0, description="KV pool size in blocks of 16 tokens")
-    max_num_seqs: int = 64
-    max_batched_tokens: int = 2048
-    prefill_chunk: int = 512
+    max_num_seqs: int = Field(64, gt=0, description="sequences running at once")
+    max_batched_tokens: int = Field(2048, gt=0, description="tokens in one forward pass")
+    prefill_chunk: int = Field(512, gt=0, description="prompt tokens of one sequence in one pass (longer "
+                               "prompts are prefilled in chunks)")
     mixed_batches: bool = Field(True, description="running sequences' decode tokens and prompt chunks in one "
                                 "forward pass (vLLM's chunked prefill); off: prefill and decode passes alternate")
     threads: int = Field(0, ge=0, description="torch threads (0: torch's default)")

@@ -27,6 +27,7 @@ from bench.sim.cluster import Layout, as_sim
 from bench.sim.cost import STACKS, Cost, control_plane
 from bench.sim.slo import Slo, point, relative
 from bench.sim.worker import Knobs
+from shared.progress import progress
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 AZURE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "azure_conv_2023.csv"
@@ -119,8 +120,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--trace", type=Path, default=AZURE)
     ap.add_argument("--profile", type=Path, help="default: this machine's (bench/results/profile-<device>.json)")
     ap.add_argument("--workers", type=int, default=2)
@@ -133,7 +134,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=60, help="seconds of arrivals per simulated rate")
     ap.add_argument("--requests", type=int, default=2000, help="trace rows used (cycled)")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     started = time.monotonic()
     if args.profile is None:
         from bench.profile import device_name
@@ -148,7 +149,8 @@ def main() -> None:
     print(f"plan for {args.trace.name} (lengths / {args.scale:g}) on {profile['device']} "
           f"({profile['machine']['cpus']} cpus), {args.workers} workers; SLO {slo}", flush=True)
     rows, budget = [], args.workers  # every configuration spends the whole budget (a worker of 2 cores: 2)
-    for layout in layouts(profile, args.workers, [int(c) for c in args.chunks.split(",") if c]):
+    configs = layouts(profile, args.workers, [int(c) for c in args.chunks.split(",") if c])
+    for layout in progress(configs, "simulating", unit="config"):
         found = search(layout, trace, slo, args.seconds, args.seed)
         at = found["at_goodput"]
         rows.append({"config": layout.name, "mode": layout.mode, "prefill": layout.prefill, "decode": layout.decode,

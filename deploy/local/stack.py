@@ -1,4 +1,4 @@
-"""The whole stack on one machine, no Docker: `python -m deploy.local.stack` (what `make run` does).
+"""The whole stack on one machine, no Docker: `pdserve serve` (what `make run` does; `python -m deploy.local.stack`).
 
 Starts nats-server (JetStream) and redis-server from the pip-installed binaries (`--ha`: a
 3-node NATS cluster and a Redis primary + replica under 3 Sentinels, deploy/local/ha.py), then the
@@ -10,7 +10,6 @@ is killed (PR_SET_PDEATHSIG). The tests start the same Stack on free ports.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import secrets
@@ -24,6 +23,9 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from deploy.local import ha
 from deploy.local.servers import binary, die_with_parent, free_port
@@ -283,23 +285,34 @@ class Stack:
                                "shared/grants.py must grant what the services do")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description="Run the pdserve stack locally.")
-    ap.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
-    ap.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
-    ap.add_argument("--colocated", action="store_true", help="no prefill pool: decode workers do both")
-    ap.add_argument("--ha", action="store_true", help="a 3-node NATS cluster and Redis with a replica and 3 "
-                    "Sentinels (the first node and the primary on --nats-port / --redis-port)")
-    ap.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
-    ap.add_argument("--nats-port", type=int, default=4222)
-    ap.add_argument("--redis-port", type=int, default=6379)
-    ap.add_argument("--model", default="smollm2", help="smollm2, a .gguf file, a safetensors directory or a "
-                    "Hugging Face Hub id (served as its own name; PD_MODEL_NAME overrides)")
-    args = ap.parse_args()
-    cfg = StackConfig(prefill=args.prefill, decode=args.decode, colocated=args.colocated, ha=args.ha,
-                      gateway_port=args.port, nats_port=args.nats_port, redis_port=args.redis_port,
-                      model=args.model, log_dir=Path(".run/logs"))
-    stack = Stack(cfg)
+class ServeSettings(BaseSettings):
+    """The local stack's shape (`pdserve serve`, `make run`); each service takes its other settings from PD_*."""
+    model_config = SettingsConfigDict(env_prefix="PD_", extra="ignore")
+
+    prefill: int = Field(1, ge=0, description="prefill workers")
+    decode: int = Field(1, ge=1, description="decode workers")
+    colocated: bool = Field(False, description="no prefill pool: decode workers do both")
+    ha: bool = Field(False, description="a 3-node NATS cluster and Redis with a replica and 3 Sentinels (the first "
+                     "node and the primary on nats_port / redis_port)")
+    port: int = Field(8000, description="the gateway's port")
+    nats_port: int = Field(4222, description="NATS's port")
+    redis_port: int = Field(6379, description="Redis's port")
+    model: str = Field("smollm2", description="smollm2, a .gguf file, a safetensors directory or a Hugging Face Hub "
+                       "id (served as its own name; model_name overrides)")
+    model_name: str = Field("", description="the id clients ask for (default: the model's own name)")
+    kv_blocks: int = Field(2048, gt=0, description="each worker's KV pool, in blocks of 16 tokens")
+    threads: int = Field(0, ge=0, description="torch threads per worker (0: cores / workers)")
+
+    def config(self) -> StackConfig:
+        return StackConfig(prefill=self.prefill, decode=self.decode, colocated=self.colocated, ha=self.ha,
+                           gateway_port=self.port, nats_port=self.nats_port, redis_port=self.redis_port,
+                           model=self.model, kv_blocks=self.kv_blocks, threads=self.threads,
+                           log_dir=Path(".run/logs"), env={"PD_MODEL_NAME": self.model_name} if self.model_name else {})
+
+
+def main(args: ServeSettings) -> None:
+    """The stack in the foreground until Ctrl-C (`pdserve serve`: `args` from its flags and PD_*)."""
+    stack = Stack(args.config())
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C stops, even when started with SIGINT ignored
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     start = time.monotonic()
@@ -312,7 +325,7 @@ def main() -> None:
         env_file.touch(mode=0o600)
         env_file.write_text(f"PD_NATS_URL={stack.nats_url}\nPD_REDIS_URL={stack.redis_url}\n")
         metrics = ", ".join(f"{n} {stack.metrics_url(n)}" for n in stack.procs if not ha.is_server(n))
-        served = os.environ.get("PD_MODEL_NAME") or model_id(args.model)
+        served = args.model_name or model_id(args.model)
         print(f"ready in {time.monotonic() - start:.1f} s at {stack.url}\n\n"
               f"  curl {stack.url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
               f"    -d '{{\"model\": \"{served}\", \"messages\": "
@@ -334,5 +347,7 @@ def main() -> None:
         stack.stop()
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # the same as `pdserve serve`, its flags and PD_*
+    from services.cli import main as pdserve
+
+    sys.exit(pdserve(["serve", *sys.argv[1:]]))

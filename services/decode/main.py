@@ -390,8 +390,9 @@ class DecodeWorker:
         return True
 
 
-def main() -> None:
-    settings = DecodeSettings()
+def main(settings: DecodeSettings | None = None) -> None:
+    """The decode worker with `settings` (`pdserve decode`: its flags), else from the environment."""
+    settings = settings or DecodeSettings()
     setup_logging(settings, "decode")
     run(serve_worker("decode", settings, DecodeWorker))
 

@@ -108,8 +108,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     return app
 
 
-def main() -> None:
-    settings = GatewaySettings()
+def main(settings: GatewaySettings | None = None) -> None:
+    """The gateway with `settings` (`pdserve gateway`: its flags), else from the environment."""
+    settings = settings or GatewaySettings()
     setup_logging(settings, "gateway")
     uvicorn.run(create_app(settings), host=settings.gateway_host, port=settings.gateway_port,
                 log_level=settings.log_level.lower(), timeout_graceful_shutdown=settings.drain_s,

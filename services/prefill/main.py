@@ -386,8 +386,9 @@ class PrefillWorker:
             span.end()
             await self.ack_job(rid)
 
-def main() -> None:
-    settings = PrefillSettings()
+def main(settings: PrefillSettings | None = None) -> None:
+    """The prefill worker with `settings` (`pdserve prefill`: its flags), else from the environment."""
+    settings = settings or PrefillSettings()
     setup_logging(settings, "prefill")
     run(serve_worker("prefill", settings, PrefillWorker))
 

@@ -492,8 +492,9 @@ async def serve(settings: RouterSettings) -> None:
     tracing.shutdown()
 
 
-def main() -> None:
-    settings = RouterSettings()
+def main(settings: RouterSettings | None = None) -> None:
+    """The router with `settings` (`pdserve router`: its flags), else from the environment."""
+    settings = settings or RouterSettings()
     setup_logging(settings, "router")
     run(serve(settings))
 

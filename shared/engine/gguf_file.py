@@ -28,6 +28,7 @@ from shared.engine.architectures import ARCHITECTURES, model_config
 from shared.engine.config import ModelConfig
 from shared.engine.rope import Rope
 from shared.engine.weights import Packed, pack
+from shared.progress import progress
 
 # blk.N.<kind> -> the layer's Hugging Face module (Gemma's ffn_norm is its pre-feedforward norm)
 _LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -156,7 +157,7 @@ def tensors(reader, cfg: ModelConfig, native: bool) -> tuple[dict[str, torch.Ten
 
     permuted = cfg.arch in ("llama", "mistral")
     out, packed = {}, {}
-    for t in reader.tensors:
+    for t in progress(reader.tensors, "loading weights", unit="tensor"):
         if t.name == "rope_freqs.weight":
             continue  # (in the config's RoPE: config)
         try:

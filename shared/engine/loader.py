@@ -35,6 +35,7 @@ from shared.engine.config import ModelConfig
 from shared.engine.model import DecoderModel
 from shared.engine.tokenizer import Tokenizer
 from shared.engine.weights import FORMATS
+from shared.progress import progress
 
 TINY_SEED = 1234
 
@@ -199,7 +200,8 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path}: no *.safetensors files")
-    model = _build(cfg, (load_file(f) for f in files), dtype, device)  # one shard in memory at a time
+    shards = (load_file(f) for f in progress(files, "loading weights", unit="shard"))  # one in memory at a time
+    model = _build(cfg, shards, dtype, device)
     return LoadedModel(model, cfg, _hf_tokenizer(path), path.name, _file_digest(files))
 
 

@@ -45,8 +45,8 @@ async def fetch(url: str, request_id: str) -> list[Event]:
         await state.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Print one request's timeline from the state store.")
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=prog, description="Print one request's timeline from the state store.")
     ap.add_argument("request_id", help="the x-request-id response header (or the response id without its prefix)")
     ap.add_argument("--redis-url", default=None, help="default: PD_REDIS_URL")
     ap.add_argument("--json", action="store_true", help="the raw events as JSON lines")

@@ -1,34 +1,34 @@
-"""`make run`'s launcher: up to ready, a working answer, and Ctrl-C leaves no process behind."""
+"""`make run`'s launcher (`pdserve serve`): up to ready, a working answer, and Ctrl-C leaves no process behind."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 from conftest import MODEL
 
+from bench import tiny_archs
 from deploy.local.servers import free_port
 
 pytestmark = pytest.mark.slow
+# this checkout's code (run from another directory, it would otherwise be the installed one's), children too
+ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
 
 
 def test_launcher_starts_everything_and_ctrl_c_stops_everything(tmp_path):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "deploy.local.stack", "--port", str(port), "--nats-port",
-                             str(free_port()), "--redis-port", str(free_port())], cwd=tmp_path,
+                             str(free_port()), "--redis-port", str(free_port())], cwd=tmp_path, env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("ready in") or "failed" in line:
-                break
-        assert any(line.startswith("ready in") for line in lines), "".join(lines)
+        until_ready(proc)
         children = psutil.Process(proc.pid).children(recursive=True)
         names = " ".join(" ".join(c.cmdline()) for c in children)
         for part in ("nats-server", "redis-server", "services.router", "services.gateway",
@@ -45,3 +45,32 @@ def test_launcher_starts_everything_and_ctrl_c_stops_everything(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_pdserve_serve_a_model_directory(tmp_path):
+    """`pdserve serve --model DIR`: a tiny random checkpoint, colocated, answers under the directory's name."""
+    model, port = tiny_archs.save("qwen2", tmp_path, tokenizer=True), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--model", str(model), "--colocated",
+                             "--threads", "1", "--kv-blocks", "128", "--port", str(port), "--nats-port",
+                             str(free_port()), "--redis-port", str(free_port())], cwd=tmp_path, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        until_ready(proc)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"model": "qwen2", "prompt": "The capital of France is", "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def until_ready(proc: subprocess.Popen) -> None:
+    lines = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("ready in") or "failed" in line:
+            break
+    assert any(line.startswith("ready in") for line in lines), "".join(lines)
