@@ -8,7 +8,7 @@ import pytest
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from services.gateway.errors import _describe
+from services.gateway.errors import describe
 from services.gateway.schemas import NOT_SUPPORTED, ChatCompletionRequest, CompletionRequest
 
 MSGS = [{"role": "user", "content": "hi"}]
@@ -39,7 +39,7 @@ def refusal(model, body) -> tuple[str, str | None, str | None] | None:
     try:
         model.model_validate(body)
     except ValidationError as e:
-        return _describe(json.loads(json.dumps(RequestValidationError(e.errors()).errors(), default=str)))
+        return describe(json.loads(json.dumps(RequestValidationError(e.errors()).errors(), default=str)))
     return None
 
 

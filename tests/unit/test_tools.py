@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from services.gateway import tools
 from services.gateway.checks import check_grammars
-from services.gateway.errors import APIError, _describe
+from services.gateway.errors import APIError, describe
 from services.gateway.schemas import ChatCompletionRequest
 from shared.engine.grammar import Grammars, check
 
@@ -29,7 +29,7 @@ def request(**kw) -> ChatCompletionRequest:
 def param_of(**kw) -> str:
     with pytest.raises(ValidationError) as e:
         request(**kw)
-    return _describe(json.loads(json.dumps(e.value.errors(), default=str)))[1]
+    return describe(json.loads(json.dumps(e.value.errors(), default=str)))[1]
 
 
 def test_tool_choice_and_messages_are_checked():
