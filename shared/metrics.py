@@ -39,6 +39,14 @@ TPOT = Histogram("pd_time_per_output_token_seconds", "(end-to-end - TTFT) / (out
 E2E = Histogram("pd_e2e_request_latency_seconds", "From the request's arrival to its last token", ["mode"],
                 buckets=LATENCY)
 REQUESTS = Counter("pd_requests", "Requests by how they ended", ["outcome"])  # finished, failed, cancelled
+FINISHED = Counter("pd_finished_requests", "Requests that finished, by finish reason", ["finish_reason"])
+DECODE_SECONDS = Histogram("pd_decode_seconds", "From a request's first token to its last", ["mode"],
+                           buckets=LATENCY)
+SIZE = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+REQUEST_PROMPT_TOKENS = Histogram("pd_request_prompt_tokens", "Prompt tokens of each finished request",
+                                  buckets=SIZE)
+REQUEST_OUTPUT_TOKENS = Histogram("pd_request_output_tokens", "Output tokens of each finished request",
+                                  buckets=SIZE)
 OUTPUT_TOKENS = Counter("pd_output_tokens", "Tokens streamed to clients")
 FAILOVERS = Counter("pd_failovers", "Requests moved to another decode worker", ["why"])
 REPLAYS = Counter("pd_replays", "Token streams with chunks lost on the bus, asked again of their decode worker",
@@ -63,6 +71,10 @@ CACHED_TOKENS = Counter("pd_prefix_cache_hit_tokens", "Prompt tokens found in th
 DECODE_PREFILLS = Counter("pd_decode_prefills", "Prompts prefilled on a decode worker, by why",
                           ["why"])  # placed (colocated, short), resumed (failover, no prefill worker), fallback
 REQUEUED_JOBS = Counter("pd_requeued_prefill_jobs", "Prefill jobs of a lost prefill worker put on another's queue")
+PREFILL_QUEUE_SECONDS = Histogram("pd_prefill_queue_seconds", "A prefill job's wait on its worker's queue",
+                                  buckets=LATENCY)
+PREFILL_SECONDS = Histogram("pd_prefill_seconds", "A prefill job's compute: taken to its first token",
+                            buckets=LATENCY)
 
 # -- KV transfer (prefill side: sent; decode side: received) -------------------------------------
 KV_BYTES = Counter("pd_kv_transfer_bytes", "KV bytes sent to decode workers (transport "

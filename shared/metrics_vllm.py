@@ -11,8 +11,20 @@ label beside the metric's own. Nothing is counted twice.
     vllm:prompt_tokens_total                  pd_prompt_tokens_total               workers
     vllm:prefix_cache_queries_total           pd_prompt_tokens_total (tokens)      workers
     vllm:prefix_cache_hits_total              pd_prefix_cache_hit_tokens_total     workers
+    vllm:time_per_output_token_seconds        pd_inter_token_latency_seconds       gateway (vLLM's older name)
+    vllm:request_decode_time_seconds          pd_decode_seconds                    gateway
+    vllm:request_success_total{finished_reason} pd_finished_requests               gateway
+    vllm:request_prompt_tokens                pd_request_prompt_tokens             gateway
+    vllm:request_generation_tokens            pd_request_output_tokens             gateway
+    vllm:request_queue_time_seconds           pd_prefill_queue_seconds             prefill workers
+    vllm:request_prefill_time_seconds         pd_prefill_seconds                   prefill workers
     vllm:num_requests_running / _waiting      pd_sequences{state}                  workers
     vllm:kv_cache_usage_perc                  pd_kv_blocks used / all (0-1)        workers
+    vllm:gpu_cache_usage_perc                 the same (vLLM's older name)         workers
+
+Not exported: vLLM V0's `vllm:cpu_cache_usage_perc` and `vllm:num_requests_swapped` (no swap
+tier; vLLM V1 dropped them too) and `vllm:request_max_num_generation_tokens` (V0's sequence
+groups).
 """
 
 from __future__ import annotations
@@ -32,10 +44,18 @@ RENAMED = {  # (a pd_* metric, its vLLM name)
     metrics.OUTPUT_TOKENS: "vllm:generation_tokens",
     metrics.PROMPT_TOKENS: "vllm:prompt_tokens",
     metrics.CACHED_TOKENS: "vllm:prefix_cache_hits",
+    metrics.DECODE_SECONDS: "vllm:request_decode_time_seconds",
+    metrics.FINISHED: "vllm:request_success",
+    metrics.REQUEST_PROMPT_TOKENS: "vllm:request_prompt_tokens",
+    metrics.REQUEST_OUTPUT_TOKENS: "vllm:request_generation_tokens",
+    metrics.PREFILL_QUEUE_SECONDS: "vllm:request_queue_time_seconds",
+    metrics.PREFILL_SECONDS: "vllm:request_prefill_time_seconds",
 }
+LABELS = {"vllm:request_success": {"finish_reason": "finished_reason"}}  # (vLLM's label name)
+ALSO = ((metrics.ITL, "vllm:time_per_output_token_seconds"),)  # a second name
 QUERIES = (metrics.PROMPT_TOKENS, "vllm:prefix_cache_queries")  # the tokens looked up in the prefix cache
-NAMES = (*RENAMED.values(), QUERIES[1], "vllm:num_requests_running", "vllm:num_requests_waiting",
-         "vllm:kv_cache_usage_perc")
+NAMES = (*RENAMED.values(), QUERIES[1], *(name for _, name in ALSO), "vllm:num_requests_running",
+         "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 
 
 class VllmNames:
@@ -45,7 +65,7 @@ class VllmNames:
         self.model = model_name
 
     def collect(self) -> Iterator[Metric]:
-        for source, name in [*RENAMED.items(), QUERIES]:
+        for source, name in [*RENAMED.items(), QUERIES, *ALSO]:
             for family in source.collect():
                 if family.samples:
                     yield self._renamed(family, name)
@@ -53,8 +73,10 @@ class VllmNames:
 
     def _renamed(self, family: Metric, name: str) -> Metric:
         out = Metric(name, family.documentation, family.type)
+        renames = LABELS.get(name, {})
         for s in family.samples:
-            out.add_sample(name + s.name[len(family.name):], {**s.labels, "model_name": self.model}, s.value,
+            labels = {renames.get(k, k): v for k, v in s.labels.items()}
+            out.add_sample(name + s.name[len(family.name):], {**labels, "model_name": self.model}, s.value,
                            s.timestamp, s.exemplar)
         return out
 
@@ -67,12 +89,13 @@ class VllmNames:
                     gauge.add_sample(gauge.name, {"role": role, "model_name": self.model}, value)
             if gauge.samples:
                 yield gauge
-        usage = Metric("vllm:kv_cache_usage_perc", "KV cache blocks in use (0-1)", "gauge")
-        for role in sorted({role for role, _ in blocks}):
-            used, free = blocks.get((role, "used"), 0.0), blocks.get((role, "free"), 0.0)
-            usage.add_sample(usage.name, {"role": role, "model_name": self.model}, used / (used + free or 1.0))
-        if usage.samples:
-            yield usage
+        for name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
+            usage = Metric(name, "KV cache blocks in use (0-1)", "gauge")
+            for role in sorted({role for role, _ in blocks}):
+                used, free = blocks.get((role, "used"), 0.0), blocks.get((role, "free"), 0.0)
+                usage.add_sample(name, {"role": role, "model_name": self.model}, used / (used + free or 1.0))
+            if usage.samples:
+                yield usage
 
 
 def _by_role_state(gauge) -> dict[tuple[str, str], float]:

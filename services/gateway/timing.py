@@ -1,6 +1,7 @@
 """A request's latency as its client sees it, observed as its chunks pass on to the client:
-time to first token, inter-token latency, time per output token, end-to-end (definitions in
-shared/metrics.py). Each observation carries the request's trace id as an exemplar."""
+time to first token, inter-token latency, time per output token, end-to-end, first token to
+last, and a finished request's sizes and finish reason (definitions in shared/metrics.py).
+Each observation carries the request's trace id as an exemplar."""
 
 from __future__ import annotations
 
@@ -33,5 +34,9 @@ async def timed(chunks: AsyncIterator[TokenChunk], arrived: float, mode: str, tr
         yield chunk
         if chunk.finished and first is not None:
             metrics.E2E.labels(mode).observe(last - arrived, ex)
+            metrics.DECODE_SECONDS.labels(mode).observe(last - first, ex)
+            metrics.FINISHED.labels(chunk.finish_reason or "stop").inc()
+            metrics.REQUEST_PROMPT_TOKENS.observe(chunk.prompt_tokens)
+            metrics.REQUEST_OUTPUT_TOKENS.observe(tokens)
             if tokens > 1:
                 metrics.TPOT.labels(mode).observe((last - first) / (tokens - 1), ex)

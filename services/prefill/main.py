@@ -47,6 +47,7 @@ import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
 from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan
 
 from services.prefill.watch import DecodeWatch
 from shared import metrics, subjects
@@ -241,6 +242,7 @@ class PrefillWorker:
                 continue
             ctx = context_of(msg)
             self.tracer.start_span("prefill.queue", context=ctx, start_time=int(queued * 1e9)).end()
+            metrics.PREFILL_QUEUE_SECONDS.observe(max(0.0, time.time() - queued))
             span = self.tracer.start_span("prefill.compute", context=ctx, attributes={
                 "request_id": job.request_id, "prompt_tokens": len(job.prompt_token_ids), "worker": self.id})
             kv_span = self.tracer.start_span("kv.transfer", context=ctx, attributes={
@@ -294,6 +296,8 @@ class PrefillWorker:
         metrics.CACHED_TOKENS.labels("prefill").inc(out.num_cached_tokens)
         span.set_attribute("cached_tokens", out.num_cached_tokens)
         span.end()
+        if isinstance(span, ReadableSpan) and span.start_time and span.end_time:
+            metrics.PREFILL_SECONDS.observe((span.end_time - span.start_time) / 1e9)
         await self.bus.publish(subjects.tokens(out.request_id), TokenChunk.from_output(out, job.attempt, self.id),
                                ctx=trace.set_span_in_context(span))
         if out.finished:  # done on its first token: nothing to hand off

@@ -67,6 +67,11 @@ def test_histograms_count_requests_and_transfer_counters_match_the_spans(stack, 
     assert delta("gateway", "vllm:generation_tokens_total", model_name=MODEL) == 18
     assert 0 <= total(after["decode-0"], "vllm:kv_cache_usage_perc", model_name=MODEL) <= 1
     assert ("vllm:num_requests_running", (("model_name", MODEL), ("role", "decode"))) in after["decode-0"]
+    assert delta("gateway", "vllm:request_success_total", model_name=MODEL, finished_reason="length") == 3
+    assert delta("gateway", "vllm:request_generation_tokens_sum", model_name=MODEL) == 18
+    assert delta("gateway", "vllm:request_decode_time_seconds_count", model_name=MODEL) == 3
+    assert delta("prefill-0", "vllm:request_queue_time_seconds_count", model_name=MODEL) == 3
+    assert delta("prefill-0", "vllm:request_prefill_time_seconds_count", model_name=MODEL) == 3
     # OpenMetrics (what Prometheus asks for) carries the trace ids as exemplars
     om = httpx.get(stack.metrics_url("gateway"), headers={"accept": "application/openmetrics-text"}).text
     ttft_lines = [ln for ln in om.splitlines() if ln.startswith("pd_time_to_first_token_seconds_bucket")]

@@ -15,6 +15,22 @@ QUERIED = ["vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_
            "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"]
 
 
+# every series vLLM's own example dashboard queries (vllm-project/vllm,
+# examples/online_serving/prometheus_grafana/grafana.json at e88892c9080b29aa3dbc1d1096ba719ab0886163)
+DASHBOARD = ["vllm:e2e_request_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_sum",
+             "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+             "vllm:time_per_output_token_seconds_bucket", "vllm:time_per_output_token_seconds_sum",
+             "vllm:time_per_output_token_seconds_count", "vllm:num_requests_running", "vllm:num_requests_swapped",
+             "vllm:num_requests_waiting", "vllm:time_to_first_token_seconds_bucket",
+             "vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count",
+             "vllm:gpu_cache_usage_perc", "vllm:cpu_cache_usage_perc", "vllm:request_prompt_tokens_bucket",
+             "vllm:request_generation_tokens_bucket", "vllm:request_success_total",
+             "vllm:request_queue_time_seconds_sum", "vllm:request_prefill_time_seconds_sum",
+             "vllm:request_decode_time_seconds_sum", "vllm:request_max_num_generation_tokens_sum"]
+# vLLM V0's, dropped by vLLM V1 too: a swap tier pdserve does not have, V0's sequence groups
+NOT_EXPORTED = {"vllm:num_requests_swapped", "vllm:cpu_cache_usage_perc", "vllm:request_max_num_generation_tokens_sum"}
+
+
 def samples(registry) -> dict[tuple, float]:
     text = generate_latest(registry).decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
@@ -33,11 +49,19 @@ def test_vllms_names_view_the_pd_metrics_with_the_model_name():
     metrics.SEQUENCES.labels("decode", "waiting").set(2)
     metrics.KV_BLOCKS.labels("decode", "used").set(25)
     metrics.KV_BLOCKS.labels("decode", "free").set(75)
+    metrics.DECODE_SECONDS.labels("remote").observe(0.8)
+    metrics.FINISHED.labels("length").inc()
+    metrics.REQUEST_PROMPT_TOKENS.observe(40)
+    metrics.REQUEST_OUTPUT_TOKENS.observe(5)
+    metrics.PREFILL_QUEUE_SECONDS.observe(0.01)
+    metrics.PREFILL_SECONDS.observe(0.1)
     views = CollectorRegistry()
     views.register(VllmNames("SmolLM2"))
     got, pd = samples(views), samples(metrics.REGISTRY)
     names = {name for name, _ in got}
     assert set(QUERIED) <= names
+    assert sorted(set(DASHBOARD) - NOT_EXPORTED - names) == []  # each of vLLM's dashboard panels has its series
+    assert got[("vllm:request_success_total", (("finished_reason", "length"), ("model_name", "SmolLM2")))] >= 1
     assert all(dict(labels)["model_name"] == "SmolLM2" for _, labels in got)
     assert got[("vllm:num_requests_running", (("model_name", "SmolLM2"), ("role", "decode")))] == 3
     assert got[("vllm:kv_cache_usage_perc", (("model_name", "SmolLM2"), ("role", "decode")))] == 0.25
