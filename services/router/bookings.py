@@ -33,4 +33,4 @@ class Bookings:
         return self.sent.add(prefill.worker_id, prompt_tokens - prefill.cached_tokens, now)
 
     def tried(self, chosen: Placement) -> None:
-        self.turn = placement.next_turn(self.turn, chosen)
+        self.turn = placement.next_turn(self.turn, chosen.prefill is not None)

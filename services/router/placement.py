@@ -201,6 +201,6 @@ def decide(ask: Ask, fleet: Fleet[W], books: Books, rules: Rules) -> Placement[W
     return None if decode is None else plan(ask, decode, fleet, books, rules)
 
 
-def next_turn(turn: int, placement: Placement) -> int:
-    """The round-robin cursor once `placement` is tried: it moves on with each remote one."""
-    return turn + (placement.prefill is not None)
+def next_turn(turn: int, remote: bool) -> int:
+    """The round-robin cursor once a placement is tried: it moves on with each remote one."""
+    return turn + remote
