@@ -41,26 +41,25 @@ from dataclasses import dataclass
 import nats.errors
 from nats.aio.msg import Msg
 from opentelemetry import trace
-from redis.exceptions import RedisError
 
 from services.router import placement, policy
 from services.router.bookings import Bookings
 from services.router.breakers import Breakers
+from services.router.errors import EXPECTED
 from services.router.placement import Ask, Fleet, Placement, Rules
 from services.router.pools import Pool, Pools
-from services.router.requeue import requeue
+from services.router.requeue import on_requeue
 from services.router.supervisor import Supervisor
 from shared import metrics, metrics_vllm, prefix_index, subjects, tracing
 from shared.bus import Bus, context_of
 from shared.config import RouterSettings
 from shared.hashing import block_hashes
-from shared.messages import AdmitReply, AdmitRequest, KVOutcome, Requeue, Requeued, RouteReply, RouteRequest, WorkerInfo
+from shared.messages import AdmitReply, AdmitRequest, KVOutcome, RouteReply, RouteRequest, WorkerInfo
 from shared.service import connect, heartbeat, run, serving, setup_logging, stop_event
 from shared.state import State, placement_key, route_key, session_key
 from shared.tasks import Background, every
 
 log = logging.getLogger("router")
-EXPECTED = (RedisError, asyncio.TimeoutError, nats.errors.Error)  # failures of a store or bus, not of the code
 ROUTE_TTL_S = 600.0  # a placement is answered again for this long (a retried or repeated request)
 
 
@@ -113,6 +112,9 @@ class Router:
         await sub.drain()
         await requeues.drain()
         await asyncio.gather(*self._background, return_exceptions=True)
+
+    async def start_requeue(self, msg: Msg) -> None:
+        self.in_background(on_requeue(self, msg))
 
     async def on_kv_outcome(self, msg: Msg) -> None:
         self.breakers.record(KVOutcome.decode(msg.data), time.monotonic())
@@ -213,11 +215,13 @@ class Router:
     async def place(self, req: RouteRequest, key: str, chosen_before: str | None, lease_s: float,
                     pool: Pool, cached: dict[str, tuple[int, int]], session_worker: str | None, waits: Waits
                     ) -> RouteReply:
-        """Ask the decode workers best first (`rank`) until one admits the request with the
-        prefill `plan`ned for it (`try_admit`), then `commit`. `cached`: the workers holding some
-        of the prompt (prefix_index.by_worker); `waits`: the time spent in others' hands."""
-        for decode in self.rank(req, pool, cached, session_worker, chosen_before):
-            chosen = self.plan(req, decode, pool, cached)
+        """Ask the decode workers best first (placement.rank) until one admits the request with the
+        prefill planned for it (placement.plan, `try_admit`), then `commit`. `cached`: the workers
+        holding some of the prompt (prefix_index.by_worker); `waits`: the time spent in others' hands."""
+        ask, fleet = Ask.of(req, session_worker, chosen_before), Fleet.of(pool, cached)
+        for decode in placement.rank(ask, fleet, self.bookings.books(time.monotonic()), self.rules):
+            books = self.bookings.books(time.monotonic(), decode.worker_id)
+            chosen = placement.plan(ask, decode, fleet, books, self.rules)
             if chosen.prefill is not None and not req.attempt:  # remote: the pool's queue may be too long
                 admit_ok, retry_after, why_not = policy.within_objective(
                     policy.predicted_prefill_s(chosen.prefill, len(req.prompt_token_ids)), self.settings.ttft_slo_s)
@@ -225,23 +229,10 @@ class Router:
                     metrics.PLACEMENTS.labels("refused", "ttft_objective").inc()
                     return RouteReply(request_id=req.request_id, ok=False, reason=why_not, retry_after_s=retry_after)
             if await self.try_admit(req, key, lease_s, chosen, waits):
-                return self.commit(req, chosen, cached.get(decode.worker_id, (0, 0))[0] * pool.block_size,
-                                   session_worker, waits)
+                return self.commit(req, chosen, fleet.cached_tokens(decode.worker_id), session_worker, waits)
         reason = "no decode worker is up" if not pool.decodes else "no decode worker has room for this request now"
         metrics.PLACEMENTS.labels("refused", "no_decode_worker" if not pool.decodes else "no_room").inc()
         return RouteReply(request_id=req.request_id, ok=False, reason=reason)
-
-    def rank(self, req: RouteRequest, pool: Pool, cached: dict[str, tuple[int, int]], session_worker: str | None,
-             chosen_before: str | None) -> list[WorkerInfo]:
-        """The decode workers to ask, best first (placement.rank)."""
-        return placement.rank(Ask.of(req, session_worker, chosen_before), Fleet.of(pool, cached),
-                              self.bookings.books(time.monotonic()), self.rules)
-
-    def plan(self, req: RouteRequest, decode: WorkerInfo, pool: Pool, cached: dict[str, tuple[int, int]]
-             ) -> Placement[WorkerInfo]:
-        """Where the prompt is prefilled if `decode` takes the request (placement.plan)."""
-        return placement.plan(Ask.of(req), decode, Fleet.of(pool, cached),
-                              self.bookings.books(time.monotonic(), decode.worker_id), self.rules)
 
     async def try_admit(self, req: RouteRequest, key: str, lease_s: float, chosen: Placement, waits: Waits
                         ) -> bool:
@@ -287,22 +278,6 @@ class Router:
         return RouteReply(request_id=req.request_id, ok=True, mode=chosen.mode, reason=chosen.reason,
                           decode_worker=decode.worker_id,
                           prefill_worker=prefill.worker_id if prefill is not None else None)
-
-    async def start_requeue(self, msg: Msg) -> None:
-        self.in_background(self.on_requeue(msg))
-
-    async def on_requeue(self, msg: Msg) -> None:
-        req = Requeue.decode(msg.data)
-        with self.tracer.start_as_current_span("router.requeue", context=context_of(msg)) as span:
-            span.set_attributes({"request_id": req.request_id, "decode_worker": req.decode_worker, "why": req.why,
-                                 "avoid_workers": req.avoid_workers, "attempt": req.attempt, "router": self.id})
-            try:
-                reply = await requeue(self, req)
-            except Exception as e:  # Redis trouble: the decode worker prefills it itself
-                log.error("%s: requeue failed: %r", req.request_id, e, exc_info=not isinstance(e, EXPECTED))
-                reply = Requeued(request_id=req.request_id, reason=f"requeue failed: {e}")
-            span.set_attributes({"prefill_worker": reply.prefill_worker or "", "reason": reply.reason})
-            await self.bus.respond(msg, reply)
 
     async def admit(self, decode: WorkerInfo, req: RouteRequest, mode: str,
                     prefill_worker: str | None, expected_prefill_s: float = 0.0) -> AdmitReply | None:

@@ -7,16 +7,37 @@ predicted time (the decode worker's KV deadline follows it)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING
 
+from nats.aio.msg import Msg
+
 from services.router import placement, policy
+from services.router.errors import EXPECTED
 from shared import metrics, prefix_index
+from shared.bus import context_of
 from shared.hashing import block_hashes
 from shared.messages import Requeue, Requeued
 
 if TYPE_CHECKING:
     from services.router.main import Router
+
+log = logging.getLogger("router")
+
+
+async def on_requeue(router: Router, msg: Msg) -> None:
+    req = Requeue.decode(msg.data)
+    with router.tracer.start_as_current_span("router.requeue", context=context_of(msg)) as span:
+        span.set_attributes({"request_id": req.request_id, "decode_worker": req.decode_worker, "why": req.why,
+                             "avoid_workers": req.avoid_workers, "attempt": req.attempt, "router": router.id})
+        try:
+            reply = await requeue(router, req)
+        except Exception as e:  # Redis trouble: the decode worker prefills it itself
+            log.error("%s: requeue failed: %r", req.request_id, e, exc_info=not isinstance(e, EXPECTED))
+            reply = Requeued(request_id=req.request_id, reason=f"requeue failed: {e}")
+        span.set_attributes({"prefill_worker": reply.prefill_worker or "", "reason": reply.reason})
+        await router.bus.respond(msg, reply)
 
 
 async def requeue(router: Router, req: Requeue) -> Requeued:
