@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Generic, Literal
 
 from services.router import policy
 from services.router.policy import W
+from shared.config import RouterSettings
 from shared.messages import RouteRequest, WorkerInfo
 
 if TYPE_CHECKING:
@@ -49,8 +50,7 @@ class Rules:
     affinity_slack: int = 4
 
     @classmethod
-    def of(cls, settings) -> Rules:
-        """From RouterSettings (or anything with its fields)."""
+    def of(cls, settings: RouterSettings) -> Rules:
         return cls(settings.prefill_policy, settings.prefill_mode, settings.local_prefill_below,
                    settings.recompute_weight, settings.default_prefill_tokens_per_s, settings.stall_weight,
                    settings.pool_queue_factor, settings.affinity_slack)
@@ -83,7 +83,7 @@ class Ask:
 class Fleet(Generic[W]):
     """The model's live workers as the placer sees them."""
 
-    decodes: Iterable[W]
+    decodes: Collection[W]
     prefills: Sequence[W]
     block_size: int = 16
     cached: Mapping[str, tuple[int, int]] = field(default_factory=dict)  # worker -> (leading blocks of
