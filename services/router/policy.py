@@ -1,4 +1,5 @@
-"""Placement policy: pure functions of plain numbers (no I/O).
+"""Placement policy: pure functions of plain numbers (no I/O), composed into one decision in
+placement.py.
 
 Prefill: the worker that would finish the prompt soonest — its queued work plus the part of
 the prompt it does not already hold in its prefix cache, at its measured rate
