@@ -1,7 +1,7 @@
 """Did the router decide as today's policy would? `make bench-scale`'s check of each run.
 
-For every placement the router made, the policy functions of services/router/policy.py are
-asked the same question with the same inputs: the registry entries the router read (static
+For every placement the router made, services/router/placement.py (where the router decides)
+is asked the same question with the same inputs: the registry entries the router read (static
 during a run), the true prefix cache of every simulated worker (the plan's trace blocks;
 filler is never asked for) and what that router had booked lately (services/router/recent.py:
 prompt tokens sent to each prefill worker when it decided, one admit per decode worker when
@@ -28,7 +28,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from bench.scale_plan import FleetWorker, Probe
-from services.router import policy
+from services.router import placement
+from services.router.placement import Ask, Books, Fleet, Rules
 from services.router.pools import EMPTY, pools
 from services.router.recent import horizons
 from shared.config import RouterSettings
@@ -86,15 +87,13 @@ def leading(hashes: list[int], held: dict[int, list[str]]) -> dict[str, int]:
 
 
 class Replay:
-    """The router's `place` / `place_prefill` with default modes, on plain numbers."""
+    """The router's decision (placement.decide) on the registry it read and the true caches."""
 
     def __init__(self, registry: list[WorkerInfo], sizes: dict[str, int], held: dict[int, list[str]],
                  settings: RouterSettings):
-        live = [w for w in registry if w.role in ("prefill", "decode") and not w.draining
-                and w.step_s < settings.stall_s]
-        pool = next(iter(pools(live).values()), EMPTY)   # the router's own split (one model here)
+        pool = next(iter(pools(placement.live(registry, settings.stall_s)).values()), EMPTY)  # one model here
         self.prefills, self.decodes, self.bs = pool.prefills, pool.decodes, pool.block_size
-        self.sizes, self.held, self.s = sizes, held, settings
+        self.sizes, self.held, self.s, self.rules = sizes, held, settings, Rules.of(settings)
         self.queued = {w.worker_id: w.queued_tokens for w in self.prefills}
         self.truth: dict[int, dict[str, int]] = {}   # per probe: leading blocks per worker
 
@@ -103,21 +102,16 @@ class Replay:
             self.truth[probe.index] = leading(probe.hashes, self.held)
         return self.truth[probe.index]
 
-    def decide(self, p: Placement, assigned: dict[str, int], admitted: dict[str, int]) -> tuple[str | None, str | None]:
-        """(decode worker, prefill worker) the policy picks; prefill None when local."""
-        n, bs = len(p.probe.tokens), self.bs
+    def decide(self, p: Placement, assigned: dict[str, int], admitted: dict[str, int], turn: int = 0
+               ) -> tuple[str | None, str | None]:
+        """(decode worker, prefill worker) the router would pick; prefill None when local."""
         hits = self.cached(p.probe)
-        index = {w: (hits.get(w, 0), size) for w, size in self.sizes.items()}
-        ranked = policy.decode_candidates(self.decodes, -(-(n + 1) // bs), {w: k * bs for w, k in hits.items()}, n,
-                                          None, self.s.affinity_slack, output_blocks=-(-p.max_tokens // bs),
-                                          booked=admitted)
-        if not ranked:
+        fleet = Fleet(self.decodes, self.prefills, self.bs, {w: (hits.get(w, 0), n) for w, n in self.sizes.items()})
+        books = Books(admitted=admitted, sent=assigned, turn=turn)
+        chosen = placement.decide(Ask(len(p.probe.tokens), p.max_tokens), fleet, books, self.rules)
+        if chosen is None:
             return None, None
-        candidates = policy.prefill_candidates(self.prefills, ranked[0].fingerprint, index, assigned,
-                                               self.s.default_prefill_tokens_per_s)
-        prefill, _ = policy.choose_prefill_by_cost(candidates, n, self.s.recompute_weight)
-        mode, _ = policy.prefill_mode(n, int(prefill is not None), self.s.local_prefill_below)
-        return ranked[0].worker_id, prefill.worker_id if mode == "remote" else None
+        return chosen.decode.worker_id, chosen.prefill.worker_id if chosen.prefill is not None else None
 
 
 class Window:
@@ -161,9 +155,12 @@ def check(placements: list[Placement], replay: Replay, rebuilt: bool = True) -> 
         mine = sorted((p for p in placements if p.router == router), key=lambda p: p.decided_ns)
         sent = Window([(p.decided_ns, p.prefill, booked_tokens(p, replay)) for p in mine if p.prefill], sent_ns)
         admitted = Window(sorted((p.admitted_ns, p.decode, 1) for p in mine if p.decode), admitted_ns)
+        turn = 0   # the round-robin cursor, moved by this router's own placements
         for p in mine:
             assigned = sent.at(p.decided_ns)
-            tally.add(p, replay, assigned, replay.decide(p, assigned, admitted.at(p.decided_ns - ADMIT_SEEN_NS)))
+            tally.add(p, replay, assigned,
+                      replay.decide(p, assigned, admitted.at(p.decided_ns - ADMIT_SEEN_NS), turn))
+            turn = placement.next_turn(turn, p.prefill is not None)
     return tally.result(rebuilt)
 
 

@@ -1,7 +1,7 @@
-"""A simulated deployment: requests arrive, the router places them with its own policy
-functions (services/router/policy.py: `best_decode` (decode_candidates' first), `prefill_mode`,
-`choose_prefill_by_cost`, `local_or_remote`), the pools run them (bench/sim/worker.py), and each request's
-first and last token times and every token gap are recorded.
+"""A simulated deployment: requests arrive, the router places them as it decides
+(services/router/placement.py `decide`: the first decode worker, then the prefill worker, local
+or remote), the pools run them (bench/sim/worker.py), and each request's first and last token
+times and every token gap are recorded.
 
     Layout("colocated", decode=2, decode_cost=...)            # each worker prefills and decodes
     Layout("disaggregated", prefill=1, decode=3, ...)          # P:D
@@ -20,11 +20,13 @@ import heapq
 import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Literal
 
 from bench.load.metrics import Timing
 from bench.sim.cost import Cost
 from bench.sim.worker import Knobs, Req, Worker
-from services.router.policy import best_decode, choose_prefill_by_cost, local_or_remote, prefill_mode
+from services.router import placement
+from services.router.placement import Ask, Books, Fleet, Placement, Rules
 
 
 @dataclass
@@ -37,12 +39,18 @@ class Layout:
     decode_knobs: Knobs = field(default_factory=Knobs)
     prefill_knobs: Knobs = field(default_factory=Knobs)
     local_below: int = 0               # PD_LOCAL_PREFILL_BELOW
-    prefill_mode: str = "cost"         # PD_PREFILL_MODE: remote | cost
+    prefill_mode: Literal["remote", "cost"] = "cost"           # PD_PREFILL_MODE
+    prefill_policy: Literal["cost", "round_robin"] = "cost"    # PD_PREFILL_POLICY
     pool_queue_factor: float = 4.0     # PD_POOL_QUEUE_FACTOR
     stall_weight: float = 1.0          # PD_STALL_WEIGHT
     recompute_weight: float = 8.0
     overhead_s: float = 0.0            # the control plane's share of every token's latency
     decode_per_core: int = 1           # decode (or colocated) workers sharing one core (Worker.peers)
+
+    def rules(self) -> Rules:
+        """The router settings its placements follow."""
+        return Rules(self.prefill_policy, self.prefill_mode, self.local_below, self.recompute_weight,
+                     stall_weight=self.stall_weight, pool_queue_factor=self.pool_queue_factor)
 
     @property
     def workers(self) -> int:
@@ -105,7 +113,10 @@ class Cluster:
         self.prefills = [Worker(f"prefill-{i}", "prefill", cost, layout.prefill_knobs, self)
                          for i in range(layout.prefill)]
         for w in self.prefills + self.decodes:  # what a worker's measured rate would say
-            w.tokens_per_s = 512 / w.cost.prefill_s([(512, 0)])
+            w.prefill_tokens_per_s = 512 / w.cost.prefill_s([(512, 0)])
+        self.by_id = {w.worker_id: w for w in self.prefills}
+        self.rules = layout.rules()
+        self.turn = 0  # the round-robin cursor (placement.next_turn)
         self.backlog: list[Req] = []
         # decode workers with room for another sequence (max_num_seqs; a full one would refuse the
         # admission): kept as they change (Worker.sync), not found by reading the pool each time
@@ -137,25 +148,22 @@ class Cluster:
         if not self._place(r, now):
             self.backlog.append(r)
 
+    def decide(self, r: Req) -> Placement[Worker] | None:
+        """Where the router would place `r` now (None: no decode worker has room)."""
+        fleet = Fleet(self.room, self.prefills, self.layout.decode_knobs.block_size)
+        return placement.decide(Ask(r.prompt, r.output), fleet, Books(turn=self.turn), self.rules)
+
     def _place(self, r: Req, now: float) -> bool:
-        d = best_decode(self.room,  # type: ignore[arg-type]
-                        -(-(r.prompt + r.output) // self.layout.decode_knobs.block_size), prompt_tokens=r.prompt)
-        if d is None:
+        chosen = self.decide(r)
+        if chosen is None:
             return False
-        assert isinstance(d, Worker)
-        r.decode = d
-        mode, _ = prefill_mode(r.prompt, len(self.prefills), self.layout.local_below)
-        best = None
-        if mode == "remote":
-            best, _ = choose_prefill_by_cost(self.prefills, r.prompt, self.layout.recompute_weight)  # type: ignore[arg-type]
-            if self.layout.prefill_mode == "cost":
-                mode, _ = local_or_remote(r.prompt, 0, d.running, d.tokens_per_s, best,  # type: ignore[arg-type]
-                                          self.layout.stall_weight, self.layout.pool_queue_factor)
-        if mode == "local":
+        self.turn = placement.next_turn(self.turn, chosen.prefill is not None)
+        d = r.decode = chosen.decode
+        if chosen.prefill is None:
             d.book(r)
             d.enqueue(r, now)
             return True
-        assert isinstance(best, Worker)
+        best = self.by_id[chosen.prefill.worker_id]
         d.importing += 1
         d.book(r)
         best.book_prompt(r, now)   # the router books the prefill work as it decides

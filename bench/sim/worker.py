@@ -110,7 +110,7 @@ class Worker:
         self.running_s += len(self.finishing) * dt
         self._seen = now
 
-    # -- what the router's policy functions read (WorkerInfo's fields; plain attributes, kept
+    # -- what placement reads (WorkerInfo's fields, services/router/policy.Worker; plain attributes, kept
     # up to date by sync(): a placement reads them on every worker of the pool) ---------------
     running: int = 0
     waiting: int = 0           # queued prompts, and (decode) sequences whose KV is on its way
@@ -118,13 +118,16 @@ class Worker:
     growth_blocks: int = 0     # blocks are booked whole when placed (see above)
     peak: int = 0              # the largest batch it ran
     roomy: bool = True         # (decode) room for another sequence: the cluster keeps the list
-    # (prefill) and what choose_prefill_by_cost reads (PrefillCandidate's fields): no prefix cache
-    cached_tokens: int = 0
-    cache_blocks: int = 0
-    tokens_per_s: float = 0.0  # its prefill rate, as the worker would measure it
+    prefill_tokens_per_s: float = 0.0  # its prefill rate, as the worker would measure it
+    fingerprint: str = ""      # one model: every decode worker takes every prefill worker's KV
+    cached_blocks: int = 0     # no prefix cache
 
     def __post_init__(self) -> None:
         self.sync()
+
+    @property
+    def block_size(self) -> int:
+        return self.knobs.block_size
 
     def sync(self) -> None:
         batch = len(self.finishing)

@@ -1,4 +1,5 @@
-"""Placement policy: pure functions of plain numbers (no I/O).
+"""Placement policy: pure functions of plain numbers (no I/O), composed into one decision in
+placement.py.
 
 Prefill: the worker that would finish the prompt soonest — its queued work plus the part of
 the prompt it does not already hold in its prefix cache, at its measured rate
@@ -11,12 +12,40 @@ prefill worker is up, are prefilled on the decode worker itself.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
-
-from shared.messages import WorkerInfo
+from typing import Literal, NamedTuple, Protocol, TypeVar
 
 Mode = Literal["remote", "local"]
+
+
+class Worker(Protocol):
+    """What placement reads of a worker: its registry entry's fields (shared.messages.WorkerInfo),
+    or a simulated worker's (bench/sim/worker.py)."""
+
+    @property
+    def worker_id(self) -> str: ...
+    @property
+    def fingerprint(self) -> str: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def free_blocks(self) -> int: ...
+    @property
+    def growth_blocks(self) -> int: ...
+    @property
+    def running(self) -> int: ...
+    @property
+    def waiting(self) -> int: ...
+    @property
+    def queued_tokens(self) -> int: ...
+    @property
+    def prefill_tokens_per_s(self) -> float: ...
+    @property
+    def cached_blocks(self) -> int: ...
+
+
+W = TypeVar("W", bound=Worker)
 
 
 def prefill_mode(prompt_tokens: int, prefill_workers: int, local_below: int) -> tuple[Mode, str]:
@@ -28,10 +57,10 @@ def prefill_mode(prompt_tokens: int, prefill_workers: int, local_below: int) -> 
     return "remote", "prefill pool"
 
 
-def decode_candidates(workers: list[WorkerInfo], blocks_needed: int, cached_tokens: dict[str, int] | None = None,
+def decode_candidates(workers: Iterable[W], blocks_needed: int, cached_tokens: Mapping[str, int] | None = None,
                       prompt_tokens: int = 0, session_worker: str | None = None,
                       affinity_slack: int = 4, output_blocks: int = 0,
-                      booked: dict[str, int] | None = None) -> list[WorkerInfo]:
+                      booked: Mapping[str, int] | None = None) -> list[W]:
     """Decode workers that have room for the prompt, best first.
 
     A worker is *affine* when it holds the request's conversation — it is the session's
@@ -48,9 +77,9 @@ def decode_candidates(workers: list[WorkerInfo], blocks_needed: int, cached_toke
                                                    session_worker, affinity_slack, output_blocks, booked))]
 
 
-def best_decode(workers: list[WorkerInfo], blocks_needed: int, cached_tokens: dict[str, int] | None = None,
+def best_decode(workers: Iterable[W], blocks_needed: int, cached_tokens: Mapping[str, int] | None = None,
                 prompt_tokens: int = 0, session_worker: str | None = None, affinity_slack: int = 4,
-                output_blocks: int = 0, booked: dict[str, int] | None = None) -> WorkerInfo | None:
+                output_blocks: int = 0, booked: Mapping[str, int] | None = None) -> W | None:
     """The first of `decode_candidates` (None: no worker has room), found without ranking the
     rest: for a caller that takes the first answer (the capacity planner's simulator)."""
     rows = _decode_rows(workers, blocks_needed, cached_tokens, prompt_tokens, session_worker, affinity_slack,
@@ -87,8 +116,8 @@ class PrefillCandidate(NamedTuple):  # a tuple: hundreds are made per placement 
     cache_blocks: int = 0     # blocks in its prefix cache: on a tie, new prefixes go to the emptier
 
 
-def prefill_candidates(workers: list[WorkerInfo], fingerprint: str, index: dict[str, tuple[int, int]],
-                       assigned_tokens: dict[str, int], default_tokens_per_s: float) -> list[PrefillCandidate]:
+def prefill_candidates(workers: Iterable[Worker], fingerprint: str, index: Mapping[str, tuple[int, int]],
+                       assigned_tokens: Mapping[str, int], default_tokens_per_s: float) -> list[PrefillCandidate]:
     """Prefill workers whose KV the decode worker can take (same fingerprint), as numbers:
     from the prefix index (leading blocks of the prompt held, blocks held in all; a worker
     absent from `index` holds none of it, and its registry entry says its cache's size), the

@@ -120,7 +120,7 @@ def _placement(nats_url: str, redis_url: str, size: int, varz: str, rounds: int 
         await router.route(RouteRequest(request_id="warm", prompt_token_ids=PROMPT, sampling=sampling, model="m"))
         await asyncio.sleep(0.2)  # background writes of the warm-up done
         await router.read_workers()
-        router.refreshing = True  # as while serving: keep_workers re-reads the registry off the placement path
+        router.pools.refreshing = True  # as while serving: Pools.keep re-reads the registry off the placement path
         trips, replies = [], []
         before = await _settled_out_msgs(varz)
         for n in range(rounds):

@@ -139,7 +139,7 @@ def test_a_route_during_the_first_background_registry_read_sees_the_workers(nats
     landed, a route reads it itself rather than finding no worker."""
     async def run():
         (a, _), admits, jobs, state, bus = await _setup(nats_url, redis_url)
-        a.refreshing = True  # keep_workers started, its first read not done
+        a.pools.refreshing = True  # Pools.keep started, its first read not done
         reply = await a.route(_request("r4"))
         await bus.close()
         return reply
