@@ -1,7 +1,9 @@
-"""Real clients against the real stack. Each test carries `works_with(client, what it runs)`, a row
-of bench/results/clients.json; tests marked `clients` need a client's own venv and are
-deselected where it is missing (make test), unless PD_CLIENTS_REQUIRED is set (make test-clients:
-a client that did not install fails). PD_CLIENTS_RESULTS names the file the rows go to."""
+"""Real clients against the real stack (marker `clients`). Each test carries `works_with(client,
+what it runs)`, a row of bench/results/clients.json. A test whose client is installed neither in
+a venv of its own (.venv-clients/<name>) nor in the project's is deselected (`make test`: the
+openai SDK and LangChain run, the others need `make test-clients`), unless PD_CLIENTS_REQUIRED is
+set (`make test-clients`: a client that did not install fails). PD_CLIENTS_RESULTS names the file
+the rows go to."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ def _client(item: pytest.Item) -> str | None:
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("PD_CLIENTS_REQUIRED"):
         return
-    missing = [i for i in items if i.get_closest_marker("clients") and venvs.interpreter(_client(i)) is None]
+    missing = [i for i in items if _client(i) and venvs.interpreter(_client(i)) is None]
     if missing:
         config.hook.pytest_deselected(items=missing)
         items[:] = [i for i in items if i not in missing]

@@ -1,5 +1,5 @@
 """lm-eval-harness' local-completions against the stack, from its own venv: the tiny tasks in
-tests/clients/lm_eval/ (six questions), as log-likelihoods of choices (echo + logprobs,
+tests/clients/lm-eval-tasks/ (six questions), as log-likelihoods of choices (echo + logprobs,
 max_tokens 0, batched prompts) and as greedy generations."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import venvs
 from conftest import MODEL
 
 pytestmark = [pytest.mark.slow, pytest.mark.clients]
-TASKS = venvs.ROOT / "tests" / "clients" / "lm_eval"
+TASKS = venvs.ROOT / "tests" / "clients" / "lm-eval-tasks"
 
 
 def evaluate(stack, tokenizer_dir, out, task: str) -> tuple[dict, list[dict]]:

@@ -10,7 +10,7 @@ import pytest
 from conftest import MODEL
 from pydantic import BaseModel
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.clients]
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -102,6 +102,7 @@ def test_tools(sdk, record):
 @pytest.mark.works_with("openai", "responses.create, streamed")
 def test_responses(sdk, stack, record):
     """Runs once the gateway serves /v1/responses; until then its row reads skipped."""
+    record(openai.__version__)
     if httpx.post(stack.url + "/v1/responses", json={}).status_code in (404, 405):
         pytest.skip("the gateway serves no /v1/responses yet")
     resp = sdk.responses.create(model=MODEL, input="What is the capital of France?", max_output_tokens=16)

@@ -31,7 +31,8 @@ def interpreter(client: str) -> Path | None:
     own = VENVS / client / "bin" / "python"
     if own.exists():
         return own
-    return Path(sys.executable) if importlib.util.find_spec(PACKAGES[client][0]) else None
+    spec = importlib.util.find_spec(PACKAGES[client][0])
+    return Path(sys.executable) if spec is not None and spec.origin else None  # (not a namespace package)
 
 
 def python(client: str) -> Path:
