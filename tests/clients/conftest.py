@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import venvs
 from record import Row, outcome, row_of, write
+from steps import MODEL
 
 from deploy.local.stack import Stack, StackConfig
 
-MODEL = "SmolLM2-135M-Instruct"
 ROWS: dict[str, Row] = {}
 
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import venvs
-from conftest import MODEL
+from steps import MODEL
 
 pytestmark = [pytest.mark.slow, pytest.mark.clients]
 SECONDS, STREAMS, PROMPT, OUTPUT = 30, 4, 64, 16

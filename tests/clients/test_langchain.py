@@ -4,8 +4,7 @@ has installed it): invoke, stream, tools, structured output."""
 from __future__ import annotations
 
 import pytest
-from conftest import MODEL
-from steps import case, run_step
+from steps import MODEL, case, run_step
 
 pytestmark = [pytest.mark.slow, pytest.mark.clients]
 

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import venvs
-from conftest import MODEL
+from steps import MODEL
 
 pytestmark = [pytest.mark.slow, pytest.mark.clients]
 TASKS = venvs.ROOT / "tests" / "clients" / "lm-eval-tasks"

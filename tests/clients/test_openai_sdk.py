@@ -7,8 +7,8 @@ import json
 import httpx
 import openai
 import pytest
-from conftest import MODEL
 from pydantic import BaseModel
+from steps import MODEL
 
 pytestmark = [pytest.mark.slow, pytest.mark.clients]
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
