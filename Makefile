@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 # llama.cpp, the side-by-side peer of make bench-engine (built from source on first install)
 LLAMA_CPP_VERSION ?= 0.3.36
 
-.PHONY: help setup lint fmt run test test-fast bench-engine bench-archs bench-grammar bench-stack bench-transfer eval-router bench-router chaos fuzz chaos-busy bench-tracing bench-scale bench bench-full bench-prefill-chunk profile plan plan-check compose-up compose-down gpu-check clean
+.PHONY: help setup lint fmt run test test-fast test-clients bench-engine bench-archs bench-grammar bench-stack bench-transfer eval-router bench-router chaos fuzz chaos-busy bench-tracing bench-scale bench bench-full bench-prefill-chunk profile plan plan-check compose-up compose-down gpu-check clean
 
 .DEFAULT_GOAL := help
 
@@ -43,6 +43,15 @@ test: setup
 ## test-fast: the suite without the tests that load the real model
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" tests
+
+## test-clients: real clients against the stack, each installed from PyPI in a venv of its own under .venv-clients/
+##   (scripts/client_venvs.sh; ~3 minutes the first time): guidellm (30 s benchmark), lm-eval (log-likelihood and
+##   generation), the openai SDK, LangChain, LiteLLM; writes bench/results/clients.json and the README's
+##   "Works with" table (make test runs the openai SDK's and LangChain's part)
+test-clients: setup
+	scripts/client_venvs.sh
+	PD_CLIENTS_REQUIRED=1 PD_CLIENTS_RESULTS=bench/results/clients.json $(BIN)/python -m pytest -q -m clients \
+		--durations=15 tests/clients; status=$$?; $(BIN)/python -m bench.clients_readme; exit $$status
 
 ## lint: ruff (style, import order, likely bugs) over the repository, mypy over shared/ and services/;
 ##   CI runs it before the tests
