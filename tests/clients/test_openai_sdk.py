@@ -99,14 +99,18 @@ def test_tools(sdk, record):
     record(openai.__version__, tool_calls=3)
 
 
-@pytest.mark.works_with("openai", "responses.create, streamed")
-def test_responses(sdk, stack, record):
-    """Runs once the gateway serves /v1/responses; until then its row reads skipped."""
-    record(openai.__version__)
-    if httpx.post(stack.url + "/v1/responses", json={}).status_code in (404, 405):
-        pytest.skip("the gateway serves no /v1/responses yet")
-    resp = sdk.responses.create(model=MODEL, input="What is the capital of France?", max_output_tokens=16)
-    assert resp.status == "completed" and isinstance(resp.output_text, str) and resp.usage.output_tokens > 0
-    events = [e.type for e in sdk.responses.create(model=MODEL, input="Say hi.", max_output_tokens=8, stream=True)]
+@pytest.mark.works_with("openai", "responses.create (text, streamed, tools), responses.parse")
+def test_responses(sdk, record):
+    resp = sdk.responses.create(model=MODEL, input="What is the capital of France?", max_output_tokens=32)
+    assert resp.status == "completed" and "Paris" in resp.output_text and resp.usage.output_tokens > 0
+    events = [e.type for e in sdk.responses.create(model=MODEL, input="Say hi.", max_output_tokens=32, stream=True)]
     assert events[0] == "response.created" and events[-1] == "response.completed"
+    tool = {"type": "function", **WEATHER["function"]}
+    called = sdk.responses.create(model=MODEL, input="What is the weather in Paris?", tools=[tool],
+                                  tool_choice="required", parallel_tool_calls=False, max_output_tokens=128)
+    calls = [o for o in called.output if o.type == "function_call"]
+    assert calls and calls[0].name == "get_weather" and "city" in json.loads(calls[0].arguments)
+    parsed = sdk.responses.parse(model=MODEL, input="Paris is in France. Give the city and its country.",
+                                 text_format=City, max_output_tokens=64)
+    assert isinstance(parsed.output_parsed, City)
     record(openai.__version__, output_tokens=resp.usage.output_tokens, stream_events=len(events))
