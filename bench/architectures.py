@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from bench import tiny_archs
-from bench.results_doc import RESULTS_DOC, update_block
 from bench.engine_quality import logits_all, reference_greedy
+from bench.results_doc import RESULTS_DOC, update_block
 from shared.engine.architectures import ARCHITECTURES
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine

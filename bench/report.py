@@ -126,7 +126,8 @@ def section(data: dict) -> str:
                "goodput_disagg_over_colocated": "≥ 1.5", "goodput_disagg_over_chunked": "reported"}
     for key, target in targets.items():
         lines.append(f"| `{key}` ({target}) | {s[key] if s.get(key) is not None else 'n/a'} |")
-    lines += ["", "![victims' ITL CDF](../bench/results/itl_cdf.png)", "![token timeline](../bench/results/timeline.png)",
+    lines += ["", "![victims' ITL CDF](../bench/results/itl_cdf.png)",
+              "![token timeline](../bench/results/timeline.png)",
               "![SLO attainment against rate](../bench/results/goodput.png)"]
     return "\n".join(lines)
 
