@@ -71,7 +71,7 @@ bench-engine: setup
 	$(BIN)/python -m bench.engine_bench
 
 ## bench-archs: each architecture served (tiny random checkpoints) against transformers: greedy tokens, logits
-##   in fp32 and bf16; writes bench/results/architectures.json and the README's table (~1 minute)
+##   in fp32 and bf16; writes bench/results/architectures.json and its table in docs/RESULTS.md (~1 minute)
 bench-archs: setup
 	$(BIN)/python -m bench.architectures
 
@@ -90,7 +90,7 @@ bench-transfer: setup
 	scripts/peer_venvs.sh
 	$(BIN)/python -m bench.transfer_bench
 
-## eval-router: replay ../shared/traces/mooncake_conversation.jsonl through the prefill placement policies; writes bench/results/router.json
+## eval-router: replay bench/data/mooncake_conversation.jsonl (bench/data/README.md) through the prefill placement policies; writes bench/results/router.json
 eval-router: setup
 	$(BIN)/python -m bench.router_eval
 
@@ -124,7 +124,7 @@ bench-scale: setup
 	$(BIN)/python -m bench.scale $(SCALE_ARGS)
 
 ## bench: victims and aggressors + goodput on the Azure trace, colocated / chunked / disaggregated on the same cores
-##   (quick, ~15 minutes; bench-full ~65); writes bench/results/interference.json, the plots and the README's results section
+##   (quick, ~15 minutes; bench-full ~65); writes bench/results/interference.json, the plots and docs/RESULTS.md's results section
 bench: setup
 	$(BIN)/python -m bench.interference
 

@@ -6,7 +6,7 @@ bench/tiny_archs.py (what tests/engine/test_architectures.py asserts, measured):
 Writes bench/results/architectures.json (per architecture: greedy tokens equal to transformers'
 in fp32, the logits' max abs difference in fp32, and in bf16 beside transformers' own bf16
 difference from its fp32; the same fp32 figures from the checkpoint converted to GGUF by
-llama.cpp's converter) and the README's table between the `bench:archs` markers.
+llama.cpp's converter) and the table between the `bench:archs` markers of docs/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 
 from bench import tiny_archs
 from bench.engine_quality import logits_all, reference_greedy
+from bench.results_doc import RESULTS_DOC, update_block
 from shared.engine.architectures import ARCHITECTURES
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
@@ -27,7 +28,6 @@ from shared.engine.loader import load
 from shared.engine.sequence import SamplingParams
 
 RESULTS = Path(__file__).parent / "results" / "architectures.json"
-README = Path(__file__).parents[1] / "README.md"
 BEGIN, END = "<!-- bench:archs:begin -->", "<!-- bench:archs:end -->"
 NEW = 12
 
@@ -109,10 +109,7 @@ def main() -> None:
                                                           / r["transformers_bf16_max_abs_logit_diff"]
                                                           for r in archs.values())}}
     RESULTS.write_text(json.dumps(out, indent=2) + "\n")
-    text = README.read_text()
-    if BEGIN in text:
-        head, rest = text.split(BEGIN, 1)
-        README.write_text(head + BEGIN + "\n" + table(out) + "\n" + END + rest.split(END, 1)[1])
+    update_block(RESULTS_DOC, BEGIN, END, table(out))
     print(json.dumps(out["summary"], indent=2))
 
 

@@ -430,7 +430,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"config": vars(args), "scenarios": results}, indent=2))
     chaos_readme.write()
-    print(f"wrote {out} and the README's chaos figures")
+    print(f"wrote {out} and the chaos figures of docs/RESULTS.md")
     sys.exit(1 if any(map(failed, results)) else 0)
 
 

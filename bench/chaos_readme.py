@@ -1,6 +1,6 @@
-"""The README's chaos figures, from bench/results/chaos.json and chaos-busy.json (`make chaos`
+"""The chaos figures of docs/RESULTS.md, from bench/results/chaos.json and chaos-busy.json (`make chaos`
 and `make chaos-busy` write them): a table row per scenario, and a line for the run beside a
-busy neighbour. `python -m bench.chaos_readme` rewrites the README's block from the files."""
+busy neighbour. `python -m bench.chaos_readme` rewrites the block from the files."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import json
 import textwrap
 from pathlib import Path
 
+from bench.results_doc import RESULTS_DOC
+
 RESULTS = Path("bench/results")
-README = Path("README.md")
 BEGIN = "<!-- chaos figures: bench/chaos_readme.py writes this block from bench/results/chaos*.json -->"
 END = "<!-- end of chaos figures -->"
 STACKS = {"single": "single", "ha": "HA", "hosts": "hosts"}
@@ -52,9 +53,9 @@ def current() -> str:
 
 
 def write() -> None:
-    text = README.read_text()
+    text = RESULTS_DOC.read_text()
     start, end = text.index(BEGIN), text.index(END) + len(END)
-    README.write_text(text[:start] + current() + text[end:])
+    RESULTS_DOC.write_text(text[:start] + current() + text[end:])
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""The README's engine figures, from bench/results/engine.json (`make bench-engine` writes both;
-`python -m bench.engine_readme` rewrites the README from the committed JSON): the table and
+"""The engine figures of docs/RESULTS.md, from bench/results/engine.json (`make bench-engine` writes
+both; `python -m bench.engine_readme` rewrites the block from the committed JSON): the table and
 the ratios between the `bench:engine` markers."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from bench.results_doc import RESULTS_DOC, update_block
+
 RESULTS = Path(__file__).parent / "results" / "engine.json"
-README = Path(__file__).parents[1] / "README.md"
 BEGIN, END = "<!-- bench:engine:begin -->", "<!-- bench:engine:end -->"
 ARMS = ["pdserve fp32", "pdserve native", "transformers", "llama.cpp"]
 
@@ -57,10 +58,7 @@ def block(out: dict) -> str:
 
 
 def write(out: dict) -> None:
-    text = README.read_text()
-    if BEGIN in text:
-        head, rest = text.split(BEGIN, 1)
-        README.write_text(head + BEGIN + "\n" + block(out) + "\n" + END + rest.split(END, 1)[1])
+    update_block(RESULTS_DOC, BEGIN, END, block(out))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ Per arm, on one stack:
    while 1024-token prompts with 4 output tokens arrive (Poisson --aggressor-rate). The
    victims' TTFT / ITL / TPOT, the longest token gap, a token timeline; before it, the same
    victims alone (no aggressor), whose TTFT p99 the victims' is divided by.
-2. Goodput: the Azure conversation trace (../shared/traces/azure_conv_2023.csv, lengths
+2. Goodput: the Azure conversation trace (bench/data/azure_conv_2023.csv, lengths
    divided by --scale) replayed with Poisson arrivals at each of --rates for --replay-s
    seconds (its first rate x replay-s rows); SLO attainment per rate; goodput = the highest
    rate with >= 90% of requests meeting both SLOs (bench.load.metrics.rate_at_attainment).
@@ -33,7 +33,7 @@ Per arm, on one stack:
    (--replay-slo-ttft / --replay-slo-tpot); the seconds used are printed and written.
 
 Writes bench/results/interference.json (`summary` holds the ratios), then the plots and the
-README's results section (bench/report.py).
+results section of docs/RESULTS.md (bench/report.py).
 
     python -m bench.interference [--full] [--duration S] [--rates 1,2,4] [--replay-s S]
 """
@@ -59,7 +59,7 @@ from bench.sim.slo import Slo, from_reference
 from deploy.local.stack import Stack, StackConfig
 
 MODEL = "SmolLM2-135M-Instruct"
-AZURE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_conv_2023.csv"
+AZURE = Path(__file__).parent / "data" / "azure_conv_2023.csv"
 RESULTS = Path(__file__).parent / "results" / "interference.json"
 ALL = set(range(os.cpu_count() or 1))
 QUICK = {"duration": 30.0, "rates": [1.0, 2.0, 4.0], "replay_s": 20.0}

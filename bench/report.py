@@ -1,4 +1,4 @@
-"""Plots and the README's results section, from bench/results/interference.json:
+"""Plots and the results section of docs/RESULTS.md, from bench/results/interference.json:
 
     python -m bench.report        (make bench runs it after the measurements)
 
@@ -6,7 +6,7 @@
 - bench/results/timeline.png      victims' tokens over time per arm, with the aggressors'
                                   arrivals: a stall is a gap in every stream at once
 - bench/results/goodput.png       SLO attainment against request rate on the trace replay
-- README.md                       the text between the `bench:results` markers
+- docs/RESULTS.md                 the text between the `bench:results` markers
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ from pathlib import Path
 import matplotlib
 import numpy as np
 
+from bench.results_doc import RESULTS_DOC, update_block
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-README = Path(__file__).parents[1] / "README.md"
 BEGIN, END = "<!-- bench:results:begin -->", "<!-- bench:results:end -->"
 ARMS = ("colocated", "chunked", "disaggregated")
 
@@ -80,7 +81,7 @@ def plot_goodput(data: dict, path: Path) -> None:
 
 
 def section(data: dict) -> str:
-    """The README's results section: the machine, the scale, a table per workload, the ratios."""
+    """The results section of docs/RESULTS.md: the machine, the scale, a table per workload, the ratios."""
     m, w, s = data["machine"], data["workload"], data["summary"]
     va, rp = w["victims_and_aggressors"], w["replay"]
     ms = lambda x: f"{x * 1e3:.0f}"  # noqa: E731
@@ -125,27 +126,18 @@ def section(data: dict) -> str:
                "goodput_disagg_over_colocated": "≥ 1.5", "goodput_disagg_over_chunked": "reported"}
     for key, target in targets.items():
         lines.append(f"| `{key}` ({target}) | {s[key] if s.get(key) is not None else 'n/a'} |")
-    lines += ["", "![victims' ITL CDF](bench/results/itl_cdf.png)", "![token timeline](bench/results/timeline.png)",
-              "![SLO attainment against rate](bench/results/goodput.png)"]
+    lines += ["", "![victims' ITL CDF](../bench/results/itl_cdf.png)",
+              "![token timeline](../bench/results/timeline.png)",
+              "![SLO attainment against rate](../bench/results/goodput.png)"]
     return "\n".join(lines)
-
-
-def update_readme(text: str, readme: Path = README, begin: str = BEGIN, end: str = END) -> None:
-    """Replace the text between two markers of the README (other benchmarks have their own)."""
-    doc = readme.read_text()
-    if begin not in doc:
-        raise SystemExit(f"{readme} has no {begin} marker")
-    head, rest = doc.split(begin, 1)
-    tail = rest.split(end, 1)[1]
-    readme.write_text(f"{head}{begin}\n{text}\n{end}{tail}")
 
 
 def write_all(data: dict) -> None:
     plot_itl_cdf(data, RESULTS / "itl_cdf.png")
     plot_timeline(data, RESULTS / "timeline.png")
     plot_goodput(data, RESULTS / "goodput.png")
-    update_readme(section(data))
-    print(f"wrote {RESULTS}/itl_cdf.png, timeline.png, goodput.png and the results section of {README.name}")
+    update_block(RESULTS_DOC, BEGIN, END, section(data))
+    print(f"wrote {RESULTS}/itl_cdf.png, timeline.png, goodput.png and the results section of {RESULTS_DOC.name}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Replay a real trace through the prefill placement policies: `make eval-router`.
 
-    python -m bench.router_eval [--trace ../shared/traces/mooncake_conversation.jsonl]
+    python -m bench.router_eval [--trace bench/data/mooncake_conversation.jsonl]
                                 [--workers 4] [--cache-blocks 8192] [--tokens-per-s 16000]
 
 The Mooncake conversation trace (one hour, 12,031 requests) gives each prompt as `hash_ids`,
@@ -35,7 +35,7 @@ from pathlib import Path
 from services.router.policy import PrefillCandidate, choose_prefill_by_cost
 
 BLOCK_TOKENS = 512
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
+TRACE = Path(__file__).parent / "data" / "mooncake_conversation.jsonl"   # not committed: bench/data/README.md
 RESULTS = Path(__file__).parent / "results" / "router.json"
 
 
@@ -130,6 +130,9 @@ def main() -> None:
     ap.add_argument("--cache-blocks", type=int, default=8192, help="per worker, in 512-token blocks")
     ap.add_argument("--tokens-per-s", type=float, default=16000, help="prefill rate per worker")
     args = ap.parse_args()
+    if not args.trace.exists():
+        raise SystemExit(f"no trace at {args.trace}: save kvcache-ai/Mooncake's "
+                         "FAST25-release/traces/conversation_trace.jsonl there (bench/data/README.md)")
     requests = load_trace(args.trace)
     run = lambda name, cache=args.cache_blocks, weight=8.0: replay(  # noqa: E731
         requests, name, args.workers, cache, args.tokens_per_s, weight)

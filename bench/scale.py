@@ -19,8 +19,8 @@ trace (bench/scale_plan.py); placements are asked as the gateway asks them, open
    polling), then `--seconds` of Poisson arrivals (at most `--max-requests`), then the
    router's spans; the decisions are checked against today's policy (bench/scale_check.py).
 4. At the largest (W, B) two more router replicas join for a run at the largest rate.
-Writes bench/results/scale.json (machine, mode, config, runs, summary), scale.png and the README's
-"Scale" section (bench/scale_readme.py).
+Writes bench/results/scale.json (machine, mode, config, runs, summary), scale.png and the
+"Scale" section of docs/RESULTS.md (bench/scale_readme.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The README's "Scale" section, from bench/results/scale.json (`make bench-scale` writes it;
+"""The "Scale" section of docs/RESULTS.md, from bench/results/scale.json (`make bench-scale` writes it;
 `python -m bench.scale_readme` writes it again from the committed JSON)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.report import README, update_readme
+from bench.results_doc import RESULTS_DOC, update_block
 
 RESULTS = Path(__file__).parent / "results"
 BEGIN, END = "<!-- bench:scale:begin -->", "<!-- bench:scale:end -->"
@@ -89,17 +89,17 @@ def section(data: dict) -> str:
     ]
     for key, why in (s.get("limited_by") or {}).items():
         lines.append(f"- `{key}` limited by: {why}.")
-    lines += ["", "![decision p99 against fleet size](bench/results/scale.png)"]
+    lines += ["", "![decision p99 against fleet size](../bench/results/scale.png)"]
     return "\n".join(lines)
 
 
 def update(data: dict) -> None:
-    update_readme(section(data), README, BEGIN, END)
+    update_block(RESULTS_DOC, BEGIN, END, section(data))
 
 
 def main() -> None:
     update(json.loads((RESULTS / "scale.json").read_text()))
-    print(f"wrote the Scale section of {README.name}")
+    print(f"wrote the Scale section of {RESULTS_DOC.name}")
 
 
 if __name__ == "__main__":

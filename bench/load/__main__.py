@@ -1,7 +1,7 @@
 """Load generator for any OpenAI-compatible server.
 
     python -m bench.load --base-url http://127.0.0.1:8000 --workload victims --duration 60
-    python -m bench.load --base-url URL --workload ../shared/traces/azure_conv_2023.csv --scale 16 \\
+    python -m bench.load --base-url URL --workload bench/data/azure_conv_2023.csv --scale 16 \\
         --limit 200 --rate 1.5
     python -m bench.load --base-url URL --workload shared-prefix --requests 64 --concurrency 8
 

@@ -1,6 +1,6 @@
 """How many prefill and decode workers for a workload and its SLOs: `make plan`.
 
-    python -m bench.sim.plan --trace ../shared/traces/azure_conv_2023.csv \
+    python -m bench.sim.plan --trace bench/data/azure_conv_2023.csv \
         --profile bench/results/profile-cpu.json --workers 2 [--ttft 2 --tpot 0.15 | --ttft-x 4 --tpot-x 2]
 
 For a budget of N workers (a worker: one core of the profile's machine, or one device), every
@@ -30,7 +30,7 @@ from bench.sim.worker import Knobs
 from shared.progress import progress
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
-AZURE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "azure_conv_2023.csv"
+AZURE = Path(__file__).parents[1] / "data" / "azure_conv_2023.csv"
 TARGET = 0.9
 
 

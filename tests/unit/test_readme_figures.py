@@ -1,11 +1,47 @@
-"""The README's generated figures are the committed results' (a hand edit or a stale block fails)."""
+"""docs/RESULTS.md's generated figures are the committed results' (a hand edit or a stale block fails)."""
 
-from bench import chaos_readme, clients_readme
+import json
+
+import pytest
+
+from bench import chaos_readme, clients_readme, engine_readme, report, scale_readme
+from bench.results_doc import RESULTS_DOC
+
+RESULTS = RESULTS_DOC.parents[1] / "bench" / "results"
 
 
-def test_the_readmes_chaos_figures_are_the_committed_runs():
-    assert chaos_readme.current() in chaos_readme.README.read_text()
+def _between(begin: str, end: str) -> str:
+    text = RESULTS_DOC.read_text()
+    assert begin in text and end in text, f"{RESULTS_DOC} has no {begin} ... {end} block"
+    return text.split(begin, 1)[1].split(end, 1)[0]
 
 
-def test_the_readmes_works_with_table_is_the_committed_runs():
+def _json(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+def test_the_chaos_figures_are_the_committed_runs():
+    assert chaos_readme.current() in RESULTS_DOC.read_text()
+
+
+def test_the_engine_figures_are_the_committed_run():
+    assert _between(engine_readme.BEGIN, engine_readme.END) == "\n" + engine_readme.block(_json("engine.json")) + "\n"
+
+
+def test_the_interference_figures_are_the_committed_run():
+    assert _between(report.BEGIN, report.END) == "\n" + report.section(_json("interference.json")) + "\n"
+
+
+def test_the_scale_figures_are_the_committed_run():
+    assert _between(scale_readme.BEGIN, scale_readme.END) == "\n" + scale_readme.section(_json("scale.json")) + "\n"
+
+
+def test_the_architectures_table_is_the_committed_run():
+    architectures = pytest.importorskip("bench.architectures")
+    assert _between(architectures.BEGIN, architectures.END) == "\n" + architectures.table(
+        _json("architectures.json")) + "\n"
+
+
+def test_the_works_with_tables_are_the_committed_runs():
     assert clients_readme.current() in clients_readme.README.read_text()
+    assert clients_readme.current(clients_readme.detail) in clients_readme.DETAIL.read_text()

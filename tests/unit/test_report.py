@@ -4,6 +4,7 @@ only the text between the markers changes."""
 from __future__ import annotations
 
 from bench import report
+from bench.results_doc import update_block
 
 
 def _arm(itl_p99: float, gap: float, points: list[tuple[float, float]], rate: float) -> dict:
@@ -50,7 +51,7 @@ def test_the_section_carries_the_machine_the_scale_each_arm_and_each_ratio():
 def test_only_the_text_between_the_markers_is_replaced(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text(f"# title\nbefore\n{report.BEGIN}\nold figures\n{report.END}\nafter\n")
-    report.update_readme("new figures", readme)
+    update_block(readme, report.BEGIN, report.END, "new figures")
     assert readme.read_text() == f"# title\nbefore\n{report.BEGIN}\nnew figures\n{report.END}\nafter\n"
 
 
