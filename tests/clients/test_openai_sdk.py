@@ -101,16 +101,19 @@ def test_tools(sdk, record):
 
 @pytest.mark.works_with("openai", "responses.create (text, streamed, tools), responses.parse")
 def test_responses(sdk, record):
-    resp = sdk.responses.create(model=MODEL, input="What is the capital of France?", max_output_tokens=32)
+    resp = sdk.responses.create(model=MODEL, input="What is the capital of France?", temperature=0,
+                                max_output_tokens=32)
     assert resp.status == "completed" and "Paris" in resp.output_text and resp.usage.output_tokens > 0
-    events = [e.type for e in sdk.responses.create(model=MODEL, input="Say hi.", max_output_tokens=32, stream=True)]
+    events = [e.type for e in sdk.responses.create(model=MODEL, input="Say hi.", temperature=0, max_output_tokens=32,
+                                                   stream=True)]
     assert events[0] == "response.created" and events[-1] == "response.completed"
     tool = {"type": "function", **WEATHER["function"]}
     called = sdk.responses.create(model=MODEL, input="What is the weather in Paris?", tools=[tool],
-                                  tool_choice="required", parallel_tool_calls=False, max_output_tokens=128)
+                                  tool_choice="required", parallel_tool_calls=False, temperature=0,
+                                  max_output_tokens=128)
     calls = [o for o in called.output if o.type == "function_call"]
     assert calls and calls[0].name == "get_weather" and "city" in json.loads(calls[0].arguments)
-    parsed = sdk.responses.parse(model=MODEL, input="Paris is in France. Give the city and its country.",
-                                 text_format=City, max_output_tokens=64)
+    parsed = sdk.responses.parse(model=MODEL, input="Paris is a city in France. Give its name and country.",
+                                 text_format=City, temperature=0, max_output_tokens=64)
     assert isinstance(parsed.output_parsed, City)
     record(openai.__version__, output_tokens=resp.usage.output_tokens, stream_events=len(events))
