@@ -57,7 +57,7 @@ from shared.engine.engine import Engine, RequestOutput
 from shared.engine.sequence import Status
 from shared.kv import KVTransport
 from shared.kv.segment import make_segment
-from shared.kv.sender import KVSender
+from shared.kv.sender import KVSender, SenderSettings, WorkerHooks
 from shared.messages import (
     CANCELLED,
     FINISHED_IN_PREFILL,
@@ -94,10 +94,8 @@ class PrefillWorker:
         self.id, self.prefix, self.host = self.core.id, self.core.prefix, self.core.host
         self.jobs: dict[str, tuple[PrefillJob, trace.Span]] = {}
         self.kv_spans: dict[str, trace.Span] = {}
-        self.sender = KVSender(transport, bus, self.id, engine.fingerprint, self.read_blocks,
-                               settings.kv_max_attempts, settings.kv_transfer_encoding, settings.kv_piece_bytes,
-                               given_up=self.given_up,
-                               segment=make_segment(settings.kv_segment_bytes))
+        self.sender = KVSender(SenderSettings.for_prefill(settings, self.id, engine.fingerprint), transport, bus,
+                               WorkerHooks(self.read_blocks, self.given_up), make_segment(settings.kv_segment_bytes))
         self.cancelled: dict[str, float] = {}  # request -> its placements before this attempt are cancelled
         self.handoffs: set[asyncio.Task] = set()
         self.unacked: dict[str, Msg] = {}  # jobs taken and not yet acked
