@@ -43,12 +43,11 @@ import math
 import time
 from dataclasses import replace
 
-import nats.errors
-import nats.js.errors
 from nats.aio.msg import Msg
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan
 
+from services.prefill.intake import JobIntake, queued_at
 from services.prefill.watch import DecodeWatch
 from shared import metrics, subjects
 from shared.bus import Bus, after_reconnects, context_of
@@ -81,14 +80,7 @@ JOB_KEEPALIVE_S = 10.0  # JetStream redelivers a job unacked for 30 s (its ack_w
 # soonest, and one that gave up refuses the KV and tells this worker to stop (only compute is
 # lost). Saves a round trip on every first token; redeliveries and old jobs are still checked.
 FRESH_JOB_S = 5.0
-JETSTREAM_RETRY_S = 0.5  # a consumer JetStream cannot serve now is asked again after this
 MAX_JOB_DELIVERIES = 3  # a job the engine fails on this often is ended, not taken again
-
-
-
-def queued_at(msg: Msg) -> float:
-    """When a job was queued (JetStream's timestamp; now, if it has none)."""
-    return msg.metadata.timestamp.timestamp() if msg.metadata.timestamp else time.time()
 
 
 class PrefillWorker:
@@ -107,7 +99,7 @@ class PrefillWorker:
         self.unacked: dict[str, Msg] = {}  # jobs taken and not yet acked
         self.finishing: dict[str, float] = {}  # when each handoff's last layer was computed
         self.ending = Background(log, "cancel")  # work being ended (each waits for the engine thread)
-        self.unavailable_since = 0.0  # when JetStream stopped serving this worker's consumer (0: it serves)
+        self.intake = JobIntake()
 
     def info(self) -> WorkerInfo:
         return self.core.info()
@@ -211,27 +203,8 @@ class PrefillWorker:
             return False
 
     async def take_jobs(self, pull, wait_s: float) -> None:
-        for msg in await self.fetch_jobs(pull, wait_s):
+        for msg in await self.intake.fetch(pull, self.settings.max_jobs - len(self.jobs), wait_s):
             await self.take_job(msg)
-
-    async def fetch_jobs(self, pull, wait_s: float) -> list[Msg]:
-        """The jobs waiting, as many as this worker has room for (none after `wait_s`)."""
-        try:
-            msgs = await pull.fetch(self.settings.max_jobs - len(self.jobs), timeout=wait_s)
-        except (TimeoutError, nats.errors.TimeoutError):  # no job waiting
-            return []
-        except (nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError) as e:
-            # JetStream cannot serve this consumer for now (its group electing a leader as a
-            # cluster node goes or comes back): the jobs stay queued; ask again shortly
-            if not self.unavailable_since:
-                self.unavailable_since = time.monotonic()
-                log.warning("taking jobs: %s; asking again until JetStream serves", type(e).__name__)
-            await asyncio.sleep(JETSTREAM_RETRY_S)
-            return []
-        if self.unavailable_since:
-            log.warning("taking jobs again after %.1f s", time.monotonic() - self.unavailable_since)
-            self.unavailable_since = 0.0
-        return msgs
 
     async def take_job(self, msg: Msg) -> None:
         """One job delivered: started, unless it is not this worker's to start (now)."""
