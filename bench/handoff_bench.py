@@ -106,7 +106,7 @@ def exposed_fraction(tokens: int = 1024, same_host: bool = True, rounds: int = R
     from shared.engine_host import EngineHost
     from shared.kv import create_transport
     from shared.kv.segment import Segment
-    from shared.kv.sender import KVSender
+    from shared.kv.sender import KVSender, SenderSettings, WorkerHooks
     from shared.messages import PrefillJob, Sampling
 
     engine = _engine()
@@ -129,9 +129,9 @@ def exposed_fraction(tokens: int = 1024, same_host: bool = True, rounds: int = R
         async def run():
             host = EngineHost(engine)
             bus = await Bus.connect(url, "bench-prefill")
-            sender = KVSender(create_transport("ucx"), bus, "bench-p", engine.fingerprint,
-                              lambda *a: host.call(engine.kv_blocks, *a),
-                              segment=Segment(256 << 20) if same_host else None)
+            sender = KVSender(SenderSettings("bench-p", engine.fingerprint), create_transport("ucx"), bus,
+                              WorkerHooks(lambda *a: host.call(engine.kv_blocks, *a)),
+                              Segment(256 << 20) if same_host else None)
             await sender.start()
             loop = asyncio.get_running_loop()
             alone, streamed, after = [], [], []

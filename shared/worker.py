@@ -68,29 +68,22 @@ class WorkerCore:
 
     def info(self) -> WorkerInfo:
         """The registry entry as of now (each heartbeat writes it)."""
-        return worker_info(self.engine, self.id, self.role, self.settings,
-                           self.transport.address if self.role == "decode" else "",
-                           prefill_tokens_per_s=self.host.prefill_tokens_per_s, draining=self.draining,
-                           step_s=self.host.step_s, slowest_step_s=self.host.slowest_step_s,
-                           prefix_slot=self.prefix.slot)
+        engine, host = self.engine, self.host
+        return WorkerInfo(worker_id=self.id, role=self.role, model=self.settings.model_name,
+                          fingerprint=engine.fingerprint,
+                          ucx_address=self.transport.address if self.role == "decode" else "",
+                          block_size=engine.cfg.block_size, total_blocks=engine.num_blocks,
+                          free_blocks=engine.num_free_blocks, growth_blocks=engine.growth_blocks,
+                          running=len(engine.scheduler.running),
+                          waiting=len(engine.scheduler.waiting) + engine.num_importing,
+                          queued_tokens=engine.queued_tokens, prefill_tokens_per_s=host.prefill_tokens_per_s,
+                          draining=self.draining, step_s=host.step_s, slowest_step_s=round(host.slowest_step_s, 3),
+                          prefix_slot=self.prefix.slot, cached_blocks=engine.num_cached_blocks)
 
     async def drain(self) -> None:
         """Take no new work: the registry entry says `draining` at once, not at the next heartbeat."""
         self.draining = True
         await self.state.heartbeat(self.info(), lease_s=self.settings.lease_s)
-
-
-def worker_info(engine: Engine, wid: str, role: str, settings: WorkerSettings, ucx_address: str = "",
-                prefill_tokens_per_s: float = 0.0, draining: bool = False, step_s: float = 0.0,
-                slowest_step_s: float = 0.0, prefix_slot: int = 0) -> WorkerInfo:
-    return WorkerInfo(worker_id=wid, role=role, model=settings.model_name, fingerprint=engine.fingerprint,
-                      ucx_address=ucx_address, block_size=engine.cfg.block_size, total_blocks=engine.num_blocks,
-                      free_blocks=engine.num_free_blocks, growth_blocks=engine.growth_blocks,
-                      running=len(engine.scheduler.running),
-                      waiting=len(engine.scheduler.waiting) + engine.num_importing, queued_tokens=engine.queued_tokens,
-                      prefill_tokens_per_s=prefill_tokens_per_s, draining=draining, step_s=step_s,
-                      slowest_step_s=round(slowest_step_s, 3),
-                      prefix_slot=prefix_slot, cached_blocks=engine.num_cached_blocks)
 
 
 async def serve_worker(role: str, settings: WorkerSettings, worker_cls) -> None:

@@ -23,7 +23,7 @@ from shared.engine.loader import load
 from shared.engine.sequence import SamplingParams
 from shared.kv import TAG_SPAN, create_transport
 from shared.kv.receiver import KVInbox, KVReceiver
-from shared.kv.sender import KVSender
+from shared.kv.sender import KVSender, SenderSettings, WorkerHooks
 from shared.messages import KVAck, PrefillJob, Sampling
 
 PROMPT = [(7 * i) % 200 + 3 for i in range(600)]
@@ -62,7 +62,7 @@ async def prefill(url: str, work: Path) -> None:
     async def read_blocks(rid, layer, first, n):
         return engine.kv_blocks(rid, layer, first, n)
 
-    sender = KVSender(create_transport("ucx"), bus, "p", engine.fingerprint, read_blocks)
+    sender = KVSender(SenderSettings("p", engine.fingerprint), create_transport("ucx"), bus, WorkerHooks(read_blocks))
     await sender.start()
     job = PrefillJob(request_id="r", prompt_token_ids=PROMPT, sampling=Sampling(), decode_worker="d",
                      decode_address=peer["address"], decode_fingerprint=peer["fingerprint"],

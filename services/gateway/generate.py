@@ -20,7 +20,7 @@ from services.gateway.errors import APIError
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, StreamOptions
 from services.gateway.timing import timed
 from shared import tracing
-from shared.messages import RouteRequest, TokenChunk
+from shared.messages import RouteReply, RouteRequest, Sampling, TokenChunk
 
 
 def prompt_ids(gw: Gateway, body: ChatCompletionRequest | CompletionRequest) -> list[list[int]]:
@@ -120,19 +120,47 @@ async def start(gw: Gateway, request: Request, body: ChatCompletionRequest | Com
     for prompt in prompts:
         checks.check_tokens(gw, body, len(prompt))
     scoring = isinstance(body, CompletionRequest) and body.max_tokens == 0  # echo: the prompt scored alone
-    salt, caller = checks.cache_salt(gw, body, request), checks.caller(request)
-    try:  # (max_tokens: the prompt's checks too)
-        samplings = [body.sampling(1 if scoring else max_tokens(gw, body, len(p)), salt, gw.calls, caller)
-                     for p in prompts]
-    except ValueError as e:
-        raise APIError(400, str(e), param="min_tokens") from None
+    samplings = _samplings(gw, request, body, prompts, scoring)
     span = trace.get_current_span()
     rid = await request_id(gw, request, len(prompts), body.n)
     span.set_attributes({"prompt_tokens": sum(map(len, prompts)), "stream": body.stream,
                          "max_tokens": samplings[0].max_tokens,
                          **genai.request_attributes(body, kind, samplings[0].max_tokens)})
     n = body.n
-    await gw.in_flight.join(caller, rid, n * len(prompts))  # (refused: nothing taken from the rate limits)
+    # (refused: nothing taken from the rate limits)
+    await gw.in_flight.join(checks.caller(request), rid, n * len(prompts))
+    placements, streams = await _place(gw, request, body, rid, prompts, samplings)
+    first = placements[0]
+    span.set_attributes({"mode": first.mode or "", "decode_worker": first.decode_worker or "",
+                         "prefill_worker": first.prefill_worker or "", "n": n, "prompts": len(prompts)})
+    merged = _leaving(choices.merge([timed(s, request.state.arrived, placements[k // n].mode or "",
+                                           tracing.trace_id_hex(span)) for k, s in enumerate(streams)]),
+                      lambda: gw.in_flight.leave(rid))
+    meta = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{rid}", "created": int(time.time()),
+            "model": body.model}
+    texts = body.prompts() if isinstance(body, CompletionRequest) else [""]
+    answers = [Answer(gw.tokenizer, kind, body, tokens, scoring, gw.calls, text, first=i == 0)
+               for tokens, text in zip(prompts, texts) for i in range(n)]
+    return Started(rid, meta, answers, merged, span)
+
+
+def _samplings(gw: Gateway, request: Request, body: ChatCompletionRequest | CompletionRequest,
+               prompts: list[list[int]], scoring: bool) -> list[Sampling]:
+    """Each prompt's sampling parameters; its max_tokens checked against the prompt."""
+    salt, caller = checks.cache_salt(gw, body, request), checks.caller(request)
+    try:  # (max_tokens: the prompt's checks too)
+        return [body.sampling(1 if scoring else max_tokens(gw, body, len(p)), salt, gw.calls, caller)
+                for p in prompts]
+    except ValueError as e:
+        raise APIError(400, str(e), param="min_tokens") from None
+
+
+async def _place(gw: Gateway, request: Request, body: ChatCompletionRequest | CompletionRequest, rid: str,
+                 prompts: list[list[int]],
+                 samplings: list[Sampling]) -> tuple[list[RouteReply], list[AsyncIterator[TokenChunk]]]:
+    """Each prompt placed, its `n` choices with it: the placements, and every choice's stream.
+    Any refusal leaves the in-flight count and cancels what was placed before it."""
+    n = body.n
     streams: list[AsyncIterator[TokenChunk]] = []
     try:
         await checks.fair_share(gw, body, request, n * len(prompts), sum(map(len, prompts)),
@@ -152,20 +180,9 @@ async def start(gw: Gateway, request: Request, body: ChatCompletionRequest | Com
         gw.in_flight.leave(rid)
         await _cancel(streams)  # (a batch's prompts placed before the one that failed)
         if isinstance(e, APIError):
-            span.set_attribute("error", e.message)
+            trace.get_current_span().set_attribute("error", e.message)
         raise
-    first = placements[0]
-    span.set_attributes({"mode": first.mode or "", "decode_worker": first.decode_worker or "",
-                         "prefill_worker": first.prefill_worker or "", "n": n, "prompts": len(prompts)})
-    merged = _leaving(choices.merge([timed(s, request.state.arrived, placements[k // n].mode or "",
-                                           tracing.trace_id_hex(span)) for k, s in enumerate(streams)]),
-                      lambda: gw.in_flight.leave(rid))
-    meta = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{rid}", "created": int(time.time()),
-            "model": body.model}
-    texts = body.prompts() if isinstance(body, CompletionRequest) else [""]
-    answers = [Answer(gw.tokenizer, kind, body, tokens, scoring, gw.calls, text, first=i == 0)
-               for tokens, text in zip(prompts, texts) for i in range(n)]
-    return Started(rid, meta, answers, merged, span)
+    return placements, streams
 
 
 async def request_id(gw: Gateway, request: Request, prompts: int, n: int) -> str:

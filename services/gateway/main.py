@@ -40,8 +40,9 @@ from shared import metrics_vllm, tracing
 from shared.bus import Bus
 from shared.config import GatewaySettings
 from shared.engine import grammar
+from shared.engine.config import ModelConfig
 from shared.engine.loader import inspect
-from shared.engine.tokenizer import template_text
+from shared.engine.tokenizer import Tokenizer, template_text
 from shared.messages import WorkerInfo
 from shared.service import heartbeat, setup_logging
 from shared.state import State
@@ -57,26 +58,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         tracing.setup("gateway", settings.otlp_endpoint, settings.trace_baggage_keys)
-        model_config, tokenizer = await asyncio.to_thread(inspect, settings.model)
-        if tokenizer is None:
-            raise RuntimeError(f"model {settings.model!r} has no tokenizer; the gateway needs one")
-        if settings.chat_template:
-            tokenizer.chat_template = template_text(settings.chat_template)
-        threading.Thread(target=grammar.check, args=(grammar.Grammar("json_object"),), name="grammars",
-                         daemon=True).start()  # the library loaded beside the start, not on a request
+        model_config, tokenizer = await load_model(settings)
         bus = await Bus.connect(settings.nats_url, name="gateway")
         state = State.for_service(settings)
         me = WorkerInfo(worker_id=settings.gateway_id or f"gateway-{uuid.uuid4().hex[:8]}", role="gateway")
-        fail_open = keys.open if settings.rate_limit_fail_open is None else settings.rate_limit_fail_open
-        calls = tools.call_format(tokenizer.chat_template, tokenizer.template_takes_tools, settings.tool_call_parser)
-        log.info("tool calls in the %s format", calls.name)
-        app.state.gateway = Gateway(settings, bus, state, tokenizer, model_config, calls,
-                                    Relay.for_gateway(settings, bus, state, me.worker_id), keys,
-                                    RateLimit(state, settings.rate_limit_per_s, settings.rate_limit_burst,
-                                              fail_open=fail_open),
-                                    RateLimit(state, settings.token_rate_limit_per_s, settings.token_rate_limit_burst,
-                                              unit="tokens", fail_open=fail_open),
-                                    Concurrency(state, settings.max_concurrent_per_key, settings.lease_s, fail_open))
+        app.state.gateway = build_gateway(settings, keys, bus, state, model_config, tokenizer, me.worker_id)
         # the lease tells the routers' supervisors that someone still reads these requests' tokens
         stop = asyncio.Event()
         beat = asyncio.create_task(heartbeat(state, lambda: me, settings.heartbeat_s, stop))
@@ -106,6 +92,34 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.add_middleware(RequestContext, tracer=trace.get_tracer("pdserve.gateway"),
                        max_bytes=settings.max_request_bytes)
     return app
+
+
+async def load_model(settings: GatewaySettings) -> tuple[ModelConfig, Tokenizer]:
+    """The model's architecture and tokenizer (with PD_CHAT_TEMPLATE when set), no weights; the
+    grammar library loaded beside the start, not on a request."""
+    model_config, tokenizer = await asyncio.to_thread(inspect, settings.model)
+    if tokenizer is None:
+        raise RuntimeError(f"model {settings.model!r} has no tokenizer; the gateway needs one")
+    if settings.chat_template:
+        tokenizer.chat_template = template_text(settings.chat_template)
+    threading.Thread(target=grammar.check, args=(grammar.Grammar("json_object"),), name="grammars",
+                     daemon=True).start()
+    return model_config, tokenizer
+
+
+def build_gateway(settings: GatewaySettings, keys: KeyCheck, bus: Bus, state: State,
+                  model_config: ModelConfig, tokenizer: Tokenizer, owner: str) -> Gateway:
+    """What the request handlers share: the model's tokenizer and tool-call format, the relay,
+    the key check, the rate limits and the per-key concurrency (`owner`: this gateway's id)."""
+    fail_open = keys.open if settings.rate_limit_fail_open is None else settings.rate_limit_fail_open
+    calls = tools.call_format(tokenizer.chat_template, tokenizer.template_takes_tools, settings.tool_call_parser)
+    log.info("tool calls in the %s format", calls.name)
+    return Gateway(settings, bus, state, tokenizer, model_config, calls,
+                   Relay.for_gateway(settings, bus, state, owner), keys,
+                   RateLimit(state, settings.rate_limit_per_s, settings.rate_limit_burst, fail_open=fail_open),
+                   RateLimit(state, settings.token_rate_limit_per_s, settings.token_rate_limit_burst,
+                             unit="tokens", fail_open=fail_open),
+                   Concurrency(state, settings.max_concurrent_per_key, settings.lease_s, fail_open))
 
 
 def main(settings: GatewaySettings | None = None) -> None:

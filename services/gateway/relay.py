@@ -58,29 +58,56 @@ REPLAY_TIMEOUT_S = 2.0  # a decode worker answers from its event loop; silence t
 BUS_SETTLED_S = 5.0     # this gateway's bus connection up this long before a worker's absence from it counts
 
 
+@dataclass(frozen=True)
+class RelayTimings:
+    """How long the relay waits for a router and for tokens, and how it judges a silent placement."""
+
+    route_timeout_s: float                 # a router's answer to one placement request
+    token_timeout_s: float                 # no token this long: the request fails (504)
+    check_s: float = 1.0                   # silence this long: is the placement still there?
+    confirm_s: float = 1.5                 # absent this long from the registry = lost
+    placement_retry_s: float = 0.0         # keep asking while nothing can take the request
+    probe: bool = False                    # also ask a silent decode worker on the bus
+
+    @classmethod
+    def for_gateway(cls, settings: GatewaySettings) -> RelayTimings:
+        return cls(settings.route_timeout_s, settings.token_timeout_s, check_s=settings.failover_check_s,
+                   confirm_s=settings.absent_s, placement_retry_s=settings.placement_retry_s, probe=True)
+
+
+def _not_noted(*args: object, **kwargs: object) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class Records:
+    """Where the relay reads worker leases and notes each request's events (a State's, `of`;
+    none by default: every worker counts as alive, nothing is noted)."""
+
+    alive: Callable[[str], Awaitable[bool]] | None = None        # State.alive: a worker's lease
+    note: Callable[..., None] = _not_noted                       # State.note: the request's events in Redis
+    placed: Callable[[str], Awaitable[dict[str, str]]] | None = None  # State.route: what routers noted
+    owner: str = ""                                              # this gateway's registry id
+
+    @classmethod
+    def of(cls, state: State, owner: str) -> Records:
+        return cls(alive=state.alive, note=state.note, placed=state.route, owner=owner)
+
+
 class Relay:
-    def __init__(self, bus: Bus, route_timeout_s: float, token_timeout_s: float,
-                 alive: Callable[[str], Awaitable[bool]] | None = None, check_s: float = 1.0,
-                 confirm_s: float = 1.5, placement_retry_s: float = 0.0,
-                 note: Callable[..., None] | None = None, owner: str = "",
-                 placed: Callable[[str], Awaitable[dict[str, str]]] | None = None, probe: bool = False):
-        self.bus, self.route_timeout_s, self.token_timeout_s = bus, route_timeout_s, token_timeout_s
-        self.alive, self.check_s = alive, check_s
-        self.confirm_s = confirm_s                    # absent this long from the registry = lost
-        self.placement_retry_s = placement_retry_s    # keep asking while nothing can take the request
-        self.note = note or (lambda *a, **k: None)    # State.note: the request's events in Redis
-        self.owner = owner                            # this gateway's registry id
-        self.placed = placed                          # State.route: what the routers noted of a placement
-        self.probe = probe                            # also ask a silent decode worker on the bus
+    def __init__(self, bus: Bus, timings: RelayTimings, records: Records | None = None):
+        self.bus, self.timings = bus, timings
+        self.records = records or Records()
         self.bus_seen = (self.reconnects(), time.monotonic())  # this gateway's reconnections, since when
 
     @classmethod
     def for_gateway(cls, settings: GatewaySettings, bus: Bus, state: State, owner: str) -> Relay:
         """The relay a gateway's settings describe: leases read from, and events noted in, `state`."""
-        return cls(bus, settings.route_timeout_s, settings.token_timeout_s, alive=state.alive,
-                   check_s=settings.failover_check_s, confirm_s=settings.absent_s,
-                   placement_retry_s=settings.placement_retry_s, note=state.note, owner=owner, placed=state.route,
-                   probe=True)
+        return cls(bus, RelayTimings.for_gateway(settings), Records.of(state, owner))
+
+    @property
+    def owner(self) -> str:
+        return self.records.owner
 
     async def run(self, req: RouteRequest) -> tuple[RouteReply, AsyncIterator[TokenChunk]]:
         """Place the request; returns the placement and its ordered token stream. The
@@ -94,8 +121,8 @@ class Relay:
         async def on_event(msg) -> None:
             queue.put_nowait(Stalled.decode(msg.data))
 
-        self.note(req.request_id, "received", by=self.owner, owner=self.owner,
-                  prompt_tokens=len(req.prompt_token_ids), max_tokens=req.sampling.max_tokens)
+        self.records.note(req.request_id, "received", by=self.owner, owner=self.owner,
+                          prompt_tokens=len(req.prompt_token_ids), max_tokens=req.sampling.max_tokens)
         subs = Subscriptions([await self.bus.subscribe(subjects.tokens(req.request_id), on_chunk),
                               await self.bus.subscribe(subjects.stalled(req.request_id), on_event)])
         try:
@@ -105,7 +132,7 @@ class Relay:
             await asyncio.shield(self.abandon(req))
             outcome, reason = ("failed", e.message) if isinstance(e, APIError) else \
                 ("cancelled", "client gone") if isinstance(e, asyncio.CancelledError) else ("failed", repr(e))
-            self.note(req.request_id, outcome, by=self.owner, owner=self.owner, reason=reason)
+            self.records.note(req.request_id, outcome, by=self.owner, owner=self.owner, reason=reason)
             metrics.REQUESTS.labels(outcome).inc()
             raise
         return reply, self._ordered(req, reply, queue, subs)
@@ -115,10 +142,10 @@ class Relay:
         answer late or lost): cancel it on the workers the routers noted for the placement, so
         no reservation or prefill job runs on for nobody. (A cancel that reaches a decode
         worker before the admit it races finds nothing: that reservation runs to its end.)"""
-        if self.placed is None:
+        if self.records.placed is None:
             return
         try:
-            known = await self.placed(placement_key(req.request_id, req.attempt))
+            known = await self.records.placed(placement_key(req.request_id, req.attempt))
         except Exception as e:  # noqa: BLE001 - Redis away: nothing known to cancel
             log.debug("%s: placement not read: %s", req.request_id, e)
             return
@@ -134,11 +161,11 @@ class Relay:
         up or with room: a worker restarting, the registry refilling after a Redis restart),
         ask again for up to `placement_retry_s`, then 503. Placement is idempotent by request
         id and attempt, so asking again never places twice. Over the TTFT objective: 429 now."""
-        deadline = time.monotonic() + (self.placement_retry_s if retry_s is None else retry_s)
+        deadline = time.monotonic() + (self.timings.placement_retry_s if retry_s is None else retry_s)
         pause = 0.25
         while True:
             try:
-                reply = await self.bus.request(subjects.ROUTE, req, RouteReply, timeout=self.route_timeout_s)
+                reply = await self.bus.request(subjects.ROUTE, req, RouteReply, timeout=self.timings.route_timeout_s)
             except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
                 reply = None
             if reply is not None and (reply.ok or reply.retry_after_s > 0):
@@ -168,7 +195,7 @@ class Relay:
         try:
             while not stream.order.finished:
                 try:
-                    item = await asyncio.wait_for(queue.get(), self.check_s)
+                    item = await asyncio.wait_for(queue.get(), self.timings.check_s)
                 except TimeoutError:
                     item = None
                 if isinstance(item, TokenChunk) and item.attempt != stream.attempt:  # a placement it left
@@ -192,8 +219,8 @@ class Relay:
                 outcome, reason = "finished", ""
             else:  # client gone, timeout or error: stop the work wherever it was placed
                 await stream.holders.cancel(self.bus, Cancel(request_id=req.request_id))
-            self.note(req.request_id, outcome, by=self.owner, attempt=stream.attempt, owner=self.owner,
-                      tokens=len(stream.order.generated), reason=reason)
+            self.records.note(req.request_id, outcome, by=self.owner, attempt=stream.attempt, owner=self.owner,
+                              tokens=len(stream.order.generated), reason=reason)
             metrics.REQUESTS.labels(outcome).inc()
 
     async def recover(self, req: RouteRequest, stream: Stream, item: TokenChunk | Stalled | None) -> None:
@@ -229,8 +256,8 @@ class Relay:
             return f"stalled in {item.phase}" if item.attempt == attempt else ""
         if item is not None:
             return ""
-        if time.monotonic() - liveness.silent_since > self.token_timeout_s:
-            raise APIError(504, f"No token for {self.token_timeout_s:.0f} s; the request was cancelled.",
+        if time.monotonic() - liveness.silent_since > self.timings.token_timeout_s:
+            raise APIError(504, f"No token for {self.timings.token_timeout_s:.0f} s; the request was cancelled.",
                            code="timeout")
         if liveness.absence.gone("decode", not await self.absent(placement, rid), time.monotonic()):
             return "worker lost"
@@ -261,14 +288,14 @@ class Relay:
                  f"{placement.decode_worker} published {chunks} again" if ok
                  else f"{placement.decode_worker} cannot replay them ({why_not})")
         metrics.REPLAYS.labels("replayed" if ok else "refused").inc()
-        self.note(rid, "replayed", by=self.owner, attempt=attempt, from_seq=from_seq, ok=ok,
-                  decode=placement.decode_worker, reason=why_not)
+        self.records.note(rid, "replayed", by=self.owner, attempt=attempt, from_seq=from_seq, ok=ok,
+                          decode=placement.decode_worker, reason=why_not)
         trace.get_current_span().add_event("replay", {"from_seq": from_seq, "ok": ok, "chunks": chunks})
         return ok
 
     def liveness(self) -> Liveness:
         """A placement's signs of life from now on."""
-        return Liveness(time.monotonic(), self.reconnects(), Absence(self.confirm_s))
+        return Liveness(time.monotonic(), self.reconnects(), Absence(self.timings.confirm_s))
 
     def reconnects(self) -> int:
         return getattr(self.bus, "reconnects", 0)
@@ -285,9 +312,9 @@ class Relay:
         on_bus = await self.on_bus(worker, rid)
         if on_bus is not None:
             return not on_bus
-        if self.alive is not None:
+        if self.records.alive is not None:
             try:
-                return not await self.alive(worker)
+                return not await self.records.alive(worker)
             except Exception:  # noqa: BLE001
                 pass
         return False
@@ -300,10 +327,10 @@ class Relay:
         count, since = self.bus_seen
         if self.reconnects() != count:
             self.bus_seen = count, since = self.reconnects(), time.monotonic()
-        if not self.probe or time.monotonic() - since < BUS_SETTLED_S:
+        if not self.timings.probe or time.monotonic() - since < BUS_SETTLED_S:
             return None
         return await self.bus.heard(subjects.decode_replay(worker), Replay(request_id=rid, from_seq=PAST_THE_END),
-                                    self.check_s)
+                                    self.timings.check_s)
 
     async def failover(self, req: RouteRequest, lost: RouteReply, generated: list[int], attempt: int,
                        why: str) -> RouteReply:
@@ -313,8 +340,8 @@ class Relay:
         metrics.FAILOVERS.labels(why.split(" in ")[0]).inc()   # worker lost, stream interrupted, stalled
         log.warning("%s: %s (%s); placing it again after %d tokens (attempt %d)", req.request_id, why,
                     lost.decode_worker, len(generated), attempt)
-        self.note(req.request_id, "failover", by=self.owner, attempt=attempt, why=why,
-                  lost=lost.decode_worker or "", resumed_after_tokens=len(generated))
+        self.records.note(req.request_id, "failover", by=self.owner, attempt=attempt, why=why,
+                          lost=lost.decode_worker or "", resumed_after_tokens=len(generated))
         if attempt >= MAX_ATTEMPTS:
             raise APIError(503, f"The request's decode worker was lost {attempt} times; giving up.",
                            code="worker_lost")
@@ -323,7 +350,7 @@ class Relay:
         avoid = [lost.decode_worker] if why.startswith("stalled") and lost.decode_worker else []
         return await self.place(req.model_copy(update={"attempt": attempt, "generated_token_ids": list(generated),
                                                        "avoid_workers": avoid}),
-                                retry_s=max(self.placement_retry_s, self.token_timeout_s))
+                                retry_s=max(self.timings.placement_retry_s, self.timings.token_timeout_s))
 
 
 @dataclass

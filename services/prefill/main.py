@@ -43,12 +43,11 @@ import math
 import time
 from dataclasses import replace
 
-import nats.errors
-import nats.js.errors
 from nats.aio.msg import Msg
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan
 
+from services.prefill.intake import JobIntake, queued_at
 from services.prefill.watch import DecodeWatch
 from shared import metrics, subjects
 from shared.bus import Bus, after_reconnects, context_of
@@ -57,7 +56,7 @@ from shared.engine.engine import Engine, RequestOutput
 from shared.engine.sequence import Status
 from shared.kv import KVTransport
 from shared.kv.segment import make_segment
-from shared.kv.sender import KVSender
+from shared.kv.sender import KVSender, SenderSettings, WorkerHooks
 from shared.messages import (
     CANCELLED,
     FINISHED_IN_PREFILL,
@@ -81,7 +80,6 @@ JOB_KEEPALIVE_S = 10.0  # JetStream redelivers a job unacked for 30 s (its ack_w
 # soonest, and one that gave up refuses the KV and tells this worker to stop (only compute is
 # lost). Saves a round trip on every first token; redeliveries and old jobs are still checked.
 FRESH_JOB_S = 5.0
-JETSTREAM_RETRY_S = 0.5  # a consumer JetStream cannot serve now is asked again after this
 MAX_JOB_DELIVERIES = 3  # a job the engine fails on this often is ended, not taken again
 
 
@@ -94,16 +92,14 @@ class PrefillWorker:
         self.id, self.prefix, self.host = self.core.id, self.core.prefix, self.core.host
         self.jobs: dict[str, tuple[PrefillJob, trace.Span]] = {}
         self.kv_spans: dict[str, trace.Span] = {}
-        self.sender = KVSender(transport, bus, self.id, engine.fingerprint, self.read_blocks,
-                               settings.kv_max_attempts, settings.kv_transfer_encoding, settings.kv_piece_bytes,
-                               given_up=self.given_up,
-                               segment=make_segment(settings.kv_segment_bytes))
+        self.sender = KVSender(SenderSettings.for_prefill(settings, self.id, engine.fingerprint), transport, bus,
+                               WorkerHooks(self.read_blocks, self.given_up), make_segment(settings.kv_segment_bytes))
         self.cancelled: dict[str, float] = {}  # request -> its placements before this attempt are cancelled
         self.handoffs: set[asyncio.Task] = set()
         self.unacked: dict[str, Msg] = {}  # jobs taken and not yet acked
         self.finishing: dict[str, float] = {}  # when each handoff's last layer was computed
         self.ending = Background(log, "cancel")  # work being ended (each waits for the engine thread)
-        self.unavailable_since = 0.0  # when JetStream stopped serving this worker's consumer (0: it serves)
+        self.intake = JobIntake()
 
     def info(self) -> WorkerInfo:
         return self.core.info()
@@ -207,69 +203,67 @@ class PrefillWorker:
             return False
 
     async def take_jobs(self, pull, wait_s: float) -> None:
+        for msg in await self.intake.fetch(pull, self.settings.max_jobs - len(self.jobs), wait_s):
+            await self.take_job(msg)
+
+    async def take_job(self, msg: Msg) -> None:
+        """One job delivered: started, unless it is not this worker's to start (now)."""
         try:
-            msgs = await pull.fetch(self.settings.max_jobs - len(self.jobs), timeout=wait_s)
-        except (TimeoutError, nats.errors.TimeoutError):  # no job waiting
+            job = PrefillJob.decode(msg.data)
+        except ValueError as e:  # (pydantic's ValidationError is one) no sender could mean it: dropped
+            log.error("a prefill job that does not decode, terminated: %s", e)
+            await msg.term()
             return
-        except (nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError) as e:
-            # JetStream cannot serve this consumer for now (its group electing a leader as a
-            # cluster node goes or comes back): the jobs stay queued; ask again shortly
-            if not self.unavailable_since:
-                self.unavailable_since = time.monotonic()
-                log.warning("taking jobs: %s; asking again until JetStream serves", type(e).__name__)
-            await asyncio.sleep(JETSTREAM_RETRY_S)
+        if not await self.passed_over(job, msg):
+            await self.start_job(job, msg)
+
+    async def passed_over(self, job: PrefillJob, msg: Msg) -> bool:
+        """Whether the job is answered without being started: acked when there is nothing to do,
+        delivered again later when an older placement's work must end first."""
+        fresh = msg.metadata.num_delivered == 1 and time.time() - queued_at(msg) < FRESH_JOB_S
+        held = self.sender.handoffs.get(job.request_id)
+        if (job.attempt < self.cancelled.get(job.request_id, 0) or (held and held.job.attempt >= job.attempt)
+                or (not fresh and not job.attempt and await self.taken_over(job.request_id))):
+            await msg.ack()  # cancelled before it started, a redelivery of a job in hand, or the
+            return True      # decode worker gave up waiting and prefilled it (this worker's last life?)
+        if held or job.request_id in self.engine.seqs:  # an older placement's work still here (a
+            await self.cancel_older(job.request_id, job.attempt)  # failover came first): end it,
+            await msg.nak(delay=0.2)                              # take this job once it is gone
+            return True
+        return False
+
+    async def start_job(self, job: PrefillJob, msg: Msg) -> None:
+        """The job's spans and KV handoff opened, its prompt queued on the engine."""
+        ctx, queued = context_of(msg), queued_at(msg)
+        self.tracer.start_span("prefill.queue", context=ctx, start_time=int(queued * 1e9)).end()
+        metrics.PREFILL_QUEUE_SECONDS.observe(max(0.0, time.time() - queued))
+        span = self.tracer.start_span("prefill.compute", context=ctx, attributes={
+            "request_id": job.request_id, "prompt_tokens": len(job.prompt_token_ids), "worker": self.id})
+        kv_span = self.tracer.start_span("kv.transfer", context=ctx, attributes={
+            "request_id": job.request_id, "decode_worker": job.decode_worker, "transport": self.transport.name})
+        sink = await self.sender.open(job, trace.set_span_in_context(kv_span))
+        held = self.sender.handoffs[job.request_id]
+        kv_span.set_attributes({"new_endpoint": held.new_endpoint,  # (the segment: where the payloads fit)
+                                "transport": "segment" if held.same_host else self.transport.name})
+        try:
+            await self.host.call(self.queue, job, sink)
+        except Exception as e:  # noqa: BLE001 - refused (ValueError: the router validated it, so a bug),
+            # or the engine failed on it: this worker leaves (the job comes back to it when it
+            # restarts) until the job has failed MAX_JOB_DELIVERIES times, then the job ends here
+            if not isinstance(e, ValueError) and msg.metadata.num_delivered < MAX_JOB_DELIVERIES:
+                raise
+            await self.sender.cancel(job.request_id, f"prefill refused the prompt: {e}")
+            self.sender.drop(job.request_id)
+            for s in (span, kv_span):
+                s.record_exception(e)
+                s.end()
+            await msg.term()
             return
-        if self.unavailable_since:
-            log.warning("taking jobs again after %.1f s", time.monotonic() - self.unavailable_since)
-            self.unavailable_since = 0.0
-        for msg in msgs:
-            try:
-                job = PrefillJob.decode(msg.data)
-            except ValueError as e:  # (pydantic's ValidationError is one) no sender could mean it: dropped
-                log.error("a prefill job that does not decode, terminated: %s", e)
-                await msg.term()
-                continue
-            queued = msg.metadata.timestamp.timestamp() if msg.metadata.timestamp else time.time()
-            fresh = msg.metadata.num_delivered == 1 and time.time() - queued < FRESH_JOB_S
-            held = self.sender.handoffs.get(job.request_id)
-            if (job.attempt < self.cancelled.get(job.request_id, 0) or (held and held.job.attempt >= job.attempt)
-                    or (not fresh and not job.attempt and await self.taken_over(job.request_id))):
-                await msg.ack()  # cancelled before it started, a redelivery of a job in hand, or the
-                continue         # decode worker gave up waiting and prefilled it (this worker's last life?)
-            if held or job.request_id in self.engine.seqs:  # an older placement's work still here (a
-                await self.cancel_older(job.request_id, job.attempt)  # failover came first): end it,
-                await msg.nak(delay=0.2)                              # take this job once it is gone
-                continue
-            ctx = context_of(msg)
-            self.tracer.start_span("prefill.queue", context=ctx, start_time=int(queued * 1e9)).end()
-            metrics.PREFILL_QUEUE_SECONDS.observe(max(0.0, time.time() - queued))
-            span = self.tracer.start_span("prefill.compute", context=ctx, attributes={
-                "request_id": job.request_id, "prompt_tokens": len(job.prompt_token_ids), "worker": self.id})
-            kv_span = self.tracer.start_span("kv.transfer", context=ctx, attributes={
-                "request_id": job.request_id, "decode_worker": job.decode_worker, "transport": self.transport.name})
-            sink = await self.sender.open(job, trace.set_span_in_context(kv_span))
-            held = self.sender.handoffs[job.request_id]
-            kv_span.set_attributes({"new_endpoint": held.new_endpoint,  # (the segment: where the payloads fit)
-                                    "transport": "segment" if held.same_host else self.transport.name})
-            try:
-                await self.host.call(self.queue, job, sink)
-            except Exception as e:  # noqa: BLE001 - refused (ValueError: the router validated it, so a bug),
-                # or the engine failed on it: this worker leaves (the job comes back to it when it
-                # restarts) until the job has failed MAX_JOB_DELIVERIES times, then the job ends here
-                if not isinstance(e, ValueError) and msg.metadata.num_delivered < MAX_JOB_DELIVERIES:
-                    raise
-                await self.sender.cancel(job.request_id, f"prefill refused the prompt: {e}")
-                self.sender.drop(job.request_id)
-                for s in (span, kv_span):
-                    s.record_exception(e)
-                    s.end()
-                await msg.term()
-                continue
-            self.jobs[job.request_id] = (job, span)
-            self.unacked[job.request_id] = msg
-            self.kv_spans[job.request_id] = kv_span
-            self.state.note(job.request_id, "prefilling", by=self.id, attempt=job.attempt,
-                            prompt_tokens=len(job.prompt_token_ids) + len(job.generated_token_ids))
+        self.jobs[job.request_id] = (job, span)
+        self.unacked[job.request_id] = msg
+        self.kv_spans[job.request_id] = kv_span
+        self.state.note(job.request_id, "prefilling", by=self.id, attempt=job.attempt,
+                        prompt_tokens=len(job.prompt_token_ids) + len(job.generated_token_ids))
 
     def queue(self, job: PrefillJob, sink) -> None:
         """On the engine thread: the prompt, streaming its KV from the decode worker's first

@@ -27,6 +27,7 @@ import asyncio
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -62,16 +63,40 @@ class KVBrokeOff(KVFailed):
     or the connection to it broke). Nothing bad was received; the sender may be gone."""
 
 
+@dataclass(frozen=True)
+class HandoffTerms:
+    """One handoff as admission set it up: the blocks it fills, the tag range its sender must
+    use, that sender (when known), and how many sends a block gets before the handoff fails."""
+
+    reservation: Reservation
+    kv_tag: int
+    prefill_worker: str = ""
+    max_attempts: int = 3
+
+
+@dataclass(frozen=True)
+class TargetPool:
+    """The decode engine's KV pool as a receiver sees it: what a notice must match, how a
+    block is laid out, and how verified blocks are written into it."""
+
+    fingerprint: str
+    num_layers: int
+    block_shape: tuple[int, ...]
+    dtype: torch.dtype
+    write: WriteBlocks
+
+    @classmethod
+    def of(cls, engine: Engine) -> TargetPool:
+        pool = engine.runner.kv
+        return cls(engine.fingerprint, pool.shape[0], tuple(pool.shape[2:]), pool.dtype, engine.write_kv)
+
+
 class KVReceiver:
-    def __init__(self, reservation: Reservation, kv_tag: int, fingerprint: str, num_layers: int,
-                 block_shape: tuple[int, ...], dtype: torch.dtype, transport: KVTransport, write: WriteBlocks,
-                 bus: Bus, max_attempts: int = 3, prefill_worker: str = ""):
-        self.prefill_worker = prefill_worker     # the sender, when known at admission
-        self.res, self.kv_tag, self.fingerprint = reservation, kv_tag, fingerprint
-        self.block_shape, self.dtype = block_shape, dtype
-        self.transport, self.write, self.bus = transport, write, bus
-        self.max_attempts = max_attempts
-        self.have = np.zeros((num_layers, reservation.num_blocks - reservation.first_block), dtype=bool)
+    def __init__(self, terms: HandoffTerms, pool: TargetPool, transport: KVTransport, bus: Bus):
+        self.prefill_worker = terms.prefill_worker  # the sender, when known at admission
+        self.res, self.kv_tag, self.max_attempts = terms.reservation, terms.kv_tag, terms.max_attempts
+        self.pool, self.transport, self.bus = pool, transport, bus
+        self.have = np.zeros((pool.num_layers, self.res.num_blocks - self.res.first_block), dtype=bool)
         self.end: KVEnd | None = None  # KVEnd(ok): the first token (and its log probabilities)
         self.outcome: asyncio.Future = asyncio.get_running_loop().create_future()  # the first token, or KVFailed
         self.tasks: set[asyncio.Task] = set()
@@ -81,9 +106,8 @@ class KVReceiver:
     @classmethod
     def for_engine(cls, engine: Engine, reservation: Reservation, kv_tag: int, transport: KVTransport,
                    bus: Bus, max_attempts: int = 3, prefill_worker: str = "") -> KVReceiver:
-        pool = engine.runner.kv
-        return cls(reservation, kv_tag, engine.fingerprint, pool.shape[0], tuple(pool.shape[2:]), pool.dtype,
-                   transport, engine.write_kv, bus, max_attempts, prefill_worker)
+        return cls(HandoffTerms(reservation, kv_tag, prefill_worker, max_attempts), TargetPool.of(engine),
+                   transport, bus)
 
     @property
     def rid(self) -> str:
@@ -120,7 +144,7 @@ class KVReceiver:
         try:
             start = self._check(n)
             nb = n.num_blocks
-            row_bytes = codec.block_nbytes(n.encoding, self.block_shape, self.dtype)
+            row_bytes = codec.block_nbytes(n.encoding, self.pool.block_shape, self.pool.dtype)
             staged = STAGING.take(n.num_layers * nb * row_bytes)
             try:
                 if n.segment is None:
@@ -160,7 +184,7 @@ class KVReceiver:
             rows = buf[i * nb:(i + 1) * nb]
             for a, b in _runs(good[i], True):  # verified blocks go into the reservation
                 ids = list(self.res.block_ids[start + a:start + b])
-                self.write(layer, ids, codec.decode(n.encoding, rows[a:b], self.block_shape, self.dtype))
+                self.pool.write(layer, ids, codec.decode(n.encoding, rows[a:b], self.pool.block_shape, self.pool.dtype))
                 self.have[layer, start + a:start + b] = True
             for a, b in _runs(good[i], False):  # asked for again, one layer at a time
                 self.resends += 1
@@ -170,8 +194,8 @@ class KVReceiver:
 
     def _check(self, n: KVLayer) -> int:
         """The notice against the reservation; returns its first block's index in `have`."""
-        if n.fingerprint != self.fingerprint:
-            raise KVFailed(f"model fingerprint {n.fingerprint} != {self.fingerprint}")
+        if n.fingerprint != self.pool.fingerprint:
+            raise KVFailed(f"model fingerprint {n.fingerprint} != {self.pool.fingerprint}")
         if not self.kv_tag <= n.tag < self.kv_tag + TAG_SPAN:
             raise KVFailed(f"tag {n.tag} outside this handoff's range")
         start = n.first_block - self.res.first_block

@@ -44,6 +44,7 @@ from opentelemetry import context, trace
 
 from shared import subjects
 from shared.bus import Bus
+from shared.config import PrefillSettings
 from shared.engine.kv_io import KVPiece
 from shared.engine.logprobs import Logprob
 from shared.kv import codec
@@ -79,21 +80,43 @@ class Handoff:
     closed: bool = False                         # finished or dropped: nothing more is placed
 
 
+@dataclass(frozen=True)
+class SenderSettings:
+    """Who sends and how: this worker's id and model fingerprint, the sends a block gets, the
+    payloads' encoding, and how many bytes of consecutive layers one message gathers."""
+
+    worker_id: str
+    fingerprint: str
+    max_attempts: int = 3
+    encoding: codec.Encoding = "native"
+    piece_bytes: int = 8 << 20
+
+    @classmethod
+    def for_prefill(cls, settings: PrefillSettings, worker_id: str, fingerprint: str) -> SenderSettings:
+        return cls(worker_id, fingerprint, settings.kv_max_attempts, settings.kv_transfer_encoding,
+                   settings.kv_piece_bytes)
+
+
+@dataclass(frozen=True)
+class WorkerHooks:
+    """What the sender asks of its prefill worker: blocks read again from the pool (a re-send),
+    and word that the decode side ended a handoff not ok before its ack (stop computing it)."""
+
+    read_blocks: ReadBlocks
+    given_up: GivenUp | None = None
+
+
 class KVSender:
-    def __init__(self, transport: KVTransport, bus: Bus, worker_id: str, fingerprint: str,
-                 read_blocks: ReadBlocks, max_attempts: int = 3, encoding: codec.Encoding = "native",
-                 piece_bytes: int = 8 << 20, given_up: GivenUp | None = None, segment: Segment | None = None):
-        self.transport, self.bus, self.worker_id, self.fingerprint = transport, bus, worker_id, fingerprint
+    def __init__(self, settings: SenderSettings, transport: KVTransport, bus: Bus, worker: WorkerHooks,
+                 segment: Segment | None = None):
+        self.settings, self.transport, self.bus, self.worker = settings, transport, bus, worker
         self.segment = segment  # same-host decode workers read payloads from it (none: transport only)
-        self.given_up = given_up  # called when the decode side ends a handoff not ok before its ack
         self.giving_up = Background(log, "give-up")
-        self.read_blocks, self.max_attempts, self.encoding = read_blocks, max_attempts, encoding
-        self.piece_bytes = piece_bytes
         self.handoffs: dict[str, Handoff] = {}
         self.posts = Background(log, "KV notice + payload", logging.DEBUG)  # under way (failures: _send's)
 
     async def start(self) -> None:
-        control = subjects.prefill_control(self.worker_id)
+        control = subjects.prefill_control(self.settings.worker_id)
         await self.bus.subscribe(control["kv_ack"], self.on_ack)
         await self.bus.subscribe(control["kv_resend"], self.on_resend)
         await self.bus.subscribe(control["kv_sync"], self.on_sync)
@@ -106,14 +129,14 @@ class KVSender:
         h = Handoff(job, ctx, loop.create_future(), not self.transport.has_endpoint(job.decode_address),
                     same_host=self.segment is not None and job.decode_host == self.segment.host != "")
         self.handoffs[job.request_id] = h
-        if job.decode_fingerprint != self.fingerprint:
+        if job.decode_fingerprint != self.settings.fingerprint:
             await self.cancel(job.request_id, f"fingerprint mismatch: decode {job.decode_fingerprint}, "
-                                              f"prefill {self.fingerprint}")
+                                              f"prefill {self.settings.fingerprint}")
             return None
         def sink(piece: KVPiece) -> None:  # on the engine thread
             h.batch.append(piece)
             h.batch_bytes += piece.data.nbytes
-            if batch_ready(h.batch_bytes, piece.last, self.piece_bytes):
+            if batch_ready(h.batch_bytes, piece.last, self.settings.piece_bytes):
                 batch, h.batch, h.batch_bytes = h.batch, [], 0
                 loop.call_soon_threadsafe(self._start_send, h, batch, 0)
         return sink
@@ -133,7 +156,7 @@ class KVSender:
                 await asyncio.to_thread(pieces[-1].ready.synchronize)  # (recorded in order on one stream)
             # (layers x n_blocks, bytes) on the host: for "native" on CPU a view of the pool when
             # it is one layer; a device tensor is staged to the host (checksums are of host bytes)
-            rows = [codec.encode(self.encoding, p.data) for p in pieces]
+            rows = [codec.encode(self.settings.encoding, p.data) for p in pieces]
             if h.closed:
                 return
             ref, host = self._place(h, rows)
@@ -141,10 +164,10 @@ class KVSender:
                 raise RuntimeError("handoff used up its tag range")
             tag, h.next_tag = h.job.kv_tag + h.next_tag, h.next_tag + 1
             first = pieces[0]
-            notice = KVLayer(request_id=h.job.request_id, prefill_worker=self.worker_id,
-                             fingerprint=self.fingerprint, tag=tag, layer=first.layer, num_layers=len(pieces),
+            notice = KVLayer(request_id=h.job.request_id, prefill_worker=self.settings.worker_id,
+                             fingerprint=self.settings.fingerprint, tag=tag, layer=first.layer, num_layers=len(pieces),
                              first_block=first.first_block, num_blocks=first.num_blocks,
-                             checksums=block_checksums(host), attempt=attempt, encoding=self.encoding,
+                             checksums=block_checksums(host), attempt=attempt, encoding=self.settings.encoding,
                              segment=ref)
             h.pieces += 1
             h.bytes_sent += host.nbytes  # counted when handed over: the ack may beat the send's completion
@@ -184,10 +207,10 @@ class KVSender:
     async def on_resend(self, msg: Msg) -> None:
         req = KVResend.decode(msg.data)
         h = self.handoffs.get(req.request_id)
-        if h is None or h.acked.done() or req.attempt >= self.max_attempts:
+        if h is None or h.acked.done() or req.attempt >= self.settings.max_attempts:
             return
         try:
-            data = await self.read_blocks(req.request_id, req.layer, req.first_block, req.num_blocks)
+            data = await self.worker.read_blocks(req.request_id, req.layer, req.first_block, req.num_blocks)
         except (KeyError, ValueError) as e:  # freed meanwhile, or a range we never sent
             await self.cancel(req.request_id, f"cannot re-send: {e}")
             return
@@ -270,8 +293,8 @@ class KVSender:
         h = self.handoffs.get(ack.request_id)
         if h is not None and not h.acked.done() and ack.kv_tag in (0, h.job.kv_tag):  # (another handoff's: not this)
             h.acked.set_result(ack)
-            if not ack.ok and self.given_up is not None:  # the decode side gave up: stop computing too (in
-                self.giving_up.start(self.given_up(h.job, ack.error))  # a task: it waits for the engine step)
+            if not ack.ok and self.worker.given_up is not None:  # the decode side gave up: stop computing too (in
+                self.giving_up.start(self.worker.given_up(h.job, ack.error))  # a task: it waits for the engine step)
 
     async def _end(self, h: Handoff, ok: bool, first_token: int = -1, error: str = "", logprob: Logprob | None = None,
                    prompt_logprobs: list[Logprob | None] | None = None) -> None:
@@ -280,7 +303,7 @@ class KVSender:
         h.error = h.error or error
         h.end = KVEnd(request_id=h.job.request_id, ok=ok, first_token=first_token, first_logprob=logprob,
                       prompt_logprobs=prompt_logprobs, error=error,
-                      prefill_worker=self.worker_id, kv_tag=h.job.kv_tag)
+                      prefill_worker=self.settings.worker_id, kv_tag=h.job.kv_tag)
         await self.bus.publish(subjects.decode_kv_end(h.job.decode_worker), h.end, ctx=h.ctx)
 
 

@@ -20,7 +20,7 @@ from shared.engine.sequence import SamplingParams
 from shared.kv import Faults, create_transport, receiver
 from shared.kv.receiver import KVBrokeOff, KVFailed, KVInbox, KVReceiver
 from shared.kv.segment import Segment
-from shared.kv.sender import KVSender
+from shared.kv.sender import KVSender, SenderSettings, WorkerHooks
 from shared.kv.staging import Staging
 from shared.messages import KVAck, KVEnd, KVLayer, KVResend, KVSync, PrefillJob, Sampling
 
@@ -47,8 +47,8 @@ async def handoff(src: Engine, dst: Engine, prompt=PROMPT, rid="r", faults: Faul
     async def read_blocks(r, layer, first, n):
         return src.kv_blocks(r, layer, first, n)
 
-    sender = KVSender(tx, bus, "p", src.fingerprint, read_blocks, max_attempts, encoding, piece_bytes,
-                      segment=segment)
+    sender = KVSender(SenderSettings("p", src.fingerprint, max_attempts, encoding, piece_bytes), tx, bus,
+                      WorkerHooks(read_blocks), segment)
     await sender.start()
     res = dst.reserve(rid, prompt, PARAMS)
     inbox = KVInbox(bus, "d")
@@ -331,7 +331,8 @@ def test_an_older_placements_handoff_from_the_same_sender_is_refused_and_its_ans
         await inbox.start()
         rx = inbox.add(KVReceiver.for_engine(dst, dst.reserve("r", PROMPT, PARAMS), 2 << 20,
                                              create_transport("fake"), bus, prefill_worker="p"))
-        sender = KVSender(create_transport("fake"), bus, "p", dst.fingerprint, None, given_up=given_up)
+        sender = KVSender(SenderSettings("p", dst.fingerprint), create_transport("fake"), bus,
+                          WorkerHooks(None, given_up))
         await sender.start()
         job = PrefillJob(request_id="r", prompt_token_ids=PROMPT, sampling=Sampling(), decode_worker="d",
                          decode_address="x", decode_fingerprint=dst.fingerprint, first_block=0, kv_tag=1 << 20)
@@ -362,7 +363,8 @@ def test_a_decode_side_that_gives_up_stops_the_prefill_side_once(tiny):
             stopped.append((job.request_id, reason))
 
         src = Engine(tiny, EngineConfig(num_blocks=64))
-        sender = KVSender(create_transport("fake"), bus, "p", src.fingerprint, None, given_up=given_up)
+        sender = KVSender(SenderSettings("p", src.fingerprint), create_transport("fake"), bus,
+                          WorkerHooks(None, given_up))
         await sender.start()
         job = PrefillJob(request_id="r", prompt_token_ids=PROMPT, sampling=Sampling(), decode_worker="d",
                          decode_address="x", decode_fingerprint=src.fingerprint, first_block=0, kv_tag=1 << 20)

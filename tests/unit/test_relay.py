@@ -3,7 +3,7 @@ early, and a lost decode worker's request continued elsewhere after the tokens s
 
 import asyncio
 
-from services.gateway.relay import Relay
+from services.gateway.relay import Records, Relay, RelayTimings
 from shared.messages import Cancel, RouteReply, RouteRequest, Sampling, TokenChunk
 
 REQ = RouteRequest(request_id="r", prompt_token_ids=[1, 2, 3], sampling=Sampling(max_tokens=8), model="m")
@@ -47,7 +47,7 @@ def collect(chunks, stop_after=None):
         for c in chunks:
             queue.put_nowait(c)
         got = []
-        gen = Relay(bus, 1, 0.2)._ordered(REQ, PLACED, queue, sub)
+        gen = Relay(bus, RelayTimings(1, 0.2))._ordered(REQ, PLACED, queue, sub)
         async for c in gen:
             got.append(c.seq)
             if stop_after is not None and len(got) == stop_after:
@@ -88,7 +88,7 @@ def _d0_lost_after_token_1(after_failover):
 
         for c in (chunk(0), chunk(1)):
             queue.put_nowait(c)
-        relay = Relay(Bus(), 1, 10, alive=alive, check_s=0.05)
+        relay = Relay(Bus(), RelayTimings(1, 10, check_s=0.05), Records(alive=alive))
         return [c async for c in relay._ordered(REQ, PLACED, queue, FakeSub())], routed
 
     return asyncio.run(run())
@@ -132,7 +132,8 @@ def test_a_cancel_goes_to_the_workers_of_every_placement_once_each():
 
         queue.put_nowait(chunk(0))
         bus = Bus()
-        gen = Relay(bus, 1, 10, alive=alive, check_s=0.05)._ordered(REQ, PLACED, queue, FakeSub())
+        relay = Relay(bus, RelayTimings(1, 10, check_s=0.05), Records(alive=alive))
+        gen = relay._ordered(REQ, PLACED, queue, FakeSub())
         got = []
         async for c in gen:
             got.append(c.seq)
@@ -172,8 +173,8 @@ def test_the_supervisors_word_moves_a_stalled_placement_once_and_a_stale_word_is
         for c in (chunk(0), chunk(1), Stalled(request_id="r", attempt=0, phase="decoding", worker="d0")):
             queue.put_nowait(c)
         bus = Bus()
-        relay = Relay(bus, 1, 10, alive=alive, check_s=5, note=lambda rid, ev, **kw: notes.append((ev, kw)),
-                      owner="gw")
+        relay = Relay(bus, RelayTimings(1, 10, check_s=5),
+                      Records(alive=alive, note=lambda rid, ev, **kw: notes.append((ev, kw)), owner="gw"))
         got = [c.seq async for c in relay._ordered(REQ, PLACED, queue, FakeSub())]
         return got, routed, bus.published, notes
 
@@ -216,7 +217,8 @@ def _gap_stream(replay_answer, away=0):
         for c in (chunk(0), chunk(2)):
             queue.put_nowait(c)
         bus = Bus()
-        relay = Relay(bus, 1, 10, alive=alive, check_s=0.05, note=lambda rid, ev, **kw: notes.append((ev, kw)))
+        relay = Relay(bus, RelayTimings(1, 10, check_s=0.05),
+                      Records(alive=alive, note=lambda rid, ev, **kw: notes.append((ev, kw))))
         got = [c.seq async for c in relay._ordered(REQ, PLACED, queue, FakeSub())]
         return got, asked, bus.published, notes
     return asyncio.run(run())
@@ -270,8 +272,8 @@ def test_a_placement_given_up_is_cancelled_where_a_router_admitted_it():
             return {"decode": "d0", "reply": PLACED.encode().decode()}
 
         bus = Bus()
-        relay = Relay(bus, 0.01, 10, placement_retry_s=0, note=lambda rid, ev, **kw: notes.append((ev, kw)),
-                      owner="gw", placed=placed)
+        relay = Relay(bus, RelayTimings(0.01, 10, placement_retry_s=0),
+                      Records(note=lambda rid, ev, **kw: notes.append((ev, kw)), placed=placed, owner="gw"))
         task = asyncio.ensure_future(relay.run(REQ))
         if client_leaves:
             await asyncio.sleep(0.05)
@@ -321,7 +323,7 @@ def _silent_d0(settled: bool):
                 queue.put_nowait(c)
 
         queue.put_nowait(chunk(0))
-        relay = Relay(Bus(), 1, 10, alive=alive, check_s=0.05, confirm_s=0.1, probe=True)
+        relay = Relay(Bus(), RelayTimings(1, 10, check_s=0.05, confirm_s=0.1, probe=True), Records(alive=alive))
         if settled:   # this gateway's connection has been up a while
             relay.bus_seen = (0, time.monotonic() - 10)
         else:
