@@ -54,9 +54,9 @@ from bench import report
 from bench.load import workloads
 from bench.load.client import run
 from bench.load.metrics import Timing, percentiles, rate_at_attainment, summarize
-from bench.profile import reference
-from bench.sim.slo import Slo, from_reference
 from deploy.local.stack import Stack, StackConfig
+from planner.profile import reference
+from planner.slo import Slo, from_reference
 
 MODEL = "SmolLM2-135M-Instruct"
 AZURE = Path(__file__).parent / "data" / "azure_conv_2023.csv"
@@ -198,7 +198,7 @@ def ttft_tail(times: list[float]) -> dict[str, float]:
 
 def slo_for(trace: list[workloads.Request], args) -> Slo:
     """The replay's SLOs: absolute when both bounds are given, else from this machine's own
-    isolated costs (bench/profile.reference: the trace's p90 prompt prefilled alone, a decode
+    isolated costs (planner/profile.reference: the trace's p90 prompt prefilled alone, a decode
     step at batch 8 of its median prompts, on all cores), so the same command means the same
     thing on a slower machine. Sets args.replay_slo_* to the seconds used."""
     if args.replay_slo_ttft is not None and args.replay_slo_tpot is not None:

@@ -1,6 +1,6 @@
 """The engine's cost on this hardware, for the capacity planner: `make profile`.
 
-    python -m bench.profile [--threads 1,2] [--reps 2] [--no-stack]
+    python -m planner.profile [--threads 1,2] [--reps 2] [--no-stack]
 
 Measured with the real model (SmolLM2) in fresh processes, one per worker shape:
 - prefill passes: time against new prompt tokens, tokens already cached (a prefix computed
@@ -17,7 +17,7 @@ Measured with the real model (SmolLM2) in fresh processes, one per worker shape:
   it (TPOT of B streams at once) minus the step the cost model gives that stack's decode
   worker shape (the simulator adds the difference to that model, so the two sum to what the
   stack measured).
-Fits the cost models of bench/sim/cost.py to the points and writes both to
+Fits the cost models of planner/cost.py to the points and writes both to
 bench/results/profile-<device>.json (device: `cpu`, or the CUDA device's name).
 """
 
@@ -34,10 +34,10 @@ import time
 from pathlib import Path
 
 from bench.children import children, in_process
-from bench.sim import cost
+from planner import cost
 from shared.progress import progress
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).parents[1] / "bench" / "results"
 # (new tokens, tokens cached before them): whole prompts, then chunks of a long prompt
 PREFILL = [(16, 0), (64, 0), (256, 0), (512, 0), (1024, 0), (2000, 0),
            (128, 512), (128, 896), (256, 768), (512, 512)]
@@ -159,7 +159,7 @@ def _reference(prompt: int, batch: int, context: int, reps: int) -> dict:
 
 
 def reference(prompt: int, batch: int, context: int, reps: int = 3) -> dict:
-    """The isolated costs SLOs are set from (bench/sim/slo.py, `make bench`): a `prompt`-token
+    """The isolated costs SLOs are set from (planner/slo.py, `make bench`): a `prompt`-token
     prefill alone and a decode step of `batch` sequences of `context` tokens, on all cores."""
     return in_process(_reference, prompt, batch, context, reps, timeout_s=600)
 
@@ -182,7 +182,7 @@ def shape(threads: int, neighbour: bool, reps: int, points: tuple = (PREFILL, BA
 def probe(name: str, reps: int = 2) -> dict:
     """A few of a profiled shape's points measured again (PROBE: ~10 s and the model's load):
     set beside the profile's, they say how far this machine's speed has drifted since
-    (bench/sim/cost.level)."""
+    (planner/cost.level)."""
     threads, neighbour = int(name.split("t")[0]), name.endswith("+busy")
     return shape(threads, neighbour, reps, PROBE)
 
@@ -200,7 +200,7 @@ def control_plane(stack: str, requests: int = 10) -> dict:
     interference.arms: "colocated", one worker on all cores; "disaggregated", 1 prefill + 1
     decode worker pinned to a core each): to the first token (a short prompt, one at a time)
     and to each decode step with B streams at once (their TPOT, from which the simulator takes
-    its own model of the stack's decode worker shape at that batch: bench/sim/cost.
+    its own model of the stack's decode worker shape at that batch: planner/cost.
     fit_service_step): publishing, relaying, and the processes beside the engine on the same
     cores."""
     import asyncio
@@ -279,7 +279,7 @@ def main() -> None:
         out["control_plane"] = {}
         for stack in cost.STACKS:
             cp = out["control_plane"][stack] = in_process(control_plane, stack, timeout_s=900)
-            share = cost.fit_service_step(out, stack)  # (the simulator fits it so too: bench/sim/cost.py)
+            share = cost.fit_service_step(out, stack)  # (the simulator fits it so too: planner/cost.py)
             print(f"control plane ({stack}): {cp['ttft_overhead_s'] * 1e3:.1f} ms per request; "
                   + (f"{share['step_fixed_s'] * 1e3:.1f} ms + {share['step_per_seq_s'] * 1e3:.2f} ms per sequence "
                      f"on each decode step over the {share['against']} model's" if share else

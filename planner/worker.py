@@ -2,7 +2,7 @@
 
 Its passes follow the engine scheduler's rules (shared/engine/scheduler.py: `prefill_next`,
 `mixed_budget`, `prefill_order`, `prefill_chunks`: the same functions, not copies); what a
-pass costs comes from the worker shape's cost model (bench/sim/cost.py; a mixed pass: its
+pass costs comes from the worker shape's cost model (planner/cost.py; a mixed pass: its
 prompt chunks and a one-token chunk per running sequence, `Cost.mixed_s`). Decode steps between two events are
 run as one stretch of equal steps (every running sequence gains a token per step): a new
 prompt or an imported KV cuts the stretch at the next step boundary, as the real engine would
@@ -25,7 +25,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from bench.sim.cost import Cost
+from planner.cost import Cost
 from shared.engine.scheduler import mixed_budget, prefill_chunks, prefill_next, prefill_order
 
 
@@ -77,7 +77,7 @@ class Worker:
     role: str                  # colocated | prefill | decode
     cost: Cost
     knobs: Knobs
-    sim: object                # the cluster (bench/sim/cluster.py): schedules events, hears of results
+    sim: object                # the cluster (planner/cluster.py): schedules events, hears of results
     queue: list[Req] = field(default_factory=list)   # prompts to prefill here, first come first
     importing: int = 0         # (decode) sequences whose KV is on its way
     # decode batch: (finish step, id, request); tokens so far = steps - joined step (+1 first)

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from bench.load.metrics import percentiles, rate_at_attainment, summarize
-from bench.sim.cluster import Layout, Outcome, simulate
-from bench.sim.cost import Cost
+from planner.cluster import Layout, Outcome, simulate
+from planner.cost import Cost
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ def relative(cost: Cost, prompts: list[int], ttft_x: float, tpot_x: float, batch
 
 
 def from_reference(ref: dict, p90: int, p50: int, batch: int, ttft_x: float, tpot_x: float) -> Slo:
-    """The same from isolated measurements (bench/profile.reference)."""
+    """The same from isolated measurements (planner/profile.reference)."""
     return Slo(ttft_x * ref["prefill_s"], tpot_x * ref["decode_step_s"],
                f"{ttft_x:g} x prefill of the p90 prompt ({p90} tok) alone, {tpot_x:g} x a decode step at batch "
                f"{batch} ({p50}-token contexts), measured here")

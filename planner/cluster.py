@@ -1,6 +1,6 @@
 """A simulated deployment: requests arrive, the router places them as it decides
 (services/router/placement.py `decide`: the first decode worker, then the prefill worker, local
-or remote), the pools run them (bench/sim/worker.py), and each request's first and last token
+or remote), the pools run them (planner/worker.py), and each request's first and last token
 times and every token gap are recorded.
 
     Layout("colocated", decode=2, decode_cost=...)            # each worker prefills and decodes
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from bench.load.metrics import Timing
-from bench.sim.cost import Cost
-from bench.sim.worker import Knobs, Req, Worker
+from planner.cost import Cost
+from planner.worker import Knobs, Req, Worker
 from services.router import placement
 from services.router.placement import Ask, Books, Fleet, Placement, Rules
 

@@ -1,6 +1,6 @@
 """How fast the simulator runs: a 10-minute trace at 1,000 requests/s on 64 workers.
 
-    python -m bench.sim.speed [--profile bench/results/profile-cpu.json] [--rate 1000] [--seconds 600]
+    python -m planner.speed [--profile bench/results/profile-cpu.json] [--rate 1000] [--seconds 600]
 
 The Azure conversation trace's rows (full lengths), cycled and re-timed as Poisson arrivals, on
 16 prefill + 48 decode workers whose costs are the profile's divided by --faster (default 600:
@@ -17,11 +17,11 @@ import time
 from pathlib import Path
 
 from bench.load import workloads
-from bench.sim.cluster import Layout, as_sim, simulate
-from bench.sim.cost import Cost
-from bench.sim.plan import AZURE, RESULTS
-from bench.sim.slo import Slo, score
-from bench.sim.worker import Knobs
+from planner.cluster import Layout, as_sim, simulate
+from planner.cost import Cost
+from planner.plan import AZURE, RESULTS
+from planner.slo import Slo, score
+from planner.worker import Knobs
 
 
 def faster(cost: Cost, k: float) -> Cost:

@@ -1,13 +1,13 @@
 """How many prefill and decode workers for a workload and its SLOs: `make plan`.
 
-    python -m bench.sim.plan --trace bench/data/azure_conv_2023.csv \
+    python -m planner.plan --trace bench/data/azure_conv_2023.csv \
         --profile bench/results/profile-cpu.json --workers 2 [--ttft 2 --tpot 0.15 | --ttft-x 4 --tpot-x 2]
 
 For a budget of N workers (a worker: one core of the profile's machine, or one device), every
 configuration: colocated (whole prompts, and chunked at each of --chunks: mixed passes of at
 most twice the chunk's tokens) with workers of every shape the profile measured, and every
 P:D split of N (the router's default placement: PD_PREFILL_MODE=cost). For each, the simulator
-(bench/sim) replays the trace's requests at rising Poisson rates until fewer than 90% meet the
+(planner/) replays the trace's requests at rising Poisson rates until fewer than 90% meet the
 SLOs; goodput is the highest rate at which 90% do (DistServe's definition, as `make bench`).
 Prints a table, the recommendation beside the best colocated configuration, and the signal each
 pool's autoscaler should follow; writes bench/results/plan-<trace>-<device>-<N>w.json and .png.
@@ -23,14 +23,14 @@ import time
 from pathlib import Path
 
 from bench.load import workloads
-from bench.sim.cluster import Layout, as_sim
-from bench.sim.cost import STACKS, Cost, control_plane
-from bench.sim.slo import Slo, point, relative
-from bench.sim.worker import Knobs
+from planner.cluster import Layout, as_sim
+from planner.cost import STACKS, Cost, control_plane
+from planner.slo import Slo, point, relative
+from planner.worker import Knobs
 from shared.progress import progress
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
-AZURE = Path(__file__).parents[1] / "data" / "azure_conv_2023.csv"
+RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
+AZURE = Path(__file__).parents[1] / "bench" / "data" / "azure_conv_2023.csv"
 TARGET = 0.9
 
 
@@ -120,7 +120,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+def parse(argv: list[str] | None = None, prog: str | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--trace", type=Path, default=AZURE)
     ap.add_argument("--profile", type=Path, help="default: this machine's (bench/results/profile-<device>.json)")
@@ -135,20 +135,26 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--requests", type=int, default=2000, help="trace rows used (cycled)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    started = time.monotonic()
     if args.profile is None:
-        from bench.profile import device_name
+        from planner.profile import device_name
         args.profile = RESULTS / f"profile-{device_name()}.json"
-    profile = json.loads(args.profile.read_text())
-    trace = workloads.trace(args.trace, scale=args.scale, limit=args.requests, seed=args.seed)
-    # as make bench: the isolated costs of the machine's largest worker shape, alone
+    return args
+
+
+def slo_of(profile: dict, trace: list[workloads.Request], args: argparse.Namespace) -> Slo:
+    """The absolute bounds given, or bounds relative to the isolated costs of the machine's
+    largest worker shape, alone (as make bench)."""
+    if args.ttft and args.tpot:
+        return Slo(args.ttft, args.tpot)
     shapes = profile["shapes"]
     base = max(shapes, key=lambda n: (shapes[n]["threads"], not shapes[n]["neighbour"]))
-    slo = Slo(args.ttft, args.tpot) if args.ttft and args.tpot else \
-        relative(Cost.of(profile, base), [len(r.prompt) for r in trace], args.ttft_x, args.tpot_x)
-    print(f"plan for {args.trace.name} (lengths / {args.scale:g}) on {profile['device']} "
-          f"({profile['machine']['cpus']} cpus), {args.workers} workers; SLO {slo}", flush=True)
-    rows, budget = [], args.workers  # every configuration spends the whole budget (a worker of 2 cores: 2)
+    return relative(Cost.of(profile, base), [len(r.prompt) for r in trace], args.ttft_x, args.tpot_x)
+
+
+def simulate_all(profile: dict, trace: list[workloads.Request], slo: Slo, args: argparse.Namespace) -> list[dict]:
+    """Every configuration that spends the whole budget (a worker of 2 cores: 2), searched for its
+    goodput; one row each, printed as it finishes."""
+    rows, budget = [], args.workers
     configs = layouts(profile, args.workers, [int(c) for c in args.chunks.split(",") if c])
     for layout in progress(configs, "simulating", unit="config"):
         found = search(layout, trace, slo, args.seconds, args.seed)
@@ -162,6 +168,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         print(f"  {r['config']:28} goodput {r['goodput_rate']:6.2f} req/s ({r['goodput_per_worker']:.2f}/worker), "
               f"TTFT p90 {r['ttft_p90_s']:.2f} s, TPOT p90 {r['tpot_p90_s'] * 1e3:.0f} ms, "
               f"ITL p99 {r['itl_p99_s'] * 1e3:.0f} ms", flush=True)
+    return rows
+
+
+def recommend(rows: list[dict], slo: Slo, started: float) -> dict:
+    """The best configuration per worker beside the best colocated and disaggregated ones, and
+    the signals their autoscalers follow; printed."""
     best = max(rows, key=lambda r: r["goodput_per_worker"])
     colocated = max((r for r in rows if r["mode"] == "colocated"), key=lambda r: r["goodput_per_worker"])
     disagg = [r for r in rows if r["mode"] == "disaggregated"]
@@ -185,6 +197,19 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         print(f"autoscaling {r['config']} at its goodput rate: {prefill} {s['queued_prompt_tokens_per_worker']:.0f} "
               f"queued prompt tokens per worker; the decode pool {s['running_per_decode_worker']:.1f} running "
               f"sequences per worker (busy {s['busy_prefill']:.0%} prefill, {s['busy_decode']:.0%} decode)")
+    return summary
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    started = time.monotonic()
+    args = parse(argv, prog)
+    profile = json.loads(args.profile.read_text())
+    trace = workloads.trace(args.trace, scale=args.scale, limit=args.requests, seed=args.seed)
+    slo = slo_of(profile, trace, args)
+    print(f"plan for {args.trace.name} (lengths / {args.scale:g}) on {profile['device']} "
+          f"({profile['machine']['cpus']} cpus), {args.workers} workers; SLO {slo}", flush=True)
+    rows = simulate_all(profile, trace, slo, args)
+    summary = recommend(rows, slo, started)
     stem = f"plan-{args.trace.stem}-{profile['device']}-{args.workers}w"
     out = {"trace": args.trace.name, "scale": args.scale, "profile": args.profile.name, "device": profile["device"],
            "machine": profile["machine"], "workers": args.workers, "seconds_per_rate": args.seconds,
@@ -193,7 +218,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     plot(rows, RESULTS / f"{stem}.png", f"{args.trace.name} / {args.scale:g}, {profile['device']}, "
          f"{args.workers} workers (simulated)\nTTFT <= {slo.ttft_s:.2f} s, TPOT <= {slo.tpot_s * 1e3:.0f} ms")
     print(f"wrote {RESULTS / stem}.json and .png in {summary['simulated_s']:.0f} s")
-
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,6 @@
 """The planner's predictions against the real system: `make plan-check`.
 
-    python -m bench.plan_check [--profile bench/results/profile-cpu.json] [--measured RESULT.json]
+    python -m planner.check [--profile bench/results/profile-cpu.json] [--measured RESULT.json]
 
 Runs the three arms of `make bench` (bench/interference.py, quick mode: colocated, chunked,
 disaggregated on this machine's cores, the SLOs from this machine's costs), and a fourth with
@@ -11,8 +11,8 @@ SLOs — with the cost models of the profile; then sets each prediction beside w
 measured: goodput at 90% SLO attainment, the victims' ITL p99 and TTFT p50, the attainment at
 each rate. `make plan-check` measures the
 profile just before, and a probe of each arm's worker shapes either side of it (a few of the
-profile's points again, bench/profile.probe): a machine's speed drifts over minutes, and each
-arm's prediction takes the profile's costs rescaled by its probes (bench/sim/cost.level;
+profile's points again, planner/profile.probe): a machine's speed drifts over minutes, and each
+arm's prediction takes the profile's costs rescaled by its probes (planner/cost.level;
 `--no-drift`: as profiled). `--measured` compares
 with a `make bench` result (or an earlier plan_check.json's measurements) instead of running
 the arms. Writes bench/results/plan_check.json
@@ -28,14 +28,14 @@ from pathlib import Path
 
 from bench import interference
 from bench.load import workloads
-from bench.profile import device_name, probe
-from bench.sim.cluster import Layout, as_sim, simulate
-from bench.sim.cost import STACKS, Cost, control_plane, level
-from bench.sim.slo import Slo, goodput, score
-from bench.sim.worker import Knobs
 from deploy.local.stack import StackConfig
+from planner.cluster import Layout, as_sim, simulate
+from planner.cost import STACKS, Cost, control_plane, level
+from planner.profile import device_name, probe
+from planner.slo import Slo, goodput, score
+from planner.worker import Knobs
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).parents[1] / "bench" / "results"
 SPLIT = "1P:2D"
 WHOLE = {"PD_PREFILL_CHUNK": "2048", "PD_MAX_BATCHED_TOKENS": "4096"}
 # make bench's quick rates (1, 2, 4) leave goodput to a line between two of them: finer here, low
@@ -66,7 +66,7 @@ def arm_shapes(cores: int) -> dict[str, dict[str, str]]:
 
 def bench_layouts(profile: dict, cores: int, levels: dict[str, dict[str, dict]] | None = None) -> dict[str, Layout]:
     """`make bench`'s arms (bench/interference.arms) and `split_arm` as the simulator's layouts;
-    `levels`: each arm's drift from the profile, per shape (bench/sim/cost.level), where measured."""
+    `levels`: each arm's drift from the profile, per shape (planner/cost.level), where measured."""
     over = {s: control_plane(profile, s).get("ttft_overhead_s", 0.0) for s in STACKS}
     whole = Knobs(prefill_chunk=2048, max_batched_tokens=4096)
     chunked = Knobs(prefill_chunk=128, max_batched_tokens=256)
@@ -92,7 +92,7 @@ def bench_layouts(profile: dict, cores: int, levels: dict[str, dict[str, dict]] 
 
 def drift(profile: dict, probes: dict[str, list[dict]]) -> dict[str, dict]:
     """An arm's level per shape: the mean of its probes' (one before the arm, one after) against
-    the profile (bench/sim/cost.level)."""
+    the profile (planner/cost.level)."""
     out = {}
     for shape, runs in probes.items():
         each = [level(profile["shapes"][shape], r) for r in runs]
