@@ -8,9 +8,9 @@ import asyncio
 import math
 import time
 
-from bench.scale_check import Placement as Placed
-from bench.scale_check import Replay
-from bench.scale_plan import Probe
+from bench.scale.check import Placement as Placed
+from bench.scale.check import Replay
+from bench.scale.plan import Probe
 from planner.cluster import Cluster, Layout
 from planner.cost import DECODE_BATCHES, DECODE_CONTEXTS, Cost
 from planner.worker import Knobs, Req

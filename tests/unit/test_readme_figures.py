@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from bench import chaos_readme, clients_readme, engine_readme, report, scale_readme
+from bench import chaos_readme, clients_readme, engine_readme, report
 from bench.results_doc import RESULTS_DOC
+from bench.scale import readme as scale_readme
 
 RESULTS = RESULTS_DOC.parents[1] / "bench" / "results"
 

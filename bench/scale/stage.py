@@ -1,8 +1,8 @@
 """The processes under test for one (W, B) of `make bench-scale`, on free ports: nats-server
 (JetStream, with its monitoring port for message counts), redis-server and the router
 replicas, started as deploy/local/stack.py starts them and exporting spans to the run's OTLP
-receiver; the simulated fleet (bench/fleet.py) in its own process; this process's clients
-(the gateway's NATS connection, the store) and its counters (bench/scale_meters.py).
+receiver; the simulated fleet (bench/scale/fleet.py) in its own process; this process's clients
+(the gateway's NATS connection, the store) and its counters (bench/scale/meters.py).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import time
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
-from bench.fleet_process import FleetProcess
-from bench.scale_meters import Meters, cpu_s
-from bench.scale_plan import FleetWorker
+from bench.scale.fleet_process import FleetProcess
+from bench.scale.meters import Meters, cpu_s
+from bench.scale.plan import FleetWorker
 from deploy.local.servers import binary, free_port
 from deploy.local.stack import Stack, StackConfig
 from shared import grants

@@ -1,9 +1,9 @@
 """A simulated fleet for `make bench-scale` (a benchmark's stand-in, never run by a user): W
 workers that speak the real protocol to the real router, with no model and no KV to move.
 
-    python -m bench.fleet PLAN     (PD_NATS_URL, PD_REDIS_URL, PD_HEARTBEAT_S from the environment)
+    python -m bench.scale.fleet PLAN     (PD_NATS_URL, PD_REDIS_URL, PD_HEARTBEAT_S from the environment)
 
-PLAN is a pickled list of bench/scale_plan.FleetWorker. Each simulated worker:
+PLAN is a pickled list of bench/scale/plan.FleetWorker. Each simulated worker:
 1. Registers and heartbeats through `shared.service.heartbeat` (State.heartbeat) with its
    static load and what the prefix index asks of a registry entry (`worker_info`: the one
    place to change when the registry entry changes).
@@ -41,7 +41,7 @@ from pathlib import Path
 import nats.errors
 from nats.aio.msg import Msg
 
-from bench.scale_plan import BLOCK, MODEL, FleetWorker, filler, filler_counts
+from bench.scale.plan import BLOCK, MODEL, FleetWorker, filler, filler_counts
 from shared import subjects
 from shared.bus import Bus, context_of
 from shared.config import Common, lease_s

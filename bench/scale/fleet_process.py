@@ -1,4 +1,4 @@
-"""bench/fleet.py in its own process, driven over its stdin / stdout (`make bench-scale`)."""
+"""bench/scale/fleet.py in its own process, driven over its stdin / stdout (`make bench-scale`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pickle
 import sys
 from pathlib import Path
 
-from bench.scale_plan import FleetWorker
+from bench.scale.plan import FleetWorker
 from deploy.local.servers import die_with_parent
 
 
@@ -27,7 +27,7 @@ class FleetProcess:
         plan_path.write_bytes(pickle.dumps(plan))
         with open(self.log_path, "ab") as log:
             self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "bench.fleet", str(plan_path), stdin=asyncio.subprocess.PIPE,
+                sys.executable, "-m", "bench.scale.fleet", str(plan_path), stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE, stderr=log, env=env, preexec_fn=die_with_parent,
                 limit=1 << 28)   # the admits' answer is one long line
         await self.expect("ready", timeout_s)

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from bench.scale_plan import FleetWorker, Probe
+from bench.scale.plan import FleetWorker, Probe
 from services.router import placement
 from services.router.placement import Ask, Books, Fleet, Rules
 from services.router.pools import EMPTY, pools

@@ -5,11 +5,11 @@
 
 Real nats-server (JetStream; monitoring port for message counts), real redis-server, the
 real router (1 replica; 3 for the last point) exporting its spans to an in-process OTLP
-receiver, and a simulated fleet of W workers speaking the real protocol (bench/fleet.py):
+receiver, and a simulated fleet of W workers speaking the real protocol (bench/scale/fleet.py):
 registry heartbeats with static loads, prefix-index writes, admits answered, prefill jobs
 pulled and acked, KV never moved. Prompts and caches come from the Mooncake conversation
-trace (bench/scale_plan.py); placements are asked as the gateway asks them, open loop
-(bench/scale_drive.py).
+trace (bench/scale/plan.py); placements are asked as the gateway asks them, open loop
+(bench/scale/drive.py).
 
 1. Per W: the plan (which trace blocks each worker caches, its load).
 2. Per (W, B): a fresh NATS, Redis and router; the fleet starts, registers and indexes its
@@ -17,10 +17,10 @@ trace (bench/scale_plan.py); placements are asked as the gateway asks them, open
    after the fill less before the fleet started, ÷ B; clients' buffers not counted).
 3. Per rate: an idle window (every counter's background rate: heartbeats, lease refreshes,
    polling), then `--seconds` of Poisson arrivals (at most `--max-requests`), then the
-   router's spans; the decisions are checked against today's policy (bench/scale_check.py).
+   router's spans; the decisions are checked against today's policy (bench/scale/check.py).
 4. At the largest (W, B) two more router replicas join for a run at the largest rate.
 Writes bench/results/scale.json (machine, mode, config, runs, summary), scale.png and the
-"Scale" section of docs/RESULTS.md (bench/scale_readme.py).
+"Scale" section of docs/RESULTS.md (bench/scale/readme.py).
 """
 
 from __future__ import annotations
@@ -38,21 +38,21 @@ from pathlib import Path
 import numpy as np
 import uvloop
 
-from bench import scale_readme, scale_report
-from bench.scale_check import Replay, check, holders
-from bench.scale_drive import drive, placements, route_spans
-from bench.scale_meters import usage
-from bench.scale_pin import pin
-from bench.scale_plan import TRACE, TRACE_BLOCKS, FleetWorker, Trace, filler_counts, make_plan, read_trace
-from bench.scale_report import percentiles
-from bench.scale_stage import Stage, stage
+from bench.scale import readme, report
+from bench.scale.check import Replay, check, holders
+from bench.scale.drive import drive, placements, route_spans
+from bench.scale.meters import usage
+from bench.scale.pin import pin
+from bench.scale.plan import TRACE, TRACE_BLOCKS, FleetWorker, Trace, filler_counts, make_plan, read_trace
+from bench.scale.report import percentiles
+from bench.scale.stage import Stage, stage
 from services.router.recent import REGISTRY_READ_S
 from services.router.registry import Registry
 from shared.config import RouterSettings
 from shared.state import State
 from shared.tools.otlp_sink import OtlpReceiver
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).parents[1] / "results"
 FULL = {"workers": [4, 16, 64, 256], "blocks": [100_000, 1_000_000, 10_000_000], "rates": [100, 1000],
         "seconds": 10.0, "max_requests": 3000}
 QUICK = {"workers": [4, 256], "blocks": [100_000], "rates": [100], "seconds": 4.0, "max_requests": 5000}
@@ -93,11 +93,11 @@ async def measure(st: Stage, trace: Trace, plan: list[FleetWorker], blocks: int,
            "index_rewrites_so_far": rewrites,
            **gateway_view(sent, start, seconds), **router_view(spans),
            **counters(usage(r0, r1), usage(r1, r2), max(len(decided), 1))}
-    row["redis_slow"] = scale_report.slow_commands(await st.state.r.slowlog_get(4096))
+    row["redis_slow"] = report.slow_commands(await st.state.r.slowlog_get(4096))
     row["registry_read_ms"] = await registry_reads(st.state)
-    row["kept_up"] = scale_report.kept_up(row)
+    row["kept_up"] = report.kept_up(row)
     row["decisions"] = check(decided, replay, rebuilt=row["kept_up"])
-    row["limited_by"] = scale_report.bottleneck(row, CORES)
+    row["limited_by"] = report.bottleneck(row, CORES)
     receiver.spans.clear()
     return row
 
@@ -234,15 +234,15 @@ async def main_async(args) -> dict:
                   scale="one 16-token block per 512-token trace block", idle_s=IDLE_S)
     return {"machine": machine(), "mode": "quick" if args.quick else "full", "config": config,
             "duration_s": round(time.monotonic() - t0, 1), "runs": runs,
-            "summary": scale_report.summary(runs, CORES)}
+            "summary": report.summary(runs, CORES)}
 
 
 def parse() -> argparse.Namespace:
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help=f"CI-sized: {QUICK}")
     ap.add_argument("--no-pin", dest="pin", action="store_false",
-                    help="leave the routers and the rest on the same cores (bench/scale_pin.py)")
+                    help="leave the routers and the rest on the same cores (bench/scale/pin.py)")
     ap.add_argument("--workers", type=ints)
     ap.add_argument("--blocks", type=ints)
     ap.add_argument("--rates", type=ints)
@@ -267,9 +267,9 @@ def main() -> None:
     result = uvloop.run(main_async(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    scale_report.plot(result["runs"], args.out.with_suffix(".png"))
+    report.plot(result["runs"], args.out.with_suffix(".png"))
     if args.out == RESULTS / "scale.json":  # the committed results: the README's section follows them
-        scale_readme.update(result)
+        readme.update(result)
     print(json.dumps(result["summary"], indent=2))
     print(f"wrote {args.out} and {args.out.with_suffix('.png').name} in {result['duration_s']} s")
 

@@ -1,5 +1,5 @@
 """The "Scale" section of docs/RESULTS.md, from bench/results/scale.json (`make bench-scale` writes it;
-`python -m bench.scale_readme` writes it again from the committed JSON)."""
+`python -m bench.scale.readme` writes it again from the committed JSON)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from bench.results_doc import RESULTS_DOC, update_block
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).parents[1] / "results"
 BEGIN, END = "<!-- bench:scale:begin -->", "<!-- bench:scale:end -->"
 
 
@@ -52,13 +52,13 @@ def section(data: dict) -> str:
 
     cores = next((r["cores"] for r in data["runs"] if r.get("cores")), {})
     where = (f"the router processes pinned to core(s) {cores['router']} and everything else to "
-             f"{cores['fleet']} (`bench/scale_pin.py`)" if cores else "everything on the same cores") \
+             f"{cores['fleet']} (`bench/scale/pin.py`)" if cores else "everything on the same cores") \
         + ": nats-server, "
     reads = s.get("registry_read_ms") or {}
     lines = [
         f"Measured by `make bench-scale` ({data['mode']} mode, {data.get('duration_s', 0) / 60:.0f} min) on "
         f"{m['cpus']} CPU cores ({m.get('cpu_model', '')}), {where}"
-        "redis-server, the router process (1 replica; 3 where marked), the simulated fleet (`bench/fleet.py`: "
+        "redis-server, the router process (1 replica; 3 where marked), the simulated fleet (`bench/scale/fleet.py`: "
         "registry heartbeats, prefix-index writes through the workers' own publisher, admits answered, "
         "jobs acked, no KV) and the load driver asking placements as the gateway does. Prompts and cached "
         f"blocks from the Mooncake conversation trace ({data['config'].get('scale', '')}); the index filled "

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import nats.errors
 
 from bench.load.arrivals import arrival_times
-from bench.scale_check import Placement
-from bench.scale_plan import MODEL, Probe
+from bench.scale.check import Placement
+from bench.scale.plan import MODEL, Probe
 from shared import subjects
 from shared.bus import Bus
 from shared.messages import RouteReply, RouteRequest, Sampling
