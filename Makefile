@@ -88,7 +88,7 @@ bench-stack: setup
 ## bench-transfer: KV bytes over memcpy, UCX (shared memory, TCP), NIXL, Mooncake, a socket and NATS; writes bench/results/transfer.json
 bench-transfer: setup
 	scripts/peer_venvs.sh
-	$(BIN)/python -m bench.transfer_bench
+	$(BIN)/python -m bench.transfer
 
 ## eval-router: replay bench/data/mooncake_conversation.jsonl (bench/data/README.md) through the prefill placement policies; writes bench/results/router.json
 eval-router: setup

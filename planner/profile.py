@@ -10,7 +10,7 @@ Measured with the real model (SmolLM2) in fresh processes, one per worker shape:
 - each shape alone and, for workers smaller than the machine, beside a busy neighbour (the
   same work pinned to the other cores, as the other pool of a disaggregated split runs);
 - the KV handoff: bytes between two processes on one host the way the services move them
-  (bench/segment_arm.py), and the model's KV bytes per token;
+  (bench/transfer/segment.py), and the model's KV bytes per token;
 - the control plane: on each kind of stack `make bench` runs (colocated; 1 prefill + 1
   decode worker), the time to first token through it minus the in-process engine's
   (bench/stack_overhead.py's two measurements, alternated), and a decode step's time through
@@ -189,7 +189,7 @@ def probe(name: str, reps: int = 2) -> dict:
 
 def handoff() -> dict:
     """KV bytes between two processes as the services move them on one host: seconds per payload."""
-    from bench.segment_arm import bench_segment
+    from bench.transfer.segment import bench_segment
     sizes = [256 << 10, 1 << 20, 4 << 20, 16 << 20]
     gbps = bench_segment(sizes)
     return {"points": [{"bytes": s, "s": s / (gbps[s] * 1e9)} for s in sizes]}

@@ -1,6 +1,6 @@
 """Transfer libraries other systems build on, each run from a virtualenv of its own
 (scripts/peer_venvs.sh, under $PD_PEERS_DIR): NIXL bundles its own UCX, which must not meet
-ucxx's in the project's venv. Each library's arm is a script, bench/<lib>_arm.py, printing
+ucxx's in the project's venv. Each library's arm is a script, bench/transfer/<lib>_arm.py, printing
 one JSON line; `make bench-transfer` runs them beside its own arms."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ PEERS = Path(os.environ.get("PD_PEERS_DIR", Path.home() / ".cache" / "pdserve" /
 
 def bench_peer(lib: str, sizes, *args: str, env: dict[str, str] | None = None, timeout_s: float = 300
                ) -> dict[int, float]:
-    """bench/<lib>_arm.py under $PD_PEERS_DIR/<lib>'s interpreter; its JSON line's GB/s (the
+    """bench/transfer/<lib>_arm.py under $PD_PEERS_DIR/<lib>'s interpreter; its JSON line's GB/s (the
     rest of it kept in PEER_RUNS)."""
     python = PEERS / lib / "bin" / "python"
     if not python.exists():

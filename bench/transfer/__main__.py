@@ -1,6 +1,6 @@
 """KV transfer paths side by side, between two processes, in one run: `make bench-transfer`.
 
-    python -m bench.transfer_bench [--quick]
+    python -m bench.transfer [--quick]
 
 Payloads from 64 KiB to 256 MiB (`--quick`: to 16 MiB) plus the real per-layer KV sizes of 1k- and 4k-token SmolLM2
 requests (fp32), each sent REPS times after a warm-up, timed until the receiver confirms it
@@ -10,7 +10,7 @@ into a staging buffer from shared/kv/staging.py:
   memcpy        numpy copy in one process (the limit)
   segment       what the services use on one host (shared/kv/segment.py): the payload in the
                 sender's shared-memory segment, a NATS notice naming where, the receiver's
-                copy into staging (bench/segment_arm.py); up to STREAMED copies at a time
+                copy into staging (bench/transfer/segment.py); up to STREAMED copies at a time
   segment_one_by_one  the same, one copy at a time
   ucx_services  what the services use between hosts (shared/kv/ucx.py's transport, its defaults): endpoints
                 with UCX peer-failure handling, shared memory allowed to carry it (sysv for
@@ -30,24 +30,24 @@ into a staging buffer from shared/kv/staging.py:
   nixl          NIXL (nixl-cu12, its UCX backend, host memory, its defaults: peer-failure
                 handling, a progress thread): the decode side READs the prefill side's
                 registered buffer and notifies it, as vLLM's NIXL connector does; one
-                transfer at a time (bench/nixl_arm.py)
+                transfer at a time (bench/transfer/nixl_arm.py)
   nixl_shm      the same with the services' shared-memory settings (SHM_DEFAULTS of
                 shared/kv/ucx.py) in its UCX's environment
   socket        a plain TCP socket on loopback, sendall / recv_into
   ucx_tcp_veth, socket_veth  ucx_tcp and socket between two network namespaces joined by a
                 veth pair (MTU 1500; bench/netns.py): two hosts, as far as TCP can tell
   mooncake_tcp  Mooncake's transfer engine (mooncake-transfer-engine-non-cuda, TCP: the wheel
-                has no shared-memory transport), transfer_sync_write (bench/mooncake_arm.py)
+                has no shared-memory transport), transfer_sync_write (bench/transfer/mooncake_arm.py)
   nats        the naive baseline: the payload as 1 MiB NATS messages through nats-server
-NIXL and Mooncake run in virtualenvs of their own (bench/peers.py, scripts/peer_venvs.sh).
+NIXL and Mooncake run in virtualenvs of their own (bench/transfer/peers.py, scripts/peer_venvs.sh).
 Each arm prints as it finishes; one that fails or runs past ARM_TIMEOUT_S is reported failed
 (`failed_arms`), its processes killed, and the others are still measured. Then the CPU the
 services' transport takes while no KV moves (`ucx_idle_cpu_cores`: its progress thread), and
 `exposed_transfer_fraction_1k` / `_2k`: a 1k- / 2k-token prompt (2k: about the longest the
 model takes) prefilled alone vs prefilled while its
 KV streams layer by layer to another process exactly as the services do it on one host
-(through the segment; `_1k_ucx`: over UCX, as between hosts; see bench/handoff_bench.py),
-and the quality cost of optional int8 KV (bench/kv_int8_quality.py).
+(through the segment; `_1k_ucx`: over UCX, as between hosts; see bench/transfer/handoff.py),
+and the quality cost of optional int8 KV (bench/transfer/kv_int8_quality.py).
 Prints a table, writes bench/results/transfer.json.
 """
 
@@ -68,24 +68,16 @@ import numpy as np
 
 from bench import netns
 from bench.children import call, children, in_process, outcome
-from bench.peers import PEER_RUNS, bench_peer
+from bench.transfer.common import ARM_TIMEOUT_S, MIB, NATS_SLOW_CONSUMER, STREAMED, reps_for
+from bench.transfer.peers import PEER_RUNS, bench_peer
 from shared.kv.ucx import SHM_DEFAULTS
 
-KIB, MIB = 1 << 10, 1 << 20
+KIB = 1 << 10
 LAYER_1K = 64 * 2 * 16 * 3 * 64 * 4    # 64 blocks x (K,V) x 16 tokens x 3 heads x 64 dims x fp32
 LAYER_4K = 4 * LAYER_1K
 NATS_CHUNK = 1 * MIB
-RESULTS = Path(__file__).parent / "results" / "transfer.json"
-NATS_SLOW_CONSUMER = "max_pending: 1073741824\nwrite_deadline: \"60s\"\n"
-# messages under way at a time in the UCX arms: the services' sender sends each batch of layers
-# as soon as it is computed, without waiting for the one before (shared/kv/sender.py)
-STREAMED = 4
+RESULTS = Path(__file__).parents[1] / "results" / "transfer.json"
 HOST = "PD_BENCH_NETNS"  # a child's network namespace, in its environment
-ARM_TIMEOUT_S = 300  # an arm that has not finished by then is reported failed, its processes killed
-
-
-def reps_for(size: int) -> int:
-    return max(3, min(200, (512 * MIB) // size))
 
 
 # -- receivers (child processes) -------------------------------------------------------------
@@ -299,7 +291,7 @@ def on_veth(bench, *args, **kwargs):
 
 
 def bench_nats(sizes):
-    from bench.handoff_bench import nats_server
+    from bench.transfer.handoff import nats_server
 
     # nats-server drops a client it cannot write to within 64 MiB / 2 s (a slow consumer); a
     # Python receiver copying every message falls that far behind on large payloads
@@ -336,7 +328,7 @@ async def _nats_send(sizes, url, done_q):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.transfer", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="up to 16 MiB only")
     args = ap.parse_args()
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -344,9 +336,9 @@ def main() -> None:
     label = lambda s: {LAYER_1K: "1k-tok layer", LAYER_4K: "4k-tok layer"}.get(s, f"{s // KIB} KiB")  # noqa: E731
     if args.quick:
         sizes = [s for s in sizes if s <= 16 * MIB]
-    from bench.handoff_bench import exposed_fraction
-    from bench.kv_int8_quality import int8_quality
-    from bench.segment_arm import bench_segment
+    from bench.transfer.handoff import exposed_fraction
+    from bench.transfer.kv_int8_quality import int8_quality
+    from bench.transfer.segment import bench_segment
 
     old_default = {"UCX_MM_ERROR_HANDLING": "n", "UCX_CMA_MEMORY_INVALIDATE": "n"}
     arms = {"memcpy": lambda: bench_memcpy(sizes),

@@ -1,6 +1,6 @@
 """NIXL (UCX backend, host memory) as a KV transfer arm, two processes on one host.
 
-    /work/venv-nixl/bin/python bench/nixl_arm.py --sizes 65536,1048576 [--reps-cap N] [--op READ|WRITE]
+    /work/venv-nixl/bin/python bench/transfer/nixl_arm.py --sizes 65536,1048576 [--reps-cap N] [--op READ|WRITE]
         [--no-prog-thread | --prog-delay-us US] [--err-mode peer|none] [--idle-s 5] [--timeout 300]
 
 Needs a venv with nixl-cu12 (it bundles its own UCX; keep it out of the project's venv, which has
@@ -16,7 +16,7 @@ writes into decode's buffer; decode, now the target, learns from the notificatio
 Per size: one warm-up transfer, then reps = max(3, min(200, 512 MiB // size)) (at most --reps-cap),
 one in flight at a time (each a make_prepped_xfer request, posted, polled to DONE, released), timed
 from the first post until the target has seen the last notification and said so over a queue, as
-bench/transfer_bench.py times its arms. Then each process idles --idle-s seconds: its CPU time over
+bench/transfer/ times its arms. Then each process idles --idle-s seconds: its CPU time over
 that (NIXL's progress thread). The decode buffer is checked against prefill's at the end.
 Prints one JSON line: {"gbps": {size: GB/s}, "nixl_version", "ucx_tls_used", ...}.
 

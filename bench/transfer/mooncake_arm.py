@@ -1,6 +1,6 @@
 """Mooncake's transfer engine as a KV transfer arm, between two processes on one host.
 
-    /work/venv-mooncake/bin/python bench/mooncake_arm.py --sizes 65536,1048576,6291456,67108864
+    /work/venv-mooncake/bin/python bench/transfer/mooncake_arm.py --sizes 65536,1048576,6291456,67108864
 
 Runs in its own virtualenv (mooncake-transfer-engine-non-cuda), not the project's. A receiver and a sender process
 each hold a `mooncake.engine.TransferEngine` (metadata: P2PHANDSHAKE, no etcd; host memory: a numpy buffer per
@@ -9,7 +9,7 @@ address to the sender through a queue; the sender then moves one payload of each
 receiver's with `transfer_sync_write` (one transfer in flight at a time; it returns once the data is written): a
 warm-up, then `reps_for(size)` timed writes, timed until the receiver has confirmed through a queue that it holds
 the last write's bytes (a marker only the last write carries). GB/s = size * reps / seconds / 1e9, as in
-bench/transfer_bench.py. Then the CPU each process takes over --idle-s seconds with no transfer (engine threads).
+bench/transfer/. Then the CPU each process takes over --idle-s seconds with no transfer (engine threads).
 Prints one JSON line: {"gbps": {"<size>": ...}, "protocol": ..., "version": ..., "idle_cpu_cores": {...}}.
 
 With no RDMA device the classic engine in this wheel installs its TCP transport whatever `protocol` says (it only

@@ -14,8 +14,8 @@ import multiprocessing as mp
 import time
 
 from bench.children import call, children, outcome
-from bench.handoff_bench import nats_server
-from bench.transfer_bench import ARM_TIMEOUT_S, NATS_SLOW_CONSUMER, STREAMED, reps_for
+from bench.transfer.common import ARM_TIMEOUT_S, NATS_SLOW_CONSUMER, STREAMED, reps_for
+from bench.transfer.handoff import nats_server
 
 
 def _receiver(sizes, url, ready_q, done_q, window):
