@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from bench import chaos_readme, clients_readme, engine_readme, report
+from bench import clients_readme, engine_readme, report
+from bench.chaos import readme as chaos_readme
 from bench.results_doc import RESULTS_DOC
 from bench.scale import readme as scale_readme
 

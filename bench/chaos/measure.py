@@ -1,4 +1,4 @@
-"""What a fault cost (bench/chaos.py), from each stream's token arrival times, the same
+"""What a fault cost (bench/chaos/scenarios.py), from each stream's token arrival times, the same
 request's arrival times in the run without faults, and its events: pure functions. Times are
 seconds from the request's start (all requests of a run start together).
 

@@ -1,6 +1,6 @@
 """The chaos figures of docs/RESULTS.md, from bench/results/chaos.json and chaos-busy.json (`make chaos`
 and `make chaos-busy` write them): a table row per scenario, and a line for the run beside a
-busy neighbour. `python -m bench.chaos_readme` rewrites the block from the files."""
+busy neighbour. `python -m bench.chaos.readme` rewrites the block from the files."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 from bench.results_doc import RESULTS_DOC
 
 RESULTS = Path("bench/results")
-BEGIN = "<!-- chaos figures: bench/chaos_readme.py writes this block from bench/results/chaos*.json -->"
+BEGIN = "<!-- chaos figures: bench/chaos/readme.py writes this block from bench/results/chaos*.json -->"
 END = "<!-- end of chaos figures -->"
 STACKS = {"single": "single", "ha": "HA", "hosts": "hosts"}
 COLUMNS = ("stack", "fault", "lost / mismatched / leaked", "recovery (s)", "extra load time (s)", "streams moved",

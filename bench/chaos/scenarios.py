@@ -37,7 +37,7 @@ blocks* otherwise). *Recovery* (`recovery_s`) is, over the streams that had begu
 fault, the longest wait from the fault to their next token; `extra_s` is how much longer the
 whole load took than without the fault (it includes requests that were queued or in prefill
 on the worker hit). From each request's events and its run without faults
-(bench/chaos_measure.py): the streams moved (failed over, or their prefill job requeued off a
+(bench/chaos/measure.py): the streams moved (failed over, or their prefill job requeued off a
 lost prefill worker) — the wait for their next token (`moved_recovery_s`) and how much later
 they ended (`moved_delay_s`); the prompts recomputed on a decode worker (`local_recomputes`);
 and the streams not moved — their inter-token p99 during the recovery over before the fault
@@ -75,8 +75,9 @@ from pathlib import Path
 import httpx
 import redis
 
-from bench import chaos_readme, netns
-from bench.chaos_measure import Stream, cost
+from bench import netns
+from bench.chaos import readme
+from bench.chaos.measure import Stream, cost
 from deploy.local import ha
 from deploy.local.stack import Host, Stack, StackConfig
 from shared.progress import progress
@@ -85,7 +86,7 @@ from shared.subjects import PREFILL_STREAM
 from shared.urls import sync_redis
 
 MODEL = "SmolLM2-135M-Instruct"
-RESULTS = Path(__file__).parent / "results" / "chaos.json"
+RESULTS = Path(__file__).parents[1] / "results" / "chaos.json"
 SCENARIOS = ("kill-prefill", "kill-decode", "kill-prefill-pool", "restart-nats", "restart-redis")
 HA_SCENARIOS = ("kill-nats-node", "kill-redis-primary")   # on the HA stack
 HOST_SCENARIOS = ("cut-decode-host",)                      # with a host per process
@@ -414,7 +415,7 @@ async def on_stack(args, scenarios: list[str], kind: str, hosts: dict[str, Host]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=100)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--kv-blocks", type=int, default=1024)
@@ -429,7 +430,7 @@ def main() -> None:
     out = RESULTS.with_name("chaos-busy.json") if args.busy else RESULTS
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"config": vars(args), "scenarios": results}, indent=2))
-    chaos_readme.write()
+    readme.write()
     print(f"wrote {out} and the chaos figures of docs/RESULTS.md")
     sys.exit(1 if any(map(failed, results)) else 0)
 
@@ -440,6 +441,3 @@ def failed(r: dict) -> bool:
     return bool(r.get("lost") or r.get("mismatched") or r.get("leaked_blocks") or r.get("collateral")
                 or r.get("missing_after") or (r["scenario"] == "kill-redis-primary" and r["promoted"] == r["victim"]))
 
-
-if __name__ == "__main__":
-    main()
