@@ -68,18 +68,18 @@ fmt: setup
 ##   bench/results/engine.json (the first run builds llama.cpp from PyPI: ~10 minutes on 2 cores; pip keeps the wheel)
 bench-engine: setup
 	$(BIN)/pip install -q llama-cpp-python==$(LLAMA_CPP_VERSION)
-	$(BIN)/python -m bench.engine_bench
+	$(BIN)/python -m bench.engine
 
 ## bench-archs: each architecture served (tiny random checkpoints) against transformers: greedy tokens, logits
 ##   in fp32 and bf16; writes bench/results/architectures.json and its table in docs/RESULTS.md (~1 minute)
 bench-archs: setup
-	$(BIN)/python -m bench.architectures
+	$(BIN)/python -m bench.engine.architectures
 
 ## bench-grammar: xgrammar, llguidance and outlines-core masking SmolLM2's vocabulary for the same JSON schemas
 ##   (compile time, mask and advance per token); writes bench/results/grammar-libs.json (~1 minute)
 bench-grammar: setup
 	$(BIN)/pip install -q llguidance==1.9.1 outlines-core==0.2.14
-	$(BIN)/python -m bench.grammar_libs
+	$(BIN)/python -m bench.engine.grammar_libs
 
 ## bench-stack: time to first token through the stack minus the in-process engine's; writes bench/results/stack.json
 bench-stack: setup

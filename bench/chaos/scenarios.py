@@ -440,4 +440,3 @@ def failed(r: dict) -> bool:
     missing, or (kill-redis-primary) saw no replica promoted; a skipped one did not fail."""
     return bool(r.get("lost") or r.get("mismatched") or r.get("leaked_blocks") or r.get("collateral")
                 or r.get("missing_after") or (r["scenario"] == "kill-redis-primary" and r["promoted"] == r["victim"]))
-

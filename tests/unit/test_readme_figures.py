@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from bench import clients_readme, engine_readme, report
+from bench import clients_readme, report
 from bench.chaos import readme as chaos_readme
+from bench.engine import readme as engine_readme
 from bench.results_doc import RESULTS_DOC
 from bench.scale import readme as scale_readme
 
@@ -39,7 +40,7 @@ def test_the_scale_figures_are_the_committed_run():
 
 
 def test_the_architectures_table_is_the_committed_run():
-    architectures = pytest.importorskip("bench.architectures")
+    architectures = pytest.importorskip("bench.engine.architectures")
     assert _between(architectures.BEGIN, architectures.END) == "\n" + architectures.table(
         _json("architectures.json")) + "\n"
 

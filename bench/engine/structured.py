@@ -1,7 +1,7 @@
 """What structured output adds to a decode step: batch 8, every sequence under a JSON schema,
 against the same prompts unconstrained, interleaved rounds, fp32 and native weights.
 
-    python -m bench.structured_bench [--threads 2] [--rounds 5] [--steps 16]
+    python -m bench.engine.structured [--threads 2] [--rounds 5] [--steps 16]
 
 `make bench-engine` runs it as part of its run; alone, it replaces the `structured` part of
 bench/results/engine.json (and its summary keys), leaving the rest as that run wrote it.
@@ -23,7 +23,7 @@ from shared.engine.grammar import Grammar
 from shared.engine.loader import load
 from shared.engine.sequence import SamplingParams
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).parents[1] / "results"
 BATCH = 8
 TARGET = 0.10  # at most this much longer a step
 CITY = {"type": "object", "properties": {
@@ -94,7 +94,7 @@ def main() -> None:
     cfg = EngineConfig(num_blocks=2048, max_batched_tokens=2048, prefill_chunk=2048, max_num_seqs=64)
     engines = {f: Engine(load("smollm2", weights=f), cfg) for f in ("fp32", "native")}
     structured = measure(engines, args.rounds, args.steps)
-    structured["measured"] = time.strftime("%Y-%m-%d") + " (python -m bench.structured_bench, alone)"
+    structured["measured"] = time.strftime("%Y-%m-%d") + " (python -m bench.engine.structured, alone)"
     path = RESULTS / "engine.json"
     result = json.loads(path.read_text())
     result["structured"] = structured

@@ -1,16 +1,16 @@
 """The engine on each weights' format against transformers and llama.cpp on the same GGUF and
 threads, measured side by side in one run: `make bench-engine`.
 
-    python -m bench.engine_bench [--threads 2] [--rounds 3] [--decode-steps 16] [--no-quality]
+    python -m bench.engine [--threads 2] [--rounds 3] [--decode-steps 16] [--no-quality]
 
 Speed: prompt tokens/s at 512 and 2048 tokens (one prompt, one pass) and the decode step at
 batch 1, 8 and 32 — for our engine with fp32 weights (every matrix dequantized) and with the
 file's own 4-bit blocks (`native`, shared/engine/weights.py), transformers (fp32, its own KV
 cache, only the last position's logits in prefill as its generate() does) and llama.cpp
 (batch 1 only: its server runs one sequence a slot); each the median of interleaved rounds.
-Structured output (bench/structured_bench.py): the decode step at batch 8 under a JSON schema
+Structured output (bench/engine/structured.py): the decode step at batch 8 under a JSON schema
 against the same prompts unconstrained, per format.
-Quality (bench/engine_quality.py): greedy agreement with transformers' fp32 tokens, and
+Quality (bench/engine/quality.py): greedy agreement with transformers' fp32 tokens, and
 perplexity, per format. Writes bench/results/engine.json (`summary`: decode_b1_over_llamacpp,
 prefill_512_over_llamacpp, prefill_2048_over_llamacpp, greedy_agreement, perplexity_ratio —
 the last two of `native`; structured_b8_overhead, the larger format's).
@@ -29,14 +29,16 @@ from pathlib import Path
 
 import torch
 
-from bench import engine_quality, engine_readme, structured_bench
-from bench.llamacpp_arm import LlamaCpp
+from bench.engine import quality as engine_quality
+from bench.engine import readme as engine_readme
+from bench.engine import structured as structured_bench
+from bench.engine.llamacpp_arm import LlamaCpp
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.loader import load, smollm2_path
 from shared.engine.sequence import SamplingParams
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).parents[1] / "results"
 PROMPT_FOR_DECODE = 128
 PREFILLS = (512, 2048)
 BATCHES = (1, 8, 32)
@@ -157,7 +159,7 @@ def summarize(speeds: dict, quality: dict | None) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--decode-steps", type=int, default=16)

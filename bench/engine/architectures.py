@@ -1,7 +1,7 @@
 """Each architecture the engine serves against transformers, on the tiny random checkpoints of
-bench/tiny_archs.py (what tests/engine/test_architectures.py asserts, measured):
+bench/engine/tiny_archs.py (what tests/engine/test_architectures.py asserts, measured):
 
-    python -m bench.architectures     (make bench-archs; ~1 minute)
+    python -m bench.engine.architectures     (make bench-archs; ~1 minute)
 
 Writes bench/results/architectures.json (per architecture: greedy tokens equal to transformers'
 in fp32, the logits' max abs difference in fp32, and in bf16 beside transformers' own bf16
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from bench import tiny_archs
-from bench.engine_quality import logits_all, reference_greedy
+from bench.engine import tiny_archs
+from bench.engine.quality import logits_all, reference_greedy
 from bench.results_doc import RESULTS_DOC, update_block
 from shared.engine.architectures import ARCHITECTURES
 from shared.engine.config import EngineConfig
@@ -27,7 +27,7 @@ from shared.engine.engine import Engine
 from shared.engine.loader import load
 from shared.engine.sequence import SamplingParams
 
-RESULTS = Path(__file__).parent / "results" / "architectures.json"
+RESULTS = Path(__file__).parents[1] / "results" / "architectures.json"
 BEGIN, END = "<!-- bench:archs:begin -->", "<!-- bench:archs:end -->"
 NEW = 12
 

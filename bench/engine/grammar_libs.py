@@ -1,7 +1,7 @@
 """Which grammar library masks SmolLM2's vocabulary fastest on this CPU: xgrammar, llguidance
 and outlines-core side by side in one run, on the same JSON schemas and the same token walks.
 
-    python -m bench.grammar_libs [--rounds 5]
+    python -m bench.engine.grammar_libs [--rounds 5]
 
 For each library and schema: the compile time (cold, then from the library's cache where it
 has one), and the time to compute one token's mask (fill) and advance the matcher by the
@@ -24,7 +24,7 @@ import torch
 from shared.engine.grammar import token_table
 from shared.engine.loader import load
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).parents[1] / "results"
 
 SCHEMAS = {
     "person": ({"type": "object", "properties": {

@@ -1,5 +1,5 @@
 """The engine figures of docs/RESULTS.md, from bench/results/engine.json (`make bench-engine` writes
-both; `python -m bench.engine_readme` rewrites the block from the committed JSON): the table and
+both; `python -m bench.engine.readme` rewrites the block from the committed JSON): the table and
 the ratios between the `bench:engine` markers."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from bench.results_doc import RESULTS_DOC, update_block
 
-RESULTS = Path(__file__).parent / "results" / "engine.json"
+RESULTS = Path(__file__).parents[1] / "results" / "engine.json"
 BEGIN, END = "<!-- bench:engine:begin -->", "<!-- bench:engine:end -->"
 ARMS = ["pdserve fp32", "pdserve native", "transformers", "llama.cpp"]
 
