@@ -135,7 +135,7 @@ bench-full: setup
 ## bench-prefill-chunk: short prompts behind long ones on the disaggregated arm, placement (cost, remote) x the
 ##   prefill pool's chunk (2048, 256) side by side (~15 minutes); writes bench/results/prefill-chunk.json
 bench-prefill-chunk: setup
-	$(BIN)/python -m bench.prefill_chunk
+	$(BIN)/python -m bench.interference.prefill_chunk
 
 ## profile: the engine's cost on this hardware for the planner (prefill passes, decode steps, each worker shape
 ##   alone and beside a busy neighbour, the KV handoff, the control plane; ~6 minutes on 2 cores);

@@ -2,7 +2,7 @@
 
     python -m planner.check [--profile bench/results/profile-cpu.json] [--measured RESULT.json]
 
-Runs the three arms of `make bench` (bench/interference.py, quick mode: colocated, chunked,
+Runs the three arms of `make bench` (bench/interference/run.py, quick mode: colocated, chunked,
 disaggregated on this machine's cores, the SLOs from this machine's costs), and a fourth with
 another P:D ratio (1P:2D: the prefill worker on one core, two one-thread decode workers sharing
 the rest, `split_arm`), and simulates the same four on the very workloads they ran — the same
@@ -26,7 +26,8 @@ import argparse
 import json
 from pathlib import Path
 
-from bench import interference
+from bench.interference import run as interference
+from bench.interference import stacks
 from bench.load import workloads
 from deploy.local.stack import StackConfig
 from planner.cluster import Layout, as_sim, simulate
@@ -49,14 +50,14 @@ NO_DRIFT = {"prefill": 1.0, "decode": 1.0}
 def split_arm(cores: int) -> StackConfig:
     """A P:D ratio other than 1:1 on these cores: 1 prefill worker on the first core, 2 decode
     workers sharing the others (each one thread)."""
-    cpus = sorted(interference.ALL)[:cores]
+    cpus = sorted(stacks.ALL)[:cores]
     rest = set(cpus[1:]) or {cpus[0]}
     return StackConfig.on_free_ports(prefill=1, decode=2, kv_blocks=2048, threads=1, env=WHOLE,
                                      cpus={"prefill-0": {cpus[0]}, "decode-0": rest, "decode-1": rest})
 
 
 def arm_shapes(cores: int) -> dict[str, dict[str, str]]:
-    """The profiled worker shape of each arm's pools (bench/interference.arms, `split_arm`)."""
+    """The profiled worker shape of each arm's pools (bench/interference/stacks.arms, `split_arm`)."""
     return {"colocated": {"decode": f"{cores}t"}, "chunked": {"decode": f"{cores}t"},
             # the prefill worker on one core, the decode worker on the others
             "disaggregated": {"prefill": "1t+busy", "decode": f"{cores - 1}t+busy"},
@@ -65,7 +66,7 @@ def arm_shapes(cores: int) -> dict[str, dict[str, str]]:
 
 
 def bench_layouts(profile: dict, cores: int, levels: dict[str, dict[str, dict]] | None = None) -> dict[str, Layout]:
-    """`make bench`'s arms (bench/interference.arms) and `split_arm` as the simulator's layouts;
+    """`make bench`'s arms (bench/interference/stacks.arms) and `split_arm` as the simulator's layouts;
     `levels`: each arm's drift from the profile, per shape (planner/cost.level), where measured."""
     over = {s: control_plane(profile, s).get("ttft_overhead_s", 0.0) for s in STACKS}
     whole = Knobs(prefill_chunk=2048, max_batched_tokens=4096)
@@ -109,8 +110,8 @@ def measure(seed: int) -> dict:
                             seed=seed)
     slo = interference.slo_for(trace, args)
     print(f"replay SLO: {slo}", flush=True)
-    configs = {**interference.arms(), SPLIT: split_arm(len(interference.ALL))}
-    shapes = arm_shapes(len(interference.ALL))
+    configs = {**stacks.arms(), SPLIT: split_arm(len(stacks.ALL))}
+    shapes = arm_shapes(len(stacks.ALL))
     arms = {}
     for name, cfg in configs.items():
         # this machine's speed drifts over minutes: the arm's own shapes measured again either side of it
@@ -118,7 +119,7 @@ def measure(seed: int) -> dict:
         arms[name] = interference.one_arm(name, cfg, reqs, trace, args)
         del arms[name]["timeline"], arms[name]["victim_itls_s"]
         arms[name]["probes"] = {s: [before[s], probe(s)] for s in before}
-    return {"machine": {"cpus": len(interference.ALL)},
+    return {"machine": {"cpus": len(stacks.ALL)},
             "workload": {"seed": seed,
                          "victims_and_aggressors": {"duration_s": args.duration, "victim_rate": args.victim_rate,
                                                     "aggressor_rate": args.aggressor_rate,

@@ -208,7 +208,7 @@ def control_plane(stack: str, requests: int = 10) -> dict:
     import httpx
     import torch
 
-    from bench.interference import arms
+    from bench.interference.stacks import arms
     from bench.load.client import run
     from bench.load.workloads import Request
     from bench.stack_overhead import MESSAGES, engine_ttft, stack_ttft
@@ -247,7 +247,7 @@ def device_name() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ncpu = len(os.sched_getaffinity(0))
-    # one core, all of them, and the rest beside one (a disaggregated split's decode worker: bench/interference)
+    # one core, all of them, and the rest beside one (a disaggregated split's decode worker: bench/interference/stacks)
     ap.add_argument("--threads", default=",".join(map(str, sorted({1, max(1, ncpu - 1), ncpu}))),
                     help="worker shapes, in cores")
     ap.add_argument("--reps", type=int, default=2)

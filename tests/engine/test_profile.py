@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from bench.interference import slo_for
+from bench.interference.run import slo_for
 from bench.load.workloads import Request
 from planner.profile import reference
 

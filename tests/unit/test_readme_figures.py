@@ -4,9 +4,10 @@ import json
 
 import pytest
 
-from bench import clients_readme, report
+from bench import clients_readme
 from bench.chaos import readme as chaos_readme
 from bench.engine import readme as engine_readme
+from bench.interference import report
 from bench.results_doc import RESULTS_DOC
 from bench.scale import readme as scale_readme
 

@@ -1,6 +1,6 @@
 """Plots and the results section of docs/RESULTS.md, from bench/results/interference.json:
 
-    python -m bench.report        (make bench runs it after the measurements)
+    python -m bench.interference.report        (make bench runs it after the measurements)
 
 - bench/results/itl_cdf.png       the victims' inter-token latency CDF per arm
 - bench/results/timeline.png      victims' tokens over time per arm, with the aggressors'
@@ -22,7 +22,7 @@ from bench.results_doc import RESULTS_DOC, update_block
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).parents[1] / "results"
 BEGIN, END = "<!-- bench:results:begin -->", "<!-- bench:results:end -->"
 ARMS = ("colocated", "chunked", "disaggregated")
 

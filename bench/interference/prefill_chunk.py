@@ -1,10 +1,10 @@
 """Short prompts behind long ones on the disaggregated stack: placement × the prefill pool's
 chunk, side by side in one run: `make bench-prefill-chunk`.
 
-    python -m bench.prefill_chunk [--duration 90] [--chunks 2048,256] [--modes cost,remote]
+    python -m bench.interference.prefill_chunk [--duration 90] [--chunks 2048,256] [--modes cost,remote]
 
 The victims-and-aggressors load of `make bench` (32-token chats at 0.3/s, 128 output tokens,
-while 1024-token prompts with 4 output tokens arrive at 0.05/s; bench/interference.py), on its
+while 1024-token prompts with 4 output tokens arrive at 0.05/s; bench/interference/run.py), on its
 disaggregated arm (1 prefill + 1 decode worker, one core each), for each placement
 (`PD_PREFILL_MODE`) and each prefill-pool chunk (`PD_PREFILL_CHUNK` on the prefill worker, its
 pass budget `PD_MAX_BATCHED_TOKENS` twice that, as make bench's chunked arm; the decode worker
@@ -27,11 +27,12 @@ import os
 import platform
 from pathlib import Path
 
-from bench.interference import arms, one_arm
+from bench.interference.run import one_arm
+from bench.interference.stacks import arms
 from bench.load import workloads
 from deploy.local.stack import StackConfig
 
-RESULTS = Path(__file__).parent / "results" / "prefill-chunk.json"
+RESULTS = Path(__file__).parents[1] / "results" / "prefill-chunk.json"
 
 
 def arm(mode: str, chunk: int) -> StackConfig:

@@ -33,7 +33,7 @@ Per arm, on one stack:
    (--replay-slo-ttft / --replay-slo-tpot); the seconds used are printed and written.
 
 Writes bench/results/interference.json (`summary` holds the ratios), then the plots and the
-results section of docs/RESULTS.md (bench/report.py).
+results section of docs/RESULTS.md (bench/interference/report.py).
 
     python -m bench.interference [--full] [--duration S] [--rates 1,2,4] [--replay-s S]
 """
@@ -50,7 +50,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import report
+from bench.interference import report
+from bench.interference.stacks import arms, remote_arm
 from bench.load import workloads
 from bench.load.client import run
 from bench.load.metrics import Timing, percentiles, rate_at_attainment, summarize
@@ -59,25 +60,10 @@ from planner.profile import reference
 from planner.slo import Slo, from_reference
 
 MODEL = "SmolLM2-135M-Instruct"
-AZURE = Path(__file__).parent / "data" / "azure_conv_2023.csv"
-RESULTS = Path(__file__).parent / "results" / "interference.json"
-ALL = set(range(os.cpu_count() or 1))
+AZURE = Path(__file__).parents[1] / "data" / "azure_conv_2023.csv"
+RESULTS = Path(__file__).parents[1] / "results" / "interference.json"
 QUICK = {"duration": 30.0, "rates": [1.0, 2.0, 4.0], "replay_s": 20.0}
 FULL = {"duration": 180.0, "rates": [0.5, 1.0, 2.0, 3.0, 4.0, 6.0], "replay_s": 60.0}
-
-
-def arms() -> dict[str, StackConfig]:
-    cores = sorted(ALL)
-    split = ({cores[0]}, set(cores[1:]) or {cores[0]})
-    whole = {"PD_PREFILL_CHUNK": "2048", "PD_MAX_BATCHED_TOKENS": "4096"}
-    return {
-        "colocated": StackConfig.on_free_ports(decode=1, colocated=True, kv_blocks=2048, threads=len(cores),
-                                               env=whole),
-        "chunked": StackConfig.on_free_ports(decode=1, colocated=True, kv_blocks=2048, threads=len(cores),
-                                             env={"PD_PREFILL_CHUNK": "128", "PD_MAX_BATCHED_TOKENS": "256"}),
-        "disaggregated": StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=2048, threads=len(split[1]),
-                                                   env=whole, cpus={"prefill-0": split[0], "decode-0": split[1]}),
-    }
 
 
 def timeline(reqs: list[workloads.Request], timings: list[Timing]) -> dict:
@@ -123,14 +109,6 @@ async def goodput_phase(url: str, trace: list[workloads.Request], args) -> dict:
               f"TTFT p90 {s['ttft_s']['p90']:.2f} s, TPOT p90 {s['tpot_s']['p90'] * 1e3:.0f} ms", flush=True)
     return {"points": points,
             "goodput_rate": rate_at_attainment([(p["rate"], p["slo_attainment"]) for p in points], 0.9)}
-
-
-def remote_arm() -> StackConfig:
-    """The disaggregated arm with every prompt sent to the prefill pool (PD_PREFILL_MODE=remote:
-    the placement before `cost`), for the victims only."""
-    cfg = arms()["disaggregated"]
-    cfg.env = {**cfg.env, "PD_PREFILL_MODE": "remote"}
-    return cfg
 
 
 REMOTE = "disaggregated-remote"
@@ -213,7 +191,7 @@ def slo_for(trace: list[workloads.Request], args) -> Slo:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     """make bench's settings (QUICK or FULL where not given)."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.interference", description=__doc__.splitlines()[0])
     ap.add_argument("--full", action="store_true", help=f"longer runs: {FULL}")
     ap.add_argument("--duration", type=float, help="seconds of victim/aggressor arrivals")
     ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], help="replay request rates")
@@ -271,7 +249,3 @@ def main() -> None:
     RESULTS.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {RESULTS}")
     report.write_all(out)
-
-
-if __name__ == "__main__":
-    main()
