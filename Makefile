@@ -68,18 +68,18 @@ fmt: setup
 ##   bench/results/engine.json (the first run builds llama.cpp from PyPI: ~10 minutes on 2 cores; pip keeps the wheel)
 bench-engine: setup
 	$(BIN)/pip install -q llama-cpp-python==$(LLAMA_CPP_VERSION)
-	$(BIN)/python -m bench.engine_bench
+	$(BIN)/python -m bench.engine
 
 ## bench-archs: each architecture served (tiny random checkpoints) against transformers: greedy tokens, logits
 ##   in fp32 and bf16; writes bench/results/architectures.json and its table in docs/RESULTS.md (~1 minute)
 bench-archs: setup
-	$(BIN)/python -m bench.architectures
+	$(BIN)/python -m bench.engine.architectures
 
 ## bench-grammar: xgrammar, llguidance and outlines-core masking SmolLM2's vocabulary for the same JSON schemas
 ##   (compile time, mask and advance per token); writes bench/results/grammar-libs.json (~1 minute)
 bench-grammar: setup
 	$(BIN)/pip install -q llguidance==1.9.1 outlines-core==0.2.14
-	$(BIN)/python -m bench.grammar_libs
+	$(BIN)/python -m bench.engine.grammar_libs
 
 ## bench-stack: time to first token through the stack minus the in-process engine's; writes bench/results/stack.json
 bench-stack: setup
@@ -88,7 +88,7 @@ bench-stack: setup
 ## bench-transfer: KV bytes over memcpy, UCX (shared memory, TCP), NIXL, Mooncake, a socket and NATS; writes bench/results/transfer.json
 bench-transfer: setup
 	scripts/peer_venvs.sh
-	$(BIN)/python -m bench.transfer_bench
+	$(BIN)/python -m bench.transfer
 
 ## eval-router: replay bench/data/mooncake_conversation.jsonl (bench/data/README.md) through the prefill placement policies; writes bench/results/router.json
 eval-router: setup
@@ -135,25 +135,25 @@ bench-full: setup
 ## bench-prefill-chunk: short prompts behind long ones on the disaggregated arm, placement (cost, remote) x the
 ##   prefill pool's chunk (2048, 256) side by side (~15 minutes); writes bench/results/prefill-chunk.json
 bench-prefill-chunk: setup
-	$(BIN)/python -m bench.prefill_chunk
+	$(BIN)/python -m bench.interference.prefill_chunk
 
 ## profile: the engine's cost on this hardware for the planner (prefill passes, decode steps, each worker shape
 ##   alone and beside a busy neighbour, the KV handoff, the control plane; ~6 minutes on 2 cores);
 ##   writes bench/results/profile-<device>.json
 profile: setup
-	$(BIN)/python -m bench.profile $(PROFILE_ARGS)
+	$(BIN)/python -m planner.profile $(PROFILE_ARGS)
 
 ## plan: how many prefill and decode workers for a trace and its SLOs, simulated from the profile (every colocated and
 ##   P:D configuration of PLAN_ARGS' --workers, default 2); writes bench/results/plan-<trace>-<device>-<N>w.json and .png
 ##   make plan PLAN_ARGS="--workers 8 --ttft 2 --tpot 0.15"
 plan: setup
-	$(BIN)/python -m bench.sim.plan $(PLAN_ARGS)
+	$(BIN)/python -m planner.plan $(PLAN_ARGS)
 
 ## plan-check: the simulator's predictions of make bench's three arms and a 1P:2D split against the arms measured right
 ##   after the profile, in one sitting, each arm between two probes of its speed (~40 minutes on 2 cores); writes bench/results/profile-<device>.json and plan_check.json
 plan-check: setup
-	$(BIN)/python -m bench.profile
-	$(BIN)/python -m bench.plan_check
+	$(BIN)/python -m planner.profile
+	$(BIN)/python -m planner.check
 
 ## compose-up / compose-down: the Docker Compose stack (NATS, Redis, Jaeger, Prometheus, Grafana, the services)
 COMPOSE := docker compose -f deploy/compose/compose.yaml
@@ -168,8 +168,8 @@ compose-down:
 ##   (run on a GPU machine; the profile and plan steps have not yet run on one)
 gpu-check:
 	$(BIN)/python scripts/gpu_check.py
-	$(BIN)/python -m bench.profile
-	$(BIN)/python -m bench.sim.plan --workers 8
+	$(BIN)/python -m planner.profile
+	$(BIN)/python -m planner.plan --workers 8
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -35,7 +35,7 @@ from shared.config import DecodeSettings, GatewaySettings, PrefillSettings, Rout
 RUNS = {"serve": "deploy.local.stack", "gateway": "services.gateway.main", "router": "services.router.main",
         "prefill": "services.prefill.main", "decode": "services.decode.main"}
 # the subcommands whose modules parse their own arguments: `main(argv, prog)`
-FORWARDED = {"plan": "bench.sim.plan", "timeline": "shared.tools.timeline"}
+FORWARDED = {"plan": "planner.plan", "timeline": "shared.tools.timeline"}
 
 
 class Forwarded(BaseModel):

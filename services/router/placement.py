@@ -1,8 +1,8 @@
 """Placement: where a request runs, decided from plain inputs (no I/O, no clock: the caller reads
 the registry, the prefix index, its breakers and its bookings, and passes what it read).
 
-The router (services/router/main.py), the capacity planner's simulator (bench/sim/cluster.py)
-and the scale check's replay (bench/scale_check.py) all decide here, in this order:
+The router (services/router/main.py), the capacity planner's simulator (planner/cluster.py)
+and the scale check's replay (bench/scale/check.py) all decide here, in this order:
 
 1. `live`: the workers a placement may use: prefill and decode workers, not draining, no step
    running for stall_s or longer (hung).

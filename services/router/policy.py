@@ -21,7 +21,7 @@ Mode = Literal["remote", "local"]
 
 class Worker(Protocol):
     """What placement reads of a worker: its registry entry's fields (shared.messages.WorkerInfo),
-    or a simulated worker's (bench/sim/worker.py)."""
+    or a simulated worker's (planner/worker.py)."""
 
     @property
     def worker_id(self) -> str: ...

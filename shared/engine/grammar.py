@@ -1,7 +1,7 @@
 """Structured output: what a sequence's tokens must spell (a JSON schema, any JSON object, a
 regular expression, one of several strings, an EBNF grammar), enforced by masking, before each
 choice, every token that would leave the grammar — with xgrammar, measured the fastest of
-three libraries on this vocabulary (`python -m bench.grammar_libs`).
+three libraries on this vocabulary (`python -m bench.engine.grammar_libs`).
 
     grammars = Grammars(token_table(tokenizer, vocab_size), eos_ids)   # one per engine
     matcher = grammars.matcher(Grammar("json_schema", schema_text))   # one per sequence

@@ -46,7 +46,7 @@ class _Params(Protocol):
 
 class Prompt(Protocol):
     """What the pass rules read of a waiting prompt (a Sequence; the planner's simulator,
-    bench/sim, passes its own)."""
+    planner/, passes its own)."""
 
     num_computed: int
 

@@ -5,7 +5,7 @@ weight (1.06 for Q8_0) instead of 4.
 
 Nothing is re-quantized. The kernel quantizes each row of activations to 8 bits per block of
 32 (as llama.cpp does) and multiplies with integer dot products: not exact, and
-bench/engine_quality.py measures what that costs. Other formats (F16, F32, Q4_0…) stay fp32
+bench/engine/quality.py measures what that costs. Other formats (F16, F32, Q4_0…) stay fp32
 under `native` too.
 """
 

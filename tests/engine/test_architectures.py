@@ -1,5 +1,5 @@
 """Every architecture the engine serves against transformers, on tiny random checkpoints of each
-(bench/tiny_archs.py: built from transformers' config classes, saved as safetensors directories).
+(bench/engine/tiny_archs.py: built from transformers' config classes, saved as safetensors directories).
 
 Greedy tokens equal transformers' exactly, in one pass, in chunks, beside other sequences,
 after a prefix-cache hit, after a KV transfer and after a failover; logits within LOGITS_TOL in
@@ -18,8 +18,8 @@ import pytest
 import torch
 from helpers import generate, run_all, tokens, transfer
 
-from bench import tiny_archs
-from bench.engine_quality import logits_all, reference_greedy
+from bench.engine import tiny_archs
+from bench.engine.quality import logits_all, reference_greedy
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.loader import inspect, load

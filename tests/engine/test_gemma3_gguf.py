@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import generate, run_all, tokens, transfer
 
-from bench.engine_quality import reference_greedy
+from bench.engine.quality import reference_greedy
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.loader import gemma3_path, load

@@ -1,4 +1,4 @@
-"""The planner's isolated measurements with the real model (bench/profile.py's reference,
+"""The planner's isolated measurements with the real model (planner/profile.py's reference,
 which `make bench` sets its SLOs from), and the make-bench SLOs that come of them."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import argparse
 
 import pytest
 
-from bench.interference import slo_for
+from bench.interference.run import slo_for
 from bench.load.workloads import Request
-from bench.profile import reference
+from planner.profile import reference
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import generate, run_all, tokens, transfer
 
-from bench.engine_quality import reference_greedy
+from bench.engine.quality import reference_greedy
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.loader import load, smollm2_path
@@ -156,8 +156,8 @@ def native():
 
 def test_native_weights_rank_the_references_tokens_first(native, prompts, reference):
     """The file's 4-bit blocks computed with as they are: against transformers' fp32 greedy
-    tokens, teacher-forced (bench/engine_quality.py), the same first choice almost everywhere."""
-    from bench.engine_quality import agreement
+    tokens, teacher-forced (bench/engine/quality.py), the same first choice almost everywhere."""
+    from bench.engine.quality import agreement
 
     counts = [agreement(native, prompts[name], reference[name]) for name in prompts]
     assert sum(a for a, _ in counts) / sum(n for _, n in counts) >= 0.95
@@ -168,7 +168,7 @@ def test_native_weights_serve_decode_steps_like_one_pass(native, prompts):
     tokens choose the same tokens almost everywhere. Not everywhere: the two attention paths
     round differently in fp32's last bits, and the kernel's 8-bit rounding of its input can
     turn that into a different choice where two tokens are nearly tied."""
-    from bench.engine_quality import logits_all
+    from bench.engine.quality import logits_all
 
     ours = generate(native, {"short": prompts["short"]}, GREEDY)["short"]
     again = logits_all(native, prompts["short"] + ours[:-1], start=len(prompts["short"]) - 1).argmax(-1).tolist()

@@ -12,7 +12,7 @@ import asyncio
 
 import pytest
 
-from bench.chaos import HA_SCENARIOS, main_async
+from bench.chaos.scenarios import HA_SCENARIOS, main_async
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ import psutil
 import pytest
 from conftest import MODEL
 
-from bench import tiny_archs
+from bench.engine import tiny_archs
 from deploy.local.servers import free_port
 
 pytestmark = pytest.mark.slow

@@ -1,5 +1,5 @@
 """Other architectures through the disaggregated stack (`make run RUN_ARGS="--model DIR"`): a tiny
-random checkpoint of each `model_type` (bench/tiny_archs.py) served under its own name, and
+random checkpoint of each `model_type` (bench/engine/tiny_archs.py) served under its own name, and
 the real Gemma 3 270M Q4_K_M file; every prompt prefilled in the prefill pool and decoded after
 the KV handoff, each request's greedy tokens equal to transformers' (or the in-process engine's)."""
 
@@ -9,8 +9,8 @@ import httpx
 import pytest
 from helpers import generate
 
-from bench import tiny_archs
-from bench.engine_quality import reference_greedy
+from bench.engine import tiny_archs
+from bench.engine.quality import reference_greedy
 from deploy.local.stack import Stack, StackConfig
 from shared.engine.loader import load
 from shared.engine.sequence import SamplingParams

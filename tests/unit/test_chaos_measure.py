@@ -1,8 +1,8 @@
-"""bench/chaos_measure.py: what a fault cost, from arrival times and request events."""
+"""bench/chaos/measure.py: what a fault cost, from arrival times and request events."""
 
 from __future__ import annotations
 
-from bench.chaos_measure import Stream, cost, gaps, p99
+from bench.chaos.measure import Stream, cost, gaps, p99
 
 ROUTED = {"event": "routed", "reason": "prefill pool", "mode": "remote", "attempt": 0}
 STEADY = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6]

@@ -10,7 +10,7 @@ import json
 import pytest
 from jinja2.exceptions import TemplateError
 
-from bench import tiny_archs
+from bench.engine import tiny_archs
 from services.gateway import tools
 from shared.engine.loader import load
 from shared.engine.tokenizer import template_text

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from bench import tiny_archs
+from bench.engine import tiny_archs
 from shared.config import SMOLLM2_ID, GatewaySettings, model_id
 from shared.engine.loader import load
 
@@ -75,7 +75,7 @@ def test_sharded_safetensors_load_shard_by_shard_to_the_same_model(tmp_path, mon
     import safetensors.torch
     import torch
 
-    from bench.engine_quality import logits_all
+    from bench.engine.quality import logits_all
 
     whole = load(str(tiny_archs.save("qwen2", tmp_path)))
     sharded = tmp_path / "sharded"

@@ -8,12 +8,12 @@ import asyncio
 import math
 import time
 
-from bench.scale_check import Placement as Placed
-from bench.scale_check import Replay
-from bench.scale_plan import Probe
-from bench.sim.cluster import Cluster, Layout
-from bench.sim.cost import DECODE_BATCHES, DECODE_CONTEXTS, Cost
-from bench.sim.worker import Knobs, Req
+from bench.scale.check import Placement as Placed
+from bench.scale.check import Replay
+from bench.scale.plan import Probe
+from planner.cluster import Cluster, Layout
+from planner.cost import DECODE_BATCHES, DECODE_CONTEXTS, Cost
+from planner.worker import Knobs, Req
 from services.router import placement
 from services.router.main import Router, Waits
 from services.router.placement import Ask, Books, Fleet, Rules

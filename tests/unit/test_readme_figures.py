@@ -4,8 +4,12 @@ import json
 
 import pytest
 
-from bench import chaos_readme, clients_readme, engine_readme, report, scale_readme
+from bench import clients_readme
+from bench.chaos import readme as chaos_readme
+from bench.engine import readme as engine_readme
+from bench.interference import report
 from bench.results_doc import RESULTS_DOC
+from bench.scale import readme as scale_readme
 
 RESULTS = RESULTS_DOC.parents[1] / "bench" / "results"
 
@@ -37,7 +41,7 @@ def test_the_scale_figures_are_the_committed_run():
 
 
 def test_the_architectures_table_is_the_committed_run():
-    architectures = pytest.importorskip("bench.architectures")
+    architectures = pytest.importorskip("bench.engine.architectures")
     assert _between(architectures.BEGIN, architectures.END) == "\n" + architectures.table(
         _json("architectures.json")) + "\n"
 

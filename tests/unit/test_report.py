@@ -3,7 +3,7 @@ only the text between the markers changes."""
 
 from __future__ import annotations
 
-from bench import report
+from bench.interference import report
 from bench.results_doc import update_block
 
 

@@ -4,10 +4,10 @@ against the policy, the summary against the issue's targets."""
 from __future__ import annotations
 
 from bench.router_eval import Request
-from bench.scale_check import Placement, Replay, Window, check, holders, leading
-from bench.scale_meters import Usage
-from bench.scale_plan import BLOCK, FleetWorker, Probe, Trace, filler, filler_counts, make_plan, prompt
-from bench.scale_report import bottleneck, summary
+from bench.scale.check import Placement, Replay, Window, check, holders, leading
+from bench.scale.meters import Usage
+from bench.scale.plan import BLOCK, FleetWorker, Probe, Trace, filler, filler_counts, make_plan, prompt
+from bench.scale.report import bottleneck, summary
 from shared.config import RouterSettings
 from shared.hashing import block_hashes
 from shared.messages import WorkerInfo
@@ -90,7 +90,7 @@ def test_the_check_replays_the_policy_with_the_routers_own_bookings():
 
 
 def _run(workers: int, blocks: int, rate: int, p99: float, msgs: float, replicas: int = 1, same=True) -> dict:
-    """A run as bench/scale.py writes it: the router keeps up at 100 req/s, not at 1000."""
+    """A run as bench/scale/ writes it: the router keeps up at 100 req/s, not at 1000."""
     placed = rate if rate < 1000 else rate / 5
     return {"workers": workers, "blocks": blocks, "rate": rate, "replicas": replicas, "offered_rate": rate,
             "achieved_rate": placed, "refused": 0 if rate < 1000 else 800, "timed_out": 0, "router_failed": 0,

@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from bench.scale_pin import CORES, pin, split
+from bench.scale.pin import CORES, pin, split
 
 
 def test_halves():

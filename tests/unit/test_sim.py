@@ -1,4 +1,4 @@
-"""The capacity planner's simulator (bench/sim) against hand-computed timelines, with a made-up
+"""The capacity planner's simulator (planner) against hand-computed timelines, with a made-up
 cost model: prefill 10 ms + 1 ms per token, every decode step 20 ms."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import random
 import pytest
 
 from bench.load import workloads
-from bench.sim.cluster import Layout, simulate
-from bench.sim.cost import DECODE_BATCHES, DECODE_CONTEXTS, Cost, fit, level
-from bench.sim.plan import search
-from bench.sim.slo import Slo, relative, score, weighted_percentile
-from bench.sim.worker import PARAMS, Knobs
+from planner.cluster import Layout, simulate
+from planner.cost import DECODE_BATCHES, DECODE_CONTEXTS, Cost, fit, level
+from planner.plan import search
+from planner.slo import Slo, relative, score, weighted_percentile
+from planner.worker import PARAMS, Knobs
 from shared.engine.scheduler import prefill_chunks, prefill_next, prefill_order
 
 STEP = 0.02

@@ -1,0 +1,194 @@
+"""The engine on each weights' format against transformers and llama.cpp on the same GGUF and
+threads, measured side by side in one run: `make bench-engine`.
+
+    python -m bench.engine [--threads 2] [--rounds 3] [--decode-steps 16] [--no-quality]
+
+Speed: prompt tokens/s at 512 and 2048 tokens (one prompt, one pass) and the decode step at
+batch 1, 8 and 32 — for our engine with fp32 weights (every matrix dequantized) and with the
+file's own 4-bit blocks (`native`, shared/engine/weights.py), transformers (fp32, its own KV
+cache, only the last position's logits in prefill as its generate() does) and llama.cpp
+(batch 1 only: its server runs one sequence a slot); each the median of interleaved rounds.
+Structured output (bench/engine/structured.py): the decode step at batch 8 under a JSON schema
+against the same prompts unconstrained, per format.
+Quality (bench/engine/quality.py): greedy agreement with transformers' fp32 tokens, and
+perplexity, per format. Writes bench/results/engine.json (`summary`: decode_b1_over_llamacpp,
+prefill_512_over_llamacpp, prefill_2048_over_llamacpp, greedy_agreement, perplexity_ratio —
+the last two of `native`; structured_b8_overhead, the larger format's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.engine import quality as engine_quality
+from bench.engine import readme as engine_readme
+from bench.engine import structured as structured_bench
+from bench.engine.llamacpp_arm import LlamaCpp
+from shared.engine.config import EngineConfig
+from shared.engine.engine import Engine
+from shared.engine.loader import load, smollm2_path
+from shared.engine.sequence import SamplingParams
+
+RESULTS = Path(__file__).parents[1] / "results"
+PROMPT_FOR_DECODE = 128
+PREFILLS = (512, 2048)
+BATCHES = (1, 8, 32)
+
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def ours_prefill(engine: Engine, n: int, seed: int) -> float:
+    engine.add_request("p", random_prompt(n, seed), SamplingParams(max_tokens=1, temperature=0),
+                       prefill_only=True)
+    start = time.perf_counter()
+    engine.step()
+    elapsed = time.perf_counter() - start
+    engine.abort("p")
+    return elapsed
+
+
+def hf_prefill(model, n: int, seed: int) -> float:
+    ids = torch.tensor([random_prompt(n, seed)])
+    start = time.perf_counter()
+    with torch.no_grad():
+        model(ids, use_cache=True, logits_to_keep=1)
+    return time.perf_counter() - start
+
+
+def ours_decode(engine: Engine, batch: int, steps: int, seed: int) -> float:
+    prompts = [random_prompt(PROMPT_FOR_DECODE, seed + i) for i in range(batch)]
+    return structured_bench.decode_step(engine, prompts, None, steps)
+
+
+def hf_decode(model, batch: int, steps: int, seed: int) -> float:
+    ids = torch.tensor([random_prompt(PROMPT_FOR_DECODE, seed + i) for i in range(batch)])
+    with torch.no_grad():
+        out = model(ids, use_cache=True, logits_to_keep=1)
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        start = time.perf_counter()
+        for _ in range(steps):
+            out = model(nxt, past_key_values=out.past_key_values, use_cache=True)
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    return (time.perf_counter() - start) / steps
+
+
+def arms(threads: int) -> tuple[dict, dict]:
+    """Each implementation's prefill(n, seed) and decode(batch, steps, seed) (None: not run)."""
+    from transformers import AutoModelForCausalLM
+
+    path = smollm2_path()
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    cfg = EngineConfig(num_blocks=2048, max_batched_tokens=2048, prefill_chunk=2048, max_num_seqs=64)
+    loaded = {f: load("smollm2", weights=f) for f in ("fp32", "native")}
+    engines = {f: Engine(m, cfg) for f, m in loaded.items()}
+    run = {f"pdserve {f}": (lambda n, s, e=e: ours_prefill(e, n, s), lambda b, k, s, e=e: ours_decode(e, b, k, s))
+           for f, e in engines.items()}
+    run["transformers"] = (lambda n, s: hf_prefill(hf, n, s), lambda b, k, s: hf_decode(hf, b, k, s))
+    if LlamaCpp.available():
+        cpp = LlamaCpp(str(path), threads)
+        run["llama.cpp"] = (lambda n, s: cpp.prefill(random_prompt(n, s)),
+                            lambda b, k, s: cpp.decode(random_prompt(PROMPT_FOR_DECODE, s), k) if b == 1 else None)
+    else:
+        print("llama.cpp: not installed (make bench-engine installs llama-cpp-python)", flush=True)
+    return run, {"loaded": loaded, "hf": hf, "engines": engines}
+
+
+def speed(run: dict, rounds: int, steps: int) -> dict:
+    for prefill, _ in run.values():
+        prefill(64, 0)  # warm each up
+    out: dict = {name: {"prefill_tok_s": {}, "decode_ms": {}} for name in run}
+    for n in PREFILLS:
+        times: dict[str, list[float]] = {name: [] for name in run}
+        for r in range(rounds):  # interleaved so drift on a shared machine hits each alike
+            for name, (prefill, _) in run.items():
+                times[name].append(prefill(n, r))
+        for name, t in times.items():
+            out[name]["prefill_tok_s"][str(n)] = n / statistics.median(t)
+        print(f"prefill {n}: " + ", ".join(f"{k} {v['prefill_tok_s'][str(n)]:.0f} tok/s" for k, v in out.items()),
+              flush=True)
+    for b in BATCHES:
+        times = {name: [] for name in run}
+        for r in range(rounds):
+            for name, (_, decode) in run.items():
+                t = decode(b, steps, 100 * r)
+                if t is not None:
+                    times[name].append(t)
+        for name, t in times.items():
+            out[name]["decode_ms"][str(b)] = 1e3 * statistics.median(t) if t else None
+        print(f"decode batch {b}: " + ", ".join(f"{k} {v['decode_ms'][str(b)]:.1f} ms" for k, v in out.items()
+                                                if v["decode_ms"][str(b)] is not None), flush=True)
+    return out
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def summarize(speeds: dict, quality: dict | None) -> dict:
+    ours = {f: speeds[f"pdserve {f}"] for f in ("fp32", "native")}
+    cpp = speeds.get("llama.cpp")
+    # each pool runs the format that suits its phase: the faster of ours for each figure
+    decode_b1 = min(o["decode_ms"]["1"] for o in ours.values())
+    out: dict = {"decode_b1_ms": {f: round(o["decode_ms"]["1"], 2) for f, o in ours.items()},
+                 "decode_b1_over_llamacpp": ratio(decode_b1, cpp and cpp["decode_ms"]["1"]),
+                 "decode_b1_over_llamacpp_target": 1.2}
+    for n in map(str, PREFILLS):
+        best = max(o["prefill_tok_s"][n] for o in ours.values())
+        out[f"prefill_{n}_over_llamacpp"] = ratio(best, cpp and cpp["prefill_tok_s"][n])
+        out[f"prefill_{n}_format"] = max(ours, key=lambda f, n=n: ours[f]["prefill_tok_s"][n])
+    for b in map(str, BATCHES):
+        out[f"native_over_fp32_decode_b{b}"] = ratio(ours["fp32"]["decode_ms"][b], ours["native"]["decode_ms"][b])
+    if quality:
+        native = quality["formats"]["native"]
+        out["greedy_agreement"] = round(native["greedy_agreement"], 4)
+        out["perplexity_ratio"] = round(native["perplexity_ratio"], 5)
+        out["targets"] = {"greedy_agreement": 0.95, "perplexity_ratio_max": 1.01}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--decode-steps", type=int, default=16)
+    ap.add_argument("--no-quality", action="store_true", help="speed only")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    started = time.monotonic()
+
+    run, parts = arms(args.threads)
+    speeds = speed(run, args.rounds, args.decode_steps)
+    structured = structured_bench.measure(parts["engines"], max(args.rounds, 5), args.decode_steps)
+    for engine in parts["engines"].values():
+        assert engine.num_free_blocks == engine.num_blocks
+    quality = None if args.no_quality else engine_quality.measure(parts["loaded"], parts["hf"])
+    if quality:
+        for f, q in quality["formats"].items():
+            print(f"{f}: greedy agreement {q['greedy_agreement']:.4f}, perplexity {q['perplexity']:.3f} "
+                  f"({q['perplexity_ratio']:.4f}x the reference's)", flush=True)
+    summary = {**summarize(speeds, quality), **structured_bench.summary(structured)}
+    out = {"model": "SmolLM2-135M-Instruct (GGUF Q4_1, embeddings Q8_0)", "threads": args.threads,
+           "rounds": args.rounds, "decode_steps": args.decode_steps, "decode_prompt_tokens": PROMPT_FOR_DECODE,
+           "machine": {"cpus": os.cpu_count(), "processor": platform.processor(), "torch": torch.__version__},
+           "speed": speeds, "structured": structured, "quality": quality, "summary": summary,
+           "wall_s": round(time.monotonic() - started, 1)}
+    (RESULTS / "engine.json").write_text(json.dumps(out, indent=1) + "\n")
+    engine_readme.write(out)
+    print(json.dumps(summary, indent=1))
+    print(f"wrote {RESULTS / 'engine.json'}")
+
+
+if __name__ == "__main__":
+    main()

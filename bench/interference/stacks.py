@@ -1,0 +1,33 @@
+"""The stacks `make bench` compares on the same cores (colocated, chunked, disaggregated, and
+the disaggregated one placing every prompt remotely), shared by the benchmark and the planner's
+profile and check."""
+
+from __future__ import annotations
+
+import os
+
+from deploy.local.stack import StackConfig
+
+ALL = set(range(os.cpu_count() or 1))
+
+
+def arms() -> dict[str, StackConfig]:
+    cores = sorted(ALL)
+    split = ({cores[0]}, set(cores[1:]) or {cores[0]})
+    whole = {"PD_PREFILL_CHUNK": "2048", "PD_MAX_BATCHED_TOKENS": "4096"}
+    return {
+        "colocated": StackConfig.on_free_ports(decode=1, colocated=True, kv_blocks=2048, threads=len(cores),
+                                               env=whole),
+        "chunked": StackConfig.on_free_ports(decode=1, colocated=True, kv_blocks=2048, threads=len(cores),
+                                             env={"PD_PREFILL_CHUNK": "128", "PD_MAX_BATCHED_TOKENS": "256"}),
+        "disaggregated": StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=2048, threads=len(split[1]),
+                                                   env=whole, cpus={"prefill-0": split[0], "decode-0": split[1]}),
+    }
+
+
+def remote_arm() -> StackConfig:
+    """The disaggregated arm with every prompt sent to the prefill pool (PD_PREFILL_MODE=remote:
+    the placement before `cost`), for the victims only."""
+    cfg = arms()["disaggregated"]
+    cfg.env = {**cfg.env, "PD_PREFILL_MODE": "remote"}
+    return cfg

@@ -1,0 +1,106 @@
+"""The "Scale" section of docs/RESULTS.md, from bench/results/scale.json (`make bench-scale` writes it;
+`python -m bench.scale.readme` writes it again from the committed JSON)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.results_doc import RESULTS_DOC, update_block
+
+RESULTS = Path(__file__).parents[1] / "results"
+BEGIN, END = "<!-- bench:scale:begin -->", "<!-- bench:scale:end -->"
+
+
+def _ms(d: dict | None) -> str:
+    return "–" if not d or d.get("p50") is None else f"{d['p50']:.1f} / {d['p99']:.1f}"
+
+
+def _num(x, fmt: str = "{:.2f}") -> str:
+    return "–" if x is None else fmt.format(x)
+
+
+def row(r: dict) -> str:
+    d = r.get("decisions") or {}
+    hits = "–" if d.get("hit_rate_router") is None else f"{d['hit_rate_router']:.3f} / {d['hit_rate_policy']:.3f}"
+    return (f"| {r['workers']} | {r['blocks']:,} | {r['rate']:g} ({r['achieved_rate']:.0f}) | {r['replicas']} | "
+            f"{_ms(r.get('decision_ms'))} | {_ms(r.get('placement_ms'))} | "
+            f"{_num((r.get('router_cpu_ms_per_placement') or {}).get('net'))} | "
+            f"{_num((r.get('redis_cpu_ms_per_placement') or {}).get('net'))} | "
+            f"{_num((r.get('nats_per_request') or {}).get('net_in'))} | "
+            f"{_num(r.get('redis_bytes_per_block'), '{:.1f}')} | "
+            f"{hits} | {r.get('limited_by', '')} |")
+
+
+def own_split(runs: list[dict], at: dict) -> str:
+    """The router's own p99 at W=4 and W=256 in the growth's cell, and its wait on Redis."""
+    cell = {r["workers"]: r for r in runs if r["replicas"] == 1 and r["blocks"] == at.get("blocks")
+            and r["rate"] == at.get("rate") and r["workers"] in (4, 256)}
+    if len(cell) < 2 or not all(r.get("decision_redis_ms") for r in cell.values()):
+        return ""
+    lo, hi = cell[4], cell[256]
+    return (f" ({lo['decision_own_ms']['p99']:.1f} → {hi['decision_own_ms']['p99']:.1f} ms, of which waiting on "
+            f"Redis {lo['decision_redis_ms']['p99']:.1f} → {hi['decision_redis_ms']['p99']:.1f} ms at p99)")
+
+
+def section(data: dict) -> str:
+    s, m = data["summary"], data["machine"]
+    met = s.get("targets_met", {})
+
+    def mark(key: str) -> str:
+        return {True: "met", False: "missed", None: "not measured"}[met.get(key)]
+
+    cores = next((r["cores"] for r in data["runs"] if r.get("cores")), {})
+    where = (f"the router processes pinned to core(s) {cores['router']} and everything else to "
+             f"{cores['fleet']} (`bench/scale/pin.py`)" if cores else "everything on the same cores") \
+        + ": nats-server, "
+    reads = s.get("registry_read_ms") or {}
+    lines = [
+        f"Measured by `make bench-scale` ({data['mode']} mode, {data.get('duration_s', 0) / 60:.0f} min) on "
+        f"{m['cpus']} CPU cores ({m.get('cpu_model', '')}), {where}"
+        "redis-server, the router process (1 replica; 3 where marked), the simulated fleet (`bench/scale/fleet.py`: "
+        "registry heartbeats, prefix-index writes through the workers' own publisher, admits answered, "
+        "jobs acked, no KV) and the load driver asking placements as the gateway does. Prompts and cached "
+        f"blocks from the Mooncake conversation trace ({data['config'].get('scale', '')}); the index filled "
+        "to B blocks with the same kind of entries.",
+        "",
+        "| W workers | B blocks | req/s offered (achieved) | routers | decision p50 / p99 ms | gateway-observed "
+        "p50 / p99 ms | router CPU ms / placement | Redis CPU ms / placement | NATS msgs / request | "
+        "Redis bytes / block | hit rate router / policy | limited by |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *[row(r) for r in data["runs"]],
+        "",
+        f"- Decision p99 at W=256, B=10M, 1,000 req/s: {_num(s.get('decision_p99_ms_w256_b10m_r1000'))} ms "
+        f"(target ≤ 2 ms: {mark('decision_p99_ms_w256_b10m_r1000')}).",
+        f"- p99 growth W=4 → W=256 (B={s.get('growth_measured_at', {}).get('blocks', 0):,}, "
+        f"{s.get('growth_measured_at', {}).get('rate', 0):g} req/s): {_num(s.get('decision_p99_growth_w4_to_w256'))}× "
+        f"(target ≤ 1.5×: {mark('decision_p99_growth_w4_to_w256')}); without the wait for the simulated "
+        f"decode workers' admit answers (the router's own part): {_num(s.get('router_own_p99_growth_w4_to_w256'))}×"
+        f"{own_split(data['runs'], s.get('growth_measured_at') or {})}.",
+        f"- Redis bytes per indexed block at B={s.get('redis_bytes_per_block_at_blocks', 0):,}: "
+        f"{_num(s.get('redis_bytes_per_block'), '{:.1f}')} (target ≤ 100: {mark('redis_bytes_per_block')}).",
+        f"- NATS messages per request: {_num(s.get('nats_msgs_per_request_w4'))} at W=4, "
+        f"{_num(s.get('nats_msgs_per_request_w256'))} at W=256 ({mark('nats_msgs_per_request_independent_of_w')}).",
+        f"- Hit rate equal to the policy's on the same stream: {s.get('hit_rate_same_as_policy')} "
+        f"({s.get('hit_rate_checked_runs', '')}).",
+        *(["- A router's registry read, side by side in the same runs (median ms): " + ", ".join(
+            f"W={w[1:]} {v['changes']:.2f} reading the changes vs {v['whole']:.2f} the whole registry"
+            for w, v in reads.items()) + "."] if reads else []),
+    ]
+    for key, why in (s.get("limited_by") or {}).items():
+        lines.append(f"- `{key}` limited by: {why}.")
+    lines += ["", "![decision p99 against fleet size](../bench/results/scale.png)"]
+    return "\n".join(lines)
+
+
+def update(data: dict) -> None:
+    update_block(RESULTS_DOC, BEGIN, END, section(data))
+
+
+def main() -> None:
+    update(json.loads((RESULTS / "scale.json").read_text()))
+    print(f"wrote the Scale section of {RESULTS_DOC.name}")
+
+
+if __name__ == "__main__":
+    main()

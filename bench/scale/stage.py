@@ -1,0 +1,115 @@
+"""The processes under test for one (W, B) of `make bench-scale`, on free ports: nats-server
+(JetStream, with its monitoring port for message counts), redis-server and the router
+replicas, started as deploy/local/stack.py starts them and exporting spans to the run's OTLP
+receiver; the simulated fleet (bench/scale/fleet.py) in its own process; this process's clients
+(the gateway's NATS connection, the store) and its counters (bench/scale/meters.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+
+from bench.scale.fleet_process import FleetProcess
+from bench.scale.meters import Meters, cpu_s
+from bench.scale.plan import FleetWorker
+from deploy.local.servers import binary, free_port
+from deploy.local.stack import Stack, StackConfig
+from shared import grants
+from shared.bus import Bus
+from shared.state import State
+from shared.tools.otlp_sink import OtlpReceiver
+
+
+class Backend:
+    """nats-server (JetStream, monitoring port), redis-server and router replicas on free
+    ports with this run's password, started as deploy/local/stack.py starts them."""
+
+    def __init__(self, log_dir: Path, otlp_url: str):
+        self.stack = Stack(StackConfig.on_free_ports(log_dir=log_dir, env={
+            "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_url, "OTEL_BSP_MAX_QUEUE_SIZE": "100000"}))
+        self.monitor_port = free_port()
+        self.monitor_url = f"http://127.0.0.1:{self.monitor_port}"
+
+    def start(self) -> None:
+        s, c = self.stack, self.stack.cfg
+        (s.data / "nats.conf").write_text(grants.nats_authorization(s.nats_passwords))
+        # commands over 1 ms are logged: what holds the single-threaded Redis up, per run
+        (s.data / "redis.conf").write_text(f"requirepass {s.secret}\nslowlog-log-slower-than 1000\n"
+                                           "slowlog-max-len 4096\n")
+        s.spawn("nats", [binary("nats-server"), "-c", str(s.data / "nats.conf"), "-js", "-a", "127.0.0.1",
+                         "-p", str(c.nats_port), "-m", str(self.monitor_port), "-sd", str(s.data / "nats")])
+        s.spawn("redis", [binary("redis-server"), str(s.data / "redis.conf"), "--port", str(c.redis_port), "--bind",
+                          "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(s.data)])
+        for port in (c.nats_port, c.redis_port):
+            s.wait_port(port, 20)
+        self.add_router("router")
+
+    def add_router(self, name: str) -> None:
+        self.stack.service(name, "services.router.main", PD_ROUTER_ID=name)
+
+    def routers(self) -> list[str]:
+        return [n for n in self.stack.procs if n.startswith("router")]
+
+    def pids(self) -> dict[str, int]:
+        return {name: p.pid for name, p in self.stack.procs.items() if p.poll() is None}
+
+
+class Stage:
+    """One (W, B): the backend, the fleet, and this process's clients (the gateway's NATS
+    connection; the store, for the registry and Redis's INFO)."""
+
+    def __init__(self, backend: Backend, fleet: FleetProcess, bus: Bus, state: State):
+        self.backend, self.fleet, self.bus, self.state = backend, fleet, bus, state
+        self.meters = Meters(self.pids, backend.monitor_url, state.r)
+        self.memory_before = 0   # what Redis held before the fleet started
+
+    def pids(self) -> dict[str, int]:
+        return {**self.backend.pids(), "fleet": self.fleet.pid, "bench": os.getpid()}
+
+    async def registered(self, want: int, timeout_s: float = 60) -> None:
+        """Until the registry holds `want` entries (workers and routers)."""
+        deadline = time.monotonic() + timeout_s
+        while len(await self.state.workers()) < want:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"registry short of {want} entries; logs in {self.backend.stack.log_dir}")
+            await asyncio.sleep(0.2)
+
+    async def routers(self, replicas: int, workers: int) -> None:
+        """Start router replicas up to `replicas`; return once they are registered."""
+        for i in range(len(self.backend.routers()), replicas):
+            self.backend.add_router(f"router-{i}")
+        await self.registered(workers + replicas)
+
+    async def quiet(self, timeout_s: float = 60) -> None:
+        """Until the routers have worked off what they still hold (under 10% of a core)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            pids = [p for n, p in self.backend.pids().items() if n.startswith("router")]
+            before = sum(cpu_s(p) for p in pids)
+            await asyncio.sleep(0.5)
+            if sum(cpu_s(p) for p in pids) - before < 0.05:
+                return
+
+
+@asynccontextmanager
+async def stage(plan: list[FleetWorker], receiver: OtlpReceiver, log_dir: Path):
+    async with AsyncExitStack() as stack:
+        backend = Backend(log_dir, receiver.url)
+        stack.callback(backend.stack.stop)
+        backend.start()
+        bus = await Bus.connect(backend.stack.nats_url, "scale-gateway")
+        stack.push_async_callback(bus.close)
+        state = State.connect(backend.stack.redis_url)
+        stack.push_async_callback(state.close)
+        fleet = FleetProcess(log_dir / "fleet.log")
+        stack.push_async_callback(fleet.stop)
+        st = Stage(backend, fleet, bus, state)
+        await st.registered(1)
+        st.memory_before = (await st.meters.read()).redis_memory
+        await fleet.start(plan, backend.stack.service_env())
+        await st.registered(len(plan) + 1)
+        yield st
