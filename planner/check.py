@@ -134,6 +134,20 @@ def error(predicted: float, measured: float) -> float | None:
     return abs(predicted - measured) / measured if measured else None
 
 
+def summarize(arms: dict, levels: dict) -> dict:
+    """The largest errors over make bench's three arms (the other P:D ratio reported beside them)."""
+    errs = lambda k: [a[k]["error"] for n, a in arms.items() if n != SPLIT and a[k]["error"] is not None]  # noqa: E731
+    summary = {"goodput_error_max": max(errs("goodput_rate"), default=None),
+               "itl_p99_error_max": max(errs("victim_itl_p99_s"), default=None),
+               "ttft_p50_error_max": max(errs("victim_ttft_p50_s"), default=None),
+               "targets": {"goodput_error_max": 0.15, "itl_p99_error_max": 0.25}}
+    summary["attainment_error_mean"] = {n: round(a["attainment_error_mean"], 3) for n, a in arms.items()}
+    summary["drift"] = {n: {s: {k: round(v, 3) for k, v in d.items()} for s, d in levels[n].items()} for n in levels}
+    if SPLIT in arms:
+        summary[SPLIT] = {k: arms[SPLIT][k]["error"] for k in ("goodput_rate", "victim_itl_p99_s", "victim_ttft_p50_s")}
+    return summary
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", type=Path, help="default: this machine's (bench/results/profile-<device>.json)")
@@ -192,16 +206,7 @@ def main() -> None:
         print(f"{name:14} goodput predicted {g['predicted']:.2f} measured {g['measured']:.2f} req/s; victims' "
               f"ITL p99 predicted {i['predicted'] * 1e3:.0f} measured {i['measured'] * 1e3:.0f} ms; TTFT p50 "
               f"predicted {t['predicted']:.2f} measured {t['measured']:.2f} s", flush=True)
-    # the targets are over make bench's three arms; the other P:D ratio is reported beside them
-    errs = lambda k: [a[k]["error"] for n, a in arms.items() if n != SPLIT and a[k]["error"] is not None]  # noqa: E731
-    summary = {"goodput_error_max": max(errs("goodput_rate"), default=None),
-               "itl_p99_error_max": max(errs("victim_itl_p99_s"), default=None),
-               "ttft_p50_error_max": max(errs("victim_ttft_p50_s"), default=None),
-               "targets": {"goodput_error_max": 0.15, "itl_p99_error_max": 0.25}}
-    summary["attainment_error_mean"] = {n: round(a["attainment_error_mean"], 3) for n, a in arms.items()}
-    summary["drift"] = {n: {s: {k: round(v, 3) for k, v in d.items()} for s, d in levels[n].items()} for n in levels}
-    if SPLIT in arms:
-        summary[SPLIT] = {k: arms[SPLIT][k]["error"] for k in ("goodput_rate", "victim_itl_p99_s", "victim_ttft_p50_s")}
+    summary = summarize(arms, levels)
     origin = measured.get("measured") if "measured_arms" in measured else None  # kept through a re-simulation
     out = {"profile": args.profile.name,
            "measured": origin or (args.measured.name if args.measured else "measured here, right after the profile"),
