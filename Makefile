@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 # llama.cpp, the side-by-side peer of make bench-engine (built from source on first install)
 LLAMA_CPP_VERSION ?= 0.3.36
 
-.PHONY: help setup lint fmt run test test-fast test-clients bench-engine bench-archs bench-grammar bench-stack bench-transfer eval-router bench-router chaos fuzz chaos-busy bench-tracing bench-scale bench bench-full bench-prefill-chunk profile plan plan-check compose-up compose-down gpu-check clean
+.PHONY: help setup lint fmt run test test-fast test-clients bench-path bench-engine bench-archs bench-grammar bench-stack bench-transfer eval-router bench-router chaos fuzz chaos-busy bench-tracing bench-scale bench bench-full bench-prefill-chunk profile plan plan-check compose-up compose-down gpu-check clean
 
 .DEFAULT_GOAL := help
 
@@ -84,6 +84,12 @@ bench-grammar: setup
 ## bench-stack: time to first token through the stack minus the in-process engine's; writes bench/results/stack.json
 bench-stack: setup
 	$(BIN)/python -m bench.stack_overhead
+
+## bench-path: where a request's control-plane CPU goes, per service and function (py-spy samples of each
+##   service, the idle rate taken off); writes bench/results/path_profile.json (~2 minutes)
+bench-path: setup
+	$(BIN)/pip install -q py-spy==0.4.3
+	$(BIN)/python -m bench.path_profile
 
 ## bench-transfer: KV bytes over memcpy, UCX (shared memory, TCP), NIXL, Mooncake, a socket and NATS; writes bench/results/transfer.json
 bench-transfer: setup
