@@ -96,7 +96,7 @@ bench-transfer: setup
 	scripts/peer_venvs.sh
 	$(BIN)/python -m bench.transfer
 
-## eval-router: replay bench/data/mooncake_conversation.jsonl (bench/data/README.md) through the prefill placement policies; writes bench/results/router.json
+## eval-router: replay bench/data/mooncake_conversation.jsonl.gz (bench/data/README.md) through the prefill placement policies; writes bench/results/router.json
 eval-router: setup
 	$(BIN)/python -m bench.router_eval
 

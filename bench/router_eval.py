@@ -1,6 +1,6 @@
 """Replay a real trace through the prefill placement policies: `make eval-router`.
 
-    python -m bench.router_eval [--trace bench/data/mooncake_conversation.jsonl]
+    python -m bench.router_eval [--trace bench/data/mooncake_conversation.jsonl.gz]
                                 [--workers 4] [--cache-blocks 8192] [--tokens-per-s 16000]
 
 The Mooncake conversation trace (one hour, 12,031 requests) gives each prompt as `hash_ids`,
@@ -32,10 +32,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.load.workloads import text
 from services.router.policy import PrefillCandidate, choose_prefill_by_cost
 
 BLOCK_TOKENS = 512
-TRACE = Path(__file__).parent / "data" / "mooncake_conversation.jsonl"   # not committed: bench/data/README.md
+TRACE = Path(__file__).parent / "data" / "mooncake_conversation.jsonl.gz"   # bench/data/README.md
 RESULTS = Path(__file__).parent / "results" / "router.json"
 
 
@@ -79,7 +80,8 @@ def cached_tokens(blocks: int, prompt_tokens: int) -> int:
 
 
 def load_trace(path: Path) -> list[Request]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    with text(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
     return [Request(r["timestamp"] / 1000, r["input_length"], r["hash_ids"]) for r in rows]
 
 
@@ -131,8 +133,7 @@ def main() -> None:
     ap.add_argument("--tokens-per-s", type=float, default=16000, help="prefill rate per worker")
     args = ap.parse_args()
     if not args.trace.exists():
-        raise SystemExit(f"no trace at {args.trace}: save kvcache-ai/Mooncake's "
-                         "FAST25-release/traces/conversation_trace.jsonl there (bench/data/README.md)")
+        raise SystemExit(f"no trace at {args.trace} (bench/data/README.md lists the traces)")
     requests = load_trace(args.trace)
     run = lambda name, cache=args.cache_blocks, weight=8.0: replay(  # noqa: E731
         requests, name, args.workers, cache, args.tokens_per_s, weight)

@@ -13,10 +13,12 @@ Prompts are token ids drawn from `TOKEN_RANGE` (plain vocabulary of most tokeniz
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 
@@ -42,6 +44,11 @@ def _scaled(n: int, scale: float) -> int:
     return max(1, round(n / scale))
 
 
+def text(path: Path) -> TextIO:
+    """A trace file's text (gzipped when its name ends in .gz)."""
+    return gzip.open(path, "rt") if path.suffix == ".gz" else path.open()
+
+
 def trace(path: str | Path, scale: float = 16, limit: int | None = None, time_scale: float = 1.0,
           seed: int = 0) -> list[Request]:
     path = Path(path)
@@ -53,7 +60,7 @@ def trace(path: str | Path, scale: float = 16, limit: int | None = None, time_sc
         return [Request((datetime.fromisoformat(r["TIMESTAMP"][:26]) - t0).total_seconds() * time_scale,
                         _ids(rng, _scaled(int(r["ContextTokens"]), scale)),
                         _scaled(int(r["GeneratedTokens"]), scale)) for r in rows]
-    with path.open() as f:
+    with text(path) as f:
         rows = [json.loads(line) for line, _ in zip(f, range(limit or 10**9))]
     block = max(1, round(MOONCAKE_BLOCK / scale))
     blocks: dict[int, list[int]] = {}   # hash id → its tokens, the same wherever it appears

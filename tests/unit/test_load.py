@@ -51,9 +51,7 @@ def test_traces_scale_lengths_and_mooncake_blocks_share_tokens():
     assert [len(r.prompt) for r in azure] == [round(374 / 16), round(396 / 16), round(879 / 16)]
     assert [r.max_tokens for r in azure[:2]] == [round(44 / 16), round(109 / 16)]
     assert azure[0].at == 0 and azure[1].at == pytest.approx(4.314579, abs=1e-5)
-    if not (TRACES / "mooncake_conversation.jsonl").exists():
-        pytest.skip("no bench/data/mooncake_conversation.jsonl (not committed: bench/data/README.md says where from)")
-    moon = workloads.trace(TRACES / "mooncake_conversation.jsonl", scale=16, limit=3)
+    moon = workloads.trace(TRACES / "mooncake_conversation.jsonl.gz", scale=16, limit=3)
     assert [len(r.prompt) for r in moon] == [round(6758 / 16), round(7322 / 16), round(7236 / 16)]
     assert moon[0].prompt[:32] == moon[1].prompt[:32] == moon[2].prompt[:32]   # hash id 0: one 32-token block
     assert moon[0].prompt[32:64] != moon[1].prompt[32:64]
