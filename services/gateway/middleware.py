@@ -1,8 +1,9 @@
-"""Every HTTP request: a request id (the client's `x-request-id` when it sends one, ids.py), the
-root span of its trace (continuing the client's `traceparent`, `tracestate` and `baggage`), both
-returned as headers (`x-request-id`, `x-trace-id`) on every response, errors included; the body size limit, counted
-as the bytes arrive (a chunked body has no Content-Length); and the last word on a failure no
-handler answered: a 500 in OpenAI's error shape, with the ids, its traceback in the log."""
+"""Every HTTP request: a request id (the client's `x-request-id` when it sends one, ids.py),
+the root span of its trace (continuing the client's `traceparent`, `tracestate` and
+`baggage`), both returned as headers (`x-request-id`, `x-trace-id`) on every response, errors
+included; the body size limit, counted as the bytes arrive (a chunked body has no
+Content-Length); and the last word on a failure no handler answered: a 500 in OpenAI's error
+shape, with the ids, its traceback in the log."""
 
 from __future__ import annotations
 
