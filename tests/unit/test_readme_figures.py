@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from bench import clients_readme
+from bench import clients_readme, plan_readme
 from bench.chaos import readme as chaos_readme
 from bench.engine import readme as engine_readme
 from bench.interference import report
@@ -49,3 +49,7 @@ def test_the_architectures_table_is_the_committed_run():
 def test_the_works_with_tables_are_the_committed_runs():
     assert clients_readme.current() in clients_readme.README.read_text()
     assert clients_readme.current(clients_readme.detail) in clients_readme.DETAIL.read_text()
+
+
+def test_the_capacity_planning_figures_are_the_committed_runs():
+    assert _between(plan_readme.BEGIN, plan_readme.END) == "\n" + plan_readme.section(plan_readme.committed()) + "\n"
