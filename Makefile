@@ -36,13 +36,13 @@ $(STAMP): pyproject.toml Makefile
 run: setup
 	$(BIN)/pdserve serve $(RUN_ARGS)
 
-## test: the whole suite (unit, engine vs transformers, the stack as real processes)
+## test: the suite (unit, engine vs transformers, the stack as real processes); the chaos scenarios are make chaos's
 test: setup
-	$(BIN)/python -m pytest -q --durations=15 tests
+	$(BIN)/python -m pytest -q --durations=25 -m "not chaos" tests
 
 ## test-fast: the suite without the tests that load the real model
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	$(BIN)/python -m pytest -q -m "not slow and not chaos" tests
 
 ## test-clients: real clients against the stack, each installed from PyPI in a venv of its own under .venv-clients/
 ##   (scripts/client_venvs.sh; ~3 minutes the first time): guidellm (30 s benchmark), lm-eval (log-likelihood and

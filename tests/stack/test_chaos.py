@@ -1,4 +1,5 @@
-"""`make chaos` in CI: 100 concurrent greedy requests on 2 prefill + 2 decode workers through
+"""`make chaos`'s scenarios as assertions (`pytest -m chaos`, ~5 minutes with the HA ones; `make test`
+leaves them out): 100 concurrent greedy requests on 2 prefill + 2 decode workers through
 each fault (kill -9 a prefill worker, a decode worker, every prefill worker; restart NATS;
 restart Redis): every
 request completes, equal to its run without faults, no KV block stays taken, and no other
@@ -14,7 +15,7 @@ import pytest
 
 from bench.chaos.scenarios import SCENARIOS, main_async
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
 
 def test_every_request_survives_each_fault_exactly():

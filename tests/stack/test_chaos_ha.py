@@ -14,7 +14,7 @@ import pytest
 
 from bench.chaos.scenarios import HA_SCENARIOS, main_async
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
 
 def test_every_request_survives_the_loss_of_a_nats_node_and_of_the_redis_primary():
