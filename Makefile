@@ -96,11 +96,11 @@ bench-transfer: setup
 	scripts/peer_venvs.sh
 	$(BIN)/python -m bench.transfer
 
-## eval-router: replay bench/data/mooncake_conversation.jsonl.gz (bench/data/README.md) through the prefill placement policies; writes bench/results/router.json
+## eval-router: replay bench/data/mooncake_conversation.jsonl.gz (bench/data/README.md) through prefill choices (the router's and baselines); writes bench/results/router.json
 eval-router: setup
 	$(BIN)/python -m bench.router_eval
 
-## bench-router: prefix-aware vs round-robin prefill placement on the live stack (shared system prompts); writes bench/results/router_live.json
+## bench-router: prefix-aware vs round-robin prefill choice on the live stack (shared system prompts); writes bench/results/router_live.json
 bench-router: setup
 	$(BIN)/python -m bench.router_live
 
@@ -138,7 +138,7 @@ bench: setup
 bench-full: setup
 	$(BIN)/python -m bench.interference --full
 
-## bench-prefill-chunk: short prompts behind long ones on the disaggregated arm, placement (cost, remote) x the
+## bench-prefill-chunk: short prompts behind long ones on the disaggregated arm, placement (cheapest, remote) x the
 ##   prefill pool's chunk (2048, 256) side by side (~15 minutes); writes bench/results/prefill-chunk.json
 bench-prefill-chunk: setup
 	$(BIN)/python -m bench.interference.prefill_chunk

@@ -1,4 +1,4 @@
-"""Replay a real trace through the prefill placement policies: `make eval-router`.
+"""Replay a real trace through prefill choices, the router's and baselines: `make eval-router`.
 
     python -m bench.router_eval [--trace bench/data/mooncake_conversation.jsonl.gz]
                                 [--workers 4] [--cache-blocks 8192] [--tokens-per-s 16000]
@@ -7,16 +7,16 @@ The Mooncake conversation trace (one hour, 12,031 requests) gives each prompt as
 one id per 512-token block, equal ids meaning the same prefix block. Replayed at scale 1 (the
 trace's own lengths, 512-token blocks) against simulated prefill workers: each keeps an LRU
 prefix cache of `--cache-blocks` blocks and computes the uncached part of each prompt at
-`--tokens-per-s`, one prompt after another. Policies, all choosing with the router's pure
-functions where they have any:
-  ours         services/router/policy.py choose_prefill_by_cost: lowest predicted first-token
+`--tokens-per-s`, one prompt after another. Prefill choices ("policies" in router.json), all
+choosing with the router's pure functions where they have any:
+  ours         services/router/policy.py choose_soonest: lowest predicted first-token
                time ((queued + uncached prompt tokens) / rate) plus the recompute weight x the
                time spent recomputing tokens another worker holds
   round_robin  worker i mod N
   random       uniform, seeded
-  oracle       one cache of unlimited size (an upper bound no placement can beat)
-  pooled       one LRU cache as big as all workers' together: what any placement over these
-               LRU caches can reach at best (it never holds a block twice)
+  oracle       one cache of unlimited size (an upper bound no prefill choice can beat)
+  pooled       one LRU cache as big as all workers' together: what any prefill choice over
+               these LRU caches can reach at best (it never holds a block twice)
 Prints hit rates (prompt tokens served from a prefix cache / all prompt tokens) and the
 simulated time to first token (queue + compute), for three cache sizes and a sweep of the
 recompute weight; writes bench/results/router.json (its `summary`: the chosen size).
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.load.workloads import text
-from services.router.policy import PrefillCandidate, choose_prefill_by_cost
+from services.router.policy import PrefillCandidate, choose_soonest
 
 BLOCK_TOKENS = 512
 TRACE = Path(__file__).parent / "data" / "mooncake_conversation.jsonl.gz"   # bench/data/README.md
@@ -101,7 +101,7 @@ def replay(requests: list[Request], policy: str, workers: int, cache_blocks: int
                                            int(max(0.0, w.busy_until - req.t) * tokens_per_s), tokens_per_s,
                                            len(w.blocks))
                           for w in pool]
-            best, _ = choose_prefill_by_cost(candidates, req.prompt_tokens, recompute_weight)
+            best, _ = choose_soonest(candidates, req.prompt_tokens, recompute_weight)
             w = next(x for x in pool if x.worker_id == best.worker_id)
         cached, first = w.run(req, req.t, tokens_per_s)
         hit, total = hit + cached, total + req.prompt_tokens

@@ -1,14 +1,14 @@
-"""Prefix-aware vs round-robin prefill placement on the live stack, side by side: `make bench-router`.
+"""Prefix-aware vs round-robin prefill choice on the live stack, side by side: `make bench-router`.
 
     python -m bench.router_live [--requests 24] [--interval 1.0] [--rounds 1]
 
 Workload: 6 long system prompts (~430 tokens with the question) shared by all requests, each
 request one of them plus a short question, arriving every `--interval` seconds (open loop,
-same seeded sequence for both policies). Stack: 2 prefill workers whose KV pools (72 blocks)
+same seeded sequence for both). Stack: 2 prefill workers whose KV pools (72 blocks)
 hold about 2.4 of the system prompts each — 40% of them, 80% of a worker's half — and 1 decode
-worker. The same requests run against PD_PREFILL_POLICY=cost
+worker. The same requests run against PD_PREFILL_CHOICE=soonest
 and =round_robin, alternating `--rounds` times; time to first token is measured by the client
-(first streamed content). Prints p50/p90 per policy and their ratio; writes
+(first streamed content). Prints p50/p90 per prefill choice and their ratio; writes
 bench/results/router_live.json.
 """
 
@@ -58,10 +58,10 @@ async def run_load(url: str, requests: list[list[dict]], interval: float) -> lis
         return list(await asyncio.gather(*(one(i, m) for i, m in enumerate(requests))))
 
 
-def measure(policy: str, requests, interval: float) -> list[float]:
+def measure(choice: str, requests, interval: float) -> list[float]:
     with tempfile.TemporaryDirectory() as logs:
         cfg = StackConfig.on_free_ports(prefill=2, decode=1, kv_blocks=1024, prefill_kv_blocks=72,
-                                        log_dir=Path(logs), env={"PD_PREFILL_POLICY": policy})
+                                        log_dir=Path(logs), env={"PD_PREFILL_CHOICE": choice})
         with Stack(cfg) as stack:
             warm = [[{"role": "user", "content": "Hello."}]] * 4   # first passes of every worker, tiny prompt
             asyncio.run(run_load(stack.url, warm, 0.5))
@@ -75,19 +75,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     args = ap.parse_args()
     requests = workload(args.requests)
-    ttft: dict[str, list[float]] = {"cost": [], "round_robin": []}
+    ttft: dict[str, list[float]] = {"soonest": [], "round_robin": []}
     for _ in range(args.rounds):
-        for policy in ttft:
-            ttft[policy] += measure(policy, requests, args.interval)
+        for choice in ttft:
+            ttft[choice] += measure(choice, requests, args.interval)
     stats = {p: {"p50_s": statistics.median(v), "p90_s": sorted(v)[int(0.9 * len(v))], "n": len(v)}
              for p, v in ttft.items()}
-    summary = {"ttft_p50_cost_s": stats["cost"]["p50_s"], "ttft_p50_round_robin_s": stats["round_robin"]["p50_s"],
-               "round_robin_over_cost_p50": stats["round_robin"]["p50_s"] / stats["cost"]["p50_s"]}
+    summary = {"ttft_p50_soonest_s": stats["soonest"]["p50_s"], "ttft_p50_round_robin_s": stats["round_robin"]["p50_s"],
+               "round_robin_over_soonest_p50": stats["round_robin"]["p50_s"] / stats["soonest"]["p50_s"]}
     print(f"{args.requests} requests, one every {args.interval:g} s, {len(TOPICS)} shared system prompts of ~430 "
           f"tokens, 2 prefill workers (72 KV blocks each) + 1 decode worker, {args.rounds} round(s)")
     for p, st in stats.items():
         print(f"{p:>12}: TTFT p50 {st['p50_s'] * 1e3:7.0f} ms  p90 {st['p90_s'] * 1e3:7.0f} ms")
-    print(f"round-robin / cost, p50: {summary['round_robin_over_cost_p50']:.2f} (target >= 2)")
+    print(f"round-robin / soonest, p50: {summary['round_robin_over_soonest_p50']:.2f} (target >= 2)")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"summary": summary, "stats": stats, "ttft_s": ttft, "config": vars(args)}, indent=2))
     print(f"wrote {RESULTS}")

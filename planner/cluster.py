@@ -39,8 +39,8 @@ class Layout:
     decode_knobs: Knobs = field(default_factory=Knobs)
     prefill_knobs: Knobs = field(default_factory=Knobs)
     local_below: int = 0               # PD_LOCAL_PREFILL_BELOW
-    prefill_mode: Literal["remote", "cost"] = "cost"           # PD_PREFILL_MODE
-    prefill_policy: Literal["cost", "round_robin"] = "cost"    # PD_PREFILL_POLICY
+    placement: Literal["remote", "cheapest"] = "cheapest"          # PD_PLACEMENT
+    prefill_choice: Literal["soonest", "round_robin"] = "soonest"  # PD_PREFILL_CHOICE
     pool_queue_factor: float = 4.0     # PD_POOL_QUEUE_FACTOR
     stall_weight: float = 1.0          # PD_STALL_WEIGHT
     recompute_weight: float = 8.0
@@ -49,7 +49,7 @@ class Layout:
 
     def rules(self) -> Rules:
         """The router settings its placements follow."""
-        return Rules(self.prefill_policy, self.prefill_mode, self.local_below, self.recompute_weight,
+        return Rules(self.prefill_choice, self.placement, self.local_below, self.recompute_weight,
                      stall_weight=self.stall_weight, pool_queue_factor=self.pool_queue_factor)
 
     @property

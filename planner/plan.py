@@ -6,7 +6,7 @@
 For a budget of N workers (a worker: one core of the profile's machine, or one device), every
 configuration: colocated (whole prompts, and chunked at each of --chunks: mixed passes of at
 most twice the chunk's tokens) with workers of every shape the profile measured, and every
-P:D split of N (the router's default placement: PD_PREFILL_MODE=cost). For each, the simulator
+P:D split of N (the router's default placement: PD_PLACEMENT=cheapest). For each, the simulator
 (planner/) replays the trace's requests at rising Poisson rates until fewer than 90% meet the
 SLOs; goodput is the highest rate at which 90% do (DistServe's definition, as `make bench`).
 Prints a table, the recommendation beside the best colocated configuration, and the signal each

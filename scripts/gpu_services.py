@@ -73,7 +73,7 @@ def services(device: str, check) -> dict:
     assert tok is not None
     prompts = {q: tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS}
     want = expected(device, dtype, prompts)
-    env = {"PD_DEVICE": device, "PD_DTYPE": str(dtype).removeprefix("torch."), "PD_PREFILL_MODE": "remote"}
+    env = {"PD_DEVICE": device, "PD_DTYPE": str(dtype).removeprefix("torch."), "PD_PLACEMENT": "remote"}
     with tempfile.TemporaryDirectory() as logs:
         cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=1024, log_dir=Path(logs), env=env)
         with Stack(cfg) as stack:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, CliSuppress, SettingsConfigDict
 
 from shared.urls import nats_servers, sentinel_target
 
@@ -66,6 +66,30 @@ class Common(BaseSettings):
                                                    "to another worker (the router's supervisor)")
     stall_min_prefill_tokens_per_s: float = Field(50.0, gt=0, description="before the first token a request is "
                                                   "allowed stall_s + its prompt at this rate")
+
+    # a renamed setting: old name -> (new name, {old value: new value}); the old name keeps a field of its
+    # own (hidden from --help), read for one release and copied onto the new one unless that is set too
+    RENAMED: ClassVar[dict[str, tuple[str, dict[Any, Any]]]] = {}
+
+    @model_validator(mode="after")
+    def _renamed(self):
+        for old, (new, values) in self.RENAMED.items():
+            value = getattr(self, old)
+            if value is not None and new not in self.model_fields_set:
+                setattr(self, new, values.get(value, value))
+        return self
+
+    @property
+    def renamed(self) -> list[str]:
+        """A warning for each old name set (logged at start, shared/service.py)."""
+        notes = []
+        for old, (new, values) in self.RENAMED.items():
+            if (value := getattr(self, old)) is None:
+                continue
+            was, name, now = f"PD_{old.upper()}", f"PD_{new.upper()}", getattr(self, new)
+            heed = f"reads as {name}={now}" if values.get(value, value) == now else f"is ignored ({name}={now} is set)"
+            notes.append(f"{was} is {name} now: {was}={value} {heed}")
+        return notes
 
     @model_validator(mode="after")
     def _served_id(self):
@@ -169,18 +193,21 @@ class RouterSettings(Common):
     admit_timeout_s: float = Field(5.0, gt=0, description="longest wait for a decode worker's answer to an admit")
     local_prefill_below: int = Field(0, ge=0, description="prompts shorter than this are prefilled "
                                      "on the decode worker (0: always remote when a prefill worker is up)")
-    prefill_mode: Literal["remote", "cost"] = Field(
-        "cost", description="cost: the prefill pool unless the prompt would queue there (pool_queue_factor), then "
-        "the cheaper of the pool and the decode worker, stalls of its streams included (policy.local_or_remote); "
-        "remote: the prefill pool whenever one is up (and the prompt is not below local_prefill_below)")
-    pool_queue_factor: float = Field(4.0, ge=0, description="prefill_mode=cost: the prefill pool takes a prompt "
+    placement: Literal["remote", "cheapest"] = Field(
+        "cheapest", description="where prompts are prefilled; cheapest: the prefill pool unless the prompt would "
+        "queue there (pool_queue_factor), then the cheaper of the pool and the decode worker, stalls of its "
+        "streams included (policy.local_or_remote); remote: the prefill pool whenever one is up (and the prompt "
+        "is not below local_prefill_below)")
+    pool_queue_factor: float = Field(4.0, ge=0, description="placement=cheapest: the prefill pool takes a prompt "
                                      "while the work queued before it there is at most this many times its own; "
                                      "beyond, the cheaper of the pool and the decode worker")
-    stall_weight: float = Field(1.0, ge=0, description="prefill_mode=cost: weight of the delay a local prefill "
+    stall_weight: float = Field(1.0, ge=0, description="placement=cheapest: weight of the delay a local prefill "
                                 "causes each running stream")
-    prefill_policy: Literal["cost", "round_robin"] = Field("cost", description="prefill placement: by cost "
-                                                           "(prefix cache, queues, rates) or round-robin (baseline)")
-    recompute_weight: float = Field(8.0, ge=0, description="prefill placement: weight of recomputing tokens "
+    prefill_choice: Literal["soonest", "round_robin"] = Field(
+        "soonest", description="which prefill worker takes a prompt; soonest: the one predicted to have its "
+        "first token soonest (its queue, its cached prefix, its rate; recompute_weight); round_robin: in turn "
+        "(baseline)")
+    recompute_weight: float = Field(8.0, ge=0, description="prefill_choice=soonest: weight of recomputing tokens "
                                     "another worker already caches (0: fastest first token per request; "
                                     "`make eval-router` sweeps it)")
     default_prefill_tokens_per_s: float = Field(1000.0, gt=0, description="prefill rate assumed for a worker "
@@ -199,6 +226,12 @@ class RouterSettings(Common):
     max_routes_in_flight: int = Field(256, gt=0, description="placements one router works on at once; beyond, a "
                                       "request is refused at once (the gateway asks again shortly, maybe "
                                       "another replica) instead of queueing behind an overloaded router")
+
+    RENAMED = {"prefill_mode": ("placement", {"cost": "cheapest"}),
+               "prefill_policy": ("prefill_choice", {"cost": "soonest"})}
+    prefill_mode: CliSuppress[Literal["remote", "cost"] | None] = Field(None, description="placement's old name")
+    prefill_policy: CliSuppress[Literal["cost", "round_robin"] | None] = Field(
+        None, description="prefill_choice's old name")
 
 
 class WorkerSettings(Common):

@@ -33,7 +33,10 @@ async def connect(stack: AsyncExitStack, settings: Common, name: str) -> tuple[B
 
 
 def setup_logging(settings: Common, service: str) -> None:
+    """Logging as the settings say; then a warning for each renamed setting still set by its old name."""
     logs.setup(settings.log_level, service, settings.log_format)
+    for note in settings.renamed:
+        log.warning(note)
 
 
 def run(main: Coroutine) -> None:

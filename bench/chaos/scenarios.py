@@ -92,10 +92,10 @@ HA_SCENARIOS = ("kill-nats-node", "kill-redis-primary")   # on the HA stack
 HOST_SCENARIOS = ("cut-decode-host",)                      # with a host per process
 CUT_S = 5.0   # how long a host is cut off: over three leases (ENV's heartbeat 0.5 s)
 WORKERS_UP = {"prefill-0", "prefill-1", "decode-0", "decode-1"}
-# Every prompt goes through the prefill pool (the placement by cost would keep some on their
+# Every prompt goes through the prefill pool (the cheapest placement would keep some on their
 # decode worker and leave the pool's faults fewer prompts, or none, to strike).
 ENV = {"PD_HEARTBEAT_S": "0.5", "PD_FAILOVER_CHECK_S": "0.5", "PD_KV_TIMEOUT_S": "30",
-       "PD_PREFILL_MODE": "remote"}
+       "PD_PLACEMENT": "remote"}
 
 
 @dataclass

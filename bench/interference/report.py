@@ -90,13 +90,13 @@ def section(data: dict) -> str:
              "in one run: colocated (one worker, whole prompts in a pass), chunked (one worker, vLLM's chunked "
              "prefill: each pass holds every running stream's decode token and at most 128 tokens of each prompt, "
              "256 tokens in all), disaggregated (1 prefill + 1 decode worker, one core each; a short prompt that "
-             "would queue behind a long one is prefilled beside the decode worker's streams: PD_PREFILL_MODE=cost)."
+             "would queue behind a long one is prefilled beside the decode worker's streams: PD_PLACEMENT=cheapest)."
              " Every worker runs mixed passes (decode tokens and prompt chunks together).", "",
              f"**Victims and aggressors** ({va['duration_s']:.0f} s of arrivals, {va['requests']} requests): "
              f"{va['victim']} at {va['victim_rate']}/s while {va['aggressor']} arrive at {va['aggressor_rate']}/s; "
              "TTFT alone: the same victims at the same times with no aggressor, just before; "
              "disaggregated-remote: the disaggregated arm with every prompt sent to the prefill pool "
-             "(PD_PREFILL_MODE=remote, the placement before `cost`).", "",
+             "(PD_PLACEMENT=remote).", "",
              "| arm | victim ITL p50 (ms) | ITL p99 (ms) | ITL p99.9 (ms) | longest gap (s) | TTFT p50 (s) | "
              "TTFT p99 (s) | TTFT p99.9 (s) | TTFT p99 alone (s) | TPOT p50 (ms) |",
              "|---|---|---|---|---|---|---|---|---|---|"]

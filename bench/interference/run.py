@@ -10,14 +10,14 @@ Three arms on the same cores, one after the other in one run, the same seeded wo
   PD_MAX_BATCHED_TOKENS=256 (a long prompt delays running streams by one chunk at a time, in
   their own step);
 - disaggregated: 1 prefill + 1 decode worker, each pinned to its own core (1 torch thread),
-  the router's default placement (PD_PREFILL_MODE=cost: a short prompt that would queue
+  the router's default placement (PD_PLACEMENT=cheapest: a short prompt that would queue
   behind a long one is prefilled on the decode worker, beside its streams).
 
 Every worker runs mixed passes (the engine's default), so the colocated arm differs from the
 chunked one only in its chunk and budget.
 
-And the victims and aggressors once more on the disaggregated arm with PD_PREFILL_MODE=remote
-(every prompt to the prefill pool: the placement before `cost`), "disaggregated-remote".
+And the victims and aggressors once more on the disaggregated arm with PD_PLACEMENT=remote
+(every prompt to the prefill pool), "disaggregated-remote".
 
 Per arm, on one stack:
 1. Victims and aggressors: 32-token prompts with 128 output tokens (Poisson --victim-rate)

@@ -26,8 +26,8 @@ def arms() -> dict[str, StackConfig]:
 
 
 def remote_arm() -> StackConfig:
-    """The disaggregated arm with every prompt sent to the prefill pool (PD_PREFILL_MODE=remote:
-    the placement before `cost`), for the victims only."""
+    """The disaggregated arm with every prompt sent to the prefill pool (PD_PLACEMENT=remote),
+    for the victims only."""
     cfg = arms()["disaggregated"]
-    cfg.env = {**cfg.env, "PD_PREFILL_MODE": "remote"}
+    cfg.env = {**cfg.env, "PD_PLACEMENT": "remote"}
     return cfg

@@ -4,8 +4,8 @@
   of BLOCK tokens derived from the id, so a request of n hash ids is n * BLOCK tokens plus one
   last token (the engine always computes the last token: all n blocks can hit), and
   `shared.hashing.block_hashes` gives the chained hashes the router looks up.
-- Caches: the trace's first part (`history`) is replayed through the prefill policy
-  (`choose_prefill_by_cost`, LRU caches as in bench/router_eval.py, a pool sized to twice the
+- Caches: the trace's first part (`history`) is replayed through the prefill choice
+  (`choose_soonest`, LRU caches as in bench/router_eval.py, a pool sized to twice the
   trace's load); each prefill worker ends holding the chained hashes of the conversations it
   served, and decode worker i holds what prefill worker i holds (the pair served them).
 - Filler: blocks no prompt asks for, per worker, up to B indexed blocks across the fleet.
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.router_eval import BLOCK_TOKENS, TRACE, Request, SimWorker, load_trace
-from services.router.policy import PrefillCandidate, choose_prefill_by_cost
+from services.router.policy import PrefillCandidate, choose_soonest
 from shared.hashing import block_hashes
 
 BLOCK = 16                    # engine block size, in tokens
@@ -68,7 +68,7 @@ def assign_history(requests: list[Request], workers: int, capacity: int) -> list
         candidates = [PrefillCandidate(w.worker_id, min(w.cached_blocks(r.hash_ids) * BLOCK_TOKENS, r.prompt_tokens),
                                        int(max(0.0, w.busy_until - r.t) * tokens_per_s), tokens_per_s, len(w.blocks))
                       for w in pool]
-        best, _ = choose_prefill_by_cost(candidates, r.prompt_tokens)
+        best, _ = choose_soonest(candidates, r.prompt_tokens)
         pool[int(best.worker_id)].run(r, r.t, tokens_per_s)
     return [list(w.blocks) for w in pool]
 

@@ -12,10 +12,10 @@ and the scale check's replay (bench/scale/check.py) all decide here, in this ord
    worker a takeover asked before first. `first`: rank's first, without ranking the rest.
 3. `place_prefill`, for one decode worker: the prefill workers whose KV path to it is blocked
    (its breaker open) are skipped, and when every one is, the decode worker prefills; of the
-   rest, those whose KV it can take (same fingerprint); the prefill worker by cost
-   (policy.choose_prefill_by_cost) or round-robin at the cursor `turn`; no prefill worker, or a
-   prompt below local_prefill_below: local; prefill_mode=cost: local when the decode worker
-   would finish it sooner, its streams' stall counted (policy.local_or_remote).
+   rest, those whose KV it can take (same fingerprint); the prefill choice: the one predicted
+   to finish the prompt soonest (policy.choose_soonest) or round-robin at the cursor `turn`; no
+   prefill worker, or a prompt below local_prefill_below: local; placement=cheapest: local when
+   the decode worker would finish it sooner, its streams' stall counted (policy.local_or_remote).
    `plan`: the same, and a failover's reason says it resumed.
 4. `next_turn`: the round-robin cursor moves on with each remote placement tried.
 `decide`: 2 and 3 for the first decode worker (a caller whose first choice admits).
@@ -40,8 +40,8 @@ if TYPE_CHECKING:
 class Rules:
     """The router settings a placement reads (shared.config.RouterSettings' fields)."""
 
-    prefill_policy: Literal["cost", "round_robin"] = "cost"
-    prefill_mode: Literal["remote", "cost"] = "cost"
+    prefill_choice: Literal["soonest", "round_robin"] = "soonest"
+    placement: Literal["remote", "cheapest"] = "cheapest"
     local_prefill_below: int = 0
     recompute_weight: float = 8.0
     default_prefill_tokens_per_s: float = 1000.0
@@ -51,7 +51,7 @@ class Rules:
 
     @classmethod
     def of(cls, settings: RouterSettings) -> Rules:
-        return cls(settings.prefill_policy, settings.prefill_mode, settings.local_prefill_below,
+        return cls(settings.prefill_choice, settings.placement, settings.local_prefill_below,
                    settings.recompute_weight, settings.default_prefill_tokens_per_s, settings.stall_weight,
                    settings.pool_queue_factor, settings.affinity_slack)
 
@@ -163,16 +163,16 @@ def place_prefill(ask: Ask, decode: W, fleet: Fleet[W], books: Books, rules: Rul
                                           "there", "breaker_open")
     candidates = policy.prefill_candidates(healthy, decode.fingerprint, fleet.cached, books.sent,
                                            rules.default_prefill_tokens_per_s)
-    if rules.prefill_policy == "round_robin":
+    if rules.prefill_choice == "round_robin":
         prefill, why = policy.choose_round_robin(candidates, books.turn)
     else:
-        prefill, why = policy.choose_prefill_by_cost(candidates, tokens, rules.recompute_weight)
-    mode, reason = policy.prefill_mode(tokens, int(prefill is not None), rules.local_prefill_below)
+        prefill, why = policy.choose_soonest(candidates, tokens, rules.recompute_weight)
+    mode, reason = policy.placement(tokens, int(prefill is not None), rules.local_prefill_below)
     if prefill is None or mode == "local":
         return Placement(decode, "local", reason, "no_prefill_worker" if prefill is None else "short_prompt")
-    kind = "round_robin" if rules.prefill_policy == "round_robin" else \
+    kind = "round_robin" if rules.prefill_choice == "round_robin" else \
         "cached_prefix" if prefill.cached_tokens else "least_loaded"
-    if rules.prefill_mode != "cost":
+    if rules.placement == "remote":
         return Placement(decode, "remote", why, kind, prefill)
     mode, reason = policy.local_or_remote(
         tokens, fleet.cached_tokens(decode.worker_id), decode.running,

@@ -1,13 +1,15 @@
 """Placement policy: pure functions of plain numbers (no I/O), composed into one decision in
 placement.py.
 
-Prefill: the worker that would finish the prompt soonest — its queued work plus the part of
-the prompt it does not already hold in its prefix cache, at its measured rate
-(`choose_prefill_by_cost`). The same functions drive the live router and the trace replay of
+Prefill choice: the worker that would finish the prompt soonest — its queued work plus the part
+of the prompt it does not already hold in its prefix cache, at its measured rate
+(`choose_soonest`). The same functions drive the live router and the trace replay of
 `make eval-router` (bench/router_eval.py).
 Decode: the worker holding the conversation (session or prefix cache) unless it is much
-busier than the least loaded, else the least loaded with room. Prompts below a length threshold, or any prompt when no
-prefill worker is up, are prefilled on the decode worker itself.
+busier than the least loaded, else the least loaded with room.
+Local or remote: prompts below a length threshold, or any prompt when no prefill worker is up, are
+prefilled on the decode worker itself (local); the rest in the prefill pool (remote), or where
+it is cheaper (`local_or_remote`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, Protocol, TypeVar
 
-Mode = Literal["remote", "local"]
+Mode = Literal["remote", "local"]  # a placement's: the prefill pool prefills the prompt, or its decode worker
 
 
 class Worker(Protocol):
@@ -48,8 +50,8 @@ class Worker(Protocol):
 W = TypeVar("W", bound=Worker)
 
 
-def prefill_mode(prompt_tokens: int, prefill_workers: int, local_below: int) -> tuple[Mode, str]:
-    """Where the prompt is prefilled, and why."""
+def placement(prompt_tokens: int, prefill_workers: int, local_below: int) -> tuple[Mode, str]:
+    """Where the prompt is prefilled before costs are weighed, and why."""
     if prefill_workers == 0:
         return "local", "no prefill worker available"
     if prompt_tokens < local_below:
@@ -137,15 +139,15 @@ def predicted_prefill_s(c: PrefillCandidate, prompt_tokens: int) -> float:
     return (c.queued_tokens + max(0, prompt_tokens - c.cached_tokens)) / max(c.tokens_per_s, 1e-9)
 
 
-def choose_prefill_by_cost(candidates: list[PrefillCandidate], prompt_tokens: int, recompute_weight: float = 8.0
-                           ) -> tuple[PrefillCandidate | None, str]:
-    """The candidate with the lowest cost, and why. Cost = predicted first-token time, plus
-    `recompute_weight` x the time spent recomputing tokens another worker already holds:
-    that work delays every prompt queued behind it and spreads a session's blocks over
-    several caches. (Weight 0 is greedy per request; `make eval-router` sweeps it: on the
-    Mooncake trace 4-16 gives both the lowest time to first token and most of the oracle's
-    hit rate.) Ties: more cached tokens, then the emptier cache (new prefixes spread over the
-    pool instead of piling onto one worker), then the id."""
+def choose_soonest(candidates: list[PrefillCandidate], prompt_tokens: int, recompute_weight: float = 8.0
+                   ) -> tuple[PrefillCandidate | None, str]:
+    """The candidate with the lowest cost, and why (PD_PREFILL_CHOICE=soonest, the default).
+    Cost = predicted first-token time, plus `recompute_weight` x the time spent recomputing
+    tokens another worker already holds: that work delays every prompt queued behind it and
+    spreads a session's blocks over several caches. (Weight 0 is greedy per request; `make
+    eval-router` sweeps it: on the Mooncake trace 4-16 gives both the lowest time to first
+    token and most of the oracle's hit rate.) Ties: more cached tokens, then the emptier cache
+    (new prefixes spread over the pool instead of piling onto one worker), then the id."""
     if not candidates:
         return None, "no prefill worker"
     most = max([c.cached_tokens for c in candidates])
@@ -159,7 +161,7 @@ def choose_prefill_by_cost(candidates: list[PrefillCandidate], prompt_tokens: in
 
 
 def choose_round_robin(candidates: list[PrefillCandidate], turn: int) -> tuple[PrefillCandidate | None, str]:
-    """The baseline placement (PD_PREFILL_POLICY=round_robin), for side-by-side measurements."""
+    """The baseline prefill choice (PD_PREFILL_CHOICE=round_robin), for side-by-side measurements."""
     if not candidates:
         return None, "no prefill worker"
     best = sorted(candidates, key=lambda c: c.worker_id)[turn % len(candidates)]
@@ -179,7 +181,7 @@ def within_objective(predicted_s: float, slo_s: float) -> tuple[bool, float, str
 def local_or_remote(prompt_tokens: int, decode_cached_tokens: int, decode_running: int, decode_tokens_per_s: float,
                     remote: PrefillCandidate | None, stall_weight: float = 1.0, queue_factor: float = 4.0,
                     handoff_s: float = 0.01) -> tuple[Mode, str]:
-    """Prefill on the decode worker, or in the pool (PD_PREFILL_MODE=cost, the default).
+    """Prefill on the decode worker, or in the pool (PD_PLACEMENT=cheapest, the default).
 
     The pool takes a prompt that would wait there behind at most `queue_factor` x its own
     work and of which it holds as much as the decode worker does: that is its job. Otherwise

@@ -113,9 +113,9 @@ def _placement(nats_url: str, redis_url: str, size: int, varz: str, rounds: int 
         publishers = await _fleet(setup, bus, size, cached_on="prefill-9")
         state = State.connect(redis_url)
         state.r.connection_pool.connection_class = Recording
-        # (remote placement: by cost, prompts behind the warm-up's booked tokens would go local)
+        # (remote placement: with cheapest, prompts behind the warm-up's booked tokens would go local)
         router = Router(RouterSettings(nats_url=nats_url, redis_url=redis_url, router_id="router-a",
-                                       prefill_mode="remote"), bus, state, trace.get_tracer("test"))
+                                       placement="remote"), bus, state, trace.get_tracer("test"))
         sampling = Sampling(max_tokens=8)
         await router.route(RouteRequest(request_id="warm", prompt_token_ids=PROMPT, sampling=sampling, model="m"))
         await asyncio.sleep(0.2)  # background writes of the warm-up done

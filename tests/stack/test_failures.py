@@ -303,11 +303,11 @@ def test_a_frozen_prefill_worker_loses_the_job_to_another_in_about_its_predicted
     cfg = StackConfig.on_free_ports(prefill=2, decode=1, kv_blocks=512, log_dir=tmp_path,
                                     env={"PD_HEARTBEAT_S": "0.3", "PD_KV_TIMEOUT_S": "30", "PD_KV_MIN_TIMEOUT_S": "2",
                                          "PD_MAX_BATCHED_TOKENS": "256", "PD_PREFILL_CHUNK": "256",
-                                         # by cost, the faster-measured worker takes the first request and,
+                                         # by soonest, the faster-measured worker takes the first request and,
                                          # its prefix cached, every later one: prefill-0 might never get one
-                                         "PD_PREFILL_POLICY": "round_robin",
-                                         # (by cost a prompt behind the hung one's queue is prefilled locally)
-                                         "PD_PREFILL_MODE": "remote"},
+                                         "PD_PREFILL_CHOICE": "round_robin",
+                                         # (with cheapest a prompt behind the hung one's queue is prefilled locally)
+                                         "PD_PLACEMENT": "remote"},
                                     worker_env={"prefill-0": {"PD_FAULT_ENGINE_HANG_AFTER_STEPS": "1"}})
     with Stack(cfg) as stack:
         store = sync_redis(stack.redis_url)

@@ -34,7 +34,7 @@ def test_a_tiny_checkpoint_served_through_the_handoff_equals_transformers(name, 
     template = tmp_path / "tools.jinja"  # the operator's template, which reads tools (Llama's: its call format)
     template.write_text(tiny_archs.LLAMA3_TOOLS if name.startswith("llama") else tiny_archs.CHATML_TOOLS)
     cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=256, threads=1, model=str(path),
-                                    log_dir=tmp_path / "logs", env={"PD_PREFILL_MODE": "remote",
+                                    log_dir=tmp_path / "logs", env={"PD_PLACEMENT": "remote",
                                                                     "PD_CHAT_TEMPLATE": str(template)})
     with Stack(cfg) as stack:
         models = httpx.get(stack.url + "/v1/models", timeout=10).json()
@@ -76,7 +76,7 @@ def test_gemma3_270m_q4_k_m_served_end_to_end(tmp_path):
     expected = generate(gemma, {t: gemma.tokenizer.encode(t) for t in texts},
                         SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=256, threads=1, model="gemma3-270m",
-                                    log_dir=tmp_path, env={"PD_PREFILL_MODE": "remote"})
+                                    log_dir=tmp_path, env={"PD_PLACEMENT": "remote"})
     with Stack(cfg) as stack:
         for t in texts:
             r = httpx.post(stack.url + "/v1/completions", timeout=120, json={

@@ -78,8 +78,8 @@ def test_turns_of_a_conversation_follow_their_kv_across_a_router_restart(otlp, t
     router restarted in between, which kept nothing in memory."""
     cfg = StackConfig.on_free_ports(prefill=1, decode=2, kv_blocks=1024, log_dir=tmp_path,
                                     env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.url, "PD_HEARTBEAT_S": "0.3",
-                                         # (by cost, a turn its decode worker mostly holds is prefilled there)
-                                         "PD_PREFILL_MODE": "remote"})
+                                         # (with cheapest, a turn its decode worker mostly holds is prefilled there)
+                                         "PD_PLACEMENT": "remote"})
     convo = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which mill ground the most?"}]
     results = []
 
@@ -130,7 +130,7 @@ def test_a_request_over_the_ttft_objective_is_refused_with_429_and_retry_after(t
 
 
 def test_a_short_prompt_behind_a_long_one_is_prefilled_on_the_decode_worker(tmp_path):
-    """PD_PREFILL_MODE=cost (the default): while prefill-0 computes a long prompt in one pass, a
+    """PD_PLACEMENT=cheapest (the default): while prefill-0 computes a long prompt in one pass, a
     short chat is placed on the decode worker (it would wait there behind far more than its own
     work) and has its answer before the long prompt's first token."""
     cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=1024, log_dir=tmp_path,

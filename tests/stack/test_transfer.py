@@ -24,11 +24,11 @@ QUESTION = [{"role": "user", "content": DOC + "\nWhich box holds 35 marbles?"}]
 
 
 def _stack(tmp_path, otlp, **env) -> Stack:
-    """Every prompt through the handoff (PD_PREFILL_MODE=remote: by cost, a repeated prompt or a
+    """Every prompt through the handoff (PD_PLACEMENT=remote: with cheapest, a repeated prompt or a
     follow-up turn the decode worker holds would be prefilled there)."""
     cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=512, log_dir=tmp_path,
                                     env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.url, "PD_PREFILL_CHUNK": "128",
-                                         "PD_HEARTBEAT_S": "0.3", "PD_PREFILL_MODE": "remote", **env})
+                                         "PD_HEARTBEAT_S": "0.3", "PD_PLACEMENT": "remote", **env})
     return Stack(cfg)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -10,8 +11,11 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from services import cli
+from shared import service
+from shared.config import RouterSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMANDS = ["serve", "gateway", "router", "prefill", "decode", "plan", "timeline", "version"]
@@ -98,3 +102,34 @@ def test_a_bad_flag_exits_non_zero_naming_it():
     assert "pdserve: error: gateway --gateway-port: Input should be a valid integer" in r.stderr
     r = pdserve("launch")
     assert r.returncode == 2 and "invalid choice: 'launch'" in r.stderr
+
+
+def test_a_renamed_setting_is_read_by_its_old_name_and_value_and_warned_of_at_start(clean_env, caplog):
+    clean_env.setenv("PD_PREFILL_MODE", "cost")
+    clean_env.setenv("PD_PREFILL_POLICY", "cost")
+    settings = RouterSettings()
+    assert (settings.placement, settings.prefill_choice) == ("cheapest", "soonest")
+    clean_env.setattr(service.logs, "setup", lambda *args: None)  # (caplog's handler stays on the root logger)
+    with caplog.at_level(logging.WARNING, logger=service.__name__):
+        service.setup_logging(settings, "router")
+    assert caplog.messages == [
+        "PD_PREFILL_MODE is PD_PLACEMENT now: PD_PREFILL_MODE=cost reads as PD_PLACEMENT=cheapest",
+        "PD_PREFILL_POLICY is PD_PREFILL_CHOICE now: PD_PREFILL_POLICY=cost reads as PD_PREFILL_CHOICE=soonest"]
+    clean_env.setenv("PD_PREFILL_MODE", "remote")
+    settings = cli.parse(["router", "--prefill-policy", "round_robin"])[1]  # an old flag too (not in --help)
+    assert (settings.placement, settings.prefill_choice) == ("remote", "round_robin")
+    assert "--prefill-mode" not in pdserve("router", "--help").stdout
+
+
+def test_a_renamed_settings_new_name_wins_over_its_old_one(clean_env):
+    assert RouterSettings().renamed == []
+    clean_env.setenv("PD_PREFILL_MODE", "cost")
+    clean_env.setenv("PD_PLACEMENT", "remote")
+    settings = RouterSettings()
+    assert settings.placement == "remote"
+    assert settings.renamed == ["PD_PREFILL_MODE is PD_PLACEMENT now: PD_PREFILL_MODE=cost is ignored "
+                                "(PD_PLACEMENT=remote is set)"]
+    clean_env.setenv("PD_PREFILL_MODE", "remote")
+    assert cli.parse(["router", "--placement", "cheapest"])[1].placement == "cheapest"
+    with pytest.raises(ValidationError):
+        RouterSettings(placement="cost")  # an old value only under its old name

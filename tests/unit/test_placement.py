@@ -69,7 +69,7 @@ def by_sim(workers: list[WorkerInfo], prompts: list[int], settings: RouterSettin
     layout = Layout("disaggregated", decode=sum(w.role == "decode" for w in workers), decode_cost=COST,
                     prefill=sum(w.role == "prefill" for w in workers), prefill_cost=COST, decode_knobs=KNOBS,
                     prefill_knobs=KNOBS, local_below=settings.local_prefill_below,
-                    prefill_mode=settings.prefill_mode, prefill_policy=settings.prefill_policy)
+                    placement=settings.placement, prefill_choice=settings.prefill_choice)
     cluster = Cluster(layout)
     live = {w.worker_id for w in placement.live(workers, settings.stall_s)}
     for sim in cluster.prefills + cluster.decodes:
@@ -123,7 +123,7 @@ def test_the_pool_takes_a_long_prompt_and_the_least_loaded_workers_get_it():
 def test_a_short_prompt_behind_a_long_queue_is_prefilled_by_its_decode_worker():
     workers = fleet(1, 1, prefill_0={"queued_tokens": 20000})
     assert all_three(workers, [40]) == [("decode-0", None)]
-    remote = RouterSettings(prefill_mode="remote")
+    remote = RouterSettings(placement="remote")
     assert all_three(workers, [40], remote) == [("decode-0", "prefill-0")]
 
 
@@ -136,7 +136,7 @@ def test_below_the_local_threshold_and_without_a_live_prefill_worker_the_decode_
 
 
 def test_round_robin_takes_the_prefill_workers_in_turn():
-    settings = RouterSettings(prefill_policy="round_robin", prefill_mode="remote")
+    settings = RouterSettings(prefill_choice="round_robin", placement="remote")
     chosen = all_three(fleet(3, 1), [400] * 4, settings)
     assert [p for _, p in chosen] == ["prefill-0", "prefill-1", "prefill-2", "prefill-0"]
 

@@ -7,10 +7,10 @@ def w(wid, role="decode", free=100, running=0, waiting=0, fp="f", growth=0):
                       free_blocks=free, running=running, waiting=waiting, growth_blocks=growth)
 
 
-def test_prefill_mode():
-    assert policy.prefill_mode(500, 0, 0)[0] == "local"
-    assert policy.prefill_mode(500, 2, 0) == ("remote", "prefill pool")
-    mode, reason = policy.prefill_mode(10, 2, 64)
+def test_placement():
+    assert policy.placement(500, 0, 0)[0] == "local"
+    assert policy.placement(500, 2, 0) == ("remote", "prefill pool")
+    mode, reason = policy.placement(10, 2, 64)
     assert mode == "local" and "threshold" in reason
 
 
@@ -60,22 +60,22 @@ def test_prefill_candidates_require_the_same_model_fingerprint_and_count_recent_
 
 
 def test_prefill_cost_prefers_the_worker_holding_the_prefix_unless_it_is_swamped():
-    from services.router.policy import PrefillCandidate, choose_prefill_by_cost, predicted_prefill_s
+    from services.router.policy import PrefillCandidate, choose_soonest, predicted_prefill_s
 
     warm = PrefillCandidate("warm", cached_tokens=3000, queued_tokens=2000, tokens_per_s=1000)
     idle = PrefillCandidate("idle", cached_tokens=0, queued_tokens=0, tokens_per_s=1000)
     assert predicted_prefill_s(warm, 4000) == 3.0 and predicted_prefill_s(idle, 4000) == 4.0
-    assert choose_prefill_by_cost([idle, warm], 4000)[0].worker_id == "warm"
+    assert choose_soonest([idle, warm], 4000)[0].worker_id == "warm"
     swamped = PrefillCandidate("warm", cached_tokens=3000, queued_tokens=60_000, tokens_per_s=1000)
-    best, reason = choose_prefill_by_cost([idle, swamped], 4000)
+    best, reason = choose_soonest([idle, swamped], 4000)
     assert best.worker_id == "idle" and "0 of 4000 tokens cached" in reason
     # greedy (weight 0) leaves a moderately busy warm worker; the default weight stays with it
     busy = PrefillCandidate("warm", cached_tokens=3000, queued_tokens=5000, tokens_per_s=1000)
-    assert choose_prefill_by_cost([idle, busy], 4000, recompute_weight=0)[0].worker_id == "idle"
-    assert choose_prefill_by_cost([idle, busy], 4000)[0].worker_id == "warm"
-    assert choose_prefill_by_cost([], 10) == (None, "no prefill worker")
+    assert choose_soonest([idle, busy], 4000, recompute_weight=0)[0].worker_id == "idle"
+    assert choose_soonest([idle, busy], 4000)[0].worker_id == "warm"
+    assert choose_soonest([], 10) == (None, "no prefill worker")
     full, empty = (PrefillCandidate(n, 0, 0, 1000, blocks) for n, blocks in (("a", 500), ("b", 20)))
-    assert choose_prefill_by_cost([full, empty], 4000)[0].worker_id == "b"      # a new prefix: the emptier cache
+    assert choose_soonest([full, empty], 4000)[0].worker_id == "b"      # a new prefix: the emptier cache
 
 
 def test_trace_replay_keeps_sessions_on_their_cache():

@@ -238,10 +238,10 @@ def test_a_probe_rescales_the_profile_by_the_machines_drift():
 
 
 def test_a_short_prompt_behind_a_long_one_is_prefilled_on_the_decode_worker():
-    """PD_PREFILL_MODE=cost (the router's default): the prefill worker is 1 s into a 1000-token
+    """PD_PLACEMENT=cheapest (the router's default): the prefill worker is 1 s into a 1000-token
     prompt, so a 10-token one goes to the decode worker, as the router would place it."""
     reqs = [(0.0, 1000, 2, "aggressor"), (0.1, 10, 5, "victim")]
     victim = simulate(disaggregated(), reqs).requests[1]
     assert victim.first_at == pytest.approx(0.1 + 0.01 + 0.01)    # its own pass there, at once
-    remote = dataclasses.replace(disaggregated(), prefill_mode="remote")
+    remote = dataclasses.replace(disaggregated(), placement="remote")
     assert simulate(remote, reqs).requests[1].first_at == pytest.approx(1.01 + 0.01 + 0.01)  # behind it
