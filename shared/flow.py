@@ -7,7 +7,7 @@ that handles each step. (Documentation only; nothing to import.)
  2. services/gateway/relay.py subscribes to `pd.tokens.<rid>` *before* anything can produce a
     token, then asks `pd.router.route` (RouteRequest → RouteReply).
  3. services/router/main.py claims the request (`pd:route:<rid>`: a repeat, to any replica,
-    gets the same placement), takes the live workers as last read (shared/state.py, the
+    gets the same placement), takes the live workers as last read (shared/state/registry.py, the
     `pd:workers` set and leases; services/router/pools.py), looks the prompt up in the prefix
     index (shared/prefix_index.py) and asks services/router/policy.py where to prefill and
     which decode worker to try first.

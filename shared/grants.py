@@ -17,7 +17,7 @@ pool (its job stream) only, outputs by the gateway only, and only decode workers
 the KV blocks a job fills) queue jobs.
 
 In Redis each role is an ACL user (its password the role's NATS password) with the keys of its
-part (`REDIS_KEYS`, the prefixes shared/state.py names) and every command but the dangerous
+part (`REDIS_KEYS`, the prefixes shared/state/keys.py names) and every command but the dangerous
 ones (FLUSHALL, CONFIG, KEYS, DEBUG, SHUTDOWN, ACL, REPLICAOF, MONITOR, ...); the operator is
 Redis's default user. Redis 6.2's key patterns grant reading and writing together, so a role
 that reads a key can write it: every role reads and writes the registry and the request state.
@@ -74,7 +74,7 @@ GRANTS: dict[str, Grant] = {
 }
 
 
-# Redis keys by role (shared/state.py, prefix_index.py, the gateway's limits)
+# Redis keys by role (shared/state/keys.py, prefix_index.py, the gateway's limits)
 _REGISTRY = ("pd:worker:*", "pd:workers", "pd:registry:*")
 _REQUESTS = ("pd:req:*", "pd:deadlines", "pd:owned:*", "pd:gateways")
 REDIS_KEYS: dict[str, tuple[str, ...]] = {

@@ -1,6 +1,6 @@
 """A request's life as phases, and what to do when one lasts too long (pure functions).
 
-Each service appends an event when a request enters a phase it runs (shared/state.py keeps
+Each service appends an event when a request enters a phase it runs (shared/state/requests.py keeps
 them in Redis, in order of arrival):
 
     received      gateway    owner = the gateway holding the client's connection

@@ -1,4 +1,4 @@
-"""Request events on their way to Redis (`State.note`): queued, and sent in order by one writer,
+"""Request events on their way to Redis (`state.requests.note`): queued, and sent in order by one writer,
 up to WRITE_BATCH events a round trip, so a burst of requests costs a few round trips rather
 than a task and a pooled connection per event.
 

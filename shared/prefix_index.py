@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable
 
 from shared.engine.block_manager import CacheChange
 from shared.messages import WorkerInfo
-from shared.state import State
+from shared.state import Store
 
 log = logging.getLogger("prefix_index")
 BUCKETS = 1 << 17
@@ -187,7 +187,7 @@ return removed
 class PrefixPublisher:
     """A worker's writer: batches applied in order by one task, off the step loop."""
 
-    def __init__(self, state: State, worker_id: str, lease_s: float,
+    def __init__(self, state: Store, worker_id: str, lease_s: float,
                  snapshot: Callable[[], Awaitable[list[int]]] | None = None):
         self.state, self.worker_id, self.lease_ms = state, worker_id, int(lease_s * 1000)
         self.snapshot = snapshot  # every hash in the engine's prefix cache now
@@ -279,19 +279,19 @@ def by_worker(slots: dict[int, WorkerInfo], held: dict[int, int]) -> dict[str, t
     return {w.worker_id: (n, w.cached_blocks) for slot, n in held.items() if (w := slots.get(slot)) is not None}
 
 
-def queue_lookup(state: State, p, hashes: list[int]) -> None:
-    """Queue the lookup on pipeline `p` (run with `State.pipelined`); its answer goes to `held_by_slot`."""
+def queue_lookup(state: Store, p, hashes: list[int]) -> None:
+    """Queue the lookup on pipeline `p` (run with `Store.pipelined`); its answer goes to `held_by_slot`."""
     p.evalsha(state.script(_LOOKUP).sha, 0, " ".join(f"{h % BUCKETS}:{field(h)}" for h in hashes))
 
 
-async def lookup(state: State, hashes: list[int]) -> dict[int, int]:
+async def lookup(state: Store, hashes: list[int]) -> dict[int, int]:
     """Slot -> how many leading blocks of `hashes` it holds (slots holding none are absent)."""
     if not hashes:
         return {}
     return held_by_slot((await state.pipelined(lambda p: queue_lookup(state, p, hashes)))[0])
 
 
-async def cached_blocks(state: State, workers: list[WorkerInfo], hashes: list[int]) -> dict[str, tuple[int, int]]:
+async def cached_blocks(state: Store, workers: list[WorkerInfo], hashes: list[int]) -> dict[str, tuple[int, int]]:
     return by_worker(by_slot(workers), await lookup(state, hashes))
 
 
@@ -299,22 +299,19 @@ def held_by_slot(answer: list) -> dict[int, int]:
     return {int(answer[i]): int(answer[i + 1]) for i in range(0, len(answer), 2)}
 
 
-async def sweep(state: State, holder: str, period_s: float) -> int:
+async def sweep(state: Store, holder: str, period_s: float) -> int:
     """One step of removing dead slots' entries (a slot whose live key is gone): a pass over
     every bucket in steps of SWEEP_BUCKETS, for the dead slots found when the pass began; at
     its end those slots are forgotten. Returns the entries changed. Router replicas call it
     every `period_s` and take turns (one step per period); a step's calls are short, so Redis
     keeps answering other clients between them."""
-    if not await state.r.set(SWEEP + ":turn", holder, nx=True, px=int(period_s * 900)):
+    if not await state.call(lambda p: p.set(SWEEP + ":turn", holder, nx=True, px=int(period_s * 900))):
         return 0
-    raw = await state.r.hgetall(SWEEP)
+    raw = await state.call(lambda p: p.hgetall(SWEEP))
     dead, cursor = raw.get(b"dead", b"").decode(), int(raw.get(b"cursor", b"0"))
     if not dead:
-        slots = [s.decode() for s in await state.r.hkeys(SLOTS)]
-        async with state.r.pipeline(transaction=False) as p:
-            for s in slots:
-                p.exists(live_key(s))
-            alive = await p.execute()
+        slots = [s.decode() for s in await state.call(lambda p: p.hkeys(SLOTS))]
+        alive = await state.pipelined(lambda p: [p.exists(live_key(s)) for s in slots])
         dead = ",".join(s for s, a in zip(slots, alive) if not a)
         if not dead:
             return 0
@@ -325,11 +322,9 @@ async def sweep(state: State, holder: str, period_s: float) -> int:
         keys = [bucket(n) for n in range(start, min(start + SWEEP_CHUNK, end))]
         removed += int(await script(keys=keys, args=dead.split(",")))
     if end >= BUCKETS:  # pass done: the slots are gone from every bucket
-        async with state.r.pipeline(transaction=True) as p:
-            p.hdel(SLOTS, *dead.split(","))
-            p.hdel(SIZES, *dead.split(","))
-            p.delete(SWEEP)
-            await p.execute()
+        gone = dead.split(",")
+        await state.pipelined(lambda p: (p.hdel(SLOTS, *gone), p.hdel(SIZES, *gone), p.delete(SWEEP)),
+                              transaction=True)
     else:
-        await state.r.hset(SWEEP, mapping={"dead": dead, "cursor": end})
+        await state.call(lambda p: p.hset(SWEEP, mapping={"dead": dead, "cursor": end}))
     return removed

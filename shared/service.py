@@ -96,7 +96,7 @@ async def leave_and_exit(state: State, worker_id: str, why: str, error: BaseExce
     are doing (an engine step may never return)."""
     log.critical("%s: %s; leaving the registry and exiting", worker_id, why, exc_info=error)
     try:
-        await asyncio.wait_for(state.deregister(worker_id), timeout=2.0)
+        await asyncio.wait_for(state.registry.deregister(worker_id), timeout=2.0)
     except Exception as e:  # noqa: BLE001 - Redis away: the lease lapses by itself
         log.warning("could not leave the registry: %s", e)
     logging.shutdown()
@@ -116,5 +116,5 @@ async def heartbeat(state: State, info: Callable[[], WorkerInfo], period_s: floa
         entry = info()
         if entry.role in ("prefill", "decode"):
             metrics.worker(entry)
-        await state.heartbeat(entry, lease_s=lease_s(period_s))
+        await state.registry.heartbeat(entry, lease_s=lease_s(period_s))
     await every(period_s, beat, stop, log, "heartbeat")

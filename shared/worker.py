@@ -83,7 +83,7 @@ class WorkerCore:
     async def drain(self) -> None:
         """Take no new work: the registry entry says `draining` at once, not at the next heartbeat."""
         self.draining = True
-        await self.state.heartbeat(self.info(), lease_s=self.settings.lease_s)
+        await self.state.registry.heartbeat(self.info(), lease_s=self.settings.lease_s)
 
 
 async def serve_worker(role: str, settings: WorkerSettings, worker_cls) -> None:

@@ -80,20 +80,20 @@ async def measure(st: Stage, trace: Trace, plan: list[FleetWorker], blocks: int,
     r1 = await st.meters.read()
     receiver.spans.clear()
     await st.fleet.admits()   # forget those before this run
-    await st.state.r.slowlog_reset()
+    await st.server.slowlog_reset()
     sent, start = await drive(st.bus, trace.probes, rate, seconds, tag=f"w{len(plan)}-b{blocks}-r{rate}-x{replicas}")
     await st.quiet()
     r2 = await st.meters.read()
     spans = await route_spans(receiver, {s.request_id for s in sent})
     sizes = {w.worker_id: len(w.cached) + f for w, f in zip(plan, filler_counts(blocks, plan))}
-    replay = Replay(await st.state.workers(), sizes, holders(plan), RouterSettings())
+    replay = Replay(await st.state.registry.workers(), sizes, holders(plan), RouterSettings())
     admits, rewrites = await st.fleet.admits()
     decided = placements(sent, spans, admits)
     row = {"workers": len(plan), "blocks": blocks, "rate": rate, "replicas": replicas, "seconds": seconds,
            "index_rewrites_so_far": rewrites,
            **gateway_view(sent, start, seconds), **router_view(spans),
            **counters(usage(r0, r1), usage(r1, r2), max(len(decided), 1))}
-    row["redis_slow"] = report.slow_commands(await st.state.r.slowlog_get(4096))
+    row["redis_slow"] = report.slow_commands(await st.server.slowlog_get(4096))
     row["registry_read_ms"] = await registry_reads(st.state)
     row["kept_up"] = report.kept_up(row)
     row["decisions"] = check(decided, replay, rebuilt=row["kept_up"])
@@ -104,14 +104,14 @@ async def measure(st: Stage, trace: Trace, plan: list[FleetWorker], blocks: int,
 
 async def registry_reads(state: State, rounds: int = 20) -> dict:
     """A router's registry read, side by side while the fleet heartbeats: the whole registry
-    (State.workers, as routers read it before) and the changes since the last read
+    (`state.registry.workers`, as routers read it before) and the changes since the last read
     (services/router/registry.py), REGISTRY_READ_S apart; median ms of each."""
     whole, changes, registry = [], [], Registry()
     await registry.read(state)
     for _ in range(rounds):
         await asyncio.sleep(REGISTRY_READ_S)
         t = time.perf_counter()
-        await state.workers()
+        await state.registry.workers()
         whole.append(1e3 * (time.perf_counter() - t))
         t = time.perf_counter()
         await registry.read(state)

@@ -4,14 +4,14 @@ workers that speak the real protocol to the real router, with no model and no KV
     python -m bench.scale.fleet PLAN     (PD_NATS_URL, PD_REDIS_URL, PD_HEARTBEAT_S from the environment)
 
 PLAN is a pickled list of bench/scale/plan.FleetWorker. Each simulated worker:
-1. Registers and heartbeats through `shared.service.heartbeat` (State.heartbeat) with its
+1. Registers and heartbeats through `shared.service.heartbeat` (`state.registry.heartbeat`) with its
    static load and what the prefix index asks of a registry entry (`worker_info`: the one
    place to change when the registry entry changes).
 2. Indexes its prefix cache through its own `PrefixPublisher`: the plan's trace blocks at
    start, filler blocks on `fill N` (N indexed blocks across the fleet).
 3. Decode: answers every admit (ok, with a KV tag), puts a remote one's prefill job on its
    prefill worker's queue (as services/decode does) and records the request finished soon
-   after (State.note: the routers' supervisor sees it end). Prefill: pulls its jobs from its
+   after (`state.requests.note`: the routers' supervisor sees it end). Prefill: pulls its jobs from its
    JetStream durable consumer (as services/prefill does) and acks them.
 4. Each admit or job churns its cache by the prompt's size: as many new filler blocks stored
    as old ones evicted, published once per simulated engine step (STEP_S) with the rest of
@@ -140,7 +140,7 @@ class Fleet:
                 decode_worker=sim.spec.worker_id, decode_address="00", decode_fingerprint=MODEL,
                 first_block=0, kv_tag=reply.kv_tag), context_of(msg)))
         # it ends a little later, as a request does: off the supervisor's list of requests in flight
-        asyncio.get_running_loop().call_later(FINISH_AFTER_S, self.state.note, req.request_id, "finished",
+        asyncio.get_running_loop().call_later(FINISH_AFTER_S, self.state.requests.note, req.request_id, "finished",
                                               sim.spec.worker_id, req.attempt)
 
     async def take_jobs(self, sim: Sim, pull) -> None:
@@ -201,7 +201,7 @@ class Fleet:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         for sim in self.sims:
-            await self.state.deregister(sim.spec.worker_id)
+            await self.state.registry.deregister(sim.spec.worker_id)
             await sim.prefix.close()
 
 

@@ -2,7 +2,8 @@
 (JetStream, with its monitoring port for message counts), redis-server and the router
 replicas, started as deploy/local/stack.py starts them and exporting spans to the run's OTLP
 receiver; the simulated fleet (bench/scale/fleet.py) in its own process; this process's clients
-(the gateway's NATS connection, the store) and its counters (bench/scale/meters.py).
+(the gateway's NATS connection, the store, a connection of its own to redis-server for INFO
+and SLOWLOG) and its counters (bench/scale/meters.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import time
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
+import redis.asyncio as aioredis
+
 from bench.scale.fleet_process import FleetProcess
 from bench.scale.meters import Meters, cpu_s
 from bench.scale.plan import FleetWorker
@@ -22,6 +25,7 @@ from shared import grants
 from shared.bus import Bus
 from shared.state import State
 from shared.tools.otlp_sink import OtlpReceiver
+from shared.urls import async_redis
 
 
 class Backend:
@@ -60,11 +64,11 @@ class Backend:
 
 class Stage:
     """One (W, B): the backend, the fleet, and this process's clients (the gateway's NATS
-    connection; the store, for the registry and Redis's INFO)."""
+    connection; the store, for the registry; `server`, for Redis's INFO and SLOWLOG)."""
 
-    def __init__(self, backend: Backend, fleet: FleetProcess, bus: Bus, state: State):
-        self.backend, self.fleet, self.bus, self.state = backend, fleet, bus, state
-        self.meters = Meters(self.pids, backend.monitor_url, state.r)
+    def __init__(self, backend: Backend, fleet: FleetProcess, bus: Bus, state: State, server: aioredis.Redis):
+        self.backend, self.fleet, self.bus, self.state, self.server = backend, fleet, bus, state, server
+        self.meters = Meters(self.pids, backend.monitor_url, server)
         self.memory_before = 0   # what Redis held before the fleet started
 
     def pids(self) -> dict[str, int]:
@@ -73,7 +77,7 @@ class Stage:
     async def registered(self, want: int, timeout_s: float = 60) -> None:
         """Until the registry holds `want` entries (workers and routers)."""
         deadline = time.monotonic() + timeout_s
-        while len(await self.state.workers()) < want:
+        while len(await self.state.registry.workers()) < want:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"registry short of {want} entries; logs in {self.backend.stack.log_dir}")
             await asyncio.sleep(0.2)
@@ -105,9 +109,11 @@ async def stage(plan: list[FleetWorker], receiver: OtlpReceiver, log_dir: Path):
         stack.push_async_callback(bus.close)
         state = State.connect(backend.stack.redis_url)
         stack.push_async_callback(state.close)
+        server = async_redis(backend.stack.redis_url, 2)
+        stack.push_async_callback(server.aclose)
         fleet = FleetProcess(log_dir / "fleet.log")
         stack.push_async_callback(fleet.stop)
-        st = Stage(backend, fleet, bus, state)
+        st = Stage(backend, fleet, bus, state, server)
         await st.registered(1)
         st.memory_before = (await st.meters.read()).redis_memory
         await fleet.start(plan, backend.stack.service_env())

@@ -39,6 +39,7 @@ from shared.kv.receiver import SEGMENTS, KVBrokeOff, KVInbox, KVReceiver
 from shared.lifecycle import kv_deadline_s
 from shared.messages import AdmitRequest, KVAck, KVOutcome, KVSync, PrefillJob, Requeue, Requeued, WorkerInfo
 from shared.state import State
+from shared.state.registry import Registry
 
 log = logging.getLogger("decode.handoff")
 
@@ -62,9 +63,9 @@ class PrefillWatch:
     restarted empty shows everyone missing until their next heartbeat, and after a NATS
     restart workers reconnect one by one. Redis unreachable: no verdict either."""
 
-    def __init__(self, state: State, period_s: float, absent_s: float,
+    def __init__(self, registry: Registry, period_s: float, absent_s: float,
                  off_bus: Callable[[str], Awaitable[bool]] | None = None):
-        self.state, self.period_s, self.off_bus = state, period_s, off_bus
+        self.registry, self.period_s, self.off_bus = registry, period_s, off_bus
         self.absence = Absence(absent_s)
         self.entries: dict[str, WorkerInfo] = {}   # the last entry found of each worker waited on
         self.gone: set[str] = set()
@@ -84,7 +85,7 @@ class PrefillWatch:
             self.entries, self.gone = {}, set()
             return
         try:
-            found = await self.state.entries(sorted(workers))
+            found = await self.registry.entries(sorted(workers))
         except Exception as e:  # noqa: BLE001 - Redis away: no verdict (no step to judge a freeze by)
             log.debug("prefill workers not looked at: %s", e)
             self.entries = {}
@@ -108,7 +109,7 @@ class Handoffs:
                  transport: KVTransport):
         self.id, self.settings, self.engine, self.bus, self.transport = worker_id, settings, engine, bus, transport
         self.inbox = KVInbox(bus, worker_id)
-        self.watch = PrefillWatch(state, settings.heartbeat_s, settings.absent_s, self.off_bus)
+        self.watch = PrefillWatch(state.registry, settings.heartbeat_s, settings.absent_s, self.off_bus)
 
     @property
     def host(self) -> str:

@@ -129,7 +129,7 @@ class DecodeWorker:
         resync.cancel()
         watch.cancel()
         await beat
-        await self.state.deregister(self.id)
+        await self.state.registry.deregister(self.id)
         await self.prefix.close()
         self.host.close()
 
@@ -287,7 +287,7 @@ class DecodeWorker:
             await self.handoffs.report(rx, ok=False, reason=reason)
         # a prefill worker that gets this job later (it was down, or queued deep) drops it
         # (Redis away: that worker would only waste a prefill)
-        self.state.note(rid, "prefill_local", by=self.id, attempt=req.attempt,
+        self.state.requests.note(rid, "prefill_local", by=self.id, attempt=req.attempt,
                         prompt_tokens=len(req.prompt_token_ids), reason=reason)
 
     async def keep_deadlines(self) -> None:
@@ -297,7 +297,7 @@ class DecodeWorker:
             await asyncio.sleep(self.settings.heartbeat_s)
             advanced, self.advanced = list(self.advanced), set()
             try:
-                await self.state.progressed(advanced, self.settings.stall_s)
+                await self.state.requests.progressed(advanced, self.settings.stall_s)
             except Exception as e:  # noqa: BLE001 - Redis away: the next round tries again
                 log.debug("deadlines not moved: %s", e)
 
@@ -327,7 +327,7 @@ class DecodeWorker:
         if rid in self.prefilled_here:  # local mode, a fallback, a failover with no prefill worker
             metrics.PROMPT_TOKENS.labels("decode").inc(out.num_prompt_tokens)
             metrics.CACHED_TOKENS.labels("decode").inc(out.num_cached_tokens)
-        self.state.note(rid, "decoding", by=self.id, attempt=self.attempts.get(rid, 0),
+        self.state.requests.note(rid, "decoding", by=self.id, attempt=self.attempts.get(rid, 0),
                         prompt_tokens=out.num_prompt_tokens)
 
     def finished(self, out: RequestOutput) -> None:

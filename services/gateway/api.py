@@ -97,7 +97,7 @@ async def health():
 async def ready(gw: GatewayDep):
     """Ready when NATS is connected and a router and the worker pools are registered."""
     try:
-        workers = await gw.state.workers()
+        workers = await gw.state.registry.workers()
     except Exception as e:  # noqa: BLE001 - Redis unreachable
         return JSONResponse({"ready": False, "reason": f"state store: {e}"}, status_code=503)
     count = {role: sum(w.role == role for w in workers) for role in ("router", "prefill", "decode")}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 
 from services.gateway.errors import APIError
-from shared.state import State
+from shared.state import Store
 from shared.tasks import Background
 
 log = logging.getLogger("gateway.concurrency")
@@ -37,7 +37,7 @@ def inflight_key(caller: str) -> str:
 
 
 class Concurrency:
-    def __init__(self, state: State, limit: int, lease_s: float, fail_open: bool):
+    def __init__(self, state: Store, limit: int, lease_s: float, fail_open: bool):
         self.state, self.limit, self.lease_ms, self.fail_open = state, limit, int(lease_s * 1000), fail_open
         self.held: dict[str, tuple[str, list[str]]] = {}  # request id -> (caller, its members)
         self.leaving = Background(log, "leaving the in-flight count")
@@ -69,7 +69,8 @@ class Concurrency:
         """The request ended: its places are free (in the background; the lease is the backstop)."""
         held = self.held.pop(request_id, None)
         if held is not None:
-            self.leaving.start(self.state.r.zrem(inflight_key(held[0]), *held[1]))
+            caller, members = held
+            self.leaving.start(self.state.call(lambda p: p.zrem(inflight_key(caller), *members)))
 
     async def renew(self) -> None:
         """Every heartbeat: the leases of the requests this gateway serves, one round trip."""

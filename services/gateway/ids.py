@@ -16,7 +16,7 @@ import uuid
 
 from redis.exceptions import RedisError
 
-from shared.state import REQUEST_TTL_S, State, request_key
+from shared.state import REQUEST_TTL_S, Store, request_key
 
 CLIENT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # (NATS subject tokens take no '.', '*', '>' or space)
 CLIENT_ID_RULE = "1 to 64 characters from A-Z, a-z, 0-9, '_' and '-'"
@@ -54,7 +54,7 @@ def parts(request_id: str, prompts: int, n: int) -> list[str]:
                            for j in range(prompts) for i in range(n) if (prompts, i) != (1, 0)]
 
 
-async def settle(state: State, wanted: str, prompts: int, n: int, owner: str) -> str:
+async def settle(state: Store, wanted: str, prompts: int, n: int, owner: str) -> str:
     """The request's id: `wanted` (the client's) when it and its parts are free, else
     `wanted` with a suffix that is (Redis away: a suffix unclaimed, 32 random bits)."""
     for rid in (wanted, suffixed(wanted)):

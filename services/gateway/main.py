@@ -76,7 +76,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         stop.set()
         await asyncio.gather(beat, renew)
         try:
-            await state.deregister(me.worker_id)
+            await state.registry.deregister(me.worker_id)
         except Exception as e:  # noqa: BLE001 - Redis away: the lease lapses by itself
             log.warning("could not leave the registry: %s", e)
         await bus.close()

@@ -13,7 +13,7 @@ import logging
 import math
 
 from services.gateway.errors import APIError
-from shared.state import State
+from shared.state import Store
 
 log = logging.getLogger("gateway.ratelimit")
 BUCKET = """
@@ -37,9 +37,9 @@ def bucket_key(caller: str, unit: str = "requests") -> str:
 
 
 class RateLimit:
-    def __init__(self, state: State, rate_per_s: float, burst: int, unit: str = "requests", fail_open: bool = True):
+    def __init__(self, state: Store, rate_per_s: float, burst: int, unit: str = "requests", fail_open: bool = True):
         self.rate, self.burst, self.unit, self.fail_open = rate_per_s, max(1, burst), unit, fail_open
-        self.script = state.r.register_script(BUCKET) if rate_per_s > 0 else None
+        self.script = state.script(BUCKET) if rate_per_s > 0 else None
 
     async def take(self, caller: str, cost: float = 1.0) -> None:
         """`cost` units for `caller` (a key's name, or the client address when the API is open);

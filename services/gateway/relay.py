@@ -84,14 +84,14 @@ class Records:
     """Where the relay reads worker leases and notes each request's events (a State's, `of`;
     none by default: every worker counts as alive, nothing is noted)."""
 
-    alive: Callable[[str], Awaitable[bool]] | None = None        # State.alive: a worker's lease
-    note: Callable[..., None] = _not_noted                       # State.note: the request's events in Redis
-    placed: Callable[[str], Awaitable[dict[str, str]]] | None = None  # State.route: what routers noted
+    alive: Callable[[str], Awaitable[bool]] | None = None        # state.registry.alive: a worker's lease
+    note: Callable[..., None] = _not_noted                       # state.requests.note: the request's events
+    placed: Callable[[str], Awaitable[dict[str, str]]] | None = None  # state.placements.read: what routers noted
     owner: str = ""                                              # this gateway's registry id
 
     @classmethod
     def of(cls, state: State, owner: str) -> Records:
-        return cls(alive=state.alive, note=state.note, placed=state.route, owner=owner)
+        return cls(alive=state.registry.alive, note=state.requests.note, placed=state.placements.read, owner=owner)
 
 
 class Relay:

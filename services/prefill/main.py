@@ -143,7 +143,7 @@ class PrefillWorker:
             log.debug("pull subscription: %s", e)
         gone.set()
         await beat
-        await self.state.deregister(self.id)
+        await self.state.registry.deregister(self.id)
         await self.prefix.close()
         self.host.close()
 
@@ -161,7 +161,7 @@ class PrefillWorker:
         (services/prefill/watch.py): a job whose decode worker is gone is given up — its
         compute stops and its blocks are freed now, not at the end of the KV lease: nothing
         would take its KV."""
-        watch = DecodeWatch(self.state, self.settings.absent_s, self.off_bus)
+        watch = DecodeWatch(self.state.registry, self.settings.absent_s, self.off_bus)
         giving_up: set[tuple[str, int]] = set()  # jobs being given up (request, attempt)
 
         async def give_up(job: PrefillJob) -> None:
@@ -195,7 +195,7 @@ class PrefillWorker:
         """The decode side gave up waiting and prefilled it, or its job went to another prefill
         worker while this one was away (Redis unreachable: assume not)."""
         try:
-            record = await self.state.request(rid)
+            record = await self.state.requests.summary(rid)
             return any(f"t_{phase}" in record for phase in PREFILLED_ELSEWHERE) or \
                 record.get("prefill", self.id) != self.id
         except Exception as e:  # noqa: BLE001
@@ -262,7 +262,7 @@ class PrefillWorker:
         self.jobs[job.request_id] = (job, span)
         self.unacked[job.request_id] = msg
         self.kv_spans[job.request_id] = kv_span
-        self.state.note(job.request_id, "prefilling", by=self.id, attempt=job.attempt,
+        self.state.requests.note(job.request_id, "prefilling", by=self.id, attempt=job.attempt,
                         prompt_tokens=len(job.prompt_token_ids) + len(job.generated_token_ids))
 
     def queue(self, job: PrefillJob, sink) -> None:
@@ -301,7 +301,7 @@ class PrefillWorker:
                                    Cancel(request_id=out.request_id, reason=FINISHED_IN_PREFILL))
             await self.ack_job(out.request_id)
             return
-        self.state.note(out.request_id, "transferring", by=self.id, attempt=job.attempt,
+        self.state.requests.note(out.request_id, "transferring", by=self.id, attempt=job.attempt,
                         prompt_tokens=len(job.prompt_token_ids) + len(job.generated_token_ids),
                         decode=job.decode_worker)
         self.finishing[out.request_id] = time.monotonic()

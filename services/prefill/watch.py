@@ -16,14 +16,14 @@ import time
 from collections.abc import Awaitable, Callable
 
 from shared.absence import Absence
-from shared.state import State
+from shared.state.registry import Registry
 
 log = logging.getLogger("prefill.watch")
 
 
 class DecodeWatch:
-    def __init__(self, state: State, absent_s: float, off_bus: Callable[[str], Awaitable[bool]]):
-        self.state, self.off_bus = state, off_bus
+    def __init__(self, registry: Registry, absent_s: float, off_bus: Callable[[str], Awaitable[bool]]):
+        self.registry, self.off_bus = registry, off_bus
         self.absence = Absence(absent_s)
 
     async def look(self, targets: set[str]) -> set[str]:
@@ -33,7 +33,7 @@ class DecodeWatch:
         if not targets:
             return set()
         try:
-            present = await self.state.present(sorted(targets))
+            present = await self.registry.present(sorted(targets))
         except Exception as e:  # noqa: BLE001 - Redis away: no verdict
             log.debug("decode workers not looked at: %s", e)
             return set()

@@ -108,7 +108,7 @@ class Router:
         serving()
         await stop.wait()
         await asyncio.gather(beat, supervising, registry, sweeping)
-        await self.state.deregister(me.worker_id)
+        await self.state.registry.deregister(me.worker_id)
         await sub.drain()
         await requeues.drain()
         await asyncio.gather(*self._background, return_exceptions=True)
@@ -178,16 +178,17 @@ class Router:
         if reply.ok:
             # the request's "routed" event, and the placement kept for repeats, in one round
             # trip the reply does not wait for: a repeat that comes first waits on the claim, and
-            # a takeover after this replica died asks the decode worker noted by hold_route (its
+            # a takeover after this replica died asks the decode worker noted by `placements.hold` (its
             # admit is idempotent)
             answer = reply.encode().decode()
-            self.state.note(req.request_id, "routed", by=self.id, attempt=req.attempt, at=waits.admitted_at or None,
-                            prompt_tokens=len(req.prompt_token_ids) + len(req.generated_token_ids),
-                            mode=reply.mode or "", reason=reply.reason, decode=reply.decode_worker or "",
-                            prefill=reply.prefill_worker or "",
-                            also=lambda p: self.state.queue_note_route(p, key, ROUTE_TTL_S, reply=answer))
+            self.state.requests.note(
+                req.request_id, "routed", by=self.id, attempt=req.attempt, at=waits.admitted_at or None,
+                prompt_tokens=len(req.prompt_token_ids) + len(req.generated_token_ids),
+                mode=reply.mode or "", reason=reply.reason, decode=reply.decode_worker or "",
+                prefill=reply.prefill_worker or "",
+                also=lambda p: self.state.placements.queue_note(p, key, ROUTE_TTL_S, reply=answer))
         else:  # refused: a later attempt decides afresh
-            await self.state.release_route(key)
+            await self.state.placements.release(key)
         return reply
 
     async def begin(self, key: str, lease_s: float, hashes: list[int], session_id: str | None
@@ -195,7 +196,7 @@ class Router:
         """One round trip: claim the placing, read what is known of it, look the prompt up in
         the prefix index and read the conversation's worker. (claimed, known, held by slot, session worker)"""
         def build(p):
-            self.state.queue_claim_route(p, key, self.id, lease_s)
+            self.state.placements.queue_claim(p, key, self.id, lease_s)
             p.hgetall(route_key(key))
             if hashes:
                 prefix_index.queue_lookup(self.state, p, hashes)
@@ -245,7 +246,7 @@ class Router:
                                            time.monotonic())
             self.bookings.tried(chosen)
         asked = time.perf_counter()  # renew the claim (each admit may take its timeout) and note the worker asked
-        await self.state.hold_route(key, self.id, lease_s, chosen.decode.worker_id, ROUTE_TTL_S)
+        await self.state.placements.hold(key, self.id, lease_s, chosen.decode.worker_id, ROUTE_TTL_S)
         waits.hold_s += time.perf_counter() - asked
         asked, sent_at = time.perf_counter(), time.time()
         expected_s = policy.predicted_prefill_s(prefill, len(req.prompt_token_ids) + len(req.generated_token_ids)) \
@@ -272,7 +273,7 @@ class Router:
         span.set_attributes({"decode_cached_tokens": decode_cached_tokens, "session_worker": session_worker or "",
                              "admit_wait_ms": 1e3 * waits.admit_s, "hold_ms": 1e3 * waits.hold_s})
         if req.session_id:
-            self.in_background(self.state.set_session_worker(req.session_id, decode.worker_id,
+            self.in_background(self.state.sessions.set_worker(req.session_id, decode.worker_id,
                                                              self.settings.session_ttl_s))
         metrics.PLACEMENTS.labels(chosen.mode, chosen.kind).inc()
         return RouteReply(request_id=req.request_id, ok=True, mode=chosen.mode, reason=chosen.reason,

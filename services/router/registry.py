@@ -1,6 +1,6 @@
 """A router's copy of the worker registry, kept by reading only what changed.
 
-Every heartbeat and departure is numbered in Redis (shared/state.py: `pd:registry:seq`, and
+Every heartbeat and departure is numbered in Redis (shared/state/registry.py: `pd:registry:seq`, and
 `pd:registry:changes`, each worker id scored by its latest change). A read asks for the
 changes after the last number seen: ~W x read period / heartbeat period entries, not W, so
 neither Redis nor the router spends time on workers that did not beat since. Each entry
@@ -30,7 +30,7 @@ class Registry:
     async def read(self, state: State) -> None:
         """Apply the changes since the last read."""
         asked = self.clock()
-        changes = await state.registry_changes(self.epoch, self.seq)
+        changes = await state.registry.changes(self.epoch, self.seq)
         if changes.full:
             self.entries = {}
         for worker_id, info, lease_left_s in changes.entries:

@@ -60,7 +60,7 @@ async def requeue(router: Router, req: Requeue) -> Requeued:
     expected_s = policy.predicted_prefill_s(prefill, len(tokens))
     router.bookings.prefill(prefill, decode.worker_id, len(tokens), time.monotonic())
     reason = f"requeued from {req.avoid_workers[-1]} ({req.why}): {chosen.reason}"
-    router.state.note(req.request_id, "routed", by=router.id, attempt=req.attempt, prompt_tokens=len(tokens),
+    router.state.requests.note(req.request_id, "routed", by=router.id, attempt=req.attempt, prompt_tokens=len(tokens),
                       mode="remote", reason=reason, decode=decode.worker_id, prefill=prefill.worker_id)
     return Requeued(request_id=req.request_id, prefill_worker=prefill.worker_id, reason=reason,
                     expected_prefill_s=expected_s)

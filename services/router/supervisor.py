@@ -37,7 +37,7 @@ class Supervisor:
     def __init__(self, bus: Bus, state: State, router_id: str, stall_s: float, confirm_s: float,
                  registered: Callable[[], Awaitable[list[WorkerInfo]]] | None = None):
         self.bus, self.state, self.id = bus, state, router_id
-        self.registered = registered or state.workers   # the router's copy of the registry, kept fresh
+        self.registered = registered or state.registry.workers   # the router's copy of the registry, kept fresh
         self.stall_s = stall_s
         self.absence = Absence(confirm_s)   # gateways seen without a lease
 
@@ -47,46 +47,46 @@ class Supervisor:
     async def round(self) -> None:
         alive = {w.worker_id for w in await self.registered()}
         await self.lost_gateways(alive)
-        for rid in await self.state.overdue():
-            if await self.state.claim_supervision(rid, self.id, self.stall_s):
+        for rid in await self.state.requests.overdue():
+            if await self.state.requests.claim_supervision(rid, self.id, self.stall_s):
                 await self.judge(rid, alive)
 
     def gone(self, worker: str, alive: set[str]) -> bool:
         return self.absence.gone(worker, worker in alive, time.monotonic())
 
     async def lost_gateways(self, alive: set[str]) -> None:
-        for gateway in await self.state.owners():
+        for gateway in await self.state.requests.owners():
             if not self.gone(gateway, alive):
                 continue
-            rids = await self.state.take_owned(gateway)   # replicas split them (SPOP)
+            rids = await self.state.requests.take_owned(gateway)   # replicas split them (SPOP)
             if not rids:
                 self.absence.forget(gateway)
             metrics.SUPERVISOR_ACTIONS.labels("abandoned").inc(len(rids))
             for rid in rids:
-                await Holders.of(await self.state.events(rid)).cancel(
+                await Holders.of(await self.state.requests.events(rid)).cancel(
                     self.bus, Cancel(request_id=rid, reason="gateway lost"))
-                self.state.note(rid, "failed", by=self.id, owner=gateway, reason=f"gateway {gateway} lost")
+                self.state.requests.note(rid, "failed", by=self.id, owner=gateway, reason=f"gateway {gateway} lost")
             if rids:
                 log.warning("gateway %s lost: %d of its requests cancelled", gateway, len(rids))
 
     async def judge(self, rid: str, alive: set[str]) -> None:
-        events = await self.state.events(rid)
+        events = await self.state.requests.events(rid)
         s = lifecycle.summarize(events)
         owner_alive = not s.owner or not self.gone(s.owner, alive)
         verdict = lifecycle.verdict(s, owner_alive, decode_alive=s.decode in alive)
         if verdict == "forget":
-            await self.state.forget(rid)
+            await self.state.requests.forget(rid)
             return
-        await self.state.postpone(rid, self.stall_s)
+        await self.state.requests.postpone(rid, self.stall_s)
         if verdict in ("abandoned", "stalled", "unheeded"):
             metrics.SUPERVISOR_ACTIONS.labels(verdict).inc()
         if verdict in ("abandoned", "unheeded"):
             why = f"gateway {s.owner} lost" if verdict == "abandoned" else f"stalled in {s.phase}, not moved"
             await Holders.of(events).cancel(self.bus, Cancel(request_id=rid, reason=why))
-            self.state.note(rid, "failed", by=self.id, owner=s.owner, reason=why)
+            self.state.requests.note(rid, "failed", by=self.id, owner=s.owner, reason=why)
         elif verdict == "stalled":
             log.warning("%s: no progress in %s on %s (attempt %d); asking its gateway to move it",
                         rid, s.phase, s.decode, s.attempt)
             await self.bus.publish(subjects.stalled(rid), Stalled(request_id=rid, attempt=s.attempt,
                                                                  phase=s.phase, worker=s.decode))
-            self.state.note(rid, "stalled", by=self.id, attempt=s.attempt, in_phase=s.phase, worker=s.decode)
+            self.state.requests.note(rid, "stalled", by=self.id, attempt=s.attempt, in_phase=s.phase, worker=s.decode)

@@ -40,7 +40,7 @@ def render(request_id: str, events: list[Event]) -> str:
 async def fetch(url: str, request_id: str) -> list[Event]:
     state = State.connect(url)
     try:
-        return await state.events(request_id)
+        return await state.requests.events(request_id)
     finally:
         await state.close()
 

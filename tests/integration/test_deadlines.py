@@ -1,4 +1,4 @@
-"""Deadlines are on the store's clock (shared/state.py): a fleet's hosts' clocks differ, and the
+"""Deadlines are on the store's clock (shared/state/requests.py): a fleet's hosts' clocks differ, and the
 routers' supervisor compares every request's deadline with one "now". A writer whose clock is
 an hour behind or ahead sets the same deadline as one on time."""
 
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from shared import state as state_module
 from shared.state import DEADLINES, State
+from shared.state import requests as state_module
 
 
 @pytest.mark.parametrize("skew_s", [-3600.0, 3600.0])
@@ -21,14 +21,14 @@ def test_a_deadline_does_not_move_with_the_writers_clock(redis_url, monkeypatch,
         store = State.connect(redis_url)
         await store.r.delete(DEADLINES)
         monkeypatch.setattr(state_module.time, "time", lambda: real() + skew_s)   # the writer's host
-        await store.record("slow", "decoding", deadline_s=30)
-        await store.record("soon", "decoding", deadline_s=0.2)
-        await store.progressed(["slow"], 40)
+        await store.requests.record("slow", "decoding", deadline_s=30)
+        await store.requests.record("soon", "decoding", deadline_s=0.2)
+        await store.requests.progressed(["slow"], 40)
         monkeypatch.setattr(state_module.time, "time", real)                       # the supervisor's
         seconds, micros = await store.r.time()
         score = await store.r.zscore(DEADLINES, "slow")
         await asyncio.sleep(0.4)
-        overdue = await store.overdue()
+        overdue = await store.requests.overdue()
         await store.close()
         return score - (seconds + micros / 1e6), overdue
 

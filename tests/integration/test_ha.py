@@ -1,5 +1,5 @@
 """The bus and the store of a fleet (deploy/local/ha.py) under the loss of a node, through the
-services' own clients (shared/bus.py, shared/state.py, shared/urls.py): a prefill job queued
+services' own clients (shared/bus.py, shared/state/, shared/urls.py): a prefill job queued
 on the 3-replica stream outlives the NATS node it was sent to, the client carries on on
 another node, and the store follows Sentinel's promotion of the replica with what was
 written before it."""
@@ -65,19 +65,19 @@ def test_the_store_follows_the_promotion_with_what_was_written_before(ha_servers
 
     async def scenario():
         state = State.connect(ha.redis_url(ports, "", secret, secret))
-        await state.heartbeat(WorkerInfo(worker_id="decode-0", role="decode"), lease_s=60)
+        await state.registry.heartbeat(WorkerInfo(worker_id="decode-0", role="decode"), lease_s=60)
         replicated = await state.r.execute_command("WAIT", 1, 5000)  # on the replica before the fault
         procs["redis"].kill()
         start, deadline = time.monotonic(), time.monotonic() + 30
         while True:
             try:
-                await state.heartbeat(WorkerInfo(worker_id="decode-1", role="decode"), lease_s=60)
+                await state.registry.heartbeat(WorkerInfo(worker_id="decode-1", role="decode"), lease_s=60)
                 break
             except Exception:  # noqa: BLE001 - the primary is gone and not replaced yet
                 assert time.monotonic() < deadline, "no new primary"
                 await asyncio.sleep(0.2)
         took = time.monotonic() - start
-        workers = sorted(w.worker_id for w in await state.workers())
+        workers = sorted(w.worker_id for w in await state.registry.workers())
         primary = await state.r.connection_pool.get_master_address()
         await state.close()
         return replicated, took, workers, primary

@@ -26,19 +26,19 @@ def test_a_burst_is_written_a_batch_a_round_trip_and_ownership_is_never_dropped(
     async def scenario():
         store = State.connect(redis_url)
         sizes: list[int] = []
-        send = store.notes.send
+        send = store.requests.notes.send
 
         async def counted(batch):
             sizes.append(len(batch))
             await send(batch)
 
-        store.notes.send = counted
+        store.requests.notes.send = counted
         for i in range(n):  # all at once: the writer runs only after
-            store.note(f"h{i}", "decoding", by="decode-0")          # history only
-            store.note(f"k{i}", "received", by="gw-b", owner="gw-b")  # the gateway's ownership record
-        await store.notes.flush(60)
+            store.requests.note(f"h{i}", "decoding", by="decode-0")          # history only
+            store.requests.note(f"k{i}", "received", by="gw-b", owner="gw-b")  # the gateway's ownership record
+        await store.requests.notes.flush(60)
         out = (await store.r.scard(owned_key("gw-b")), await written(store, [f"h{i}" for i in range(n)]),
-               store.notes.dropped, sizes)
+               store.requests.notes.dropped, sizes)
         await store.close()
         return out
 
@@ -64,11 +64,11 @@ def test_ownership_noted_while_redis_is_away_is_written_when_it_answers():
         proc.terminate()
         proc.wait()
         for i in range(10):
-            store.note(f"k{i}", "received", by="gw-a", owner="gw-a")
-            store.note(f"h{i}", "decoding", by="decode-0")
+            store.requests.note(f"k{i}", "received", by="gw-a", owner="gw-a")
+            store.requests.note(f"h{i}", "decoding", by="decode-0")
         await asyncio.sleep(1.5)                      # round trips fail meanwhile
         proc = redis(d)                               # back, empty
-        await store.notes.flush(20)
+        await store.requests.notes.flush(20)
         out = await store.r.scard(owned_key("gw-a")), await written(store, [f"h{i}" for i in range(10)])
         await store.close()
         proc.terminate()

@@ -64,14 +64,14 @@ def test_each_roles_part_of_the_store_works_as_that_role(port):
     async def scenario():
         stores = {role: State.connect(url(port, role)) for role in grants.ROLES}
         for role, store in stores.items():  # every role registers and records request events
-            await store.heartbeat(WorkerInfo(worker_id=f"{role}-0", role=role), lease_s=5)
-            await store.record(f"r-{role}", "received" if role == "gateway" else "decoding", by=f"{role}-0",
+            await store.registry.heartbeat(WorkerInfo(worker_id=f"{role}-0", role=role), lease_s=5)
+            await store.requests.record(f"r-{role}", "received" if role == "gateway" else "decoding", by=f"{role}-0",
                                owner="gw-0" if role == "gateway" else "", deadline_s=30)
-        workers = await stores["router"].workers()
+        workers = await stores["router"].registry.workers()
         limit = Concurrency(stores["gateway"], 2, 5.0, fail_open=False)
         await limit.join("alice", "r1", 2)
-        await stores["router"].set_session_worker("s1", "decode-0", 10)
-        phases = {role: (await stores["router"].request(f"r-{role}"))["phase"] for role in grants.ROLES}
+        await stores["router"].sessions.set_worker("s1", "decode-0", 10)
+        phases = {role: (await stores["router"].requests.summary(f"r-{role}"))["phase"] for role in grants.ROLES}
         for store in stores.values():
             await store.close()
         return [w.worker_id for w in workers], phases

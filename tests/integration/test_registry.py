@@ -20,15 +20,15 @@ def test_a_read_carries_what_changed_not_the_fleet(redis_url):
         state = State.connect(redis_url)
         await state.r.flushall()
         for i in range(256):
-            await state.heartbeat(info(i), lease_s=30)
+            await state.registry.heartbeat(info(i), lease_s=30)
         a, b = Registry(), Registry()
         await a.read(state)
         first = a.changes_read
         await a.read(state)
         unchanged = a.changes_read - first
         for i in range(5):
-            await state.heartbeat(info(i, load=7), lease_s=30)
-        await state.deregister("decode-255")
+            await state.registry.heartbeat(info(i, load=7), lease_s=30)
+        await state.registry.deregister("decode-255")
         await a.read(state)
         later = a.changes_read - first
         await b.read(state)
@@ -47,15 +47,15 @@ def test_a_lapsed_lease_leaves_and_an_emptied_redis_is_read_whole(redis_url):
     async def scenario():
         state = State.connect(redis_url)
         await state.r.flushall()
-        await state.heartbeat(info(1), lease_s=30)
-        await state.heartbeat(info(2), lease_s=2)
+        await state.registry.heartbeat(info(1), lease_s=30)
+        await state.registry.heartbeat(info(2), lease_s=2)
         reg = Registry(clock=lambda: now[0])
         await reg.read(state)
         before = [w.worker_id for w in reg.workers()]
         now[0] += 2.5                                 # decode-002 did not beat again
         lapsed = [w.worker_id for w in reg.workers()]
         await state.r.flushall()                      # Redis restarted empty
-        await state.heartbeat(info(3), lease_s=30)
+        await state.registry.heartbeat(info(3), lease_s=30)
         await reg.read(state)
         after = [w.worker_id for w in reg.workers()]
         await state.close()

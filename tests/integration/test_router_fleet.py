@@ -97,7 +97,7 @@ async def _fleet(state: State, bus: Bus, size: int, cached_on: str) -> list[Pref
         await asyncio.sleep(0.02)
     for pub in publishers:
         wid = pub.worker_id
-        await state.heartbeat(WorkerInfo(
+        await state.registry.heartbeat(WorkerInfo(
             worker_id=wid, role="prefill" if wid.startswith("prefill") else "decode", model="m", fingerprint="fp",
             block_size=16, total_blocks=4096, free_blocks=4000, ucx_address="00", prefill_tokens_per_s=4000.0,
             prefix_slot=pub.slot, cached_blocks=pub.size), 60)

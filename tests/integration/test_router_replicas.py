@@ -40,7 +40,7 @@ async def _setup(nats_url: str, redis_url: str):
     state = State.connect(redis_url)
     await state.r.flushdb()
     for w in (_worker("decode-0", "decode"), _worker("decode-1", "decode", running=6), _worker("prefill-0", "prefill")):
-        await state.heartbeat(w, 60)
+        await state.registry.heartbeat(w, 60)
     bus = await Bus.connect(nats_url, "test")
     await bus.ensure_prefill_stream()
     await bus.js.purge_stream(subjects.PREFILL_STREAM)
@@ -101,8 +101,8 @@ def test_a_replica_that_died_mid_decision_is_taken_over_on_the_worker_it_chose(n
     async def run():
         (a, b), admits, jobs, state, bus = await _setup(nats_url, redis_url)
         req = _request("r2")
-        assert await state.claim_route("r2", "router-dead", lease_s=0.5)
-        assert await state.hold_route("r2", "router-dead", 0.5, "decode-1", 60)   # noted before its admit
+        assert await state.placements.claim("r2", "router-dead", lease_s=0.5)
+        assert await state.placements.hold("r2", "router-dead", 0.5, "decode-1", 60)   # noted before its admit
         await bus.queue_prefill("prefill-0", _job("r2", "decode-1"))
         t0 = time.monotonic()
         reply = await b.route(req)

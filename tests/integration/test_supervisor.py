@@ -14,9 +14,9 @@ from shared.state import DEADLINES, GATEWAYS, State, owned_key
 
 
 async def _request(state: State, rid: str, gateway: str, deadline_s: float, prefill: str = "") -> None:
-    await state.record(rid, "received", by=gateway, owner=gateway)
-    await state.record(rid, "routed", by="router", decode="decode-0", prefill=prefill, deadline_s=deadline_s)
-    await state.record(rid, "decoding", by="decode-0", deadline_s=deadline_s)
+    await state.requests.record(rid, "received", by=gateway, owner=gateway)
+    await state.requests.record(rid, "routed", by="router", decode="decode-0", prefill=prefill, deadline_s=deadline_s)
+    await state.requests.record(rid, "decoding", by="decode-0", deadline_s=deadline_s)
 
 
 def test_stalled_requests_are_reported_and_orphans_cancelled(nats_url, redis_url):
@@ -35,28 +35,28 @@ def test_stalled_requests_are_reported_and_orphans_cancelled(nats_url, redis_url
         await bus.subscribe("pd.*.*.cancel", on_cancel)   # any worker's
         await bus.subscribe("pd.stalled.*", on_event)
         for w in (WorkerInfo(worker_id="gw-a", role="gateway"), WorkerInfo(worker_id="decode-0", role="decode")):
-            await state.heartbeat(w, 60)
+            await state.registry.heartbeat(w, 60)
         await _request(state, "stuck", "gw-a", 0.1)      # its worker lives, no token comes
         await _request(state, "moving", "gw-a", 0.1)     # tokens keep coming (the decode worker pushes it on)
         await _request(state, "orphan", "gw-b", 30, prefill="prefill-0")   # its gateway has no lease
         await _request(state, "done", "gw-a", 0.1)
         await _request(state, "unheeded", "gw-a", 0.1)   # reported once already; its gateway did nothing
-        await state.record("unheeded", "stalled", by="router", in_phase="decoding")
-        await state.record("done", "finished", by="gw-a", owner="gw-a")
+        await state.requests.record("unheeded", "stalled", by="router", in_phase="decoding")
+        await state.requests.record("done", "finished", by="gw-a", owner="gw-a")
         await asyncio.sleep(0.2)
-        await state.progressed(["moving", "done"], 30)   # "done" ended: not put back
+        await state.requests.progressed(["moving", "done"], 30)   # "done" ended: not put back
         sup = Supervisor(bus, state, "router-t", stall_s=5.0, confirm_s=0.3)
         for _ in range(8):   # gw-b: seen gone, confirmed 0.3 s later, its requests taken, then its empty set
             await sup.round()
             await asyncio.sleep(0.1)
         await asyncio.sleep(0.2)
         await bus.nc.flush()
-        stuck_status = (await state.request("stuck"))["phase"]
-        orphan = await state.events("orphan")
+        stuck_status = (await state.requests.summary("stuck"))["phase"]
+        orphan = await state.requests.events("orphan")
         left = {m.decode() for m in await state.r.zrange(DEADLINES, 0, -1)}
         owned_b = await state.r.exists(owned_key("gw-b"))
         gateways = {g.decode() for g in await state.r.smembers(GATEWAYS)}
-        unheeded = await state.events("unheeded")
+        unheeded = await state.requests.events("unheeded")
         await bus.close()
         await state.close()
         return heard, stuck_status, orphan, left, owned_b, gateways, unheeded

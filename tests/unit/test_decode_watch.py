@@ -9,7 +9,7 @@ from services.prefill.watch import DecodeWatch
 
 
 class Registry:
-    """State.present over a set; counts round trips; `down` makes Redis unreachable."""
+    """state.registry.present over a set; counts round trips; `down` makes Redis unreachable."""
 
     def __init__(self, workers: set[str]):
         self.workers, self.calls, self.down = workers, 0, False

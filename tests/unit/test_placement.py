@@ -39,9 +39,13 @@ def fleet(prefills: int = 2, decodes: int = 2, **per_worker: dict) -> list[Worke
     return [worker(w, **per_worker.get(w.replace("-", "_"), {})) for w in ids]
 
 
-class _State:
-    async def hold_route(self, *args) -> bool:
+class _Placements:
+    async def hold(self, *args) -> bool:
         return True
+
+
+class _State:
+    placements = _Placements()
 
 
 def by_router(workers: list[WorkerInfo], prompts: list[int], settings: RouterSettings, outcomes=()):

@@ -11,7 +11,7 @@ from shared.messages import WorkerInfo
 
 
 class Registry:
-    """State.entries over a dict; counts round trips; `down` makes Redis unreachable."""
+    """state.registry.entries over a dict; counts round trips; `down` makes Redis unreachable."""
 
     def __init__(self, workers: set[str]):
         self.workers, self.calls, self.down = workers, 0, False

@@ -1,0 +1,57 @@
+"""Redis keys (prefix `pd:`): the names every subject of the state (shared/state/) and its
+readers use.
+
+    pd:worker:<id>   WorkerInfo JSON, expires with the heartbeat lease (a dead worker vanishes)
+    pd:workers       set: the ids registered (read with their entries in one call; never a keyspace scan)
+    pd:registry:*    the registry's change log (seq, changes, epoch: shared/state/registry.py)
+    pd:req:<id>      hash: the latest event recorded (`phase`), the fields (mode, reason, workers) and a
+                     timestamp per phase (expires after a day)
+    pd:req:<id>:log  list: the request's events in order of arrival (shared/lifecycle.py)
+    pd:deadlines     sorted set: requests in flight, scored by when their phase is overdue
+    pd:owned:<gw>    set: requests whose client is connected to gateway <gw>
+    pd:gateways      set: gateways with requests filed (what the supervisor checks)
+    pd:session:<id>  the decode worker of a conversation's last turn (expires when idle)
+    pd:route:<id>    hash: a request's placement as it is decided — its decode worker, then the
+                     router's reply (router replicas answer a repeated request from it)
+    pd:route:<id>:claim  the router placing the request now (expires: a dead router's lapses)
+    pd:prefix:*      the prefix index: which workers' caches hold which blocks (shared/prefix_index.py)
+"""
+
+from __future__ import annotations
+
+REQUEST_TTL_S = 24 * 3600
+WORKERS = "pd:workers"
+REGISTRY_SEQ = "pd:registry:seq"          # counts registry changes (heartbeats, departures)
+REGISTRY_CHANGES = "pd:registry:changes"  # sorted set: worker id by the number of its latest change
+REGISTRY_EPOCH = "pd:registry:epoch"      # set with the first change: a Redis that restarted empty has another
+DEADLINES = "pd:deadlines"
+GATEWAYS = "pd:gateways"   # gateways that have filed requests (the supervisor's list to check)
+
+
+def worker_key(worker_id: str) -> str:
+    return f"pd:worker:{worker_id}"
+
+
+def request_key(request_id: str) -> str:
+    return f"pd:req:{request_id}"
+
+
+def log_key(request_id: str) -> str:
+    return f"pd:req:{request_id}:log"
+
+
+def placement_key(request_id: str, attempt: int) -> str:
+    """A placement's name in the routers' records: a failover's is a new placement."""
+    return f"{request_id}#{attempt}" if attempt else request_id
+
+
+def owned_key(gateway_id: str) -> str:
+    return f"pd:owned:{gateway_id}"
+
+
+def session_key(session_id: str) -> str:
+    return f"pd:session:{session_id}"
+
+
+def route_key(request_id: str) -> str:
+    return f"pd:route:{request_id}"

@@ -1,0 +1,68 @@
+"""Placements (idempotent routing): a router claims a request's placing before deciding it, and
+notes the decode worker asked, then its reply; router replicas answer a repeat from it, and a
+router taking over a lapsed claim asks that worker first."""
+
+from __future__ import annotations
+
+from redis.asyncio.client import Pipeline
+
+from shared.state.keys import route_key
+from shared.state.store import Store
+
+# take a request's placing, or renew it when this router holds it
+_CLAIM = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+"""
+
+# the claim taken or renewed, then the decode worker about to be asked noted on the placement
+_HOLD = """
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+redis.call('HSET', KEYS[2], 'decode', ARGV[3])
+redis.call('PEXPIRE', KEYS[2], ARGV[4])
+return 1
+"""
+
+
+class Placements:
+    def __init__(self, store: Store):
+        self.store = store
+
+    def queue_claim(self, p: Pipeline, request_id: str, router_id: str, lease_s: float) -> None:
+        """Queue on pipeline `p`: take the placing of a request, or renew this router's hold on
+        it; answers 1, or 0 when another router holds it."""
+        p.evalsha(self.store.script(_CLAIM).sha, 1, route_key(request_id) + ":claim", router_id, int(lease_s * 1000))
+
+    async def claim(self, request_id: str, router_id: str, lease_s: float) -> bool:
+        return bool(await self.store.call(lambda p: self.queue_claim(p, request_id, router_id, lease_s)))
+
+    async def hold(self, request_id: str, router_id: str, lease_s: float, decode: str, ttl_s: float) -> bool:
+        """Renew the claim and note the decode worker about to be asked, in one call (a router
+        taking over a lapsed claim asks that worker first); False if another router holds it."""
+        key = route_key(request_id)
+        return bool(await self.store.call(lambda p: p.evalsha(
+            self.store.script(_HOLD).sha, 2, key + ":claim", key, router_id, int(lease_s * 1000), decode,
+            int(ttl_s * 1000))))
+
+    async def release(self, request_id: str) -> None:
+        """Give up the placing (a refusal): the next attempt decides afresh."""
+        await self.store.r.delete(route_key(request_id) + ":claim", route_key(request_id))
+
+    @staticmethod
+    def queue_note(p: Pipeline, request_id: str, ttl_s: float, **fields: str) -> None:
+        """Queue on pipeline `p`: `fields` noted on the placement (the router's reply)."""
+        key = route_key(request_id)
+        p.hset(key, mapping=fields)
+        p.pexpire(key, int(ttl_s * 1000))
+
+    async def read(self, request_id: str) -> dict[str, str]:
+        """What is known of a request's placement: {"decode": worker, "reply": RouteReply JSON}."""
+        raw = await self.store.r.hgetall(route_key(request_id))
+        return {k.decode(): v.decode() for k, v in raw.items()}
