@@ -36,14 +36,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections import OrderedDict
 
 from nats.aio.msg import Msg
 from opentelemetry import trace
 
+from services.decode.admits import AdmitReplies
 from services.decode.chunk_log import ChunkLog
 from services.decode.handoff import Handoffs, PrefillWorkerLate, PrefillWorkerLost
+from services.decode.requests import DecodeRequest, DecodeRequests
 from shared import metrics, subjects, tracing
 from shared.bus import Bus, after_reconnects, context_of
 from shared.config import DecodeSettings
@@ -71,9 +71,6 @@ from shared.worker import WorkerCore, serve_worker
 log = logging.getLogger("decode")
 
 
-ADMITTED_KEPT = 10_000
-
-
 class DecodeWorker:
     def __init__(self, settings: DecodeSettings, engine: Engine, bus: Bus, state: State,
                  transport: KVTransport, tracer: trace.Tracer):
@@ -81,19 +78,15 @@ class DecodeWorker:
         self.settings, self.engine, self.bus, self.state = settings, engine, bus, state
         self.transport, self.tracer = transport, tracer
         self.id, self.prefix, self.host = self.core.id, self.core.prefix, self.core.host
-        self.spans: dict[str, trace.Span] = {}
-        self.receiving: dict[str, asyncio.Task] = {}
+        self.requests = DecodeRequests()  # one record per request held here
         self.handoffs = Handoffs(self.id, settings, engine, bus, state, transport)
         self.inbox = self.handoffs.inbox
-        self.admitted: OrderedDict[tuple[str, int], AdmitReply] = OrderedDict()  # recent admits: (id, attempt)
-        self.attempts: dict[str, int] = {}  # placement number of each request here (engine thread writes)
-        self.prefilled_here: set[str] = set()  # prompts computed here, not received (engine thread writes)
-        self.decoding: dict[str, tuple[float, int]] = {}  # requests with a token here: (when, tokens) at the first
-        self.advanced: set[str] = set()     # ... since the last heartbeat (their deadlines move on)
+        self.replies = AdmitReplies()  # by (request, attempt): a repeated admit gets the first reply
+        self.advanced: set[str] = set()  # requests with a token since the last heartbeat (their deadlines
+        # move on; a request that finished meanwhile too, so not in its record)
         self.chunks = ChunkLog()            # what was published, for gateways that lost some
         self.queueing = Background(log, "prefill job")  # jobs being put on prefill workers' queues
         self.admits = Background(log, "admit")          # admits and cancels under way (each its own task)
-        self.admitting: dict[tuple[str, int], asyncio.Future] = {}  # (request, attempt) being reserved
 
     def info(self) -> WorkerInfo:
         return self.core.info()
@@ -118,11 +111,11 @@ class DecodeWorker:
                                    "resync": resync, "handoff watch": watch}, self.state, self.id)
         await self.core.drain()  # no new admits
         await asyncio.gather(*self.admits, return_exceptions=True)  # those in flight are answered
-        if self.receiving:  # KV still on its way: those sequences join the batch and finish too
-            await asyncio.wait(list(self.receiving.values()), timeout=self.settings.kv_timeout_s + 5)
+        if receiving := self.requests.receiving():  # KV still on its way: those sequences join the batch
+            await asyncio.wait(receiving, timeout=self.settings.kv_timeout_s + 5)  # and finish too
         engine_stop.set()
         await engine_loop  # after engine_stop it returns once the running sequences are done
-        for task in list(self.receiving.values()):
+        for task in self.requests.receiving():
             task.cancel()
         gone.set()
         deadlines.cancel()
@@ -146,43 +139,17 @@ class DecodeWorker:
         with tracing.continued(self.tracer, "decode.admit", parent) as span:
             span.set_attributes({"request_id": req.request_id, "mode": req.mode, "worker": self.id})
             key = (req.request_id, req.attempt)
-            repeat = key in self.admitted or key in self.admitting
-            reply = await self.admit(req)
+            repeat = self.replies.seen(key)
+            reply = await self.replies.answer(key, lambda: self.reserve(req))  # idempotent (admits.py)
             rx = self.inbox.receivers.get(req.request_id)
             if reply.ok and req.mode == "remote" and rx is not None and not repeat:
                 self.queueing.start(self.handoffs.queue_prefill(req, rx, parent))
             span.set_attributes({"ok": reply.ok, "reason": reply.reason, "first_block": reply.first_block})
-            if reply.ok:
-                self.spans[req.request_id] = self.tracer.start_span("decode.generate", context=parent, attributes={
+            held = self.requests.get(req.request_id)
+            if reply.ok and held is not None and held.attempt == req.attempt:
+                held.span = self.tracer.start_span("decode.generate", context=parent, attributes={
                     "request_id": req.request_id, "attempt": req.attempt, "mode": req.mode, "worker": self.id})
             await self.bus.respond(msg, reply)
-
-    async def admit(self, req: AdmitRequest) -> AdmitReply:
-        """Idempotent: a request admitted already gets the same reply (a router that took over
-        a placement asks again), never a second reservation."""
-        key = (req.request_id, req.attempt)
-        if key in self.admitted:
-            return self.admitted[key]
-        if key in self.admitting:  # the same admit in flight (asked again meanwhile): its answer
-            return await asyncio.shield(self.admitting[key])
-        answer = self.admitting[key] = asyncio.get_running_loop().create_future()
-        try:
-            reply = await self.reserve(req)
-        except asyncio.CancelledError:
-            answer.cancel()
-            raise
-        except Exception as e:
-            answer.set_exception(e)
-            answer.exception()  # retrieved here: nobody else may be waiting
-            raise
-        finally:
-            del self.admitting[key]
-        if reply.ok:
-            self.admitted[key] = reply
-            while len(self.admitted) > ADMITTED_KEPT:
-                self.admitted.popitem(last=False)
-        answer.set_result(reply)
-        return reply
 
     async def reserve(self, req: AdmitRequest) -> AdmitReply:
         rid, params = req.request_id, req.sampling.to_engine()
@@ -192,25 +159,24 @@ class DecodeWorker:
             if req.mode == "local":
                 await self.prefill_locally(req, "resumed" if req.generated_token_ids else "placed")
                 return AdmitReply(request_id=rid, ok=True, reason="local prefill")
-            res = await self.host.call(self.reserve_on_engine, req, params)
+            res, held = await self.host.call(self.reserve_on_engine, req, params)
         except OutOfBlocks as e:
             return AdmitReply(request_id=rid, ok=False, reason=f"no room: {e}")
         except ValueError as e:
             return AdmitReply(request_id=rid, ok=False, reason=str(e))
         rx = self.handoffs.receiver(res, req.prefill_worker or "")
-        self.receiving[rid] = asyncio.create_task(self.receive_kv(req))
+        held.receiving = asyncio.create_task(self.receive_kv(req, held))
         return AdmitReply(request_id=rid, ok=True, first_block=res.first_block, num_blocks=res.num_blocks,
                           kv_tag=rx.kv_tag)
 
-    def reserve_on_engine(self, req: AdmitRequest, params: SamplingParams) -> Reservation:
+    def reserve_on_engine(self, req: AdmitRequest, params: SamplingParams) -> tuple[Reservation, DecodeRequest]:
         """On the engine thread, in order with cancels (abort_older): blocks for the KV of the
         prompt and, after a failover, of the tokens generated before it. A request placed
         before (attempt > 0: moved off a lost or stalled worker) may take a place beyond
         max_num_seqs (`failover_seqs`): its client is mid-stream, a new request can wait."""
         limit = self.engine.cfg.max_num_seqs + (self.settings.failover_seqs if req.attempt else 0)
         res = self.engine.reserve(req.request_id, req.prompt_token_ids, params, req.generated_token_ids, limit)
-        self.attempts[req.request_id] = req.attempt
-        return res
+        return res, self.requests.open(req.request_id, req.attempt)
 
     async def prefill_locally(self, req: AdmitRequest, why: str) -> None:
         """The whole prompt runs here: placed here (colocated mode, a short prompt), a failover
@@ -220,15 +186,14 @@ class DecodeWorker:
         def add() -> None:  # on the engine thread, in order with cancels (abort_older)
             self.engine.add_request(req.request_id, req.prompt_token_ids, req.sampling.to_engine(),
                                     generated_token_ids=req.generated_token_ids)
-            self.attempts[req.request_id] = req.attempt
-            self.prefilled_here.add(req.request_id)
+            self.requests.open(req.request_id, req.attempt).prefilled_here = True
         await self.host.call(add)
         self.host.wake.set()
 
     # -- KV arrival --------------------------------------------------------------------------
-    async def receive_kv(self, req: AdmitRequest) -> None:
+    async def receive_kv(self, req: AdmitRequest, held: DecodeRequest) -> None:
         rid, rx = req.request_id, self.inbox.receivers[req.request_id]
-        parent = trace.set_span_in_context(self.spans[rid]) if rid in self.spans else None
+        parent = trace.set_span_in_context(held.span) if held.span is not None else None
         with self.tracer.start_as_current_span("kv.receive", context=parent) as span:
             try:
                 expected_s, left = req.expected_prefill_s, []  # prefill workers this request's job left
@@ -262,25 +227,28 @@ class DecodeWorker:
             except Exception as e:  # noqa: BLE001 - late, corrupt, refused or mismatched KV: never decode from it
                 span.set_attributes({"ok": False, "error": str(e) or type(e).__name__})
                 rx.close()
-                await self.handoff_failed(req, rx, e)
+                await self.handoff_failed(req, rx, e, held)
             finally:
                 rx.close()
                 span.set_attributes({"bytes": rx.bytes_received, "pieces": rx.pieces, "bad_blocks": rx.bad_blocks,
                                      "resends": rx.resends, "blocks": int(rx.have.shape[1])})
-                if self.receiving.get(rid) is asyncio.current_task():  # (not a newer placement's)
-                    del self.receiving[rid]
+                if held.receiving is asyncio.current_task():  # (not cancelled already)
+                    held.receiving = None
                 if self.inbox.receivers.get(rid) is rx:
                     del self.inbox.receivers[rid]
 
-    async def handoff_failed(self, req: AdmitRequest, rx: KVReceiver, e: Exception) -> None:
+    async def handoff_failed(self, req: AdmitRequest, rx: KVReceiver, e: Exception, held: DecodeRequest) -> None:
         """The prefill side is told; this placement's reservation is dropped (only this one: a
         cancel may have let a newer one in meanwhile) and, unless the placement is over (it was
-        cancelled), the prompt is prefilled here."""
+        cancelled), the prompt is prefilled here under the same record."""
         rid, reason = req.request_id, str(e) or type(e).__name__
         await self.handoffs.ack(rx, KVAck(request_id=rid, ok=False, error=reason))
-        if not await self.host.call(self.abort_older, rid, req.attempt + 1) or isinstance(e, KVCancelled):
+        ended, _ = await self.host.call(self.abort_older, rid, req.attempt + 1)
+        if not ended or isinstance(e, KVCancelled):
             log.info("%s: KV handoff of attempt %d ended (%s); its placement is over", rid, req.attempt, reason)
+            self.requests.close(rid, held)
             return
+        held.first_token = None
         log.warning("%s: KV handoff failed (%s); prefilling locally", rid, reason)
         await self.prefill_locally(req, "fallback")
         if not isinstance(e, (PrefillWorkerLost, PrefillWorkerLate)):  # the path's fault
@@ -307,49 +275,47 @@ class DecodeWorker:
             rid = out.request_id
             if not out.finished and rid not in self.engine.seqs:  # cancelled since its step ran
                 continue
-            chunk = TokenChunk.from_output(out, self.attempts.get(rid, 0), self.id)
+            held = self.requests.get(rid)
+            chunk = TokenChunk.from_output(out, held.attempt if held is not None else 0, self.id)
             self.chunks.record(chunk)
             await self.bus.publish(subjects.tokens(rid), chunk)
             if not out.finished and rid not in self.engine.seqs:  # cancelled while it was published
                 continue
             self.advanced.add(rid)
+            if held is None:  # (its record closed by a cancel meanwhile)
+                continue
             if out.finished:
-                self.finished(out)
-            elif rid not in self.decoding:  # (an abort's output, finished, is no first token)
-                self.first_token(out)
+                self.finished(out, held)
+            elif held.first_token is None:  # (an abort's output, finished, is no first token)
+                self.first_token(out, held)
 
-    def first_token(self, out: RequestOutput) -> None:
+    def first_token(self, out: RequestOutput, held: DecodeRequest) -> None:
         """The first token this worker made for a request: it is decoding here."""
-        rid = out.request_id
-        self.decoding[rid] = (time.monotonic(), out.num_generated_tokens)
-        if (span := self.spans.get(rid)) is not None:
-            span.add_event("first_token", {"generated_before": out.num_generated_tokens - 1})
-        if rid in self.prefilled_here:  # local mode, a fallback, a failover with no prefill worker
+        held.decoding(out.num_generated_tokens)
+        if held.span is not None:
+            held.span.add_event("first_token", {"generated_before": out.num_generated_tokens - 1})
+        if held.prefilled_here:  # local mode, a fallback, a failover with no prefill worker
             metrics.PROMPT_TOKENS.labels("decode").inc(out.num_prompt_tokens)
             metrics.CACHED_TOKENS.labels("decode").inc(out.num_cached_tokens)
-        self.state.requests.note(rid, "decoding", by=self.id, attempt=self.attempts.get(rid, 0),
+        self.state.requests.note(out.request_id, "decoding", by=self.id, attempt=held.attempt,
                         prompt_tokens=out.num_prompt_tokens)
 
-    def finished(self, out: RequestOutput) -> None:
+    def finished(self, out: RequestOutput, held: DecodeRequest) -> None:
         """A request ended here (its last chunk published): its span closes with its pace."""
-        rid = out.request_id
-        self.attempts.pop(rid, None)
-        self.prefilled_here.discard(rid)
-        first = self.decoding.pop(rid, None)
-        if (span := self.spans.pop(rid, None)) is not None:
+        if self.requests.close(out.request_id, held) and (span := held.span) is not None:
             span.set_attributes({"output_tokens": out.num_generated_tokens,
                                  "finish_reason": out.finish_reason or ""})
-            if first is not None and out.num_generated_tokens > first[1]:  # tokens made here after the first
-                span.set_attribute("time_per_output_token_ms", round(
-                    1e3 * (time.monotonic() - first[0]) / (out.num_generated_tokens - first[1]), 3))
+            if (pace := held.time_per_output_token_ms(out.num_generated_tokens)) is not None:
+                span.set_attribute("time_per_output_token_ms", pace)
             span.end()
 
     async def on_cancel(self, msg: Msg) -> None:
         cancel = Cancel.decode(msg.data)
-        rid = cancel.request_id
-        task = self.receiving.get(rid)  # a KV wait, unless it is a placement the cancel spares
-        if task is not None and (cancel.before_attempt is None or self.attempts.get(rid, 0) < cancel.before_attempt):
-            del self.receiving[rid]
+        rid, held = cancel.request_id, self.requests.get(cancel.request_id)
+        task = held.receiving if held is not None else None  # a KV wait, unless of a placement the cancel spares
+        if held is not None and task is not None and (cancel.before_attempt is None
+                                                      or held.attempt < cancel.before_attempt):
+            held.receiving = None
             task.cancel()  # it answers the prefill side as it ends
             self.inbox.close(rid)
         else:
@@ -360,11 +326,12 @@ class DecodeWorker:
     async def abort(self, rid: str, before_attempt: int | None) -> None:
         """Checked and done on the engine thread, in order with admits: a failover's cancel
         never stops the placement it was sent for, whichever handler runs first."""
-        if await self.host.call(self.abort_older, rid, before_attempt):
+        ended, held = await self.host.call(self.abort_older, rid, before_attempt)
+        if ended:
             self.chunks.forget(rid)
-            if (span := self.spans.pop(rid, None)) is not None:
-                span.add_event("cancelled")
-                span.end()
+            if held is not None and self.requests.close(rid, held) and held.span is not None:
+                held.span.add_event("cancelled")
+                held.span.end()
 
     async def on_replay(self, msg: Msg) -> None:
         req = Replay.decode(msg.data)
@@ -378,16 +345,14 @@ class DecodeWorker:
         metrics.REPLAYED_CHUNKS.inc(len(chunks))
         await self.bus.respond(msg, ReplayReply(request_id=req.request_id, ok=True, chunks=len(chunks)))
 
-    def abort_older(self, rid: str, before_attempt: int | None) -> bool:
+    def abort_older(self, rid: str, before_attempt: int | None) -> tuple[bool, DecodeRequest | None]:
         """On the engine thread: abort the request unless it is a placement at or after
-        `before_attempt` (None: whatever it is)."""
-        if before_attempt is not None and self.attempts.get(rid, 0) >= before_attempt:
-            return False
+        `before_attempt` (None: whatever it is). Whether it did, and the request's record here."""
+        held = self.requests.get(rid)
+        if before_attempt is not None and (held.attempt if held is not None else 0) >= before_attempt:
+            return False, held
         self.engine.abort(rid)
-        self.attempts.pop(rid, None)
-        self.prefilled_here.discard(rid)
-        self.decoding.pop(rid, None)
-        return True
+        return True, held
 
 
 def main(settings: DecodeSettings | None = None) -> None:

@@ -48,6 +48,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan
 
 from services.prefill.intake import JobIntake, queued_at
+from services.prefill.jobs import Job, Jobs
 from services.prefill.watch import DecodeWatch
 from shared import metrics, subjects
 from shared.bus import Bus, after_reconnects, context_of
@@ -90,14 +91,13 @@ class PrefillWorker:
         self.settings, self.engine, self.bus, self.state = settings, engine, bus, state
         self.transport, self.tracer = transport, tracer
         self.id, self.prefix, self.host = self.core.id, self.core.prefix, self.core.host
-        self.jobs: dict[str, tuple[PrefillJob, trace.Span]] = {}
-        self.kv_spans: dict[str, trace.Span] = {}
+        self.jobs = Jobs()  # one record per job taken, until its ack
         self.sender = KVSender(SenderSettings.for_prefill(settings, self.id, engine.fingerprint), transport, bus,
                                WorkerHooks(self.read_blocks, self.given_up), make_segment(settings.kv_segment_bytes))
-        self.cancelled: dict[str, float] = {}  # request -> its placements before this attempt are cancelled
+        # request -> its placements before this attempt are cancelled: a job of one is dropped when
+        # taken (noted whether or not a job of the request is here, so not in a job's record)
+        self.cancelled: dict[str, float] = {}
         self.handoffs: set[asyncio.Task] = set()
-        self.unacked: dict[str, Msg] = {}  # jobs taken and not yet acked
-        self.finishing: dict[str, float] = {}  # when each handoff's last layer was computed
         self.ending = Background(log, "cancel")  # work being ended (each waits for the engine thread)
         self.intake = JobIntake()
 
@@ -121,12 +121,12 @@ class PrefillWorker:
         serving()
         required = {"heartbeat": beat, "job keepalive": keepalive, "decode worker watch": watch, "resync": resync}
         try:
-            while not stop.is_set() or self.jobs or self.handoffs:
+            while not stop.is_set() or self.jobs.computing() or self.handoffs:
                 await check_required(required, self.state, self.id)
                 if stop.is_set() and not self.core.draining:  # the router sends no more jobs here
                     await self.core.drain()
-                if not stop.is_set() and len(self.jobs) < self.settings.max_jobs:
-                    await self.take_jobs(pull, wait_s=0.005 if self.jobs else 0.5)
+                if not stop.is_set() and (computing := self.jobs.computing()) < self.settings.max_jobs:
+                    await self.take_jobs(pull, computing, wait_s=0.005 if computing else 0.5)
                 if self.engine.has_work():
                     for out in await self.host.step():
                         await self.on_first_token(out)
@@ -150,9 +150,9 @@ class PrefillWorker:
     async def keep_jobs(self) -> None:
         while True:
             await asyncio.sleep(JOB_KEEPALIVE_S)
-            for msg in list(self.unacked.values()):
+            for held in self.jobs.all():
                 try:
-                    await msg.in_progress()
+                    await held.msg.in_progress()
                 except Exception as e:  # noqa: BLE001 - NATS reconnecting: the next round tries again
                     log.debug("in_progress: %s", e)
 
@@ -185,11 +185,10 @@ class PrefillWorker:
         return await self.bus.heard(subjects.decode_replay(decode_worker), Replay(request_id="", from_seq=PAST_THE_END),
                                     min(0.25, self.settings.heartbeat_s)) is False
 
-    async def ack_job(self, rid: str) -> None:
+    async def ack_job(self, held: Job) -> None:
         """The job is over (handed off, refused or cancelled): ack it, it leaves the queue."""
-        msg = self.unacked.pop(rid, None)
-        if msg is not None:
-            await msg.ack()
+        if self.jobs.close(held):
+            await held.msg.ack()
 
     async def taken_over(self, rid: str) -> bool:
         """The decode side gave up waiting and prefilled it, or its job went to another prefill
@@ -202,8 +201,8 @@ class PrefillWorker:
             log.warning("%s: request state unreadable (%s); running the job", rid, e)
             return False
 
-    async def take_jobs(self, pull, wait_s: float) -> None:
-        for msg in await self.intake.fetch(pull, self.settings.max_jobs - len(self.jobs), wait_s):
+    async def take_jobs(self, pull, computing: int, wait_s: float) -> None:
+        for msg in await self.intake.fetch(pull, self.settings.max_jobs - computing, wait_s):
             await self.take_job(msg)
 
     async def take_job(self, msg: Msg) -> None:
@@ -259,9 +258,7 @@ class PrefillWorker:
                 s.end()
             await msg.term()
             return
-        self.jobs[job.request_id] = (job, span)
-        self.unacked[job.request_id] = msg
-        self.kv_spans[job.request_id] = kv_span
+        self.jobs.open(job, msg, span, kv_span)
         self.state.requests.note(job.request_id, "prefilling", by=self.id, attempt=job.attempt,
                         prompt_tokens=len(job.prompt_token_ids) + len(job.generated_token_ids))
 
@@ -283,9 +280,11 @@ class PrefillWorker:
         return await self.host.call(self.engine.kv_blocks, rid, layer, first_block, num_blocks)
 
     async def on_first_token(self, out: RequestOutput) -> None:
-        if out.request_id not in self.jobs:  # cancelled while its last pass ran
+        held = self.jobs.get(out.request_id)
+        if held is None or held.compute_span is None:  # cancelled while its last pass ran
             return
-        job, span = self.jobs.pop(out.request_id)  # from here the handoff (or nothing) owns it
+        job, span = held.job, held.compute_span
+        held.compute_span = None  # from here the handoff (or nothing) owns it
         metrics.PROMPT_TOKENS.labels("prefill").inc(out.num_prompt_tokens)
         metrics.CACHED_TOKENS.labels("prefill").inc(out.num_cached_tokens)
         span.set_attribute("cached_tokens", out.num_cached_tokens)
@@ -296,22 +295,22 @@ class PrefillWorker:
                                ctx=trace.set_span_in_context(span))
         if out.finished:  # done on its first token: nothing to hand off
             self.sender.drop(out.request_id)
-            self.end_kv_span(out.request_id, acked=False, error="finished in prefill")
+            self.end_kv_span(held, acked=False, error="finished in prefill")
             await self.bus.publish(subjects.decode_cancel(job.decode_worker),
                                    Cancel(request_id=out.request_id, reason=FINISHED_IN_PREFILL))
-            await self.ack_job(out.request_id)
+            await self.ack_job(held)
             return
         self.state.requests.note(out.request_id, "transferring", by=self.id, attempt=job.attempt,
                         prompt_tokens=len(job.prompt_token_ids) + len(job.generated_token_ids),
                         decode=job.decode_worker)
-        self.finishing[out.request_id] = time.monotonic()
-        task = asyncio.create_task(self.handoff(job, out))
+        held.computed_at = time.monotonic()
+        task = asyncio.create_task(self.handoff(held, out))
         self.handoffs.add(task)
         task.add_done_callback(self.handoffs.discard)
 
-    async def handoff(self, job: PrefillJob, first: RequestOutput) -> None:
+    async def handoff(self, held: Job, first: RequestOutput) -> None:
         """The lease: the blocks stay until the decode side answers (or time runs out)."""
-        rid = job.request_id
+        job, rid = held.job, held.job.request_id
         h = self.sender.handoffs[rid]
         acked = False
         try:
@@ -320,25 +319,25 @@ class PrefillWorker:
             acked = ack.ok
             if not ack.ok:
                 log.warning("%s: KV handoff ended without the decode side's ack: %s", rid, ack.error)
-            exposed_s = time.monotonic() - self.finishing.get(rid, time.monotonic())
-            self.end_kv_span(rid, acked=ack.ok, error=ack.error, bytes=h.bytes_sent, segment_bytes=h.segment_bytes,
+            exposed_s = time.monotonic() - held.computed_at
+            self.end_kv_span(held, acked=ack.ok, error=ack.error, bytes=h.bytes_sent, segment_bytes=h.segment_bytes,
                              pieces=h.pieces, resent_blocks=h.resent_blocks, skipped_blocks=job.first_block,
                              exposed_ms=round(1e3 * exposed_s, 3))  # last layer computed -> decode side's ack
         except Exception as e:  # noqa: BLE001 - the decode side falls back to a local prefill on its deadline
             log.warning("%s: KV handoff failed: %s", rid, e)
-            self.end_kv_span(rid, acked=False, error=str(e))
+            self.end_kv_span(held, acked=False, error=str(e))
         finally:
             metrics.KV_BYTES.labels(self.transport.name).inc(h.bytes_sent - h.segment_bytes)
             metrics.KV_BYTES.labels("segment").inc(h.segment_bytes)
             metrics.KV_RESENT.inc(h.resent_blocks)
-            metrics.KV_SECONDS.observe(time.monotonic() - self.finishing.pop(rid, time.monotonic()))
+            metrics.KV_SECONDS.observe(time.monotonic() - held.computed_at)
             if not acked:
                 metrics.KV_FAILURES.inc()
-            await self.ack_job(rid)  # before the free: a later attempt's job waits for the free (take_jobs)
+            await self.ack_job(held)  # before the free: a later attempt's job waits for the free (take_jobs)
             await self.host.call(self.engine.free, rid)
 
-    def end_kv_span(self, rid: str, acked: bool, error: str = "", **attributes) -> None:
-        span = self.kv_spans.pop(rid, None)
+    def end_kv_span(self, held: Job, acked: bool, error: str = "", **attributes) -> None:
+        span, held.kv_span = held.kv_span, None
         if span is not None:
             span.set_attributes({"acked": acked, "error": error, **attributes})
             span.end()
@@ -371,18 +370,18 @@ class PrefillWorker:
         held = self.sender.handoffs.get(rid)
         if held is not None and held.job.attempt < before:
             await self.sender.cancel(rid, CANCELLED)
-        entry, seq = self.jobs.get(rid), self.engine.seqs.get(rid)
-        if entry is not None and entry[0].attempt < before and seq is not None and seq.status is Status.WAITING:
+        taken, seq = self.jobs.get(rid), self.engine.seqs.get(rid)
+        if (taken is not None and taken.computing and taken.job.attempt < before and seq is not None
+                and seq.status is Status.WAITING):
             await self.host.call(self.engine.abort, rid)
-            entry = self.jobs.pop(rid, None)
-            if entry is None:  # its last pass finished meanwhile: the handoff owns it, ends on the cancel
+            span, taken.compute_span = taken.compute_span, None
+            if span is None:  # its last pass finished meanwhile: the handoff owns it, ends on the cancel
                 return
             self.sender.drop(rid)
-            self.end_kv_span(rid, acked=False, error="cancelled")
-            job, span = entry
+            self.end_kv_span(taken, acked=False, error="cancelled")
             span.add_event("cancelled")
             span.end()
-            await self.ack_job(rid)
+            await self.ack_job(taken)
 
 def main(settings: PrefillSettings | None = None) -> None:
     """The prefill worker with `settings` (`pdserve prefill`: its flags), else from the environment."""

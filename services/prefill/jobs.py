@@ -1,0 +1,51 @@
+"""What a prefill worker holds of each job it took: one record per request, from its prompt
+queued on the engine to the job's ack (handed off, refused, cancelled, or finished on its
+first token). The event loop alone reads and writes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nats.aio.msg import Msg
+from opentelemetry import trace
+
+from shared.messages import PrefillJob
+
+
+@dataclass(eq=False)
+class Job:
+    job: PrefillJob
+    msg: Msg                         # its delivery, acked once the job is over
+    compute_span: trace.Span | None  # `prefill.compute` while its prompt is computed; then its handoff owns it
+    kv_span: trace.Span | None       # `kv.transfer`, until its handoff ends
+    computed_at: float = 0.0         # when its last layer was computed (monotonic; 0: not yet)
+
+    @property
+    def computing(self) -> bool:
+        return self.compute_span is not None
+
+
+class Jobs:
+    def __init__(self) -> None:
+        self.held: dict[str, Job] = {}
+
+    def open(self, job: PrefillJob, msg: Msg, compute_span: trace.Span, kv_span: trace.Span) -> None:
+        self.held[job.request_id] = Job(job, msg, compute_span, kv_span)
+
+    def get(self, rid: str) -> Job | None:
+        return self.held.get(rid)
+
+    def close(self, held: Job) -> bool:
+        """`held` is over: dropped; whether it was held until now."""
+        if self.held.get(held.job.request_id) is not held:
+            return False
+        del self.held[held.job.request_id]
+        return True
+
+    def computing(self) -> int:
+        """Jobs whose prompt is being computed (the handoffs under way not counted)."""
+        return sum(j.computing for j in self.held.values())
+
+    def all(self) -> list[Job]:
+        return list(self.held.values())
