@@ -32,7 +32,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.load.workloads import text
+from planner.workloads import text
 from services.router.policy import PrefillCandidate, choose_prefill_by_cost
 
 BLOCK_TOKENS = 512

@@ -22,8 +22,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Literal
 
-from bench.load.metrics import Timing
 from planner.cost import Cost
+from planner.metrics import Timing
 from planner.worker import Knobs, Req, Worker
 from services.router import placement
 from services.router.placement import Ask, Books, Fleet, Placement, Rules
@@ -81,7 +81,7 @@ class Outcome:
         return out
 
     def timings(self, kind: str | None = None, overhead_s: float = 0.0) -> list[Timing]:
-        """As the load generator's client would have seen them (bench/load/metrics.py)."""
+        """As the load generator's client would have seen them (planner/metrics.py)."""
         out = []
         for r in self.requests:
             if kind is not None and r.kind != kind:
@@ -206,7 +206,7 @@ class Cluster:
 
 
 def as_sim(reqs) -> list[tuple[float, int, int, str]]:
-    """The load generator's requests (bench/load/workloads.Request) as `simulate` takes them."""
+    """The load generator's requests (planner/workloads.Request) as `simulate` takes them."""
     return [(r.at, len(r.prompt), r.max_tokens, r.kind) for r in reqs]
 
 

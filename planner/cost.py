@@ -1,4 +1,4 @@
-"""Cost models of one worker shape, fitted to a profile's points (planner/profile.py): pure
+"""Cost models of one worker shape, fitted to a profile's points (bench/profile.py): pure
 functions of plain numbers.
 
 - A prefill pass of chunks (new tokens n_i after c_i tokens already computed or cached):
@@ -28,7 +28,7 @@ DECODE_BATCHES = (1, 2, 4, 8, 16, 32)  # one sequence to two: a matrix-vector pr
 DECODE_CONTEXTS = (64, 256, 1024)
 
 
-STACKS = ("colocated", "disaggregated")  # the control plane is measured on each (planner/profile.py)
+STACKS = ("colocated", "disaggregated")  # the control plane is measured on each (bench/profile.py)
 
 
 def control_plane(profile: dict, stack: str) -> dict:
@@ -82,7 +82,7 @@ def fit(raw: dict) -> dict:
 
 
 def level(shape: dict, probe: dict) -> dict:
-    """How much slower (> 1) or faster this machine ran a shape's probe (planner/profile.probe:
+    """How much slower (> 1) or faster this machine ran a shape's probe (bench/profile.probe:
     some of its points measured again) than its profile: the geometric mean over the points
     both hold of measured again / profiled, for prefill passes and decode steps apart."""
     def ratio(kind: str, key) -> float:

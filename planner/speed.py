@@ -16,7 +16,7 @@ import json
 import time
 from pathlib import Path
 
-from bench.load import workloads
+from planner import workloads
 from planner.cluster import Layout, as_sim, simulate
 from planner.cost import Cost
 from planner.plan import AZURE, RESULTS

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import nats.errors
 
-from bench.load.arrivals import arrival_times
 from bench.scale.check import Placement
 from bench.scale.plan import MODEL, Probe
+from planner.arrivals import arrival_times
 from shared import subjects
 from shared.bus import Bus
 from shared.messages import RouteReply, RouteRequest, Sampling

@@ -22,7 +22,7 @@ from typing import TextIO
 
 import numpy as np
 
-from bench.load.arrivals import arrival_times
+from planner.arrivals import arrival_times
 
 TOKEN_RANGE = (1000, 30000)
 MOONCAKE_BLOCK = 512

@@ -1,6 +1,6 @@
 """The engine's cost on this hardware, for the capacity planner: `make profile`.
 
-    python -m planner.profile [--threads 1,2] [--reps 2] [--no-stack]
+    python -m bench.profile [--threads 1,2] [--reps 2] [--no-stack]
 
 Measured with the real model (SmolLM2) in fresh processes, one per worker shape:
 - prefill passes: time against new prompt tokens, tokens already cached (a prefix computed
@@ -35,6 +35,7 @@ from pathlib import Path
 
 from bench.children import children, in_process
 from planner import cost
+from planner.device import device_name
 from shared.progress import progress
 
 RESULTS = Path(__file__).parents[1] / "bench" / "results"
@@ -210,9 +211,9 @@ def control_plane(stack: str, requests: int = 10) -> dict:
 
     from bench.interference.stacks import arms
     from bench.load.client import run
-    from bench.load.workloads import Request
     from bench.stack_overhead import MESSAGES, engine_ttft, stack_ttft
     from deploy.local.stack import Stack
+    from planner.workloads import Request
     from shared.engine.config import EngineConfig
     from shared.engine.engine import Engine
     from shared.engine.loader import load
@@ -235,13 +236,6 @@ def control_plane(stack: str, requests: int = 10) -> dict:
     threads = cfg.threads or 1
     return {"threads": threads, "shape": cost.shape_name(threads, threads < len(os.sched_getaffinity(0))),
             "context": 16 + STACK_TOKENS // 2, "ttft_overhead_s": statistics.median(over), "decode": steps}
-
-
-def device_name() -> str:
-    import torch
-    if torch.cuda.is_available():
-        return "cuda-" + torch.cuda.get_device_name().lower().replace(" ", "-")
-    return "cpu"
 
 
 def main() -> None:
