@@ -19,12 +19,14 @@ import gc
 import heapq
 import itertools
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
 from planner.cost import Cost
 from planner.metrics import Timing
 from planner.worker import Knobs, Req, Worker
+from planner.workloads import Request
 from services.router import placement
 from services.router.placement import Ask, Books, Fleet, Placement, Rules
 
@@ -123,7 +125,7 @@ class Cluster:
         self.room: dict[Worker, None] = dict.fromkeys(self.decodes)
         self.now = 0.0
 
-    def at(self, t: float, fn, *args) -> None:
+    def at(self, t: float, fn: Callable[..., None], *args: object) -> None:
         heapq.heappush(self._events, (t, next(self._order), fn, args))
 
     def run(self, requests: list[Req]) -> Outcome:
@@ -205,7 +207,7 @@ class Cluster:
             self.backlog.pop(0)
 
 
-def as_sim(reqs) -> list[tuple[float, int, int, str]]:
+def as_sim(reqs: Iterable[Request]) -> list[tuple[float, int, int, str]]:
     """The load generator's requests (planner/workloads.Request) as `simulate` takes them."""
     return [(r.at, len(r.prompt), r.max_tokens, r.kind) for r in reqs]
 

@@ -79,7 +79,8 @@ def search(layout: Layout, trace: list[workloads.Request], slo: Slo, seconds: fl
         n = max(8, round(rate * seconds))
         reqs = workloads.retimed([trace[order[i % len(order)]] for i in range(n)], rate, seed=seed)
         return point(layout, as_sim(reqs), slo, rate)
-    points, rate = [], 0.05 * layout.workers
+    points: list[dict] = []
+    rate = 0.05 * layout.workers
     while len(points) < 40:
         points.append(attained(rate))
         if points[-1]["slo_attainment"] < TARGET:

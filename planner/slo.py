@@ -7,6 +7,7 @@ expected batch (`relative`). The absolute form stays available; both print the s
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,7 +47,7 @@ def weighted_percentile(counts: dict[float, int], p: float) -> float:
     return percentile_of(list(counts), list(counts.values()), p)
 
 
-def percentile_of(values, counts, p: float) -> float:
+def percentile_of(values: Sequence[float], counts: Sequence[int], p: float) -> float:
     """The p-th percentile of `values`, each counted `counts[i]` times."""
     if not len(values):
         return 0.0
@@ -75,7 +76,8 @@ def point(layout: Layout, requests: list[tuple[float, int, int, str]], slo: Slo,
             "queued_tokens": s["queued_tokens"], "running": s["running"]}
 
 
-def goodput(layout: Layout, at_rate, rates: list[float], slo: Slo) -> dict:
+def goodput(layout: Layout, at_rate: Callable[[float], list[tuple[float, int, int, str]]], rates: list[float],
+            slo: Slo) -> dict:
     """SLO attainment at each rate (`at_rate(rate)`: the requests arriving at that rate) and the
     goodput: the highest rate with >= 90% attainment (planner/metrics.rate_at_attainment)."""
     points = [point(layout, at_rate(rate), slo, rate) for rate in rates]
