@@ -53,7 +53,8 @@ test-clients: setup
 	PD_CLIENTS_REQUIRED=1 PD_CLIENTS_RESULTS=bench/results/clients.json $(BIN)/python -m pytest -q -m clients \
 		--durations=15 tests/clients; status=$$?; $(BIN)/python -m bench.clients_readme; exit $$status
 
-## lint: ruff (style, import order, likely bugs) over the repository, mypy over shared/ and services/;
+## lint: ruff (style, import order, likely bugs) over the repository; mypy over every Python folder (shared/,
+##   services/, deploy/, planner/, bench/, scripts/: pyproject.toml's files), each function annotated outside bench/;
 ##   CI runs it before the tests
 lint: setup
 	$(BIN)/ruff check .

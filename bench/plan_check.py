@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from bench.interference import run as interference
 from bench.interference import stacks
@@ -177,7 +178,7 @@ def main() -> None:
 
     slo = Slo(rp["slo"]["ttft_s"], rp["slo"]["tpot_s"])
     victim_slo = Slo(va["slo"]["ttft_s"], va["slo"]["tpot_s"])
-    arms = {}
+    arms: dict[str, dict[str, Any]] = {}
     levels = {} if args.no_drift else {name: drift(profile, m["probes"]) for name, m in measured["arms"].items()
                                         if m.get("probes")}
     for name, layout in bench_layouts(profile, measured["machine"]["cpus"], levels).items():

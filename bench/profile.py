@@ -32,6 +32,7 @@ import random
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 from bench.children import children, in_process
 from planner import cost
@@ -46,7 +47,7 @@ BATCHED = [(4, 64), (8, 32), (16, 16), (4, 256)]          # (prompts in one pass
 DECODE = [(b, n) for b in cost.DECODE_BATCHES for n in cost.DECODE_CONTEXTS]  # (batch, context per sequence)
 DECODE_STEPS = 3
 # the points `probe` measures again: a short and a middling prompt, and decode steps at 1, 4 and 16
-PROBE = ([(64, 0), (256, 0)], [], [(1, 256), (4, 256), (16, 256)])
+PROBE: tuple[list[tuple[int, int]], ...] = ([(64, 0), (256, 0)], [], [(1, 256), (4, 256), (16, 256)])
 KV_BLOCKS = 2304
 STACK_TOKENS = 48  # tokens of each stream through the stack
 
@@ -222,6 +223,7 @@ def control_plane(stack: str, requests: int = 10) -> dict:
     torch.set_num_threads(cfg.threads or 1)
     loaded = load("smollm2")
     engine = Engine(loaded, EngineConfig(num_blocks=256))
+    assert loaded.tokenizer is not None
     ids = loaded.tokenizer.encode(loaded.tokenizer.apply_chat_template(MESSAGES))
 
     steps = []
@@ -265,7 +267,7 @@ def main() -> None:
         shapes[name] = {"threads": threads, "neighbour": neighbour, **raw, **cost.fit(raw)}
         print(f"{name:>14}: prefill {cost.describe_prefill(shapes[name])}; "
               f"decode {cost.describe_decode(shapes[name])} ({time.monotonic() - t0:.0f} s)", flush=True)
-    out = {"device": device_name(), "machine": {"cpus": ncpu, "platform": platform.platform(),
+    out: dict[str, Any] = {"device": device_name(), "machine": {"cpus": ncpu, "platform": platform.platform(),
                                                 "processor": platform.processor()},
            "model": "SmolLM2-135M-Instruct fp32", "shapes": shapes, "handoff": cost.fit_handoff(handoff())}
     print(f"handoff: {out['handoff']['fixed_s'] * 1e3:.2f} ms + {out['handoff']['gbps']:.2f} GB/s", flush=True)

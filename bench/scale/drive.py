@@ -68,8 +68,8 @@ async def route_spans(receiver: OtlpReceiver, ids: set[str], timeout_s: float = 
     """The router.route span of each request in `ids` (exporters batch: wait for them)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        found = {s.attributes.get("request_id"): s for s in list(receiver.spans) if s.name == "router.route"}
-        found = {k: v for k, v in found.items() if k in ids}
+        by_id = {s.attributes.get("request_id"): s for s in list(receiver.spans) if s.name == "router.route"}
+        found = {k: v for k, v in by_id.items() if k is not None and k in ids}
         if len(found) == len(ids) or time.monotonic() > deadline:
             return found
         await asyncio.sleep(0.25)
