@@ -53,7 +53,8 @@ test-clients: setup
 	PD_CLIENTS_REQUIRED=1 PD_CLIENTS_RESULTS=bench/results/clients.json $(BIN)/python -m pytest -q -m clients \
 		--durations=15 tests/clients; status=$$?; $(BIN)/python -m bench.clients_readme; exit $$status
 
-## lint: ruff (style, import order, likely bugs) over the repository, mypy over shared/ and services/;
+## lint: ruff (style, import order, likely bugs) over the repository; mypy over every Python folder (shared/,
+##   services/, deploy/, planner/, bench/, scripts/: pyproject.toml's files), each function annotated outside bench/;
 ##   CI runs it before the tests
 lint: setup
 	$(BIN)/ruff check .
@@ -147,7 +148,7 @@ bench-prefill-chunk: setup
 ##   alone and beside a busy neighbour, the KV handoff, the control plane; ~6 minutes on 2 cores);
 ##   writes bench/results/profile-<device>.json
 profile: setup
-	$(BIN)/python -m planner.profile $(PROFILE_ARGS)
+	$(BIN)/python -m bench.profile $(PROFILE_ARGS)
 	$(BIN)/python -m bench.plan_readme
 
 ## plan: how many prefill and decode workers for a trace and its SLOs, simulated from the profile (every colocated and
@@ -160,8 +161,8 @@ plan: setup
 ## plan-check: the simulator's predictions of make bench's three arms and a 1P:2D split against the arms measured right
 ##   after the profile, in one sitting, each arm between two probes of its speed (~40 minutes on 2 cores); writes bench/results/profile-<device>.json and plan_check.json
 plan-check: setup
-	$(BIN)/python -m planner.profile
-	$(BIN)/python -m planner.check
+	$(BIN)/python -m bench.profile
+	$(BIN)/python -m bench.plan_check
 	$(BIN)/python -m bench.plan_readme
 
 ## compose-up / compose-down: the Docker Compose stack (NATS, Redis, Jaeger, Prometheus, Grafana, the services)
@@ -177,7 +178,7 @@ compose-down:
 ##   (run on a GPU machine; the profile and plan steps have not yet run on one)
 gpu-check:
 	$(BIN)/python scripts/gpu_check.py
-	$(BIN)/python -m planner.profile
+	$(BIN)/python -m bench.profile
 	$(BIN)/python -m planner.plan --workers 8
 
 clean:

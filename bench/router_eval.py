@@ -32,7 +32,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.load.workloads import text
+from planner.workloads import text
 from services.router.policy import PrefillCandidate, choose_soonest
 
 BLOCK_TOKENS = 512
@@ -102,6 +102,7 @@ def replay(requests: list[Request], policy: str, workers: int, cache_blocks: int
                                            len(w.blocks))
                           for w in pool]
             best, _ = choose_soonest(candidates, req.prompt_tokens, recompute_weight)
+            assert best is not None  # (the pool has workers)
             w = next(x for x in pool if x.worker_id == best.worker_id)
         cached, first = w.run(req, req.t, tokens_per_s)
         hit, total = hit + cached, total + req.prompt_tokens

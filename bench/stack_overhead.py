@@ -41,6 +41,7 @@ def stack_ttft(http: httpx.Client, model: str) -> float:
         for line in r.iter_lines():  # read to the end: the request finishes before the next one
             if ttft is None and line.startswith("data: {") and json.loads(line[6:])["choices"][0].get("token_ids"):
                 ttft = time.perf_counter() - start
+    assert ttft is not None, "no token in the stream"
     return ttft
 
 
@@ -69,6 +70,7 @@ def main() -> None:
 
     loaded = load("smollm2")
     engine = Engine(loaded, EngineConfig(num_blocks=256))
+    assert loaded.tokenizer is not None
     ids = loaded.tokenizer.encode(loaded.tokenizer.apply_chat_template(MESSAGES))
     cfg = StackConfig.on_free_ports(prefill=1, decode=1, colocated=args.colocated, threads=threads, kv_blocks=512)
     t0 = time.monotonic()

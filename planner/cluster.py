@@ -19,12 +19,14 @@ import gc
 import heapq
 import itertools
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from bench.load.metrics import Timing
 from planner.cost import Cost
+from planner.metrics import Timing
 from planner.worker import Knobs, Req, Worker
+from planner.workloads import Request
 from services.router import placement
 from services.router.placement import Ask, Books, Fleet, Placement, Rules
 
@@ -81,7 +83,7 @@ class Outcome:
         return out
 
     def timings(self, kind: str | None = None, overhead_s: float = 0.0) -> list[Timing]:
-        """As the load generator's client would have seen them (bench/load/metrics.py)."""
+        """As the load generator's client would have seen them (planner/metrics.py)."""
         out = []
         for r in self.requests:
             if kind is not None and r.kind != kind:
@@ -123,7 +125,7 @@ class Cluster:
         self.room: dict[Worker, None] = dict.fromkeys(self.decodes)
         self.now = 0.0
 
-    def at(self, t: float, fn, *args) -> None:
+    def at(self, t: float, fn: Callable[..., None], *args: object) -> None:
         heapq.heappush(self._events, (t, next(self._order), fn, args))
 
     def run(self, requests: list[Req]) -> Outcome:
@@ -205,8 +207,8 @@ class Cluster:
             self.backlog.pop(0)
 
 
-def as_sim(reqs) -> list[tuple[float, int, int, str]]:
-    """The load generator's requests (bench/load/workloads.Request) as `simulate` takes them."""
+def as_sim(reqs: Iterable[Request]) -> list[tuple[float, int, int, str]]:
+    """The load generator's requests (planner/workloads.Request) as `simulate` takes them."""
     return [(r.at, len(r.prompt), r.max_tokens, r.kind) for r in reqs]
 
 

@@ -1,4 +1,4 @@
-"""Cost models of one worker shape, fitted to a profile's points (planner/profile.py): pure
+"""Cost models of one worker shape, fitted to a profile's points (bench/profile.py): pure
 functions of plain numbers.
 
 - A prefill pass of chunks (new tokens n_i after c_i tokens already computed or cached):
@@ -19,6 +19,7 @@ dropped and the rest refitted), so a prediction never falls as work grows.
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -28,7 +29,7 @@ DECODE_BATCHES = (1, 2, 4, 8, 16, 32)  # one sequence to two: a matrix-vector pr
 DECODE_CONTEXTS = (64, 256, 1024)
 
 
-STACKS = ("colocated", "disaggregated")  # the control plane is measured on each (planner/profile.py)
+STACKS = ("colocated", "disaggregated")  # the control plane is measured on each (bench/profile.py)
 
 
 def control_plane(profile: dict, stack: str) -> dict:
@@ -56,7 +57,7 @@ def prefill_features(new: list[int], cached: list[int]) -> list[float]:
             float(len(new))]
 
 
-def _interp(xs, ys, x: float) -> float:
+def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     """Piecewise linear through (xs, ys), extended past both ends along the end segments."""
     i = min(max(bisect_left(xs, x) - 1, 0), len(xs) - 2)
     return ys[i] + (ys[i + 1] - ys[i]) * (x - xs[i]) / (xs[i + 1] - xs[i])
@@ -82,10 +83,10 @@ def fit(raw: dict) -> dict:
 
 
 def level(shape: dict, probe: dict) -> dict:
-    """How much slower (> 1) or faster this machine ran a shape's probe (planner/profile.probe:
+    """How much slower (> 1) or faster this machine ran a shape's probe (bench/profile.probe:
     some of its points measured again) than its profile: the geometric mean over the points
     both hold of measured again / profiled, for prefill passes and decode steps apart."""
-    def ratio(kind: str, key) -> float:
+    def ratio(kind: str, key: Callable[[dict], tuple]) -> float:
         then = {key(p): p["s"] for p in shape[kind]}
         logs = [np.log(p["s"] / then[key(p)]) for p in probe[kind] if key(p) in then]
         return float(np.exp(np.mean(logs))) if logs else 1.0

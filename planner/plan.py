@@ -10,7 +10,8 @@ P:D split of N (the router's default placement: PD_PLACEMENT=cheapest). For each
 (planner/) replays the trace's requests at rising Poisson rates until fewer than 90% meet the
 SLOs; goodput is the highest rate at which 90% do (DistServe's definition, as `make bench`).
 Prints a table, the recommendation beside the best colocated configuration, and the signal each
-pool's autoscaler should follow; writes bench/results/plan-<trace>-<device>-<N>w.json and .png.
+pool's autoscaler should follow; writes plan-<trace>-<device>-<N>w.json and .png to --out
+(default bench/results).
 Predictions of a simulation: `make plan-check` says how close they come on this machine.
 """
 
@@ -22,9 +23,10 @@ import random
 import time
 from pathlib import Path
 
-from bench.load import workloads
+from planner import workloads
 from planner.cluster import Layout, as_sim
 from planner.cost import STACKS, Cost, control_plane
+from planner.device import device_name
 from planner.slo import Slo, point, relative
 from planner.worker import Knobs
 from shared.progress import progress
@@ -77,7 +79,8 @@ def search(layout: Layout, trace: list[workloads.Request], slo: Slo, seconds: fl
         n = max(8, round(rate * seconds))
         reqs = workloads.retimed([trace[order[i % len(order)]] for i in range(n)], rate, seed=seed)
         return point(layout, as_sim(reqs), slo, rate)
-    points, rate = [], 0.05 * layout.workers
+    points: list[dict] = []
+    rate = 0.05 * layout.workers
     while len(points) < 40:
         points.append(attained(rate))
         if points[-1]["slo_attainment"] < TARGET:
@@ -134,9 +137,9 @@ def parse(argv: list[str] | None = None, prog: str | None = None) -> argparse.Na
     ap.add_argument("--seconds", type=float, default=60, help="seconds of arrivals per simulated rate")
     ap.add_argument("--requests", type=int, default=2000, help="trace rows used (cycled)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=RESULTS, help="folder the JSON and the plot go to")
     args = ap.parse_args(argv)
     if args.profile is None:
-        from planner.profile import device_name
         args.profile = RESULTS / f"profile-{device_name()}.json"
     return args
 
@@ -214,10 +217,16 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     out = {"trace": args.trace.name, "scale": args.scale, "profile": args.profile.name, "device": profile["device"],
            "machine": profile["machine"], "workers": args.workers, "seconds_per_rate": args.seconds,
            "simulated": True, "configs": rows, "summary": summary}
-    (RESULTS / f"{stem}.json").write_text(json.dumps(out, indent=1) + "\n")
-    plot(rows, RESULTS / f"{stem}.png", f"{args.trace.name} / {args.scale:g}, {profile['device']}, "
-         f"{args.workers} workers (simulated)\nTTFT <= {slo.ttft_s:.2f} s, TPOT <= {slo.tpot_s * 1e3:.0f} ms")
-    print(f"wrote {RESULTS / stem}.json and .png in {summary['simulated_s']:.0f} s")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{stem}.json").write_text(json.dumps(out, indent=1) + "\n")
+    wrote = f"{args.out / stem}.json"
+    try:
+        plot(rows, args.out / f"{stem}.png", f"{args.trace.name} / {args.scale:g}, {profile['device']}, "
+             f"{args.workers} workers (simulated)\nTTFT <= {slo.ttft_s:.2f} s, TPOT <= {slo.tpot_s * 1e3:.0f} ms")
+        wrote += " and .png"
+    except ImportError:  # matplotlib: a dev dependency, not in the image
+        wrote += " (no plot: matplotlib not installed)"
+    print(f"wrote {wrote} in {summary['simulated_s']:.0f} s")
 
 if __name__ == "__main__":
     main()

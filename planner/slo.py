@@ -7,13 +7,14 @@ expected batch (`relative`). The absolute form stays available; both print the s
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from bench.load.metrics import percentiles, rate_at_attainment, summarize
 from planner.cluster import Layout, Outcome, simulate
 from planner.cost import Cost
+from planner.metrics import percentiles, rate_at_attainment, summarize
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ def relative(cost: Cost, prompts: list[int], ttft_x: float, tpot_x: float, batch
 
 
 def from_reference(ref: dict, p90: int, p50: int, batch: int, ttft_x: float, tpot_x: float) -> Slo:
-    """The same from isolated measurements (planner/profile.reference)."""
+    """The same from isolated measurements (bench/profile.reference)."""
     return Slo(ttft_x * ref["prefill_s"], tpot_x * ref["decode_step_s"],
                f"{ttft_x:g} x prefill of the p90 prompt ({p90} tok) alone, {tpot_x:g} x a decode step at batch "
                f"{batch} ({p50}-token contexts), measured here")
@@ -46,7 +47,7 @@ def weighted_percentile(counts: dict[float, int], p: float) -> float:
     return percentile_of(list(counts), list(counts.values()), p)
 
 
-def percentile_of(values, counts, p: float) -> float:
+def percentile_of(values: Sequence[float], counts: Sequence[int], p: float) -> float:
     """The p-th percentile of `values`, each counted `counts[i]` times."""
     if not len(values):
         return 0.0
@@ -57,7 +58,7 @@ def percentile_of(values, counts, p: float) -> float:
 
 
 def score(out: Outcome, slo: Slo, overhead_s: float, kind: str | None = None) -> dict:
-    """bench/load/metrics.py's summary of a simulated run, plus the ITL tail from every gap."""
+    """planner/metrics.py's summary of a simulated run, plus the ITL tail from every gap."""
     s = summarize(out.timings(kind, overhead_s), out.duration_s, slo.ttft_s, slo.tpot_s)
     picked = [g for k, g in out.gaps.items() if kind is None or k == kind]
     values = [v for vs, _ in picked for v in vs]
@@ -75,9 +76,10 @@ def point(layout: Layout, requests: list[tuple[float, int, int, str]], slo: Slo,
             "queued_tokens": s["queued_tokens"], "running": s["running"]}
 
 
-def goodput(layout: Layout, at_rate, rates: list[float], slo: Slo) -> dict:
+def goodput(layout: Layout, at_rate: Callable[[float], list[tuple[float, int, int, str]]], rates: list[float],
+            slo: Slo) -> dict:
     """SLO attainment at each rate (`at_rate(rate)`: the requests arriving at that rate) and the
-    goodput: the highest rate with >= 90% attainment (bench/load/metrics.rate_at_attainment)."""
+    goodput: the highest rate with >= 90% attainment (planner/metrics.rate_at_attainment)."""
     points = [point(layout, at_rate(rate), slo, rate) for rate in rates]
     return {"points": points,
             "goodput_rate": rate_at_attainment([(p["rate"], p["slo_attainment"]) for p in points], 0.9)}

@@ -16,7 +16,7 @@ import json
 import time
 from pathlib import Path
 
-from bench.load import workloads
+from planner import workloads
 from planner.cluster import Layout, as_sim, simulate
 from planner.cost import Cost
 from planner.plan import AZURE, RESULTS
@@ -29,7 +29,7 @@ def faster(cost: Cost, k: float) -> Cost:
                                decode_grid=tuple(tuple(s / k for s in row) for row in cost.decode_grid),
                                handoff_fixed_s=cost.handoff_fixed_s / k,
                                handoff_bytes_per_s=cost.handoff_bytes_per_s * k,
-                               service_step_s=tuple(c / k for c in cost.service_step_s))
+                               service_step_s=(cost.service_step_s[0] / k, cost.service_step_s[1] / k))
 
 
 def main() -> None:

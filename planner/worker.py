@@ -24,9 +24,13 @@ import heapq
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from planner.cost import Cost
 from shared.engine.scheduler import mixed_budget, prefill_chunks, prefill_next, prefill_order
+
+if TYPE_CHECKING:
+    from planner.cluster import Cluster
 
 
 @dataclass(frozen=True)
@@ -77,7 +81,7 @@ class Worker:
     role: str                  # colocated | prefill | decode
     cost: Cost
     knobs: Knobs
-    sim: object                # the cluster (planner/cluster.py): schedules events, hears of results
+    sim: Cluster               # schedules events, hears of results
     queue: list[Req] = field(default_factory=list)   # prompts to prefill here, first come first
     importing: int = 0         # (decode) sequences whose KV is on its way
     # decode batch: (finish step, id, request); tokens so far = steps - joined step (+1 first)
@@ -248,7 +252,7 @@ class Worker:
     def _admit(r: Req) -> bool:
         return True  # its blocks were booked when it was placed (the router saw room for it)
 
-    def _prefilled(self, now: float, version: int, chunks, started: float, mixed: bool) -> None:
+    def _prefilled(self, now: float, version: int, chunks: list[tuple[Req, int]], started: float, mixed: bool) -> None:
         """A prefill pass ended (`mixed`: with a decode step of the batch in it)."""
         if version != self.version:
             return
@@ -289,6 +293,7 @@ class Worker:
         new: dict[str, int] = {}
         for r in self.fresh:           # their first gap: from the first token (or the handoff)
             values, counts = gaps[r.kind]
+            assert r.last_at is not None
             values.append(first - r.last_at)
             counts.append(1)
             new[r.kind] = new.get(r.kind, 0) + 1

@@ -26,7 +26,8 @@ import torch
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.kernels import torch_ref, triton_kernels
-from shared.engine.loader import load
+from shared.engine.kv_io import KVPiece
+from shared.engine.loader import LoadedModel, load
 from shared.engine.sequence import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -73,6 +74,7 @@ def generate(engine: Engine, prompt: list[int], n: int) -> list[int]:
 def engine_on_cuda() -> dict:
     loaded = load("smollm2", dtype=torch.bfloat16, device="cuda")
     tok = loaded.tokenizer
+    assert tok is not None
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
     tri = Engine(loaded, EngineConfig(num_blocks=4096, device="cuda", kernels="triton"))
     ref = Engine(loaded, EngineConfig(num_blocks=4096, device="cuda", kernels="torch"))
@@ -107,13 +109,14 @@ def engine_on_cuda() -> dict:
         src = Engine(loaded, EngineConfig(num_blocks=4096, device="cuda", prefill_chunk=64))
         dst = Engine(loaded, EngineConfig(num_blocks=4096, device="cuda"))
         res = dst.reserve("s", long_prompt, params)
-        pieces = []
+        pieces: list[KVPiece] = []
         src.add_request("s", long_prompt, params, prefill_only=True)
         src.stream_kv("s", res.first_block, pieces.append)
         while not (outs := src.step()):
             pass
         shape, dtype = tuple(dst.runner.kv.shape[2:]), dst.runner.kv.dtype
         for piece in pieces:
+            assert piece.ready is not None  # (on CUDA: an event)
             piece.ready.synchronize()
             rows = codec.encode(encoding, piece.data)
             start = piece.first_block - res.first_block
@@ -142,7 +145,7 @@ def hbm_gbps() -> float:
     return 2 * x.numel() * 10 / (time.perf_counter() - start) / 1e9
 
 
-def decode_steps(loaded, prompt: list[int]) -> dict:
+def decode_steps(loaded: LoadedModel, prompt: list[int]) -> dict:
     """Decode step time at batch 1, 8, 32 with each kernel backend, beside the HBM bandwidth
     limit: the weights' bytes and the batch's KV bytes read once per step at the copy rate."""
     gbps, cfg = hbm_gbps(), loaded.config
@@ -176,6 +179,7 @@ def decode_steps(loaded, prompt: list[int]) -> dict:
 def kv_on_cuda() -> dict:
     loaded = load("smollm2", dtype=torch.bfloat16, device="cuda")
     text = " ".join(f"Entry {i}: the valve on line {i % 17} read {i * 13 % 97} bar." for i in range(400))
+    assert loaded.tokenizer is not None
     prompt = loaded.tokenizer.encode(text)[:2000]
     copies = gpu_kv.memcpy_gbps()
     kv = gpu_kv.kv_path(loaded, prompt, check)

@@ -11,18 +11,21 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
+from shared.engine.kv_io import KVPiece
+from shared.engine.loader import LoadedModel
 from shared.engine.sequence import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
 
-def _gbps(nbytes: int, fn, reps: int = 10) -> float:
+def _gbps(nbytes: int, fn: Callable[[], object], reps: int = 10) -> float:
     fn()
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -41,7 +44,8 @@ def memcpy_gbps(nbytes: int = 256 << 20) -> dict:
             "h2d_pageable_gbps": _gbps(nbytes, lambda: dev.copy_(pageable))}
 
 
-def _prefill(engine: Engine, rid: str, prompt: list[int], sink=None) -> tuple[int, float]:
+def _prefill(engine: Engine, rid: str, prompt: list[int], sink: Callable[[KVPiece], None] | None = None
+             ) -> tuple[int, float]:
     """The prompt's prefill; returns its first token and when its last pass returned."""
     engine.add_request(rid, prompt, PARAMS, prefill_only=True)
     if sink is not None:
@@ -58,9 +62,10 @@ def _run(engine: Engine) -> list[int]:
     return out
 
 
-def kv_path(loaded, prompt: list[int], check, rounds: int = 5) -> dict:
+def kv_path(loaded: LoadedModel, prompt: list[int], check: Callable[..., None], rounds: int = 5) -> dict:
     src = Engine(loaded, EngineConfig(num_blocks=4096, device="cuda", enable_prefix_cache=False))
-    alone, streamed, after, pieces = [], [], [], []
+    alone, streamed, after = [], [], []
+    pieces: list[KVPiece] = []
     for i in range(rounds + 1):  # round 0 warms up
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -71,7 +76,9 @@ def kv_path(loaded, prompt: list[int], check, rounds: int = 5) -> dict:
         pieces = []
         t0 = time.perf_counter()
         first, computed = _prefill(src, f"kv-{i}", prompt, pieces.append)
-        pieces[-1].ready.synchronize()  # (recorded in order on the KV stream)
+        ready = pieces[-1].ready
+        assert ready is not None  # (on CUDA: an event)
+        ready.synchronize()  # (recorded in order on the KV stream)
         landed = time.perf_counter()
         if i:
             alone.append(alone_s)
@@ -107,7 +114,7 @@ def kv_path(loaded, prompt: list[int], check, rounds: int = 5) -> dict:
     # device -> host of the same blocks through the KV stream, outside a pass
     ids = list(src.seqs[rid].block_table)
 
-    def d2h():
+    def d2h() -> None:
         for layer in range(src.model_config.num_layers):
             src.copies.to_host(src._blocks_view(layer, ids), None)
     d2h_gbps = _gbps(nbytes, d2h, reps=5)

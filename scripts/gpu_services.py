@@ -18,6 +18,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -66,7 +67,7 @@ def _streamed(stack: Stack, question: str) -> tuple[float, float]:
     return first - start, (chunks - 1) / max(time.perf_counter() - first, 1e-9)
 
 
-def services(device: str, check) -> dict:
+def services(device: str, check: Callable[..., None]) -> dict:
     """Runs the stack on `device`; reports each check through check(name, ok, detail)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     tok = load("smollm2").tokenizer

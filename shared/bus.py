@@ -11,6 +11,7 @@ import nats
 import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js.api import RetentionPolicy, StreamConfig
 from opentelemetry import context
 
@@ -68,7 +69,7 @@ class Bus:
     async def respond(self, request: Msg, msg: Message) -> None:
         await self.nc.publish(request.reply, msg.encode(), headers=tracing.inject())
 
-    async def subscribe(self, subject: str, handler: Callable[[Msg], Awaitable[None]], queue: str = ""):
+    async def subscribe(self, subject: str, handler: Callable[[Msg], Awaitable[None]], queue: str = "") -> Subscription:
         return await self.nc.subscribe(subject, queue=queue, cb=handler)
 
     async def queue_prefill(self, prefill_worker: str, job: PrefillJob, ctx: context.Context | None = None) -> None:

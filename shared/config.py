@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Self
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, CliSuppress, SettingsConfigDict
@@ -72,7 +72,7 @@ class Common(BaseSettings):
     RENAMED: ClassVar[dict[str, tuple[str, dict[Any, Any]]]] = {}
 
     @model_validator(mode="after")
-    def _renamed(self):
+    def _renamed(self) -> Self:
         for old, (new, values) in self.RENAMED.items():
             value = getattr(self, old)
             if value is not None and new not in self.model_fields_set:
@@ -92,7 +92,7 @@ class Common(BaseSettings):
         return notes
 
     @model_validator(mode="after")
-    def _served_id(self):
+    def _served_id(self) -> Self:
         self.model_name = self.model_name or model_id(self.model)
         return self
 
@@ -174,7 +174,7 @@ class GatewaySettings(Common):
 
 
     @model_validator(mode="after")
-    def _open_on_purpose(self):
+    def _open_on_purpose(self) -> Self:
         if not self.api_keys and not self.allow_open and not _loopback(self.gateway_host):
             raise ValueError(f"the gateway would serve {self.gateway_host} with no API keys: set PD_API_KEYS, or "
                              "PD_ALLOW_OPEN=1 to serve an open API on purpose")

@@ -13,11 +13,14 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import ParamSpec, TypeVar
 
 from shared import metrics
 from shared.engine.block_manager import CacheChange
-from shared.engine.engine import Engine, RequestOutput
+from shared.engine.engine import Engine, Pass, RequestOutput
 
+P = ParamSpec("P")
+T = TypeVar("T")
 RECENT_STEPS = 32
 
 
@@ -42,7 +45,7 @@ class EngineHost:
 
     async def step(self) -> list[RequestOutput]:
         """One engine step on the engine thread; measures prefill passes, hands on prefix-cache changes."""
-        def run():
+        def run() -> tuple[list[RequestOutput], list[CacheChange], Pass, float]:
             start = time.perf_counter()
             self.step_started, self.steps = time.monotonic(), self.steps + 1
             if self.fault_hang_after_steps and self.steps > self.fault_hang_after_steps:
@@ -75,7 +78,7 @@ class EngineHost:
         full_pass = self.engine.cfg.max_batched_tokens / self.prefill_tokens_per_s if self.prefill_tokens_per_s else 0.0
         return max(max(self.recent_steps, default=0.0), full_pass)
 
-    async def call(self, fn: Callable, *args, **kwargs):
+    async def call(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run `fn(*args, **kwargs)` on the engine thread, after every call queued before it."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._thread, functools.partial(fn, *args, **kwargs))

@@ -5,7 +5,7 @@ Encode with `.encode()`, decode with `Model.decode(b)`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Self
 
 from pydantic import BaseModel, ConfigDict
 
@@ -30,7 +30,7 @@ class Message(BaseModel):
         return self.model_dump_json().encode()
 
     @classmethod
-    def decode(cls, data: bytes):
+    def decode(cls, data: bytes) -> Self:
         return cls.model_validate_json(data, extra="ignore")
 
 

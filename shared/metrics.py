@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterable
 from wsgiref.simple_server import WSGIRequestHandler, make_server
+from wsgiref.types import StartResponse, WSGIEnvironment
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
@@ -108,7 +110,7 @@ def serve(port: int, host: str = "0.0.0.0") -> int:
         return 0
     scrape = make_wsgi_app(REGISTRY)
 
-    def app(environ, start_response):
+    def app(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         probe = probes.answer(environ.get("PATH_INFO", ""))
         if probe is None:
             return scrape(environ, start_response)
@@ -127,5 +129,5 @@ def serve(port: int, host: str = "0.0.0.0") -> int:
 
 
 class _Quiet(WSGIRequestHandler):
-    def log_message(self, format, *args):  # noqa: A002 - scrapes and probes are not logged
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - scrapes and probes are not logged
         pass

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import REGISTRY
+from prometheus_client import REGISTRY, Gauge
 from prometheus_client.metrics_core import Metric
 
 from shared import metrics
@@ -98,7 +98,7 @@ class VllmNames:
                 yield usage
 
 
-def _by_role_state(gauge) -> dict[tuple[str, str], float]:
+def _by_role_state(gauge: Gauge) -> dict[tuple[str, str], float]:
     return {(s.labels["role"], s.labels["state"]): s.value for f in gauge.collect() for s in f.samples}
 
 

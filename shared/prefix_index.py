@@ -29,6 +29,8 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable
 
+from redis.asyncio.client import Pipeline
+
 from shared.engine.block_manager import CacheChange
 from shared.messages import WorkerInfo
 from shared.state import Store
@@ -279,7 +281,7 @@ def by_worker(slots: dict[int, WorkerInfo], held: dict[int, int]) -> dict[str, t
     return {w.worker_id: (n, w.cached_blocks) for slot, n in held.items() if (w := slots.get(slot)) is not None}
 
 
-def queue_lookup(state: Store, p, hashes: list[int]) -> None:
+def queue_lookup(state: Store, p: Pipeline, hashes: list[int]) -> None:
     """Queue the lookup on pipeline `p` (run with `Store.pipelined`); its answer goes to `held_by_slot`."""
     p.evalsha(state.script(_LOOKUP).sha, 0, " ".join(f"{h % BUCKETS}:{field(h)}" for h in hashes))
 

@@ -42,7 +42,7 @@ def setup_logging(settings: Common, service: str) -> None:
 def run(main: Coroutine) -> None:
     """Run a service's main coroutine on uvloop (fewer microseconds per message hop), with the
     liveness stamp of its /health (shared/probes.py) turning beside it."""
-    async def with_probes():
+    async def with_probes() -> object:
         tick = asyncio.create_task(PROBES.tick())
         try:
             return await main

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from opentelemetry import context, propagate, trace
 from opentelemetry.processor.baggage import BaggageSpanProcessor
@@ -56,7 +57,7 @@ def extract(headers: dict[str, str] | None) -> context.Context:
 
 
 @contextmanager
-def continued(tracer: trace.Tracer, name: str, ctx: context.Context, **kwargs) -> Iterator[trace.Span]:
+def continued(tracer: trace.Tracer, name: str, ctx: context.Context, **kwargs: Any) -> Iterator[trace.Span]:
     """A span continuing `ctx` (a caller's or a message's context), made current with the whole
     of `ctx`: its baggage goes on with the trace (`start_as_current_span(context=ctx)` alone
     makes current the span only)."""

@@ -3,10 +3,12 @@ changes published, registry entry, draining), how the engine is built, and start
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import uuid
+from collections.abc import Callable
 from contextlib import AsyncExitStack
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
@@ -86,7 +88,13 @@ class WorkerCore:
         await self.state.registry.heartbeat(self.info(), lease_s=self.settings.lease_s)
 
 
-async def serve_worker(role: str, settings: WorkerSettings, worker_cls) -> None:
+class Serving(Protocol):
+    """A worker: serves until `stop`."""
+
+    async def serve(self, stop: asyncio.Event) -> None: ...
+
+
+async def serve_worker(role: str, settings: WorkerSettings, worker_cls: Callable[..., Serving]) -> None:
     """Build the engine, connect NATS, Redis and the UCX transport, run `worker_cls(...).serve`
     until SIGTERM/SIGINT, then unwind in reverse (transport closed, Redis closed, NATS drained)."""
     tracer = tracing.setup(role, settings.otlp_endpoint, settings.trace_baggage_keys)

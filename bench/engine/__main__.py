@@ -25,6 +25,8 @@ import platform
 import random
 import statistics
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -93,9 +95,10 @@ def arms(threads: int) -> tuple[dict, dict]:
     cfg = EngineConfig(num_blocks=2048, max_batched_tokens=2048, prefill_chunk=2048, max_num_seqs=64)
     loaded = {f: load("smollm2", weights=f) for f in ("fp32", "native")}
     engines = {f: Engine(m, cfg) for f, m in loaded.items()}
-    run = {f"pdserve {f}": (lambda n, s, e=e: ours_prefill(e, n, s), lambda b, k, s, e=e: ours_decode(e, b, k, s))
-           for f, e in engines.items()}
-    run["transformers"] = (lambda n, s: hf_prefill(hf, n, s), lambda b, k, s: hf_decode(hf, b, k, s))
+    # prefill(n, seed) -> s; decode(batch, steps, seed) -> s a step
+    run: dict[str, tuple[Callable[[int, int], float], Callable[[int, int, int], float | None]]] = {
+        f"pdserve {f}": (partial(ours_prefill, e), partial(ours_decode, e)) for f, e in engines.items()}
+    run["transformers"] = (partial(hf_prefill, hf), partial(hf_decode, hf))
     if LlamaCpp.available():
         cpp = LlamaCpp(str(path), threads)
         run["llama.cpp"] = (lambda n, s: cpp.prefill(random_prompt(n, s)),
@@ -147,7 +150,8 @@ def summarize(speeds: dict, quality: dict | None) -> dict:
     for n in map(str, PREFILLS):
         best = max(o["prefill_tok_s"][n] for o in ours.values())
         out[f"prefill_{n}_over_llamacpp"] = ratio(best, cpp and cpp["prefill_tok_s"][n])
-        out[f"prefill_{n}_format"] = max(ours, key=lambda f, n=n: ours[f]["prefill_tok_s"][n])
+        tok_s = {f: o["prefill_tok_s"][n] for f, o in ours.items()}
+        out[f"prefill_{n}_format"] = max(tok_s, key=tok_s.__getitem__)
     for b in map(str, BATCHES):
         out[f"native_over_fp32_decode_b{b}"] = ratio(ours["fp32"]["decode_ms"][b], ours["native"]["decode_ms"][b])
     if quality:

@@ -34,7 +34,8 @@ NEW = 12
 
 def greedy(loaded, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
     """The engine's greedy tokens for the prompts, run together."""
-    engine, got = Engine(loaded, EngineConfig(num_blocks=512)), {k: [] for k in prompts}
+    engine = Engine(loaded, EngineConfig(num_blocks=512))
+    got: dict[str, list[int]] = {k: [] for k in prompts}
     for k, ids in prompts.items():
         engine.add_request(k, ids, SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True))
     while engine.has_work():

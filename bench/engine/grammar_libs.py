@@ -153,6 +153,7 @@ def main() -> None:
     torch.set_num_threads(1)
     loaded = load("smollm2")
     tok, vocab = loaded.tokenizer, loaded.config.vocab_size
+    assert tok is not None
     eos = list(loaded.config.eos_token_ids)
     results: dict[str, dict] = {}
     for cls in (Xgrammar, Llguidance, OutlinesCore):

@@ -38,6 +38,7 @@ CITIES = ["Paris", "Tokyo", "Cairo", "Lima", "Sydney", "Toronto", "Berlin", "Mum
 
 def prompts(engine: Engine) -> list[list[int]]:
     tok = engine.tokenizer
+    assert tok is not None
     return [tok.encode(tok.apply_chat_template([{"role": "user", "content": f"Describe {c} as JSON."}]))
             for c in CITIES[:BATCH]]
 

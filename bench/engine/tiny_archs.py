@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 SEED = 1234
-COMMON = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.25,
-              bos_token_id=1, eos_token_id=2, pad_token_id=0)
+COMMON: dict[str, Any] = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                              initializer_range=0.25, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 WINDOW = 24
 
 
@@ -27,13 +31,14 @@ NOTES = {"llama": "untied embeddings", "llama-tied": "tied embeddings", "llama3-
          "gemma3": f"6 layers: {WINDOW}-token windows, the 6th global with linear RoPE x8"}
 
 
-def _llama(tied: bool = False, **rope):
+def _llama(tied: bool = False, **rope: Any) -> PretrainedConfig:
     from transformers import LlamaConfig
 
-    return LlamaConfig(**COMMON, tie_word_embeddings=tied, rope_theta=10000.0, **rope)
+    # (transformers' signatures omit the older keywords their configs still take: rope_theta, partial_rotary_factor)
+    return LlamaConfig(**COMMON, tie_word_embeddings=tied, rope_theta=10000.0, **rope)  # type: ignore[call-arg]
 
 
-def configs() -> dict[str, object]:
+def configs() -> dict[str, PretrainedConfig]:
     """name -> transformers config (a fresh object each call)."""
     from transformers import Gemma2Config, Gemma3TextConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
@@ -49,7 +54,8 @@ def configs() -> dict[str, object]:
         "mistral": MistralConfig(**COMMON, sliding_window=WINDOW),
         "qwen2": Qwen2Config(**COMMON, tie_word_embeddings=True),
         "qwen3": Qwen3Config(**COMMON, tie_word_embeddings=False),
-        "phi3": Phi3Config(**no_head_dim, hidden_act="silu", partial_rotary_factor=0.5, sliding_window=None),
+        "phi3": Phi3Config(**no_head_dim, hidden_act="silu", partial_rotary_factor=0.5,  # type: ignore[call-arg]
+                           sliding_window=None),
         "gemma2": Gemma2Config(**COMMON, sliding_window=WINDOW, query_pre_attn_scalar=16,
                                attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
         "gemma3": Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 6}, sliding_window=WINDOW,

@@ -30,8 +30,8 @@ from pathlib import Path
 
 from bench.interference.run import one_arm
 from bench.interference.stacks import arms
-from bench.load import workloads
 from deploy.local.stack import StackConfig
+from planner import workloads
 
 RESULTS = Path(__file__).parents[1] / "results" / "prefill-chunk.json"
 

@@ -27,7 +27,7 @@ Per arm, on one stack:
 2. Goodput: the Azure conversation trace (bench/data/azure_conv_2023.csv, lengths
    divided by --scale) replayed with Poisson arrivals at each of --rates for --replay-s
    seconds (its first rate x replay-s rows); SLO attainment per rate; goodput = the highest
-   rate with >= 90% of requests meeting both SLOs (bench.load.metrics.rate_at_attainment).
+   rate with >= 90% of requests meeting both SLOs (planner.metrics.rate_at_attainment).
    The SLOs come from this machine's own costs, measured before the arms (TTFT <= 4 x the p90
    prompt's prefill alone, TPOT <= 2 x a decode step at batch 8; `slo_for`), or are absolute
    (--replay-slo-ttft / --replay-slo-tpot); the seconds used are printed and written.
@@ -52,11 +52,11 @@ import numpy as np
 
 from bench.interference import report
 from bench.interference.stacks import arms, remote_arm
-from bench.load import workloads
 from bench.load.client import run
-from bench.load.metrics import Timing, percentiles, rate_at_attainment, summarize
+from bench.profile import reference
 from deploy.local.stack import Stack, StackConfig
-from planner.profile import reference
+from planner import workloads
+from planner.metrics import Timing, percentiles, rate_at_attainment, summarize
 from planner.slo import Slo, from_reference
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -176,7 +176,7 @@ def ttft_tail(times: list[float]) -> dict[str, float]:
 
 def slo_for(trace: list[workloads.Request], args) -> Slo:
     """The replay's SLOs: absolute when both bounds are given, else from this machine's own
-    isolated costs (planner/profile.reference: the trace's p90 prompt prefilled alone, a decode
+    isolated costs (bench/profile.reference: the trace's p90 prompt prefilled alone, a decode
     step at batch 8 of its median prompts, on all cores), so the same command means the same
     thing on a slower machine. Sets args.replay_slo_* to the seconds used."""
     if args.replay_slo_ttft is not None and args.replay_slo_tpot is not None:

@@ -20,9 +20,9 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.load import workloads
 from bench.load.client import run
-from bench.load.metrics import summarize
+from planner import workloads
+from planner.metrics import summarize
 
 
 def build(args) -> list[workloads.Request]:

@@ -15,8 +15,8 @@ import time
 
 import httpx
 
-from bench.load.metrics import Timing
-from bench.load.workloads import Request
+from planner.metrics import Timing
+from planner.workloads import Request
 
 
 async def one(http: httpx.AsyncClient, model: str, req: Request) -> Timing:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from bench.scale.plan import FleetWorker, Probe
 from services.router import placement
@@ -102,6 +103,10 @@ class Replay:
             self.truth[probe.index] = leading(probe.hashes, self.held)
         return self.truth[probe.index]
 
+    def held_by(self, probe: Probe, worker: str | None) -> int:
+        """Leading blocks of the probe's prompt cached on `worker` (none: 0)."""
+        return self.cached(probe).get(worker, 0) if worker is not None else 0
+
     def decide(self, p: Placement, assigned: dict[str, int], admitted: dict[str, int], turn: int = 0
                ) -> tuple[str | None, str | None]:
         """(decode worker, prefill worker) the router would pick; prefill None when local."""
@@ -140,7 +145,7 @@ class Window:
 
 def booked_tokens(p: Placement, replay: Replay) -> int:
     """What the router booked on its prefill worker: the prompt less what it saw cached there."""
-    seen = p.seen_cached if p.seen_cached is not None else replay.cached(p.probe).get(p.prefill, 0) * replay.bs
+    seen = p.seen_cached if p.seen_cached is not None else replay.held_by(p.probe, p.prefill) * replay.bs
     return len(p.probe.tokens) - seen
 
 
@@ -178,15 +183,14 @@ class Tally:
 
     def add(self, p: Placement, replay: Replay, assigned: dict[str, int], chosen: tuple[str | None, str | None]):
         decode, prefill = chosen
-        hits = replay.cached(p.probe)
         self.count += 1
         self.tokens += len(p.probe.tokens)
-        self.hit_router += hits.get(p.prefill, 0) * replay.bs
-        self.hit_policy += hits.get(prefill, 0) * replay.bs
+        self.hit_router += replay.held_by(p.probe, p.prefill) * replay.bs
+        self.hit_policy += replay.held_by(p.probe, prefill) * replay.bs
         self.same_prefill += prefill == p.prefill
         self.same_decode += decode == p.decode
         if p.seen_cached is not None:
-            self.exact.append(p.seen_cached == hits.get(p.prefill, 0) * replay.bs)
+            self.exact.append(p.seen_cached == replay.held_by(p.probe, p.prefill) * replay.bs)
         if p.seen_queued is not None and p.prefill:
             ok = p.seen_queued == replay.queued.get(p.prefill, 0) + assigned.get(p.prefill, 0)
             self.matched.append(ok)
@@ -196,7 +200,7 @@ class Tally:
         """The fractions; `hit_rate_same_as_policy`: False when the index answered wrong, None
         when the router's bookings could not be rebuilt."""
         n = max(self.count, 1)
-        out = {"placements": self.count, "hit_rate_router": self.hit_router / max(self.tokens, 1),
+        out: dict[str, Any] = {"placements": self.count, "hit_rate_router": self.hit_router / max(self.tokens, 1),
                "hit_rate_policy": self.hit_policy / max(self.tokens, 1), "same_prefill": self.same_prefill / n,
                "same_decode": self.same_decode / n,
                "index_exact": sum(self.exact) / len(self.exact) if self.exact else None,

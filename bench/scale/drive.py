@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import nats.errors
 
-from bench.load.arrivals import arrival_times
 from bench.scale.check import Placement
 from bench.scale.plan import MODEL, Probe
+from planner.arrivals import arrival_times
 from shared import subjects
 from shared.bus import Bus
 from shared.messages import RouteReply, RouteRequest, Sampling
@@ -68,8 +68,8 @@ async def route_spans(receiver: OtlpReceiver, ids: set[str], timeout_s: float = 
     """The router.route span of each request in `ids` (exporters batch: wait for them)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        found = {s.attributes.get("request_id"): s for s in list(receiver.spans) if s.name == "router.route"}
-        found = {k: v for k, v in found.items() if k in ids}
+        by_id = {s.attributes.get("request_id"): s for s in list(receiver.spans) if s.name == "router.route"}
+        found = {k: v for k, v in by_id.items() if k is not None and k in ids}
         if len(found) == len(ids) or time.monotonic() > deadline:
             return found
         await asyncio.sleep(0.25)

@@ -32,22 +32,30 @@ class FleetProcess:
                 limit=1 << 28)   # the admits' answer is one long line
         await self.expect("ready", timeout_s)
 
+    def _pipes(self) -> tuple[asyncio.StreamWriter, asyncio.StreamReader]:
+        """Its stdin and stdout (once started)."""
+        assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
+        return self.proc.stdin, self.proc.stdout
+
     async def fill(self, blocks: int, timeout_s: float = 1800) -> None:
         """Index filler blocks until the fleet indexes `blocks` in all; return once written."""
-        self.proc.stdin.write(f"fill {blocks}\n".encode())
-        await self.proc.stdin.drain()
+        stdin, _ = self._pipes()
+        stdin.write(f"fill {blocks}\n".encode())
+        await stdin.drain()
         await self.expect("filled", timeout_s)
 
     async def admits(self, timeout_s: float = 60) -> tuple[dict[str, tuple[int, int]], int]:
         """(request id -> (asked, answered) in wall-clock ns, of the admits answered since last
         asked; caches the fleet has rewritten whole since it started)."""
-        self.proc.stdin.write(b"admits\n")
-        await self.proc.stdin.drain()
+        stdin, _ = self._pipes()
+        stdin.write(b"admits\n")
+        await stdin.drain()
         answer = json.loads(await self.expect("{", timeout_s))
         return {rid: (asked, answered) for rid, asked, answered in answer["admits"]}, answer["rewrites"]
 
     async def expect(self, start: str, timeout_s: float) -> str:
-        line = (await asyncio.wait_for(self.proc.stdout.readline(), timeout_s)).decode()
+        _, stdout = self._pipes()
+        line = (await asyncio.wait_for(stdout.readline(), timeout_s)).decode()
         if not line.startswith(start):
             raise RuntimeError(f"the simulated fleet answered {line[:80]!r}, not {start!r}…; see {self.log_path}")
         return line
@@ -57,8 +65,9 @@ class FleetProcess:
         if self.proc is None or self.proc.returncode is not None:
             return
         try:
-            self.proc.stdin.write(b"quit\n")
-            await self.proc.stdin.drain()
+            stdin, _ = self._pipes()
+            stdin.write(b"quit\n")
+            await stdin.drain()
             await asyncio.wait_for(self.proc.wait(), timeout_s)
         except (TimeoutError, ConnectionError):
             self.proc.kill()

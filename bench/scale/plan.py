@@ -69,6 +69,7 @@ def assign_history(requests: list[Request], workers: int, capacity: int) -> list
                                        int(max(0.0, w.busy_until - r.t) * tokens_per_s), tokens_per_s, len(w.blocks))
                       for w in pool]
         best, _ = choose_soonest(candidates, r.prompt_tokens)
+        assert best is not None  # (the pool has workers)
         pool[int(best.worker_id)].run(r, r.t, tokens_per_s)
     return [list(w.blocks) for w in pool]
 

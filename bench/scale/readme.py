@@ -50,7 +50,7 @@ def section(data: dict) -> str:
     def mark(key: str) -> str:
         return {True: "met", False: "missed", None: "not measured"}[met.get(key)]
 
-    cores = next((r["cores"] for r in data["runs"] if r.get("cores")), {})
+    cores: dict = next((r["cores"] for r in data["runs"] if r.get("cores")), {})
     where = (f"the router processes pinned to core(s) {cores['router']} and everything else to "
              f"{cores['fleet']} (`bench/scale/pin.py`)" if cores else "everything on the same cores") \
         + ": nats-server, "

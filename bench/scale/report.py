@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 import numpy as np
@@ -52,7 +53,7 @@ def bottleneck(row: dict, cores: int) -> str:
            f"outside the benchmark {row['cpu_pct']['other']:.0f})"
 
 
-def find(runs: list[dict], workers: int, blocks: int, rate: float, replicas: int = 1) -> dict | None:
+def find(runs: list[dict], workers: int, blocks: int | None, rate: float | None, replicas: int = 1) -> dict | None:
     return next((r for r in runs if (r["workers"], r["blocks"], r["rate"], r["replicas"]) ==
                  (workers, blocks, rate, replicas)), None)
 
@@ -123,7 +124,7 @@ def summary(runs: list[dict], cores: int) -> dict:
     checked = [r["decisions"]["hit_rate_same_as_policy"] for r in runs
                if r["decisions"]["hit_rate_same_as_policy"] is not None]
     own_ratio, own_at, _ = growth(runs, "decision_own_ms", at=at or None)
-    s = {"decision_p99_ms_w256_b10m_r1000": target["decision_ms"]["p99"] if target else None,
+    s: dict[str, Any] = {"decision_p99_ms_w256_b10m_r1000": target["decision_ms"]["p99"] if target else None,
          "decision_p99_growth_w4_to_w256": ratio, "growth_measured_at": at, "growth_by_cell": by_cell,
          # the same without the wait for the simulated decode workers' admit answers
          "router_own_p99_growth_w4_to_w256": own_ratio if own_at == at else None,

@@ -137,7 +137,7 @@ def _socket_receiver(sizes, port_q, done_q, host):
         conn, _ = srv.accept()
         with conn:
             for size in sizes:
-                buf = memoryview(np.empty(size, dtype=np.uint8))
+                buf = np.empty(size, dtype=np.uint8).data  # (a memoryview of it)
                 for _ in range(reps_for(size) + 1):
                     got = 0
                     while got < size:
@@ -427,13 +427,13 @@ def main() -> None:
     print(f"{'payload':>14} " + " ".join(f"{m:>10}" for m in results))
     for s in sizes:
         print(f"{label(s):>14} " + " ".join(f"{results[m][s]:10.2f}" for m in results))
-    for e in filter(None, (exposed, exposed_2k, exposed_ucx)):
-        print(f"\nhandoff of a {e['prompt_tokens']}-token prompt streamed layer by layer ({e['path']}, median of "
-              f"{e['rounds']}): "
-              f"prefill alone {e['prefill_s'] * 1e3:.0f} ms; prefill + handoff until the decode side committed the "
-              f"verified KV {e['prefill_and_handoff_s'] * 1e3:.0f} ms; KV ready "
-              f"{e['kv_ready_after_prefill_s'] * 1e3:.1f} ms after the prefill's last pass; decode process busy "
-              f"{e['decode_side_cpu_cores']:.2f} cores meanwhile (receives are posted only for payloads on their way)")
+    for h in filter(None, (exposed, exposed_2k, exposed_ucx)):
+        print(f"\nhandoff of a {h['prompt_tokens']}-token prompt streamed layer by layer ({h['path']}, median of "
+              f"{h['rounds']}): "
+              f"prefill alone {h['prefill_s'] * 1e3:.0f} ms; prefill + handoff until the decode side committed the "
+              f"verified KV {h['prefill_and_handoff_s'] * 1e3:.0f} ms; KV ready "
+              f"{h['kv_ready_after_prefill_s'] * 1e3:.1f} ms after the prefill's last pass; decode process busy "
+              f"{h['decode_side_cpu_cores']:.2f} cores meanwhile (receives are posted only for payloads on their way)")
     print(f"int8 KV on the wire ({len(int8['per_prompt'])} held conversations, 32 greedy tokens each): " +
           ", ".join(f"{n} {r['agreement']:.2f} (max logit diff {r['max_logit_diff']:.3f})"
                     for n, r in int8["per_prompt"].items()))

@@ -4,6 +4,11 @@ conversation handed off exactly and through the int8 codec, then decoded greedil
 from __future__ import annotations
 
 import statistics
+from typing import TYPE_CHECKING, Any
+from unittest import mock
+
+if TYPE_CHECKING:
+    import torch
 
 
 def int8_quality(new_tokens: int = 32) -> dict:
@@ -19,8 +24,9 @@ def int8_quality(new_tokens: int = 32) -> dict:
 
     loaded = load("smollm2")
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    per_prompt = {}
+    per_prompt: dict[str, dict[str, Any]] = {}
     for name, messages in CONVERSATIONS.items():
+        assert loaded.tokenizer is not None
         prompt = loaded.tokenizer.encode(loaded.tokenizer.apply_chat_template(messages))
         runs = {}
         for encoding in ("native", "int8"):
@@ -35,15 +41,16 @@ def int8_quality(new_tokens: int = 32) -> dict:
                 rows = codec.encode(encoding, export.layer(layer))
                 kv = codec.decode(encoding, rows, tuple(pool.shape[2:]), pool.dtype)
                 dst.write_kv(layer, list(res.block_ids), kv)
-            logits, run = [], dst.runner.run
+            logits: list[torch.Tensor] = []
+            run = dst.runner.run
             def keep_logits(sched, hook=None, logits=logits, run=run):
                 logits.append(run(sched, hook))
                 return logits[-1]
-            dst.runner.run = keep_logits
-            out = dst.commit_import("r", outs[0].new_token_ids[0])
-            toks = list(out.new_token_ids)
-            while dst.has_work():
-                toks += [t for o in dst.step() for t in o.new_token_ids]
+            with mock.patch.object(dst.runner, "run", keep_logits):
+                out = dst.commit_import("r", outs[0].new_token_ids[0])
+                toks = list(out.new_token_ids)
+                while dst.has_work():
+                    toks += [t for o in dst.step() for t in o.new_token_ids]
             runs[encoding] = (toks, [x[0] for x in logits])
         (t0, l0), (t1, l1) = runs["native"], runs["int8"]
         same = next((i for i, (a, b) in enumerate(zip(t0, t1)) if a != b), len(t0))

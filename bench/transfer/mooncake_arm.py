@@ -109,7 +109,8 @@ def run(sizes: list[int], protocol: str = "tcp", idle_s: float = 5.0) -> dict:
     procs = [ctx.Process(target=_guarded, args=(_receiver, out_q, protocol, max(sizes), info_q, cmd_q, ack_q)),
              ctx.Process(target=_guarded, args=(_sender, out_q, protocol, sizes, idle_s, info_q, cmd_q, ack_q))]
     deadline = time.monotonic() + TIMEOUT_S
-    got, ok = {}, False
+    got: dict[str, object] = {}
+    ok = False
     try:
         for p in procs:
             p.start()

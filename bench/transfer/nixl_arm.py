@@ -91,7 +91,7 @@ def _run(role: str, args, md_q, done_q) -> dict:
                 if seen < want:
                     time.sleep(20e-6)
             done_q.put(size)
-        result = {}
+        result: dict[str, object] = {}
     else:
         remote_md, remote_addr = md_q.get(timeout=60)
         peer = agent.add_remote_agent(remote_md)
@@ -166,7 +166,7 @@ def main() -> None:
         try:
             for p in procs:
                 p.start()
-            results = {}
+            results: dict[str, dict] = {}
             while len(results) < 2:
                 try:
                     role, res = out_q.get(timeout=1)

@@ -71,7 +71,9 @@ async def _send(sizes, url, done_q, window):
     loop = asyncio.get_running_loop()
     out = {}
     for size in sizes:
-        regions = [segment.take(size) for _ in range(window)]  # as many as under way (the layers' KV)
+        taken = [segment.take(size) for _ in range(window)]  # as many as under way (the layers' KV)
+        regions = [r for r in taken if r is not None]
+        assert len(regions) == window, "the segment holds a window of each size"
         for _, region in regions:
             region[:] = 1
         notices = [json.dumps({"ref": ref.model_dump(), "size": size}).encode() for ref, _ in regions]

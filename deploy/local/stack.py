@@ -23,6 +23,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -63,7 +64,7 @@ class StackConfig:
     hosts: dict[str, Host] = field(default_factory=dict)     # by process name: where it runs (else 127.0.0.1)
 
     @classmethod
-    def on_free_ports(cls, **kw) -> StackConfig:
+    def on_free_ports(cls, **kw: Any) -> StackConfig:
         return cls(gateway_port=free_port(), nats_port=free_port(), redis_port=free_port(), **kw)
 
 
@@ -275,7 +276,7 @@ class Stack:
     def __enter__(self) -> Stack:
         return self.start()
 
-    def __exit__(self, exc_type, *exc) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         """Stops the stack; a run in which NATS or Redis refused one of the services an operation
         (a grant that misses a subject or a key the services use) fails here."""
         self.stop()

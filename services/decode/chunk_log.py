@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 
 from shared.messages import TokenChunk
 
@@ -21,7 +22,7 @@ Kept = tuple[int, int, bytes]  # seq, tokens it holds (at least 1), the encoded 
 
 class ChunkLog:
     def __init__(self, window: int = 2048, keep_s: float = 60.0, max_finished: int = 10_000,
-                 clock=time.monotonic):
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.window, self.keep_s, self.max_finished, self.clock = window, keep_s, max_finished, clock
         self.running: dict[str, deque[Kept]] = {}
         self.finished: OrderedDict[str, tuple[float, deque[Kept]]] = OrderedDict()  # rid: (when, chunks)

@@ -256,7 +256,7 @@ class DecodeWorker:
         # a prefill worker that gets this job later (it was down, or queued deep) drops it
         # (Redis away: that worker would only waste a prefill)
         self.state.requests.note(rid, "prefill_local", by=self.id, attempt=req.attempt,
-                        prompt_tokens=len(req.prompt_token_ids), reason=reason)
+                                 prompt_tokens=len(req.prompt_token_ids), reason=reason)
 
     async def keep_deadlines(self) -> None:
         """Each heartbeat, push on the deadlines of the requests that advanced here (one call
@@ -298,7 +298,7 @@ class DecodeWorker:
             metrics.PROMPT_TOKENS.labels("decode").inc(out.num_prompt_tokens)
             metrics.CACHED_TOKENS.labels("decode").inc(out.num_cached_tokens)
         self.state.requests.note(out.request_id, "decoding", by=self.id, attempt=held.attempt,
-                        prompt_tokens=out.num_prompt_tokens)
+                                 prompt_tokens=out.num_prompt_tokens)
 
     def finished(self, out: RequestOutput, held: DecodeRequest) -> None:
         """A request ended here (its last chunk published): its span closes with its pace."""

@@ -22,20 +22,21 @@ from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, D
 router = APIRouter()
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
 tokens = APIRouter(dependencies=[Depends(authorize)])  # vLLM's, beside /v1
+# response_model=None: a route's `-> dict` is for mypy, not a response schema of its OpenAPI document
 
 
 @v1.post("/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request, gw: GatewayDep):
+async def chat_completions(body: ChatCompletionRequest, request: Request, gw: GatewayDep) -> Response:
     return await generate(gw, request, body, "chat")
 
 
 @v1.post("/completions")
-async def completions(body: CompletionRequest, request: Request, gw: GatewayDep):
+async def completions(body: CompletionRequest, request: Request, gw: GatewayDep) -> Response:
     return await generate(gw, request, body, "text")
 
 
 @v1.post("/responses")
-async def responses(body: ResponsesRequest, request: Request, gw: GatewayDep):
+async def responses(body: ResponsesRequest, request: Request, gw: GatewayDep) -> Response:
     return await respond(gw, request, body)
 
 
@@ -44,19 +45,19 @@ def _model(gw: GatewayDep) -> dict:
             "max_model_len": gw.model_config.max_position}
 
 
-@v1.get("/models")
-async def models(gw: GatewayDep):
+@v1.get("/models", response_model=None)
+async def models(gw: GatewayDep) -> dict:
     return {"object": "list", "data": [_model(gw)]}
 
 
-@v1.get("/models/{model_id:path}")
-async def model(model_id: str, gw: GatewayDep):
+@v1.get("/models/{model_id:path}", response_model=None)
+async def model(model_id: str, gw: GatewayDep) -> dict:
     check_model(gw, model_id)
     return _model(gw)
 
 
-@tokens.post("/tokenize")
-async def tokenize(body: TokenizeRequest, gw: GatewayDep):
+@tokens.post("/tokenize", response_model=None)
+async def tokenize(body: TokenizeRequest, gw: GatewayDep) -> dict:
     """A text's tokens, or a conversation's through the chat template (as a chat request's)."""
     check_model(gw, body.model)
     if body.messages is not None:
@@ -68,33 +69,33 @@ async def tokenize(body: TokenizeRequest, gw: GatewayDep):
     return {"count": len(ids), "max_model_len": gw.model_config.max_position, "tokens": ids, "token_strs": None}
 
 
-@tokens.post("/detokenize")
-async def detokenize(body: DetokenizeRequest, gw: GatewayDep):
+@tokens.post("/detokenize", response_model=None)
+async def detokenize(body: DetokenizeRequest, gw: GatewayDep) -> dict:
     check_model(gw, body.model)
     if any(not 0 <= t < gw.model_config.vocab_size for t in body.tokens):
         raise APIError(400, "tokens has ids outside the vocabulary.", param="tokens")
     return {"prompt": gw.tokenizer.decode(body.tokens)}
 
 
-@router.get("/version")
-async def version():
+@router.get("/version", response_model=None)
+async def version() -> dict:
     return {"version": importlib.metadata.version("pdserve")}
 
 
 @router.get("/metrics", include_in_schema=False)
-async def metrics(request: Request):
+async def metrics(request: Request) -> Response:
     """Prometheus text, or OpenMetrics (with trace-id exemplars) when the scraper asks for it."""
     encode, content_type = choose_encoder(request.headers.get("accept", ""))
     return Response(encode(REGISTRY), media_type=content_type)
 
 
-@router.get("/health")
-async def health():
+@router.get("/health", response_model=None)
+async def health() -> dict:
     return {"status": "ok"}
 
 
 @router.get("/ready")
-async def ready(gw: GatewayDep):
+async def ready(gw: GatewayDep) -> JSONResponse:
     """Ready when NATS is connected and a router and the worker pools are registered."""
     try:
         workers = await gw.state.registry.workers()

@@ -50,14 +50,14 @@ def describe(errors: list[dict]) -> tuple[str, str | None, str | None]:
 
 def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, err: APIError):
+    async def _api_error(_: Request, err: APIError) -> JSONResponse:
         return response(err)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, err: RequestValidationError):
+    async def _validation(_: Request, err: RequestValidationError) -> JSONResponse:
         message, param, code = describe(json.loads(json.dumps(err.errors(), default=str)))
         return JSONResponse(body(400, message, param, code), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, err: StarletteHTTPException):
+    async def _http(_: Request, err: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(body(err.status_code, str(err.detail)), status_code=err.status_code)

@@ -66,7 +66,7 @@ def chat_ids(gw: Gateway, body: ChatCompletionRequest) -> list[int]:
                        param="chat_template_kwargs") from e
 
 
-def max_tokens(gw: Gateway, body, n_prompt: int) -> int:
+def max_tokens(gw: Gateway, body: ChatCompletionRequest | CompletionRequest, n_prompt: int) -> int:
     limit = gw.model_config.max_position
     prompt_param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
     if gw.settings.max_prompt_tokens and n_prompt > gw.settings.max_prompt_tokens:
@@ -223,15 +223,16 @@ async def _leaving(chunks: AsyncGenerator[tuple[int, TokenChunk]],
 async def gather(request: Request, chunks: AsyncIterator[tuple[int, TokenChunk]],
                   answers: list[Answer]) -> list[TokenChunk]:
     """Collect every choice whole (each one's last chunk); a client that hangs up cancels the request."""
-    async def collect():
+    async def collect() -> list[TokenChunk]:
         lasts: list[TokenChunk | None] = [None] * len(answers)
         async for index, chunk in chunks:
             answers[index].part(chunk)
             lasts[index] = chunk
-        assert all(last is not None for last in lasts)
-        return lasts
+        whole = [last for last in lasts if last is not None]
+        assert len(whole) == len(lasts)
+        return whole
 
-    async def hung_up():
+    async def hung_up() -> None:
         while not await request.is_disconnected():
             await asyncio.sleep(0.5)
 

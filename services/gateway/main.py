@@ -22,6 +22,7 @@ import asyncio
 import logging
 import threading
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import uvicorn
@@ -56,7 +57,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     metrics_vllm.register(settings.model_name)
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         tracing.setup("gateway", settings.otlp_endpoint, settings.trace_baggage_keys)
         model_config, tokenizer = await load_model(settings)
         bus = await Bus.connect(settings.nats_url, name="gateway")

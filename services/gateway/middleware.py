@@ -13,6 +13,7 @@ import time
 from fastapi.responses import JSONResponse
 from opentelemetry import trace
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.gateway import errors, ids
 from shared import tracing
@@ -31,10 +32,10 @@ class BodyTooLarge(StarletteHTTPException):
 class RequestContext:
     """Plain ASGI (no per-request task, unlike Starlette's BaseHTTPMiddleware)."""
 
-    def __init__(self, app, tracer: trace.Tracer, max_bytes: int):
+    def __init__(self, app: ASGIApp, tracer: trace.Tracer, max_bytes: int):
         self.app, self.tracer, self.max_bytes = app, tracer, max_bytes
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] == "/metrics":  # scrapes: no trace each few seconds
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
@@ -48,7 +49,7 @@ class RequestContext:
                                attributes={"request_id": request_id, "http.route": name}) as span:
             started = False
 
-            async def send_with_ids(message):
+            async def send_with_ids(message: Message) -> None:
                 nonlocal started
                 if message["type"] == "http.response.start":
                     started = True  # (the id as generate.py settled it)
@@ -59,7 +60,7 @@ class RequestContext:
 
             received = 0
 
-            async def counted():
+            async def counted() -> Message:
                 nonlocal received
                 message = await receive()
                 if message["type"] == "http.request":
@@ -84,11 +85,11 @@ class RequestContext:
                                                            f"its id is {request_id}."), status_code=500)
                     await failed(scope, receive, send_with_ids)
 
-    async def _too_large(self, scope, receive, send) -> None:
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         too_big = JSONResponse(errors.body(413, BodyTooLarge(self.max_bytes).detail), status_code=413)
         await too_big(scope, receive, send)
 
-    async def _refused_id(self, scope, receive, send) -> None:
+    async def _refused_id(self, scope: Scope, receive: Receive, send: Send) -> None:
         refused = JSONResponse(errors.body(400, f"The x-request-id header must be {ids.CLIENT_ID_RULE}.",
                                            param="x-request-id"), status_code=400)
         await refused(scope, receive, send)

@@ -5,7 +5,7 @@ OpenAI parameters this server refuses."""
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
@@ -70,7 +70,7 @@ class ChatMessage(Strict):
         return data
 
     @model_validator(mode="after")
-    def _content(self):
+    def _content(self) -> Self:
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise PydanticCustomError("invalid_value", "a {role} message needs 'content'",
                                       {"param": "content", "role": self.role})
@@ -132,14 +132,14 @@ class ResponseFormat(Strict):
     json_schema: JSONSchemaFormat | None = None
 
     @model_validator(mode="after")
-    def _schema_with_its_type(self):
+    def _schema_with_its_type(self) -> Self:
         if (self.type == "json_schema") != (self.json_schema is not None):
             raise PydanticCustomError("invalid_value", "'response_format.json_schema' goes with type 'json_schema'",
                                       {"param": "json_schema"})
         return self
 
 
-def refuse(field: str, why: str):
+def refuse(field: str, why: str) -> PydanticCustomError:
     return PydanticCustomError("unsupported_parameter", "'{param}' is not supported: {why}",
                                {"param": field, "why": why})
 

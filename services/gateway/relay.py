@@ -39,6 +39,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import nats.errors
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from opentelemetry import trace
 
 from services.gateway.errors import APIError
@@ -115,10 +117,10 @@ class Relay:
         none is missed."""
         queue: asyncio.Queue[TokenChunk | Stalled] = asyncio.Queue()
 
-        async def on_chunk(msg) -> None:
+        async def on_chunk(msg: Msg) -> None:
             queue.put_nowait(TokenChunk.decode(msg.data))
 
-        async def on_event(msg) -> None:
+        async def on_event(msg: Msg) -> None:
             queue.put_nowait(Stalled.decode(msg.data))
 
         self.records.note(req.request_id, "received", by=self.owner, owner=self.owner,
@@ -184,7 +186,7 @@ class Relay:
         return reply
 
     async def _ordered(self, req: RouteRequest, placement: RouteReply, queue: asyncio.Queue,
-                       sub) -> AsyncIterator[TokenChunk]:
+                       sub: Subscriptions) -> AsyncIterator[TokenChunk]:
         """Chunks in `seq` order, once each (reorder.py), of the request's current placement
         only (a worker it left may still publish: dropped, counted). Silence, a gap that stays open, or the
         supervisor's word moves the request (`recover`). Its end goes to Redis and, unless it
@@ -377,7 +379,7 @@ class Stream:
 class Subscriptions:
     """A request's subscriptions (its tokens, its events), ended together."""
 
-    def __init__(self, subs: list):
+    def __init__(self, subs: list[Subscription]) -> None:
         self.subs = subs
 
     async def unsubscribe(self) -> None:

@@ -96,7 +96,7 @@ class Events:
     def __init__(self) -> None:
         self.seq = 0
 
-    def __call__(self, kind: str, **fields) -> bytes:
+    def __call__(self, kind: str, **fields: object) -> bytes:
         event = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
         return f"event: {kind}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n".encode()

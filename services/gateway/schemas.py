@@ -6,7 +6,7 @@ but what their description says."""
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -88,7 +88,7 @@ class _Common(Strict):
 
     @field_validator("stop")
     @classmethod
-    def _stop(cls, v):
+    def _stop(cls, v: str | list[str] | None) -> list[str]:
         stops = [v] if isinstance(v, str) else (v or [])
         if len(stops) > 4 or any(not s for s in stops):
             raise ValueError("stop takes up to 4 non-empty strings")
@@ -104,7 +104,7 @@ class _Common(Strict):
 
     @field_validator("logit_bias")
     @classmethod
-    def _bias(cls, v):
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (v or {}).items():
             if not (key.isascii() and key.isdigit() and len(key) <= 9):
                 raise ValueError(f"logit_bias keys are token ids (decimal, up to 9 digits); got {ascii(key[:24])}")
@@ -113,7 +113,7 @@ class _Common(Strict):
         return v
 
     @model_validator(mode="after")
-    def _one_grammar(self):
+    def _one_grammar(self) -> Self:
         """One structured-output field at most (whether it compiles: generate.check_grammars,
         off the event loop)."""
         named = self._grammars()
@@ -215,7 +215,7 @@ class ChatCompletionRequest(_Common):
         "...); not the ones the server sets")
 
     @model_validator(mode="after")
-    def _chat(self):
+    def _chat(self) -> Self:
         if self.max_tokens is None:
             self.max_tokens = self.max_completion_tokens
         if self.top_logprobs is not None and not self.logprobs:
@@ -268,7 +268,7 @@ class CompletionRequest(_Common):
     best_of: int | None = Field(None, ge=1, le=1, description="one candidate per request")
 
     @model_validator(mode="after")
-    def _completion(self):
+    def _completion(self) -> Self:
         if self.max_tokens == 0 and not self.echo:
             raise PydanticCustomError("invalid_value", "'max_tokens' of 0 needs 'echo' (the prompt scored alone)",
                                       {"param": "max_tokens"})
@@ -302,7 +302,7 @@ class TokenizeRequest(Strict):
     add_generation_prompt: Literal[True] = True
 
     @model_validator(mode="after")
-    def _one(self):
+    def _one(self) -> Self:
         if (self.prompt is None) == (self.messages is None):
             raise PydanticCustomError("invalid_value", "'{param}' or 'messages', one of them", {"param": "prompt"})
         return self

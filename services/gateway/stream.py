@@ -16,7 +16,7 @@ from services.gateway.schemas import StreamOptions
 from shared.messages import TokenChunk
 
 
-def _event(obj) -> bytes:
+def _event(obj: object) -> bytes:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
 
 

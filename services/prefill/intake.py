@@ -11,6 +11,7 @@ import time
 import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
+from nats.js.client import JetStreamContext
 
 log = logging.getLogger("prefill")
 JETSTREAM_RETRY_S = 0.5  # a consumer JetStream cannot serve now is asked again after this
@@ -25,7 +26,7 @@ class JobIntake:
     def __init__(self) -> None:
         self.unavailable_since = 0.0  # when JetStream stopped serving this worker's consumer (0: it serves)
 
-    async def fetch(self, pull, room: int, wait_s: float) -> list[Msg]:
+    async def fetch(self, pull: JetStreamContext.PullSubscription, room: int, wait_s: float) -> list[Msg]:
         """Up to `room` jobs waiting (none after `wait_s`)."""
         try:
             msgs = await pull.fetch(room, timeout=wait_s)

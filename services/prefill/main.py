@@ -41,11 +41,15 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
+import torch
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.util.types import AttributeValue
 
 from services.prefill.intake import JobIntake, queued_at
 from services.prefill.jobs import Job, Jobs
@@ -54,6 +58,7 @@ from shared import metrics, subjects
 from shared.bus import Bus, after_reconnects, context_of
 from shared.config import PrefillSettings
 from shared.engine.engine import Engine, RequestOutput
+from shared.engine.kv_io import KVPiece
 from shared.engine.sequence import Status
 from shared.kv import KVTransport
 from shared.kv.segment import make_segment
@@ -201,7 +206,7 @@ class PrefillWorker:
             log.warning("%s: request state unreadable (%s); running the job", rid, e)
             return False
 
-    async def take_jobs(self, pull, computing: int, wait_s: float) -> None:
+    async def take_jobs(self, pull: JetStreamContext.PullSubscription, computing: int, wait_s: float) -> None:
         for msg in await self.intake.fetch(pull, self.settings.max_jobs - computing, wait_s):
             await self.take_job(msg)
 
@@ -260,9 +265,9 @@ class PrefillWorker:
             return
         self.jobs.open(job, msg, span, kv_span)
         self.state.requests.note(job.request_id, "prefilling", by=self.id, attempt=job.attempt,
-                        prompt_tokens=len(job.prompt_token_ids) + len(job.generated_token_ids))
+                                 prompt_tokens=len(job.prompt_token_ids) + len(job.generated_token_ids))
 
-    def queue(self, job: PrefillJob, sink) -> None:
+    def queue(self, job: PrefillJob, sink: Callable[[KVPiece], None] | None) -> None:
         """On the engine thread: the prompt, streaming its KV from the decode worker's first
         missing block (not at all if the handoff was refused). A job moved here (`requeued`
         off a lost or frozen prefill worker) or of a request placed before (attempt > 0:
@@ -276,7 +281,7 @@ class PrefillWorker:
         if sink is not None:
             self.engine.stream_kv(job.request_id, job.first_block, sink)
 
-    async def read_blocks(self, rid: str, layer: int, first_block: int, num_blocks: int):
+    async def read_blocks(self, rid: str, layer: int, first_block: int, num_blocks: int) -> torch.Tensor:
         return await self.host.call(self.engine.kv_blocks, rid, layer, first_block, num_blocks)
 
     async def on_first_token(self, out: RequestOutput) -> None:
@@ -301,8 +306,8 @@ class PrefillWorker:
             await self.ack_job(held)
             return
         self.state.requests.note(out.request_id, "transferring", by=self.id, attempt=job.attempt,
-                        prompt_tokens=len(job.prompt_token_ids) + len(job.generated_token_ids),
-                        decode=job.decode_worker)
+                                 prompt_tokens=len(job.prompt_token_ids) + len(job.generated_token_ids),
+                                 decode=job.decode_worker)
         held.computed_at = time.monotonic()
         task = asyncio.create_task(self.handoff(held, out))
         self.handoffs.add(task)
@@ -336,7 +341,7 @@ class PrefillWorker:
             await self.ack_job(held)  # before the free: a later attempt's job waits for the free (take_jobs)
             await self.host.call(self.engine.free, rid)
 
-    def end_kv_span(self, held: Job, acked: bool, error: str = "", **attributes) -> None:
+    def end_kv_span(self, held: Job, acked: bool, error: str = "", **attributes: AttributeValue) -> None:
         span, held.kv_span = held.kv_span, None
         if span is not None:
             span.set_attributes({"acked": acked, "error": error, **attributes})

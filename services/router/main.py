@@ -35,12 +35,14 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Coroutine
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
 import nats.errors
 from nats.aio.msg import Msg
 from opentelemetry import trace
+from redis.asyncio.client import Pipeline
 
 from services.router import placement, policy
 from services.router.bookings import Bookings
@@ -87,7 +89,7 @@ class Router:
     async def read_workers(self) -> dict[str, Pool]:
         return await self.pools.read()
 
-    def in_background(self, coro) -> None:
+    def in_background(self, coro: Coroutine) -> None:
         self._background.start(coro)
 
     async def serve(self, stop: asyncio.Event) -> None:
@@ -195,7 +197,7 @@ class Router:
                     ) -> tuple[bool, dict[str, str], dict[int, int], str | None]:
         """One round trip: claim the placing, read what is known of it, look the prompt up in
         the prefix index and read the conversation's worker. (claimed, known, held by slot, session worker)"""
-        def build(p):
+        def build(p: Pipeline) -> None:
             self.state.placements.queue_claim(p, key, self.id, lease_s)
             p.hgetall(route_key(key))
             if hashes:

@@ -89,8 +89,9 @@ def best_decode(workers: Iterable[W], blocks_needed: int, cached_tokens: Mapping
     return min(rows)[-1] if rows else None
 
 
-def _decode_rows(workers, blocks_needed, cached_tokens, prompt_tokens, session_worker, affinity_slack,
-                 output_blocks, booked) -> list[tuple]:
+def _decode_rows(workers: Iterable[W], blocks_needed: int, cached_tokens: Mapping[str, int] | None,
+                 prompt_tokens: int, session_worker: str | None, affinity_slack: int, output_blocks: int,
+                 booked: Mapping[str, int] | None) -> list[tuple]:
     """(sort key..., worker) for each worker with room: one pass over the pool (a large pool's
     placement reads every worker); the worker id ends the key, so rows never compare workers."""
     need = blocks_needed + output_blocks

@@ -15,13 +15,14 @@ Lifecycle: made empty; `read(state)` every REGISTRY_READ_S (services/router/main
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from shared.messages import WorkerInfo
 from shared.state import State
 
 
 class Registry:
-    def __init__(self, clock=time.monotonic):
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.epoch, self.seq = "", 0
         self.entries: dict[str, tuple[WorkerInfo, float]] = {}  # id -> (entry, when its lease lapses here)

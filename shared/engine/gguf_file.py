@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -29,6 +29,9 @@ from shared.engine.config import ModelConfig
 from shared.engine.rope import Rope
 from shared.engine.weights import Packed, pack
 from shared.progress import progress
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 # blk.N.<kind> -> the layer's Hugging Face module (Gemma's ffn_norm is its pre-feedforward norm)
 _LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -58,7 +61,7 @@ def model_type(meta: dict) -> str:
     return _MODEL_TYPES.get(arch, arch)
 
 
-def config(path: Path, reader=None) -> ModelConfig:
+def config(path: Path, reader: GGUFReader | None = None) -> ModelConfig:
     """The file's architecture as the engine's config. A file with `rope_freqs.weight` (Llama 3.1's
     RoPE scaling, as llama.cpp's converter stores it) has its factors read with gguf-py (`reader`,
     or one opened here)."""
@@ -99,7 +102,7 @@ def config(path: Path, reader=None) -> ModelConfig:
 def _rope(meta: dict, arch: str, theta: float, factors: tuple[float, ...] | None, path: Path) -> Rope:
     """The file's RoPE (its global layers' for Gemma 3), from llama.cpp's `rope.scaling.*` keys
     (none, linear, yarn) or a `rope_freqs.weight` of factors."""
-    def key(name: str):
+    def key(name: str) -> Any:
         return meta.get(f"{arch}.rope.scaling.{name}")
 
     kind = key("type") or "none"
@@ -117,7 +120,7 @@ def _rope(meta: dict, arch: str, theta: float, factors: tuple[float, ...] | None
     raise ValueError(f"{path}: RoPE scaling {kind!r} (rope_freqs.weight: {factors is not None}) is not supported")
 
 
-def _rope_factors(path: Path, reader) -> tuple[float, ...]:
+def _rope_factors(path: Path, reader: GGUFReader | None) -> tuple[float, ...]:
     import gguf
 
     reader = reader or gguf.GGUFReader(path)
@@ -150,7 +153,7 @@ def hf_name(name: str, cfg: ModelConfig) -> str:
     return f"{_MODEL_NAMES['.'.join(base)]}.{suffix}"
 
 
-def tensors(reader, cfg: ModelConfig, native: bool) -> tuple[dict[str, torch.Tensor], dict[str, Packed]]:
+def tensors(reader: GGUFReader, cfg: ModelConfig, native: bool) -> tuple[dict[str, torch.Tensor], dict[str, Packed]]:
     """Every tensor under its Hugging Face name, dequantized to fp32; and, when `native`, the
     Q4_1 / Q8_0 ones also as their blocks (weights.pack), rows in the same order."""
     import gguf

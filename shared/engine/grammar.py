@@ -23,13 +23,15 @@ import re
 import sys
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
 
 if TYPE_CHECKING:  # imported where first used: the library costs a second at import, and most
     import xgrammar as xgr  # processes importing this module (the router, a gateway's messages) never match
+
+    from shared.engine.tokenizer import Tokenizer
 
 class GrammarError(ValueError):
     """The grammar cannot be compiled (the message says where)."""
@@ -90,7 +92,7 @@ def _json_strings(g: xgr.Grammar) -> xgr.Grammar:
     return xgr.Grammar.from_ebnf(ebnf)
 
 
-def _compact(part):
+def _compact(part: Any) -> Any:
     """A structural tag with each JSON schema part made this module's compact JSON grammar."""
     if isinstance(part, dict) and part.get("type") == "json_schema" and "json_schema" in part:
         return {"type": "grammar", "grammar": str(_parse(Grammar("json_schema", json.dumps(part["json_schema"]))))}
@@ -145,7 +147,7 @@ class Grammars:
 
 
 
-def token_table(tokenizer, vocab_size: int) -> list[bytes]:
+def token_table(tokenizer: Tokenizer, vocab_size: int) -> list[bytes]:
     """Each of the model's `vocab_size` token ids' bytes; added and control tokens (and ids past
     the tokenizer's) empty, so no grammar spells text with them."""
     added = set(tokenizer.tok.get_added_tokens_decoder())

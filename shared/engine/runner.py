@@ -33,7 +33,7 @@ class ModelRunner:
         bs = self.cfg.block_size
         return seq.block_table[pos // bs] * bs + pos % bs
 
-    def _tensor(self, data) -> torch.Tensor:
+    def _tensor(self, data: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)
 
     def _batch(self, sched: Schedule) -> ForwardBatch:

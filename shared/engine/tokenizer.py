@@ -16,10 +16,13 @@ import secrets
 from collections.abc import Callable
 from functools import cache, cached_property
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 _CONTROL, _USER_DEFINED = 3, 4  # GGUF token types
 
@@ -82,7 +85,7 @@ class Tokenizer:
         return table
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, **kwargs) -> str:
+                            tools: list[dict] | None = None, **kwargs: Any) -> str:
         """The conversation as the template renders it (a template's own error, e.g. roles
         that do not alternate, is a jinja2 TemplateError naming it)."""
         from transformers.utils.chat_template_utils import render_jinja_template
@@ -146,7 +149,7 @@ class Tokenizer:
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
-    def from_gguf(cls, path: Path, reader=None) -> Tokenizer:
+    def from_gguf(cls, path: Path, reader: GGUFReader | None = None) -> Tokenizer:
         """Byte-level BPE (`tokenizer.ggml.model` gpt2) rebuilt here from the file's fields
         (`reader`: a gguf.GGUFReader of it, when one is open); every other kind (SentencePiece
         `llama`, as Gemma, Llama 2 and Mistral files carry) by transformers' GGUF converter, which
@@ -160,9 +163,10 @@ class Tokenizer:
             import gguf
 
             reader = gguf.GGUFReader(path)
+        fields = reader.fields
 
-        def field(key, default=None):
-            f = reader.fields.get(key)
+        def field(key: str, default: Any = None) -> Any:
+            f = fields.get(key)
             return default if f is None else f.contents()
 
         tokens = field("tokenizer.ggml.tokens")

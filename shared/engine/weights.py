@@ -11,6 +11,7 @@ under `native` too.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,7 +49,7 @@ class Packed:
         return cls(mats[0].kind, torch.cat([m.raw for m in mats]), (sum(m.shape[0] for m in mats), mats[0].shape[1]))
 
 
-def pack(raw: np.ndarray, kind: str, reorder=lambda rows: rows) -> Packed | None:
+def pack(raw: np.ndarray, kind: str, reorder: Callable[[np.ndarray], np.ndarray] = lambda rows: rows) -> Packed | None:
     """A GGUF tensor's raw blocks (rows, bytes) as `Packed`, its rows put in order by `reorder`
     (a permutation of the first axis), or None for a format kept in fp32."""
     if kind not in BLOCK_BYTES:

@@ -61,7 +61,7 @@ GivenUp = Callable[[PrefillJob, str], Coroutine[Any, Any, None]]  # the job, the
 @dataclass
 class Handoff:
     job: PrefillJob
-    ctx: context.Context                         # trace context carried by the notices
+    ctx: context.Context | None                  # trace context carried by the notices
     acked: asyncio.Future                        # the decode side's KVAck
     new_endpoint: bool                           # no endpoint to this peer existed before
     same_host: bool = False                      # payloads go into this worker's segment when they fit
@@ -122,7 +122,7 @@ class KVSender:
         await self.bus.subscribe(control["kv_sync"], self.on_sync)
 
     # -- 1. open -------------------------------------------------------------------------------
-    async def open(self, job: PrefillJob, ctx=None) -> Callable[[KVPiece], None] | None:
+    async def open(self, job: PrefillJob, ctx: context.Context | None = None) -> Callable[[KVPiece], None] | None:
         loop = asyncio.get_running_loop()
         if (older := self.handoffs.get(job.request_id)) is not None:  # (the worker ends one before taking
             self._close(older)                                         # the next; never two at once)

@@ -88,7 +88,7 @@ class UcxTransport(KVTransport):
     def address(self) -> str:
         return self._address
 
-    async def _endpoint(self, peer: str):
+    async def _endpoint(self, peer: str) -> Endpoint:
         ep = self._endpoints.get(peer)
         if ep is None:
             addr = ucxx.get_ucx_address_from_buffer(bytes.fromhex(peer))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
+from shared.config import Common
 from shared.state.keys import (
     DEADLINES,
     GATEWAYS,
@@ -54,7 +55,7 @@ class State(Store):
         return cls(async_redis(url, MAX_CONNECTIONS), stall_s, min_prefill_tokens_per_s)
 
     @classmethod
-    def for_service(cls, settings) -> State:
+    def for_service(cls, settings: Common) -> State:
         """The store for a service: its URL and its phase-deadline settings (shared/config.Common)."""
         return cls.connect(settings.redis_url, settings.stall_s, settings.stall_min_prefill_tokens_per_s)
 

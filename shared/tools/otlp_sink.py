@@ -5,10 +5,12 @@ from __future__ import annotations
 import gzip
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
 
 @dataclass(frozen=True)
@@ -29,12 +31,14 @@ class Span:
         return (self.end_ns - self.start_ns) / 1e6
 
 
-def _value(v):
+def _value(v: AnyValue) -> object:
     kind = v.WhichOneof("value")
+    if kind is None:  # an attribute with no value
+        return None
     return [_value(x) for x in v.array_value.values] if kind == "array_value" else getattr(v, kind)
 
 
-def _attributes(kvs) -> dict:
+def _attributes(kvs: Iterable[KeyValue]) -> dict:
     return {a.key: _value(a.value) for a in kvs}
 
 
@@ -45,7 +49,7 @@ class OtlpReceiver:
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 (http.server's naming)
+            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
                 data = self.rfile.read(int(self.headers.get("content-length", 0)))
                 if self.headers.get("content-encoding") == "gzip":
                     data = gzip.decompress(data)
@@ -54,7 +58,7 @@ class OtlpReceiver:
                 self.send_header("content-type", "application/x-protobuf")
                 self.end_headers()
 
-            def log_message(self, *args):
+            def log_message(self, *args: object) -> None:
                 return None
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -77,7 +81,7 @@ class OtlpReceiver:
         with self._lock:
             return [s for s in self.spans if s.trace_id == trace_id]
 
-    def wait_for(self, trace_id: str, names, timeout_s: float = 20) -> list[Span]:
+    def wait_for(self, trace_id: str, names: Iterable[str], timeout_s: float = 20) -> list[Span]:
         """The trace's spans once every name in `names` is among them (exporters batch), or
         whatever arrived by the timeout."""
         deadline = time.monotonic() + timeout_s
@@ -85,7 +89,7 @@ class OtlpReceiver:
             time.sleep(0.2)
         return self.trace(trace_id)
 
-    def attributes(self, trace_id: str, names, timeout_s: float = 20) -> dict[str, dict]:
+    def attributes(self, trace_id: str, names: Iterable[str], timeout_s: float = 20) -> dict[str, dict]:
         """Span name → attributes, after `wait_for`."""
         return {s.name: s.attributes for s in self.wait_for(trace_id, names, timeout_s)}
 

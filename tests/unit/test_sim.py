@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from bench.load import workloads
+from planner import workloads
 from planner.cluster import Layout, simulate
 from planner.cost import DECODE_BATCHES, DECODE_CONTEXTS, Cost, fit, level
 from planner.plan import search

@@ -13,8 +13,9 @@ import triton.language as tl
 _COPY_CHUNK = 1024
 
 
+# Triton reads a kernel's parameter annotations (tl.constexpr: compiled in): the others stay bare
 @triton.jit
-def _copy_blocks_kernel(src_ptr, dst_ptr, ids_ptr, block_elems, GATHER: tl.constexpr,
+def _copy_blocks_kernel(src_ptr, dst_ptr, ids_ptr, block_elems, GATHER: tl.constexpr,  # type: ignore[no-untyped-def]
                         CHUNK: tl.constexpr):
     # program (i, c): chunk c of the i-th listed block
     i = tl.program_id(0)
@@ -51,7 +52,7 @@ def scatter_blocks(pool: torch.Tensor, block_ids: torch.Tensor, buffer: torch.Te
 
 
 @triton.jit
-def _paged_decode_kernel(q_ptr, pool_ptr, tables_ptr, lens_ptr, out_ptr, scale, window, softcap,
+def _paged_decode_kernel(q_ptr, pool_ptr, tables_ptr, lens_ptr, out_ptr, scale, window, softcap,  # type: ignore[no-untyped-def]
                          max_blocks, H: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr,
                          HD_P: tl.constexpr, BS: tl.constexpr):
     # program (b, h): query head h of sequence b, online softmax over its context blocks (the

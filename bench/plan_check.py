@@ -1,6 +1,6 @@
 """The planner's predictions against the real system: `make plan-check`.
 
-    python -m planner.check [--profile bench/results/profile-cpu.json] [--measured RESULT.json]
+    python -m bench.plan_check [--profile bench/results/profile-cpu.json] [--measured RESULT.json]
 
 Runs the three arms of `make bench` (bench/interference/run.py, quick mode: colocated, chunked,
 disaggregated on this machine's cores, the SLOs from this machine's costs), and a fourth with
@@ -11,7 +11,7 @@ SLOs — with the cost models of the profile; then sets each prediction beside w
 measured: goodput at 90% SLO attainment, the victims' ITL p99 and TTFT p50, the attainment at
 each rate. `make plan-check` measures the
 profile just before, and a probe of each arm's worker shapes either side of it (a few of the
-profile's points again, planner/profile.probe): a machine's speed drifts over minutes, and each
+profile's points again, bench/profile.probe): a machine's speed drifts over minutes, and each
 arm's prediction takes the profile's costs rescaled by its probes (planner/cost.level;
 `--no-drift`: as profiled). `--measured` compares
 with a `make bench` result (or an earlier plan_check.json's measurements) instead of running
@@ -25,14 +25,16 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from bench.interference import run as interference
 from bench.interference import stacks
-from bench.load import workloads
+from bench.profile import probe
 from deploy.local.stack import StackConfig
+from planner import workloads
 from planner.cluster import Layout, as_sim, simulate
 from planner.cost import STACKS, Cost, control_plane, level
-from planner.profile import device_name, probe
+from planner.device import device_name
 from planner.slo import Slo, goodput, score
 from planner.worker import Knobs
 
@@ -176,7 +178,7 @@ def main() -> None:
 
     slo = Slo(rp["slo"]["ttft_s"], rp["slo"]["tpot_s"])
     victim_slo = Slo(va["slo"]["ttft_s"], va["slo"]["tpot_s"])
-    arms = {}
+    arms: dict[str, dict[str, Any]] = {}
     levels = {} if args.no_drift else {name: drift(profile, m["probes"]) for name, m in measured["arms"].items()
                                         if m.get("probes")}
     for name, layout in bench_layouts(profile, measured["machine"]["cpus"], levels).items():

@@ -11,6 +11,7 @@ serving benchmark so figures compare across servers:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,8 +42,8 @@ class Timing:
 
     @property
     def tpot(self) -> float | None:
-        n = self.output_tokens
-        return (self.e2e - self.ttft) / (n - 1) if self.chunks and n > 1 else None
+        n, e2e, ttft = self.output_tokens, self.e2e, self.ttft
+        return (e2e - ttft) / (n - 1) if e2e is not None and ttft is not None and n > 1 else None
 
     @property
     def itls(self) -> list[float]:
@@ -50,7 +51,7 @@ class Timing:
         return [b - a for a, b in zip(times, times[1:])]
 
 
-def percentiles(xs: list[float], ps=(50, 90, 99)) -> dict[str, float]:
+def percentiles(xs: list[float], ps: Sequence[float] = (50, 90, 99)) -> dict[str, float]:
     """Mean and percentiles (linear interpolation, as numpy and vLLM); empty → zeros."""
     if not xs:
         return {"mean": 0.0, **{f"p{p}": 0.0 for p in ps}}
@@ -71,10 +72,10 @@ def summarize(timings: list[Timing], duration_s: float, slo_ttft_s: float, slo_t
         "duration_s": duration_s,
         "request_throughput": len(done) / duration_s if duration_s else 0.0,
         "output_throughput": sum(t.output_tokens for t in done) / duration_s if duration_s else 0.0,
-        "ttft_s": percentiles([t.ttft for t in done]),
+        "ttft_s": percentiles([t.ttft for t in done if t.ttft is not None]),
         "tpot_s": percentiles([t.tpot for t in done if t.tpot is not None]),
         "itl_s": percentiles(itls),
-        "e2e_s": percentiles([t.e2e for t in done]),
+        "e2e_s": percentiles([t.e2e for t in done if t.e2e is not None]),
         "max_gap_s": max(itls, default=0.0),
         "slo": {"ttft_s": slo_ttft_s, "tpot_s": slo_tpot_s},
         "goodput": len(good) / duration_s if duration_s else 0.0,

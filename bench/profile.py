@@ -1,6 +1,6 @@
 """The engine's cost on this hardware, for the capacity planner: `make profile`.
 
-    python -m planner.profile [--threads 1,2] [--reps 2] [--no-stack]
+    python -m bench.profile [--threads 1,2] [--reps 2] [--no-stack]
 
 Measured with the real model (SmolLM2) in fresh processes, one per worker shape:
 - prefill passes: time against new prompt tokens, tokens already cached (a prefix computed
@@ -32,9 +32,11 @@ import random
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 from bench.children import children, in_process
 from planner import cost
+from planner.device import device_name
 from shared.progress import progress
 
 RESULTS = Path(__file__).parents[1] / "bench" / "results"
@@ -45,7 +47,7 @@ BATCHED = [(4, 64), (8, 32), (16, 16), (4, 256)]          # (prompts in one pass
 DECODE = [(b, n) for b in cost.DECODE_BATCHES for n in cost.DECODE_CONTEXTS]  # (batch, context per sequence)
 DECODE_STEPS = 3
 # the points `probe` measures again: a short and a middling prompt, and decode steps at 1, 4 and 16
-PROBE = ([(64, 0), (256, 0)], [], [(1, 256), (4, 256), (16, 256)])
+PROBE: tuple[list[tuple[int, int]], ...] = ([(64, 0), (256, 0)], [], [(1, 256), (4, 256), (16, 256)])
 KV_BLOCKS = 2304
 STACK_TOKENS = 48  # tokens of each stream through the stack
 
@@ -210,9 +212,9 @@ def control_plane(stack: str, requests: int = 10) -> dict:
 
     from bench.interference.stacks import arms
     from bench.load.client import run
-    from bench.load.workloads import Request
     from bench.stack_overhead import MESSAGES, engine_ttft, stack_ttft
     from deploy.local.stack import Stack
+    from planner.workloads import Request
     from shared.engine.config import EngineConfig
     from shared.engine.engine import Engine
     from shared.engine.loader import load
@@ -221,6 +223,7 @@ def control_plane(stack: str, requests: int = 10) -> dict:
     torch.set_num_threads(cfg.threads or 1)
     loaded = load("smollm2")
     engine = Engine(loaded, EngineConfig(num_blocks=256))
+    assert loaded.tokenizer is not None
     ids = loaded.tokenizer.encode(loaded.tokenizer.apply_chat_template(MESSAGES))
 
     steps = []
@@ -235,13 +238,6 @@ def control_plane(stack: str, requests: int = 10) -> dict:
     threads = cfg.threads or 1
     return {"threads": threads, "shape": cost.shape_name(threads, threads < len(os.sched_getaffinity(0))),
             "context": 16 + STACK_TOKENS // 2, "ttft_overhead_s": statistics.median(over), "decode": steps}
-
-
-def device_name() -> str:
-    import torch
-    if torch.cuda.is_available():
-        return "cuda-" + torch.cuda.get_device_name().lower().replace(" ", "-")
-    return "cpu"
 
 
 def main() -> None:
@@ -271,7 +267,7 @@ def main() -> None:
         shapes[name] = {"threads": threads, "neighbour": neighbour, **raw, **cost.fit(raw)}
         print(f"{name:>14}: prefill {cost.describe_prefill(shapes[name])}; "
               f"decode {cost.describe_decode(shapes[name])} ({time.monotonic() - t0:.0f} s)", flush=True)
-    out = {"device": device_name(), "machine": {"cpus": ncpu, "platform": platform.platform(),
+    out: dict[str, Any] = {"device": device_name(), "machine": {"cpus": ncpu, "platform": platform.platform(),
                                                 "processor": platform.processor()},
            "model": "SmolLM2-135M-Instruct fp32", "shapes": shapes, "handoff": cost.fit_handoff(handoff())}
     print(f"handoff: {out['handoff']['fixed_s'] * 1e3:.2f} ms + {out['handoff']['gbps']:.2f} GB/s", flush=True)

@@ -22,7 +22,7 @@ from typing import TextIO
 
 import numpy as np
 
-from bench.load.arrivals import arrival_times
+from planner.arrivals import arrival_times
 
 TOKEN_RANGE = (1000, 30000)
 MOONCAKE_BLOCK = 512
@@ -61,13 +61,13 @@ def trace(path: str | Path, scale: float = 16, limit: int | None = None, time_sc
                         _ids(rng, _scaled(int(r["ContextTokens"]), scale)),
                         _scaled(int(r["GeneratedTokens"]), scale)) for r in rows]
     with text(path) as f:
-        rows = [json.loads(line) for line, _ in zip(f, range(limit or 10**9))]
+        entries: list[dict] = [json.loads(line) for line, _ in zip(f, range(limit or 10**9))]
     block = max(1, round(MOONCAKE_BLOCK / scale))
     blocks: dict[int, list[int]] = {}   # hash id → its tokens, the same wherever it appears
     out = []
-    for r in rows:
+    for r in entries:
         n = _scaled(r["input_length"], scale)
-        prompt = []
+        prompt: list[int] = []
         for h in r["hash_ids"]:
             if h not in blocks:
                 blocks[h] = _ids(np.random.default_rng([seed, h]), block)
@@ -89,7 +89,7 @@ def victims_and_aggressors(duration_s: float, victim_rate: float = 0.3, victim_p
     """Poisson streams of short chats (victims) and long prompts with short answers
     (aggressors) over `duration_s`; the first aggressor comes after the first victims stream."""
     rng = np.random.default_rng(seed)
-    out = []
+    out: list[Request] = []
     for kind, rate, prompt, output, offset in (("victim", victim_rate, victim_prompt, victim_output, 0.0),
                                                ("aggressor", aggressor_rate, aggressor_prompt, aggressor_output,
                                                 min(5.0, duration_s / 4))):

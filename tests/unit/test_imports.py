@@ -1,0 +1,44 @@
+"""Which part of the repository imports which, read from the source (ast): the product
+(services/, shared/, deploy/) imports neither the planner nor the benchmarks; the planner
+imports the product, never the benchmarks; bench/ may import everything."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from services import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+# each folder, and the top-level packages none of its modules imports
+FORBIDDEN = {"services": {"bench", "planner"}, "shared": {"bench", "planner"}, "deploy": {"bench", "planner"},
+             "planner": {"bench"}}
+
+
+def imported(path: Path) -> set[str]:
+    """The top-level packages `path` imports (absolute imports, at any depth in the module)."""
+    tops = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            tops |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            tops.add(node.module.split(".")[0])
+    return tops
+
+
+@pytest.mark.parametrize("folder", sorted(FORBIDDEN))
+def test_no_module_imports_what_its_folder_may_not(folder):
+    found = {p.relative_to(ROOT).as_posix(): sorted(imported(p) & FORBIDDEN[folder])
+             for p in sorted((ROOT / folder).rglob("*.py"))}
+    assert (ROOT / folder / "__init__.py").exists()
+    assert not {p: tops for p, tops in found.items() if tops}
+
+
+def test_the_command_reaches_the_planner_by_name_only():
+    """`pdserve plan` hands its arguments to planner.plan, imported when the command runs (the
+    module named in services/cli.FORWARDED), not by an import statement of services/."""
+    assert cli.FORWARDED["plan"] == "planner.plan"
+    assert importlib.util.find_spec(cli.FORWARDED["plan"]) is not None
