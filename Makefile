@@ -148,22 +148,22 @@ bench-prefill-chunk: setup
 ##   alone and beside a busy neighbour, the KV handoff, the control plane; ~6 minutes on 2 cores);
 ##   writes bench/results/profile-<device>.json
 profile: setup
-	$(BIN)/python -m bench.profile $(PROFILE_ARGS)
-	$(BIN)/python -m bench.plan_readme
+	$(BIN)/python -m bench.planning.profile $(PROFILE_ARGS)
+	$(BIN)/python -m bench.planning.readme
 
 ## plan: how many prefill and decode workers for a trace and its SLOs, simulated from the profile (every colocated and
 ##   P:D configuration of PLAN_ARGS' --workers, default 2); writes bench/results/plan-<trace>-<device>-<N>w.json and .png
 ##   make plan PLAN_ARGS="--workers 8 --ttft 2 --tpot 0.15"
 plan: setup
 	$(BIN)/python -m planner.plan $(PLAN_ARGS)
-	$(BIN)/python -m bench.plan_readme
+	$(BIN)/python -m bench.planning.readme
 
 ## plan-check: the simulator's predictions of make bench's three arms and a 1P:2D split against the arms measured right
 ##   after the profile, in one sitting, each arm between two probes of its speed (~40 minutes on 2 cores); writes bench/results/profile-<device>.json and plan_check.json
 plan-check: setup
-	$(BIN)/python -m bench.profile
-	$(BIN)/python -m bench.plan_check
-	$(BIN)/python -m bench.plan_readme
+	$(BIN)/python -m bench.planning.profile
+	$(BIN)/python -m bench.planning.check
+	$(BIN)/python -m bench.planning.readme
 
 ## compose-up / compose-down: the Docker Compose stack (NATS, Redis, Jaeger, Prometheus, Grafana, the services)
 COMPOSE := docker compose -f deploy/compose/compose.yaml
@@ -178,7 +178,7 @@ compose-down:
 ##   (run on a GPU machine; the profile and plan steps have not yet run on one)
 gpu-check:
 	$(BIN)/python scripts/gpu_check.py
-	$(BIN)/python -m bench.profile
+	$(BIN)/python -m bench.planning.profile
 	$(BIN)/python -m planner.plan --workers 8
 
 clean:

@@ -1,4 +1,4 @@
-"""Cost models of one worker shape, fitted to a profile's points (bench/profile.py): pure
+"""Cost models of one worker shape, fitted to a profile's points (bench/planning/profile.py): pure
 functions of plain numbers.
 
 - A prefill pass of chunks (new tokens n_i after c_i tokens already computed or cached):
@@ -29,7 +29,7 @@ DECODE_BATCHES = (1, 2, 4, 8, 16, 32)  # one sequence to two: a matrix-vector pr
 DECODE_CONTEXTS = (64, 256, 1024)
 
 
-STACKS = ("colocated", "disaggregated")  # the control plane is measured on each (bench/profile.py)
+STACKS = ("colocated", "disaggregated")  # the control plane is measured on each (bench/planning/profile.py)
 
 
 def control_plane(profile: dict, stack: str) -> dict:

@@ -53,7 +53,7 @@ import numpy as np
 from bench.interference import report
 from bench.interference.stacks import arms, remote_arm
 from bench.load.client import run
-from bench.profile import reference
+from bench.planning.profile import reference
 from deploy.local.stack import Stack, StackConfig
 from planner import workloads
 from planner.metrics import Timing, percentiles, rate_at_attainment, summarize

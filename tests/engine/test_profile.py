@@ -1,4 +1,4 @@
-"""The planner's isolated measurements with the real model (bench/profile.py's reference,
+"""The planner's isolated measurements with the real model (bench/planning/profile.py's reference,
 which `make bench` sets its SLOs from), and the make-bench SLOs that come of them."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from bench.interference.run import slo_for
-from bench.profile import reference
+from bench.planning.profile import reference
 from planner.workloads import Request
 
 pytestmark = pytest.mark.slow

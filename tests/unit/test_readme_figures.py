@@ -4,10 +4,11 @@ import json
 
 import pytest
 
-from bench import clients_readme, plan_readme
+from bench import clients_readme
 from bench.chaos import readme as chaos_readme
 from bench.engine import readme as engine_readme
 from bench.interference import report
+from bench.planning import readme as plan_readme
 from bench.results_doc import RESULTS_DOC
 from bench.scale import readme as scale_readme
 

@@ -1,6 +1,6 @@
 """The planner's predictions against the real system: `make plan-check`.
 
-    python -m bench.plan_check [--profile bench/results/profile-cpu.json] [--measured RESULT.json]
+    python -m bench.planning.check [--profile bench/results/profile-cpu.json] [--measured RESULT.json]
 
 Runs the three arms of `make bench` (bench/interference/run.py, quick mode: colocated, chunked,
 disaggregated on this machine's cores, the SLOs from this machine's costs), and a fourth with
@@ -29,7 +29,7 @@ from typing import Any
 
 from bench.interference import run as interference
 from bench.interference import stacks
-from bench.profile import probe
+from bench.planning.profile import probe
 from deploy.local.stack import StackConfig
 from planner import workloads
 from planner.cluster import Layout, as_sim, simulate
@@ -38,7 +38,7 @@ from planner.device import device_name
 from planner.slo import Slo, goodput, score
 from planner.worker import Knobs
 
-RESULTS = Path(__file__).parents[1] / "bench" / "results"
+RESULTS = Path(__file__).parents[1] / "results"
 SPLIT = "1P:2D"
 WHOLE = {"PD_PREFILL_CHUNK": "2048", "PD_MAX_BATCHED_TOKENS": "4096"}
 # make bench's quick rates (1, 2, 4) leave goodput to a line between two of them: finer here, low

@@ -1,7 +1,7 @@
 """The "Capacity planning" figures of docs/RESULTS.md, from the planner's committed JSON:
 profile-cpu.json (`make profile`), plan_check.json and plan_check-no-drift.json (`make
 plan-check`), plan-<trace>-cpu-<N>w.json (`make plan`) and sim_speed.json (`python -m
-planner.speed`). The make targets run `python -m bench.plan_readme` after the planner."""
+planner.speed`). The make targets run `python -m bench.planning.readme` after the planner."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 from bench.results_doc import RESULTS_DOC, update_block
 from planner.cost import Cost, fit_service_step
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).parents[1] / "results"
 BEGIN, END = "<!-- bench:capacity:begin -->", "<!-- bench:capacity:end -->"
 PROFILE, CHECK, NO_DRIFT = "profile-cpu.json", "plan_check.json", "plan_check-no-drift.json"
 PLANS = {"this machine ({cpus} cores)": "plan-azure_conv_2023-cpu-2w.json",

@@ -1,6 +1,6 @@
 """The engine's cost on this hardware, for the capacity planner: `make profile`.
 
-    python -m bench.profile [--threads 1,2] [--reps 2] [--no-stack]
+    python -m bench.planning.profile [--threads 1,2] [--reps 2] [--no-stack]
 
 Measured with the real model (SmolLM2) in fresh processes, one per worker shape:
 - prefill passes: time against new prompt tokens, tokens already cached (a prefix computed
@@ -39,7 +39,7 @@ from planner import cost
 from planner.device import device_name
 from shared.progress import progress
 
-RESULTS = Path(__file__).parents[1] / "bench" / "results"
+RESULTS = Path(__file__).parents[1] / "results"
 # (new tokens, tokens cached before them): whole prompts, then chunks of a long prompt
 PREFILL = [(16, 0), (64, 0), (256, 0), (512, 0), (1024, 0), (2000, 0),
            (128, 512), (128, 896), (256, 768), (512, 512)]
