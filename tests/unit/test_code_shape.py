@@ -19,13 +19,10 @@ MAX_CLASS_LINES = 300
 # over the limit when the test came in: (lines then); lower a count as a file shrinks, drop it at the limit
 FILES_OVER = {
     "services/decode/main.py": 401,
-    "shared/engine/engine.py": 417,
-    "shared/engine/model.py": 405,
     "shared/state.py": 407,
 }
 CLASSES_OVER = {
     "services/decode/main.py:DecodeWorker": 314,
-    "shared/engine/engine.py:Engine": 325,
 }
 
 
