@@ -101,7 +101,7 @@ def kv_path(loaded: LoadedModel, prompt: list[int], check: Callable[..., None], 
     for p, rows in staged:
         start = p.first_block - res.first_block
         dst.write_kv(p.layer, list(res.block_ids[start:start + p.num_blocks]), torch.from_numpy(rows))
-    dst.copies.join()
+    dst.handoff.join()
     torch.cuda.synchronize()
     h2d_s = time.perf_counter() - t0
     ref = Engine(loaded, EngineConfig(num_blocks=4096, device="cuda"))
@@ -116,7 +116,7 @@ def kv_path(loaded: LoadedModel, prompt: list[int], check: Callable[..., None], 
 
     def d2h() -> None:
         for layer in range(src.model_config.num_layers):
-            src.copies.to_host(src._blocks_view(layer, ids), None)
+            src.handoff.copies.to_host(src.handoff.view(layer, ids), None)
     d2h_gbps = _gbps(nbytes, d2h, reps=5)
     src.free(rid)
     per_round = [(s - a) / a for a, s in zip(alone, streamed)]

@@ -16,9 +16,9 @@ import math
 import torch
 import torch.nn.functional as F
 
+from shared.engine.batch import ForwardBatch
 from shared.engine.kernels import select
 from shared.engine.loader import LoadedModel
-from shared.engine.model import ForwardBatch
 from shared.tools.held_prompts import CONVERSATIONS
 
 WINDOW = 512

@@ -12,7 +12,7 @@ from shared.engine.rope import Rope
 @dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only transformer: Llama and the architectures that differ from it in a few
-    places (model.py), each difference a field whose default is Llama's. Field names follow
+    places (model.py, attention.py), each difference a field whose default is Llama's. Field names follow
     Hugging Face `config.json` semantics where it has one (loader.py maps each `model_type`)."""
 
     vocab_size: int

@@ -25,7 +25,8 @@ Decode side:
 
 `layer_hook(layer)` is called during each forward pass once that layer's KV is in the pool
 (the seam for layer-by-layer transfer). `drain_cache_changes()` returns prefix-cache "stored" /
-"evicted" changes for the router's prefix index.
+"evicted" changes for the router's prefix index. The KV read out of the pool and written into
+it for a handoff is kv_handoff.py's (`Engine.handoff`).
 """
 
 from __future__ import annotations
@@ -43,14 +44,14 @@ from shared.engine.block_manager import BlockManager, CacheChange, OutOfBlocks
 from shared.engine.config import EngineConfig
 from shared.engine.detokenizer import TextStream
 from shared.engine.grammar import GrammarError, Grammars, token_table
-from shared.engine.kv_copies import KVCopies
+from shared.engine.kv_handoff import KVHandoff
 from shared.engine.kv_io import KVExport, KVPiece, Reservation
 from shared.engine.loader import LoadedModel
-from shared.engine.logprobs import Logprob, logprobs_of
-from shared.engine.runner import ModelRunner, scored_positions
+from shared.engine.logprobs import Logprob
+from shared.engine.runner import ModelRunner, score_prompts
 from shared.engine.sampler import sample
 from shared.engine.scheduler import Scheduler
-from shared.engine.sequence import SamplingParams, Sequence, Status
+from shared.engine.sequence import SamplingParams, Sequence, Status, finish_reason
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +101,7 @@ class Engine:
         self.eos_token_ids = tuple(sorted(eos))
         self.seqs: dict[str, Sequence] = {}
         self.layer_hook = None
-        self._streams: dict[str, _Stream] = {}
-        self.copies = KVCopies(self.runner.device)  # KV to and from the host off the compute stream
+        self.handoff = KVHandoff(self.runner, self.blocks, self.fingerprint)  # KV out of and into the pool
         self.last_pass = Pass(0, 0)  # what the last step computed
         self._rng = random.Random(cfg.seed)
 
@@ -165,9 +165,9 @@ class Engine:
             self.last_pass = Pass(0, 0)
             return []
         self.last_pass = Pass(sched.num_decode, sched.prefill_tokens)
-        logits = self.runner.run(sched, self._hook_for(sched))
+        logits = self.runner.run(sched, self.handoff.layer_hook(sched, self.layer_hook))
         due: list[Sequence] = []
-        self._score_prompts(sched, logits)
+        score_prompts(sched, logits)
         for seq, n in sched.chunks:
             seq.num_computed += n
             self._commit_blocks(seq)
@@ -190,39 +190,23 @@ class Engine:
         seq = self.seqs.get(request_id)
         if seq is not None:
             if seq.status is Status.IMPORTING:  # writes into its blocks may still be queued: before
-                self.copies.join()              # the blocks go to anyone else's pass
+                self.handoff.join()             # the blocks go to anyone else's pass
             seq.finish_reason = seq.finish_reason or "abort"
             self._finish(seq)
 
     free = abort  # a parked sequence whose KV the decode side has confirmed
 
     def stream_kv(self, request_id: str, first_block: int, sink: Callable[[KVPiece], None]) -> None:
-        """Hand `sink` each layer of the prompt's blocks from `first_block` on as soon as a
-        forward pass has computed it (blocks already cached here go with the first pass)."""
-        seq = self.seqs[request_id]
-        if not seq.prefill_only or seq.status is not Status.WAITING:
-            raise ValueError(f"{request_id}: only a queued prefill-only request can be streamed")
-        self._streams[request_id] = _Stream(first_block, sink)
+        """Hand `sink` each layer of the prompt's blocks from `first_block` on as a pass computes it."""
+        self.handoff.stream(self.seqs[request_id], first_block, sink)
 
     def kv_blocks(self, request_id: str, layer: int, first_block: int, num_blocks: int) -> torch.Tensor:
         """Layer `layer` of prompt blocks [first_block, first_block + num_blocks) (a re-send)."""
-        seq = self.seqs[request_id]
-        if first_block < 0 or first_block + num_blocks > self.blocks.blocks_needed(seq.num_computed):
-            raise ValueError(f"{request_id}: blocks {first_block}+{num_blocks} are not computed")
-        return self._blocks_view(layer, seq.block_table[first_block:first_block + num_blocks])
+        return self.handoff.computed_blocks(self.seqs[request_id], layer, first_block, num_blocks)
 
     def export_kv(self, request_id: str, first_block: int = 0) -> KVExport:
         """The prompt's KV blocks from `first_block` on, of a parked (prefilled) sequence."""
-        seq = self.seqs[request_id]
-        if seq.status is not Status.PARKED:
-            raise ValueError(f"{request_id}: only a parked sequence can be exported ({seq.status})")
-        prompt = seq.token_ids[:seq.num_prefill]
-        table = seq.block_table[:self.blocks.blocks_needed(seq.num_prefill)]
-        hashes = seq.full_block_hashes(self.cfg.block_size, seq.num_prefill)
-        ids = torch.tensor(table[first_block:], dtype=torch.long, device=self.runner.device)
-        gather = lambda layer: self.runner.ops.gather_blocks(self.runner.kv[layer], ids)  # noqa: E731
-        return KVExport(request_id, self.fingerprint, prompt, hashes,
-                        first_block, len(table) - first_block, self.model_config.num_layers, gather)
+        return self.handoff.export(self.seqs[request_id], first_block)
 
     # -- decode side of a transfer ---------------------------------------------------------
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -255,23 +239,11 @@ class Engine:
 
         Touches only the pool, never engine state: the caller may run it off the engine thread
         for the blocks of a reservation (no pass reads them before `commit_import`)."""
-        pool, device = self.runner.kv[layer], self.runner.device
-        data = data.view(pool.dtype) if data.dtype == torch.uint8 else data
-        data = data.reshape(-1, *pool.shape[1:])
-        if data.shape[0] != len(block_ids):
-            raise ValueError(f"{data.shape[0]} blocks of data for {len(block_ids)} block ids")
-        ids = torch.tensor(block_ids, dtype=torch.long)
-        self.copies.to_device(lambda d: self.runner.ops.scatter_blocks(pool, ids.to(device), d), data, device)
+        self.handoff.write(layer, block_ids, data)
 
     def import_layer(self, request_id: str, layer: int, buffer: torch.Tensor, first_block: int) -> None:
         """Write one whole layer of an export (KVExport.layer) into a reserved sequence."""
-        seq = self.seqs[request_id]
-        if seq.status is not Status.IMPORTING:
-            raise ValueError(f"{request_id}: not reserved for import ({seq.status})")
-        n = buffer.numel() * buffer.element_size() // self.runner.kv[layer][0].nbytes
-        if first_block + n > len(seq.block_table):
-            raise ValueError(f"{request_id}: {n} blocks received, {len(seq.block_table) - first_block} reserved")
-        self.write_kv(layer, seq.block_table[first_block:first_block + n], buffer)
+        self.handoff.write_layer(self.seqs[request_id], layer, buffer, first_block)
 
     def commit_import(self, request_id: str, first_token: int, logprob: Logprob | None = None,
                       prompt_logprobs: list[Logprob | None] | None = None) -> RequestOutput:
@@ -280,7 +252,7 @@ class Engine:
         seq = self.seqs[request_id]
         if seq.status is not Status.IMPORTING:
             raise ValueError(f"{request_id}: not reserved for import ({seq.status})")
-        self.copies.join()  # its blocks' writes (on the KV stream) before its first step
+        self.handoff.join()  # its blocks' writes (on the KV stream) before its first step
         seq.num_computed = seq.num_prefill
         self._commit_blocks(seq)
         self.scheduler.join_running(seq)
@@ -288,54 +260,6 @@ class Engine:
         return self._append_token(seq, first_token, logprob)  # (the prefill side published it already)
 
     # -- internals -----------------------------------------------------------------------
-    def _blocks_view(self, layer: int, block_ids: list[int]) -> torch.Tensor:
-        """Layer `layer` of these blocks: a view of the pool when they are adjacent, else a gather."""
-        pool = self.runner.kv[layer]
-        if block_ids and all(b - a == 1 for a, b in zip(block_ids, block_ids[1:])):
-            return pool[block_ids[0]:block_ids[-1] + 1]
-        return self.runner.ops.gather_blocks(pool, torch.tensor(block_ids, dtype=torch.long, device=pool.device))
-
-    def _score_prompts(self, sched, logits: torch.Tensor) -> None:
-        """Prompt log probabilities from a pass's extra rows (ModelRunner.run), before the
-        chunks' num_computed moves on."""
-        prompts = sched.chunks[sched.num_decode:]
-        row = sched.num_decode + sum(seq.num_computed + n == len(seq.token_ids) for seq, n in prompts)
-        for seq, n in prompts:
-            scored = scored_positions(seq, n)
-            if len(scored) and seq.prompt_logprobs is not None:
-                seq.prompt_logprobs += logprobs_of(logits[row:row + len(scored)],
-                                                   seq.token_ids[scored.start + 1:scored.stop + 1],
-                                                   seq.params.prompt_logprobs or 0)
-                row += len(scored)
-
-    def _hook_for(self, sched):
-        """The pass's layer hook: the user's, plus the KV pieces this pass completes."""
-        bs, pieces = self.cfg.block_size, []
-        for seq, n in sched.chunks:
-            stream = self._streams.get(seq.request_id)
-            if stream is None:
-                continue
-            end = seq.num_computed + n
-            upto = -(-end // bs) if end == seq.num_prefill else end // bs  # full blocks, or the prefill's end
-            if upto > stream.sent_upto:
-                pieces.append((seq.request_id, stream.sent_upto, seq.block_table[stream.sent_upto:upto], stream.sink))
-                stream.sent_upto = upto
-        if not pieces:
-            return self.layer_hook
-        cuda, last = self.runner.device.type == "cuda", self.model_config.num_layers - 1
-
-        def hook(layer: int) -> None:
-            if self.layer_hook is not None:
-                self.layer_hook(layer)
-            for rid, first, ids, sink in pieces:
-                data = self._blocks_view(layer, ids)
-                ready = torch.cuda.Event() if cuda else None
-                if ready is not None:
-                    ready.record()
-                    data, ready = self.copies.to_host(data, ready)  # on the KV stream, into pinned memory
-                sink(KVPiece(rid, layer, first, data, ready, layer == last))
-        return hook
-
     def _new_sequence(self, request_id: str, prompt: list[int], params: SamplingParams,
                       prefill_only: bool, generated: list[int] | tuple[()] = ()) -> Sequence:
         if request_id in self.seqs:
@@ -382,7 +306,7 @@ class Engine:
             log.error("%s: token %d leaves the request's grammar", seq.request_id, token)
         seq.token_ids.append(token)
         text = seq.text.push(seq.token_ids) if seq.text is not None else ""
-        reason = self._finish_reason(seq, token)
+        reason = finish_reason(seq, token, self.eos_token_ids, self.model_config.max_position)
         if reason is not None:
             seq.finish_reason = reason
             if seq.text is not None:
@@ -392,26 +316,10 @@ class Engine:
                              seq.num_prompt, seq.num_generated, seq.num_cached,
                              None if logprob is None else [logprob], prompt_logprobs)
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        can_stop = seq.num_generated >= p.min_tokens
-        if can_stop and ((token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids):
-            return "stop"
-        if can_stop and seq.text is not None and seq.text.stopped:
-            return "stop"
-        if seq.num_generated >= p.max_tokens or len(seq.token_ids) >= self.model_config.max_position:
-            return "length"
-        return None
-
     def _finish(self, seq: Sequence) -> None:
-        self._streams.pop(seq.request_id, None)
+        self.handoff.forget(seq.request_id)
         self.scheduler.remove(seq)
         self.blocks.free(seq.block_table)
         seq.status = Status.FINISHED
         del self.seqs[seq.request_id]
 
-
-@dataclass
-class _Stream:
-    sent_upto: int            # prompt blocks before this one are streamed (or not wanted)
-    sink: Callable[[KVPiece], None]

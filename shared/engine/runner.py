@@ -1,4 +1,5 @@
-"""Turn a Schedule into model inputs and run the forward pass; owns the KV pool tensor."""
+"""Turn a Schedule into model inputs, run the forward pass and read its prompt-scoring rows back;
+owns the KV pool tensor."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ from collections.abc import Callable
 
 import torch
 
+from shared.engine.batch import ForwardBatch
 from shared.engine.config import EngineConfig, ModelConfig
 from shared.engine.kernels import select
-from shared.engine.model import DecoderModel, ForwardBatch
+from shared.engine.logprobs import logprobs_of
+from shared.engine.model import DecoderModel
 from shared.engine.scheduler import Schedule
 from shared.engine.sequence import Sequence
 
@@ -71,3 +74,17 @@ def scored_positions(seq: Sequence, n: int) -> range:
     if seq.prompt_logprobs is None:
         return range(0)
     return range(seq.num_computed, min(seq.num_computed + n, seq.num_prompt - 1))
+
+
+def score_prompts(sched: Schedule, logits: torch.Tensor) -> None:
+    """Prompt log probabilities from a pass's extra rows (`ModelRunner.run`), before the
+    chunks' num_computed moves on."""
+    prompts = sched.chunks[sched.num_decode:]
+    row = sched.num_decode + sum(seq.num_computed + n == len(seq.token_ids) for seq, n in prompts)
+    for seq, n in prompts:
+        scored = scored_positions(seq, n)
+        if len(scored) and seq.prompt_logprobs is not None:
+            seq.prompt_logprobs += logprobs_of(logits[row:row + len(scored)],
+                                               seq.token_ids[scored.start + 1:scored.stop + 1],
+                                               seq.params.prompt_logprobs or 0)
+            row += len(scored)

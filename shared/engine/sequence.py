@@ -115,3 +115,16 @@ class Sequence:
     @property
     def last_token(self) -> int:
         return self.token_ids[-1]
+
+
+def finish_reason(seq: Sequence, token: int, eos_token_ids: tuple[int, ...], max_position: int) -> str | None:
+    """Why `seq` stops with `token` just appended ("stop" | "length"), or None: it goes on."""
+    p = seq.params
+    can_stop = seq.num_generated >= p.min_tokens
+    if can_stop and ((token in eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids):
+        return "stop"
+    if can_stop and seq.text is not None and seq.text.stopped:
+        return "stop"
+    if seq.num_generated >= p.max_tokens or len(seq.token_ids) >= max_position:
+        return "length"
+    return None

@@ -113,7 +113,7 @@ def test_write_kv_and_prefill_attention_with_cached_prefix():
 def test_c_decode_attention_is_rope_kv_write_and_attention_in_one_call():
     """The C decode step (attention.c) against torch's ops one after another: same pool, same
     output."""
-    from shared.engine.model import Rotary
+    from shared.engine.attention import Rotary
 
     bs, kvh, hd, h, width = 4, 2, 8, 6, 4
     g = torch.Generator().manual_seed(2)

@@ -50,7 +50,7 @@ def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, po
                      rows: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, heads: int,
                      scale: float) -> torch.Tensor:
     """qkv (B, (heads + 2·kvh)·hd) from the qkv product (rotated in place); cos, sin (B, hd) at
-    each token's position, sin with its first half negated (model.Rotary's tables); rows (B,)
+    each token's position, sin with its first half negated (attention.Rotary's tables); rows (B,)
     `torch_ref.kv_rows` of the new tokens. Writes their K/V into pool; returns (B, heads·hd)."""
     b, hd, kvh = qkv.shape[0], pool.shape[4], pool.shape[3]
     out = torch.empty((b, heads * hd), dtype=torch.float32)

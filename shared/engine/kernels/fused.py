@@ -59,7 +59,7 @@ def decode_layers(layers: Layers, x: torch.Tensor, cos: torch.Tensor, sin: torch
                   scale: float) -> torch.Tensor:
     """x (B, hidden) fp32, one decode token per sequence, through every layer: returns the
     residual stream after the last (x is overwritten with it). cos, sin (B, head_dim) at each
-    token's position (model.Rotary's tables); pools (layers, blocks, 2, block_size, kv_heads,
+    token's position (attention.Rotary's tables); pools (layers, blocks, 2, block_size, kv_heads,
     head_dim) fp32, contiguous: each layer's new K/V are written there; rows (B,)
     `torch_ref.kv_rows` of the new tokens."""
     b, kvh, hd = x.shape[0], pools.shape[4], pools.shape[5]
