@@ -63,7 +63,7 @@ def veth_pair(mtu: int = 1500):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-SUBNET = "10.231.80"   # bridged(): the switch is .1, the hosts .10 on
+SUBNETS = [f"10.231.{n}" for n in range(80, 120)]  # bridged(): the first one free; the switch .1, the hosts .10 on
 DEVICE = "eth0"        # bridged(): each host's end of its link, as named inside its namespace
 
 
@@ -79,15 +79,17 @@ class Link:
 @contextlib.contextmanager
 def bridged(names: list[str]):
     """One network namespace per name, each linked to a bridge in this namespace (the switch,
-    address SUBNET.1) by a veth pair; yields a Link per name, all removed after."""
+    address <subnet>.1, the first of SUBNETS no interface here is on: another run's bridge, or
+    one left by a run killed before its cleanup, keeps its own) by a veth pair; yields a Link
+    per name, all removed after."""
     if shutil.which("ip") is None or os.geteuid() != 0:
         raise NoNetns("network namespaces need root and iproute2")
-    tag = uuid.uuid4().hex[:5]
+    tag, subnet = uuid.uuid4().hex[:5], free_subnet()
     bridge, made, links = f"pdbr{tag}", [], {}
     try:
         _ip("link", "add", bridge, "type", "bridge")
         made.append(("link", bridge))
-        _ip("addr", "add", f"{SUBNET}.1/24", "dev", bridge)
+        _ip("addr", "add", f"{subnet}.1/24", "dev", bridge)
         _ip("link", "set", bridge, "up")
         for i, name in enumerate(names):
             ns, port, end = f"pdh{tag}{i}", f"pds{tag}{i}", f"pdt{tag}{i}"
@@ -97,15 +99,25 @@ def bridged(names: list[str]):
             _ip("link", "set", end, "netns", ns)
             _ip("link", "set", port, "master", bridge, "up")
             _ip("link", "set", end, "name", DEVICE, ns=ns)
-            _ip("addr", "add", f"{SUBNET}.{10 + i}/24", "dev", DEVICE, ns=ns)
+            _ip("addr", "add", f"{subnet}.{10 + i}/24", "dev", DEVICE, ns=ns)
             _ip("link", "set", DEVICE, "up", ns=ns)
             _ip("link", "set", "lo", "up", ns=ns)
-            links[name] = Link(ns, f"{SUBNET}.{10 + i}", port)
+            links[name] = Link(ns, f"{subnet}.{10 + i}", port)
         yield links
     finally:
         for kind, what in reversed(made):  # a namespace's removal takes its link's ends with it
             subprocess.run(["ip", "netns", "del", what] if kind == "netns" else ["ip", "link", "del", what],
                            capture_output=True)
+
+
+def free_subnet() -> str:
+    """The first of SUBNETS that no interface of this namespace is on."""
+    out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True, check=True).stdout
+    taken = {f.split("/")[0].rsplit(".", 1)[0] for line in out.splitlines() for f in line.split() if f.count(".") == 3}
+    free = [s for s in SUBNETS if s not in taken]
+    if not free:
+        raise NoNetns(f"every subnet of {SUBNETS[0]}.0-{SUBNETS[-1]}.0 is on an interface here")
+    return free[0]
 
 
 # a worker on another host shares no memory with its peers: UCX over TCP on its host's link only
