@@ -32,6 +32,7 @@ class Pool:
     prefills: list[WorkerInfo] = field(default_factory=list)
     decodes: list[WorkerInfo] = field(default_factory=list)
     slots: dict[int, WorkerInfo] = field(default_factory=dict)   # prefix-index slot -> its worker
+    ids: dict[str, WorkerInfo] = field(default_factory=dict)     # worker id -> its entry
 
     @property
     def block_size(self) -> int:
@@ -47,7 +48,7 @@ def pools(workers: list[WorkerInfo]) -> dict[str, Pool]:
     for w in workers:
         by_model.setdefault(w.model, []).append(w)
     return {model: Pool(ws, [w for w in ws if w.role == "prefill"], [w for w in ws if w.role == "decode"],
-                        prefix_index.by_slot(ws)) for model, ws in by_model.items()}
+                        prefix_index.by_slot(ws), {w.worker_id: w for w in ws}) for model, ws in by_model.items()}
 
 
 class Pools:
