@@ -7,8 +7,9 @@ prompts up in it (`lookup`, the Redis index's `_LOOKUP` answer by worker), nothi
 
 A retired holder (its worker gone, restarted or resynced) stops counting at once (`alive`); its
 bits are cleared from the blocks in the background by `sweep`, a bounded step at a time, after
-which its number is free again. ~70 bytes per indexed block (a dict entry and the hash's int
-object; the bitmask of a block with one holder is shared): measured by bench/scale/index_compare.py.
+which its number is free again. Its cost is ~70 bytes per indexed block (a dict entry and the
+hash's int object; the bitmask of a block with one holder is shared), ~85 in the process's
+growth at 10M blocks: bench/scale/index_compare.py.
 """
 
 from __future__ import annotations
