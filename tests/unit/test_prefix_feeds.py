@@ -86,16 +86,6 @@ def test_held_events_are_bounded_and_a_snapshot_after_losing_some_asks_again():
     assert feeds.on_snapshot(Snapshot("w", "e1", 2, [1, 2])) is True  # events past MAX_HELD lost: a gap
 
 
-def test_messages_net_each_chunk_and_number_the_changes():
-    changes = [CacheChange("stored", h) for h in range(prefix_events.CHUNK + 5)] + [CacheChange("evicted", 3)]
-    msgs = prefix_events.messages("w", "e", 10, changes)
-    assert [(m.first, m.last) for m in msgs] == [(10, 10 + prefix_events.CHUNK), (10 + prefix_events.CHUNK,
-                                                                                  16 + prefix_events.CHUNK)]
-    assert 3 in msgs[0].added and msgs[1].removed == [3] and len(msgs[1].added) == 5
-    page = prefix_events.page_of("w", "e", 3, list(range(prefix_events.PAGE + 1)), 1)
-    assert (page.pages, page.hashes) == (2, [prefix_events.PAGE])
-
-
 def test_the_index_equals_the_cache_wherever_the_snapshot_falls():
     """A worker's cache under random changes, drained in batches (and published in messages of
     a few batches); the snapshot taken between any two steps, with changes not drained yet in it;
