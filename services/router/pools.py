@@ -1,5 +1,5 @@
 """The registry as a placement needs it: per model, its live prefill and decode workers
-(placement.live) and who holds which prefix-index slot — made once per registry read, not once
+(placement.live), who holds which prefix-index slot and each by id — made once per registry read, not once
 per placement (a placement's own work then follows the prompt and the workers holding it, not
 the fleet). `Pools` keeps them: re-read in the background every REGISTRY_READ_S while the
 router serves, read on the spot when older."""
