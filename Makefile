@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 # llama.cpp, the side-by-side peer of make bench-engine (built from source on first install)
 LLAMA_CPP_VERSION ?= 0.3.36
 
-.PHONY: help setup lint fmt run test test-fast test-clients bench-path bench-engine bench-archs bench-grammar bench-stack bench-transfer eval-router bench-router chaos fuzz chaos-busy bench-tracing bench-scale bench bench-full bench-prefill-chunk profile plan plan-check compose-up compose-down gpu-check clean
+.PHONY: help setup lint fmt run test test-fast test-clients bench-path bench-engine bench-archs bench-grammar bench-stack bench-transfer eval-router bench-router chaos fuzz chaos-busy bench-tracing bench-scale bench-index bench bench-full bench-prefill-chunk profile plan plan-check compose-up compose-down gpu-check clean
 
 .DEFAULT_GOAL := help
 
@@ -129,6 +129,11 @@ bench-tracing: setup
 ##   on 2 cores; make bench-scale SCALE_ARGS=--quick: under 2 minutes)
 bench-scale: setup
 	$(BIN)/python -m bench.scale $(SCALE_ARGS)
+
+## bench-index: the prefix index side by side, Redis vs the router's memory (PD_PREFIX_INDEX=events): lookups,
+##   updates, memory at 4-256 workers and 1M-10M blocks; writes bench/results/prefix_index_compare.json (~5 min)
+bench-index: setup
+	$(BIN)/python -m bench.scale.index_compare $(INDEX_ARGS)
 
 ## bench: victims and aggressors + goodput on the Azure trace, colocated / chunked / disaggregated on the same cores
 ##   (quick, ~15 minutes; bench-full ~65); writes bench/results/interference.json, the plots and docs/RESULTS.md's results section

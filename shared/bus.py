@@ -83,19 +83,23 @@ class Bus:
     async def ensure_prefill_stream(self, replicas: int = 1, timeout_s: float = 60.0) -> None:
         """The work queue of prefill jobs: each job is delivered to one consumer, kept until acked;
         a job nobody acked within PREFILL_JOB_MAX_AGE_S (its worker died for good) is dropped —
-        its decode worker prefilled it long before. `replicas`: copies on that many servers of a
-        NATS cluster (a job survives the loss of all but one); a stream made with fewer is given
-        more, never fewer (a process started with the default 1 does not shrink a fleet's). A
-        cluster still electing its JetStream leader, or not yet with enough servers for the
-        copies, is asked again until `timeout_s`."""
-        config = StreamConfig(name=subjects.PREFILL_STREAM, subjects=[subjects.PREFILL_JOBS],
-                              retention=RetentionPolicy.WORK_QUEUE, max_age=PREFILL_JOB_MAX_AGE_S,
-                              num_replicas=replicas)
+        its decode worker prefilled it long before."""
+        await self.ensure_stream(StreamConfig(name=subjects.PREFILL_STREAM, subjects=[subjects.PREFILL_JOBS],
+                                              retention=RetentionPolicy.WORK_QUEUE, max_age=PREFILL_JOB_MAX_AGE_S,
+                                              num_replicas=replicas), timeout_s)
+
+    async def ensure_stream(self, config: StreamConfig, timeout_s: float = 60.0) -> None:
+        """Make the stream `config` names unless it exists. `num_replicas`: copies on that many
+        servers of a NATS cluster (a message survives the loss of all but one); a stream made with
+        fewer is given more, never fewer (a process started with the default 1 does not shrink a
+        fleet's). A cluster still electing its JetStream leader, or not yet with enough servers
+        for the copies, is asked again until `timeout_s`."""
+        name, replicas = config.name or "", config.num_replicas or 1
         deadline = asyncio.get_running_loop().time() + timeout_s
         while True:
             try:
                 try:
-                    made = await self.js.stream_info(subjects.PREFILL_STREAM)
+                    made = await self.js.stream_info(name)
                 except nats.js.errors.NotFoundError:
                     await self.js.add_stream(config)
                     return

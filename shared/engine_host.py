@@ -31,6 +31,7 @@ class EngineHost:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self.wake = asyncio.Event()
         self.on_cache_changes = on_cache_changes       # the step's prefix-cache changes (prefix index)
+        self.cache_changes = 0  # prefix-cache changes drained (and handed on) so far, counted on the engine thread
         self.prefill_tokens_per_s = 0.0        # recent prefill passes, smoothed
         self.steps, self.step_started = 0, 0.0  # monotonic start of the step running now (0: none)
         self.recent_steps: deque[float] = deque(maxlen=RECENT_STEPS)  # durations of the last steps
@@ -56,7 +57,9 @@ class EngineHost:
                 outputs = self.engine.step()
             finally:
                 self.step_started = 0.0
-            return outputs, self.engine.drain_cache_changes(), self.engine.last_pass, time.perf_counter() - start
+            changes = self.engine.drain_cache_changes()
+            self.cache_changes += len(changes)
+            return outputs, changes, self.engine.last_pass, time.perf_counter() - start
 
         outputs, changes, done, elapsed = await self.call(run)
         self.recent_steps.append(elapsed)
@@ -69,6 +72,11 @@ class EngineHost:
         if changes and self.on_cache_changes is not None:
             self.on_cache_changes(changes)
         return outputs
+
+    async def cache_snapshot(self) -> tuple[list[int], int]:
+        """Every hash in the prefix cache now, and how many changes were drained before it: it
+        holds their effect (and maybe some of the next ones', which re-state what it holds)."""
+        return await self.call(lambda: (self.engine.cached_hashes(), self.cache_changes))
 
     @property
     def slowest_step_s(self) -> float:

@@ -5,8 +5,11 @@ source for both), rendered as nats-server's `authorization` block.
     role      publishes                                       subscribes
     gateway   route requests; replays; cancels                 its requests' tokens and events
     router    admits; events; cancels; the job stream's setup  route requests, requeues, KV outcomes
+              prefix snapshots asked; its prefix-event consumer  (and the prefix events, on its inbox)
     prefill   tokens (a failed handoff); KV to decode workers  its cancels and KV acks; its job stream
+              prefix events                                    prefix snapshot asks
     decode    tokens; prefill jobs; KV acks; requeues          admits, cancels, replays, KV notices
+              prefix events                                    prefix snapshot asks
 
 Every role may answer the requests it receives (`allow_responses`: the reply subject of one
 received request, once) and reads the replies to its own requests, which come to inboxes
@@ -50,13 +53,21 @@ def inbox(user: str) -> str:
 
 _STREAM_SETUP = tuple(f"$JS.API.STREAM.{verb}.{_STREAM}" for verb in ("INFO", "CREATE", "UPDATE"))
 _CANCELS = (subjects.decode_cancel(ANY), subjects.prefill_cancel(ANY))
+# PD_PREFIX_INDEX=events: workers publish their prefix events and answer snapshots; each router
+# reads the events through an ordered consumer of its own (made, flow-controlled) and asks snapshots
+_PREFIX = subjects.PREFIX_STREAM
+_PREFIX_SETUP = tuple(f"$JS.API.STREAM.{verb}.{_PREFIX}" for verb in ("INFO", "CREATE", "UPDATE"))
+_PREFIX_PUBLISHER = (subjects.prefix_events(ANY), *_PREFIX_SETUP)
+_PREFIX_READER = (subjects.prefix_snapshot(ANY), *_PREFIX_SETUP, f"$JS.API.CONSUMER.CREATE.{_PREFIX}",
+                  f"$JS.API.CONSUMER.CREATE.{_PREFIX}.>", f"$JS.API.CONSUMER.DELETE.{_PREFIX}.*",
+                  f"$JS.FC.{_PREFIX}.>")
 
 GRANTS: dict[str, Grant] = {
     "gateway": Grant(
         publish=(subjects.ROUTE, subjects.decode_replay(ANY), *_CANCELS),
         subscribe=(subjects.tokens(ANY), subjects.stalled(ANY))),
     "router": Grant(
-        publish=(subjects.decode_admit(ANY), subjects.stalled(ANY), *_CANCELS, *_STREAM_SETUP),
+        publish=(subjects.decode_admit(ANY), subjects.stalled(ANY), *_CANCELS, *_STREAM_SETUP, *_PREFIX_READER),
         subscribe=(subjects.ROUTE, subjects.REQUEUE, subjects.KV_OUTCOMES)),
     "prefill": Grant(
         publish=(subjects.tokens(ANY), subjects.decode_cancel(ANY), subjects.decode_kv(ANY),
@@ -64,13 +75,14 @@ GRANTS: dict[str, Grant] = {
                  # its consumer of the job stream: found by subject, made durable, pulled, acked
                  "$JS.API.STREAM.NAMES", f"$JS.API.CONSUMER.INFO.{_STREAM}.*", f"$JS.API.CONSUMER.CREATE.{_STREAM}.>",
                  f"$JS.API.CONSUMER.DURABLE.CREATE.{_STREAM}.*", f"$JS.API.CONSUMER.MSG.NEXT.{_STREAM}.*",
-                 f"$JS.ACK.{_STREAM}.>"),
-        subscribe=tuple(subjects.prefill_control(ANY).values())),
+                 f"$JS.ACK.{_STREAM}.>", *_PREFIX_PUBLISHER),
+        subscribe=(*subjects.prefill_control(ANY).values(), subjects.prefix_snapshot(ANY))),
     "decode": Grant(
         publish=(subjects.tokens(ANY), subjects.prefill_jobs(ANY), subjects.REQUEUE, subjects.KV_OUTCOMES,
-                 subjects.prefill_kv_ack(ANY), subjects.prefill_kv_resend(ANY), subjects.prefill_kv_sync(ANY)),
+                 subjects.prefill_kv_ack(ANY), subjects.prefill_kv_resend(ANY), subjects.prefill_kv_sync(ANY),
+                 *_PREFIX_PUBLISHER),
         subscribe=(subjects.decode_admit(ANY), subjects.decode_cancel(ANY), subjects.decode_replay(ANY),
-                   subjects.decode_kv(ANY), subjects.decode_kv_end(ANY))),
+                   subjects.decode_kv(ANY), subjects.decode_kv_end(ANY), subjects.prefix_snapshot(ANY))),
 }
 
 

@@ -282,6 +282,40 @@ class KVOutcome(Message):
     reason: str = ""
 
 
+# -- prefix caches, worker -> routers (PD_PREFIX_INDEX=events: shared/prefix_events.py) ---------
+class PrefixEvents(Message):
+    """One worker's prefix-cache changes `first` < n <= `last` of its life `epoch` (counted from
+    its start), netted: the hashes it holds now among them, and those it no longer holds."""
+
+    worker_id: str
+    epoch: str
+    first: int
+    last: int
+    added: list[int] = []
+    removed: list[int] = []
+
+
+class PrefixSnapshotAsk(Message):
+    """router -> worker, request/reply: page `page` of its whole prefix cache as taken for `ask`
+    (page 0 takes it; the others are read from that copy). Answered with PrefixSnapshot."""
+
+    router_id: str
+    ask: str
+    page: int = 0
+
+
+class PrefixSnapshot(Message):
+    """A page of a worker's prefix cache: every hash in it once its changes up to `seq` were
+    counted (the events with `last` > seq apply on top)."""
+
+    worker_id: str
+    epoch: str
+    seq: int
+    hashes: list[int]
+    page: int = 0
+    pages: int = 1
+
+
 # -- to the workers holding the request (shared/holders.py) ---------------------------------
 FINISHED_IN_PREFILL = "finished in prefill"  # Cancel.reason: only the decode side's reservation ends
 
@@ -324,4 +358,6 @@ class WorkerInfo(Message):
     step_s: float = 0.0               # how long the engine's current step has run (0: between steps)
     slowest_step_s: float = 0.0       # how long a step may take now (EngineHost.slowest_step_s): far longer is hung
     prefix_slot: int = 0              # its slot in the prefix index (shared/prefix_index.py); 0: none
+    prefix_epoch: str = ""            # the life its prefix events carry (shared/prefix_events.py); "": none
+    prefix_seq: int = 0               # the prefix-cache changes it has published in that life
     cached_blocks: int = 0            # blocks in its prefix cache

@@ -27,7 +27,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable, Mapping
+from typing import TypeVar
 
 from redis.asyncio.client import Pipeline
 
@@ -36,6 +37,7 @@ from shared.messages import WorkerInfo
 from shared.state import Store
 
 log = logging.getLogger("prefix_index")
+K = TypeVar("K", bound=Hashable)
 BUCKETS = 1 << 17
 SLOTS, SIZES, NEXT, SWEEP = "pd:prefix:slots", "pd:prefix:sizes", "pd:prefix:next", "pd:prefix:sweep"
 UPDATE_CHUNK = 4096   # hashes per script call (a long call would hold up every other Redis client)
@@ -274,11 +276,12 @@ def by_slot(workers: list[WorkerInfo]) -> dict[int, WorkerInfo]:
     return {w.prefix_slot: w for w in workers if w.prefix_slot}
 
 
-def by_worker(slots: dict[int, WorkerInfo], held: dict[int, int]) -> dict[str, tuple[int, int]]:
+def by_worker(holders: Mapping[K, WorkerInfo], held: Mapping[K, int]) -> dict[str, tuple[int, int]]:
     """For the workers holding some of the prompt: (how many leading blocks of it they hold,
-    how many blocks their cache holds), from a lookup's answer by slot. Its cost follows the
-    holders found, not the fleet: a worker absent holds none."""
-    return {w.worker_id: (n, w.cached_blocks) for slot, n in held.items() if (w := slots.get(slot)) is not None}
+    how many blocks their cache holds), from a lookup's answer by slot (or, from the memory
+    index, by worker id). Its cost follows the holders found, not the fleet: a worker absent
+    from `holders` (the pool's) holds none."""
+    return {w.worker_id: (n, w.cached_blocks) for key, n in held.items() if (w := holders.get(key)) is not None}
 
 
 def queue_lookup(state: Store, p: Pipeline, hashes: list[int]) -> None:

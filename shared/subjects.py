@@ -82,3 +82,16 @@ def stalled(request_id: str) -> str:
 
 
 KV_OUTCOMES = "pd.kv.outcomes"                  # decode -> routers: how each KV handoff ended (breakers)
+
+PREFIX_STREAM = "PD_PREFIX"                     # JetStream: each worker's prefix-cache changes (PD_PREFIX_INDEX=events)
+PREFIX_EVENTS = "pd.prefix.events.*"
+
+
+def prefix_events(worker: str) -> str:
+    """worker -> routers (PREFIX_STREAM): PrefixEvents of one worker's prefix cache, in order."""
+    return f"pd.prefix.events.{worker}"
+
+
+def prefix_snapshot(worker: str) -> str:
+    """router -> worker, request/reply: its whole prefix cache (PrefixSnapshot), a page per ask."""
+    return f"pd.prefix.snapshot.{worker}"

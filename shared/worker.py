@@ -13,13 +13,16 @@ from typing import Literal, Protocol
 import torch
 
 from shared import metrics, metrics_vllm, tracing
+from shared.bus import Bus
 from shared.config import WorkerSettings
+from shared.engine.block_manager import CacheChange
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.loader import load
 from shared.engine_host import EngineHost
 from shared.kv import Faults, KVTransport, create_transport
 from shared.messages import WorkerInfo
+from shared.prefix_events import PrefixEventPublisher
 from shared.prefix_index import PrefixPublisher
 from shared.service import connect, stop_event
 from shared.state import State
@@ -59,14 +62,33 @@ class WorkerCore:
     and its registry entry, `draining` once it stops taking new work."""
 
     def __init__(self, role: Literal["prefill", "decode"], settings: WorkerSettings, engine: Engine,
-                 state: State, transport: KVTransport):
+                 state: State, transport: KVTransport, bus: Bus | None = None):
         self.role, self.settings, self.engine, self.state, self.transport = role, settings, engine, state, transport
         self.id = worker_id(settings, role)
         self.prefix = PrefixPublisher(state, self.id, lease_s=settings.lease_s,
                                       snapshot=lambda: self.host.call(engine.cached_hashes))
-        self.host = EngineHost(engine, self.prefix.publish, settings.fault_engine_hang_after_steps, role,
+        # PD_PREFIX_INDEX=events: the changes are also published on NATS (Redis is still written)
+        self.events = PrefixEventPublisher(bus, self.id, lambda: self.host.cache_snapshot(), settings.stream_replicas) \
+            if bus is not None and settings.prefix_index == "events" else None
+        self.host = EngineHost(engine, self.on_cache_changes, settings.fault_engine_hang_after_steps, role,
                                settings.fault_engine_raise_after_steps)
         self.draining = False
+
+    def on_cache_changes(self, changes: list[CacheChange]) -> None:
+        self.prefix.publish(changes)
+        if self.events is not None:
+            self.events.publish(changes)
+
+    async def start_prefix(self) -> None:
+        """Start publishing the prefix cache's changes (before the first heartbeat names them)."""
+        await self.prefix.start()
+        if self.events is not None:
+            await self.events.start()
+
+    async def close_prefix(self) -> None:
+        await self.prefix.close()
+        if self.events is not None:
+            await self.events.close()
 
     def info(self) -> WorkerInfo:
         """The registry entry as of now (each heartbeat writes it)."""
@@ -80,7 +102,9 @@ class WorkerCore:
                           waiting=len(engine.scheduler.waiting) + engine.num_importing,
                           queued_tokens=engine.queued_tokens, prefill_tokens_per_s=host.prefill_tokens_per_s,
                           draining=self.draining, step_s=host.step_s, slowest_step_s=round(host.slowest_step_s, 3),
-                          prefix_slot=self.prefix.slot, cached_blocks=engine.num_cached_blocks)
+                          prefix_slot=self.prefix.slot, cached_blocks=engine.num_cached_blocks,
+                          prefix_epoch=self.events.epoch if self.events is not None else "",
+                          prefix_seq=self.events.seq if self.events is not None else 0)
 
     async def drain(self) -> None:
         """Take no new work: the registry entry says `draining` at once, not at the next heartbeat."""

@@ -74,7 +74,7 @@ log = logging.getLogger("decode")
 class DecodeWorker:
     def __init__(self, settings: DecodeSettings, engine: Engine, bus: Bus, state: State,
                  transport: KVTransport, tracer: trace.Tracer):
-        self.core = WorkerCore("decode", settings, engine, state, transport)
+        self.core = WorkerCore("decode", settings, engine, state, transport, bus)
         self.settings, self.engine, self.bus, self.state = settings, engine, bus, state
         self.transport, self.tracer = transport, tracer
         self.id, self.prefix, self.host = self.core.id, self.core.prefix, self.core.host
@@ -94,7 +94,7 @@ class DecodeWorker:
     async def serve(self, stop: asyncio.Event) -> None:
         await self.bus.subscribe(subjects.decode_admit(self.id), self.start_admit)
         await self.inbox.start()
-        await self.prefix.start()
+        await self.core.start_prefix()
         await self.bus.subscribe(subjects.decode_control(self.id)["cancel"], self.on_cancel)
         await self.bus.subscribe(subjects.decode_replay(self.id), self.on_replay)
         # registered (as draining, after SIGTERM) until the last sequence is done: the gateway
@@ -123,7 +123,7 @@ class DecodeWorker:
         watch.cancel()
         await beat
         await self.state.registry.deregister(self.id)
-        await self.prefix.close()
+        await self.core.close_prefix()
         self.host.close()
 
     # -- admission ---------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 1. Start: load the model, build the engine, open the UCX transport, make sure the prefill
    work queue exists, register in Redis with a heartbeat lease (queued tokens, measured
    prefill rate), pull from this worker's durable consumer (`pd.prefill.jobs.<id>`). Each
-   step's prefix-cache changes go to its slot in the prefix index (shared/prefix_index.py).
+   step's prefix-cache changes go to its slot in the prefix index (shared/prefix_index.py),
+   and with PD_PREFIX_INDEX=events to its event stream too (shared/prefix_events.py).
 2. Take jobs (up to `max_jobs` in flight: the engine orders what it holds by priority — a
    job moved off another prefill worker, or of a request moved off a decode worker, ahead of
    new prompts — and length, so it takes deep; JetStream keeps the rest in order of
@@ -92,7 +93,7 @@ MAX_JOB_DELIVERIES = 3  # a job the engine fails on this often is ended, not tak
 class PrefillWorker:
     def __init__(self, settings: PrefillSettings, engine: Engine, bus: Bus, state: State,
                  transport: KVTransport, tracer: trace.Tracer):
-        self.core = WorkerCore("prefill", settings, engine, state, transport)
+        self.core = WorkerCore("prefill", settings, engine, state, transport, bus)
         self.settings, self.engine, self.bus, self.state = settings, engine, bus, state
         self.transport, self.tracer = transport, tracer
         self.id, self.prefix, self.host = self.core.id, self.core.prefix, self.core.host
@@ -114,7 +115,7 @@ class PrefillWorker:
         pull = await self.bus.js.pull_subscribe(subjects.prefill_jobs(self.id), durable=self.id)
         await self.bus.subscribe(subjects.prefill_control(self.id)["cancel"], self.on_cancel)
         await self.sender.start()
-        await self.prefix.start()
+        await self.core.start_prefix()
         # the lease lasts until the jobs in hand are done: decode workers waiting for their KV
         # tell a draining worker (still registered, `draining`) from a dead one (gone)
         gone = asyncio.Event()
@@ -149,7 +150,7 @@ class PrefillWorker:
         gone.set()
         await beat
         await self.state.registry.deregister(self.id)
-        await self.prefix.close()
+        await self.core.close_prefix()
         self.host.close()
 
     async def keep_jobs(self) -> None:

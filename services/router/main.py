@@ -5,8 +5,9 @@
 2. Route (gateway → here): the live workers as last read from the registry (re-read in the
    background every 0.2 s; leases: a dead worker is simply absent); in one Redis round trip
    claim the request, look its prompt up in the prefix index (shared/prefix_index.py: how
-   many leading blocks each worker holds) and read its conversation's worker; the decode
-   worker, the prefill worker and local or remote prefill are decided in placement.py.
+   many leading blocks each worker holds; with PD_PREFIX_INDEX=events the router's own copy,
+   prefix_follower.py, no Redis) and read its conversation's worker; the decode worker, the
+   prefill worker and local or remote prefill are decided in placement.py.
 3. Admit on the decode worker first (it reserves KV blocks, or refuses and the next
    candidate is asked), so no prefill is spent on a request that has nowhere to decode. One
    round trip before each admit renews the claim and notes the worker asked; one after the
@@ -24,7 +25,8 @@
 8. Supervisor (supervisor.py): requests past their phase's deadline with their workers alive
    → the gateway is told to move them; requests whose gateway is gone → cancelled.
 9. Background: the registry re-read; a step of sweeping dead workers' entries out of the
-   prefix index (replicas take turns).
+   prefix index (replicas take turns); with PD_PREFIX_INDEX=events, the workers' prefix events
+   applied and their snapshots taken as needed.
 10. SIGTERM: leave the queue group, finish the routes in flight, drain NATS.
 Routes run concurrently (a task each): an admit that waits on a dying worker delays only its own.
 """
@@ -50,6 +52,7 @@ from services.router.breakers import Breakers
 from services.router.errors import EXPECTED
 from services.router.placement import Ask, Fleet, Placement, Rules
 from services.router.pools import Pool, Pools
+from services.router.prefix_follower import PrefixFollower
 from services.router.requeue import on_requeue
 from services.router.supervisor import Supervisor
 from shared import metrics, metrics_vllm, prefix_index, subjects, tracing
@@ -63,6 +66,7 @@ from shared.tasks import Background, every
 
 log = logging.getLogger("router")
 ROUTE_TTL_S = 600.0  # a placement is answered again for this long (a retried or repeated request)
+GONE_LEASES = 10     # events: a worker's entries are dropped once it has been out of the registry this many leases
 
 
 @dataclass
@@ -85,6 +89,9 @@ class Router:
         self._background = Background(log, "background step")  # Redis or NATS away: logged, not fatal
         self.breakers = Breakers(settings.breaker_failures, settings.breaker_window_s, settings.breaker_cooldown_s)
         self.bookings = Bookings(settings.heartbeat_s, self.breakers)
+        # PD_PREFIX_INDEX=events: the prefix index in this router's memory, fed by the workers' events
+        self.follower = PrefixFollower(bus, self.id, self.pools.registered, GONE_LEASES * settings.lease_s,
+                                       settings.stream_replicas) if settings.prefix_index == "events" else None
 
     async def read_workers(self) -> dict[str, Pool]:
         return await self.pools.read()
@@ -106,6 +113,9 @@ class Router:
         registry = asyncio.create_task(self.pools.keep(stop))
         sweeping = asyncio.create_task(every(self.settings.supervise_s, lambda: prefix_index.sweep(
             self.state, self.id, self.settings.supervise_s), stop, log, "prefix index sweep"))
+        if self.follower is not None:
+            await self.follower.start()
+            self._background.start(self.follower.keep(stop))
         log.info("router ready")
         serving()
         await stop.wait()
@@ -114,6 +124,8 @@ class Router:
         await sub.drain()
         await requeues.drain()
         await asyncio.gather(*self._background, return_exceptions=True)
+        if self.follower is not None:
+            await self.follower.close()
 
     async def start_requeue(self, msg: Msg) -> None:
         self.in_background(on_requeue(self, msg))
@@ -176,7 +188,7 @@ class Router:
         trace.get_current_span().set_attribute("begin_ms", 1e3 * (time.perf_counter() - asked))  # Redis: claim, lookup
         waits = Waits()
         reply = await self.place(req, key, known.get("decode"), lease_s, pool,
-                                 prefix_index.by_worker(pool.slots, held), session_worker, waits)
+                                 await self.holding(pool, hashes, held), session_worker, waits)
         if reply.ok:
             # the request's "routed" event, and the placement kept for repeats, in one round
             # trip the reply does not wait for: a repeat that comes first waits on the claim, and
@@ -200,15 +212,26 @@ class Router:
         def build(p: Pipeline) -> None:
             self.state.placements.queue_claim(p, key, self.id, lease_s)
             p.hgetall(route_key(key))
-            if hashes:
+            if hashes and self.follower is None:
                 prefix_index.queue_lookup(self.state, p, hashes)
             if session_id:
                 p.get(session_key(session_id))
         answers = iter(await self.state.pipelined(build))
         claimed, known = bool(next(answers)), {k.decode(): v.decode() for k, v in next(answers).items()}
-        held = prefix_index.held_by_slot(next(answers)) if hashes else {}
+        held = prefix_index.held_by_slot(next(answers)) if hashes and self.follower is None else {}
         session = next(answers) if session_id else None
         return claimed, known, held, session.decode() if session else None
+
+    async def holding(self, pool: Pool, hashes: list[int], held: dict[int, int] | None = None
+                      ) -> dict[str, tuple[int, int]]:
+        """The pool's workers holding some of the prompt (prefix_index.by_worker): from the memory
+        index (PD_PREFIX_INDEX=events), else from Redis's answer by slot — `held`, read with the
+        claim (`begin`), or asked now."""
+        if self.follower is not None:
+            return prefix_index.by_worker(pool.ids, self.follower.lookup(hashes))
+        if held is None:
+            held = await prefix_index.lookup(self.state, hashes)
+        return prefix_index.by_worker(pool.slots, held)
 
     @staticmethod
     def repeated(known: dict[str, str]) -> RouteReply:

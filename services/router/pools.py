@@ -1,5 +1,5 @@
 """The registry as a placement needs it: per model, its live prefill and decode workers
-(placement.live) and who holds which prefix-index slot — made once per registry read, not once
+(placement.live), who holds which prefix-index slot and each by id — made once per registry read, not once
 per placement (a placement's own work then follows the prompt and the workers holding it, not
 the fleet). `Pools` keeps them: re-read in the background every REGISTRY_READ_S while the
 router serves, read on the spot when older."""
@@ -32,6 +32,7 @@ class Pool:
     prefills: list[WorkerInfo] = field(default_factory=list)
     decodes: list[WorkerInfo] = field(default_factory=list)
     slots: dict[int, WorkerInfo] = field(default_factory=dict)   # prefix-index slot -> its worker
+    ids: dict[str, WorkerInfo] = field(default_factory=dict)     # worker id -> its entry
 
     @property
     def block_size(self) -> int:
@@ -47,7 +48,7 @@ def pools(workers: list[WorkerInfo]) -> dict[str, Pool]:
     for w in workers:
         by_model.setdefault(w.model, []).append(w)
     return {model: Pool(ws, [w for w in ws if w.role == "prefill"], [w for w in ws if w.role == "decode"],
-                        prefix_index.by_slot(ws)) for model, ws in by_model.items()}
+                        prefix_index.by_slot(ws), {w.worker_id: w for w in ws}) for model, ws in by_model.items()}
 
 
 class Pools:

@@ -15,7 +15,7 @@ from nats.aio.msg import Msg
 
 from services.router import placement, policy
 from services.router.errors import EXPECTED
-from shared import metrics, prefix_index, tracing
+from shared import metrics, tracing
 from shared.bus import context_of
 from shared.hashing import block_hashes
 from shared.messages import Requeue, Requeued
@@ -47,9 +47,8 @@ async def requeue(router: Router, req: Requeue) -> Requeued:
         return Requeued(request_id=req.request_id, reason=f"decode worker {req.decode_worker} not registered")
     tokens = [*req.prompt_token_ids, *req.generated_token_ids]
     hashes = block_hashes(tokens[:-1], pool.block_size, req.cache_salt)
-    held = await prefix_index.lookup(router.state, hashes)
     others = [p for p in pool.prefills if p.worker_id not in req.avoid_workers]
-    fleet = placement.Fleet(pool.decodes, others, pool.block_size, prefix_index.by_worker(pool.slots, held))
+    fleet = placement.Fleet(pool.decodes, others, pool.block_size, await router.holding(pool, hashes))
     ask = placement.Ask(len(req.prompt_token_ids), 0, generated=len(req.generated_token_ids), attempt=req.attempt)
     books = router.bookings.books(time.monotonic(), decode.worker_id)
     chosen = placement.place_prefill(ask, decode, fleet, books, router.rules)

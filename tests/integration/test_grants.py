@@ -13,9 +13,12 @@ import nats
 import pytest
 
 from deploy.local.servers import binary, free_port, wait_for_port
+from services.router.prefix_follower import PrefixFollower
 from shared import grants, subjects
 from shared.bus import Bus
-from shared.messages import PrefillJob, RouteReply, RouteRequest, Sampling
+from shared.engine.block_manager import CacheChange
+from shared.messages import PrefillJob, RouteReply, RouteRequest, Sampling, WorkerInfo
+from shared.prefix_events import PrefixEventPublisher
 from shared.urls import nats_inbox
 
 PASSWORDS = {user: f"pw-{user}" for user in (*grants.ROLES, grants.OPERATOR)}
@@ -162,6 +165,47 @@ def test_the_request_path_works_across_roles(server):
             await msg.ack_sync()
         finally:
             for bus in (gateway, router, decode, prefill):
+                await bus.close()
+
+    asyncio.run(scenario())
+
+
+def test_prefix_events_work_across_roles(server):
+    """PD_PREFIX_INDEX=events: a prefill and a decode worker publish their cache changes and
+    answer snapshots; a router's follower (its ordered consumer, its snapshot asks) indexes both."""
+    async def scenario() -> None:
+        router = await Bus.connect(url(server, "router"), "router")
+        workers = {role: await Bus.connect(url(server, role), role) for role in ("prefill", "decode")}
+        caches = {"prefill": [1, 2, 3], "decode": [1, 2]}
+
+        def snapshot(role: str):
+            async def taken() -> tuple[list[int], int]:
+                return caches[role], 0
+            return taken
+
+        pubs = {role: PrefixEventPublisher(bus, f"{role}-0", snapshot(role)) for role, bus in workers.items()}
+        entries = [WorkerInfo(worker_id=f"{role}-0", role=role, prefix_epoch=p.epoch) for role, p in pubs.items()]
+
+        async def registered() -> list[WorkerInfo]:
+            return entries
+
+        follower = PrefixFollower(router, "router-0", registered, gone_s=30)
+        try:
+            for p in pubs.values():
+                await p.start()
+            await follower.start()
+            await follower.tick()                                    # both asked for their snapshot
+            pubs["prefill"].publish([CacheChange("stored", 4)])      # and an event on top
+            for _ in range(100):
+                if follower.lookup([1, 2, 3, 4]) == {"prefill-0": 4, "decode-0": 2}:
+                    break
+                await asyncio.sleep(0.05)
+            assert follower.lookup([1, 2, 3, 4]) == {"prefill-0": 4, "decode-0": 2}
+        finally:
+            await follower.close()
+            for p in pubs.values():
+                await p.close()
+            for bus in (router, *workers.values()):
                 await bus.close()
 
     asyncio.run(scenario())
