@@ -39,6 +39,7 @@ import numpy as np
 import uvloop
 from redis.asyncio.client import Pipeline
 
+from bench.scale import index_readme
 from deploy.local.servers import binary, free_port, wait_for_port
 from services.router.prefix_feeds import Feeds, Snapshot
 from services.router.prefix_memory import MemoryIndex
@@ -311,6 +312,8 @@ def main() -> None:
     result = uvloop.run(main_async(args))
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result["summary"], indent=1))
+    if args.out == RESULT:
+        index_readme.write(result)
 
 
 if __name__ == "__main__":

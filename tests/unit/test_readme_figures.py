@@ -10,6 +10,7 @@ from bench.engine import readme as engine_readme
 from bench.interference import report
 from bench.planning import readme as plan_readme
 from bench.results_doc import RESULTS_DOC
+from bench.scale import index_readme
 from bench.scale import readme as scale_readme
 
 RESULTS = RESULTS_DOC.parents[1] / "bench" / "results"
@@ -54,3 +55,8 @@ def test_the_works_with_tables_are_the_committed_runs():
 
 def test_the_capacity_planning_figures_are_the_committed_runs():
     assert _between(plan_readme.BEGIN, plan_readme.END) == "\n" + plan_readme.section(plan_readme.committed()) + "\n"
+
+
+def test_the_prefix_index_table_is_the_committed_run():
+    assert _between(index_readme.BEGIN, index_readme.END) == "\n" + index_readme.table(
+        _json("prefix_index_compare.json")) + "\n"
