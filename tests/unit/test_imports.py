@@ -42,3 +42,10 @@ def test_the_command_reaches_the_planner_by_name_only():
     module named in services/cli.FORWARDED), not by an import statement of services/."""
     assert cli.FORWARDED["plan"] == "planner.plan"
     assert importlib.util.find_spec(cli.FORWARDED["plan"]) is not None
+
+
+def test_test_files_have_unique_names():
+    """pytest imports test files by their base name (no packages under tests/): two files of
+    one name in different folders stop the whole run at collection."""
+    names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
+    assert sorted(n for n in set(names) if names.count(n) > 1) == []
