@@ -155,7 +155,8 @@ def hf_name(name: str, cfg: ModelConfig) -> str:
 
 def tensors(reader: GGUFReader, cfg: ModelConfig, native: bool) -> tuple[dict[str, torch.Tensor], dict[str, Packed]]:
     """Every tensor under its Hugging Face name, dequantized to fp32; and, when `native`, the
-    Q4_1 / Q8_0 ones also as their blocks (weights.pack), rows in the same order."""
+    ones in a format the kernel computes with also as their blocks (weights.pack), rows in the
+    same order."""
     import gguf
 
     permuted = cfg.arch in ("llama", "mistral")

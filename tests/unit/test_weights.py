@@ -9,60 +9,65 @@ import pytest
 import torch
 
 from shared.engine.gguf_file import _unpermute
+from shared.engine.kernels import blocks, cc
 from shared.engine.loader import LoadedModel, load
 from shared.engine.weights import Packed, pack
 
 RNG = np.random.default_rng(0)
+FORMATS = list(blocks.BLOCKS)
+# where each format's fp16 scales are (d, then the minimum or dmin where it has one)
+HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
+          "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
-def q4_1_blocks(rows: int, cols: int) -> np.ndarray:
-    """Random Q4_1 rows: per 32 weights fp16 d, fp16 m, then 16 bytes of two nibbles."""
-    blocks = np.zeros((rows, cols // 32, 20), dtype=np.uint8)
-    blocks[..., 0:2] = (RNG.random((rows, cols // 32, 1)) * 0.1).astype(np.float16).view(np.uint8)
-    blocks[..., 2:4] = (-RNG.random((rows, cols // 32, 1)) * 0.5).astype(np.float16).view(np.uint8)
-    blocks[..., 4:] = RNG.integers(0, 256, (rows, cols // 32, 16), dtype=np.uint8)
-    return blocks.reshape(rows, -1)
+def random_blocks(kind: str, rows: int, cols: int) -> np.ndarray:
+    """Random rows of `kind`'s blocks: every byte random (so every bit of the values, scales and
+    high bits is exercised) but the fp16 scales, set to sane magnitudes (d > 0, minima < 0)."""
+    per, size = blocks.BLOCKS[kind]
+    b = RNG.integers(0, 256, (rows, cols // per, size), dtype=np.uint8)
+    for i, at in enumerate(HALVES[kind]):
+        scale = (0.02 if per == 256 else 0.1) * (1 if i == 0 else -5)
+        b[..., at:at + 2] = (RNG.random((rows, cols // per, 1)) * scale).astype(np.float16).view(np.uint8)
+    return b.reshape(rows, -1)
 
 
-def q8_0_blocks(rows: int, cols: int) -> np.ndarray:
-    """Random Q8_0 rows: per 32 weights fp16 d, then 32 int8 (the extremes included)."""
-    blocks = np.zeros((rows, cols // 32, 34), dtype=np.uint8)
-    blocks[..., 0:2] = (RNG.random((rows, cols // 32, 1)) * 0.05).astype(np.float16).view(np.uint8)
-    q = RNG.integers(-128, 128, (rows, cols // 32, 32), dtype=np.int8)
-    q[0, 0, :2] = (-128, 127)
-    blocks[..., 2:] = q.view(np.uint8)
-    return blocks.reshape(rows, -1)
+def dequantized(raw: np.ndarray, kind: str) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, kind)))
 
 
-@pytest.mark.parametrize("kind, make", [("Q4_1", q4_1_blocks), ("Q8_0", q8_0_blocks)])
-def test_packed_blocks_multiply_as_their_dequantized_matrix(kind, make):
-    raw = make(96, 128)
-    dense = torch.from_numpy(gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, kind)))
-    packed = pack(raw, kind)
-    assert packed is not None and packed.shape == (96, 128)
+@pytest.mark.parametrize("kind", FORMATS)
+def test_packed_blocks_multiply_as_their_dequantized_matrix(kind):
+    raw = random_blocks(kind, 96, 512)
+    dense, packed = dequantized(raw, kind), pack(raw, kind)
+    assert packed is not None and packed.shape == (96, 512)
     torch.manual_seed(0)  # (the error is ~0.5% typically; random rows reach 1% about once in 300)
     for rows in (1, 3, 4, 9):  # tiles of 4 rows of x in the kernel, and what is left
-        x = torch.randn(rows, 128)
+        x = torch.randn(rows, 512)
         want = x @ dense.t()
         err = (packed.matmul(x) - want).norm() / want.norm()
         assert err < 0.01  # 8-bit inputs: ~0.5%
-    assert packed.matmul(torch.zeros(2, 128)).abs().max() == 0
-    assert packed.nbytes <= dense.nbytes * {"Q4_1": 0.75, "Q8_0": 1.125}[kind] / 4  # bytes a weight
+    assert packed.matmul(torch.zeros(2, 512)).abs().max() == 0
+    per, size = blocks.BLOCKS[kind]
+    assert packed.nbytes == 96 * 512 // per * size
 
 
 def test_rows_reordered_and_stacked_as_the_model_fuses_them():
-    """q/k rows are un-permuted for rotate-half RoPE and q, k, v stacked into one projection:
-    the packed form follows both."""
-    q_raw, v_raw = q4_1_blocks(64, 64), q4_1_blocks(32, 64)
+    """q/k rows are un-permuted for rotate-half RoPE and q, k, v stacked into one projection, in
+    whatever formats the file has them (a Q4_K_M file mixes them): the packed form follows."""
+    q_raw, k_raw, v_raw = random_blocks("Q4_K", 64, 256), random_blocks("Q4_K", 32, 256), random_blocks("Q6_K", 32, 256)
     reorder = lambda w: _unpermute(w, 4)  # noqa: E731
-    dense = torch.cat([torch.from_numpy(reorder(gguf.quants.dequantize(q_raw, gguf.GGMLQuantizationType.Q4_1))),
-                       torch.from_numpy(gguf.quants.dequantize(v_raw, gguf.GGMLQuantizationType.Q4_1))])
-    both = Packed.cat([pack(q_raw, "Q4_1", reorder), pack(v_raw, "Q4_1")])
-    x = torch.randn(3, 64)
-    want = x @ dense.t()
-    assert (both.matmul(x) - want).norm() < 0.01 * want.norm()
-    with pytest.raises(ValueError, match="same format"):
-        Packed.cat([pack(q_raw, "Q4_1"), pack(q8_0_blocks(32, 64), "Q8_0")])
+    dense = torch.cat([torch.from_numpy(reorder(dequantized(q_raw, "Q4_K").numpy())), dequantized(k_raw, "Q4_K"),
+                       dequantized(v_raw, "Q6_K")])
+    qkv = Packed.cat([pack(q_raw, "Q4_K", reorder), pack(k_raw, "Q4_K"), pack(v_raw, "Q6_K")])
+    assert qkv.formats == ("Q4_K", "Q6_K") and qkv.shape == (128, 256)
+    for rows in (1, 3):
+        x = torch.randn(rows, 256)
+        want = x @ dense.t()
+        assert (qkv.matmul(x) - want).norm() < 0.01 * want.norm()
+    with pytest.raises(ValueError, match="at most 3 formats"):
+        Packed.cat([pack(random_blocks(k, 32, 256), k) for k in ("Q4_K", "Q6_K", "Q5_K", "Q8_0")])
+    with pytest.raises(RuntimeError, match="whole blocks"):
+        pack(random_blocks("Q8_0", 8, 96), "Q8_0").matmul(torch.randn(1, 100))
 
 
 def test_formats_other_than_the_blocks_stay_fp32():
@@ -79,13 +84,13 @@ def test_the_weights_format_is_in_the_kv_fingerprint_unless_any_is_allowed():
         load("tiny", weights="int3")
 
 
-@pytest.mark.parametrize("kind, make", [("Q4_1", q4_1_blocks), ("Q8_0", q8_0_blocks)])
-def test_a_row_gets_the_same_product_to_the_bit_whatever_else_is_in_the_batch(kind, make):
+@pytest.mark.parametrize("kind", FORMATS)
+def test_a_row_gets_the_same_product_to_the_bit_whatever_else_is_in_the_batch(kind):
     """Each row of x is summed alike alone (the two-output-rows path) and in a batch of any size
     (tiles of 4 rows, and what is left): a sequence's logits do not depend on its batch."""
-    packed = pack(make(64, 128), kind)
+    packed = pack(random_blocks(kind, 64, 256), kind)
     assert packed is not None
-    x, residual, norm = torch.randn(9, 128), torch.randn(9, 64), (torch.rand(128) + 0.5, 1e-5)
+    x, residual, norm = torch.randn(9, 256), torch.randn(9, 64), (torch.rand(256) + 0.5, 1e-5)
     batch = packed.matmul(x, residual, norm)
     for i in range(9):
         assert torch.equal(packed.matmul(x[i:i + 1], residual[i:i + 1], norm), batch[i:i + 1]), i
@@ -95,9 +100,8 @@ def test_a_row_gets_the_same_product_to_the_bit_whatever_else_is_in_the_batch(ki
 def test_the_kernel_does_the_layers_steps_before_and_after_the_product():
     """RMSNorm or SwiGLU on the input and the residual add, in the kernel's one pass: the same as
     doing them in torch around the product."""
-    raw = q4_1_blocks(48, 64)
-    dense = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_1))
-    packed = pack(raw, "Q4_1")
+    raw = random_blocks("Q4_1", 48, 64)
+    dense, packed = dequantized(raw, "Q4_1"), pack(raw, "Q4_1")
     x, residual, weight = torch.randn(6, 64), torch.randn(6, 48), torch.rand(64) + 0.5
     normed = weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
     cases = {"norm": (packed.matmul(x, norm=(weight, 1e-5)), normed @ dense.t()),
@@ -111,18 +115,24 @@ def test_the_kernel_does_the_layers_steps_before_and_after_the_product():
         packed.matmul(x, residual=residual[:, :10])
 
 
-def test_the_kernels_plain_c_path_gives_its_avx2_paths_products():
-    """A CPU without AVX2 runs the kernel's plain-C loops: built without AVX2 here, they give the
-    same products (to float rounding) as the vectorized build."""
-    from shared.engine.kernels import blocks, cc
-
-    portable = blocks.library(cc.build(blocks.SOURCE, cc.PORTABLE))
-    for kind, make in (("Q4_1", q4_1_blocks), ("Q8_0", q8_0_blocks)):
-        w = pack(make(40, 96), kind)
+def test_every_build_of_the_kernel_gives_the_same_products():
+    """A CPU without AVX2 runs the kernel's plain-C loops, one without AVX-512 VNNI its AVX2 dot
+    products: built both ways here, they give the vectorized build's products (the sums are
+    integers; only the float rounding of the plain-C path may differ)."""
+    builds = {"portable": cc.PORTABLE}
+    if cc.has_feature("avx512_vnni"):
+        builds["avx2"] = (*cc.FLAGS, "-mno-avx512f", "-mno-avx512vl", "-mno-avx512vnni")
+    libs = {name: blocks.library(cc.build(blocks.SOURCE, flags, blocks.INCLUDES)) for name, flags in builds.items()}
+    for kind in FORMATS:
+        w = pack(random_blocks(kind, 40, 256), kind)
         assert w is not None
         for rows in (1, 5):  # one row: the vectorized build's two-output-rows path
-            x, residual = torch.randn(rows, 96), torch.randn(rows, 40)
-            norm = (torch.rand(96) + 0.5, 1e-5)
-            want = blocks.matmul(kind, x, w.raw, residual, norm)
-            got = blocks.matmul(kind, x, w.raw, residual, norm, lib=portable)
-            assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (kind, rows)
+            x, residual = torch.randn(rows, 256), torch.randn(rows, 40)
+            norm = (torch.rand(256) + 0.5, 1e-5)
+            want = blocks.matmul(w.descriptor, 40, x, residual, norm)
+            for name, lib in libs.items():
+                got = blocks.matmul(w.descriptor, 40, x, residual, norm, lib=lib)
+                if name == "portable":
+                    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (kind, rows, name)
+                else:
+                    assert torch.equal(got, want), (kind, rows, name)

@@ -60,3 +60,8 @@ def build(source: Path, flags: tuple[str, ...] = FLAGS, includes: tuple[Path, ..
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def has_feature(flag: str) -> bool:
+    """Whether this CPU lists `flag` (/proc/cpuinfo's spelling: avx2, avx512_vnni, …)."""
+    return flag in _cpu_flags().split()

@@ -9,26 +9,37 @@
      x   = h + (silu(gate)·up) @ Wdown.T
 
    — by one team of threads for the whole pass (one fork and join, not one a product), with no
-   Python between the steps. Every matrix is a GGUF file's Q4_1 or Q8_0 blocks. */
+   Python between the steps. Every matrix is a GGUF file's blocks (blocks.c's formats). */
 
 #include "attention.c"
 #include "blocks.c"
 
-enum { QKV, O, GATE_UP, DOWN, IN_NORM, POST_NORM, POINTERS };
+enum { QKV, O, GATE_UP, DOWN };
 
-/* x (B, hidden): the residual stream, in and out. weights (layers, POINTERS): the addresses of
-   each layer's four matrices' blocks and its two norms' weights (hidden floats); kinds (layers,
-   4): each matrix's format (Q4_1 0, Q8_0 1). pools: layer l's pool at pools + l·layer_stride
-   floats, laid out as attention.c's. cos, sin, rows, block_tables, context_lens as
-   decode_attention's. Returns 0, -1 when scratch memory is short, -2 for a head_dim over 256 or
-   widths not multiples of 32. */
-int decode_layers(float *x, int64_t layers, const int64_t *weights, const int32_t *kinds, int64_t hidden,
+/* A layer's weights as the caller passes them (int64 each): its four matrices and the
+   addresses of its two norms' weights (hidden floats). */
+struct layer {
+    struct matrix m[4];
+    int64_t in_norm, post_norm;
+};
+
+/* x (B, hidden): the residual stream, in and out. weights: one `struct layer` a layer. pools:
+   layer l's pool at pools + l·layer_stride floats, laid out as attention.c's. cos, sin, rows,
+   block_tables, context_lens as decode_attention's. Returns 0, -1 when scratch memory is short,
+   -2 for a head_dim over 256 or widths not whole blocks of a matrix's formats. */
+int decode_layers(float *x, int64_t layers, const struct layer *weights, int64_t hidden,
                   int64_t intermediate, float eps, const float *cos, const float *sin, float *pools,
                   int64_t layer_stride, const int64_t *rows, const int64_t *block_tables,
                   const int64_t *context_lens, int64_t B, int64_t heads, int64_t kv_heads, int64_t head_dim,
                   int64_t block_size, int64_t width, float scale, int threads) {
     const int64_t n_qkv = (heads + 2 * kv_heads) * head_dim, n_attn = heads * head_dim;
-    if (head_dim > 256 || hidden % QK || intermediate % QK || n_attn % QK) return -2;
+    if (head_dim > 256) return -2;
+    for (int64_t l = 0; l < layers; l++) {
+        const struct matrix *m = weights[l].m;
+        if (!matrix_valid(&m[QKV], hidden) || !matrix_valid(&m[O], n_attn) || !matrix_valid(&m[GATE_UP], hidden)
+            || !matrix_valid(&m[DOWN], intermediate))
+            return -2;
+    }
     const int64_t k_max = intermediate > n_attn ? (intermediate > hidden ? intermediate : hidden)
                                                 : (n_attn > hidden ? n_attn : hidden);
     float *qkv = malloc(sizeof(float) * (size_t)(B * n_qkv)), *q = malloc(sizeof(float) * (size_t)(B * n_attn));
@@ -39,20 +50,18 @@ int decode_layers(float *x, int64_t layers, const int64_t *weights, const int32_
     if (!failed) {
 #pragma omp parallel num_threads(threads)
         for (int64_t l = 0; l < layers; l++) {
-            const int64_t *w = weights + l * POINTERS;
-            const int32_t *kind = kinds + l * 4;
+            const struct matrix *w = weights[l].m;
             float *pool = pools + l * layer_stride;
-            const struct prologue in_norm = {(const float *)w[IN_NORM], eps, 0};
-            const struct prologue post_norm = {(const float *)w[POST_NORM], eps, 0};
+            const struct prologue in_norm = {(const float *)weights[l].in_norm, eps, 0};
+            const struct prologue post_norm = {(const float *)weights[l].post_norm, eps, 0};
             const struct prologue plain = {NULL, 0.0f, 0}, swiglu = {NULL, 0.0f, 1};
-            team_matmul(kind[QKV], x, B, hidden, (const uint8_t *)w[QKV], n_qkv, qkv, NULL, in_norm, s);
+            team_matmul(&w[QKV], x, B, hidden, qkv, NULL, in_norm, s);
             team_rope_write(qkv, cos, sin, pool, rows, B, heads, kv_heads, head_dim, block_size, q);
             team_attend(q, pool, block_tables, context_lens, B, heads, kv_heads, head_dim, block_size, width, scale,
                         attn, &failed);
-            team_matmul(kind[O], attn, B, n_attn, (const uint8_t *)w[O], hidden, h, x, plain, s);
-            team_matmul(kind[GATE_UP], h, B, hidden, (const uint8_t *)w[GATE_UP], 2 * intermediate, gu, NULL,
-                        post_norm, s);
-            team_matmul(kind[DOWN], gu, B, intermediate, (const uint8_t *)w[DOWN], hidden, x, h, swiglu, s);
+            team_matmul(&w[O], attn, B, n_attn, h, x, plain, s);
+            team_matmul(&w[GATE_UP], h, B, hidden, gu, NULL, post_norm, s);
+            team_matmul(&w[DOWN], gu, B, intermediate, x, h, swiglu, s);
         }
     }
     scratch_free(&s);

@@ -19,10 +19,10 @@ SOURCE = Path(__file__).with_name("fused.c")
 
 @cache
 def library(path: Path | None = None) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(path or cc.build(SOURCE, includes=(blocks.SOURCE, cpu_attention.SOURCE))))
+    lib = ctypes.CDLL(str(path or cc.build(SOURCE, includes=(blocks.SOURCE, *blocks.INCLUDES, cpu_attention.SOURCE))))
     lib.decode_layers.restype = ctypes.c_int
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.decode_layers.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float, ptr, ptr, ptr, i64, ptr, ptr, ptr,
+    lib.decode_layers.argtypes = [ptr, i64, ptr, i64, i64, ctypes.c_float, ptr, ptr, ptr, i64, ptr, ptr, ptr,
                                   i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
     return lib
 
@@ -32,8 +32,7 @@ class Layers:
     """Every layer's weights as fused.c reads them. `keep` holds the tensors the addresses
     point into, so they live as long as this does."""
 
-    weights: torch.Tensor   # (layers, 6) int64: qkv, o, gate_up, down blocks; input norm, post norm
-    kinds: torch.Tensor     # (layers, 4) int32: each matrix's format (blocks.KINDS)
+    weights: torch.Tensor   # (layers, 42) int64: qkv, o, gate_up, down descriptors; input norm, post norm
     hidden: int
     intermediate: int
     eps: float
@@ -44,14 +43,13 @@ class Layers:
            eps: float) -> Layers:
         """layers: per layer ((qkv, o, gate_up, down) as `Packed`, input norm weight, post norm
         weight)."""
-        keep, rows, kinds = [], [], []
+        keep, rows = [], []
         for mats, norm_in, norm_post in layers:
-            tensors = [m.raw for m in mats] + [norm_in.detach().contiguous(), norm_post.detach().contiguous()]
-            keep += tensors
-            rows.append([t.data_ptr() for t in tensors])
-            kinds.append([blocks.KINDS[m.kind] for m in mats])
-        return cls(torch.tensor(rows, dtype=torch.int64), torch.tensor(kinds, dtype=torch.int32), hidden,
-                   intermediate, eps, tuple(keep))
+            norms = [norm_in.detach().contiguous(), norm_post.detach().contiguous()]
+            keep += [t for m in mats for _, t in m.parts] + norms
+            rows.append(torch.cat([*(m.descriptor for m in mats),
+                                   torch.tensor([t.data_ptr() for t in norms], dtype=torch.int64)]))
+        return cls(torch.stack(rows), hidden, intermediate, eps, tuple(keep))
 
 
 def decode_layers(layers: Layers, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pools: torch.Tensor,
@@ -68,12 +66,12 @@ def decode_layers(layers: Layers, x: torch.Tensor, cos: torch.Tensor, sin: torch
             raise ValueError(f"decode_layers takes contiguous float32 tensors, got {t.dtype} {tuple(t.shape)}")
     ints = [t.to(torch.int64).contiguous() for t in (rows, block_tables, context_lens)]
     rc = library().decode_layers(
-        x.data_ptr(), layers.weights.shape[0], layers.weights.data_ptr(), layers.kinds.data_ptr(), layers.hidden,
+        x.data_ptr(), layers.weights.shape[0], layers.weights.data_ptr(), layers.hidden,
         layers.intermediate, layers.eps, cos.data_ptr(), sin.data_ptr(), pools.data_ptr(), pools[0].numel(),
         *(t.data_ptr() for t in ints), b, heads, kvh, hd, pools.shape[3], ints[1].shape[1], scale,
         torch.get_num_threads())
     if rc == -2:
-        raise ValueError("decode_layers: head_dim over 256 or widths not multiples of 32")
+        raise ValueError("decode_layers: head_dim over 256 or widths not whole blocks of a matrix's formats")
     if rc != 0:
         raise MemoryError("decode_layers: out of memory for its scratch")
     return x
