@@ -14,7 +14,6 @@
 
 #include "formats.c"
 
-#define TILE 4  /* rows of x a loaded weight group is used for */
 #define PARTS 3
 
 /* A matrix as the caller passes it (int64 each, weights.py's `Packed.descriptor`): its parts'
@@ -61,104 +60,113 @@ static void quantize_row(const float *x, int64_t K, struct prologue p, float *a,
     }
 }
 
-/* Quantized rows of x: xq (M, K), dx and sx (M, K/32). */
+/* Quantized rows of x: xq (M, K), dx and sx (M, K/32); with AVX2, also as tiles of ROWS rows
+   (the last one padded with zero rows): a tile's group g is 8 chunks of 4 activations, each
+   chunk the tile's rows side by side (xi: 256 bytes a group), and its dx and sx the rows' side by
+   side (dxi, sxi: ROWS floats a group). */
+#define ROWS 8
 struct acts {
-    const int8_t *xq;
-    const float *dx, *sx;
+    const int8_t *xq, *xi;
+    const float *dx, *sx, *dxi, *sxi;
     int64_t K;
 };
 
-#ifdef __AVX2__
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+/* A group's share of a product, the same float steps on every path: acc + d·dx·isum (+ m·sx). */
+static inline float group_add(const int kind, float acc, float d, float m, float dx, float sx, int isum) {
+    acc = fmaf(d * dx, (float)isum, acc);
+    return signed_format(kind) ? acc : fmaf(m, sx, acc);
 }
-#endif
 
-/* One output row (w8, in `kind`) against rows t0..t0+nt of x (nt a constant where inlined: the
-   accumulators stay in registers). One accumulator a row of x, groups in order, as row_pair's:
-   a row of x gets the same sums to the bit whatever else is in the batch. */
-static inline __attribute__((always_inline)) void row_tile(const int kind, const uint8_t *w8, struct acts a,
-                                                           int64_t t0, const int nt, float *out) {
-    const int64_t nb = a.K / QK;
 #ifdef __AVX2__
-    __m256 acc[TILE];
-    float extra[TILE];
-    for (int t = 0; t < nt; t++) {
-        acc[t] = _mm256_setzero_ps();
-        extra[t] = 0.0f;
-    }
+/* One output row (w8, in `kind`) against nt tiles of ROWS rows of x (nt a constant where
+   inlined), tile i at xi + i·stride (dxi, sxi + i·fstride): lane t of out[i] is the product of
+   tile i's row t. Each group's 32 weights are unpacked once for the nt tiles and broadcast 4
+   at a time against a tile's chunks (one dot instruction for 8 rows' 4 products), then scaled
+   by the 8 rows' dx at once. */
+static inline __attribute__((always_inline)) void row_tiles(const int kind, const uint8_t *w8, const int8_t *xi,
+                                                            const float *dxi, const float *sxi, int64_t nb,
+                                                            int64_t stride, int64_t fstride, const int nt,
+                                                            __m256 *out) {
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    uint8_t wq[QK] __attribute__((aligned(32)));
     for (int64_t g = 0; g < nb; g++) {
         int sub, s0, s1;
         float d, m;
         const uint8_t *b = block_of(kind, w8, g, &sub);
         group_scales(kind, b, sub, &d, &m, &s0, &s1);
-        const __m256i q = group_vector(kind, b, sub), scales = group_scale_vector(s0, s1);
-        for (int t = 0; t < nt; t++) {
-            const int64_t xg = (t0 + t) * nb + g;
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(a.xq + xg * QK));
-            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.dx[xg]), group_dot(kind, q, x, scales), acc[t]);
-            extra[t] = fmaf(m, a.sx[xg], extra[t]);  /* fmaf in every path: alike to the bit */
-        }
-    }
-    for (int t = 0; t < nt; t++) out[t] = hsum(acc[t]) + extra[t];
-#else
-    for (int t = 0; t < nt; t++) out[t] = 0.0f;
-    for (int64_t g = 0; g < nb; g++) {
-        int sub, s0, s1;
-        float d, m;
-        int8_t q[QK];
-        const uint8_t *b = block_of(kind, w8, g, &sub);
-        group_scales(kind, b, sub, &d, &m, &s0, &s1);
-        group_ints(kind, b, sub, q);
-        for (int t = 0; t < nt; t++) {
-            const int64_t xg = (t0 + t) * nb + g;
-            const int8_t *x = a.xq + xg * QK;
-            int dot0 = 0, dot1 = 0;
-            for (int j = 0; j < 16; j++) {
-                dot0 += q[j] * x[j];
-                dot1 += q[j + 16] * x[j + 16];
+        _mm256_store_si256((__m256i *)wq, group_vector(kind, b, sub));
+        __m256i sum0[2], sum1[2];
+        for (int i = 0; i < nt; i++) sum0[i] = sum1[i] = _mm256_setzero_si256();
+        for (int k = 0; k < QK / 4; k++) {
+            int32_t chunk;
+            memcpy(&chunk, wq + 4 * k, 4);
+            const __m256i w = _mm256_set1_epi32(chunk);
+            const __m256i u = signed_format(kind) ? _mm256_sign_epi8(w, w) : w;
+            for (int i = 0; i < nt; i++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xi + i * stride + g * ROWS * QK + k * 32));
+                const __m256i sv = signed_format(kind) ? _mm256_sign_epi8(xv, w) : xv;
+                if (kind == Q6_K && k >= QK / 8) sum1[i] = dot_add(sum1[i], u, sv);
+                else sum0[i] = dot_add(sum0[i], u, sv);
             }
-            out[t] += d * a.dx[xg] * (float)(s0 * dot0 + s1 * dot1) + m * a.sx[xg];
+        }
+        for (int i = 0; i < nt; i++) {
+            if (kind == Q6_K)
+                sum0[i] = _mm256_add_epi32(_mm256_mullo_epi32(sum0[i], _mm256_set1_epi32(s0)),
+                                           _mm256_mullo_epi32(sum1[i], _mm256_set1_epi32(s1)));
+            const float *dx = dxi + i * fstride + g * ROWS, *sx = sxi + i * fstride + g * ROWS;
+            acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(dx)),
+                                     _mm256_cvtepi32_ps(sum0[i]), acc[i]);
+            if (!signed_format(kind)) acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(m), _mm256_loadu_ps(sx), acc[i]);
         }
     }
-#endif
+    for (int i = 0; i < nt; i++) out[i] = acc[i];
 }
 
-#ifdef __AVX2__
+/* One output row against every tile of x, two tiles at a time. */
+static inline __attribute__((always_inline)) void row_all(const int kind, const uint8_t *w8, struct acts a, int64_t M,
+                                                          int64_t ldy, float *y) {
+    const int64_t nb = a.K / QK, stride = nb * ROWS * QK, fstride = nb * ROWS;
+    float out[2 * ROWS];
+    __m256 v[2];
+    for (int64_t t0 = 0; t0 < M; t0 += 2 * ROWS) {
+        const int64_t tile = t0 / ROWS;
+        const int nt = M - t0 > ROWS ? 2 : 1;
+        if (nt == 2) row_tiles(kind, w8, a.xi + tile * stride, a.dxi + tile * fstride, a.sxi + tile * fstride, nb,
+                               stride, fstride, 2, v);
+        else row_tiles(kind, w8, a.xi + tile * stride, a.dxi + tile * fstride, a.sxi + tile * fstride, nb,
+                       stride, fstride, 1, v);
+        for (int i = 0; i < nt; i++) _mm256_storeu_ps(out + i * ROWS, v[i]);
+        for (int64_t t = 0; t < nt * ROWS && t0 + t < M; t++) y[(t0 + t) * ldy] = out[t];
+    }
+}
+
 /* Two output rows (w8 and w8 + row_bytes) against one row of x, the decode step's shape: each
-   group of x is loaded once for both, and the two rows' multiply-adds interleave. (Prefetching
-   past the matrix's end is harmless: a prefetch never faults.) */
+   group of x is loaded once for both. (Prefetching past the matrix's end is harmless: a
+   prefetch never faults.) */
 static inline __attribute__((always_inline)) void row_pair(const int kind, const uint8_t *w8, int64_t row_bytes,
                                                            struct acts a, float *out) {
     const int64_t nb = a.K / QK;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    float extra0 = 0.0f, extra1 = 0.0f;
+    float acc0 = 0.0f, acc1 = 0.0f;
     const uint8_t *w1 = w8 + row_bytes, *next = w8 + 2 * row_bytes;
     const int64_t step = 2 * (row_bytes / nb);  /* the next pair's bytes a group, near enough */
     for (int64_t g = 0; g < nb; g++) {
         /* the next pair's rows, as fast as these are read: the weights stream from memory once
            a step, and the hardware's prefetcher alone leaves the product waiting on it */
-        const int64_t ahead = g * step;
-        _mm_prefetch((const char *)(next + ahead), _MM_HINT_T0);
-        _mm_prefetch((const char *)(next + ahead + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(next + g * step), _MM_HINT_T0);
+        _mm_prefetch((const char *)(next + g * step + 64), _MM_HINT_T0);
         const __m256i x = _mm256_loadu_si256((const __m256i *)(a.xq + g * QK));
         int sub, s0, s1, r0, r1;
         float d0, m0, d1, m1;
         const uint8_t *b0 = block_of(kind, w8, g, &sub), *b1 = block_of(kind, w1, g, &sub);
         group_scales(kind, b0, sub, &d0, &m0, &s0, &s1);
         group_scales(kind, b1, sub, &d1, &m1, &r0, &r1);
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0 * a.dx[g]),
-                               group_dot(kind, group_vector(kind, b0, sub), x, group_scale_vector(s0, s1)), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d1 * a.dx[g]),
-                               group_dot(kind, group_vector(kind, b1, sub), x, group_scale_vector(r0, r1)), acc1);
-        extra0 = fmaf(m0, a.sx[g], extra0);
-        extra1 = fmaf(m1, a.sx[g], extra1);
+        const int i0 = hsum_int(group_dot(kind, group_vector(kind, b0, sub), x, s0, s1));
+        const int i1 = hsum_int(group_dot(kind, group_vector(kind, b1, sub), x, r0, r1));
+        acc0 = group_add(kind, acc0, d0, m0, a.dx[g], a.sx[g], i0);
+        acc1 = group_add(kind, acc1, d1, m1, a.dx[g], a.sx[g], i1);
     }
-    out[0] = hsum(acc0) + extra0;
-    out[1] = hsum(acc1) + extra1;
+    out[0] = acc0;
+    out[1] = acc1;
 }
 
 static void pair(int kind, const uint8_t *w8, int64_t row_bytes, struct acts a, float *out) {
@@ -173,23 +181,36 @@ static void pair(int kind, const uint8_t *w8, int64_t row_bytes, struct acts a, 
         default: row_pair(Q6_K, w8, row_bytes, a, out); break;
     }
 }
-#endif
-
-/* One output row against every row of x, TILE rows of x at a time. */
+#else
+/* One output row against every row of x, in plain C: each group unpacked once for ROWS rows. */
 static inline __attribute__((always_inline)) void row_all(const int kind, const uint8_t *w8, struct acts a, int64_t M,
                                                           int64_t ldy, float *y) {
-    float out[TILE];
-    for (int64_t t0 = 0; t0 < M; t0 += TILE) {
-        const int64_t nt = M - t0 < TILE ? M - t0 : TILE;
-        switch (nt) {  /* a constant tile width for each inlined copy */
-            case 1: row_tile(kind, w8, a, t0, 1, out); break;
-            case 2: row_tile(kind, w8, a, t0, 2, out); break;
-            case 3: row_tile(kind, w8, a, t0, 3, out); break;
-            default: row_tile(kind, w8, a, t0, TILE, out); break;
+    const int64_t nb = a.K / QK;
+    for (int64_t t0 = 0; t0 < M; t0 += ROWS) {
+        const int64_t nt = M - t0 < ROWS ? M - t0 : ROWS;
+        float acc[ROWS] = {0};
+        for (int64_t g = 0; g < nb; g++) {
+            int sub, s0, s1;
+            float d, m;
+            int8_t q[QK];
+            const uint8_t *b = block_of(kind, w8, g, &sub);
+            group_scales(kind, b, sub, &d, &m, &s0, &s1);
+            group_ints(kind, b, sub, q);
+            for (int64_t t = 0; t < nt; t++) {
+                const int64_t xg = (t0 + t) * nb + g;
+                const int8_t *x = a.xq + xg * QK;
+                int dot0 = 0, dot1 = 0;
+                for (int j = 0; j < 16; j++) {
+                    dot0 += q[j] * x[j];
+                    dot1 += q[j + 16] * x[j + 16];
+                }
+                acc[t] = group_add(kind, acc[t], d, m, a.dx[xg], a.sx[xg], s0 * dot0 + s1 * dot1);
+            }
         }
-        for (int64_t t = 0; t < nt; t++) y[(t0 + t) * ldy] = out[t];
+        for (int64_t t = 0; t < nt; t++) y[(t0 + t) * ldy] = acc[t];
     }
 }
+#endif
 
 static void row(int kind, const uint8_t *w8, struct acts a, int64_t M, int64_t ldy, float *y) {
     switch (kind) {  /* one inlined copy a format */
@@ -204,23 +225,47 @@ static void row(int kind, const uint8_t *w8, struct acts a, int64_t M, int64_t l
     }
 }
 
-/* Scratch for quantizing M rows K wide: the prologue's row (floats), xq, dx and sx. */
+/* Scratch for quantizing M rows K wide: the prologue's row (floats), xq, dx and sx, and their
+   tiles (xi, dxi, sxi). */
 struct scratch {
-    float *a, *dx, *sx;
-    int8_t *xq;
+    float *a, *dx, *sx, *dxi, *sxi;
+    int8_t *xq, *xi;
 };
 
 static int scratch_alloc(struct scratch *s, int64_t M, int64_t K) {
+    const int64_t padded = (M + ROWS - 1) / ROWS * ROWS;
     s->xq = malloc((size_t)(M * K));
+    s->xi = malloc((size_t)(padded * K));
     s->a = malloc(sizeof(float) * (size_t)(M * K));
     s->dx = malloc(sizeof(float) * (size_t)(M * (K / QK)));
     s->sx = malloc(sizeof(float) * (size_t)(M * (K / QK)));
-    return s->xq && s->a && s->dx && s->sx ? 0 : -1;
+    s->dxi = malloc(sizeof(float) * (size_t)(padded * (K / QK)));
+    s->sxi = malloc(sizeof(float) * (size_t)(padded * (K / QK)));
+    return s->xq && s->xi && s->a && s->dx && s->sx && s->dxi && s->sxi ? 0 : -1;
 }
 
 static void scratch_free(struct scratch *s) {
-    free(s->xq); free(s->a); free(s->dx); free(s->sx);
+    free(s->xq); free(s->xi); free(s->a); free(s->dx); free(s->sx); free(s->dxi); free(s->sxi);
 }
+
+#ifdef __AVX2__
+/* Tile `tile` of the quantized rows, laid out as struct acts says (rows past M are zeros). */
+static void interleave(struct scratch s, int64_t M, int64_t K, int64_t tile) {
+    const int64_t nb = K / QK;
+    for (int64_t g = 0; g < nb; g++) {
+        int8_t *xi = s.xi + (tile * nb + g) * ROWS * QK;
+        for (int64_t t = 0; t < ROWS; t++) {
+            const int64_t r = tile * ROWS + t;
+            for (int k = 0; k < QK / 4; k++) {
+                if (r < M) memcpy(xi + k * 32 + t * 4, s.xq + r * K + g * QK + k * 4, 4);
+                else memset(xi + k * 32 + t * 4, 0, 4);
+            }
+            s.dxi[(tile * nb + g) * ROWS + t] = r < M ? s.dx[r * nb + g] : 0.0f;
+            s.sxi[(tile * nb + g) * ROWS + t] = r < M ? s.sx[r * nb + g] : 0.0f;
+        }
+    }
+}
+#endif
 
 static int64_t matrix_rows(const struct matrix *w) {
     int64_t n = 0;
@@ -250,10 +295,16 @@ static inline int64_t part_of(const struct matrix *w, int64_t K, int64_t n, cons
 static void team_matmul(const struct matrix *w, const float *x, int64_t M, int64_t K, float *y,
                         const float *residual, struct prologue p, struct scratch s) {
     const int64_t nb = K / QK, width = p.swiglu ? 2 * K : K, N = matrix_rows(w);
-    const struct acts a = {s.xq, s.dx, s.sx, K};
+    const struct acts a = {s.xq, s.xi, s.dx, s.sx, s.dxi, s.sxi, K};
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < M; t++)
         quantize_row(x + t * width, K, p, s.a + t * K, s.xq + t * K, s.dx + t * nb, s.sx + t * nb);
+#ifdef __AVX2__
+    if (M > 1) {
+#pragma omp for schedule(static)
+        for (int64_t tile = 0; tile < (M + ROWS - 1) / ROWS; tile++) interleave(s, M, K, tile);
+    }
+#endif
     int even = 1;
     for (int64_t q = 0; q < w->parts; q++) even &= w->rows[q] % 2 == 0;
 #ifdef __AVX2__

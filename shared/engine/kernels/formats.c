@@ -174,25 +174,29 @@ static inline __attribute__((always_inline)) __m256i group_vector(const int kind
     }
 }
 
-/* Σ u·s over 32 bytes (u unsigned, s signed) as 8 int32 sums (as many as the pairs allow). */
-static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+/* acc + Σ u·s over each 4 bytes (u unsigned, s signed), as 8 int32 lanes. */
+static inline __m256i dot_add(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+    return _mm256_dpbusd_epi32(acc, u, s);
 #else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
 
-/* A group's integer dot product with 32 activations, as floats: Σ s·q·xq. */
-static inline __attribute__((always_inline)) __m256 group_dot(const int kind, __m256i q, __m256i x, __m256i scales) {
-    if (kind == Q6_K)
-        return _mm256_cvtepi32_ps(_mm256_madd_epi16(
-            _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q)), scales));
-    if (signed_format(kind)) return _mm256_cvtepi32_ps(dot_u8s8(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q)));
-    return _mm256_cvtepi32_ps(dot_u8s8(q, x));
+/* A group's integer dot product with 32 activations, Σ s·q·xq, spread over 8 int32 lanes. */
+static inline __attribute__((always_inline)) __m256i group_dot(const int kind, __m256i q, __m256i x, int s0, int s1) {
+    if (kind == Q6_K) {
+        const __m256i scales = _mm256_set_m128i(_mm_set1_epi16((short)s1), _mm_set1_epi16((short)s0));
+        return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q)), scales);
+    }
+    if (signed_format(kind)) return dot_add(_mm256_setzero_si256(), _mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
+    return dot_add(_mm256_setzero_si256(), q, x);
 }
 
-static inline __m256i group_scale_vector(int s0, int s1) { /* Q6_K: s0 for the first 16, s1 for the rest */
-    return _mm256_set_m128i(_mm_set1_epi16((short)s1), _mm_set1_epi16((short)s0));
+static inline int hsum_int(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(s);
 }
 #endif
