@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import platform
-import random
 import statistics
 import time
 from collections.abc import Callable
@@ -35,30 +34,18 @@ from bench.engine import quality as engine_quality
 from bench.engine import readme as engine_readme
 from bench.engine import structured as structured_bench
 from bench.engine.llamacpp_arm import LlamaCpp
+from bench.engine.timing import PROMPT_FOR_DECODE, decode_ms, prefill_s, random_prompt
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.loader import load, smollm2_path
-from shared.engine.sequence import SamplingParams
 
 RESULTS = Path(__file__).parents[1] / "results"
-PROMPT_FOR_DECODE = 128
 PREFILLS = (512, 2048)
 BATCHES = (1, 8, 32)
 
 
-def random_prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 40000) for _ in range(n)]
-
-
 def ours_prefill(engine: Engine, n: int, seed: int) -> float:
-    engine.add_request("p", random_prompt(n, seed), SamplingParams(max_tokens=1, temperature=0),
-                       prefill_only=True)
-    start = time.perf_counter()
-    engine.step()
-    elapsed = time.perf_counter() - start
-    engine.abort("p")
-    return elapsed
+    return prefill_s(engine, n, seed)
 
 
 def hf_prefill(model, n: int, seed: int) -> float:
@@ -70,8 +57,7 @@ def hf_prefill(model, n: int, seed: int) -> float:
 
 
 def ours_decode(engine: Engine, batch: int, steps: int, seed: int) -> float:
-    prompts = [random_prompt(PROMPT_FOR_DECODE, seed + i) for i in range(batch)]
-    return structured_bench.decode_step(engine, prompts, None, steps)
+    return decode_ms(engine, batch, steps, seed) / 1e3
 
 
 def hf_decode(model, batch: int, steps: int, seed: int) -> float:

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 
 class LlamaCpp:
-    def __init__(self, path: str, threads: int, context: int = 4096):
+    def __init__(self, path: str, threads: int, context: int = 4096, logits_all: bool = False):
         from llama_cpp import Llama
 
         self.llm = Llama(model_path=path, n_ctx=context, n_threads=threads, n_threads_batch=threads,
-                         n_batch=2048, n_ubatch=2048, verbose=False)
+                         n_batch=2048, n_ubatch=2048, logits_all=logits_all, verbose=False)
 
     @classmethod
     def available(cls) -> bool:
@@ -28,6 +30,12 @@ class LlamaCpp:
         start = time.perf_counter()
         self.llm.eval(tokens)
         return time.perf_counter() - start
+
+    def logits(self, tokens: list[int]) -> torch.Tensor:
+        """Next-token logits (n, vocab) at every position of one pass (built with logits_all)."""
+        self.llm.reset()
+        self.llm.eval(tokens)
+        return torch.from_numpy(self.llm.scores[:len(tokens)].copy())
 
     def decode(self, prompt: list[int], steps: int) -> float:
         """Seconds per decode step of one sequence after `prompt`."""

@@ -44,10 +44,12 @@ def logits_all(loaded: LoadedModel, ids: list[int], start: int = 0) -> torch.Ten
 
 
 def prompts(loaded: LoadedModel, held_tokens: int = 384) -> dict[str, list[int]]:
-    """The engine test prompts as the chat template renders them, and a stretch of the held text."""
+    """The engine test prompts as the chat template renders them (their messages' text, one a
+    line, for a model without one), and a stretch of the held text."""
     tok = loaded.tokenizer
     assert tok is not None
-    out = {name: tok.encode(tok.apply_chat_template(msgs)) for name, msgs in CONVERSATIONS.items()}
+    render = tok.apply_chat_template if tok.chat_template else lambda msgs: "\n".join(m["content"] for m in msgs)
+    out = {name: tok.encode(render(msgs)) for name, msgs in CONVERSATIONS.items()}
     out["held text"] = tok.encode(held_text())[:held_tokens]
     return out
 

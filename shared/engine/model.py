@@ -154,6 +154,11 @@ class DecoderModel(nn.Module):
         elif self.lm_head is None and "model.embed_tokens.weight" in packed:
             self.tied_head = packed["model.embed_tokens.weight"]
 
+    def packed_formats(self) -> set[str]:
+        """The block formats of the matrices computed with as the file's blocks."""
+        mats = [m.packed for m in self.modules() if isinstance(m, Projection) and m.packed is not None]
+        return {k for p in [*mats, *([self.tied_head] if self.tied_head else [])] for k in p.formats}
+
     def _layers_packed(self) -> fused.Layers | None:
         """Every layer's weights for fused.c, or None unless the layers are Llama's and all four
         projections of every layer are packed (a file with some matrices in another format keeps

@@ -89,34 +89,39 @@ static inline __attribute__((always_inline)) void row_tiles(const int kind, cons
                                                             __m256 *out) {
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     uint8_t wq[QK] __attribute__((aligned(32)));
-    for (int64_t g = 0; g < nb; g++) {
-        int sub, s0, s1;
-        float d, m;
-        const uint8_t *b = block_of(kind, w8, g, &sub);
-        group_scales(kind, b, sub, &d, &m, &s0, &s1);
-        _mm256_store_si256((__m256i *)wq, group_vector(kind, b, sub));
-        __m256i sum0[2], sum1[2];
-        for (int i = 0; i < nt; i++) sum0[i] = sum1[i] = _mm256_setzero_si256();
-        for (int k = 0; k < QK / 4; k++) {
-            int32_t chunk;
-            memcpy(&chunk, wq + 4 * k, 4);
-            const __m256i w = _mm256_set1_epi32(chunk);
-            const __m256i u = signed_format(kind) ? _mm256_sign_epi8(w, w) : w;
-            for (int i = 0; i < nt; i++) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xi + i * stride + g * ROWS * QK + k * 32));
-                const __m256i sv = signed_format(kind) ? _mm256_sign_epi8(xv, w) : xv;
-                if (kind == Q6_K && k >= QK / 8) sum1[i] = dot_add(sum1[i], u, sv);
-                else sum0[i] = dot_add(sum0[i], u, sv);
+    const int per = (int)(BLOCK_WEIGHTS[kind] / QK);  /* groups a block */
+    for (int64_t blk = 0; blk < nb / per; blk++) {
+        const uint8_t *b = w8 + blk * BLOCK_BYTES[kind];
+#pragma GCC unroll 8
+        for (int sub = 0; sub < per; sub++) {  /* a constant in each unrolled copy */
+            const int64_t g = blk * per + sub;
+            int s0, s1;
+            float d, m;
+            group_scales(kind, b, sub, &d, &m, &s0, &s1);
+            _mm256_store_si256((__m256i *)wq, group_vector(kind, b, sub));
+            __m256i sum0[2], sum1[2];
+            for (int i = 0; i < nt; i++) sum0[i] = sum1[i] = _mm256_setzero_si256();
+            for (int k = 0; k < QK / 4; k++) {
+                int32_t chunk;
+                memcpy(&chunk, wq + 4 * k, 4);
+                const __m256i w = _mm256_set1_epi32(chunk);
+                const __m256i u = signed_format(kind) ? _mm256_sign_epi8(w, w) : w;
+                for (int i = 0; i < nt; i++) {
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(xi + i * stride + g * ROWS * QK + k * 32));
+                    const __m256i sv = signed_format(kind) ? _mm256_sign_epi8(xv, w) : xv;
+                    if (kind == Q6_K && k >= QK / 8) sum1[i] = dot_add(sum1[i], u, sv);
+                    else sum0[i] = dot_add(sum0[i], u, sv);
+                }
             }
-        }
-        for (int i = 0; i < nt; i++) {
-            if (kind == Q6_K)
-                sum0[i] = _mm256_add_epi32(_mm256_mullo_epi32(sum0[i], _mm256_set1_epi32(s0)),
-                                           _mm256_mullo_epi32(sum1[i], _mm256_set1_epi32(s1)));
-            const float *dx = dxi + i * fstride + g * ROWS, *sx = sxi + i * fstride + g * ROWS;
-            acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(dx)),
-                                     _mm256_cvtepi32_ps(sum0[i]), acc[i]);
-            if (!signed_format(kind)) acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(m), _mm256_loadu_ps(sx), acc[i]);
+            for (int i = 0; i < nt; i++) {
+                if (kind == Q6_K)
+                    sum0[i] = _mm256_add_epi32(_mm256_mullo_epi32(sum0[i], _mm256_set1_epi32(s0)),
+                                               _mm256_mullo_epi32(sum1[i], _mm256_set1_epi32(s1)));
+                const float *dx = dxi + i * fstride + g * ROWS, *sx = sxi + i * fstride + g * ROWS;
+                acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(dx)),
+                                         _mm256_cvtepi32_ps(sum0[i]), acc[i]);
+                if (!signed_format(kind)) acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(m), _mm256_loadu_ps(sx), acc[i]);
+            }
         }
     }
     for (int i = 0; i < nt; i++) out[i] = acc[i];
@@ -149,21 +154,26 @@ static inline __attribute__((always_inline)) void row_pair(const int kind, const
     float acc0 = 0.0f, acc1 = 0.0f;
     const uint8_t *w1 = w8 + row_bytes, *next = w8 + 2 * row_bytes;
     const int64_t step = 2 * (row_bytes / nb);  /* the next pair's bytes a group, near enough */
-    for (int64_t g = 0; g < nb; g++) {
-        /* the next pair's rows, as fast as these are read: the weights stream from memory once
-           a step, and the hardware's prefetcher alone leaves the product waiting on it */
-        _mm_prefetch((const char *)(next + g * step), _MM_HINT_T0);
-        _mm_prefetch((const char *)(next + g * step + 64), _MM_HINT_T0);
-        const __m256i x = _mm256_loadu_si256((const __m256i *)(a.xq + g * QK));
-        int sub, s0, s1, r0, r1;
-        float d0, m0, d1, m1;
-        const uint8_t *b0 = block_of(kind, w8, g, &sub), *b1 = block_of(kind, w1, g, &sub);
-        group_scales(kind, b0, sub, &d0, &m0, &s0, &s1);
-        group_scales(kind, b1, sub, &d1, &m1, &r0, &r1);
-        const int i0 = hsum_int(group_dot(kind, group_vector(kind, b0, sub), x, s0, s1));
-        const int i1 = hsum_int(group_dot(kind, group_vector(kind, b1, sub), x, r0, r1));
-        acc0 = group_add(kind, acc0, d0, m0, a.dx[g], a.sx[g], i0);
-        acc1 = group_add(kind, acc1, d1, m1, a.dx[g], a.sx[g], i1);
+    const int per = (int)(BLOCK_WEIGHTS[kind] / QK);  /* groups a block */
+    for (int64_t blk = 0; blk < nb / per; blk++) {
+        const uint8_t *b0 = w8 + blk * BLOCK_BYTES[kind], *b1 = w1 + blk * BLOCK_BYTES[kind];
+#pragma GCC unroll 8
+        for (int sub = 0; sub < per; sub++) {  /* a constant in each unrolled copy */
+            const int64_t g = blk * per + sub;
+            /* the next pair's rows, as fast as these are read: the weights stream from memory once
+               a step, and the hardware's prefetcher alone leaves the product waiting on it */
+            _mm_prefetch((const char *)(next + g * step), _MM_HINT_T0);
+            _mm_prefetch((const char *)(next + g * step + 64), _MM_HINT_T0);
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(a.xq + g * QK));
+            int s0, s1, r0, r1;
+            float d0, m0, d1, m1;
+            group_scales(kind, b0, sub, &d0, &m0, &s0, &s1);
+            group_scales(kind, b1, sub, &d1, &m1, &r0, &r1);
+            const __m128i sums = hsum_pair(group_dot(kind, group_vector(kind, b0, sub), x, s0, s1),
+                                           group_dot(kind, group_vector(kind, b1, sub), x, r0, r1));
+            acc0 = group_add(kind, acc0, d0, m0, a.dx[g], a.sx[g], _mm_cvtsi128_si32(sums));
+            acc1 = group_add(kind, acc1, d1, m1, a.dx[g], a.sx[g], _mm_extract_epi32(sums, 1));
+        }
     }
     out[0] = acc0;
     out[1] = acc1;
@@ -189,22 +199,27 @@ static inline __attribute__((always_inline)) void row_all(const int kind, const 
     for (int64_t t0 = 0; t0 < M; t0 += ROWS) {
         const int64_t nt = M - t0 < ROWS ? M - t0 : ROWS;
         float acc[ROWS] = {0};
-        for (int64_t g = 0; g < nb; g++) {
-            int sub, s0, s1;
-            float d, m;
-            int8_t q[QK];
-            const uint8_t *b = block_of(kind, w8, g, &sub);
-            group_scales(kind, b, sub, &d, &m, &s0, &s1);
-            group_ints(kind, b, sub, q);
-            for (int64_t t = 0; t < nt; t++) {
-                const int64_t xg = (t0 + t) * nb + g;
-                const int8_t *x = a.xq + xg * QK;
-                int dot0 = 0, dot1 = 0;
-                for (int j = 0; j < 16; j++) {
-                    dot0 += q[j] * x[j];
-                    dot1 += q[j + 16] * x[j + 16];
+        const int per = (int)(BLOCK_WEIGHTS[kind] / QK);  /* groups a block */
+        for (int64_t blk = 0; blk < nb / per; blk++) {
+            const uint8_t *b = w8 + blk * BLOCK_BYTES[kind];
+#pragma GCC unroll 8
+            for (int sub = 0; sub < per; sub++) {  /* a constant in each unrolled copy */
+                const int64_t g = blk * per + sub;
+                int s0, s1;
+                float d, m;
+                int8_t q[QK];
+                group_scales(kind, b, sub, &d, &m, &s0, &s1);
+                group_ints(kind, b, sub, q);
+                for (int64_t t = 0; t < nt; t++) {
+                    const int64_t xg = (t0 + t) * nb + g;
+                    const int8_t *x = a.xq + xg * QK;
+                    int dot0 = 0, dot1 = 0;
+                    for (int j = 0; j < 16; j++) {
+                        dot0 += q[j] * x[j];
+                        dot1 += q[j + 16] * x[j + 16];
+                    }
+                    acc[t] = group_add(kind, acc[t], d, m, a.dx[xg], a.sx[xg], s0 * dot0 + s1 * dot1);
                 }
-                acc[t] = group_add(kind, acc[t], d, m, a.dx[xg], a.sx[xg], s0 * dot0 + s1 * dot1);
             }
         }
         for (int64_t t = 0; t < nt; t++) y[(t0 + t) * ldy] = acc[t];

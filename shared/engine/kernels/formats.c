@@ -67,13 +67,6 @@ static inline void scale_min(int j, const uint8_t *q, int *sc, int *mn) {
     }
 }
 
-/* Where group g of a row is: its block, and the group's index inside it. */
-static inline const uint8_t *block_of(const int kind, const uint8_t *row, int64_t g, int *sub) {
-    const int64_t per = BLOCK_WEIGHTS[kind] / QK;
-    *sub = (int)(g % per);
-    return row + (g / per) * BLOCK_BYTES[kind];
-}
-
 /* The group's d and m (and Q6_K's two scales). */
 static inline void group_scales(const int kind, const uint8_t *b, int sub, float *d, float *m, int *s0, int *s1) {
     int sc, mn;
@@ -193,10 +186,10 @@ static inline __attribute__((always_inline)) __m256i group_dot(const int kind, _
     return dot_add(_mm256_setzero_si256(), q, x);
 }
 
-static inline int hsum_int(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
-    return _mm_cvtsi128_si32(s);
+/* The sums of a's 8 lanes and of b's, as lanes 0 and 1. */
+static inline __m128i hsum_pair(__m256i a, __m256i b) {
+    const __m256i h = _mm256_hadd_epi32(a, b);  /* per half: a0+a1, a2+a3, b0+b1, b2+b3 */
+    const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    return _mm_hadd_epi32(s, s);
 }
 #endif
