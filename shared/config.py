@@ -252,9 +252,9 @@ class WorkerSettings(Common):
     mixed_batches: bool = Field(True, description="running sequences' decode tokens and prompt chunks in one "
                                 "forward pass (vLLM's chunked prefill); off: prefill and decode passes alternate")
     threads: int = Field(0, ge=0, description="torch threads (0: torch's default)")
-    weights: Literal["fp32", "native"] = Field("fp32", description="fp32: every matrix dequantized; native: a "
-                                               "GGUF's Q4_1/Q8_0 blocks computed with as they are (CPU; "
-                                               "shared/engine/weights.py)")
+    weights: Literal["auto", "fp32", "native"] = Field(
+        "auto", description="native: a GGUF's own blocks computed with as they are (CPU, float32; "
+        "shared/engine/weights.py); fp32: every matrix dequantized; auto: native for a GGUF on CPU, else fp32")
     pair_any_weights: bool = Field(False, description="exchange KV with workers computing with the other weights' "
                                    "format (their KV differs in its last bits); set on both pools")
     ucx_progress_mode: Literal["blocking", "polling", "thread", "thread-polling"] = Field(

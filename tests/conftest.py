@@ -13,6 +13,11 @@ if not torch.cuda.is_available():
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+# The stack's workers (children inherit this) compute with fp32 weights, as the in-process
+# references the tests compare them with (the `smollm2` fixture, transformers) do; the default
+# (`auto`: a GGUF's own blocks) is what tests/stack/test_launcher.py and the native tests run.
+os.environ.setdefault("PD_WEIGHTS", "fp32")
+
 
 @pytest.fixture(scope="session")
 def tiny():

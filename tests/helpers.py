@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
+import torch
+
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine, RequestOutput
+from shared.engine.kernels import blocks
 from shared.engine.sequence import SamplingParams
 from shared.hashing import block_hashes
 
@@ -54,3 +58,39 @@ def transfer(src: Engine, dst: Engine, rid: str, prompt: list[int], params: Samp
     out = dst.commit_import(rid, first.new_token_ids[0])
     out.text = first.text
     return out
+
+
+def pass_logits(loaded, prompts: dict[str, list[int]]) -> list[dict[str, torch.Tensor]]:
+    """Each pass's next-token logits by request, in a greedy run of `prompts` together."""
+    engine = Engine(loaded, EngineConfig(num_blocks=256, max_batched_tokens=2048, prefill_chunk=2048))
+    passes, run = [], engine.runner.run
+
+    def capture(sched, hook=None):
+        logits = run(sched, hook)
+        due = [s.request_id for s, _ in sched.chunks[:sched.num_decode]] + [
+            s.request_id for s, n in sched.chunks[sched.num_decode:] if s.num_computed + n == len(s.token_ids)]
+        passes.append({rid: row.clone() for rid, row in zip(due, logits)})
+        return logits
+
+    engine.runner.run = capture
+    for name, ids in prompts.items():
+        engine.add_request(name, ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    run_all(engine)
+    return passes
+
+
+# where each block format's fp16 scales are (d, then the minimum or dmin where it has one)
+_HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
+           "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator, scale: float = 1.0) -> np.ndarray:
+    """Random rows of `kind`'s blocks (GGUF's layout): every byte random (so every bit of the
+    values, scales and high bits is exercised) but the fp16 scales, set to sane magnitudes
+    (d > 0, minima < 0; `scale` times the defaults)."""
+    per, size = blocks.BLOCKS[kind]
+    b = rng.integers(0, 256, (rows, cols // per, size), dtype=np.uint8)
+    for i, at in enumerate(_HALVES[kind]):
+        s = scale * (0.02 if per == 256 else 0.1) * (1 if i == 0 else -5)
+        b[..., at:at + 2] = (rng.random((rows, cols // per, 1)) * s).astype(np.float16).view(np.uint8)
+    return b.reshape(rows, -1)

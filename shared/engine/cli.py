@@ -10,7 +10,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.loader import load
 from shared.engine.sequence import SamplingParams
-from shared.engine.weights import FORMATS
+from shared.engine.weights import SETTINGS
 
 
 def main() -> None:
@@ -20,7 +20,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--weights", choices=FORMATS, default="fp32", help="native: the GGUF's 4-bit blocks as they are")
+    ap.add_argument("--weights", choices=SETTINGS, default="auto",
+                    help="native: the GGUF's own blocks as they are; fp32: dequantized; auto: native for a GGUF on CPU")
     args = ap.parse_args()
 
     loaded = load(args.model, weights=args.weights)

@@ -10,7 +10,8 @@
 - "tiny"               random weights from a fixed seed, for unit tests
 
 `weights` (weights.py): "fp32" dequantizes every matrix; "native" keeps a GGUF's own blocks
-(Q4_0…Q8_0, Q4_K, Q5_K, Q6_K) and computes with them (other sources and formats stay fp32).
+(Q4_0…Q8_0, Q4_K, Q5_K, Q6_K) and computes with them (other sources and formats stay fp32);
+"auto" is native for a GGUF on CPU in float32, fp32 otherwise (`weights.choose`).
 
 Each result carries a fingerprint (architecture, dtype, block size, weights identity, and the
 weights' format where not fp32: the two give KV that differs in its last bits) that two
@@ -34,7 +35,7 @@ from shared.engine.architectures import model_config
 from shared.engine.config import ModelConfig
 from shared.engine.model import DecoderModel
 from shared.engine.tokenizer import Tokenizer
-from shared.engine.weights import FORMATS
+from shared.engine.weights import choose
 from shared.progress import progress
 
 TINY_SEED = 1234
@@ -80,13 +81,12 @@ def smollm2_path() -> Path:
 
 
 def load(source: str, dtype: torch.dtype = torch.float32, device: str = "cpu", weights: str = "fp32") -> LoadedModel:
-    if weights not in FORMATS:
-        raise ValueError(f"unknown weights format {weights!r}: expected one of {', '.join(FORMATS)}")
+    path = None if source == "tiny" else _resolve(source)
+    weights = choose(weights, path is not None and not path.is_dir(), device, dtype)
     if weights == "native" and (device != "cpu" or dtype != torch.float32):
         raise ValueError("native weights run on CPU in float32 (a C kernel over the file's blocks)")
-    if source == "tiny":
+    if path is None:
         return _load_tiny(dtype, device)
-    path = _resolve(source)
     return _load_hf_dir(path, dtype, device) if path.is_dir() else _load_gguf(path, dtype, device, weights)
 
 

@@ -6,7 +6,8 @@ decode step streams 0.56–1.06 bytes a weight instead of 4.
 Nothing is re-quantized. The kernel quantizes each row of activations to 8 bits per group of
 32 (as llama.cpp does) and multiplies with integer dot products: not exact, and
 bench/engine/quality.py measures what that costs. Other formats (F16, F32, Q2_K, Q3_K, the IQ
-formats…) stay fp32 under `native` too.
+formats…) stay fp32 under `native` too. `auto`, the default setting, is `native` for a GGUF on
+CPU (`choose`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,17 @@ import torch
 from shared.engine.kernels import blocks
 
 FORMATS = ("fp32", "native")
+SETTINGS = ("auto", *FORMATS)  # auto: `choose`
+
+
+def choose(setting: str, gguf: bool, device: str, dtype: torch.dtype) -> str:
+    """The format a `setting` computes with: `auto` is native for a GGUF file on CPU in float32
+    (the file's own numbers, as llama.cpp computes them), fp32 for anything else."""
+    if setting not in SETTINGS:
+        raise ValueError(f"unknown weights format {setting!r}: expected one of {', '.join(SETTINGS)}")
+    if setting != "auto":
+        return setting
+    return "native" if gguf and device == "cpu" and dtype == torch.float32 else "fp32"
 
 
 @dataclass(frozen=True)

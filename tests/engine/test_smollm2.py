@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import generate, run_all, tokens, transfer
+from helpers import generate, pass_logits, run_all, tokens, transfer
 
 from bench.engine.quality import reference_greedy
 from shared.engine.config import EngineConfig
@@ -176,25 +176,6 @@ def test_native_weights_serve_decode_steps_like_one_pass(native, prompts):
     assert len(again) == len(ours) and same >= 0.9 * len(ours), (same, len(ours))
 
 
-def _pass_logits(loaded, prompts: dict[str, list[int]]) -> list[dict[str, torch.Tensor]]:
-    """Each pass's next-token logits by request, in a greedy run of `prompts` together."""
-    engine = Engine(loaded, EngineConfig(num_blocks=256, max_batched_tokens=2048, prefill_chunk=2048))
-    passes, run = [], engine.runner.run
-
-    def capture(sched, hook=None):
-        logits = run(sched, hook)
-        due = [s.request_id for s, _ in sched.chunks[:sched.num_decode]] + [
-            s.request_id for s, n in sched.chunks[sched.num_decode:] if s.num_computed + n == len(s.token_ids)]
-        passes.append({rid: row.clone() for rid, row in zip(due, logits)})
-        return logits
-
-    engine.runner.run = capture
-    for name, ids in prompts.items():
-        engine.add_request(name, ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-    run_all(engine)
-    return passes
-
-
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -206,11 +187,11 @@ def test_native_decode_passes_in_one_call_equal_the_layer_by_layer_path_to_the_b
 
     calls, decode_layers = [], fused.decode_layers
     monkeypatch.setattr(fused, "decode_layers", lambda *a, **k: calls.append(1) or decode_layers(*a, **k))
-    one_call = _pass_logits(native, prompts)
+    one_call = pass_logits(native, prompts)
     taken = len(calls)
     assert taken >= 11  # every decode pass took the one call
     monkeypatch.setattr(native.model, "fuse", False)
-    layered = _pass_logits(native, prompts)
+    layered = pass_logits(native, prompts)
     assert len(calls) == taken and len(one_call) == len(layered)
     assert all(_equal(a, b) for a, b in zip(one_call, layered))
 
@@ -219,7 +200,7 @@ def test_native_logits_of_a_sequence_do_not_depend_on_its_batch(native, prompts)
     """With native weights a row is summed alike whatever else is in the pass (kernels/blocks.c),
     so a sequence alone and beside four others (one prefill pass with a 900-token document, then
     decode passes of five) gets the same logits, bit for bit, at every step."""
-    alone = [p["short"] for p in _pass_logits(native, {"short": prompts["short"]})]
-    together = [p["short"] for p in _pass_logits(native, prompts) if "short" in p]
+    alone = [p["short"] for p in pass_logits(native, {"short": prompts["short"]})]
+    together = [p["short"] for p in pass_logits(native, prompts) if "short" in p]
     assert len(alone) == len(together) == 12
     assert all(torch.equal(a, b) for a, b in zip(alone, together))

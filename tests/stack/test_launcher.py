@@ -13,16 +13,28 @@ import httpx
 import psutil
 import pytest
 from conftest import MODEL
+from helpers import generate
 
 from bench.engine import tiny_archs
 from deploy.local.servers import free_port
+from shared.engine.loader import load
+from shared.engine.sequence import SamplingParams
 
 pytestmark = pytest.mark.slow
-# this checkout's code (run from another directory, it would otherwise be the installed one's), children too
-ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+# this checkout's code (run from another directory, it would otherwise be the installed one's), children too;
+# the settings' defaults, as `make run` has them
+ENV = {**{k: v for k, v in os.environ.items() if k != "PD_WEIGHTS"},
+       "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def test_launcher_starts_everything_and_ctrl_c_stops_everything(tmp_path):
+    """With no settings, the workers compute with the GGUF's own blocks (PD_WEIGHTS=auto): the
+    answer is the in-process native engine's greedy tokens."""
+    native = load("smollm2", weights="auto")
+    assert native.weights == "native" and native.tokenizer is not None
+    ids = native.tokenizer.encode(native.tokenizer.apply_chat_template(PARIS))
+    want = native.tokenizer.decode(generate(native, {"q": ids}, SamplingParams(max_tokens=16, temperature=0))["q"])
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "deploy.local.stack", "--port", str(port), "--nats-port",
                              str(free_port()), "--redis-port", str(free_port())], cwd=tmp_path, env=ENV,
@@ -35,9 +47,8 @@ def test_launcher_starts_everything_and_ctrl_c_stops_everything(tmp_path):
                      "services.prefill", "services.decode"):
             assert part in names, part
         r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60, json={
-            "model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
-            "max_tokens": 16, "temperature": 0})
-        assert "Paris" in r.json()["choices"][0]["message"]["content"]
+            "model": MODEL, "messages": PARIS, "max_tokens": 16, "temperature": 0})
+        assert r.json()["choices"][0]["message"]["content"] == want
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
         time.sleep(0.5)

@@ -4,6 +4,7 @@ products as the dequantized matrices, to the kernel's 8-bit rounding of its inpu
 from __future__ import annotations
 
 import gguf
+import helpers
 import numpy as np
 import pytest
 import torch
@@ -11,24 +12,12 @@ import torch
 from shared.engine.gguf_file import _unpermute
 from shared.engine.kernels import blocks, cc
 from shared.engine.loader import LoadedModel, load
-from shared.engine.weights import Packed, pack
+from shared.engine.weights import Packed, choose, pack
 
 RNG = np.random.default_rng(0)
 FORMATS = list(blocks.BLOCKS)
-# where each format's fp16 scales are (d, then the minimum or dmin where it has one)
-HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
-          "Q5_K": (0, 2), "Q6_K": (208,)}
-
-
 def random_blocks(kind: str, rows: int, cols: int) -> np.ndarray:
-    """Random rows of `kind`'s blocks: every byte random (so every bit of the values, scales and
-    high bits is exercised) but the fp16 scales, set to sane magnitudes (d > 0, minima < 0)."""
-    per, size = blocks.BLOCKS[kind]
-    b = RNG.integers(0, 256, (rows, cols // per, size), dtype=np.uint8)
-    for i, at in enumerate(HALVES[kind]):
-        scale = (0.02 if per == 256 else 0.1) * (1 if i == 0 else -5)
-        b[..., at:at + 2] = (RNG.random((rows, cols // per, 1)) * scale).astype(np.float16).view(np.uint8)
-    return b.reshape(rows, -1)
+    return helpers.random_blocks(kind, rows, cols, RNG)
 
 
 def dequantized(raw: np.ndarray, kind: str) -> torch.Tensor:
@@ -136,3 +125,12 @@ def test_every_build_of_the_kernel_gives_the_same_products():
                     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (kind, rows, name)
                 else:
                     assert torch.equal(got, want), (kind, rows, name)
+
+
+def test_auto_computes_a_gguf_on_cpu_with_its_own_blocks_and_anything_else_in_fp32():
+    assert choose("auto", True, "cpu", torch.float32) == "native"
+    assert choose("auto", True, "cuda", torch.bfloat16) == "fp32"
+    assert choose("auto", True, "cpu", torch.bfloat16) == "fp32"
+    assert choose("auto", False, "cpu", torch.float32) == "fp32"  # a Hugging Face directory
+    assert choose("fp32", True, "cpu", torch.float32) == "fp32"
+    assert load("tiny", weights="auto").weights == "fp32"
