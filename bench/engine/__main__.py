@@ -5,15 +5,19 @@ threads, measured side by side in one run: `make bench-engine`.
 
 Speed: prompt tokens/s at 512 and 2048 tokens (one prompt, one pass) and the decode step at
 batch 1, 8 and 32 — for our engine with fp32 weights (every matrix dequantized) and with the
-file's own 4-bit blocks (`native`, shared/engine/weights.py), transformers (fp32, its own KV
+file's own blocks (`native`, shared/engine/weights.py), transformers (fp32, its own KV
 cache, only the last position's logits in prefill as its generate() does) and llama.cpp
 (batch 1 only: its server runs one sequence a slot); each the median of interleaved rounds.
 Structured output (bench/engine/structured.py): the decode step at batch 8 under a JSON schema
 against the same prompts unconstrained, per format.
 Quality (bench/engine/quality.py): greedy agreement with transformers' fp32 tokens, and
-perplexity, per format. Writes bench/results/engine.json (`summary`: decode_b1_over_llamacpp,
+perplexity, per format. Formats (bench/engine/formats.py): the block formats people download
+(Q4_K_M, Q8_0, Q4_1 and Gemma 3's Q4_K_M), native against fp32 and llama.cpp, speed and
+quality. Writes bench/results/engine.json (`summary`: decode_b1_over_llamacpp,
 prefill_512_over_llamacpp, prefill_2048_over_llamacpp, greedy_agreement, perplexity_ratio —
-the last two of `native`; structured_b8_overhead, the larger format's).
+the last two of `native`; structured_b8_overhead, the larger format's; formats.summary's keys:
+decode_b1_over_llamacpp_q4_k_m, _q8_0, _q4_1, native_prefill_512_over_fp32, …), with the
+machine's CPU features beside them.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from bench.engine import formats as engine_formats
 from bench.engine import quality as engine_quality
 from bench.engine import readme as engine_readme
 from bench.engine import structured as structured_bench
@@ -37,6 +42,7 @@ from bench.engine.llamacpp_arm import LlamaCpp
 from bench.engine.timing import PROMPT_FOR_DECODE, decode_ms, prefill_s, random_prompt
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
+from shared.engine.kernels import cc
 from shared.engine.loader import load, smollm2_path
 
 RESULTS = Path(__file__).parents[1] / "results"
@@ -164,15 +170,21 @@ def main() -> None:
     for engine in parts["engines"].values():
         assert engine.num_free_blocks == engine.num_blocks
     quality = None if args.no_quality else engine_quality.measure(parts["loaded"], parts["hf"])
+    del run, parts
+    formats = engine_formats.measure(args.threads, args.rounds, args.decode_steps, not args.no_quality) \
+        if LlamaCpp.available() else None
     if quality:
         for f, q in quality["formats"].items():
             print(f"{f}: greedy agreement {q['greedy_agreement']:.4f}, perplexity {q['perplexity']:.3f} "
                   f"({q['perplexity_ratio']:.4f}x the reference's)", flush=True)
-    summary = {**summarize(speeds, quality), **structured_bench.summary(structured)}
+    summary = {**summarize(speeds, quality), **structured_bench.summary(structured),
+               **(engine_formats.summary(formats) if formats else {})}
     out = {"model": "SmolLM2-135M-Instruct (GGUF Q4_1, embeddings Q8_0)", "threads": args.threads,
            "rounds": args.rounds, "decode_steps": args.decode_steps, "decode_prompt_tokens": PROMPT_FOR_DECODE,
-           "machine": {"cpus": os.cpu_count(), "processor": platform.processor(), "torch": torch.__version__},
-           "speed": speeds, "structured": structured, "quality": quality, "summary": summary,
+           "machine": {"cpus": os.cpu_count(), "processor": platform.processor(), "torch": torch.__version__,
+                       "cpu_features": [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni",
+                                                    "amx_int8") if cc.has_feature(f)]},
+           "speed": speeds, "structured": structured, "quality": quality, "formats": formats, "summary": summary,
            "wall_s": round(time.monotonic() - started, 1)}
     (RESULTS / "engine.json").write_text(json.dumps(out, indent=1) + "\n")
     engine_readme.write(out)

@@ -52,9 +52,50 @@ def block(out: dict) -> str:
                      f"perplexity {s['perplexity_ratio']:.4f}× the fp32 reference's "
                      f"(≤ {s['targets']['perplexity_ratio_max']}).")
     m = out["machine"]
-    head = (f"`make bench-engine` (`bench/results/engine.json`; {out['threads']} threads of {m['cpus']} CPUs, "
-            f"torch {m['torch']}, each figure the median of {out['rounds']} interleaved rounds), one GGUF:")
-    return "\n".join([head, "", *rows, "", *lines])
+    head = (f"`make bench-engine` (`bench/results/engine.json`; {out['threads']} threads of {m['cpus']} CPUs "
+            f"({', '.join(m.get('cpu_features', [])) or 'features not recorded'}), torch {m['torch']}, each figure "
+            f"the median of {out['rounds']} interleaved rounds), one GGUF:")
+    return "\n".join([head, "", *rows, "", *lines, *formats_block(out)])
+
+
+def formats_block(out: dict) -> list[str]:
+    """The formats people download, native against fp32 and llama.cpp on each file."""
+    if not out.get("formats"):
+        return []
+    s, t = out["summary"], out["summary"]["format_targets"]
+    rows = ["", "Each file computed with as it is (`native`) against its fp32 dequantization and llama.cpp "
+                "(`bench/engine/formats.py`; the SmolLM2 files re-quantized from its Q4_1 by llama.cpp):", "",
+            "| file (block formats) | prefill 512 tok/s: native / fp32 / llama.cpp | prefill 2,048 | "
+            "decode batch 1 ms: native / llama.cpp | batch 8 ms: native / fp32 | batch 32 | greedy agreement "
+            "| perplexity: native / llama.cpp |", "|---|---|---|---|---|---|---|---|"]
+    for name, f in out["formats"].items():
+        sp, q = f["speed"], f.get("quality")
+        pre = [" / ".join(_cell(sp[a]["prefill_tok_s"][n], 0) for a in ("native", "fp32", "llama.cpp"))
+               for n in ("512", "2048")]
+        dec = [" / ".join(_cell(sp[a]["decode_ms"][b], 1) for a in arms)
+               for b, arms in (("1", ("native", "llama.cpp")), ("8", ("native", "fp32")), ("32", ("native", "fp32")))]
+        ppl = q and f"{q['perplexity']['native']:.3f} / {q['perplexity']['llama.cpp']:.3f}"
+        qual = [f"{q['greedy_agreement']:.3f}", ppl] if q else ["—", "—"]
+        rows.append(f"| {name} ({', '.join(f['formats'])}) | " + " | ".join([*pre, *dec, *qual]) + " |")
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "missed"
+
+    b1 = [s[f"decode_b1_over_llamacpp_{k}"] for k in ("q4_k_m", "q8_0", "q4_1")]
+    prefill = min(s["native_prefill_512_over_fp32"], s["native_prefill_2048_over_fp32"])
+    rows += ["", f"- Decode step at batch 1 against llama.cpp's: Q4_K_M **{b1[0]:.2f}×**, Q8_0 **{b1[1]:.2f}×**, "
+                 f"Q4_1 **{b1[2]:.2f}×** its time, Gemma 3's Q4_K_M {s['decode_b1_over_llamacpp_gemma3_q4_k_m']:.2f}× "
+                 f"(target ≤ {t['decode_b1_over_llamacpp']}, ≤ {t['decode_b1_over_llamacpp_worst']} at worst: "
+                 f"{verdict(max(b1) <= t['decode_b1_over_llamacpp_worst'])}).",
+             f"- Native prefill against fp32's, the worst file's: **{s['native_prefill_512_over_fp32']:.2f}×** at 512 "
+             f"tokens, **{s['native_prefill_2048_over_fp32']:.2f}×** at 2,048 (target ≥ "
+             f"{t['native_prefill_over_fp32']}: {verdict(prefill >= t['native_prefill_over_fp32'])}); "
+             f"against llama.cpp's {s['native_prefill_512_over_llamacpp']:.1f}× and "
+             f"{s['native_prefill_2048_over_llamacpp']:.1f}× (target ≥ {t['native_prefill_over_llamacpp']})."]
+    if "greedy_agreement_min" in s:
+        rows.append(f"- Quality: greedy agreement with the fp32 dequantization {s['greedy_agreement_min']:.3f} at "
+                    f"worst (≥ {t['greedy_agreement']}), perplexity at most {s['perplexity_over_llamacpp_max']:.4f}× "
+                    f"llama.cpp's on the same file (≤ {t['perplexity_over_llamacpp_max']}).")
+    return rows
 
 
 def write(out: dict) -> None:

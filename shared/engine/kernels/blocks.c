@@ -1,4 +1,4 @@
-/* Products with a GGUF file's own blocks on CPU (weights.py, PD_WEIGHTS=native).
+/* Products with a GGUF file's own blocks on CPU (weights.py: PD_WEIGHTS native, or auto on CPU).
 
    y (M, N) = x (M, K) @ W.T, W (N, K) kept as the file's blocks, byte for byte: Q4_0, Q4_1,
    Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (formats.c), up to PARTS row ranges of different formats
