@@ -71,10 +71,12 @@ struct acts {
     int64_t K;
 };
 
-/* A group's share of a product, the same float steps on every path: acc + d·dx·isum (+ m·sx). */
-static inline float group_add(const int kind, float acc, float d, float m, float dx, float sx, int isum) {
-    acc = fmaf(d * dx, (float)isum, acc);
-    return signed_format(kind) ? acc : fmaf(m, sx, acc);
+/* A group's share of a product, the same float steps on every path: acc += d·dx·isum and, for
+   a format with an offset, off += m·sx; the product is acc + off (two sums: one multiply-add
+   each a group waits on the last, not two). */
+static inline void group_add(const int kind, float *acc, float *off, float d, float m, float dx, float sx, int isum) {
+    *acc = fmaf(d * dx, (float)isum, *acc);
+    if (!signed_format(kind)) *off = fmaf(m, sx, *off);
 }
 
 #ifdef __AVX2__
@@ -87,7 +89,7 @@ static inline __attribute__((always_inline)) void row_tiles(const int kind, cons
                                                             const float *dxi, const float *sxi, int64_t nb,
                                                             int64_t stride, int64_t fstride, const int nt,
                                                             __m256 *out) {
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, off[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     uint8_t wq[QK] __attribute__((aligned(32)));
     const int per = (int)(BLOCK_WEIGHTS[kind] / QK);  /* groups a block */
     for (int64_t blk = 0; blk < nb / per; blk++) {
@@ -120,11 +122,11 @@ static inline __attribute__((always_inline)) void row_tiles(const int kind, cons
                 const float *dx = dxi + i * fstride + g * ROWS, *sx = sxi + i * fstride + g * ROWS;
                 acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(dx)),
                                          _mm256_cvtepi32_ps(sum0[i]), acc[i]);
-                if (!signed_format(kind)) acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(m), _mm256_loadu_ps(sx), acc[i]);
+                if (!signed_format(kind)) off[i] = _mm256_fmadd_ps(_mm256_set1_ps(m), _mm256_loadu_ps(sx), off[i]);
             }
         }
     }
-    for (int i = 0; i < nt; i++) out[i] = acc[i];
+    for (int i = 0; i < nt; i++) out[i] = _mm256_add_ps(acc[i], off[i]);
 }
 
 /* One output row against every tile of x, two tiles at a time. */
@@ -151,7 +153,7 @@ static inline __attribute__((always_inline)) void row_all(const int kind, const 
 static inline __attribute__((always_inline)) void row_pair(const int kind, const uint8_t *w8, int64_t row_bytes,
                                                            struct acts a, float *out) {
     const int64_t nb = a.K / QK;
-    float acc0 = 0.0f, acc1 = 0.0f;
+    float acc0 = 0.0f, acc1 = 0.0f, off0 = 0.0f, off1 = 0.0f;
     const uint8_t *w1 = w8 + row_bytes, *next = w8 + 2 * row_bytes;
     const int64_t step = 2 * (row_bytes / nb);  /* the next pair's bytes a group, near enough */
     const int per = (int)(BLOCK_WEIGHTS[kind] / QK);  /* groups a block */
@@ -171,12 +173,12 @@ static inline __attribute__((always_inline)) void row_pair(const int kind, const
             group_scales(kind, b1, sub, &d1, &m1, &r0, &r1);
             const __m128i sums = hsum_pair(group_dot(kind, group_vector(kind, b0, sub), x, s0, s1),
                                            group_dot(kind, group_vector(kind, b1, sub), x, r0, r1));
-            acc0 = group_add(kind, acc0, d0, m0, a.dx[g], a.sx[g], _mm_cvtsi128_si32(sums));
-            acc1 = group_add(kind, acc1, d1, m1, a.dx[g], a.sx[g], _mm_extract_epi32(sums, 1));
+            group_add(kind, &acc0, &off0, d0, m0, a.dx[g], a.sx[g], _mm_cvtsi128_si32(sums));
+            group_add(kind, &acc1, &off1, d1, m1, a.dx[g], a.sx[g], _mm_extract_epi32(sums, 1));
         }
     }
-    out[0] = acc0;
-    out[1] = acc1;
+    out[0] = acc0 + off0;
+    out[1] = acc1 + off1;
 }
 
 static void pair(int kind, const uint8_t *w8, int64_t row_bytes, struct acts a, float *out) {
@@ -198,7 +200,7 @@ static inline __attribute__((always_inline)) void row_all(const int kind, const 
     const int64_t nb = a.K / QK;
     for (int64_t t0 = 0; t0 < M; t0 += ROWS) {
         const int64_t nt = M - t0 < ROWS ? M - t0 : ROWS;
-        float acc[ROWS] = {0};
+        float acc[ROWS] = {0}, off[ROWS] = {0};
         const int per = (int)(BLOCK_WEIGHTS[kind] / QK);  /* groups a block */
         for (int64_t blk = 0; blk < nb / per; blk++) {
             const uint8_t *b = w8 + blk * BLOCK_BYTES[kind];
@@ -218,11 +220,11 @@ static inline __attribute__((always_inline)) void row_all(const int kind, const 
                         dot0 += q[j] * x[j];
                         dot1 += q[j + 16] * x[j + 16];
                     }
-                    acc[t] = group_add(kind, acc[t], d, m, a.dx[xg], a.sx[xg], s0 * dot0 + s1 * dot1);
+                    group_add(kind, &acc[t], &off[t], d, m, a.dx[xg], a.sx[xg], s0 * dot0 + s1 * dot1);
                 }
             }
         }
-        for (int64_t t = 0; t < nt; t++) y[(t0 + t) * ldy] = acc[t];
+        for (int64_t t = 0; t < nt; t++) y[(t0 + t) * ldy] = acc[t] + off[t];
     }
 }
 #endif
