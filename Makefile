@@ -7,6 +7,8 @@ STAMP  := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 # llama.cpp, the side-by-side peer of make bench-engine (built from source on first install)
 LLAMA_CPP_VERSION ?= 0.3.36
+# its AVX2 kernels on every x86 machine (its AVX-512/AMX build crashed on multi-token batches on such a machine)
+LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF -DGGML_AMX_INT8=OFF
 
 .PHONY: help setup lint fmt run test test-fast test-clients bench-path bench-engine bench-archs bench-grammar bench-stack bench-transfer eval-router bench-router chaos fuzz chaos-busy bench-tracing bench-scale bench-index bench bench-full bench-prefill-chunk profile plan plan-check compose-up compose-down gpu-check clean
 
@@ -64,11 +66,12 @@ lint: setup
 fmt: setup
 	$(BIN)/ruff check --fix .
 
-## bench-engine: our engine on fp32 and native (4-bit) weights vs transformers and llama.cpp, same GGUF, same threads,
-##   side by side, the quality of each format, and the decode step at batch 8 under a JSON schema; writes
-##   bench/results/engine.json (the first run builds llama.cpp from PyPI: ~10 minutes on 2 cores; pip keeps the wheel)
+## bench-engine: our engine on fp32 and native weights vs transformers and llama.cpp, same GGUF, same threads, side
+##   by side, the quality of each format, the decode step at batch 8 under a JSON schema, the block formats people
+##   download (Q4_K_M, Q8_0, Gemma 3's Q4_K_M) and a mixed load per weights' format; writes bench/results/engine.json
+##   (~35 minutes; the first run builds llama.cpp from PyPI: ~10 minutes on 2 cores; pip keeps the wheel)
 bench-engine: setup
-	$(BIN)/pip install -q llama-cpp-python==$(LLAMA_CPP_VERSION)
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(BIN)/pip install -q llama-cpp-python==$(LLAMA_CPP_VERSION)
 	$(BIN)/python -m bench.engine
 
 ## bench-archs: each architecture served (tiny random checkpoints) against transformers: greedy tokens, logits

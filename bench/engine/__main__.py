@@ -13,7 +13,8 @@ against the same prompts unconstrained, per format.
 Quality (bench/engine/quality.py): greedy agreement with transformers' fp32 tokens, and
 perplexity, per format. Formats (bench/engine/formats.py): the block formats people download
 (Q4_K_M, Q8_0, Q4_1 and Gemma 3's Q4_K_M), native against fp32 and llama.cpp, speed and
-quality. Writes bench/results/engine.json (`summary`: decode_b1_over_llamacpp,
+quality. Mixed load (bench/engine/mixed_load.py): make bench's victims and aggressors on a
+1P+1D stack with each weights' format. Writes bench/results/engine.json (`summary`: decode_b1_over_llamacpp,
 prefill_512_over_llamacpp, prefill_2048_over_llamacpp, greedy_agreement, perplexity_ratio —
 the last two of `native`; structured_b8_overhead, the larger format's; formats.summary's keys:
 decode_b1_over_llamacpp_q4_k_m, _q8_0, _q4_1, native_prefill_512_over_fp32, …), with the
@@ -35,6 +36,7 @@ from pathlib import Path
 import torch
 
 from bench.engine import formats as engine_formats
+from bench.engine import mixed_load
 from bench.engine import quality as engine_quality
 from bench.engine import readme as engine_readme
 from bench.engine import structured as structured_bench
@@ -160,6 +162,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--no-quality", action="store_true", help="speed only")
+    ap.add_argument("--mixed-duration", type=float, default=90.0,
+                    help="seconds of the mixed load per weights' format (0: not run)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     started = time.monotonic()
@@ -173,18 +177,20 @@ def main() -> None:
     del run, parts
     formats = engine_formats.measure(args.threads, args.rounds, args.decode_steps, not args.no_quality) \
         if LlamaCpp.available() else None
+    mixed = mixed_load.measure(args.mixed_duration) if args.mixed_duration else None
     if quality:
         for f, q in quality["formats"].items():
             print(f"{f}: greedy agreement {q['greedy_agreement']:.4f}, perplexity {q['perplexity']:.3f} "
                   f"({q['perplexity_ratio']:.4f}x the reference's)", flush=True)
     summary = {**summarize(speeds, quality), **structured_bench.summary(structured),
-               **(engine_formats.summary(formats) if formats else {})}
+               **(engine_formats.summary(formats) if formats else {}), **(mixed_load.summary(mixed) if mixed else {})}
     out = {"model": "SmolLM2-135M-Instruct (GGUF Q4_1, embeddings Q8_0)", "threads": args.threads,
            "rounds": args.rounds, "decode_steps": args.decode_steps, "decode_prompt_tokens": PROMPT_FOR_DECODE,
            "machine": {"cpus": os.cpu_count(), "processor": platform.processor(), "torch": torch.__version__,
                        "cpu_features": [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni",
                                                     "amx_int8") if cc.has_feature(f)]},
-           "speed": speeds, "structured": structured, "quality": quality, "formats": formats, "summary": summary,
+           "speed": speeds, "structured": structured, "quality": quality, "formats": formats,
+           "mixed_load": mixed, "summary": summary,
            "wall_s": round(time.monotonic() - started, 1)}
     (RESULTS / "engine.json").write_text(json.dumps(out, indent=1) + "\n")
     engine_readme.write(out)

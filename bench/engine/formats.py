@@ -10,7 +10,8 @@ llama.cpp's on the same bytes are what it measures) to Q4_K_M and Q8_0, kept in
 published. Per file: prefill tokens/s (512 and 2,048 tokens) and the decode step at batch 1, 8
 and 32 for native and fp32 (llama.cpp at batch 1), the median of interleaved rounds; quality:
 greedy agreement of native with the fp32 dequantization's greedy tokens (teacher-forced) and
-perplexity on Python's help text, native's and llama.cpp's.
+perplexity on Python's help text, native's and llama.cpp's. llama.cpp is built with its AVX2
+kernels (the Makefile's LLAMA_CPP_CMAKE_ARGS), ours use AVX-512 VNNI where the CPU has it.
 """
 
 from __future__ import annotations

@@ -55,7 +55,22 @@ def block(out: dict) -> str:
     head = (f"`make bench-engine` (`bench/results/engine.json`; {out['threads']} threads of {m['cpus']} CPUs "
             f"({', '.join(m.get('cpu_features', [])) or 'features not recorded'}), torch {m['torch']}, each figure "
             f"the median of {out['rounds']} interleaved rounds), one GGUF:")
-    return "\n".join([head, "", *rows, "", *lines, *formats_block(out)])
+    return "\n".join([head, "", *rows, "", *lines, *formats_block(out), *mixed_block(out)])
+
+
+def mixed_block(out: dict) -> list[str]:
+    """The victims' tokens under a mixed load, per weights' format."""
+    m = out.get("mixed_load")
+    if not m:
+        return []
+    rows = ["", f"Mixed load, per weights' format (`bench/engine/mixed_load.py`: `make bench`'s victims and "
+                f"aggressors for {m['duration_s']:.0f} s on {m['arm']}, both pools on the format):", "",
+            "| `PD_WEIGHTS` | victims' inter-token p50 (ms) | p99 (ms) | longest gap (s) | TTFT p99 (s) | "
+            "TTFT p99 alone (s) |", "|---|---|---|---|---|---|"]
+    for fmt, f in m["formats"].items():
+        rows.append(f"| {fmt} | {f['itl_p50_ms']:.1f} | {f['itl_p99_ms']:.1f} | {f['max_gap_s']:.2f} | "
+                    f"{f['ttft_p99_s']:.2f} | {f['ttft_p99_alone_s']:.2f} |")
+    return rows
 
 
 def formats_block(out: dict) -> list[str]:
