@@ -19,19 +19,19 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import numpy as np
 import torch
 
+from shared.engine import gguf_tensors
 from shared.engine.architectures import ARCHITECTURES, model_config
 from shared.engine.config import ModelConfig
+from shared.engine.gguf_tensors import FileTensor
+from shared.engine.model import pack_plan
 from shared.engine.rope import Rope
 from shared.engine.weights import Packed, pack
 from shared.progress import progress
-
-if TYPE_CHECKING:
-    from gguf import GGUFReader
 
 # blk.N.<kind> -> the layer's Hugging Face module (Gemma's ffn_norm is its pre-feedforward norm)
 _LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -45,13 +45,13 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}  # 27B: queries scaled by 
 _MODEL_TYPES = {"gemma3": "gemma3_text"}  # GGUF architecture -> transformers model_type, where they differ
 
 
-def metadata(path: Path) -> tuple[dict, tuple[str, ...]]:
-    """The file's metadata (its arrays as their lengths) and tensor names, read without the
-    tensors or the vocabulary (transformers' GGUF reader: well under a second where gguf-py's
-    reader parses every vocabulary entry first)."""
+def metadata(path: Path, string_arrays: tuple[str, ...] = ()) -> tuple[dict, tuple[str, ...]]:
+    """The file's metadata (its arrays of strings as their lengths, but `string_arrays`'s) and
+    tensor names, read without the tensors (transformers' GGUF reader: well under a second where
+    gguf-py's reader parses every vocabulary entry first)."""
     from transformers.integrations.gguf.reader import read_gguf_metadata
 
-    return read_gguf_metadata(str(path))
+    return read_gguf_metadata(str(path), string_arrays)
 
 
 def model_type(meta: dict) -> str:
@@ -61,10 +61,10 @@ def model_type(meta: dict) -> str:
     return _MODEL_TYPES.get(arch, arch)
 
 
-def config(path: Path, reader: GGUFReader | None = None) -> ModelConfig:
+def config(path: Path, file_tensors: list[FileTensor] | None = None) -> ModelConfig:
     """The file's architecture as the engine's config. A file with `rope_freqs.weight` (Llama 3.1's
-    RoPE scaling, as llama.cpp's converter stores it) has its factors read with gguf-py (`reader`,
-    or one opened here)."""
+    RoPE scaling, as llama.cpp's converter stores it) has its factors read from the tensors
+    (`file_tensors`, or the file's read here)."""
     from transformers import AutoConfig
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
@@ -93,7 +93,7 @@ def config(path: Path, reader: GGUFReader | None = None) -> ModelConfig:
         cfg = model_config(AutoConfig.for_model(mtype, tie_word_embeddings="output.weight" not in names, **kwargs))
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e
-    factors = _rope_factors(path, reader) if "rope_freqs.weight" in names else None
+    factors = _rope_factors(path, file_tensors) if "rope_freqs.weight" in names else None
     rope = _rope(meta, arch, cfg.rope.theta, factors, path)
     local = meta.get(f"{arch}.rope.freq_base_swa")
     return replace(cfg, rope=rope, local_rope=Rope(float(local)) if cfg.local_rope and local else cfg.local_rope)
@@ -120,11 +120,10 @@ def _rope(meta: dict, arch: str, theta: float, factors: tuple[float, ...] | None
     raise ValueError(f"{path}: RoPE scaling {kind!r} (rope_freqs.weight: {factors is not None}) is not supported")
 
 
-def _rope_factors(path: Path, reader: GGUFReader | None) -> tuple[float, ...]:
+def _rope_factors(path: Path, file_tensors: list[FileTensor] | None) -> tuple[float, ...]:
     import gguf
 
-    reader = reader or gguf.GGUFReader(path)
-    t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+    t = next(t for t in file_tensors or gguf_tensors.tensors(path) if t.name == "rope_freqs.weight")
     return tuple(float(f) for f in gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1))
 
 
@@ -153,15 +152,28 @@ def hf_name(name: str, cfg: ModelConfig) -> str:
     return f"{_MODEL_NAMES['.'.join(base)]}.{suffix}"
 
 
-def tensors(reader: GGUFReader, cfg: ModelConfig, native: bool) -> tuple[dict[str, torch.Tensor], dict[str, Packed]]:
-    """Every tensor under its Hugging Face name, dequantized to fp32; and, when `native`, the
-    ones in a format the kernel computes with also as their blocks (weights.pack), rows in the
-    same order."""
+def _dequantize(t: FileTensor) -> np.ndarray:
+    """A tensor in fp32: Q8_0 (the usual embedding table's format, 262k rows for Gemma 3) in a
+    few whole-array steps, where gguf-py's walk over row groups took 5 s; anything else by
+    gguf-py."""
     import gguf
 
+    if t.tensor_type == gguf.GGMLQuantizationType.Q8_0:
+        blocks = t.data.reshape(-1, 34)
+        w = blocks[:, 2:].view(np.int8).astype(np.float32) * blocks[:, :2].view(np.float16).astype(np.float32)
+        return w.reshape(*t.data.shape[:-1], t.data.shape[-1] // 34 * 32)
+    return gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+
+
+def tensors(file_tensors: list[FileTensor], cfg: ModelConfig,
+            native: bool) -> tuple[dict[str, torch.Tensor], dict[str, Packed]]:
+    """Every tensor under its Hugging Face name, dequantized to fp32; and, when `native`, the
+    ones in a format the kernel computes with as their blocks (weights.pack), rows in the same
+    order — the ones the model will compute with as blocks (model.pack_plan) are then left
+    unfilled in fp32 (the embedding table, whose rows a lookup reads, is always dequantized)."""
     permuted = cfg.arch in ("llama", "mistral")
-    out, packed = {}, {}
-    for t in progress(reader.tensors, "loading weights", unit="tensor"):
+    named, packed = [], {}
+    for t in file_tensors:
         if t.name == "rope_freqs.weight":
             continue  # (in the config's RoPE: config)
         try:
@@ -171,10 +183,17 @@ def tensors(reader: GGUFReader, cfg: ModelConfig, native: bool) -> tuple[dict[st
         heads = {".self_attn.q_proj.": cfg.num_heads, ".self_attn.k_proj.": cfg.num_kv_heads}
         n = next((h for part, h in heads.items() if part in name), 0) if permuted else 0
         reorder = partial(_unpermute, n_head=n) if n else _as_is
-        w = reorder(gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False))
+        named.append((name, t, reorder))
+        if native and (p := pack(t.data, t.tensor_type.name, reorder)) is not None:
+            packed[name] = p
+    blocks_only = {n for names in pack_plan(packed, cfg.num_layers).values() for n in names}
+    out = {}
+    for name, t, reorder in progress(named, "loading weights", unit="tensor"):
+        if name in blocks_only:
+            out[name] = torch.empty(packed[name].shape)
+            continue
+        w = reorder(_dequantize(t))
         if cfg.norm_plus_one and name.endswith("norm.weight"):
             w = w - 1.0  # llama.cpp stores Gemma's norm weights as 1 + w
         out[name] = torch.from_numpy(np.require(w, requirements=["C", "W"]))
-        if native and (p := pack(t.data, t.tensor_type.name, reorder)) is not None:
-            packed[name] = p
     return out, packed

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import xxhash
 
-from shared.engine import gguf_file
+from shared.engine import gguf_file, gguf_tensors
 from shared.engine.architectures import model_config
 from shared.engine.config import ModelConfig
 from shared.engine.model import DecoderModel
@@ -163,16 +163,14 @@ def _load_tiny(dtype: torch.dtype, device: str) -> LoadedModel:
 
 # -- GGUF ----------------------------------------------------------------------------------
 def _load_gguf(path: Path, dtype: torch.dtype, device: str, weights: str = "fp32") -> LoadedModel:
-    import gguf
-
-    reader = gguf.GGUFReader(path)
-    cfg = gguf_file.config(path, reader)
-    tensors, packed = gguf_file.tensors(reader, cfg, weights == "native")
+    file_tensors = gguf_tensors.tensors(path)
+    cfg = gguf_file.config(path, file_tensors)
+    tensors, packed = gguf_file.tensors(file_tensors, cfg, weights == "native")
     if (rows := tensors["model.embed_tokens.weight"].shape[0]) != cfg.vocab_size:
         raise ValueError(f"{path}: token_embd.weight has {rows} rows for a vocabulary of {cfg.vocab_size} tokens")
     model = _build(cfg, [tensors], dtype, device)
     model.pack(packed)
-    return LoadedModel(model, cfg, Tokenizer.from_gguf(path, reader), path.stem, _file_digest([path]), weights)
+    return LoadedModel(model, cfg, Tokenizer.from_gguf(path), path.stem, _file_digest([path]), weights)
 
 
 # -- Hugging Face directory ------------------------------------------------------------------

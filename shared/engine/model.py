@@ -15,7 +15,7 @@ every layer packed runs as one C call (kernels/fused.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from contextlib import nullcontext
 from functools import partial
 from types import SimpleNamespace
@@ -73,6 +73,29 @@ class DecoderLayer(nn.Module):
             return self.mlp(x, self.pre_feedforward_layernorm, self.post_feedforward_layernorm)
         x = self.self_attn(x, self.input_layernorm, batch, pool, rope, ops)
         return self.mlp(x, self.post_attention_layernorm)
+
+
+# each projection's matrices under their Hugging Face names, stacked along its output
+_STACKED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            "self_attn.o_proj": ("self_attn.o_proj",), "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+            "mlp.down_proj": ("mlp.down_proj",)}
+
+
+def pack_plan(names: Collection[str], num_layers: int) -> dict[str, list[str]]:
+    """Which of `names` (packed matrices, Hugging Face names) each projection computes with,
+    by module path: a projection's parts when all are there, or the projection itself where
+    the file holds it stacked (Phi-3's qkv and gate_up), and an untied vocabulary projection."""
+    plan = {}
+    for i in range(num_layers):
+        for own, parts in _STACKED.items():
+            for group in ((own,), parts):
+                keys = [f"model.layers.{i}.{n}.weight" for n in group]
+                if all(k in names for k in keys):
+                    plan[f"layers.{i}.{own}"] = keys
+                    break
+    if "lm_head.weight" in names:
+        plan["lm_head"] = ["lm_head.weight"]
+    return plan
 
 
 class DecoderModel(nn.Module):
@@ -138,20 +161,11 @@ class DecoderModel(nn.Module):
 
     def pack(self, packed: dict[str, Packed]) -> None:
         """Compute with these packed matrices (Hugging Face names, as `load_hf_weights` takes
-        them) instead of the fp32 ones; q/k/v and gate/up are stacked as their projections are."""
-        for i, layer in enumerate(cast("Iterable[DecoderLayer]", self.layers)):
-            p = f"model.layers.{i}."
-            parts = {"self_attn.qkv_proj": [f"self_attn.{n}_proj" for n in "qkv"],
-                     "self_attn.o_proj": ["self_attn.o_proj"],
-                     "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"], "mlp.down_proj": ["mlp.down_proj"]}
-            for own, names in parts.items():
-                if all(p + n + ".weight" in packed for n in names):
-                    cast(Projection, layer.get_submodule(own)).pack(Packed.cat([packed[p + n + ".weight"]
-                                                                                for n in names]))
+        them) instead of the fp32 ones, as `pack_plan` stacks them."""
+        for own, names in pack_plan(packed, self.cfg.num_layers).items():
+            cast(Projection, self.get_submodule(own)).pack(Packed.cat([packed[n] for n in names]))
         self.packed_layers = self._layers_packed()
-        if self.lm_head is not None and "lm_head.weight" in packed:
-            self.lm_head.pack(packed["lm_head.weight"])
-        elif self.lm_head is None and "model.embed_tokens.weight" in packed:
+        if self.lm_head is None and "model.embed_tokens.weight" in packed:
             self.tied_head = packed["model.embed_tokens.weight"]
 
     def packed_formats(self) -> set[str]:

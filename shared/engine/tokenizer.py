@@ -16,13 +16,10 @@ import secrets
 from collections.abc import Callable
 from functools import cache, cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
-
-if TYPE_CHECKING:
-    from gguf import GGUFReader
 
 _CONTROL, _USER_DEFINED = 3, 4  # GGUF token types
 
@@ -149,25 +146,19 @@ class Tokenizer:
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
-    def from_gguf(cls, path: Path, reader: GGUFReader | None = None) -> Tokenizer:
-        """Byte-level BPE (`tokenizer.ggml.model` gpt2) rebuilt here from the file's fields
-        (`reader`: a gguf.GGUFReader of it, when one is open); every other kind (SentencePiece
-        `llama`, as Gemma, Llama 2 and Mistral files carry) by transformers' GGUF converter, which
-        gives each architecture's normalizer, pre-tokenizer and decoder."""
+    def from_gguf(cls, path: Path) -> Tokenizer:
+        """Byte-level BPE (`tokenizer.ggml.model` gpt2) rebuilt here from the file's fields; every
+        other kind (SentencePiece `llama`, as Gemma, Llama 2 and Mistral files carry) by
+        transformers' GGUF converter, which gives each architecture's normalizer, pre-tokenizer
+        and decoder."""
         from shared.engine.gguf_file import metadata
 
-        meta, _ = metadata(path)
+        meta, _ = metadata(path, ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"))
         if meta.get("tokenizer.ggml.model") != "gpt2":
             return cls._converted_gguf(path, meta.get("tokenizer.chat_template"))
-        if reader is None:
-            import gguf
-
-            reader = gguf.GGUFReader(path)
-        fields = reader.fields
 
         def field(key: str, default: Any = None) -> Any:
-            f = fields.get(key)
-            return default if f is None else f.contents()
+            return meta.get(key, default)
 
         tokens = field("tokenizer.ggml.tokens")
         types = field("tokenizer.ggml.token_type", [1] * len(tokens))
