@@ -1,4 +1,5 @@
-"""Shared fixtures. The real model and the transformers reference load once per session."""
+"""Shared fixtures. The real models (SmolLM2, its native-weights load, Gemma 3) and the
+transformers reference load once per session."""
 
 from __future__ import annotations
 
@@ -31,6 +32,22 @@ def smollm2():
     from shared.engine.loader import load
 
     return load("smollm2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_native():
+    """SmolLM2 with its file's 4-bit blocks computed with as they are (PD_WEIGHTS=native)."""
+    from shared.engine.loader import load
+
+    return load("smollm2", weights="native")
+
+
+@pytest.fixture(scope="session")
+def gemma3():
+    """Gemma 3 270M from its Q4_K_M file (tests/engine/test_gemma3_gguf.py, tests/stack/test_models.py)."""
+    from shared.engine.loader import load
+
+    return load("gemma3-270m")
 
 
 @pytest.fixture(scope="session")

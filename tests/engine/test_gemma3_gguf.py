@@ -11,7 +11,7 @@ from helpers import generate, run_all, tokens, transfer
 from bench.engine.quality import reference_greedy
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
-from shared.engine.loader import gemma3_path, load
+from shared.engine.loader import gemma3_path
 from shared.engine.sequence import SamplingParams
 from shared.tools.held_prompts import DOCUMENT
 
@@ -24,8 +24,8 @@ TEXTS = {"france": "The capital of France is", "code": "def fibonacci(n):\n    "
 
 
 @pytest.fixture(scope="module")
-def gemma():
-    return load("gemma3-270m")
+def gemma(gemma3):
+    return gemma3
 
 
 @pytest.fixture(scope="module")

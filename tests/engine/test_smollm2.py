@@ -150,8 +150,8 @@ def test_resumed_request_streams_the_same_text(smollm2, prompts):
 
 
 @pytest.fixture(scope="module")
-def native():
-    return load("smollm2", weights="native")
+def native(smollm2_native):
+    return smollm2_native
 
 
 def test_native_weights_rank_the_references_tokens_first(native, prompts, reference):

@@ -67,10 +67,10 @@ def test_a_tiny_checkpoint_served_through_the_handoff_equals_transformers(name, 
         assert stack.metric_total("decode-0", "pd_kv_received_bytes_total") > 0  # the KV came from prefill
 
 
-def test_gemma3_270m_q4_k_m_served_end_to_end(tmp_path):
+def test_gemma3_270m_q4_k_m_served_end_to_end(gemma3, tmp_path):
     """The real Gemma 3 270M file through the handoff: completions (the base model has no chat
     template), each request's tokens the in-process engine's for it."""
-    gemma = load("gemma3-270m")
+    gemma = gemma3
     texts = ["The capital of France is", "def fibonacci(n):\n    "]
     assert gemma.tokenizer is not None
     expected = generate(gemma, {t: gemma.tokenizer.encode(t) for t in texts},

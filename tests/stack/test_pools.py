@@ -47,19 +47,16 @@ def test_two_prefill_two_decode_serve_20_concurrent_requests(smollm2, tmp_path):
     assert ready["workers"] == {"router": 1, "prefill": 2, "decode": 2}
 
 
-def test_native_weights_in_both_pools_give_each_requests_tokens_as_if_alone(smollm2, tmp_path):
+def test_native_weights_in_both_pools_give_each_requests_tokens_as_if_alone(smollm2, smollm2_native, tmp_path):
     """PD_WEIGHTS=native on both pools: 20 concurrent requests, prefilled on the prefill worker or
     beside the decode worker's streams and decoded in batches of whatever is running, each get
     the tokens the in-process native engine gives it alone (a row's sums do not depend on its
     batch, and a decode pass in one C call equals the layer-by-layer path)."""
-    from shared.engine.loader import load
-
     cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=512, log_dir=tmp_path,
                                     env={"PD_WEIGHTS": "native"})
     with Stack(cfg) as stack:
         answers = asyncio.run(_ask_all(stack.url, 12))
-    native = load("smollm2", weights="native")
-    tok = smollm2.tokenizer
+    native, tok = smollm2_native, smollm2.tokenizer
     for q in QUESTIONS:
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
         alone = generate(native, {q: ids}, SamplingParams(max_tokens=12, temperature=0))[q]
