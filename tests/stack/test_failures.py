@@ -78,15 +78,15 @@ def test_a_prefill_worker_killed_mid_prompt_costs_its_lease_not_the_request(smol
           f"{local_s:.1f} s later on the decode worker with none left ({len(prompts[0])}-token prompts)")
 
 
-def test_200_streams_cancelled_at_random_points_leave_no_block_taken(tmp_path):
+def test_200_streams_cancelled_at_random_points_leave_no_block_taken(stack):
     """Clients hang up at random moments — before the placement, during prefill or the KV
     handoff, after some tokens — 25 at a time; afterwards every process is up and every
     worker's KV pool is whole. (A decode worker that gave up receives with payloads in flight
-    used to free buffers UCX was still writing into: heap corruption, then an abort or a hang.)"""
+    used to free buffers UCX was still writing into: heap corruption, then an abort or a hang.)
+    On the session's stack (1 prefill + 1 decode worker): the tests after it use it as it leaves it."""
     import asyncio
     import random
 
-    cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=1024, log_dir=tmp_path)
     rng = random.Random(7)
     plans = [("timeout", rng.uniform(0.02, 1.5)) if rng.random() < 0.35 else ("frames", rng.randint(0, 10))
              for _ in range(200)]
@@ -113,86 +113,22 @@ def test_200_streams_cancelled_at_random_points_leave_no_block_taken(tmp_path):
             await asyncio.gather(*(one(i, kind, arg) for i, (kind, arg) in enumerate(plans)))
         return seen
 
-    with Stack(cfg) as stack:
-        seen = asyncio.run(run(stack.url))
-        store = sync_redis(stack.redis_url)
+    seen = asyncio.run(run(stack.url))
+    store = sync_redis(stack.redis_url)
 
-        def pools():
-            infos = [json.loads(store.get(k)) for k in store.keys("pd:worker:*")]
-            return {w["worker_id"]: (w["free_blocks"], w["total_blocks"], w["running"], w["waiting"])
-                    for w in infos if w["role"] in ("prefill", "decode")}
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(f != t or r or w for f, t, r, w in pools().values()):
-            time.sleep(0.3)
-        final = pools()
-        dead = {name: p.poll() for name, p in stack.procs.items() if p.poll() is not None}
+    def pools():
+        infos = [json.loads(store.get(k)) for k in store.keys("pd:worker:*")]
+        return {w["worker_id"]: (w["free_blocks"], w["total_blocks"], w["running"], w["waiting"])
+                for w in infos if w["role"] in ("prefill", "decode")}
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(f != t or r or w for f, t, r, w in pools().values()):
+        time.sleep(0.3)
+    final = pools()
+    dead = {name: p.poll() for name, p in stack.procs.items() if p.poll() is not None}
     print(f"cancelled streams: {seen}; pools after: {final}")
     assert not dead, f"processes died under the cancellations: {dead}"
     assert seen["timeout"] + seen["frames"] >= 150 and sum(seen.values()) == 200, seen
     assert len(final) == 2 and all(f == t and r == 0 and w == 0 for f, t, r, w in final.values()), final
-
-
-def _greedy_40(smollm2, messages) -> list[int]:
-    """The in-process engine's 40 greedy tokens for a chat (EOS ignored)."""
-    tok = smollm2.tokenizer
-    prompt = tok.encode(tok.apply_chat_template(messages))
-    return generate(smollm2, {"q": prompt}, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))["q"]
-
-
-def _stream_40(messages) -> dict:
-    return {"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 40, "ignore_eos": True,
-            "stream": True, "return_token_ids": True}
-
-
-def _two_decode_workers(tmp_path) -> StackConfig:
-    return StackConfig.on_free_ports(prefill=1, decode=2, kv_blocks=512, log_dir=tmp_path,
-                                     env={"PD_HEARTBEAT_S": "0.3", "PD_FAILOVER_CHECK_S": "0.3"})
-
-
-def test_a_decode_worker_killed_mid_stream_is_continued_on_another(smollm2, tmp_path):
-    """kill -9 of the decode worker serving a stream after 8 tokens: the gateway sees its lease
-    lapse, the request is placed again with those 8 tokens like a new request — the prefill
-    worker computes prompt + 8 and hands its KV to the other decode worker, which continues.
-    The client's stream equals the in-process engine's greedy output token for token (none
-    repeated, none missing), its text is whole, and every pool is whole afterwards."""
-    messages = [{"role": "user", "content": "List the planets of the solar system with one fact each."}]
-    expected = _greedy_40(smollm2, messages)
-    cfg = _two_decode_workers(tmp_path)
-    ids, text, victim, killed, resumed_at = [], "", None, None, None
-    with Stack(cfg) as stack, httpx.Client(base_url=stack.url, timeout=120) as http:
-        store = sync_redis(stack.redis_url)
-        with http.stream("POST", "/v1/chat/completions", json=_stream_40(messages)) as r:
-            rid = r.headers["x-request-id"]
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                choice = json.loads(line[6:])["choices"][0]
-                ids += choice.get("token_ids") or []
-                text += choice["delta"].get("content") or ""
-                if killed and resumed_at is None and choice.get("token_ids"):
-                    resumed_at = time.monotonic()
-                if len(ids) >= 8 and victim is None:
-                    victim = store.hget(f"pd:req:{rid}", "decode").decode()
-                    stack.procs[victim].send_signal(signal.SIGKILL)
-                    killed = time.monotonic()
-        survivor = ({"decode-0", "decode-1"} - {victim}).pop()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:   # the registry shows the pools within a heartbeat or two
-            info, prefill = (json.loads(store.get(f"pd:worker:{w}")) for w in (survivor, "prefill-0"))
-            if info["free_blocks"] == info["total_blocks"] and prefill["free_blocks"] == prefill["total_blocks"]:
-                break
-            time.sleep(0.1)
-        events = [json.loads(e) for e in store.lrange(f"pd:req:{rid}:log", 0, -1)]
-    resumed = [e for e in events if e["event"] == "routed" and e["attempt"] == 1]
-    assert resumed and resumed[0]["mode"] == "remote" and resumed[0]["prefill"] == "prefill-0", events
-    assert not [e for e in events if e["event"] == "prefill_local"], events  # no recompute on a decode worker
-    assert prefill["free_blocks"] == prefill["total_blocks"], prefill
-    assert ids == expected, (len(ids), len(expected))
-    assert text == smollm2.tokenizer.decode(expected)
-    assert info["free_blocks"] == info["total_blocks"] and info["running"] == 0
-    recovery_s = resumed_at - killed
-    assert recovery_s < 10, recovery_s
-    print(f"decode worker killed after 8 tokens: stream moving again {recovery_s:.1f} s later on {survivor}")
 
 
 def test_a_failing_kv_path_opens_its_breaker_and_requests_go_colocated(tmp_path):
@@ -217,37 +153,6 @@ def test_a_failing_kv_path_opens_its_breaker_and_requests_go_colocated(tmp_path)
     assert answers == [200] * 6
     assert [m for m, _ in modes] == ["remote"] * 3 + ["local"] * 3, modes
     assert "breaker open" in modes[3][1]
-
-
-def test_sigterm_drains_a_decode_worker_its_streams_finish_there_new_ones_go_elsewhere(smollm2, tmp_path):
-    """SIGTERM to the decode worker serving a stream after 5 tokens: it stays registered as
-    draining, takes no new request (the next one goes to the other worker), finishes the
-    stream itself (no failover: no second placement), and exits once done."""
-    messages = [{"role": "user", "content": "Describe a lighthouse at night."}]
-    expected = _greedy_40(smollm2, messages)
-    cfg = _two_decode_workers(tmp_path)
-    ids, victim, other = [], None, None
-    with Stack(cfg) as stack, httpx.Client(base_url=stack.url, timeout=120) as http:
-        store = sync_redis(stack.redis_url)
-        with http.stream("POST", "/v1/chat/completions", json=_stream_40(messages)) as r:
-            rid = r.headers["x-request-id"]
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    ids += json.loads(line[6:])["choices"][0].get("token_ids") or []
-                if len(ids) >= 5 and victim is None:
-                    victim = store.hget(f"pd:req:{rid}", "decode").decode()
-                    stack.procs[victim].send_signal(signal.SIGTERM)
-                    time.sleep(0.2)
-                    draining = json.loads(store.get(f"pd:worker:{victim}"))["draining"]
-                    other = http.post("/v1/chat/completions", json={
-                        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
-        exit_code = stack.procs[victim].wait(60)
-        resumed = store.exists(f"pd:route:{rid}#1")
-        placed_other = store.hget(f"pd:req:{other.headers['x-request-id']}", "decode").decode()
-    assert draining is True
-    assert ids == expected and not resumed
-    assert other.status_code == 200 and placed_other != victim
-    assert exit_code == 0
 
 
 def test_a_prefill_job_the_queue_refuses_is_prefilled_on_the_decode_worker_at_once(tmp_path):
@@ -327,3 +232,125 @@ def test_a_frozen_prefill_worker_loses_the_job_to_another_in_about_its_predicted
     assert not [e for e in events if e["event"] == "prefill_local"], events
     assert took < 20, took   # the 30 s ceiling alone would take longer
     print(f"frozen prefill worker: request done in {took:.1f} s, on prefill-1")
+
+
+def _greedy_40(smollm2, messages) -> list[int]:
+    """The in-process engine's 40 greedy tokens for a chat (EOS ignored)."""
+    tok = smollm2.tokenizer
+    prompt = tok.encode(tok.apply_chat_template(messages))
+    return generate(smollm2, {"q": prompt}, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))["q"]
+
+
+def _stream_40(messages) -> dict:
+    return {"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 40, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
+
+
+@pytest.fixture(scope="module")
+def two_decode(tmp_path_factory):
+    """1 prefill + 2 decode workers, for the tests that kill or stop a decode worker: each
+    takes it with both decode workers up (`_both_decode_workers_up`)."""
+    cfg = StackConfig.on_free_ports(prefill=1, decode=2, kv_blocks=512, log_dir=tmp_path_factory.mktemp("two-decode"),
+                                    env={"PD_HEARTBEAT_S": "0.3", "PD_FAILOVER_CHECK_S": "0.3"})
+    with Stack(cfg) as stack:
+        yield stack
+
+
+def _both_decode_workers_up(stack: Stack) -> Stack:
+    """The decode worker a test before killed or stopped started again (as it was started),
+    serving, registered, and seen by the routers."""
+    gone = [name for name in ("decode-0", "decode-1") if stack.procs[name].poll() is not None]
+    for name in gone:
+        stack.restart(name)
+    for name in gone:
+        ready, deadline = stack.metrics_url(name).removesuffix("/metrics") + "/ready", time.monotonic() + 120
+        while not _answers_200(ready):
+            assert time.monotonic() < deadline, f"{name} not ready again; logs in {stack.log_dir}"
+            time.sleep(0.1)
+    if gone:
+        stack.wait_ready(60)
+    return stack
+
+
+def _answers_200(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def test_a_decode_worker_killed_mid_stream_is_continued_on_another(smollm2, two_decode):
+    """kill -9 of the decode worker serving a stream after 8 tokens: the gateway sees its lease
+    lapse, the request is placed again with those 8 tokens like a new request — the prefill
+    worker computes prompt + 8 and hands its KV to the other decode worker, which continues.
+    The client's stream equals the in-process engine's greedy output token for token (none
+    repeated, none missing), its text is whole, and every pool is whole afterwards."""
+    messages = [{"role": "user", "content": "List the planets of the solar system with one fact each."}]
+    expected = _greedy_40(smollm2, messages)
+    stack = _both_decode_workers_up(two_decode)
+    ids, text, victim, killed, resumed_at = [], "", None, None, None
+    with httpx.Client(base_url=stack.url, timeout=120) as http:
+        store = sync_redis(stack.redis_url)
+        with http.stream("POST", "/v1/chat/completions", json=_stream_40(messages)) as r:
+            rid = r.headers["x-request-id"]
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choice = json.loads(line[6:])["choices"][0]
+                ids += choice.get("token_ids") or []
+                text += choice["delta"].get("content") or ""
+                if killed and resumed_at is None and choice.get("token_ids"):
+                    resumed_at = time.monotonic()
+                if len(ids) >= 8 and victim is None:
+                    victim = store.hget(f"pd:req:{rid}", "decode").decode()
+                    stack.procs[victim].send_signal(signal.SIGKILL)
+                    killed = time.monotonic()
+        survivor = ({"decode-0", "decode-1"} - {victim}).pop()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:   # the registry shows the pools within a heartbeat or two
+            info, prefill = (json.loads(store.get(f"pd:worker:{w}")) for w in (survivor, "prefill-0"))
+            if info["free_blocks"] == info["total_blocks"] and prefill["free_blocks"] == prefill["total_blocks"]:
+                break
+            time.sleep(0.1)
+        events = [json.loads(e) for e in store.lrange(f"pd:req:{rid}:log", 0, -1)]
+    resumed = [e for e in events if e["event"] == "routed" and e["attempt"] == 1]
+    assert resumed and resumed[0]["mode"] == "remote" and resumed[0]["prefill"] == "prefill-0", events
+    assert not [e for e in events if e["event"] == "prefill_local"], events  # no recompute on a decode worker
+    assert prefill["free_blocks"] == prefill["total_blocks"], prefill
+    assert ids == expected, (len(ids), len(expected))
+    assert text == smollm2.tokenizer.decode(expected)
+    assert info["free_blocks"] == info["total_blocks"] and info["running"] == 0
+    recovery_s = resumed_at - killed
+    assert recovery_s < 10, recovery_s
+    print(f"decode worker killed after 8 tokens: stream moving again {recovery_s:.1f} s later on {survivor}")
+
+
+def test_sigterm_drains_a_decode_worker_its_streams_finish_there_new_ones_go_elsewhere(smollm2, two_decode):
+    """SIGTERM to the decode worker serving a stream after 5 tokens: it stays registered as
+    draining, takes no new request (the next one goes to the other worker), finishes the
+    stream itself (no failover: no second placement), and exits once done."""
+    messages = [{"role": "user", "content": "Describe a lighthouse at night."}]
+    expected = _greedy_40(smollm2, messages)
+    stack = _both_decode_workers_up(two_decode)
+    ids, victim, other = [], None, None
+    with httpx.Client(base_url=stack.url, timeout=120) as http:
+        store = sync_redis(stack.redis_url)
+        with http.stream("POST", "/v1/chat/completions", json=_stream_40(messages)) as r:
+            rid = r.headers["x-request-id"]
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    ids += json.loads(line[6:])["choices"][0].get("token_ids") or []
+                if len(ids) >= 5 and victim is None:
+                    victim = store.hget(f"pd:req:{rid}", "decode").decode()
+                    stack.procs[victim].send_signal(signal.SIGTERM)
+                    time.sleep(0.2)
+                    draining = json.loads(store.get(f"pd:worker:{victim}"))["draining"]
+                    other = http.post("/v1/chat/completions", json={
+                        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+        exit_code = stack.procs[victim].wait(60)
+        resumed = store.exists(f"pd:route:{rid}#1")
+        placed_other = store.hget(f"pd:req:{other.headers['x-request-id']}", "decode").decode()
+    assert draining is True
+    assert ids == expected and not resumed
+    assert other.status_code == 200 and placed_other != victim
+    assert exit_code == 0
