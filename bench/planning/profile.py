@@ -146,7 +146,7 @@ def _measure(threads: int, cpus: list[int], reps: int, prefill=PREFILL, batched=
             "kv_bytes_per_token": mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * engine.runner.kv.element_size()}
 
 
-def _reference(prompt: int, batch: int, context: int, reps: int) -> dict:
+def _references(points: list[tuple[int, int, int]], reps: int) -> list[dict]:
     import torch
 
     from shared.engine.config import EngineConfig
@@ -154,16 +154,24 @@ def _reference(prompt: int, batch: int, context: int, reps: int) -> dict:
     from shared.engine.loader import load
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
-    engine = Engine(load("smollm2"), EngineConfig(num_blocks=1024, max_batched_tokens=4096, prefill_chunk=2048))
-    times = [_prefill_pass(engine, [_ids(prompt, i)])[0] for i in range(reps + 1)]  # the first warms up
-    return {"prefill_s": statistics.median(times[1:]),
-            "decode_step_s": _decode_steps(engine, batch, context, 100, 4 * reps)[0]}
+    loaded, out = load("smollm2"), []
+    for prompt, batch, context in points:  # an engine of its own each: nothing cached from the one before
+        engine = Engine(loaded, EngineConfig(num_blocks=1024, max_batched_tokens=4096, prefill_chunk=2048))
+        times = [_prefill_pass(engine, [_ids(prompt, i)])[0] for i in range(reps + 1)]  # the first warms up
+        out.append({"prefill_s": statistics.median(times[1:]),
+                    "decode_step_s": _decode_steps(engine, batch, context, 100, 4 * reps)[0]})
+    return out
 
 
 def reference(prompt: int, batch: int, context: int, reps: int = 3) -> dict:
     """The isolated costs SLOs are set from (planner/slo.py, `make bench`): a `prompt`-token
     prefill alone and a decode step of `batch` sequences of `context` tokens, on all cores."""
-    return in_process(_reference, prompt, batch, context, reps, timeout_s=600)
+    return references([(prompt, batch, context)], reps)[0]
+
+
+def references(points: list[tuple[int, int, int]], reps: int = 3) -> list[dict]:
+    """`reference` at each (prompt, batch, context), in one process: one load of the model."""
+    return in_process(_references, points, reps, timeout_s=600)
 
 
 def shape(threads: int, neighbour: bool, reps: int, points: tuple = (PREFILL, BATCHED, DECODE)) -> dict:

@@ -8,14 +8,14 @@ import argparse
 import pytest
 
 from bench.interference.run import slo_for
-from bench.planning.profile import reference
+from bench.planning.profile import references
 from planner.workloads import Request
 
 pytestmark = pytest.mark.slow
 
 
 def test_reference_costs_grow_with_the_work():
-    short, long = reference(16, 1, 32, reps=1), reference(512, 8, 256, reps=1)
+    short, long = references([(16, 1, 32), (512, 8, 256)], reps=1)
     for r in (short, long):
         assert 0 < r["prefill_s"] < 60 and 0 < r["decode_step_s"] < 10
     assert long["prefill_s"] > short["prefill_s"]          # 32x the tokens
