@@ -64,3 +64,18 @@ def test_a_handoff_and_chunks_past_the_window_keep_the_tokens(gemma, prompts):
     src, dst = Engine(gemma, EngineConfig(num_blocks=128)), Engine(gemma, EngineConfig(num_blocks=128))
     first = transfer(src, dst, "document", prompts["document"], GREEDY)
     assert first.new_token_ids + tokens(run_all(dst)["document"]) == alone
+
+
+def test_its_own_blocks_give_its_dequantized_tokens(gemma, prompts):
+    """The file computed with as it is (PD_WEIGHTS=auto on CPU: its Q4_K, Q5_0, Q6_K and Q8_0
+    blocks, Gemma's layer around the kernel's products): teacher-forced on the fp32
+    dequantization's greedy tokens, it ranks nearly all of them first (the rest is the kernel's
+    8-bit rounding of activations, as llama.cpp's)."""
+    from bench.engine.quality import agreement
+    from shared.engine.loader import load
+
+    native = load("gemma3-270m", weights="auto")
+    assert native.weights == "native" and native.model.packed_formats() == {"Q4_K", "Q5_0", "Q6_K", "Q8_0"}
+    ref = generate(gemma, prompts, GREEDY)
+    same = [agreement(native, ids, ref[name]) for name, ids in prompts.items()]
+    assert sum(a for a, _ in same) >= 0.9 * sum(n for _, n in same), same
