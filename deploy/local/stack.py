@@ -330,7 +330,7 @@ def main(args: ServeSettings) -> None:
         print(f"ready in {time.monotonic() - start:.1f} s at {stack.url}\n\n"
               f"  curl {stack.url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
               f"    -d '{{\"model\": \"{served}\", \"messages\": "
-              f"[{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}]}}'\n\n"
+              f"[{{\"role\": \"user\", \"content\": \"What is the capital of Japan?\"}}]}}'\n\n"
               f"  a model without a chat template (gemma3-270m, a base model) takes text:\n"
               f"  curl {stack.url}/v1/completions -H 'Content-Type: application/json' \\\n"
               f"    -d '{{\"model\": \"{served}\", \"prompt\": \"The capital of France is\", \"max_tokens\": 16}}'\n\n"
