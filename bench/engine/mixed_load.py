@@ -3,7 +3,8 @@ victims and aggressors (32-token chats at 0.3/s, 128 output tokens, while 1024-t
 with 4 output tokens arrive at 0.05/s; bench/interference/run.py) on its disaggregated arm (1
 prefill + 1 decode worker, one core each), once with both pools on `fp32` and once on `native`
 (PD_WEIGHTS), one after the other: the victims' inter-token p50/p99, longest gap and TTFT p99.
-`make bench-engine` runs it; alone:
+`make bench-engine` runs it; alone, it replaces the `mixed_load` part of
+bench/results/engine.json and its summary keys, and rewrites RESULTS.md's engine block:
 
     python -m bench.engine.mixed_load [--duration 90]
 """
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
+from bench.engine import readme as engine_readme
 from bench.interference.run import one_arm
 from bench.interference.stacks import arms
 from planner import workloads
@@ -47,7 +50,14 @@ def summary(mixed: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.engine.mixed_load", description=__doc__.splitlines()[0])
     ap.add_argument("--duration", type=float, default=90.0, help="seconds of victim/aggressor arrivals")
-    print(json.dumps(measure(ap.parse_args().duration), indent=1))
+    mixed = measure(ap.parse_args().duration)
+    path = Path(__file__).parents[1] / "results" / "engine.json"
+    result = json.loads(path.read_text())
+    result["mixed_load"] = mixed
+    result["summary"].update(summary(mixed))
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    engine_readme.write(result)
+    print(json.dumps(mixed, indent=1))
 
 
 if __name__ == "__main__":
