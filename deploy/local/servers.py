@@ -5,6 +5,7 @@ the local stack, the benchmarks and the tests."""
 from __future__ import annotations
 
 import ctypes
+import random
 import shutil
 import signal
 import socket
@@ -16,16 +17,32 @@ BIN = Path(sys.executable).parent
 _handed_out: set[int] = set()
 
 
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel gives outbound connections (Linux's default range 32768-60999)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A port free now and never handed out before by this process (the OS may offer a port
-    it just offered again; two services of one stack must not get the same one)."""
+    """A port free now, never handed out before by this process (two services of one stack must
+    not get the same one), and below the kernel's ephemeral range: a port from there (what
+    binding port 0 gives) can be taken as the local port of any outbound connection before the
+    server that was to listen on it binds it."""
+    rng = random.Random()
+    top = min(_ephemeral_floor(), 65536)
     while True:
+        port = rng.randrange(10000, top) if top > 11000 else rng.randrange(10000, 65536)
+        if port in _handed_out:
+            continue
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _handed_out:
-            _handed_out.add(port)
-            return port
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
 
 
 def binary(name: str) -> str:
