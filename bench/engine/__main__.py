@@ -27,9 +27,7 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import time
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -41,18 +39,22 @@ from bench.engine import quality as engine_quality
 from bench.engine import readme as engine_readme
 from bench.engine import structured as structured_bench
 from bench.engine.llamacpp_arm import LlamaCpp
-from bench.engine.timing import PROMPT_FOR_DECODE, decode_ms, prefill_s, random_prompt
+from bench.engine.timing import (
+    BATCHES,
+    PREFILLS,
+    PROMPT_FOR_DECODE,
+    Arm,
+    engine_arm,
+    llamacpp_arm,
+    random_prompt,
+    ratio,
+    speed,
+)
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.loader import load, smollm2_path
 
 RESULTS = Path(__file__).parents[1] / "results"
-PREFILLS = (512, 2048)
-BATCHES = (1, 8, 32)
-
-
-def ours_prefill(engine: Engine, n: int, seed: int) -> float:
-    return prefill_s(engine, n, seed)
 
 
 def hf_prefill(model, n: int, seed: int) -> float:
@@ -61,10 +63,6 @@ def hf_prefill(model, n: int, seed: int) -> float:
     with torch.no_grad():
         model(ids, use_cache=True, logits_to_keep=1)
     return time.perf_counter() - start
-
-
-def ours_decode(engine: Engine, batch: int, steps: int, seed: int) -> float:
-    return decode_ms(engine, batch, steps, seed) / 1e3
 
 
 def hf_decode(model, batch: int, steps: int, seed: int) -> float:
@@ -88,48 +86,13 @@ def arms(threads: int) -> tuple[dict, dict]:
     cfg = EngineConfig(num_blocks=2048, max_batched_tokens=2048, prefill_chunk=2048, max_num_seqs=64)
     loaded = {f: load("smollm2", weights=f) for f in ("fp32", "native")}
     engines = {f: Engine(m, cfg) for f, m in loaded.items()}
-    # prefill(n, seed) -> s; decode(batch, steps, seed) -> s a step
-    run: dict[str, tuple[Callable[[int, int], float], Callable[[int, int, int], float | None]]] = {
-        f"pdserve {f}": (partial(ours_prefill, e), partial(ours_decode, e)) for f, e in engines.items()}
+    run: dict[str, Arm] = {f"pdserve {f}": engine_arm(e) for f, e in engines.items()}
     run["transformers"] = (partial(hf_prefill, hf), partial(hf_decode, hf))
     if LlamaCpp.available():
-        cpp = LlamaCpp(str(path), threads)
-        run["llama.cpp"] = (lambda n, s: cpp.prefill(random_prompt(n, s)),
-                            lambda b, k, s: cpp.decode(random_prompt(PROMPT_FOR_DECODE, s), k) if b == 1 else None)
+        run["llama.cpp"] = llamacpp_arm(LlamaCpp(str(path), threads))
     else:
         print("llama.cpp: not installed (make bench-engine installs llama-cpp-python)", flush=True)
     return run, {"loaded": loaded, "hf": hf, "engines": engines}
-
-
-def speed(run: dict, rounds: int, steps: int) -> dict:
-    for prefill, _ in run.values():
-        prefill(64, 0)  # warm each up
-    out: dict = {name: {"prefill_tok_s": {}, "decode_ms": {}} for name in run}
-    for n in PREFILLS:
-        times: dict[str, list[float]] = {name: [] for name in run}
-        for r in range(rounds):  # interleaved so drift on a shared machine hits each alike
-            for name, (prefill, _) in run.items():
-                times[name].append(prefill(n, r))
-        for name, t in times.items():
-            out[name]["prefill_tok_s"][str(n)] = n / statistics.median(t)
-        print(f"prefill {n}: " + ", ".join(f"{k} {v['prefill_tok_s'][str(n)]:.0f} tok/s" for k, v in out.items()),
-              flush=True)
-    for b in BATCHES:
-        times = {name: [] for name in run}
-        for r in range(rounds):
-            for name, (_, decode) in run.items():
-                t = decode(b, steps, 100 * r)
-                if t is not None:
-                    times[name].append(t)
-        for name, t in times.items():
-            out[name]["decode_ms"][str(b)] = 1e3 * statistics.median(t) if t else None
-        print(f"decode batch {b}: " + ", ".join(f"{k} {v['decode_ms'][str(b)]:.1f} ms" for k, v in out.items()
-                                                if v["decode_ms"][str(b)] is not None), flush=True)
-    return out
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return round(a / b, 3) if a is not None and b else None
 
 
 def summarize(speeds: dict, quality: dict | None) -> dict:

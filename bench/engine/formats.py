@@ -24,7 +24,6 @@ import argparse
 import ctypes
 import json
 import math
-import statistics
 import time
 from pathlib import Path
 
@@ -33,7 +32,7 @@ import torch
 from bench.engine import quality as engine_quality
 from bench.engine import readme as engine_readme
 from bench.engine.llamacpp_arm import LlamaCpp
-from bench.engine.timing import PROMPT_FOR_DECODE, decode_ms, greedy, prefill_s, random_prompt
+from bench.engine.timing import PREFILLS, engine_arm, greedy, llamacpp_arm, ratio, speed
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.kernels import cc
@@ -41,8 +40,6 @@ from shared.engine.loader import gemma3_path, load, smollm2_path
 
 RESULTS = Path(__file__).parents[1] / "results"
 CACHE = Path.home() / ".cache" / "pdserve" / "models"
-PREFILLS = (512, 2048)
-BATCHES = (1, 8, 32)
 PPL_TOKENS = 2048
 
 
@@ -73,35 +70,6 @@ def files() -> dict[str, Path]:
             "smollm2 Q8_0": requantized("Q8_0"), "gemma3-270m Q4_K_M": gemma3_path()}
 
 
-def cpp_perplexity(cpp: LlamaCpp, ids: list[int]) -> float:
-    return engine_quality.perplexity(cpp.logits, ids)
-
-
-def speed(engines: dict[str, Engine], cpp: LlamaCpp, rounds: int, steps: int) -> dict:
-    out: dict = {arm: {"prefill_tok_s": {}, "decode_ms": {}} for arm in (*engines, "llama.cpp")}
-    for e in engines.values():
-        prefill_s(e, 64, 0)  # warm up
-    cpp.prefill(random_prompt(64, 0))
-    for n in PREFILLS:
-        times: dict[str, list[float]] = {arm: [] for arm in out}
-        for r in range(rounds):
-            for arm, e in engines.items():
-                times[arm].append(prefill_s(e, n, r))
-            times["llama.cpp"].append(cpp.prefill(random_prompt(n, r)))
-        for arm, t in times.items():
-            out[arm]["prefill_tok_s"][str(n)] = round(n / statistics.median(t), 1)
-    for b in BATCHES:
-        times = {arm: [] for arm in out}
-        for r in range(rounds):
-            for arm, e in engines.items():
-                times[arm].append(decode_ms(e, b, steps, 100 * r))
-            if b == 1:
-                times["llama.cpp"].append(1e3 * cpp.decode(random_prompt(PROMPT_FOR_DECODE, 100 * r), steps))
-        for arm, t in times.items():
-            out[arm]["decode_ms"][str(b)] = round(statistics.median(t), 2) if t else None
-    return out
-
-
 def quality(loaded: dict, reference: Engine, cpp: LlamaCpp, new_tokens: int = 48) -> dict:
     """native against the fp32 dequantization (`reference`, its engine: our fp32 path equals
     transformers', tested): greedy agreement, and perplexity beside llama.cpp's."""
@@ -114,7 +82,7 @@ def quality(loaded: dict, reference: Engine, cpp: LlamaCpp, new_tokens: int = 48
     text = ref.tokenizer.encode(engine_quality.held_text())[:PPL_TOKENS]
     ppl = {f: engine_quality.perplexity(lambda ids, m=m: engine_quality.logits_all(m, ids), text)
            for f, m in loaded.items()}
-    ppl["llama.cpp"] = cpp_perplexity(cpp, text)
+    ppl["llama.cpp"] = engine_quality.perplexity(cpp.logits, text)
     return {"greedy_agreement": round(same / total, 4), "tokens": total,
             "perplexity": {k: round(v, 4) for k, v in ppl.items()},
             "perplexity_over_llamacpp": round(ppl["native"] / ppl["llama.cpp"], 5)}
@@ -128,7 +96,8 @@ def measure(threads: int, rounds: int, steps: int, with_quality: bool = True) ->
         engines = {f: Engine(m, cfg) for f, m in loaded.items()}
         cpp = LlamaCpp(str(path), threads, logits_all=with_quality)
         out[name] = {"file": path.name, "formats": sorted(loaded["native"].model.packed_formats()),
-                     "speed": speed(engines, cpp, rounds, steps)}
+                     "speed": speed({**{f: engine_arm(e) for f, e in engines.items()}, "llama.cpp": llamacpp_arm(cpp)},
+                                    rounds, steps)}
         if with_quality:
             out[name]["quality"] = quality(loaded, engines["fp32"], cpp)
         print(name, json.dumps(out[name]), flush=True)
@@ -137,9 +106,6 @@ def measure(threads: int, rounds: int, steps: int, with_quality: bool = True) ->
 
 
 def summary(formats: dict) -> dict:
-    def ratio(a: float | None, b: float | None) -> float | None:
-        return round(a / b, 3) if a is not None and b else None
-
     def native_over_cpp_b1(name: str) -> float | None:
         s = formats[name]["speed"]
         return ratio(s["native"]["decode_ms"]["1"], s["llama.cpp"]["decode_ms"]["1"])
