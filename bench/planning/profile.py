@@ -2,7 +2,8 @@
 
     python -m bench.planning.profile [--threads 1,2] [--reps 2] [--no-stack]
 
-Measured with the real model (SmolLM2) in fresh processes, one per worker shape:
+Measured with the real model (SmolLM2, with the weights a worker takes by default: PD_WEIGHTS=auto,
+native on CPU) in fresh processes, one per worker shape:
 - prefill passes: time against new prompt tokens, tokens already cached (a prefix computed
   before), and prompts in one pass;
 - decode steps: time against the batch and each sequence's context (sequences reserved and
@@ -37,6 +38,7 @@ from typing import Any
 from bench.children import children, in_process
 from planner import cost
 from planner.device import device_name
+from shared.config import WorkerSettings
 from shared.progress import progress
 
 RESULTS = Path(__file__).parents[1] / "results"
@@ -49,6 +51,7 @@ DECODE_STEPS = 3
 # the points `probe` measures again: a short and a middling prompt, and decode steps at 1, 4 and 16
 PROBE: tuple[list[tuple[int, int]], ...] = ([(64, 0), (256, 0)], [], [(1, 256), (4, 256), (16, 256)])
 KV_BLOCKS = 2304
+WEIGHTS = WorkerSettings.model_fields["weights"].default  # what a worker computes with unless told otherwise
 STACK_TOKENS = 48  # tokens of each stream through the stack
 
 
@@ -117,7 +120,7 @@ def _measure(threads: int, cpus: list[int], reps: int, prefill=PREFILL, batched=
     torch.set_num_threads(threads)
     cfg = EngineConfig(num_blocks=KV_BLOCKS, max_batched_tokens=4096, prefill_chunk=2048, max_num_seqs=128,
                        device=device)
-    loaded = load("smollm2", dtype=cfg.torch_dtype, device=device)
+    loaded = load("smollm2", dtype=cfg.torch_dtype, device=device, weights=WEIGHTS)
     engine = Engine(loaded, cfg)  # (a step returns its sampled tokens on the host: timed to the end of its work)
     seed = iter(range(10**6))
 
@@ -154,7 +157,7 @@ def _references(points: list[tuple[int, int, int]], reps: int) -> list[dict]:
     from shared.engine.loader import load
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
-    loaded, out = load("smollm2"), []
+    loaded, out = load("smollm2", weights=WEIGHTS), []
     for prompt, batch, context in points:  # an engine of its own each: nothing cached from the one before
         engine = Engine(loaded, EngineConfig(num_blocks=1024, max_batched_tokens=4096, prefill_chunk=2048))
         times = [_prefill_pass(engine, [_ids(prompt, i)])[0] for i in range(reps + 1)]  # the first warms up
@@ -229,7 +232,7 @@ def control_plane(stack: str, requests: int = 10) -> dict:
 
     cfg = arms()[stack]
     torch.set_num_threads(cfg.threads or 1)
-    loaded = load("smollm2")
+    loaded = load("smollm2", weights=WEIGHTS)
     engine = Engine(loaded, EngineConfig(num_blocks=256))
     assert loaded.tokenizer is not None
     ids = loaded.tokenizer.encode(loaded.tokenizer.apply_chat_template(MESSAGES))
@@ -277,7 +280,8 @@ def main() -> None:
               f"decode {cost.describe_decode(shapes[name])} ({time.monotonic() - t0:.0f} s)", flush=True)
     out: dict[str, Any] = {"device": device_name(), "machine": {"cpus": ncpu, "platform": platform.platform(),
                                                 "processor": platform.processor()},
-           "model": "SmolLM2-135M-Instruct fp32", "shapes": shapes, "handoff": cost.fit_handoff(handoff())}
+           "model": f"SmolLM2-135M-Instruct, PD_WEIGHTS={WEIGHTS}", "shapes": shapes,
+           "handoff": cost.fit_handoff(handoff())}
     print(f"handoff: {out['handoff']['fixed_s'] * 1e3:.2f} ms + {out['handoff']['gbps']:.2f} GB/s", flush=True)
     if not args.no_stack:
         out["control_plane"] = {}

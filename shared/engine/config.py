@@ -66,6 +66,12 @@ class ModelConfig:
                      or self.attn_softcap or any(self.windows)) and self.activation == "silu"
                 and self.rotary_dim in (0, self.head_dim) and self.query_scale in (0.0, self.head_dim ** -0.5))
 
+    @property
+    def fusable(self) -> bool:
+        """Whether a decode pass's layers can run as one C call (kernels/fused.c): every layer
+        here but biased projections and partial rotary."""
+        return not (self.qkv_bias or self.o_bias) and self.rotary_dim in (0, self.head_dim)
+
     @classmethod
     def tiny(cls, vocab_size: int = 512) -> ModelConfig:
         """A few-layer random-weight model for fast unit tests (same code paths as the real one)."""

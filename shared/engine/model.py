@@ -10,7 +10,8 @@ layer writes its new K/V into the pool before attending (attention.py), so atten
 cached prefix and new tokens alike from the pool; its products are projection.py's. Weights
 use Hugging Face names at load time (`load_hf_weights`); q/k/v and gate/up are fused into
 single matmuls. `pack` swaps in a file's own blocks (weights.py), and a decode pass over
-every layer packed runs as one C call (kernels/fused.py).
+every layer packed runs as one C call (kernels/fused.py) for every architecture but those with
+biases or partial rotary.
 """
 
 from __future__ import annotations
@@ -124,8 +125,10 @@ class DecoderModel(nn.Module):
         batch.kv_rows = kv_rows(batch.slots, kv_pools.shape[3])  # once, not once a layer
         if self._fused_decode(batch, x, kv_pools, ops, layer_hook):
             assert self.packed_layers is not None
-            x = fused.decode_layers(self.packed_layers, x, self.rotary.cos[batch.positions],
-                                    self.rotary.sin[batch.positions], kv_pools, batch.kv_rows,
+            local = self.local_rotary or self.rotary
+            x = fused.decode_layers(self.packed_layers, x, (self.rotary.cos[batch.positions],
+                                    self.rotary.sin[batch.positions]), (local.cos[batch.positions],
+                                    local.sin[batch.positions]), kv_pools, batch.kv_rows,
                                     cast(torch.Tensor, batch.block_tables), cast(torch.Tensor, batch.context_lens),
                                     self.cfg.num_heads, self.cfg.scale)
         else:
@@ -174,19 +177,27 @@ class DecoderModel(nn.Module):
         return {k for p in [*mats, *([self.tied_head] if self.tied_head else [])] for k in p.formats}
 
     def _layers_packed(self) -> fused.Layers | None:
-        """Every layer's weights for fused.c, or None unless the layers are Llama's and all four
-        projections of every layer are packed (a file with some matrices in another format keeps
-        the per-layer path)."""
-        if not self.cfg.plain:
+        """Every layer's weights for fused.c, or None unless the layers are ones it computes
+        (`cfg.fusable`) and all four projections of every layer are packed (a file with some
+        matrices in another format keeps the per-layer path)."""
+        if not self.cfg.fusable:
             return None
-        layers: list[tuple[tuple, torch.Tensor, torch.Tensor]] = []
-        for layer in cast("Iterable[DecoderLayer]", self.layers):
-            projs = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        layers: list[fused.Layer] = []
+        for i, layer in enumerate(cast("Iterable[DecoderLayer]", self.layers)):
+            attn = layer.self_attn
+            projs = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
             if any(p.packed is None for p in projs):
                 return None
-            layers.append((tuple(p.packed for p in projs), layer.input_layernorm.weight,
-                           layer.post_attention_layernorm.weight))
-        return fused.Layers.of(layers, self.cfg.hidden_size, self.cfg.intermediate_size, self.cfg.rms_norm_eps)
+            qk = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None and attn.k_norm is not None \
+                else (None, None)
+            if layer.sandwich:  # Gemma: a norm before and after each block
+                norms = (layer.input_layernorm.weight, layer.pre_feedforward_layernorm.weight,
+                         layer.post_attention_layernorm.weight, layer.post_feedforward_layernorm.weight)
+            else:
+                norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, None, None)
+            layers.append(fused.Layer(tuple(p.packed for p in projs), *norms, *qk, self.cfg.window(i), attn.local))
+        return fused.Layers.of(layers, self.cfg.hidden_size, self.cfg.intermediate_size, self.cfg.rms_norm_eps,
+                               self.cfg.norm_plus_one, self.cfg.activation, self.cfg.attn_softcap)
 
     def load_hf_weights(self, shards: Iterable[dict[str, torch.Tensor]]) -> None:
         """Load Hugging Face names (`model.layers.N.self_attn.q_proj.weight`, …), one shard at a

@@ -73,10 +73,11 @@ def product(x: torch.Tensor, proj: Projection, norm: RMSNorm | None = None, gate
     """residual + f(x) @ proj.T (+ its bias), f the step before the product: `norm`, or a
     `gate` (x is (gate, up) side by side: act(gate)·up, act silu or gelu_tanh). A packed
     projection's kernel does f and the residual add itself, as one pass over the row, where it
-    can (Llama's norm and SwiGLU, no bias); other ones do them in torch."""
+    has no bias; other ones do them in torch."""
     w = proj.matrix
-    if isinstance(w, Packed) and proj.bias is None and gate in ("", "silu") and (norm is None or not norm.plus_one):
-        return w.matmul(x, residual, None if norm is None else (norm.weight, norm.eps), gate == "silu")
+    if isinstance(w, Packed) and proj.bias is None:
+        return w.matmul(x, residual, None if norm is None else (norm.weight, norm.eps), gate,
+                        norm is not None and norm.plus_one)
     if norm is not None:
         x = norm(x)
     if gate:

@@ -47,9 +47,10 @@ class Packed:
         object.__setattr__(self, "descriptor", blocks.descriptor(list(self.parts)))
 
     def matmul(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-               norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False) -> torch.Tensor:
-        """residual + f(x) @ W.T in fp32, f the RMSNorm or SwiGLU before it (kernels/blocks.py)."""
-        return blocks.matmul(self.descriptor, self.shape[0], x, residual, norm, swiglu)
+               norm: tuple[torch.Tensor, float] | None = None, gate: str = "", plus_one: bool = False
+               ) -> torch.Tensor:
+        """residual + f(x) @ W.T in fp32, f the RMSNorm or gate before it (kernels/blocks.py)."""
+        return blocks.matmul(self.descriptor, self.shape[0], x, residual, norm, gate, plus_one)
 
     @property
     def formats(self) -> tuple[str, ...]:

@@ -87,17 +87,21 @@ def test_a_row_gets_the_same_product_to_the_bit_whatever_else_is_in_the_batch(ki
 
 
 def test_the_kernel_does_the_layers_steps_before_and_after_the_product():
-    """RMSNorm or SwiGLU on the input and the residual add, in the kernel's one pass: the same as
-    doing them in torch around the product."""
+    """RMSNorm (Llama's or Gemma's), SwiGLU or GeGLU on the input and the residual add, in the
+    kernel's one pass: the same as doing them in torch around the product."""
     raw = random_blocks("Q4_1", 48, 64)
     dense, packed = dequantized(raw, "Q4_1"), pack(raw, "Q4_1")
     x, residual, weight = torch.randn(6, 64), torch.randn(6, 48), torch.rand(64) + 0.5
     normed = weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
     cases = {"norm": (packed.matmul(x, norm=(weight, 1e-5)), normed @ dense.t()),
+             "norm (1 + w)": (packed.matmul(x, norm=(weight, 1e-5), plus_one=True),
+                              (normed / weight * (1 + weight)) @ dense.t()),
              "residual": (packed.matmul(x, residual=residual), residual + x @ dense.t())}
     gate_up = torch.randn(6, 128)
     gate, up = gate_up.chunk(2, dim=-1)
-    cases["swiglu"] = (packed.matmul(gate_up, swiglu=True), (torch.nn.functional.silu(gate) * up) @ dense.t())
+    cases["swiglu"] = (packed.matmul(gate_up, gate="silu"), (torch.nn.functional.silu(gate) * up) @ dense.t())
+    gelu = torch.nn.functional.gelu(gate, approximate="tanh")
+    cases["geglu"] = (packed.matmul(gate_up, gate="gelu_tanh"), (gelu * up) @ dense.t())
     for name, (got, want) in cases.items():
         assert (got - want).norm() < 0.01 * want.norm(), name
     with pytest.raises(ValueError, match="contiguous float32"):

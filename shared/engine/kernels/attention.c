@@ -3,8 +3,10 @@
 
    pool (num_blocks, 2, block_size, kv_heads, head_dim) fp32, K at index 0 and V at 1 of dim 1;
    q and out (B, heads, head_dim); block_tables (B, width) int64; context_lens (B,) int64.
-   Heads that share a KV head (GQA) are read against the same K/V rows. Softmax in fp32 with the
-   running maximum subtracted. Threads: OpenMP over (sequence, head). */
+   Heads that share a KV head (GQA) are read against the same K/V rows. A sliding window (the
+   query at position p sees p - window < j <= p; 0: the whole context) and soft-capped scores
+   (cap·tanh(s / cap); 0: uncapped) where the layer has them. Softmax in fp32 with the running
+   maximum subtracted. Threads: OpenMP over (sequence, head). */
 
 #include <math.h>
 #include <stdint.h>
@@ -23,43 +25,47 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 
 /* By the threads of the enclosing parallel region, each calling it (work-sharing over
    (sequence, head); outside a region one thread does it all); sets *failed when scratch memory
-   is short. Positions are walked block by block (no division a position). */
+   is short. Positions are walked block by block (no division a position), from the window's
+   first block. */
 static void team_attend(const float *q, const float *pool, const int64_t *block_tables, const int64_t *context_lens,
                         int64_t B, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-                        int64_t width, float scale, float *out, int *failed) {
+                        int64_t width, float scale, int64_t window, float softcap, float *out, int *failed) {
     const int64_t group = heads / kv_heads, row = kv_heads * head_dim, block = 2 * block_size * row;
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < B * heads; i++) {
         const int64_t b = i / heads, h = i % heads, kh = h / group, ctx = context_lens[b];
         const int64_t *table = block_tables + b * width;
+        const int64_t first = window && ctx > window ? ctx - window : 0, len = ctx - first;
+        const int64_t blk0 = first / block_size;
         const float *qh = q + i * head_dim;
-        float *scores = malloc(sizeof(float) * (size_t)ctx);
+        float *scores = malloc(sizeof(float) * (size_t)len);
         if (!scores) {
 #pragma omp atomic write
             *failed = 1;
             continue;
         }
         float mx = -INFINITY;
-        for (int64_t start = 0, blk = 0; start < ctx; start += block_size, blk++) {
+        for (int64_t start = blk0 * block_size, blk = blk0; start < ctx; start += block_size, blk++) {
             const float *k = pool + table[blk] * block + kh * head_dim;
             const int64_t n = ctx - start < block_size ? ctx - start : block_size;
-            for (int64_t o = 0; o < n; o++) {
-                const float sc = dot(qh, k + o * row, head_dim) * scale;
-                scores[start + o] = sc;
+            for (int64_t o = start < first ? first - start : 0; o < n; o++) {
+                float sc = dot(qh, k + o * row, head_dim) * scale;
+                if (softcap != 0.0f) sc = tanhf(sc / softcap) * softcap;
+                scores[start + o - first] = sc;
                 mx = fmaxf(mx, sc);
             }
         }
         float total = 0.0f;
-        for (int64_t p = 0; p < ctx; p++) {
+        for (int64_t p = 0; p < len; p++) {
             scores[p] = expf(scores[p] - mx);
             total += scores[p];
         }
         float acc[256] = {0};  /* head_dim <= 256 (checked by the caller) */
-        for (int64_t start = 0, blk = 0; start < ctx; start += block_size, blk++) {
+        for (int64_t start = blk0 * block_size, blk = blk0; start < ctx; start += block_size, blk++) {
             const float *v = pool + table[blk] * block + block_size * row + kh * head_dim;
             const int64_t n = ctx - start < block_size ? ctx - start : block_size;
-            for (int64_t o = 0; o < n; o++) {
-                const float w = scores[start + o];
+            for (int64_t o = start < first ? first - start : 0; o < n; o++) {
+                const float w = scores[start + o - first];
                 const float *vo = v + o * row;
                 for (int64_t j = 0; j < head_dim; j++) acc[j] += w * vo[j];
             }
@@ -72,21 +78,21 @@ static void team_attend(const float *q, const float *pool, const int64_t *block_
 
 static int attend(const float *q, const float *pool, const int64_t *block_tables, const int64_t *context_lens,
                   int64_t B, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t width,
-                  float scale, float *out, int threads) {
+                  float scale, int64_t window, float softcap, float *out, int threads) {
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (B * heads > 1)
-    team_attend(q, pool, block_tables, context_lens, B, heads, kv_heads, head_dim, block_size, width, scale, out,
-                &failed);
+    team_attend(q, pool, block_tables, context_lens, B, heads, kv_heads, head_dim, block_size, width, scale, window,
+                softcap, out, &failed);
     return failed ? -1 : 0;
 }
 
 int paged_decode_attention(const float *q, const float *pool, const int64_t *block_tables,
                            const int64_t *context_lens, int64_t B, int64_t heads, int64_t kv_heads,
-                           int64_t head_dim, int64_t block_size, int64_t width, float scale, float *out,
-                           int threads) {
+                           int64_t head_dim, int64_t block_size, int64_t width, float scale, int64_t window,
+                           float softcap, float *out, int threads) {
     if (head_dim > 256) return -2;
-    return attend(q, pool, block_tables, context_lens, B, heads, kv_heads, head_dim, block_size, width, scale, out,
-                  threads);
+    return attend(q, pool, block_tables, context_lens, B, heads, kv_heads, head_dim, block_size, width, scale, window,
+                  softcap, out, threads);
 }
 
 /* RoPE on the q and k heads of each token's qkv row (rotate-half: x·cos + (x2, x1)·sin, sin
@@ -127,7 +133,7 @@ int decode_attention(float *qkv, const float *cos, const float *sin, float *pool
     if (!q) return -1;
     team_rope_write(qkv, cos, sin, pool, rows, B, heads, kv_heads, head_dim, block_size, q);
     const int rc = attend(q, pool, block_tables, context_lens, B, heads, kv_heads, head_dim, block_size, width, scale,
-                          out, threads);
+                          0, 0.0f, out, threads);
     free(q);
     return rc;
 }

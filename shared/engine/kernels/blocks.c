@@ -23,27 +23,42 @@ struct matrix {
 };
 
 /* What the kernel does to a row of x before the product (the layer's element-wise steps, so
-   they cost no pass of their own): with `swiglu` the row is (gate, up), 2K wide, and becomes
-   silu(gate)·up; with `norm` it is RMS-normalized and scaled by norm's weights. */
+   they cost no pass of their own): with a `gate` the row is (gate, up), 2K wide, and becomes
+   act(gate)·up, act SiLU or GELU's tanh form; with `norm` it is RMS-normalized and scaled by
+   norm's weights (by 1 + the weights with `plus_one`, Gemma's norm). */
+enum { NO_GATE, SILU, GELU_TANH };
 struct prologue {
     const float *norm;
     float eps;
-    int swiglu;
+    int gate, plus_one;
 };
+
+/* y = RMSNorm(x) (n floats) scaled by w, or by 1 + w with plus_one; y may be x. */
+static void rms_norm(float *y, const float *x, const float *w, int64_t n, float eps, int plus_one) {
+    float ss = 0.0f;
+    for (int64_t j = 0; j < n; j++) ss += x[j] * x[j];
+    const float r = 1.0f / sqrtf(ss / (float)n + eps);
+    if (plus_one) {
+        for (int64_t j = 0; j < n; j++) y[j] = x[j] * r * (1.0f + w[j]);
+    } else {
+        for (int64_t j = 0; j < n; j++) y[j] = x[j] * r * w[j];
+    }
+}
+
+static inline float gelu_tanh(float x) {
+    return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
 
 /* One row of x (after the prologue, in a K-float scratch row) -> xq (K) int8, dx and sx (K/32). */
 static void quantize_row(const float *x, int64_t K, struct prologue p, float *a, int8_t *xq, float *dx, float *sx) {
-    if (p.swiglu) {
+    if (p.gate == SILU) {
         for (int64_t j = 0; j < K; j++) a[j] = x[j] / (1.0f + expf(-x[j])) * x[K + j];
+    } else if (p.gate == GELU_TANH) {
+        for (int64_t j = 0; j < K; j++) a[j] = gelu_tanh(x[j]) * x[K + j];
     } else {
         memcpy(a, x, sizeof(float) * (size_t)K);
     }
-    if (p.norm) {
-        float ss = 0.0f;
-        for (int64_t j = 0; j < K; j++) ss += a[j] * a[j];
-        const float r = 1.0f / sqrtf(ss / (float)K + p.eps);
-        for (int64_t j = 0; j < K; j++) a[j] = a[j] * r * p.norm[j];
-    }
+    if (p.norm) rms_norm(a, a, p.norm, K, p.eps, p.plus_one);
     for (int64_t i = 0; i < K / QK; i++) {
         const float *v = a + i * QK;
         float amax = 0.0f;
@@ -311,7 +326,7 @@ static inline int64_t part_of(const struct matrix *w, int64_t K, int64_t n, cons
    loops are OpenMP work-sharing: outside a region, one thread does it all). */
 static void team_matmul(const struct matrix *w, const float *x, int64_t M, int64_t K, float *y,
                         const float *residual, struct prologue p, struct scratch s) {
-    const int64_t nb = K / QK, width = p.swiglu ? 2 * K : K, N = matrix_rows(w);
+    const int64_t nb = K / QK, width = p.gate ? 2 * K : K, N = matrix_rows(w);
     const struct acts a = {s.xq, s.xi, s.dx, s.sx, s.dxi, s.sxi, K};
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < M; t++)
@@ -352,12 +367,12 @@ static void team_matmul(const struct matrix *w, const float *x, int64_t M, int64
 }
 
 /* y (M, N) = residual + prologue(x) (M, K) @ W.T; w the matrix's descriptor (N rows in all); x
-   rows K wide (2K with swiglu), residual (M, N) or NULL, norm (K) or NULL. Returns 0, or -1
+   rows K wide (2K with a gate), residual (M, N) or NULL, norm (K) or NULL. Returns 0, or -1
    when K is not whole blocks of every part's format or scratch memory is short. */
 int blocks_matmul(const struct matrix *w, const float *x, int64_t M, int64_t K, float *y,
-                  const float *residual, const float *norm, float eps, int swiglu, int threads) {
+                  const float *residual, const float *norm, float eps, int plus_one, int gate, int threads) {
     if (!matrix_valid(w, K)) return -1;
-    const struct prologue p = {norm, eps, swiglu};
+    const struct prologue p = {norm, eps, gate, plus_one};
     struct scratch s;
     if (scratch_alloc(&s, M, K) != 0) {
         scratch_free(&s);

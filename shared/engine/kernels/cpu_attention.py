@@ -22,7 +22,7 @@ def library(path: Path | None = None) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path or cc.build(SOURCE)))
     lib.paged_decode_attention.restype = ctypes.c_int
     lib.paged_decode_attention.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6 + [
-        ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+        ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
     lib.decode_attention.restype = ctypes.c_int
     lib.decode_attention.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [
         ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
@@ -66,9 +66,10 @@ def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, block_tables: to
                            context_lens: torch.Tensor, scale: float, window: int = 0, softcap: float = 0.0,
                            lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """q (B, H, hd); pool (num_blocks, 2, bs, kvh, hd); block_tables (B, width); context_lens
-    (B,). Returns (B, H, hd). `lib`: another build of the kernel (tests). A sliding window or
-    soft-capped scores take torch's (the C kernel attends over the whole context, uncapped)."""
-    if q.dtype != torch.float32 or not usable(pool) or window or softcap:
+    (B,); the query at position p sees p - window < j <= p when `window` is set, its scores
+    soft-capped by `softcap` when set. Returns (B, H, hd). `lib`: another build of the kernel
+    (tests)."""
+    if q.dtype != torch.float32 or not usable(pool):
         return torch_ref.paged_decode_attention(q, pool, block_tables, context_lens, scale, window, softcap)
     q = q.contiguous()
     tables = block_tables.to(torch.int64).contiguous()
@@ -77,6 +78,6 @@ def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, block_tables: to
     b, h, hd = q.shape
     rc = (lib or library()).paged_decode_attention(
         q.data_ptr(), pool.data_ptr(), tables.data_ptr(), lens.data_ptr(), b, h, pool.shape[3], hd, pool.shape[2],
-        tables.shape[1], scale, out.data_ptr(), torch.get_num_threads())
+        tables.shape[1], scale, window, softcap, out.data_ptr(), torch.get_num_threads())
     _check(rc, "paged_decode_attention")
     return out
