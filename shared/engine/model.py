@@ -125,10 +125,10 @@ class DecoderModel(nn.Module):
         batch.kv_rows = kv_rows(batch.slots, kv_pools.shape[3])  # once, not once a layer
         if self._fused_decode(batch, x, kv_pools, ops, layer_hook):
             assert self.packed_layers is not None
-            local = self.local_rotary or self.rotary
+            tables = self.local_rotary or self.rotary
             x = fused.decode_layers(self.packed_layers, x, (self.rotary.cos[batch.positions],
-                                    self.rotary.sin[batch.positions]), (local.cos[batch.positions],
-                                    local.sin[batch.positions]), kv_pools, batch.kv_rows,
+                                    self.rotary.sin[batch.positions]), (tables.cos[batch.positions],
+                                    tables.sin[batch.positions]), kv_pools, batch.kv_rows,
                                     cast(torch.Tensor, batch.block_tables), cast(torch.Tensor, batch.context_lens),
                                     self.cfg.num_heads, self.cfg.scale)
         else:
@@ -188,14 +188,16 @@ class DecoderModel(nn.Module):
             projs = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
             if any(p.packed is None for p in projs):
                 return None
-            qk = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None and attn.k_norm is not None \
-                else (None, None)
             if layer.sandwich:  # Gemma: a norm before and after each block
-                norms = (layer.input_layernorm.weight, layer.pre_feedforward_layernorm.weight,
-                         layer.post_attention_layernorm.weight, layer.post_feedforward_layernorm.weight)
+                norms = {"mlp_norm": layer.pre_feedforward_layernorm.weight,
+                         "attn_out_norm": layer.post_attention_layernorm.weight,
+                         "mlp_out_norm": layer.post_feedforward_layernorm.weight}
             else:
-                norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, None, None)
-            layers.append(fused.Layer(tuple(p.packed for p in projs), *norms, *qk, self.cfg.window(i), attn.local))
+                norms = {"mlp_norm": layer.post_attention_layernorm.weight}
+            if attn.q_norm is not None and attn.k_norm is not None:
+                norms |= {"q_norm": attn.q_norm.weight, "k_norm": attn.k_norm.weight}
+            layers.append(fused.Layer(tuple(p.packed for p in projs), layer.input_layernorm.weight, **norms,
+                                      window=self.cfg.window(i), local=attn.local))
         return fused.Layers.of(layers, self.cfg.hidden_size, self.cfg.intermediate_size, self.cfg.rms_norm_eps,
                                self.cfg.norm_plus_one, self.cfg.activation, self.cfg.attn_softcap)
 

@@ -27,7 +27,8 @@ def library(path: Path | None = None) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path or cc.build(SOURCE, includes=INCLUDES)))
     lib.blocks_matmul.restype = ctypes.c_int
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.blocks_matmul.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, ctypes.c_float] + [ctypes.c_int] * 3
+    lib.blocks_matmul.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, ctypes.c_float, ctypes.c_int, ctypes.c_int,
+                                  ctypes.c_int]
     return lib
 
 
