@@ -13,6 +13,7 @@
 #include <stdlib.h>
 
 #include "formats.c"
+#include "steps.c"
 
 #define PARTS 3
 
@@ -22,39 +23,15 @@ struct matrix {
     int64_t parts, kind[PARTS], rows[PARTS], addr[PARTS];
 };
 
-/* What the kernel does to a row of x before the product (the layer's element-wise steps, so
-   they cost no pass of their own): with a `gate` the row is (gate, up), 2K wide, and becomes
-   act(gate)·up, act SiLU or GELU's tanh form; with `norm` it is RMS-normalized and scaled by
-   norm's weights (by 1 + the weights with `plus_one`, Gemma's norm). */
-enum { NO_GATE, SILU, GELU_TANH };
-struct prologue {
-    const float *norm;
-    float eps;
-    int gate, plus_one;
-};
-
-/* y = RMSNorm(x) (n floats) scaled by w, or by 1 + w with plus_one; y may be x. */
-static void rms_norm(float *y, const float *x, const float *w, int64_t n, float eps, int plus_one) {
-    float ss = 0.0f;
-    for (int64_t j = 0; j < n; j++) ss += x[j] * x[j];
-    const float r = 1.0f / sqrtf(ss / (float)n + eps);
-    if (plus_one) {
-        for (int64_t j = 0; j < n; j++) y[j] = x[j] * r * (1.0f + w[j]);
-    } else {
-        for (int64_t j = 0; j < n; j++) y[j] = x[j] * r * w[j];
-    }
-}
-
-static inline float gelu_tanh(float x) {
-    return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
-}
-
 /* One row of x (after the prologue, in a K-float scratch row) -> xq (K) int8, dx and sx (K/32). */
 static void quantize_row(const float *x, int64_t K, struct prologue p, float *a, int8_t *xq, float *dx, float *sx) {
-    if (p.gate == SILU) {
-        for (int64_t j = 0; j < K; j++) a[j] = x[j] / (1.0f + expf(-x[j])) * x[K + j];
-    } else if (p.gate == GELU_TANH) {
-        for (int64_t j = 0; j < K; j++) a[j] = gelu_tanh(x[j]) * x[K + j];
+    if (p.gate) {
+        int64_t j = 0;
+#ifdef __AVX2__
+        for (; j + 8 <= K; j += 8)
+            _mm256_storeu_ps(a + j, gated8(p.gate, _mm256_loadu_ps(x + j), _mm256_loadu_ps(x + K + j)));
+#endif
+        for (; j < K; j++) a[j] = gated(p.gate, x[j], x[K + j]);
     } else {
         memcpy(a, x, sizeof(float) * (size_t)K);
     }
@@ -322,6 +299,8 @@ static inline int64_t part_of(const struct matrix *w, int64_t K, int64_t n, cons
     return p;
 }
 
+#define X_BYTES (256 * 1024)
+
 /* The product below, by the threads of the enclosing parallel region, each calling it (its
    loops are OpenMP work-sharing: outside a region, one thread does it all). */
 static void team_matmul(const struct matrix *w, const float *x, int64_t M, int64_t K, float *y,
@@ -352,13 +331,22 @@ static void team_matmul(const struct matrix *w, const float *x, int64_t M, int64
 #endif
     {
         (void)even;
-#pragma omp for schedule(static)
-        for (int64_t n = 0; n < N; n++) {
-            const uint8_t *w8;
-            int64_t row_bytes;
-            const int kind = (int)w->kind[part_of(w, K, n, &w8, &row_bytes)];
-            row(kind, w8, a, M, N, y + n);
+        /* rows of x a block, whole pairs of tiles: their quantized rows (~X_BYTES) stay in the
+           core's L2 while the thread's share of output rows is taken against them */
+        const int64_t fit = X_BYTES / K / (2 * ROWS) * (2 * ROWS), per_block = fit > 0 ? fit : 2 * ROWS;
+        for (int64_t m0 = 0; m0 < M; m0 += per_block) {
+            const int64_t mb = M - m0 < per_block ? M - m0 : per_block;
+            const struct acts sub = {a.xq + m0 * K, a.xi + m0 * K, a.dx + m0 * nb, a.sx + m0 * nb, a.dxi + m0 * nb,
+                                     a.sxi + m0 * nb, K};
+#pragma omp for schedule(static) nowait
+            for (int64_t n = 0; n < N; n++) {  /* (the same rows to each thread in every block) */
+                const uint8_t *w8;
+                int64_t row_bytes;
+                const int kind = (int)w->kind[part_of(w, K, n, &w8, &row_bytes)];
+                row(kind, w8, sub, mb, N, y + m0 * N + n);
+            }
         }
+#pragma omp barrier
     }
     if (residual) {
 #pragma omp for schedule(static)

@@ -1,5 +1,5 @@
-"""The C kernel for products with a GGUF file's own blocks (blocks.c, formats.c), built on first
-use (cc.py) and called through ctypes."""
+"""The C kernel for products with a GGUF file's own blocks (blocks.c, formats.c, steps.c), built
+on first use (cc.py) and called through ctypes."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from shared.engine.kernels import cc
 
 SOURCE = Path(__file__).with_name("blocks.c")
-INCLUDES = (Path(__file__).with_name("formats.c"),)
+INCLUDES = (Path(__file__).with_name("formats.c"), Path(__file__).with_name("steps.c"))
 # formats.c's enum; each format's (weights, bytes) a block
 KINDS = {"Q4_1": 0, "Q8_0": 1, "Q4_0": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}
 BLOCKS = {"Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_0": (32, 18), "Q5_0": (32, 22), "Q5_1": (32, 24),
