@@ -101,8 +101,7 @@ def formats_block(out: dict) -> list[str]:
     rows += ["", f"- Decode step at batch 1 against llama.cpp's: Q4_K_M **{b1[0]:.2f}×**, Q8_0 **{b1[1]:.2f}×**, "
                  f"Q4_1 **{b1[2]:.2f}×** its time, Gemma 3's Q4_K_M **{gemma:.2f}×** "
                  f"(target ≤ {t['decode_b1_over_llamacpp']}, ≤ {t['decode_b1_over_llamacpp_worst']} at worst: "
-                 f"{verdict(max(*b1, gemma) <= t['decode_b1_over_llamacpp_worst'])}: "
-             f"Gemma 3 runs its layers one Python call each, no one-call decode pass).",
+                 f"{verdict(max(*b1, gemma) <= t['decode_b1_over_llamacpp_worst'])}).",
              f"- Native prefill against fp32's, the worst file's: **{s['native_prefill_512_over_fp32']:.2f}×** at 512 "
              f"tokens, **{s['native_prefill_2048_over_fp32']:.2f}×** at 2,048 (target ≥ "
              f"{t['native_prefill_over_fp32']}: {verdict(prefill >= t['native_prefill_over_fp32'])}); "

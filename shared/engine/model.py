@@ -160,7 +160,7 @@ class DecoderModel(nn.Module):
         layer hook (nothing to call between layers)."""
         return (self.packed_layers is not None and self.fuse and not batch.chunks and batch.num_decode > 0
                 and layer_hook is None and ops.decode_attention is not None
-                and cpu_attention.usable(kv_pools, x))
+                and cpu_attention.usable(kv_pools[0], x))
 
     def pack(self, packed: dict[str, Packed]) -> None:
         """Compute with these packed matrices (Hugging Face names, as `load_hf_weights` takes
