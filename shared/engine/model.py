@@ -125,10 +125,10 @@ class DecoderModel(nn.Module):
         batch.kv_rows = kv_rows(batch.slots, kv_pools.shape[3])  # once, not once a layer
         if self._fused_decode(batch, x, kv_pools, ops, layer_hook):
             assert self.packed_layers is not None
-            tables = self.local_rotary or self.rotary
-            x = fused.decode_layers(self.packed_layers, x, (self.rotary.cos[batch.positions],
-                                    self.rotary.sin[batch.positions]), (tables.cos[batch.positions],
-                                    tables.sin[batch.positions]), kv_pools, batch.kv_rows,
+            rope = self.rotary.cos[batch.positions], self.rotary.sin[batch.positions]
+            local = rope if self.local_rotary is None else (self.local_rotary.cos[batch.positions],
+                                                            self.local_rotary.sin[batch.positions])
+            x = fused.decode_layers(self.packed_layers, x, rope, local, kv_pools, batch.kv_rows,
                                     cast(torch.Tensor, batch.block_tables), cast(torch.Tensor, batch.context_lens),
                                     self.cfg.num_heads, self.cfg.scale)
         else:

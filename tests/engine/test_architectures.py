@@ -187,7 +187,8 @@ def test_a_q8_0_files_decode_passes_in_one_call_equal_the_layer_by_layer_path(na
     assert len(calls) == (0 if native.model.packed_layers is None else NEW - 1)
     native.model.fuse = False
     layered = pass_logits(native, prompts)
-    exact = native.model.cfg.plain or name == "mistral"
+    cfg = native.model.cfg
+    exact = not (cfg.qk_norm or cfg.sandwich_norms)  # (no step the per-layer path does in torch)
     for a, b in zip(one_call[1:4], layered[1:4]):  # (the first passes: later ones may part ways)
         for rid in a:
             err = float((a[rid] - b[rid]).norm() / b[rid].norm())
