@@ -48,11 +48,11 @@ class Common(BaseSettings):
                            "watch: redis+sentinel://[:password@]host:port,host:port/<service>[/db] (shared/urls.py)")
     stream_replicas: int = Field(1, ge=1, le=5, description="copies of the prefill job stream on the servers of a "
                                  "NATS cluster (JetStream): 3 on a 3-node cluster")
-    prefix_index: Literal["redis", "events"] = Field(
-        "redis", description="where routers find which worker caches a prompt's blocks; redis: each worker writes "
-        "its prefix cache to Redis, a placement asks it (shared/prefix_index.py); events: workers also publish "
+    prefix_index: Literal["events", "redis"] = Field(
+        "events", description="where routers find which worker caches a prompt's blocks; events: workers publish "
         "their cache changes on NATS (JetStream) and each router keeps the index in memory "
-        "(services/router/prefix_follower.py). Set on routers and workers alike")
+        "(services/router/prefix_follower.py), a placement asks no one; redis: each worker writes its prefix "
+        "cache to Redis, a placement asks it (shared/prefix_index.py). Set on routers and workers alike")
     model: str = Field("smollm2", description="smollm2, a .gguf file, a directory (config.json + *.safetensors) or "
                        "a Hugging Face Hub id (from the HF_HOME cache, downloaded there if absent)")
     model_name: str = Field("", description="the id clients ask for (default: the model's own name, model_id)")

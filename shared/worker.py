@@ -65,30 +65,25 @@ class WorkerCore:
                  state: State, transport: KVTransport, bus: Bus | None = None):
         self.role, self.settings, self.engine, self.state, self.transport = role, settings, engine, state, transport
         self.id = worker_id(settings, role)
-        self.prefix = PrefixPublisher(state, self.id, lease_s=settings.lease_s,
-                                      snapshot=lambda: self.host.call(engine.cached_hashes))
-        # PD_PREFIX_INDEX=events: the changes are also published on NATS (Redis is still written)
+        # the prefix cache's changes, for the routers' prefix index: on NATS (events, the routers keep the
+        # index in memory) or written to Redis (redis)
         self.events = PrefixEventPublisher(bus, self.id, lambda: self.host.cache_snapshot(), settings.stream_replicas) \
             if bus is not None and settings.prefix_index == "events" else None
+        self.publisher: PrefixEventPublisher | PrefixPublisher = self.events or PrefixPublisher(
+            state, self.id, lease_s=settings.lease_s, snapshot=lambda: self.host.call(engine.cached_hashes))
         self.host = EngineHost(engine, self.on_cache_changes, settings.fault_engine_hang_after_steps, role,
                                settings.fault_engine_raise_after_steps)
         self.draining = False
 
     def on_cache_changes(self, changes: list[CacheChange]) -> None:
-        self.prefix.publish(changes)
-        if self.events is not None:
-            self.events.publish(changes)
+        self.publisher.publish(changes)
 
     async def start_prefix(self) -> None:
         """Start publishing the prefix cache's changes (before the first heartbeat names them)."""
-        await self.prefix.start()
-        if self.events is not None:
-            await self.events.start()
+        await self.publisher.start()
 
     async def close_prefix(self) -> None:
-        await self.prefix.close()
-        if self.events is not None:
-            await self.events.close()
+        await self.publisher.close()
 
     def info(self) -> WorkerInfo:
         """The registry entry as of now (each heartbeat writes it)."""
@@ -102,7 +97,8 @@ class WorkerCore:
                           waiting=len(engine.scheduler.waiting) + engine.num_importing,
                           queued_tokens=engine.queued_tokens, prefill_tokens_per_s=host.prefill_tokens_per_s,
                           draining=self.draining, step_s=host.step_s, slowest_step_s=round(host.slowest_step_s, 3),
-                          prefix_slot=self.prefix.slot, cached_blocks=engine.num_cached_blocks,
+                          prefix_slot=self.publisher.slot if isinstance(self.publisher, PrefixPublisher) else 0,
+                          cached_blocks=engine.num_cached_blocks,
                           prefix_epoch=self.events.epoch if self.events is not None else "",
                           prefix_seq=self.events.seq if self.events is not None else 0)
 

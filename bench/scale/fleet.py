@@ -7,8 +7,9 @@ PLAN is a pickled list of bench/scale/plan.FleetWorker. Each simulated worker:
 1. Registers and heartbeats through `shared.service.heartbeat` (`state.registry.heartbeat`) with its
    static load and what the prefix index asks of a registry entry (`worker_info`: the one
    place to change when the registry entry changes).
-2. Indexes its prefix cache through its own `PrefixPublisher`: the plan's trace blocks at
-   start, filler blocks on `fill N` (N indexed blocks across the fleet).
+2. Publishes its prefix cache as a worker does (PD_PREFIX_INDEX: events on JetStream through its own
+   `PrefixEventPublisher`, answering snapshots; or written to Redis through a `PrefixPublisher`):
+   the plan's trace blocks at start, filler blocks on `fill N` (N indexed blocks across the fleet).
 3. Decode: answers every admit (ok, with a KV tag), puts a remote one's prefill job on its
    prefill worker's queue (as services/decode does) and records the request finished soon
    after (`state.requests.note`: the routers' supervisor sees it end). Prefill: pulls its jobs from its
@@ -47,6 +48,7 @@ from shared.bus import Bus, context_of
 from shared.config import Common, lease_s
 from shared.engine.block_manager import CacheChange
 from shared.messages import AdmitReply, AdmitRequest, PrefillJob, WorkerInfo
+from shared.prefix_events import PrefixEventPublisher
 from shared.prefix_index import PrefixPublisher
 from shared.service import heartbeat, run, setup_logging
 from shared.state import State
@@ -65,36 +67,61 @@ FINISH_AFTER_S = 2.0     # an admitted request is recorded finished this long af
 @dataclass(eq=False)   # by identity: a set of them is kept
 class Sim:
     spec: FleetWorker
-    prefix: PrefixPublisher = field(init=False)
+    prefix: PrefixEventPublisher | PrefixPublisher = field(init=False)
     low: int = 0         # its filler blocks low..high-1 are in its cache
     high: int = 0
-    first_slot: int = 0  # its prefix slot at start
+    first_slot: int = 0  # its prefix slot at start (redis)
     pending: int = 0     # blocks to churn at the next step
+    changes: int = 0     # cache changes published so far (events: a snapshot's sequence)
+
+    def cache(self) -> list[int]:
+        """Every block in its cache."""
+        return self.spec.cached + filler(self.spec.index, self.low, self.high)
 
     async def snapshot(self) -> list[int]:
-        """Every block in its cache (the publisher rewrites the index from it, should it be lost)."""
-        return self.spec.cached + filler(self.spec.index, self.low, self.high)
+        """The cache (redis: the publisher rewrites the index from it, should it be lost)."""
+        return self.cache()
+
+    async def snapshot_at(self) -> tuple[list[int], int]:
+        """The cache and the count of changes it reflects (events: a router's resync)."""
+        return self.cache(), self.changes
+
+    def publish(self, changes: list[CacheChange]) -> None:
+        self.prefix.publish(changes)
+        self.changes += len(changes)
+
+    def settled(self) -> bool:
+        """Every change published has been sent (events) or written (redis)."""
+        if isinstance(self.prefix, PrefixEventPublisher):
+            return self.prefix.seq == self.changes
+        return self.prefix.size == len(self.spec.cached) + self.high - self.low
 
     def churn(self, blocks: int) -> None:
         """Store `blocks` new filler blocks and evict as many of the oldest: the size stays."""
         n = min(blocks, self.high - self.low)
         if n:
             i = self.spec.index
-            self.prefix.publish([CacheChange("stored", h) for h in filler(i, self.high, self.high + n)] +
-                                [CacheChange("evicted", h) for h in filler(i, self.low, self.low + n)])
+            self.publish([CacheChange("stored", h) for h in filler(i, self.high, self.high + n)] +
+                         [CacheChange("evicted", h) for h in filler(i, self.low, self.low + n)])
             self.low, self.high = self.low + n, self.high + n
 
 
 def worker_info(sim: Sim) -> WorkerInfo:
     """A simulated worker's registry entry: its static load, and what routers read of its
-    prefix index entries (its slot, its cache's size)."""
+    prefix index (events: its publisher's life and sequence; redis: its slot), its cache's size."""
+    p = sim.prefix
+    if isinstance(p, PrefixEventPublisher):
+        where = {"prefix_epoch": p.epoch, "prefix_seq": p.seq}
+    else:
+        where = {"prefix_slot": p.slot}
     return WorkerInfo(worker_id=sim.spec.worker_id, role=sim.spec.role, model=MODEL, fingerprint=MODEL,
-                      block_size=BLOCK, prefix_slot=sim.prefix.slot, cached_blocks=sim.prefix.size, **sim.spec.load)
+                      block_size=BLOCK, cached_blocks=len(sim.spec.cached) + sim.high - sim.low, **where,
+                      **sim.spec.load)
 
 
 class Fleet:
-    def __init__(self, plan: list[FleetWorker], bus: Bus, state: State, heartbeat_s: float):
-        self.plan, self.bus, self.state, self.heartbeat_s = plan, bus, state, heartbeat_s
+    def __init__(self, plan: list[FleetWorker], bus: Bus, state: State, heartbeat_s: float, index: str = "events"):
+        self.plan, self.bus, self.state, self.heartbeat_s, self.index = plan, bus, state, heartbeat_s, index
         self.sims: list[Sim] = []
         self.tasks: list[asyncio.Task] = []
         self.queueing = Background(logging.getLogger("fleet"), "prefill job")
@@ -107,10 +134,11 @@ class Fleet:
         await self.bus.ensure_prefill_stream()
         for spec in self.plan:
             sim = Sim(spec)
-            sim.prefix = PrefixPublisher(self.state, spec.worker_id, lease_s(self.heartbeat_s), sim.snapshot)
+            sim.prefix = PrefixEventPublisher(self.bus, spec.worker_id, sim.snapshot_at) if self.index == "events" \
+                else PrefixPublisher(self.state, spec.worker_id, lease_s(self.heartbeat_s), sim.snapshot)
             await sim.prefix.start()
-            sim.first_slot = sim.prefix.slot
-            sim.prefix.publish([CacheChange("stored", h) for h in spec.cached])
+            sim.first_slot = getattr(sim.prefix, "slot", 0)
+            sim.publish([CacheChange("stored", h) for h in spec.cached])
             self.sims.append(sim)
         await self.settled()
         self.tasks.append(asyncio.create_task(self.steps()))
@@ -175,7 +203,7 @@ class Fleet:
                 while sim.high - sim.low < count:
                     n = min(FILL_CHUNK, count - (sim.high - sim.low))
                     stored = filler(sim.spec.index, sim.high, sim.high + n)
-                    sim.prefix.publish([CacheChange("stored", h) for h in stored])
+                    sim.publish([CacheChange("stored", h) for h in stored])
                     sim.high += n
                     while not sim.prefix.queue.empty():  # at most two chunks in hand at a time
                         await asyncio.sleep(0.002)
@@ -185,7 +213,7 @@ class Fleet:
     async def settled(self, timeout_s: float = 600) -> None:
         """Until every publisher has written all its blocks (its own count of them)."""
         deadline = asyncio.get_running_loop().time() + timeout_s
-        while any(s.prefix.size != len(s.spec.cached) + s.high - s.low for s in self.sims):
+        while not all(s.settled() for s in self.sims):
             if asyncio.get_running_loop().time() > deadline:
                 raise TimeoutError("prefix index writes did not finish")
             await asyncio.sleep(0.05)
@@ -193,7 +221,7 @@ class Fleet:
     def rewrites(self) -> int:
         """Caches rewritten whole since the start (a new prefix slot each: an update failed or
         the lease lapsed)."""
-        return sum(s.prefix.slot != s.first_slot for s in self.sims)
+        return sum(getattr(s.prefix, "slot", 0) != s.first_slot for s in self.sims)
 
     async def close(self) -> None:
         self.stop.set()
@@ -220,7 +248,7 @@ async def serve(plan_path: Path) -> None:
         stack.push_async_callback(bus.close)
         state = store(settings.redis_url, len(plan))
         stack.push_async_callback(state.close)
-        fleet = Fleet(plan, bus, state, settings.heartbeat_s)
+        fleet = Fleet(plan, bus, state, settings.heartbeat_s, settings.prefix_index)
         await fleet.start()
         print("ready", flush=True)
         while line := await asyncio.to_thread(sys.stdin.readline):

@@ -42,8 +42,8 @@ class Backend:
         s, c = self.stack, self.stack.cfg
         (s.data / "nats.conf").write_text(grants.nats_authorization(s.nats_passwords))
         # commands over 1 ms are logged: what holds the single-threaded Redis up, per run
-        (s.data / "redis.conf").write_text(f"requirepass {s.secret}\nslowlog-log-slower-than 1000\n"
-                                           "slowlog-max-len 4096\n")
+        (s.data / "redis.conf").write_text(f"requirepass {s.secret}\n{grants.redis_users(s.nats_passwords)}"
+                                           "slowlog-log-slower-than 1000\nslowlog-max-len 4096\n")
         s.spawn("nats", [binary("nats-server"), "-c", str(s.data / "nats.conf"), "-js", "-a", "127.0.0.1",
                          "-p", str(c.nats_port), "-m", str(self.monitor_port), "-sd", str(s.data / "nats")])
         s.spawn("redis", [binary("redis-server"), str(s.data / "redis.conf"), "--port", str(c.redis_port), "--bind",

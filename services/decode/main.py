@@ -77,7 +77,7 @@ class DecodeWorker:
         self.core = WorkerCore("decode", settings, engine, state, transport, bus)
         self.settings, self.engine, self.bus, self.state = settings, engine, bus, state
         self.transport, self.tracer = transport, tracer
-        self.id, self.prefix, self.host = self.core.id, self.core.prefix, self.core.host
+        self.id, self.host = self.core.id, self.core.host
         self.requests = DecodeRequests()  # one record per request held here
         self.handoffs = Handoffs(self.id, settings, engine, bus, state, transport)
         self.inbox = self.handoffs.inbox

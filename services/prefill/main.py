@@ -3,8 +3,8 @@
 1. Start: load the model, build the engine, open the UCX transport, make sure the prefill
    work queue exists, register in Redis with a heartbeat lease (queued tokens, measured
    prefill rate), pull from this worker's durable consumer (`pd.prefill.jobs.<id>`). Each
-   step's prefix-cache changes go to its slot in the prefix index (shared/prefix_index.py),
-   and with PD_PREFIX_INDEX=events to its event stream too (shared/prefix_events.py).
+   step's prefix-cache changes go to its event stream for the routers' index
+   (shared/prefix_events.py; PD_PREFIX_INDEX=redis: its slot in Redis, shared/prefix_index.py).
 2. Take jobs (up to `max_jobs` in flight: the engine orders what it holds by priority — a
    job moved off another prefill worker, or of a request moved off a decode worker, ahead of
    new prompts — and length, so it takes deep; JetStream keeps the rest in order of
@@ -96,7 +96,7 @@ class PrefillWorker:
         self.core = WorkerCore("prefill", settings, engine, state, transport, bus)
         self.settings, self.engine, self.bus, self.state = settings, engine, bus, state
         self.transport, self.tracer = transport, tracer
-        self.id, self.prefix, self.host = self.core.id, self.core.prefix, self.core.host
+        self.id, self.host = self.core.id, self.core.host
         self.jobs = Jobs()  # one record per job taken, until its ack
         self.sender = KVSender(SenderSettings.for_prefill(settings, self.id, engine.fingerprint), transport, bus,
                                WorkerHooks(self.read_blocks, self.given_up), make_segment(settings.kv_segment_bytes))

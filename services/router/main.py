@@ -3,15 +3,17 @@
 1. Start: make sure the prefill work queue exists; join the `router` queue group on
    `pd.router.route` (several replicas share the requests).
 2. Route (gateway → here): the live workers as last read from the registry (re-read in the
-   background every 0.2 s; leases: a dead worker is simply absent); in one Redis round trip
-   claim the request, look its prompt up in the prefix index (shared/prefix_index.py: how
-   many leading blocks each worker holds; with PD_PREFIX_INDEX=events the router's own copy,
-   prefix_follower.py, no Redis) and read its conversation's worker; the decode worker, the
-   prefill worker and local or remote prefill are decided in placement.py.
-3. Admit on the decode worker first (it reserves KV blocks, or refuses and the next
-   candidate is asked), so no prefill is spent on a request that has nowhere to decode. One
-   round trip before each admit renews the claim and notes the worker asked; one after the
-   reply (not awaited) stores it with the request's `routed` event.
+   background every 0.2 s; leases: a dead worker is simply absent); how many leading blocks of
+   the prompt each worker holds, from the router's own copy of the prefix index
+   (prefix_follower.py, fed by the workers' events: no I/O; with PD_PREFIX_INDEX=redis one
+   Redis lookup, shared/prefix_index.py) and the conversation's worker (Redis, when the request
+   has one); the decode worker, the prefill worker and local or remote prefill are decided in
+   placement.py.
+3. One Redis round trip claims the request and notes the first decode worker chosen, before it
+   is asked (`placements.begin`). Admit on the decode worker first (it reserves KV blocks, or
+   refuses and the next candidate is asked, its claim renewed and noted first), so no prefill is
+   spent on a request that has nowhere to decode. One round trip after the reply (not awaited)
+   stores it with the request's `routed` event.
 4. Remote: the admit names the prefill worker; the decode worker puts the job on its queue
    (JetStream, kept until the prefill worker acks it after the KV handoff).
 5. Reply to the gateway with the placement and its reason (also on the `router.route` span).
@@ -24,9 +26,9 @@
    requeues carry the prefill's predicted time: the decode worker's KV deadline follows it.
 8. Supervisor (supervisor.py): requests past their phase's deadline with their workers alive
    → the gateway is told to move them; requests whose gateway is gone → cancelled.
-9. Background: the registry re-read; a step of sweeping dead workers' entries out of the
-   prefix index (replicas take turns); with PD_PREFIX_INDEX=events, the workers' prefix events
-   applied and their snapshots taken as needed.
+9. Background: the registry re-read; the workers' prefix events applied and their snapshots
+   taken as needed (with PD_PREFIX_INDEX=redis: a step of sweeping dead workers' entries out of
+   the Redis index, replicas taking turns).
 10. SIGTERM: leave the queue group, finish the routes in flight, drain NATS.
 Routes run concurrently (a task each): an admit that waits on a dying worker delays only its own.
 """
@@ -61,7 +63,7 @@ from shared.config import RouterSettings
 from shared.hashing import block_hashes
 from shared.messages import AdmitReply, AdmitRequest, KVOutcome, RouteReply, RouteRequest, WorkerInfo
 from shared.service import connect, heartbeat, run, serving, setup_logging, stop_event
-from shared.state import State, placement_key, route_key, session_key
+from shared.state import State, placement_key, session_key
 from shared.tasks import Background, every
 
 log = logging.getLogger("router")
@@ -73,6 +75,7 @@ GONE_LEASES = 10     # events: a worker's entries are dropped once it has been o
 class Waits:
     """A placement's time in others' hands (span attributes: the router's own time is the rest)."""
 
+    noted: str | None = None  # the decode worker noted with the claim (`placements.begin`): its admit needs no hold
     hold_s: float = 0.0   # renewing the claim in Redis
     admit_s: float = 0.0  # the decode workers answering admits
     admitted_at: float = 0.0  # wall time the admit that was taken went out: the `routed` event's time (the
@@ -111,15 +114,16 @@ class Router:
                                 registered=self.pools.registered)
         supervising = asyncio.create_task(supervisor.run(stop, self.settings.supervise_s))
         registry = asyncio.create_task(self.pools.keep(stop))
-        sweeping = asyncio.create_task(every(self.settings.supervise_s, lambda: prefix_index.sweep(
-            self.state, self.id, self.settings.supervise_s), stop, log, "prefix index sweep"))
-        if self.follower is not None:
+        if self.follower is not None:  # events: the index in memory
             await self.follower.start()
             self._background.start(self.follower.keep(stop))
+        else:  # redis: dead workers' entries swept out of it
+            self._background.start(every(self.settings.supervise_s, lambda: prefix_index.sweep(
+                self.state, self.id, self.settings.supervise_s), stop, log, "prefix index sweep"))
         log.info("router ready")
         serving()
         await stop.wait()
-        await asyncio.gather(beat, supervising, registry, sweeping)
+        await asyncio.gather(beat, supervising, registry)
         await self.state.registry.deregister(me.worker_id)
         await sub.drain()
         await requeues.drain()
@@ -166,10 +170,10 @@ class Router:
 
     async def route(self, req: RouteRequest) -> RouteReply:
         """Place a request once, whichever replica is asked and however often: a router claims
-        the request in Redis before deciding; a repeat gets the placement already made, or
-        waits while another replica decides. If that replica dies mid-decision its claim
-        lapses and this one takes over, trying the decode worker it had chosen first (an
-        admit is idempotent there, and the prefill job is deduplicated by its message id)."""
+        the request in Redis before asking a decode worker; a repeat gets the placement already
+        made, or waits while another replica decides. If that replica dies mid-decision its claim
+        lapses and this one takes over, trying the decode worker it had noted first (an admit is
+        idempotent there, and the prefill job is deduplicated by its message id)."""
         key = placement_key(req.request_id, req.attempt)  # a failover places anew
         lease_s = 2 * self.settings.admit_timeout_s + 1.0
         pool = await self.pools.pool(req.model)
@@ -178,22 +182,25 @@ class Router:
         hashes = block_hashes([*req.prompt_token_ids, *req.generated_token_ids][:-1], pool.block_size,
                               req.sampling.cache_salt)
         asked = time.perf_counter()
-        while True:
-            claimed, known, held, session_worker = await self.begin(key, lease_s, hashes, req.session_id)
+        session_worker, held = await self.read_inputs(hashes, req.session_id)
+        cached = await self.holding(pool, hashes, held)
+        first = placement.first(Ask.of(req, session_worker), Fleet.of(pool, cached),
+                                self.bookings.books(time.monotonic()), self.rules)
+        while True:  # the claim, and the first choice noted with it (a takeover's asks the noted one)
+            claimed, known = await self.state.placements.begin(key, self.id, lease_s,
+                                                               first.worker_id if first else "", ROUTE_TTL_S)
             if "reply" in known:  # placed already (by this or another replica, maybe one since gone)
                 return self.repeated(known)
             if claimed:
                 break
             await asyncio.sleep(0.05)
-        trace.get_current_span().set_attribute("begin_ms", 1e3 * (time.perf_counter() - asked))  # Redis: claim, lookup
-        waits = Waits()
-        reply = await self.place(req, key, known.get("decode"), lease_s, pool,
-                                 await self.holding(pool, hashes, held), session_worker, waits)
+        trace.get_current_span().set_attribute("begin_ms", 1e3 * (time.perf_counter() - asked))  # Redis: claim
+        waits = Waits(noted=first.worker_id if first is not None and "decode" not in known else None)
+        reply = await self.place(req, key, known.get("decode"), lease_s, pool, cached, session_worker, waits)
         if reply.ok:
             # the request's "routed" event, and the placement kept for repeats, in one round
             # trip the reply does not wait for: a repeat that comes first waits on the claim, and
-            # a takeover after this replica died asks the decode worker noted by `placements.hold` (its
-            # admit is idempotent)
+            # a takeover after this replica died asks the decode worker noted (its admit is idempotent)
             answer = reply.encode().decode()
             self.state.requests.note(
                 req.request_id, "routed", by=self.id, attempt=req.attempt, at=waits.admitted_at or None,
@@ -205,32 +212,33 @@ class Router:
             await self.state.placements.release(key)
         return reply
 
-    async def begin(self, key: str, lease_s: float, hashes: list[int], session_id: str | None
-                    ) -> tuple[bool, dict[str, str], dict[int, int], str | None]:
-        """One round trip: claim the placing, read what is known of it, look the prompt up in
-        the prefix index and read the conversation's worker. (claimed, known, held by slot, session worker)"""
+    async def read_inputs(self, hashes: list[int], session_id: str | None) -> tuple[str | None, dict[int, int] | None]:
+        """What a placement reads from Redis before deciding, in one round trip, or none when it
+        reads nothing there (the prefix index in memory, no conversation): (the conversation's
+        worker, the prefix index's answer by slot: PD_PREFIX_INDEX=redis)."""
+        lookup = bool(hashes) and self.follower is None
+        if not lookup and not session_id:
+            return None, None
+
         def build(p: Pipeline) -> None:
-            self.state.placements.queue_claim(p, key, self.id, lease_s)
-            p.hgetall(route_key(key))
-            if hashes and self.follower is None:
+            if lookup:
                 prefix_index.queue_lookup(self.state, p, hashes)
             if session_id:
                 p.get(session_key(session_id))
         answers = iter(await self.state.pipelined(build))
-        claimed, known = bool(next(answers)), {k.decode(): v.decode() for k, v in next(answers).items()}
-        held = prefix_index.held_by_slot(next(answers)) if hashes and self.follower is None else {}
+        held = prefix_index.held_by_slot(next(answers)) if lookup else None
         session = next(answers) if session_id else None
-        return claimed, known, held, session.decode() if session else None
+        return session.decode() if session else None, held
 
     async def holding(self, pool: Pool, hashes: list[int], held: dict[int, int] | None = None
                       ) -> dict[str, tuple[int, int]]:
         """The pool's workers holding some of the prompt (prefix_index.by_worker): from the memory
-        index (PD_PREFIX_INDEX=events), else from Redis's answer by slot — `held`, read with the
-        claim (`begin`), or asked now."""
+        index (PD_PREFIX_INDEX=events), else from Redis's answer by slot — `held`, read before
+        deciding (`read_inputs`), or asked now."""
         if self.follower is not None:
             return prefix_index.by_worker(pool.ids, self.follower.lookup(hashes))
         if held is None:
-            held = await prefix_index.lookup(self.state, hashes)
+            held = await prefix_index.lookup(self.state, hashes) if hashes else {}
         return prefix_index.by_worker(pool.slots, held)
 
     @staticmethod
@@ -271,7 +279,9 @@ class Router:
                                            time.monotonic())
             self.bookings.tried(chosen)
         asked = time.perf_counter()  # renew the claim (each admit may take its timeout) and note the worker asked
-        await self.state.placements.hold(key, self.id, lease_s, chosen.decode.worker_id, ROUTE_TTL_S)
+        if chosen.decode.worker_id != waits.noted:  # (noted with the claim: just now)
+            await self.state.placements.hold(key, self.id, lease_s, chosen.decode.worker_id, ROUTE_TTL_S)
+        waits.noted = None
         waits.hold_s += time.perf_counter() - asked
         asked, sent_at = time.perf_counter(), time.time()
         expected_s = policy.predicted_prefill_s(prefill, len(req.prompt_token_ids) + len(req.generated_token_ids)) \

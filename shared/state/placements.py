@@ -31,6 +31,26 @@ return 1
 """
 
 
+# the claim taken or renewed; when it is this router's, the decode worker about to be asked noted on the
+# placement unless one is noted (another replica's, which a takeover asks first) or it is placed; answers
+# the claim (1 or 0) and the placement as it was before
+_BEGIN = """
+local claimed = 0
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  claimed = 1
+elseif redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  claimed = 1
+end
+local known = redis.call('HGETALL', KEYS[2])
+if claimed == 1 and ARGV[3] ~= '' and #known == 0 then
+  redis.call('HSET', KEYS[2], 'decode', ARGV[3])
+  redis.call('PEXPIRE', KEYS[2], ARGV[4])
+end
+return {claimed, known}
+"""
+
+
 class Placements:
     def __init__(self, store: Store):
         self.store = store
@@ -42,6 +62,17 @@ class Placements:
 
     async def claim(self, request_id: str, router_id: str, lease_s: float) -> bool:
         return bool(await self.store.call(lambda p: self.queue_claim(p, request_id, router_id, lease_s)))
+
+    async def begin(self, request_id: str, router_id: str, lease_s: float, decode: str, ttl_s: float
+                    ) -> tuple[bool, dict[str, str]]:
+        """One round trip: take the placing (or renew this router's), note `decode` as the worker about
+        to be asked when nothing is noted yet; (claimed, what was known of the placement before:
+        `decode` a takeover asks first, `reply` a repeat is answered with)."""
+        key = route_key(request_id)
+        claimed, known = await self.store.call(lambda p: p.evalsha(
+            self.store.script(_BEGIN).sha, 2, key + ":claim", key, router_id, int(lease_s * 1000), decode,
+            int(ttl_s * 1000)))
+        return bool(claimed), {known[i].decode(): known[i + 1].decode() for i in range(0, len(known), 2)}
 
     async def hold(self, request_id: str, router_id: str, lease_s: float, decode: str, ttl_s: float) -> bool:
         """Renew the claim and note the decode worker about to be asked, in one call (a router

@@ -220,7 +220,12 @@ def test_a_router_set_to_events_places_from_its_memory_index(nats_url, redis_url
                 break
             await asyncio.sleep(0.05)
         assert await router.holding(pool, hashes) == {"prefill-0": (3, 3)}
-        assert await Router(RouterSettings(), bus, state, trace.get_tracer("test")).holding(pool, hashes) == {}
+        assert await Router(RouterSettings(prefix_index="redis"), bus, state,
+                            trace.get_tracer("test")).holding(pool, hashes) == {}
+        # nothing read from Redis before deciding: no conversation, the index in memory
+        assert await router.read_inputs(hashes, None) == (None, None)
+        await state.sessions.set_worker("s1", "decode-0", 60)
+        assert await router.read_inputs(hashes, "s1") == ("decode-0", None)
         await router.follower.close()
         await bus.close()
         await fleet.close()
