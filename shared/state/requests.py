@@ -25,6 +25,28 @@ for i = 3, #ARGV do
   else redis.call('ZADD', KEYS[1], at, ARGV[i]) end
 end
 """
+# One event (Requests.record) in one call: KEYS: its log, its summary, the deadlines, its gateway's
+# requests, the gateways. ARGV: the event (JSON), the TTL, the request id, 'end' | 'deadline' | '',
+# the deadline's seconds from now, 'file' | 'unfile' | '' (under its gateway), the gateway, then the
+# summary's fields and values.
+NOTE = """
+redis.call('RPUSH', KEYS[1], ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('HSET', KEYS[2], unpack(ARGV, 8))
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+if ARGV[4] == 'end' then
+  redis.call('ZREM', KEYS[3], ARGV[3])
+elseif ARGV[4] == 'deadline' then
+  local t = redis.call('TIME')
+  redis.call('ZADD', KEYS[3], tonumber(t[1]) + tonumber(t[2]) / 1000000 + tonumber(ARGV[5]), ARGV[3])
+end
+if ARGV[6] == 'unfile' then
+  redis.call('SREM', KEYS[4], ARGV[3])
+elseif ARGV[6] == 'file' then
+  redis.call('SADD', KEYS[4], ARGV[3])
+  redis.call('SADD', KEYS[5], ARGV[7])
+end
+"""
 OVERDUE = """
 local t = redis.call('TIME')
 return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', tonumber(t[1]) + tonumber(t[2]) / 1000000, 'LIMIT', 0, ARGV[1])
@@ -61,10 +83,14 @@ class Requests:
                                time.time() if at is None else at, fields)])
 
     async def _send(self, notes: list[Note]) -> None:
-        async with self.store.r.pipeline(transaction=False) as p:  # (no evalsha: never sent twice)
+        """One round trip. A Redis that lost the script runs none of the notes and the batch is sent
+        again whole (`Store.pipelined`): only the `also` writes (idempotent) run twice."""
+        sha = self.store.script(NOTE).sha
+
+        def build(p: Pipeline) -> None:
             for n in notes:
-                _queue_note(p, n)
-            await p.execute()
+                _queue_note(p, sha, n)
+        await self.store.pipelined(build)
 
     async def summary(self, request_id: str) -> dict[str, str]:
         """The latest event recorded (`phase`), the fields and a timestamp per phase (`t_<phase>`)."""
@@ -108,23 +134,17 @@ class Requests:
         return taken
 
 
-def _queue_note(p: Pipeline, n: Note) -> None:
-    """The writes of one event (Requests.record) on pipeline `p`."""
+def _queue_note(p: Pipeline, sha: str, n: Note) -> None:
+    """The writes of one event (Requests.record) on pipeline `p`: the NOTE script (`sha`), and `also`."""
     event = Event(t=n.at, event=n.phase, attempt=n.attempt, by=n.by, **n.fields)
-    key, owner = request_key(n.request_id), str(n.fields.get("owner") or "")
-    p.rpush(log_key(n.request_id), event.model_dump_json())
-    p.expire(log_key(n.request_id), REQUEST_TTL_S)
-    p.hset(key, mapping={"phase": n.phase, f"t_{n.phase}": f"{n.at:.6f}", "attempt": str(n.attempt),
-                         **{k: str(v) for k, v in n.fields.items() if v not in ("", None)}})
-    p.expire(key, REQUEST_TTL_S)
-    if n.phase in TERMINAL:
-        p.zrem(DEADLINES, n.request_id)
-        if owner:
-            p.srem(owned_key(owner), n.request_id)
-    elif n.deadline_s is not None:
-        p.eval(SET_DEADLINES, 1, DEADLINES, n.deadline_s, "set", n.request_id)  # (text: no NOSCRIPT to retry)
-    if n.phase == "received" and owner:
-        p.sadd(owned_key(owner), n.request_id)
-        p.sadd(GATEWAYS, owner)
+    owner = str(n.fields.get("owner") or "")
+    summary = {"phase": n.phase, f"t_{n.phase}": f"{n.at:.6f}", "attempt": str(n.attempt),
+               **{k: str(v) for k, v in n.fields.items() if v not in ("", None)}}
+    deadline = "end" if n.phase in TERMINAL else "deadline" if n.deadline_s is not None else ""
+    filing = "unfile" if owner and n.phase in TERMINAL else "file" if owner and n.phase == "received" else ""
+    p.evalsha(sha, 5, log_key(n.request_id), request_key(n.request_id), DEADLINES, owned_key(owner or "-"), GATEWAYS,
+              event.model_dump_json(), REQUEST_TTL_S, n.request_id, deadline,
+              n.deadline_s if n.deadline_s is not None else 0, filing, owner,
+              *(x for kv in summary.items() for x in kv))
     if n.also is not None:
         n.also(p)
