@@ -85,7 +85,8 @@ bench-grammar: setup
 	$(BIN)/pip install -q llguidance==1.9.1 outlines-core==0.2.14
 	$(BIN)/python -m bench.engine.grammar_libs
 
-## bench-stack: time to first token through the stack minus the in-process engine's; writes bench/results/stack.json
+## bench-stack: what the services add to each request's first token, per hop, from its own trace; writes
+##   bench/results/stack.json (~3 minutes)
 bench-stack: setup
 	$(BIN)/python -m bench.stack_overhead
 
@@ -97,7 +98,7 @@ bench-path: setup
 
 ## bench-transfer: KV bytes over memcpy, UCX (shared memory, TCP), NIXL, Mooncake, a socket and NATS; writes bench/results/transfer.json
 bench-transfer: setup
-	scripts/peer_venvs.sh
+	scripts/peer_venvs.sh transfer
 	$(BIN)/python -m bench.transfer
 
 ## eval-router: replay bench/data/mooncake_conversation.jsonl.gz (bench/data/README.md) through prefill choices (the router's and baselines); writes bench/results/router.json
@@ -128,9 +129,10 @@ bench-tracing: setup
 	$(BIN)/python -m bench.tracing_overhead
 
 ## bench-scale: router placement at fleet scale (real NATS, Redis and router; simulated fleets of 4-256 workers,
-##   prefix index of 100k-10M blocks, 100 and 1000 req/s); writes bench/results/scale.json and scale.png (~20 min
-##   on 2 cores; make bench-scale SCALE_ARGS=--quick: under 2 minutes)
+##   prefix index of 100k-10M blocks, 100 and 1000 req/s; then vllm-router before as many mock workers, the same
+##   prompts and rates); writes bench/results/scale.json and scale.png (~25 min on 2 cores; SCALE_ARGS=--quick: ~3)
 bench-scale: setup
+	scripts/peer_venvs.sh router
 	$(BIN)/python -m bench.scale $(SCALE_ARGS)
 
 ## bench-index: the prefix index side by side, Redis vs the router's memory (PD_PREFIX_INDEX=events): lookups,

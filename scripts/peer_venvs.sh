@@ -1,12 +1,22 @@
 #!/usr/bin/env bash
-# The transfer libraries `make bench-transfer` measures beside the services' path, each in a
-# virtualenv of its own outside the repository (NIXL bundles its own UCX, which must not meet
-# ucxx's in the project's venv): $PD_PEERS_DIR/nixl and $PD_PEERS_DIR/mooncake.
-# Idempotent; a library that does not install is left out (its arm is reported failed).
+# The peers the benchmarks measure beside the services, each in a virtualenv of its own outside
+# the repository: the transfer libraries `make bench-transfer` runs (NIXL bundles its own UCX,
+# which must not meet ucxx's in the project's venv), $PD_PEERS_DIR/nixl and $PD_PEERS_DIR/mooncake;
+# vLLM's Rust router `make bench-scale` runs, $PD_PEERS_DIR/vllm-router.
+#   scripts/peer_venvs.sh [transfer] [router]     (default: both)
+# Idempotent; a peer that does not install is left out (its arm is reported failed or absent).
 set -u
 PEERS=${PD_PEERS_DIR:-$HOME/.cache/pdserve/peers}
 PY=${PYTHON:-python3.11}
+WANT=${*:-transfer router}
 mkdir -p "$PEERS"
+
+if [[ " $WANT " == *" router "* ]] && ! "$PEERS/vllm-router/bin/vllm-router" --help >/dev/null 2>&1; then
+  echo "peers: installing vLLM's router (vllm-router, Rust) into $PEERS/vllm-router"
+  ( $PY -m venv "$PEERS/vllm-router" && "$PEERS/vllm-router/bin/pip" -q install vllm-router==0.1.17 ) \
+    || echo "peers: vllm-router did not install"
+fi
+[[ " $WANT " == *" transfer "* ]] || exit 0
 
 if [ ! -x "$PEERS/nixl/bin/python" ] || ! "$PEERS/nixl/bin/python" -c "import nixl_cu12" 2>/dev/null; then
   echo "peers: installing NIXL (nixl-cu12, ~70 MB) into $PEERS/nixl"

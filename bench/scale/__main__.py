@@ -19,6 +19,9 @@ trace (bench/scale/plan.py); placements are asked as the gateway asks them, open
    polling), then `--seconds` of Poisson arrivals (at most `--max-requests`), then the
    router's spans; the decisions are checked against today's policy (bench/scale/check.py).
 4. At the largest (W, B) two more router replicas join for a run at the largest rate.
+5. A peer, vLLM's Rust router, in front of as many mock OpenAI workers, fed the same prompts at
+   the same rates (bench/scale/peer.py: `cache_aware` and `round_robin`, at the fewest and the
+   most workers): the latency it adds and its CPU per request, beside ours.
 Writes bench/results/scale.json (machine, mode, config, runs, summary), scale.png and the
 "Scale" section of docs/RESULTS.md (bench/scale/readme.py).
 """
@@ -38,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import uvloop
 
-from bench.scale import readme, report
+from bench.scale import peer, readme, report
 from bench.scale.check import Replay, check, holders
 from bench.scale.drive import drive, placements, route_spans
 from bench.scale.meters import usage
@@ -253,6 +256,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--trace-blocks", type=int, default=TRACE_BLOCKS, help="trace blocks per pool at most")
     ap.add_argument("--log-dir", default=f"/tmp/pdserve-scale-{os.getpid()}")
     ap.add_argument("--out", type=Path, default=RESULTS / "scale.json")
+    ap.add_argument("--no-peer", dest="peer", action="store_false", help="leave vllm-router out (step 5)")
     args = ap.parse_args()
     for k, v in (QUICK if args.quick else FULL).items():
         if getattr(args, k) is None:
@@ -265,6 +269,13 @@ def main() -> None:
     print(f"bench-scale ({'quick' if args.quick else 'full'}): W={args.workers} B={args.blocks} rates={args.rates} "
           f"{args.seconds:g} s each; logs in {args.log_dir}", flush=True)
     result = uvloop.run(main_async(args))
+    if args.peer:
+        print("vllm-router in front of mock workers, the same prompts and rates:", flush=True)
+        t0 = time.monotonic()
+        result["peer"] = peer.measure(sorted({min(args.workers), max(args.workers)}), args.rates,
+                                      list(peer.POLICIES), args.seconds, Path(args.log_dir))
+        result["summary"].update(peer.summary(result["peer"]))
+        result["duration_s"] = round(result["duration_s"] + time.monotonic() - t0, 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     report.plot(result["runs"], args.out.with_suffix(".png"))
