@@ -39,9 +39,9 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -183,9 +183,8 @@ class Router:
                               req.sampling.cache_salt)
         asked = time.perf_counter()
         session_worker, held = await self.read_inputs(hashes, req.session_id)
-        cached = await self.holding(pool, hashes, held)
-        first = placement.first(Ask.of(req, session_worker), Fleet.of(pool, cached),
-                                self.bookings.books(time.monotonic()), self.rules)
+        ask, fleet = Ask.of(req, session_worker), Fleet.of(pool, await self.holding(pool, hashes, held))
+        first = placement.first(ask, fleet, self.bookings.books(time.monotonic()), self.rules)
         while True:  # the claim, and the first choice noted with it (a takeover's asks the noted one)
             claimed, known = await self.state.placements.begin(key, self.id, lease_s,
                                                                first.worker_id if first else "", ROUTE_TTL_S)
@@ -195,8 +194,10 @@ class Router:
                 break
             await asyncio.sleep(0.05)
         trace.get_current_span().set_attribute("begin_ms", 1e3 * (time.perf_counter() - asked))  # Redis: claim
-        waits = Waits(noted=first.worker_id if first is not None and "decode" not in known else None)
-        reply = await self.place(req, key, known.get("decode"), lease_s, pool, cached, session_worker, waits)
+        if "decode" in known:  # taking over: the worker the lapsed claim's replica noted is asked first
+            ask, first = replace(ask, chosen_before=known["decode"]), None
+        waits = Waits(noted=first.worker_id if first is not None else None)
+        reply = await self.place(req, key, lease_s, ask, fleet, waits, first)
         if reply.ok:
             # the request's "routed" event, and the placement kept for repeats, in one round
             # trip the reply does not wait for: a repeat that comes first waits on the claim, and
@@ -246,14 +247,14 @@ class Router:
         trace.get_current_span().set_attribute("repeated", True)
         return RouteReply.decode(known["reply"].encode())
 
-    async def place(self, req: RouteRequest, key: str, chosen_before: str | None, lease_s: float,
-                    pool: Pool, cached: dict[str, tuple[int, int]], session_worker: str | None, waits: Waits
-                    ) -> RouteReply:
-        """Ask the decode workers best first (placement.rank) until one admits the request with the
-        prefill planned for it (placement.plan, `try_admit`), then `commit`. `cached`: the workers
-        holding some of the prompt (prefix_index.by_worker); `waits`: the time spent in others' hands."""
-        ask, fleet = Ask.of(req, session_worker, chosen_before), Fleet.of(pool, cached)
-        for decode in placement.rank(ask, fleet, self.bookings.books(time.monotonic()), self.rules):
+    async def place(self, req: RouteRequest, key: str, lease_s: float, ask: Ask, fleet: Fleet[WorkerInfo],
+                    waits: Waits, first: WorkerInfo | None = None) -> RouteReply:
+        """Ask the decode workers best first until one admits the request with the prefill planned
+        for it (placement.plan, `try_admit`), then `commit`: `first` (placement.first, decided before
+        the claim), then, only when it refuses, the rest as placement.rank orders them. `fleet.cached`:
+        the workers holding some of the prompt (prefix_index.by_worker); `waits`: the time spent in
+        others' hands."""
+        for decode in self.candidates(ask, fleet, first):
             books = self.bookings.books(time.monotonic(), decode.worker_id)
             chosen = placement.plan(ask, decode, fleet, books, self.rules)
             if chosen.prefill is not None and not req.attempt:  # remote: the pool's queue may be too long
@@ -263,10 +264,18 @@ class Router:
                     metrics.PLACEMENTS.labels("refused", "ttft_objective").inc()
                     return RouteReply(request_id=req.request_id, ok=False, reason=why_not, retry_after_s=retry_after)
             if await self.try_admit(req, key, lease_s, chosen, waits):
-                return self.commit(req, chosen, fleet.cached_tokens(decode.worker_id), session_worker, waits)
-        reason = "no decode worker is up" if not pool.decodes else "no decode worker has room for this request now"
-        metrics.PLACEMENTS.labels("refused", "no_decode_worker" if not pool.decodes else "no_room").inc()
+                return self.commit(req, chosen, fleet.cached_tokens(decode.worker_id), ask.session_worker, waits)
+        reason = "no decode worker is up" if not fleet.decodes else "no decode worker has room for this request now"
+        metrics.PLACEMENTS.labels("refused", "no_decode_worker" if not fleet.decodes else "no_room").inc()
         return RouteReply(request_id=req.request_id, ok=False, reason=reason)
+
+    def candidates(self, ask: Ask, fleet: Fleet[WorkerInfo], first: WorkerInfo | None) -> Iterator[WorkerInfo]:
+        """The decode workers to ask in turn: `first`, then the ranking (made only if it is needed)."""
+        if first is not None:
+            yield first
+        for decode in placement.rank(ask, fleet, self.bookings.books(time.monotonic()), self.rules):
+            if first is None or decode.worker_id != first.worker_id:
+                yield decode
 
     async def try_admit(self, req: RouteRequest, key: str, lease_s: float, chosen: Placement, waits: Waits
                         ) -> bool:

@@ -62,7 +62,7 @@ def by_router(workers: list[WorkerInfo], prompts: list[int], settings: RouterSet
         req = RouteRequest(request_id=f"r{i}", prompt_token_ids=list(range(n)), model="m",
                            sampling=Sampling(max_tokens=32))
         pool = asyncio.run(router.pools.pool("m"))
-        reply = asyncio.run(router.place(req, f"k{i}", None, 10.0, pool, {}, None, Waits()))
+        reply = asyncio.run(router.place(req, f"k{i}", 10.0, Ask.of(req), Fleet.of(pool, {}), Waits()))
         out.append((reply.decode_worker, reply.prefill_worker))
     return out
 
