@@ -108,8 +108,18 @@ async def leave_and_exit(state: State, worker_id: str, why: str, error: BaseExce
 
 
 def serving() -> None:
-    """The service's loop has started (subscriptions made): its /ready answers 200."""
+    """The service's loop has started (subscriptions made): its /ready answers 200. What it built
+    to start is frozen (`started`)."""
     PROBES.serving = True
+    started()
+
+
+def started() -> None:
+    """What a service built to start (its modules, torch's among them, a model, a vocabulary) moved
+    out of the garbage collector's reach: a full collection then walks only what its work made.
+    Unfrozen, a router's walked ~230k objects, ~100 ms with its loop stopped: its placements' p99."""
+    gc.collect()
+    gc.freeze()
 
 
 async def heartbeat(state: State, info: Callable[[], WorkerInfo], period_s: float, stop: asyncio.Event) -> None:

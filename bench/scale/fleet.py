@@ -33,6 +33,7 @@ import functools
 import json
 import logging
 import pickle
+import random
 import sys
 import time
 from contextlib import AsyncExitStack
@@ -142,9 +143,9 @@ class Fleet:
             self.sims.append(sim)
         await self.settled()
         self.tasks.append(asyncio.create_task(self.steps()))
+        phases = random.Random(0)
         for sim in self.sims:
-            self.tasks.append(asyncio.create_task(
-                heartbeat(self.state, functools.partial(worker_info, sim), self.heartbeat_s, self.stop)))
+            self.tasks.append(asyncio.create_task(self.beating(sim, phases.uniform(0, self.heartbeat_s))))
             if sim.spec.role == "decode":
                 await self.bus.subscribe(subjects.decode_admit(sim.spec.worker_id),
                                          functools.partial(self.on_admit, sim))
@@ -152,6 +153,12 @@ class Fleet:
                 pull = await self.bus.js.pull_subscribe(subjects.prefill_jobs(sim.spec.worker_id),
                                                         durable=sim.spec.worker_id)
                 self.tasks.append(asyncio.create_task(self.take_jobs(sim, pull)))
+
+    async def beating(self, sim: Sim, phase_s: float) -> None:
+        """Its heartbeat from `phase_s` on: the workers' beats spread over the period, as separate
+        processes' are (all at once, the fleet's loop answered no admit for tens of ms each second)."""
+        await asyncio.sleep(phase_s)
+        await heartbeat(self.state, functools.partial(worker_info, sim), self.heartbeat_s, self.stop)
 
     async def on_admit(self, sim: Sim, msg: Msg) -> None:
         asked = time.time_ns()

@@ -45,7 +45,7 @@ from shared.engine.config import ModelConfig
 from shared.engine.loader import inspect
 from shared.engine.tokenizer import Tokenizer, template_text
 from shared.messages import WorkerInfo
-from shared.service import heartbeat, setup_logging
+from shared.service import heartbeat, setup_logging, started
 from shared.state import State
 from shared.tasks import every
 
@@ -69,6 +69,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         beat = asyncio.create_task(heartbeat(state, lambda: me, settings.heartbeat_s, stop))
         renew = asyncio.create_task(every(settings.heartbeat_s, app.state.gateway.in_flight.renew, stop, log,
                                           "renewing the in-flight leases"))
+        started()  # (out of the collector's reach: shared/service.py)
         if keys.open:
             log.warning("no API keys configured (PD_API_KEYS): the API is open to anyone who can reach it")
         else:
