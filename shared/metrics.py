@@ -86,6 +86,12 @@ KV_SECONDS = Histogram("pd_kv_transfer_seconds", "A handoff's exposed part: from
 KV_FAILURES = Counter("pd_kv_transfer_failures", "Handoffs that ended without the decode side's ack")
 KV_RESENT = Counter("pd_kv_transfer_resent_blocks", "Blocks sent again after a failed checksum")
 KV_RECEIVED = Counter("pd_kv_received_bytes", "KV bytes received and verified")
+# the router's prefix index in memory (PD_PREFIX_INDEX=events: services/router/prefix_follower.py)
+PREFIX_FEEDS = Gauge("pd_prefix_index_feeds", "Workers' feeds into the router's prefix index, by state",
+                     ["state"])  # following, awaiting_snapshot (its events held until the snapshot is in)
+PREFIX_BLOCKS = Gauge("pd_prefix_index_blocks", "Block hashes in the router's prefix index")
+PREFIX_EVENTS = Counter("pd_prefix_index_events", "Prefix events applied to the router's index")
+PREFIX_SNAPSHOTS = Counter("pd_prefix_index_snapshots", "Workers' snapshots taken into the router's index")
 
 
 def exemplar(trace_id: str | None) -> dict[str, str] | None:

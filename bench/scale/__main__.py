@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import platform
@@ -77,6 +78,7 @@ async def measure(st: Stage, trace: Trace, plan: list[FleetWorker], blocks: int,
                   receiver: OtlpReceiver, replicas: int) -> dict:
     """One run: an idle window, the arrivals, then until the routers have worked off what they
     hold (the counters cover all the work the run caused); the decisions checked."""
+    await st.synced(len(plan))
     await st.quiet()
     r0 = await st.meters.read()
     await asyncio.sleep(IDLE_S)
@@ -84,6 +86,8 @@ async def measure(st: Stage, trace: Trace, plan: list[FleetWorker], blocks: int,
     receiver.spans.clear()
     await st.fleet.admits()   # forget those before this run
     await st.server.slowlog_reset()
+    gc.collect()
+    gc.freeze()   # (the driver's arrivals on time: a full collection of this process's trace and plan took ~0.2 s)
     sent, start = await drive(st.bus, trace.probes, rate, seconds, tag=f"w{len(plan)}-b{blocks}-r{rate}-x{replicas}")
     await st.quiet()
     r2 = await st.meters.read()

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import time
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
+import httpx
 import redis.asyncio as aioredis
 
 from bench.scale.fleet_process import FleetProcess
@@ -87,6 +89,23 @@ class Stage:
         for i in range(len(self.backend.routers()), replicas):
             self.backend.add_router(f"router-{i}")
         await self.registered(workers + replicas)
+        await self.synced(workers)
+
+    async def synced(self, workers: int, timeout_s: float = 300) -> None:
+        """Until every router's prefix index follows the `workers` workers' feeds with no snapshot
+        awaited (its metrics: pd_prefix_index_feeds; PD_PREFIX_INDEX=redis: at once)."""
+        deadline = time.monotonic() + timeout_s
+        async with httpx.AsyncClient(timeout=5) as http:
+            for name in self.backend.routers():
+                while True:
+                    text = (await http.get(self.backend.stack.metrics_url(name))).text
+                    feeds = dict(re.findall(r'^pd_prefix_index_feeds\{state="(\w+)"\} (\S+)$', text, re.M))
+                    if not feeds or (float(feeds.get("following", 0)) >= workers
+                                     and float(feeds.get("awaiting_snapshot", 0)) == 0):
+                        break
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{name}'s prefix index not in sync: {feeds}")
+                    await asyncio.sleep(0.5)
 
     async def quiet(self, timeout_s: float = 60) -> None:
         """Until the routers have worked off what they still hold (under 10% of a core)."""

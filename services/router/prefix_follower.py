@@ -7,7 +7,8 @@ index (prefix_memory.py) through their feeds (prefix_feeds.py), and the snapshot
 - A snapshot is asked page by page on `pd.prefix.snapshot.<worker>`, SNAPSHOTS_AT_ONCE workers
   at a time; a worker that does not answer is asked again RETRY_S later while its feed needs it.
 - Every TICK_S: one look at the router's copy of the registry (workers gone dropped, new lives
-  asked for), the snapshots still needed asked, a step of the index's sweep.
+  asked for), the snapshots still needed asked, a step of the index's sweep, the metrics
+  (`pd_prefix_index_*`: feeds following or awaiting a snapshot, blocks, events, snapshots).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pydantic import ValidationError
 
 from services.router.prefix_feeds import Feeds, Snapshot
 from services.router.prefix_memory import MemoryIndex
-from shared import subjects
+from shared import metrics, subjects
 from shared.bus import Bus
 from shared.messages import PrefixEvents, PrefixSnapshot, PrefixSnapshotAsk, WorkerInfo
 from shared.prefix_events import stream_config
@@ -51,6 +52,7 @@ class PrefixFollower:
         self.not_before: dict[str, float] = {}   # worker -> when it may be asked again (it did not answer)
         self.limit = asyncio.Semaphore(SNAPSHOTS_AT_ONCE)
         self.sub: Subscription | None = None
+        self.counted = (0, 0)   # the feeds' events applied and snapshots taken, as the metrics have them
 
     def lookup(self, hashes: list[int]) -> dict[str, int]:
         """Worker -> leading blocks of `hashes` it holds (MemoryIndex.lookup): no I/O."""
@@ -68,9 +70,20 @@ class PrefixFollower:
     async def tick(self) -> None:
         for worker_id in self.feeds.registry(await self.registered(), time.monotonic()):
             self.ask(worker_id)
-        for worker_id in self.feeds.awaiting():
+        awaiting = self.feeds.awaiting()
+        for worker_id in awaiting:
             self.ask(worker_id)
         self.index.sweep(SWEEP_BUDGET)
+        self.measure(len(awaiting))
+
+    def measure(self, awaiting: int) -> None:
+        """The feeds' gauges and counters (shared/metrics.py: pd_prefix_index_*)."""
+        metrics.PREFIX_FEEDS.labels("awaiting_snapshot").set(awaiting)
+        metrics.PREFIX_FEEDS.labels("following").set(len(self.feeds.feeds) - awaiting)
+        metrics.PREFIX_BLOCKS.set(len(self.index))
+        metrics.PREFIX_EVENTS.inc(self.feeds.applied - self.counted[0])
+        metrics.PREFIX_SNAPSHOTS.inc(self.feeds.snapshots - self.counted[1])
+        self.counted = (self.feeds.applied, self.feeds.snapshots)
 
     async def on_message(self, msg: Msg) -> None:
         try:
