@@ -52,7 +52,7 @@ from bench.scale.report import percentiles
 from bench.scale.stage import Stage, stage
 from services.router.recent import REGISTRY_READ_S
 from services.router.registry import Registry
-from shared.config import RouterSettings
+from shared.config import Common, RouterSettings
 from shared.state import State
 from shared.tools.otlp_sink import OtlpReceiver
 
@@ -238,6 +238,7 @@ async def main_async(args) -> dict:
         receiver.close()
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "quick"}
     config.update(trace_name=args.trace.name, probes=len(trace.probes), block_tokens=16,
+                  prefix_index=Common().prefix_index,
                   scale="one 16-token block per 512-token trace block", idle_s=IDLE_S)
     return {"machine": machine(), "mode": "quick" if args.quick else "full", "config": config,
             "duration_s": round(time.monotonic() - t0, 1), "runs": runs,
