@@ -39,6 +39,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from bench.results_doc import RESULTS_DOC, update_block
 from deploy.local.stack import Stack, StackConfig
 from shared.config import WorkerSettings
 from shared.engine.config import EngineConfig
@@ -51,6 +52,12 @@ MESSAGES = [{"role": "user", "content": "Hi!"}]
 MODEL = "SmolLM2-135M-Instruct"
 TARGET_P50_MS, TARGET_P99_MS = 3.0, 10.0
 HOPS = ("to_router", "placing", "claim", "admit_wait", "admit", "to_prefill", "first_token")
+BEGIN, END = "<!-- bench:stack:begin -->", "<!-- bench:stack:end -->"
+HOP_NAMES = {"overhead": "**overhead** (TTFT less `prefill.compute`)", "to_router": "client sends → `router.route`",
+             "placing": "`router.route`", "claim": "  its decision and claim (Redis)",
+             "admit_wait": "  the admit asked and answered (NATS)", "admit": "    `decode.admit` on the decode worker",
+             "to_prefill": "`router.route` ends → `prefill.compute` (JetStream)",
+             "first_token": "`prefill.compute` ends → the client reads the token"}
 
 
 def stack_ttft(http: httpx.Client, model: str, trace_id: str | None = None) -> float:
@@ -168,6 +175,27 @@ def main() -> None:
                                "threads": threads, "weights": WorkerSettings().weights, "ttft_ms": ms,
                                "hops_ms": per_hop, "summary": summary}, indent=1) + "\n")
     print(f"wrote {out}")
+    if not args.colocated:
+        update_block(RESULTS_DOC, BEGIN, END, section(json.loads(out.read_text())))
+
+
+def section(data: dict) -> str:
+    """docs/RESULTS.md's "Request path overhead" block, from stack.json."""
+    s, t = data["summary"], data["ttft_ms"]
+    met = {True: "met", False: "missed"}
+    return "\n".join([
+        f"Measured by `make bench-stack` ({data['mode']}, {data['requests']} requests one at a time, a "
+        f"{data['prompt_tokens']}-token prompt, `{data.get('weights', '')}` weights, {data['threads']} torch thread "
+        f"per worker, {data['machine']['cpus']} cores; {s['requests_traced']} requests with every span). Each "
+        "request's overhead is its time to first token less its prompt's computation on the prefill worker; the "
+        "hops split it from the same request's spans (ms):", "",
+        "| hop | p50 | p99 |", "|---|---|---|",
+        *[f"| {HOP_NAMES.get(k, k)} | {v['p50']:.2f} | {v['p99']:.2f} |" for k, v in data["hops_ms"].items()],
+        f"| TTFT through the stack | {t['through_stack']['p50']:.2f} | {t['through_stack']['p99']:.2f} |",
+        f"| TTFT of the same prompt on an engine in the benchmark's process | {t['engine_in_process']['p50']:.2f} | "
+        f"{t['engine_in_process']['p99']:.2f} |", "",
+        f"Targets: overhead p50 ≤ {s['target_p50_ms']:g} ms ({met[s['targets_met']['overhead_p50_ms']]}), "
+        f"p99 ≤ {s['target_p99_ms']:g} ms ({met[s['targets_met']['overhead_p99_ms']]})."])
 
 
 if __name__ == "__main__":

@@ -55,14 +55,17 @@ def section(data: dict) -> str:
              f"{cores['fleet']} (`bench/scale/pin.py`)" if cores else "everything on the same cores") \
         + ": nats-server, "
     reads = s.get("registry_read_ms") or {}
+    index = data["config"].get("prefix_index", "redis")
     lines = [
         f"Measured by `make bench-scale` ({data['mode']} mode, {data.get('duration_s', 0) / 60:.0f} min) on "
         f"{m['cpus']} CPU cores ({m.get('cpu_model', '')}), {where}"
         "redis-server, the router process (1 replica; 3 where marked), the simulated fleet (`bench/scale/fleet.py`: "
-        "registry heartbeats, prefix-index writes through the workers' own publisher, admits answered, "
+        "registry heartbeats, its prefix caches' changes through the workers' own publisher, admits answered, "
         "jobs acked, no KV) and the load driver asking placements as the gateway does. Prompts and cached "
         f"blocks from the Mooncake conversation trace ({data['config'].get('scale', '')}); the index filled "
-        "to B blocks with the same kind of entries.",
+        f"to B blocks with the same kind of entries. The prefix index: `PD_PREFIX_INDEX={index}` "
+        + ("(in each router's memory, fed by the workers' events: Redis holds none of it)." if index == "events"
+           else "(in Redis)."),
         "",
         "| W workers | B blocks | req/s offered (achieved) | routers | decision p50 / p99 ms | gateway-observed "
         "p50 / p99 ms | router CPU ms / placement | Redis CPU ms / placement | NATS msgs / request | "
@@ -70,6 +73,12 @@ def section(data: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
         *[row(r) for r in data["runs"]],
         "",
+        "- Router CPU per placement (less its idle rate; mean of the runs it kept up with): "
+        + ", ".join(f"W={w[1:]} {v:.2f} ms" for w, v in (s.get("router_cpu_ms_per_placement") or {}).items())
+        + f" (target ≤ 1 ms, 1,000 placements/s a core: {mark('router_cpu_ms_per_placement')}).",
+        f"- Decision p50 / p99 at W=256, B=10M, 100 req/s: {_num(s.get('decision_p50_ms_w256_b10m_r100'))} / "
+        f"{_num(s.get('decision_p99_ms_w256_b10m_r100'))} ms (target p99 ≤ 5 ms and ≤ 1.5× p50: "
+        f"{mark('decision_p99_ms_w256_b10m_r100')}).",
         f"- Decision p99 at W=256, B=10M, 1,000 req/s: {_num(s.get('decision_p99_ms_w256_b10m_r1000'))} ms "
         f"(target ≤ 2 ms: {mark('decision_p99_ms_w256_b10m_r1000')}).",
         f"- p99 growth W=4 → W=256 (B={s.get('growth_measured_at', {}).get('blocks', 0):,}, "
@@ -89,8 +98,21 @@ def section(data: dict) -> str:
     ]
     for key, why in (s.get("limited_by") or {}).items():
         lines.append(f"- `{key}` limited by: {why}.")
-    lines += ["", "![decision p99 against fleet size](../bench/results/scale.png)"]
+    lines += ["", "![decision p99 against fleet size](../bench/results/scale.png)", *peer(data.get("peer") or [])]
     return "\n".join(lines)
+
+
+def peer(runs: list[dict]) -> list[str]:
+    """The peer's table (bench/scale/peer.py): vllm-router before as many mock workers."""
+    if not runs:
+        return []
+    return ["", "In the same run, vLLM's Rust router (`vllm-router` 0.1.17) in front of as many mock OpenAI workers "
+            "(`bench/scale/peer.py`: each answers at once), fed the same prompts (as text) at the same rates; "
+            "added latency = p50 (p99) through it less p50 (p99) straight to the workers; CPU less its idle rate:",
+            "", "| policy | W workers | req/s offered | answered | added p50 / p99 ms | CPU ms / request |",
+            "|---|---|---|---|---|---|",
+            *[f"| {r['policy']} | {r['workers']} | {r['rate']:g} | {r['answered']} of {r['offered']} | "
+              f"{_ms(r.get('added_ms'))} | {_num(r.get('cpu_ms_per_request'))} |" for r in runs]]
 
 
 def update(data: dict) -> None:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from bench import clients_readme
+from bench import clients_readme, stack_overhead
 from bench.chaos import readme as chaos_readme
 from bench.engine import readme as engine_readme
 from bench.interference import report
@@ -60,3 +60,8 @@ def test_the_capacity_planning_figures_are_the_committed_runs():
 def test_the_prefix_index_table_is_the_committed_run():
     assert _between(index_readme.BEGIN, index_readme.END) == "\n" + index_readme.table(
         _json("prefix_index_compare.json")) + "\n"
+
+
+def test_the_request_path_figures_are_the_committed_run():
+    block = stack_overhead.section(_json("stack.json"))
+    assert _between(stack_overhead.BEGIN, stack_overhead.END) == "\n" + block + "\n"
