@@ -54,8 +54,8 @@ TARGET_P50_MS, TARGET_P99_MS = 3.0, 10.0
 HOPS = ("to_router", "placing", "claim", "admit_wait", "admit", "to_prefill", "first_token")
 BEGIN, END = "<!-- bench:stack:begin -->", "<!-- bench:stack:end -->"
 HOP_NAMES = {"overhead": "**overhead** (TTFT less `prefill.compute`)", "to_router": "client sends → `router.route`",
-             "placing": "`router.route`", "claim": "  its decision and claim (Redis)",
-             "admit_wait": "  the admit asked and answered (NATS)", "admit": "    `decode.admit` on the decode worker",
+             "placing": "`router.route`", "claim": "↳ its decision and claim (Redis)",
+             "admit_wait": "↳ the admit asked and answered (NATS)", "admit": "↳ ↳ `decode.admit` on the decode worker",
              "to_prefill": "`router.route` ends → `prefill.compute` (JetStream)",
              "first_token": "`prefill.compute` ends → the client reads the token"}
 
