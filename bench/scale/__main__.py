@@ -155,7 +155,8 @@ def router_view(spans: dict) -> dict:
             "not_placed_because": dict(why.most_common(5)), "decision_ms": percentiles([s.duration_ms for s in ok]),
             # less the wait for the (simulated) decode workers' admit answers: the router's own part
             "decision_own_ms": percentiles([s.duration_ms - s.attributes.get("admit_wait_ms", 0.0) for s in ok]),
-            # of which waiting on Redis: the claim + lookup round trip(s) and the claim renewals
+            # of which before the first admit (the inputs read, the first choice, the claim: Redis's round
+            # trips and, with the index in memory, its lookup) and the claim renewals
             "decision_redis_ms": percentiles([s.attributes.get("begin_ms", 0.0) + s.attributes.get("hold_ms", 0.0)
                                               for s in ok])}
 
