@@ -78,6 +78,10 @@ class PrefixEventPublisher:
         self.task: asyncio.Task | None = None
         self.sub: Subscription | None = None
 
+    def registry_fields(self) -> dict[str, str | int]:
+        """What the worker's registry entry says of it: its life and the changes published."""
+        return {"prefix_epoch": self.epoch, "prefix_seq": self.seq}
+
     async def start(self) -> None:
         await self.bus.ensure_stream(stream_config(self.replicas))
         self.sub = await self.bus.subscribe(subjects.prefix_snapshot(self.worker_id), self.on_ask)

@@ -202,6 +202,10 @@ class PrefixPublisher:
         self.task: asyncio.Task | None = None
         self._take, self._update, self._release = state.script(_TAKE), state.script(_UPDATE), state.script(_RELEASE)
 
+    def registry_fields(self) -> dict[str, int]:
+        """What the worker's registry entry says of it: the slot its entries are under."""
+        return {"prefix_slot": self.slot}
+
     async def start(self) -> None:
         await self._new_slot()
         self.task = asyncio.create_task(self._run())

@@ -67,10 +67,13 @@ class WorkerCore:
         self.id = worker_id(settings, role)
         # the prefix cache's changes, for the routers' prefix index: on NATS (events, the routers keep the
         # index in memory) or written to Redis (redis)
-        self.events = PrefixEventPublisher(bus, self.id, lambda: self.host.cache_snapshot(), settings.stream_replicas) \
-            if bus is not None and settings.prefix_index == "events" else None
-        self.publisher: PrefixEventPublisher | PrefixPublisher = self.events or PrefixPublisher(
-            state, self.id, lease_s=settings.lease_s, snapshot=lambda: self.host.call(engine.cached_hashes))
+        self.publisher: PrefixEventPublisher | PrefixPublisher
+        if bus is not None and settings.prefix_index == "events":
+            self.publisher = PrefixEventPublisher(bus, self.id, lambda: self.host.cache_snapshot(),
+                                                  settings.stream_replicas)
+        else:
+            self.publisher = PrefixPublisher(state, self.id, lease_s=settings.lease_s,
+                                             snapshot=lambda: self.host.call(engine.cached_hashes))
         self.host = EngineHost(engine, self.on_cache_changes, settings.fault_engine_hang_after_steps, role,
                                settings.fault_engine_raise_after_steps)
         self.draining = False
@@ -97,10 +100,8 @@ class WorkerCore:
                           waiting=len(engine.scheduler.waiting) + engine.num_importing,
                           queued_tokens=engine.queued_tokens, prefill_tokens_per_s=host.prefill_tokens_per_s,
                           draining=self.draining, step_s=host.step_s, slowest_step_s=round(host.slowest_step_s, 3),
-                          prefix_slot=self.publisher.slot if isinstance(self.publisher, PrefixPublisher) else 0,
                           cached_blocks=engine.num_cached_blocks,
-                          prefix_epoch=self.events.epoch if self.events is not None else "",
-                          prefix_seq=self.events.seq if self.events is not None else 0)
+                          **self.publisher.registry_fields())
 
     async def drain(self) -> None:
         """Take no new work: the registry entry says `draining` at once, not at the next heartbeat."""

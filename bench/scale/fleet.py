@@ -111,13 +111,9 @@ class Sim:
 def worker_info(sim: Sim) -> WorkerInfo:
     """A simulated worker's registry entry: its static load, and what routers read of its
     prefix index (events: its publisher's life and sequence; redis: its slot), its cache's size."""
-    p = sim.prefix
-    if isinstance(p, PrefixEventPublisher):
-        where = {"prefix_epoch": p.epoch, "prefix_seq": p.seq}
-    else:
-        where = {"prefix_slot": p.slot}
     return WorkerInfo(worker_id=sim.spec.worker_id, role=sim.spec.role, model=MODEL, fingerprint=MODEL,
-                      block_size=BLOCK, cached_blocks=len(sim.spec.cached) + sim.high - sim.low, **where,
+                      block_size=BLOCK, cached_blocks=len(sim.spec.cached) + sim.high - sim.low,
+                      **sim.prefix.registry_fields(),
                       **sim.spec.load)
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from bench.scale.meters import cpu_s
 from bench.scale.pin import pin
 from bench.scale.plan import Probe, read_trace
 from bench.scale.report import percentiles
@@ -102,11 +103,6 @@ async def drive(urls: list[str], prompts: list[str], rate: float, seconds: float
         start = time.perf_counter() + 0.05
         return await asyncio.gather(*(send(s, urls[i % len(urls)] + "/v1/completions", prompts[i % len(prompts)],
                                            start + t) for i, t in enumerate(times)))
-
-
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Mocks:

@@ -9,16 +9,6 @@ from redis.asyncio.client import Pipeline
 from shared.state.keys import route_key
 from shared.state.store import Store
 
-# take a request's placing, or renew it when this router holds it
-_CLAIM = """
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return 1
-end
-return 0
-"""
-
 # the claim taken or renewed, then the decode worker about to be asked noted on the placement
 _HOLD = """
 if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
@@ -54,14 +44,6 @@ return {claimed, known}
 class Placements:
     def __init__(self, store: Store):
         self.store = store
-
-    def queue_claim(self, p: Pipeline, request_id: str, router_id: str, lease_s: float) -> None:
-        """Queue on pipeline `p`: take the placing of a request, or renew this router's hold on
-        it; answers 1, or 0 when another router holds it."""
-        p.evalsha(self.store.script(_CLAIM).sha, 1, route_key(request_id) + ":claim", router_id, int(lease_s * 1000))
-
-    async def claim(self, request_id: str, router_id: str, lease_s: float) -> bool:
-        return bool(await self.store.call(lambda p: self.queue_claim(p, request_id, router_id, lease_s)))
 
     async def begin(self, request_id: str, router_id: str, lease_s: float, decode: str, ttl_s: float
                     ) -> tuple[bool, dict[str, str]]:
