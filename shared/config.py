@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Literal, Self
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, CliSuppress, SettingsConfigDict
 
-from shared.urls import nats_servers, sentinel_target
+from shared.urls import cluster_target, nats_servers, sentinel_target
 
 SMOLLM2_ID = "SmolLM2-135M-Instruct"
 
@@ -45,7 +45,8 @@ class Common(BaseSettings):
 
     nats_url: str = Field("nats://127.0.0.1:4222", description="one server, or a cluster's separated by commas")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="redis://host:port/db, or the primary Sentinels "
-                           "watch: redis+sentinel://[:password@]host:port,host:port/<service>[/db] (shared/urls.py)")
+                           "watch: redis+sentinel://[:password@]host:port,host:port/<service>[/db], or a Redis "
+                           "Cluster's nodes: redis+cluster://[:password@]host:port,host:port (shared/urls.py)")
     stream_replicas: int = Field(1, ge=1, le=5, description="copies of the prefill job stream on the servers of a "
                                  "NATS cluster (JetStream): 3 on a 3-node cluster")
     prefix_index: Literal["events", "redis"] = Field(
@@ -111,7 +112,15 @@ class Common(BaseSettings):
     @classmethod
     def _redis_target(cls, url: str) -> str:
         sentinel_target(url)
+        cluster_target(url)
         return url
+
+    @model_validator(mode="after")
+    def _index_on_one_redis(self) -> Self:
+        if self.prefix_index == "redis" and cluster_target(self.redis_url) is not None:
+            raise ValueError("PD_PREFIX_INDEX=redis needs one Redis (or a Sentinel-watched primary): its scripts "
+                             "name keys a Redis Cluster may keep on other nodes; use PD_PREFIX_INDEX=events there")
+        return self
 
     @property
     def lease_s(self) -> float:

@@ -6,9 +6,9 @@ that handles each step. (Documentation only; nothing to import.)
     services/gateway/generate.py renders the chat template, tokenizes, checks the context.
  2. services/gateway/relay.py subscribes to `pd.tokens.<rid>` *before* anything can produce a
     token, then asks `pd.router.route` (RouteRequest → RouteReply).
- 3. services/router/main.py claims the request (`pd:route:<rid>`: a repeat, to any replica,
+ 3. services/router/main.py claims the request (`pd:route:{<rid>}`: a repeat, to any replica,
     gets the same placement), takes the live workers as last read (shared/state/registry.py, the
-    `pd:workers` set and leases; services/router/pools.py), looks the prompt up in the prefix
+    `pd:{registry}:workers` set and leases; services/router/pools.py), looks the prompt up in the prefix
     index (shared/prefix_index.py) and asks services/router/policy.py where to prefill and
     which decode worker to try first.
  4. Admit: `pd.decode.<w>.admit` (AdmitRequest → AdmitReply). services/decode/main.py
@@ -17,7 +17,7 @@ that handles each step. (Documentation only; nothing to import.)
     Mode "local": the decode worker queues the whole prompt itself (colocated / fallback).
  5. Remote: the decode worker, after its reply, puts a PrefillJob on JetStream
     `pd.prefill.jobs.<p>` (stream PD_PREFILL, work queue) for the prefill worker the admit
-    named; the router replies to the gateway and records `pd:req:<rid>` in the background.
+    named; the router replies to the gateway and records `pd:req:{<rid>}` in the background.
  6. services/prefill/main.py pulls the job, opens a KV handoff (shared/kv/sender.py; refused
     at once if the decode worker's fingerprint differs) and runs the prompt
     (`prefill_only=True`, `stream_kv`); the first token goes out on `pd.tokens.<rid>` (seq 0)

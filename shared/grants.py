@@ -87,15 +87,15 @@ GRANTS: dict[str, Grant] = {
 
 
 # Redis keys by role (shared/state/keys.py, prefix_index.py, the gateway's limits)
-_REGISTRY = ("pd:worker:*", "pd:workers", "pd:registry:*")
-_REQUESTS = ("pd:req:*", "pd:deadlines", "pd:owned:*", "pd:gateways")
+_REGISTRY = ("pd:{registry}:*",)
+_REQUESTS = ("pd:req:*", "pd:{flight}:*")
 REDIS_KEYS: dict[str, tuple[str, ...]] = {
     "gateway": (*_REGISTRY, *_REQUESTS, "pd:route:*", "pd:rate:*", "pd:inflight:*"),
     "router": (*_REGISTRY, *_REQUESTS, "pd:route:*", "pd:session:*", "pd:prefix:*"),
     "prefill": (*_REGISTRY, *_REQUESTS, "pd:prefix:*"),
     "decode": (*_REGISTRY, *_REQUESTS, "pd:prefix:*"),
 }
-REDIS_COMMANDS = "+@all -@dangerous"
+REDIS_COMMANDS = "+@all -@dangerous +cluster|slots"  # (a Redis Cluster's clients learn its slots with CLUSTER SLOTS)
 
 
 def redis_users(passwords: Mapping[str, str]) -> str:

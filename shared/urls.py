@@ -6,11 +6,15 @@ primary a group of Sentinels watches.
                   cluster's other servers from the one it reaches, and reconnects to any of them
     PD_REDIS_URL  redis://[user:pass@]host:6379[/db]
                   redis+sentinel://[user:pass@]host:26379[,host2:26379,...]/<service>[/db][?sentinel_password=...]
+                  redis+cluster://[user:pass@]host:6379[,host2:6379,...]
                   the primary the Sentinels name for <service>; the user and password are the
                   primary's (and its replicas': an ACL user, or the default user with no
                   name), sentinel_password the Sentinels' own when they ask for one. After a
                   failover, a connection that breaks or reaches a replica asks the Sentinels
-                  again (redis-py's Sentinel support)
+                  again (redis-py's Sentinel support). A Redis Cluster: any of its nodes
+                  (the client learns the rest, and follows slots that move); every script's
+                  keys share a hash tag (shared/state/keys.py). The prefix index is kept in
+                  router memory there (PD_PREFIX_INDEX=events)
 
 A malformed URL is a ValueError naming what is wrong, raised when the service starts.
 """
@@ -22,13 +26,18 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 from redis.asyncio.sentinel import SentinelConnectionPool as AsyncSentinelPool
+from redis.cluster import ClusterNode
 from redis.sentinel import Sentinel
 
 from shared.grants import inbox
 
 SENTINEL_SCHEME = "redis+sentinel"
+CLUSTER_SCHEME = "redis+cluster"
+CLUSTER_CONNECTIONS = 1024  # per node: redis-py's cluster client fails a call past its limit instead of waiting
 TIMEOUTS = {"socket_timeout": 5, "socket_connect_timeout": 5}
 
 
@@ -90,13 +99,46 @@ def sentinel_target(url: str) -> SentinelTarget | None:
                           query.get("sentinel_password", [None])[0], user)
 
 
+@dataclass(frozen=True)
+class ClusterTarget:
+    """A redis+cluster:// URL, parsed."""
+    nodes: list[tuple[str, int]]
+    password: str | None = None
+    username: str | None = None
+
+
+def cluster_target(url: str) -> ClusterTarget | None:
+    """The nodes and credentials of a redis+cluster:// URL; None for another scheme."""
+    parts = urlsplit(url)
+    if parts.scheme != CLUSTER_SCHEME:
+        return None
+    nodes = []
+    for host in filter(None, parts.netloc.rpartition("@")[2].split(",")):
+        name, _, port = host.rpartition(":")
+        if not name or not port.isdigit():
+            raise ValueError(f"PD_REDIS_URL: cluster node {host!r} is not host:port")
+        nodes.append((name, int(port)))
+    if not nodes:
+        raise ValueError("PD_REDIS_URL names no cluster node")
+    if parts.path.strip("/"):
+        raise ValueError("PD_REDIS_URL: a Redis Cluster has one database: a redis+cluster:// URL has no /<db>")
+    return ClusterTarget(nodes, unquote(parts.password) if parts.password else None,
+                         unquote(parts.username) if parts.username else None)
+
+
 class _SentinelBlockingPool(AsyncSentinelPool, aioredis.BlockingConnectionPool):
     """The Sentinels' primary, with a blocking pool's waiting: a burst of calls waits for a
     connection instead of failing."""
 
 
-def async_redis(url: str, max_connections: int) -> aioredis.Redis:
-    """An asyncio client of PD_REDIS_URL: a blocking pool of at most `max_connections`."""
+def async_redis(url: str, max_connections: int) -> aioredis.Redis | AsyncRedisCluster:
+    """An asyncio client of PD_REDIS_URL: a blocking pool of at most `max_connections` (a cluster's:
+    CLUSTER_CONNECTIONS per node)."""
+    cluster = cluster_target(url)
+    if cluster is not None:
+        return AsyncRedisCluster(startup_nodes=[AsyncClusterNode(h, p) for h, p in cluster.nodes],
+                                 username=cluster.username, password=cluster.password,
+                                 max_connections=CLUSTER_CONNECTIONS, **TIMEOUTS)
     target = sentinel_target(url)
     if target is None:
         pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=5, **TIMEOUTS)
@@ -107,8 +149,12 @@ def async_redis(url: str, max_connections: int) -> aioredis.Redis:
                                 username=target.username, password=target.password, **TIMEOUTS)
 
 
-def sync_redis(url: str) -> redis.Redis:
+def sync_redis(url: str) -> redis.Redis | redis.RedisCluster:
     """A blocking client of PD_REDIS_URL (operator tools, benchmarks, tests)."""
+    cluster = cluster_target(url)
+    if cluster is not None:
+        return redis.RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in cluster.nodes],
+                                  username=cluster.username, password=cluster.password, **TIMEOUTS)
     target = sentinel_target(url)
     if target is None:
         return redis.Redis.from_url(url, **TIMEOUTS)

@@ -28,7 +28,7 @@ from typing import Any
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from deploy.local import ha
+from deploy.local import ha, redis_cluster
 from deploy.local.servers import binary, die_with_parent, free_port
 from services.router.recent import REGISTRY_READ_S
 from shared import grants
@@ -50,6 +50,7 @@ class StackConfig:
     routers: int = 1                   # replicas sharing the route requests (a NATS queue group)
     colocated: bool = False            # no prefill pool: decode workers prefill locally
     ha: bool = False                   # NATS cluster of 3, Redis primary + replica + 3 Sentinels (deploy/local/ha.py)
+    redis_cluster: int = 0             # Redis as a Redis Cluster of this many primaries (deploy/local/redis_cluster.py)
     gateway_port: int = 8000
     nats_port: int = 4222
     redis_port: int = 6379
@@ -86,6 +87,9 @@ class Stack:
         if cfg.ha and cfg.hosts:
             raise ValueError("the HA servers run on this machine's loopback: not with hosts")
         self.ha_ports = ha.Ports.from_first(cfg.nats_port, cfg.redis_port) if cfg.ha else None
+        if cfg.redis_cluster and (cfg.ha or cfg.hosts):
+            raise ValueError("the Redis Cluster runs on this machine's loopback, without HA")
+        self.cluster_ports = [cfg.redis_port, *(free_port() for _ in range(cfg.redis_cluster - 1))]
 
     @property
     def url(self) -> str:
@@ -113,6 +117,8 @@ class Stack:
         name, password = ("", self.secret) if user == grants.OPERATOR else (user, self.nats_passwords[user])
         if self.ha_ports:
             return ha.redis_url(self.ha_ports, name, password, self.sentinel_secret)
+        if self.cfg.redis_cluster:
+            return redis_cluster.url(self.cluster_ports, name, password)
         return f"redis://{name}:{password}@{self.ip('redis')}:{self.cfg.redis_port}/0"
 
     def ip(self, name: str) -> str:
@@ -198,10 +204,17 @@ class Stack:
         redis_conf.write_text(f"requirepass {self.secret}\n{grants.redis_users(self.nats_passwords)}")
         self.spawn("nats", [binary("nats-server"), "-c", str(nats_conf), "-js", "-a", self.ip("nats"),
                             "-p", str(c.nats_port), "-sd", str(self.data / "nats")])
-        self.spawn("redis", [binary("redis-server"), str(redis_conf), "--port", str(c.redis_port),
-                             "--bind", self.ip("redis"), "--save", "", "--appendonly", "no", "--dir", str(self.data)])
+        if c.redis_cluster:
+            for i, port in enumerate(self.cluster_ports):
+                self.spawn(f"redis-{i}", redis_cluster.node(self.data / "redis", port, redis_conf))
+        else:
+            self.spawn("redis", [binary("redis-server"), str(redis_conf), "--port", str(c.redis_port), "--bind",
+                                 self.ip("redis"), "--save", "", "--appendonly", "no", "--dir", str(self.data)])
         self.wait_port(c.nats_port, 20, self.ip("nats"))
-        self.wait_port(c.redis_port, 20, self.ip("redis"))
+        for port in self.cluster_ports:
+            self.wait_port(port, 20, self.ip("redis"))
+        if c.redis_cluster:
+            redis_cluster.form(self.cluster_ports, self.secret)
 
     def restart(self, name: str, kill: bool = True) -> subprocess.Popen:
         """Stop a process (SIGKILL, or SIGTERM and wait) and start it again as it was started."""
@@ -295,6 +308,8 @@ class ServeSettings(BaseSettings):
     colocated: bool = Field(False, description="no prefill pool: decode workers do both")
     ha: bool = Field(False, description="a 3-node NATS cluster and Redis with a replica and 3 Sentinels (the first "
                      "node and the primary on nats_port / redis_port)")
+    redis_cluster: int = Field(0, ge=0, description="Redis as a Redis Cluster of this many primaries (the first on "
+                               "redis_port; PD_REDIS_URL=redis+cluster://)")
     port: int = Field(8000, description="the gateway's port")
     nats_port: int = Field(4222, description="NATS's port")
     redis_port: int = Field(6379, description="Redis's port")
@@ -306,7 +321,8 @@ class ServeSettings(BaseSettings):
 
     def config(self) -> StackConfig:
         return StackConfig(prefill=self.prefill, decode=self.decode, colocated=self.colocated, ha=self.ha,
-                           gateway_port=self.port, nats_port=self.nats_port, redis_port=self.redis_port,
+                           redis_cluster=self.redis_cluster, gateway_port=self.port, nats_port=self.nats_port,
+                           redis_port=self.redis_port,
                            model=self.model, kv_blocks=self.kv_blocks, threads=self.threads,
                            log_dir=Path(".run/logs"), env={"PD_MODEL_NAME": self.model_name} if self.model_name else {})
 
@@ -319,6 +335,7 @@ def main(args: ServeSettings) -> None:
     start = time.monotonic()
     pools = f"{args.decode} colocated" if args.colocated else f"{args.prefill} prefill + {args.decode} decode"
     pools += " worker(s)" + ("; NATS cluster of 3, Redis primary + replica + 3 Sentinels" if args.ha else "")
+    pools += f"; a Redis Cluster of {args.redis_cluster}" if args.redis_cluster else ""
     print(f"starting pdserve: {pools}; logs in {stack.log_dir}/", flush=True)
     try:
         stack.start()

@@ -21,15 +21,12 @@ from shared.state import REQUEST_TTL_S, Store, request_key
 CLIENT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # (NATS subject tokens take no '.', '*', '>' or space)
 CLIENT_ID_RULE = "1 to 64 characters from A-Z, a-z, 0-9, '_' and '-'"
 
-# every key free, then each taken (one round trip, atomic)
-_CLAIM = """
-for _, key in ipairs(KEYS) do
-  if redis.call('EXISTS', key) == 1 then return 0 end
-end
-for _, key in ipairs(KEYS) do
-  redis.call('HSET', key, 'claimed', ARGV[1])
-  redis.call('EXPIRE', key, ARGV[2])
-end
+# a request's record taken when there is none (one key: the ids' records hash to several slots of a
+# Redis Cluster, shared/state/keys.py)
+_TAKE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'claimed', ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[2])
 return 1
 """
 
@@ -59,12 +56,25 @@ async def settle(state: Store, wanted: str, prompts: int, n: int, owner: str) ->
     `wanted` with a suffix that is (Redis away: a suffix unclaimed, 32 random bits)."""
     for rid in (wanted, suffixed(wanted)):
         try:
-            keys = [request_key(i) for i in parts(rid, prompts, n)]
-            if await state.script(_CLAIM)(keys=keys, args=[owner, REQUEST_TTL_S]):
+            if await claim(state, [request_key(i) for i in parts(rid, prompts, n)], owner):
                 return rid
         except RedisError:
             break
     return suffixed(wanted)
+
+
+async def claim(state: Store, keys: list[str], owner: str) -> bool:
+    """All of `keys` taken, or none: each taken where free, on one round trip; when one was not,
+    those this call took are let go on a second (two requests after overlapping ids may then both
+    go without: each takes a suffixed id)."""
+    sha = state.script(_TAKE).sha
+    took = await state.pipelined(lambda p: [p.evalsha(sha, 1, key, owner, REQUEST_TTL_S) for key in keys])
+    if all(took):
+        return True
+    mine = [key for key, t in zip(keys, took) if t]
+    if mine:
+        await state.pipelined(lambda p: [p.delete(key) for key in mine])
+    return False
 
 
 def suffixed(wanted: str) -> str:

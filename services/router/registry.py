@@ -1,7 +1,7 @@
 """A router's copy of the worker registry, kept by reading only what changed.
 
-Every heartbeat and departure is numbered in Redis (shared/state/registry.py: `pd:registry:seq`, and
-`pd:registry:changes`, each worker id scored by its latest change). A read asks for the
+Every heartbeat and departure is numbered in Redis (shared/state/registry.py: `pd:{registry}:seq`, and
+`pd:{registry}:changes`, each worker id scored by its latest change). A read asks for the
 changes after the last number seen: ~W x read period / heartbeat period entries, not W, so
 neither Redis nor the router spends time on workers that did not beat since. Each entry
 carries what was left of its lease when read; one that is not renewed by then lapses here,

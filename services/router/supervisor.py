@@ -1,10 +1,10 @@
 """The supervisor, in every router replica: requests that stopped advancing, and requests
 whose gateway is gone. One round every `supervise_s`:
 
-1. Lost gateways: a gateway with requests filed under it (`pd:owned:<gw>`) whose lease has
+1. Lost gateways: a gateway with requests filed under it (`pd:{flight}:owned:<gw>`) whose lease has
    been gone for `confirm_s`. Nobody reads those requests' tokens: each is cancelled on
    every worker its events name (its blocks return on both) and recorded `failed`.
-2. Overdue requests (`pd:deadlines`): the request's events give its summary and the registry
+2. Overdue requests (`pd:{flight}:deadlines`): the request's events give its summary and the registry
    its workers' leases; lifecycle.verdict decides. Stalled (workers alive, no progress: a
    hung step, a job that never ran) → a `Stalled` word on `pd.stalled.<rid>` to the gateway
    holding the stream, which moves the request as from a lost worker. The deadline moves on

@@ -18,6 +18,7 @@ from shared.state.keys import (
     GATEWAYS,
     REQUEST_TTL_S,
     WORKERS,
+    claim_key,
     log_key,
     owned_key,
     placement_key,
@@ -33,7 +34,7 @@ from shared.state.sessions import Sessions
 from shared.state.store import Store
 from shared.urls import async_redis
 
-__all__ = ["DEADLINES", "GATEWAYS", "PREFILLED_ELSEWHERE", "REQUEST_TTL_S", "WORKERS", "State", "Store",
+__all__ = ["DEADLINES", "GATEWAYS", "PREFILLED_ELSEWHERE", "REQUEST_TTL_S", "WORKERS", "State", "Store", "claim_key",
            "log_key", "owned_key", "placement_key", "request_key", "route_key", "session_key", "worker_key"]
 MAX_CONNECTIONS = 64  # per process
 

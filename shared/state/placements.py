@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from redis.asyncio.client import Pipeline
 
-from shared.state.keys import route_key
+from shared.state.keys import claim_key, route_key
 from shared.state.store import Store
 
 # the claim taken or renewed, then the decode worker about to be asked noted on the placement
@@ -52,7 +52,7 @@ class Placements:
         `decode` a takeover asks first, `reply` a repeat is answered with)."""
         key = route_key(request_id)
         claimed, known = await self.store.call(lambda p: p.evalsha(
-            self.store.script(_BEGIN).sha, 2, key + ":claim", key, router_id, int(lease_s * 1000), decode,
+            self.store.script(_BEGIN).sha, 2, claim_key(request_id), key, router_id, int(lease_s * 1000), decode,
             int(ttl_s * 1000)))
         return bool(claimed), {known[i].decode(): known[i + 1].decode() for i in range(0, len(known), 2)}
 
@@ -61,12 +61,12 @@ class Placements:
         taking over a lapsed claim asks that worker first); False if another router holds it."""
         key = route_key(request_id)
         return bool(await self.store.call(lambda p: p.evalsha(
-            self.store.script(_HOLD).sha, 2, key + ":claim", key, router_id, int(lease_s * 1000), decode,
+            self.store.script(_HOLD).sha, 2, claim_key(request_id), key, router_id, int(lease_s * 1000), decode,
             int(ttl_s * 1000))))
 
     async def release(self, request_id: str) -> None:
         """Give up the placing (a refusal): the next attempt decides afresh."""
-        await self.store.r.delete(route_key(request_id) + ":claim", route_key(request_id))
+        await self.store.r.delete(claim_key(request_id), route_key(request_id))  # (one slot)
 
     @staticmethod
     def queue_note(p: Pipeline, request_id: str, ttl_s: float, **fields: str) -> None:

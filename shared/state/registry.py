@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass
 
 from shared.messages import WorkerInfo
-from shared.state.keys import REGISTRY_CHANGES, REGISTRY_EPOCH, REGISTRY_SEQ, WORKERS, worker_key
+from shared.state.keys import REGISTRY_CHANGES, REGISTRY_EPOCH, REGISTRY_SEQ, WORKER_PREFIX, WORKERS, worker_key
 from shared.state.store import Store
 
 # a heartbeat (ARGV[1] the entry) or a departure (ARGV[1] empty), numbered in the change log
@@ -26,7 +26,8 @@ redis.call('ZADD', KEYS[4], n, ARGV[3])
 """
 
 # the registry changes after ARGV[2] (all registered ids when ARGV[3] is '1' or the epoch is
-# not ARGV[1]; then ids whose lease lapsed leave the set and the change log):
+# not ARGV[1]; then ids whose lease lapsed leave the set and the change log; ARGV[4] the entries'
+# key prefix, whose keys share the others' slot):
 # {epoch, seq, full, then per id: id, entry ('' gone), lease left in ms}
 _CHANGES = """
 local seq = tonumber(redis.call('GET', KEYS[1]) or '0')
@@ -41,7 +42,7 @@ end
 local out = {epoch, seq, full}
 for i = 1, #ids, 1000 do
   local keys = {}
-  for j = i, math.min(i + 999, #ids) do keys[#keys + 1] = 'pd:worker:' .. ids[j] end
+  for j = i, math.min(i + 999, #ids) do keys[#keys + 1] = ARGV[4] .. ids[j] end
   local values = redis.call('MGET', unpack(keys))
   for j, v in ipairs(values) do
     local id = ids[i + j - 1]
@@ -94,7 +95,7 @@ class Registry:
         is not the current one: a first read, or a Redis that restarted empty)."""
         raw = await self.store.call(lambda p: p.evalsha(
             self.store.script(_CHANGES).sha, 4, REGISTRY_SEQ, REGISTRY_CHANGES, REGISTRY_EPOCH, WORKERS, epoch,
-            since, int(whole)))
+            since, int(whole), WORKER_PREFIX))
         entries = []
         for i in range(3, len(raw), 3):
             value = raw[i + 1]

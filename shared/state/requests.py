@@ -10,7 +10,7 @@ from redis.asyncio.client import Pipeline
 
 from shared.lifecycle import TERMINAL, Event, deadline_s
 from shared.notes import Note, Notes
-from shared.state.keys import DEADLINES, GATEWAYS, REQUEST_TTL_S, log_key, owned_key, request_key
+from shared.state.keys import DEADLINES, GATEWAYS, REQUEST_TTL_S, log_key, owned_key, request_key, supervisor_key
 from shared.state.store import Store
 
 PREFILLED_ELSEWHERE = ("prefill_local",)  # phases after which a request's prefill job has nothing left to do
@@ -25,26 +25,30 @@ for i = 3, #ARGV do
   else redis.call('ZADD', KEYS[1], at, ARGV[i]) end
 end
 """
-# One event (Requests.record) in one call: KEYS: its log, its summary, the deadlines, its gateway's
-# requests, the gateways. ARGV: the event (JSON), the TTL, the request id, 'end' | 'deadline' | '',
-# the deadline's seconds from now, 'file' | 'unfile' | '' (under its gateway), the gateway, then the
-# summary's fields and values.
+# One event (Requests.record) in two scripts, one per hash tag (shared/state/keys.py), queued on one
+# round trip. NOTE, the request's own keys: its log, its summary; ARGV: the event (JSON), the TTL, then
+# the summary's fields and values.
 NOTE = """
 redis.call('RPUSH', KEYS[1], ARGV[1])
 redis.call('EXPIRE', KEYS[1], ARGV[2])
-redis.call('HSET', KEYS[2], unpack(ARGV, 8))
+redis.call('HSET', KEYS[2], unpack(ARGV, 3))
 redis.call('EXPIRE', KEYS[2], ARGV[2])
-if ARGV[4] == 'end' then
-  redis.call('ZREM', KEYS[3], ARGV[3])
-elseif ARGV[4] == 'deadline' then
+"""
+# FLIGHT, the requests in flight: the deadlines, its gateway's requests, the gateways; ARGV: the request
+# id, 'end' | 'deadline' | '', the deadline's seconds from now, 'file' | 'unfile' | '' (under its
+# gateway), the gateway.
+FLIGHT = """
+if ARGV[2] == 'end' then
+  redis.call('ZREM', KEYS[1], ARGV[1])
+elseif ARGV[2] == 'deadline' then
   local t = redis.call('TIME')
-  redis.call('ZADD', KEYS[3], tonumber(t[1]) + tonumber(t[2]) / 1000000 + tonumber(ARGV[5]), ARGV[3])
+  redis.call('ZADD', KEYS[1], tonumber(t[1]) + tonumber(t[2]) / 1000000 + tonumber(ARGV[3]), ARGV[1])
 end
-if ARGV[6] == 'unfile' then
-  redis.call('SREM', KEYS[4], ARGV[3])
-elseif ARGV[6] == 'file' then
-  redis.call('SADD', KEYS[4], ARGV[3])
-  redis.call('SADD', KEYS[5], ARGV[7])
+if ARGV[4] == 'unfile' then
+  redis.call('SREM', KEYS[2], ARGV[1])
+elseif ARGV[4] == 'file' then
+  redis.call('SADD', KEYS[2], ARGV[1])
+  redis.call('SADD', KEYS[3], ARGV[5])
 end
 """
 OVERDUE = """
@@ -85,11 +89,11 @@ class Requests:
     async def _send(self, notes: list[Note]) -> None:
         """One round trip. A Redis that lost the script runs none of the notes and the batch is sent
         again whole (`Store.pipelined`): only the `also` writes (idempotent) run twice."""
-        sha = self.store.script(NOTE).sha
+        shas = self.store.script(NOTE).sha, self.store.script(FLIGHT).sha
 
         def build(p: Pipeline) -> None:
             for n in notes:
-                _queue_note(p, sha, n)
+                _queue_note(p, shas, n)
         await self.store.pipelined(build)
 
     async def summary(self, request_id: str) -> dict[str, str]:
@@ -117,7 +121,7 @@ class Requests:
 
     async def claim_supervision(self, request_id: str, holder: str, lease_s: float) -> bool:
         """One supervisor judges a request per lease (replicas skip it meanwhile)."""
-        return bool(await self.store.r.set(request_key(request_id) + ":supervisor", holder, nx=True,
+        return bool(await self.store.r.set(supervisor_key(request_id), holder, nx=True,
                                            px=int(lease_s * 1000)))
 
     # -- gateway ownership -----------------------------------------------------------------
@@ -134,17 +138,19 @@ class Requests:
         return taken
 
 
-def _queue_note(p: Pipeline, sha: str, n: Note) -> None:
-    """The writes of one event (Requests.record) on pipeline `p`: the NOTE script (`sha`), and `also`."""
+def _queue_note(p: Pipeline, shas: tuple[str, str], n: Note) -> None:
+    """The writes of one event (Requests.record) on pipeline `p`: the NOTE script, FLIGHT's where the
+    event moves a deadline or a filing (`shas`: theirs), and `also`."""
     event = Event(t=n.at, event=n.phase, attempt=n.attempt, by=n.by, **n.fields)
     owner = str(n.fields.get("owner") or "")
     summary = {"phase": n.phase, f"t_{n.phase}": f"{n.at:.6f}", "attempt": str(n.attempt),
                **{k: str(v) for k, v in n.fields.items() if v not in ("", None)}}
     deadline = "end" if n.phase in TERMINAL else "deadline" if n.deadline_s is not None else ""
     filing = "unfile" if owner and n.phase in TERMINAL else "file" if owner and n.phase == "received" else ""
-    p.evalsha(sha, 5, log_key(n.request_id), request_key(n.request_id), DEADLINES, owned_key(owner or "-"), GATEWAYS,
-              event.model_dump_json(), REQUEST_TTL_S, n.request_id, deadline,
-              n.deadline_s if n.deadline_s is not None else 0, filing, owner,
+    p.evalsha(shas[0], 2, log_key(n.request_id), request_key(n.request_id), event.model_dump_json(), REQUEST_TTL_S,
               *(x for kv in summary.items() for x in kv))
+    if deadline or filing:
+        p.evalsha(shas[1], 3, DEADLINES, owned_key(owner or "-"), GATEWAYS, n.request_id, deadline,
+                  n.deadline_s if n.deadline_s is not None else 0, filing, owner)
     if n.also is not None:
         n.also(p)

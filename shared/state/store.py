@@ -13,12 +13,13 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
+from redis.asyncio.cluster import RedisCluster
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
 
 class Store:
-    def __init__(self, r: aioredis.Redis):
+    def __init__(self, r: aioredis.Redis | RedisCluster):
         self.r = r
         self._scripts: dict[str, AsyncScript] = {}
 
@@ -49,6 +50,6 @@ class Store:
 
     async def close(self) -> None:
         await self.r.aclose()
-        sentinels = getattr(self.r.connection_pool, "sentinel_manager", None)  # (redis+sentinel://)
+        sentinels = getattr(getattr(self.r, "connection_pool", None), "sentinel_manager", None)  # (redis+sentinel://)
         if sentinels is not None:
             await sentinels.aclose()

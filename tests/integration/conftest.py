@@ -1,5 +1,7 @@
 """Real servers for the tests that talk to them: redis-server and nats-server (JetStream),
-from the pip-installed binaries, on free ports, one per test module."""
+from the pip-installed binaries, on free ports, one per test module. A module whose store must
+work on a Redis Cluster too overrides `redis_url` with `redis_or_cluster_url`: its tests run on
+one redis-server, then on a cluster of three primaries (deploy/local/redis_cluster.py)."""
 
 from __future__ import annotations
 
@@ -9,13 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from deploy.local import ha
+from deploy.local import ha, redis_cluster
 from deploy.local.servers import binary, free_port, wait_for_port
 from shared import grants
 
 
 @pytest.fixture(scope="module")
-def redis_url():
+def redis_url(redis_server_url):
+    return redis_server_url
+
+
+@pytest.fixture(scope="module")
+def redis_server_url():
     port = free_port()
     with tempfile.TemporaryDirectory() as d:
         proc = subprocess.Popen([binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
@@ -24,6 +31,28 @@ def redis_url():
         yield f"redis://127.0.0.1:{port}/0"
         proc.terminate()
         proc.wait()
+
+
+@pytest.fixture(scope="module")
+def redis_cluster_url():
+    procs: list[subprocess.Popen] = []
+
+    def spawn(argv: list[str]) -> subprocess.Popen:
+        procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL))
+        return procs[-1]
+
+    with tempfile.TemporaryDirectory() as d:
+        try:
+            yield redis_cluster.start(Path(d), 3, spawn)
+        finally:
+            for proc in procs:
+                proc.terminate()
+                proc.wait()
+
+
+@pytest.fixture(scope="module", params=["one", "cluster"])
+def redis_or_cluster_url(request):
+    return request.getfixturevalue("redis_cluster_url" if request.param == "cluster" else "redis_server_url")
 
 
 @pytest.fixture(scope="module")

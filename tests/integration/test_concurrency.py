@@ -14,6 +14,12 @@ from services.gateway.concurrency import Concurrency
 from services.gateway.errors import APIError
 from shared.state import State
 
+
+@pytest.fixture(scope="module")
+def redis_url(redis_or_cluster_url):
+    """One redis-server, then a Redis Cluster (tests/integration/conftest.py)."""
+    return redis_or_cluster_url
+
 LEASE_S = 1.0
 
 

@@ -13,6 +13,12 @@ from shared.state import DEADLINES, State
 from shared.state import requests as state_module
 
 
+@pytest.fixture(scope="module")
+def redis_url(redis_or_cluster_url):
+    """One redis-server, then a Redis Cluster (tests/integration/conftest.py)."""
+    return redis_or_cluster_url
+
+
 @pytest.mark.parametrize("skew_s", [-3600.0, 3600.0])
 def test_a_deadline_does_not_move_with_the_writers_clock(redis_url, monkeypatch, skew_s):
     real = time.time

@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from services.gateway.errors import APIError
 from services.gateway.ratelimit import RateLimit
 from shared.state import State
+
+
+@pytest.fixture(scope="module")
+def redis_url(redis_or_cluster_url):
+    """One redis-server, then a Redis Cluster (tests/integration/conftest.py)."""
+    return redis_or_cluster_url
 
 
 def test_a_caller_over_its_rate_gets_429_with_retry_after_and_others_are_not_affected(redis_url):

@@ -6,9 +6,17 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from services.router.registry import Registry
 from shared.messages import WorkerInfo
 from shared.state import State
+
+
+@pytest.fixture(scope="module")
+def redis_url(redis_or_cluster_url):
+    """One redis-server, then a Redis Cluster (tests/integration/conftest.py)."""
+    return redis_or_cluster_url
 
 
 def info(i: int, load: int = 0) -> WorkerInfo:

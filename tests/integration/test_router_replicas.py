@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 from opentelemetry import trace
 
 from services.router.main import Router
@@ -15,7 +16,13 @@ from shared import subjects
 from shared.bus import Bus
 from shared.config import RouterSettings
 from shared.messages import AdmitReply, AdmitRequest, PrefillJob, RouteReply, RouteRequest, Sampling, WorkerInfo
-from shared.state import State, route_key
+from shared.state import State, claim_key, route_key
+
+
+@pytest.fixture(scope="module")
+def redis_url(redis_or_cluster_url):
+    """One redis-server, then a Redis Cluster (tests/integration/conftest.py)."""
+    return redis_or_cluster_url
 
 
 def _worker(wid: str, role: str, running: int = 0) -> WorkerInfo:
@@ -43,7 +50,8 @@ async def _setup(nats_url: str, redis_url: str):
         await state.registry.heartbeat(w, 60)
     bus = await Bus.connect(nats_url, "test")
     await bus.ensure_prefill_stream()
-    await bus.js.purge_stream(subjects.PREFILL_STREAM)
+    await bus.js.delete_stream(subjects.PREFILL_STREAM)  # its jobs and the ids it deduplicates (earlier runs')
+    await bus.ensure_prefill_stream()
     admits: dict[str, list[str]] = {"decode-0": [], "decode-1": []}
 
     def stand_in(wid: str):
@@ -123,7 +131,7 @@ def test_a_refused_request_is_decided_afresh_next_time(nats_url, redis_url):
         (a, b), admits, jobs, state, bus = await _setup(nats_url, redis_url)
         req = _request("r3").model_copy(update={"model": "other"})
         refused = await a.route(req)
-        left = await state.r.exists(route_key("r3"), route_key("r3") + ":claim")
+        left = await state.r.exists(route_key("r3"), claim_key("r3"))
         again = await b.route(req.model_copy(update={"model": "m"}))
         await bus.close()
         return refused, left, again
@@ -156,7 +164,7 @@ def test_an_overloaded_router_refuses_at_once_and_the_gateway_may_ask_again(nats
         await bus.subscribe("test.route", a.start_route)
         a.in_flight = 1
         busy = await bus.request("test.route", _request("r5"), RouteReply, timeout=5)
-        claimed = await state.r.exists(route_key("r5") + ":claim")
+        claimed = await state.r.exists(claim_key("r5"))
         a.in_flight = 0
         placed = await bus.request("test.route", _request("r5"), RouteReply, timeout=5)
         await bus.close()

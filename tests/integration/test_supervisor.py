@@ -7,10 +7,18 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from services.router.supervisor import Supervisor
 from shared.bus import Bus
 from shared.messages import Cancel, Stalled, WorkerInfo
 from shared.state import DEADLINES, GATEWAYS, State, owned_key
+
+
+@pytest.fixture(scope="module")
+def redis_url(redis_or_cluster_url):
+    """One redis-server, then a Redis Cluster (tests/integration/conftest.py)."""
+    return redis_or_cluster_url
 
 
 async def _request(state: State, rid: str, gateway: str, deadline_s: float, prefill: str = "") -> None:

@@ -13,6 +13,7 @@ from helpers import generate, run_all
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.sequence import SamplingParams
+from shared.state import worker_key
 
 pytestmark = pytest.mark.slow
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
@@ -189,7 +190,7 @@ def test_client_that_leaves_mid_stream_frees_its_blocks(stack):
     store = redis.Redis.from_url(stack.redis_url)
 
     def free_blocks():
-        infos = [_json.loads(store.get(k)) for k in store.keys("pd:worker:*")]
+        infos = [_json.loads(store.get(k)) for k in store.keys(worker_key("*"))]
         return {w["worker_id"]: (w["free_blocks"], w["total_blocks"]) for w in infos
                 if w["role"] in ("prefill", "decode")}
 

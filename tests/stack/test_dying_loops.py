@@ -14,6 +14,7 @@ from helpers import generate
 
 from deploy.local.stack import Stack, StackConfig
 from shared.engine.sequence import SamplingParams
+from shared.state import worker_key
 from shared.urls import sync_redis
 
 pytestmark = pytest.mark.slow
@@ -42,7 +43,7 @@ def test_a_decode_worker_whose_engine_step_raises_leaves_and_its_streams_finish_
         deadline = time.monotonic() + 10
         while victim.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
-        gone = sync_redis(stack.redis_url).get("pd:worker:decode-0") is None
+        gone = sync_redis(stack.redis_url).get(worker_key("decode-0")) is None
         code = victim.poll()
     said = (tmp_path / "decode-0.log").read_text()
     assert code not in (None, 0), code  # it exited, and said it failed

@@ -15,7 +15,7 @@ from helpers import generate
 
 from deploy.local.stack import Stack, StackConfig
 from shared.engine.sequence import SamplingParams
-from shared.state import log_key, request_key
+from shared.state import log_key, request_key, route_key, worker_key
 from shared.urls import sync_redis
 
 pytestmark = pytest.mark.slow
@@ -45,7 +45,7 @@ def test_a_prefill_worker_killed_mid_prompt_costs_its_lease_not_the_request(smol
             deadline, victim = time.monotonic() + 60, None
             while time.monotonic() < deadline and victim is None:   # until a prefill worker holds the prompt
                 victim = next((w for w in ("prefill-0", "prefill-1") if stack.procs[w].poll() is None and json.loads(
-                    store.get(f"pd:worker:{w}") or "{}").get("queued_tokens")), None)
+                    store.get(worker_key(w)) or "{}").get("queued_tokens")), None)
                 time.sleep(0.05)
             assert victim, "no prefill worker took the prompt"
             stack.procs[victim].send_signal(signal.SIGKILL)
@@ -58,7 +58,7 @@ def test_a_prefill_worker_killed_mid_prompt_costs_its_lease_not_the_request(smol
         record = {k.decode(): v.decode() for k, v in store.hgetall(request_key(local.headers["x-request-id"])).items()}
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            decode = json.loads(store.get("pd:worker:decode-0"))
+            decode = json.loads(store.get(worker_key("decode-0")))
             if decode["free_blocks"] == decode["total_blocks"]:
                 break
             time.sleep(0.2)
@@ -117,7 +117,7 @@ def test_200_streams_cancelled_at_random_points_leave_no_block_taken(stack):
     store = sync_redis(stack.redis_url)
 
     def pools():
-        infos = [json.loads(store.get(k)) for k in store.keys("pd:worker:*")]
+        infos = [json.loads(store.get(k)) for k in store.keys(worker_key("*"))]
         return {w["worker_id"]: (w["free_blocks"], w["total_blocks"], w["running"], w["waiting"])
                 for w in infos if w["role"] in ("prefill", "decode")}
     deadline = time.monotonic() + 30
@@ -147,7 +147,7 @@ def test_a_failing_kv_path_opens_its_breaker_and_requests_go_colocated(tmp_path)
                 "model": MODEL, "temperature": 0, "max_tokens": 3,
                 "messages": [{"role": "user", "content": f"Name a colour ({i})."}]})
             answers.append(r.status_code)
-            record = store.hgetall(f"pd:req:{r.headers['x-request-id']}")
+            record = store.hgetall(request_key(r.headers['x-request-id']))
             modes.append((record[b"mode"].decode(), record[b"reason"].decode()))
             time.sleep(0.2)   # the outcome reaches the router
     assert answers == [200] * 6
@@ -185,7 +185,7 @@ def test_a_prefill_job_the_queue_refuses_is_prefilled_on_the_decode_worker_at_on
         took = time.monotonic() - start
         store, events = sync_redis(stack.redis_url), []
         for _ in range(50):  # events are written in the background
-            events = [json.loads(e) for e in store.lrange(f"pd:req:{r.headers['x-request-id']}:log", 0, -1)]
+            events = [json.loads(e) for e in store.lrange(log_key(r.headers['x-request-id']), 0, -1)]
             if any(e["event"] == "prefill_local" for e in events):
                 break
             time.sleep(0.1)
@@ -302,17 +302,17 @@ def test_a_decode_worker_killed_mid_stream_is_continued_on_another(smollm2, two_
                 if killed and resumed_at is None and choice.get("token_ids"):
                     resumed_at = time.monotonic()
                 if len(ids) >= 8 and victim is None:
-                    victim = store.hget(f"pd:req:{rid}", "decode").decode()
+                    victim = store.hget(request_key(rid), "decode").decode()
                     stack.procs[victim].send_signal(signal.SIGKILL)
                     killed = time.monotonic()
         survivor = ({"decode-0", "decode-1"} - {victim}).pop()
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:   # the registry shows the pools within a heartbeat or two
-            info, prefill = (json.loads(store.get(f"pd:worker:{w}")) for w in (survivor, "prefill-0"))
+            info, prefill = (json.loads(store.get(worker_key(w))) for w in (survivor, "prefill-0"))
             if info["free_blocks"] == info["total_blocks"] and prefill["free_blocks"] == prefill["total_blocks"]:
                 break
             time.sleep(0.1)
-        events = [json.loads(e) for e in store.lrange(f"pd:req:{rid}:log", 0, -1)]
+        events = [json.loads(e) for e in store.lrange(log_key(rid), 0, -1)]
     resumed = [e for e in events if e["event"] == "routed" and e["attempt"] == 1]
     assert resumed and resumed[0]["mode"] == "remote" and resumed[0]["prefill"] == "prefill-0", events
     assert not [e for e in events if e["event"] == "prefill_local"], events  # no recompute on a decode worker
@@ -341,15 +341,15 @@ def test_sigterm_drains_a_decode_worker_its_streams_finish_there_new_ones_go_els
                 if line.startswith("data: {"):
                     ids += json.loads(line[6:])["choices"][0].get("token_ids") or []
                 if len(ids) >= 5 and victim is None:
-                    victim = store.hget(f"pd:req:{rid}", "decode").decode()
+                    victim = store.hget(request_key(rid), "decode").decode()
                     stack.procs[victim].send_signal(signal.SIGTERM)
                     time.sleep(0.2)
-                    draining = json.loads(store.get(f"pd:worker:{victim}"))["draining"]
+                    draining = json.loads(store.get(worker_key(victim)))["draining"]
                     other = http.post("/v1/chat/completions", json={
                         "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
         exit_code = stack.procs[victim].wait(60)
-        resumed = store.exists(f"pd:route:{rid}#1")
-        placed_other = store.hget(f"pd:req:{other.headers['x-request-id']}", "decode").decode()
+        resumed = store.exists(route_key(f"{rid}#1"))
+        placed_other = store.hget(request_key(other.headers['x-request-id']), "decode").decode()
     assert draining is True
     assert ids == expected and not resumed
     assert other.status_code == 200 and placed_other != victim

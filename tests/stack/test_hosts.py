@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench import netns
 from deploy.local.stack import Stack, StackConfig
 from shared.engine.sequence import SamplingParams
+from shared.state import log_key, request_key, worker_key
 from shared.urls import sync_redis
 
 pytestmark = pytest.mark.slow
@@ -95,7 +96,7 @@ def test_streams_cross_hosts_and_survive_a_decode_host_cut_off(smollm2, hosts, t
         while len(progress) < len(TOPICS) or min(progress.values()) < 4:
             assert time.monotonic() < deadline, progress
             time.sleep(0.05)
-        held = {rid: store.hget(f"pd:req:{rid}", "decode").decode() for rid in progress}
+        held = {rid: store.hget(request_key(rid), "decode").decode() for rid in progress}
         victim = max(("decode-0", "decode-1"), key=list(held.values()).count)
         netns.set_link(hosts[WORKERS[victim]], up=False)
         cut_at = time.monotonic()
@@ -104,13 +105,13 @@ def test_streams_cross_hosts_and_survive_a_decode_host_cut_off(smollm2, hosts, t
         netns.set_link(hosts[WORKERS[victim]], up=True)
         deadline = time.monotonic() + 60   # back on the network: it ends what it held
         while time.monotonic() < deadline:
-            entry = store.get(f"pd:worker:{victim}")
+            entry = store.get(worker_key(victim))
             info = json.loads(entry) if entry else {}
             if info and info["free_blocks"] == info["total_blocks"] and not info["running"] + info["waiting"]:
                 break
             time.sleep(0.3)
         alive = {n: p.poll() for n, p in stack.procs.items()}
-        events = {rid: [json.loads(e) for e in store.lrange(f"pd:req:{rid}:log", 0, -1)] for rid, _ in second}
+        events = {rid: [json.loads(e) for e in store.lrange(log_key(rid), 0, -1)] for rid, _ in second}
 
     assert first == {i: expected[i] for i in prompts}
     assert sent.get("segment", 0) == 0 and sent["ucx"] > 0, sent

@@ -12,6 +12,7 @@ from helpers import generate
 
 from deploy.local.stack import Stack, StackConfig
 from shared.engine.sequence import SamplingParams
+from shared.state import worker_key
 
 pytestmark = pytest.mark.slow
 QUESTIONS = [f"What is the capital of {c}?" for c in
@@ -116,7 +117,7 @@ def test_a_stalled_prefill_worker_costs_a_deadline_not_the_request(smollm2, tmp_
         store = redis.Redis.from_url(stack.redis_url)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
-            infos = [json.loads(store.get(k)) for k in store.keys("pd:worker:*")]
+            infos = [json.loads(store.get(k)) for k in store.keys(worker_key("*"))]
             workers = [w for w in infos if w["role"] in ("prefill", "decode")]
             if len(workers) == 2 and all(w["free_blocks"] == w["total_blocks"] for w in workers):
                 break

@@ -13,6 +13,7 @@ import redis
 from conftest import MODEL
 
 from deploy.local.stack import Stack, StackConfig
+from shared.state import request_key, worker_key
 
 pytestmark = pytest.mark.slow
 SYSTEM = "You are the archive assistant of the river town of Alder. " + " ".join(
@@ -26,7 +27,7 @@ def _wait_until_busy(stack: Stack, worker_id: str, timeout_s: float = 60) -> Non
     store = redis.Redis.from_url(stack.redis_url)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        info = json.loads(store.get(f"pd:worker:{worker_id}") or "{}")
+        info = json.loads(store.get(worker_key(worker_id)) or "{}")
         if info.get("queued_tokens") or info.get("running") or info.get("waiting"):
             time.sleep(0.3)
             return
@@ -143,6 +144,6 @@ def test_a_short_prompt_behind_a_long_one_is_prefilled_on_the_decode_worker(tmp_
         _wait_until_busy(stack, "prefill-0")
         short = _ask(stack.url, [{"role": "user", "content": "Name a colour."}], 2)
         assert not first.done(), "the short prompt waited for the long one"
-        record = {k.decode(): v.decode() for k, v in store.hgetall(f"pd:req:{short.headers['x-request-id']}").items()}
+        record = {k.decode(): v.decode() for k, v in store.hgetall(request_key(short.headers['x-request-id'])).items()}
         assert record["mode"] == "local" and "remote" in record["reason"], record
         assert first.result().json()["usage"]["prompt_tokens"] > 1000

@@ -18,6 +18,7 @@ from helpers import generate
 
 from deploy.local.stack import Stack, StackConfig
 from shared.engine.sequence import SamplingParams
+from shared.state import log_key, request_key, worker_key
 
 pytestmark = pytest.mark.slow
 HANG_AFTER = 24   # engine steps of decode-0: it hangs after ~25 tokens
@@ -34,7 +35,7 @@ def stack(tmp_path_factory, otlp):
 
 
 def _blocks(store, worker: str) -> tuple[int, int, int]:
-    info = json.loads(store.get(f"pd:worker:{worker}") or "{}")
+    info = json.loads(store.get(worker_key(worker)) or "{}")
     return info.get("free_blocks", -1), info.get("total_blocks", 0), info.get("running", -1)
 
 
@@ -110,7 +111,7 @@ def test_a_lost_gateways_requests_are_cancelled_on_the_workers(stack):
                 stack.procs["gateway"].send_signal(signal.SIGKILL)
                 killed = time.monotonic()
                 break
-    record = {k.decode(): v.decode() for k, v in store.hgetall(f"pd:req:{rid}").items()}
+    record = {k.decode(): v.decode() for k, v in store.hgetall(request_key(rid)).items()}
     worker = record.get("decode")
     assert worker == "decode-1", record
     freed_s = None
@@ -120,7 +121,7 @@ def test_a_lost_gateways_requests_are_cancelled_on_the_workers(stack):
             freed_s = time.monotonic() - killed
             break
         time.sleep(0.1)
-    events = [json.loads(e) for e in store.lrange(f"pd:req:{rid}:log", 0, -1)]
+    events = [json.loads(e) for e in store.lrange(log_key(rid), 0, -1)]
     assert freed_s is not None and freed_s < 10, freed_s
     failed = [e for e in events if e["event"] == "failed"]
     assert len(failed) == 1 and failed[0]["by"] == "router" and "lost" in failed[0]["reason"], events

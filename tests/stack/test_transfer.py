@@ -15,6 +15,7 @@ from helpers import generate
 
 from deploy.local.stack import Stack, StackConfig
 from shared.engine.sequence import SamplingParams
+from shared.state import worker_key
 
 pytestmark = pytest.mark.slow
 LAYERS, BLOCK_NBYTES = 30, 2 * 16 * 3 * 64 * 4       # SmolLM2, fp32 KV, 16-token blocks
@@ -52,7 +53,7 @@ def _expected(smollm2, messages, max_tokens=8) -> list[int]:
 
 def _workers(stack: Stack) -> list[dict]:
     store = redis.Redis.from_url(stack.redis_url)
-    infos = [json.loads(store.get(k) or "{}") for k in store.keys("pd:worker:*")]
+    infos = [json.loads(store.get(k) or "{}") for k in store.keys(worker_key("*"))]
     return [w for w in infos if w.get("role") in ("prefill", "decode")]
 
 

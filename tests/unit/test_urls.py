@@ -1,5 +1,5 @@
 """PD_NATS_URL and PD_REDIS_URL (shared/urls.py): a cluster's servers, a Sentinel-watched
-primary, and a malformed URL refused at start naming what is wrong."""
+primary, a Redis Cluster's nodes, and a malformed URL refused at start naming what is wrong."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from shared.config import Common, GatewaySettings
-from shared.urls import SentinelTarget, nats_servers, sentinel_target
+from shared.urls import ClusterTarget, SentinelTarget, cluster_target, nats_servers, sentinel_target
 
 
 def test_a_cluster_is_its_servers_separated_by_commas():
@@ -25,6 +25,21 @@ def test_a_sentinel_url_names_the_sentinels_the_service_the_db_and_both_password
     assert sentinel_target("redis://:p@h:6379/0") is None
 
 
+def test_a_cluster_url_names_its_nodes_and_the_user():
+    assert cluster_target("redis+cluster://router:p%40ss@10.0.0.1:6379,10.0.0.2:6380,") == ClusterTarget(
+        [("10.0.0.1", 6379), ("10.0.0.2", 6380)], "p@ss", "router")
+    assert cluster_target("redis+cluster://h:7000") == ClusterTarget([("h", 7000)])
+    assert cluster_target("redis://h:6379/0") is None
+    assert Common(redis_url="redis+cluster://h:7000").prefix_index == "events"
+
+
+def test_the_redis_prefix_index_is_refused_on_a_cluster():
+    """Its scripts build key names a cluster may keep on other nodes: the index stays in router memory."""
+    with pytest.raises(ValidationError, match="PD_PREFIX_INDEX=events"):
+        Common(redis_url="redis+cluster://h:7000", prefix_index="redis")
+    assert Common(redis_url="redis://h:6379/0", prefix_index="redis").prefix_index == "redis"
+
+
 @pytest.mark.parametrize("field,url,says", [
     ("nats_url", "", "names no server"),
     ("nats_url", "nats://a:4222,http://b:4222", "not a nats://"),
@@ -32,6 +47,9 @@ def test_a_sentinel_url_names_the_sentinels_the_service_the_db_and_both_password
     ("redis_url", "redis+sentinel://h:26379/a/b/c", "ends in /<service>"),
     ("redis_url", "redis+sentinel://h/pdserve", "is not host:port"),
     ("redis_url", "redis+sentinel:///pdserve", "names no Sentinel"),
+    ("redis_url", "redis+cluster://h", "is not host:port"),
+    ("redis_url", "redis+cluster://", "names no cluster node"),
+    ("redis_url", "redis+cluster://h:7000/1", "has no /<db>"),
 ])
 def test_a_malformed_url_fails_the_settings_naming_what_is_wrong(field, url, says):
     with pytest.raises(ValidationError, match=says):

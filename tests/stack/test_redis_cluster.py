@@ -1,0 +1,44 @@
+"""The stack on a Redis Cluster of three primaries (PD_REDIS_URL=redis+cluster://, each service its
+role's ACL user on every node): concurrent requests get the tokens the in-process engine gives
+them, every request's record and placement are written, a client's request id is claimed with its
+parts', and the state is spread over every primary (each script's keys share a hash tag: shared/state/keys.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import redis
+from conftest import MODEL
+from test_pools import QUESTIONS, _ask_all, _expected
+
+from deploy.local.stack import Stack, StackConfig
+from shared.state import request_key, route_key
+from shared.urls import sync_redis
+
+MAX_TOKENS = 8
+
+
+def test_requests_are_served_and_recorded_with_the_state_on_three_primaries(smollm2, tmp_path):
+    cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=512, redis_cluster=3, log_dir=tmp_path)
+    with Stack(cfg) as stack:
+        answers = asyncio.run(_ask_all(stack.url, MAX_TOKENS))
+        ask = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "n": 2}
+        ids = [httpx.post(stack.url + "/v1/completions", json=ask, headers={"x-request-id": "client-7"},
+                          timeout=120).headers["x-request-id"] for _ in range(2)]
+        store = sync_redis(stack.redis_url)
+        assert isinstance(store, redis.RedisCluster)
+        rids = {q: a["id"].removeprefix("chatcmpl-") for q, a in answers.items()}
+        phases = {q: store.hget(request_key(rid), "phase") for q, rid in rids.items()}
+        placed = {q: store.exists(route_key(rid)) for q, rid in rids.items()}
+        keys_per_primary = [n.redis_connection.dbsize() for n in store.get_primaries()]
+        store.close()
+    expected = _expected(smollm2, MAX_TOKENS)
+    for q in QUESTIONS:
+        assert answers[q]["choices"][0]["token_ids"] == expected[q], q
+    assert set(phases.values()) == {b"finished"}, phases
+    assert all(placed.values()), placed
+    # a client's id and its choice's (on other slots) claimed together; taken, the next gets a suffix
+    assert ids[0] == "client-7" and ids[1].startswith("client-7-r"), ids
+    assert len(keys_per_primary) == 3 and min(keys_per_primary) > 0, keys_per_primary
+
