@@ -1,20 +1,20 @@
-"""What PD_NATS_URL and PD_REDIS_URL name: one NATS server or a cluster's, one Redis or the
-primary a group of Sentinels watches.
+"""What PD_NATS_URL and PD_REDIS_URL name: one NATS server or a cluster's; one Redis, the
+primary a group of Sentinels watches, or a Redis Cluster.
 
     PD_NATS_URL   nats://user:pass@host:4222[,nats://user:pass@host2:4222,...]
                   one server or several of a cluster: nats-py tries them in turn, learns the
                   cluster's other servers from the one it reaches, and reconnects to any of them
     PD_REDIS_URL  redis://[user:pass@]host:6379[/db]
                   redis+sentinel://[user:pass@]host:26379[,host2:26379,...]/<service>[/db][?sentinel_password=...]
-                  redis+cluster://[user:pass@]host:6379[,host2:6379,...]
                   the primary the Sentinels name for <service>; the user and password are the
                   primary's (and its replicas': an ACL user, or the default user with no
                   name), sentinel_password the Sentinels' own when they ask for one. After a
                   failover, a connection that breaks or reaches a replica asks the Sentinels
-                  again (redis-py's Sentinel support). A Redis Cluster: any of its nodes
-                  (the client learns the rest, and follows slots that move); every script's
-                  keys share a hash tag (shared/state/keys.py). The prefix index is kept in
-                  router memory there (PD_PREFIX_INDEX=events)
+                  again (redis-py's Sentinel support)
+                  redis+cluster://[user:pass@]host:6379[,host2:6379,...]
+                  a Redis Cluster: any of its nodes (the client learns the rest, and follows
+                  slots that move); every script's keys share a hash tag (shared/state/keys.py).
+                  The prefix index is kept in router memory there (PD_PREFIX_INDEX=events)
 
 A malformed URL is a ValueError naming what is wrong, raised when the service starts.
 """

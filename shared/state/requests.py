@@ -87,8 +87,10 @@ class Requests:
                                time.time() if at is None else at, fields)])
 
     async def _send(self, notes: list[Note]) -> None:
-        """One round trip. A Redis that lost the script runs none of the notes and the batch is sent
-        again whole (`Store.pipelined`): only the `also` writes (idempotent) run twice."""
+        """One round trip. A Redis that lost the scripts runs none of the notes and the batch is sent
+        again whole (`Store.pipelined`): only the `also` writes (idempotent) run twice (on a Redis
+        Cluster where one node restarted alone, the notes on the others too: a log may then hold an
+        event twice)."""
         shas = self.store.script(NOTE).sha, self.store.script(FLIGHT).sha
 
         def build(p: Pipeline) -> None:
