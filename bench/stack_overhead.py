@@ -12,8 +12,10 @@ A request's overhead is its time to first token less its prompt's computation, `
 first token is counted as the engine's): what the request would wait on an engine called
 in-process. The hops split the rest, each from that request's spans on one host's clock:
 
-    to the router      client sends → `router.route` starts (HTTP, the gateway's checks, the
-                       chat template and tokenizer, NATS)
+    to the router      client sends → `router.route` starts
+      to the gateway   client sends → `gateway.request` starts (HTTP, uvicorn)
+      gateway          `gateway.request` starts → `router.route` starts (the checks, the chat
+                       template and tokenizer, the route request over NATS)
     placing            `router.route` (the decision, Redis, the decode worker's admit)
       claim            its decision and Redis round trip(s) before the admit (`begin_ms`)
       admit wait       the admit asked and answered over NATS (`admit_wait_ms`)
@@ -51,9 +53,11 @@ from shared.tools.otlp_sink import OtlpReceiver, Span
 MESSAGES = [{"role": "user", "content": "Hi!"}]
 MODEL = "SmolLM2-135M-Instruct"
 TARGET_P50_MS, TARGET_P99_MS = 3.0, 10.0
-HOPS = ("to_router", "placing", "claim", "admit_wait", "admit", "to_prefill", "first_token")
+HOPS = ("to_router", "to_gateway", "gateway", "placing", "claim", "admit_wait", "admit", "to_prefill", "first_token")
 BEGIN, END = "<!-- bench:stack:begin -->", "<!-- bench:stack:end -->"
 HOP_NAMES = {"overhead": "**overhead** (TTFT less `prefill.compute`)", "to_router": "client sends → `router.route`",
+             "to_gateway": "↳ client sends → `gateway.request` (HTTP)",
+             "gateway": "↳ `gateway.request` → `router.route` (checks, template, tokenizer, NATS)",
              "placing": "`router.route`", "claim": "↳ its decision and claim (Redis)",
              "admit_wait": "↳ the admit asked and answered (NATS)", "admit": "↳ ↳ `decode.admit` on the decode worker",
              "to_prefill": "`router.route` ends → `prefill.compute` (JetStream)",
@@ -92,13 +96,14 @@ def pct(xs: list[float], q: float) -> float:
 def hops(sent_ns: int, ttft_s: float, spans: list[Span], colocated: bool) -> dict[str, float] | None:
     """One request's overhead and hops in ms (module docstring), from its spans; None if one is missing."""
     by = {s.name: s for s in spans}
-    route, admit = by.get("router.route"), by.get("decode.admit")
+    route, admit, gateway = by.get("router.route"), by.get("decode.admit"), by.get("gateway.request")
     compute = admit if colocated else by.get("prefill.compute")
-    if route is None or admit is None or compute is None:
+    if route is None or admit is None or compute is None or gateway is None:
         return None
     first_ns = sent_ns + int(ttft_s * 1e9)
     engine_ns = first_ns - compute.start_ns if colocated else compute.end_ns - compute.start_ns
     out = {"overhead": ttft_s * 1e3 - engine_ns / 1e6, "to_router": (route.start_ns - sent_ns) / 1e6,
+           "to_gateway": (gateway.start_ns - sent_ns) / 1e6, "gateway": (route.start_ns - gateway.start_ns) / 1e6,
            "placing": route.duration_ms, "claim": float(route.attributes.get("begin_ms", 0.0)),
            "admit_wait": float(route.attributes.get("admit_wait_ms", 0.0)), "admit": admit.duration_ms}
     if not colocated:
@@ -108,7 +113,7 @@ def hops(sent_ns: int, ttft_s: float, spans: list[Span], colocated: bool) -> dic
 
 def spans_of(receiver: OtlpReceiver, trace_ids: list[str], want: int, timeout_s: float = 20.0) -> dict[str, list[Span]]:
     """Each trace's spans, once each has `want` of the names measured (the batch exporters' delay)."""
-    names = {"router.route", "decode.admit", "prefill.compute"}
+    names = {"gateway.request", "router.route", "decode.admit", "prefill.compute"}
     deadline = time.monotonic() + timeout_s
     while True:
         by: dict[str, list[Span]] = {t: [] for t in trace_ids}
@@ -151,7 +156,7 @@ def main() -> None:
                 sent.append((trace_id, time.time_ns()))
                 through.append(stack_ttft(http, MODEL, trace_id))
                 direct.append(engine_ttft(engine, ids, i))
-            traces = spans_of(receiver, [t for t, _ in sent], 2 if args.colocated else 3)
+            traces = spans_of(receiver, [t for t, _ in sent], 3 if args.colocated else 4)
     rows = [h for (t, at), ttft in zip(sent, through) if (h := hops(at, ttft, traces[t], args.colocated))]
     mode = "colocated" if args.colocated else "1 prefill + 1 decode"
     per_hop = {k: {"p50": round(pct([r[k] for r in rows], 50), 2), "p99": round(pct([r[k] for r in rows], 99), 2)}

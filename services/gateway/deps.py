@@ -35,7 +35,7 @@ class Gateway:
     in_flight: Concurrency  # requests in flight per caller
 
 
-def _gateway(request: Request) -> Gateway:
+async def _gateway(request: Request) -> Gateway:  # (async: FastAPI runs a plain def in its thread pool)
     return request.app.state.gateway
 
 

@@ -49,6 +49,8 @@ class OtlpReceiver:
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # connections kept open, as a collector's are
+
             def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
                 data = self.rfile.read(int(self.headers.get("content-length", 0)))
                 if self.headers.get("content-encoding") == "gzip":
@@ -56,6 +58,7 @@ class OtlpReceiver:
                 receiver._ingest(ExportTraceServiceRequest.FromString(data))
                 self.send_response(200)
                 self.send_header("content-type", "application/x-protobuf")
+                self.send_header("content-length", "0")
                 self.end_headers()
 
             def log_message(self, *args: object) -> None:
