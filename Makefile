@@ -10,7 +10,7 @@ LLAMA_CPP_VERSION ?= 0.3.36
 # its AVX2 kernels on every x86 machine (its AVX-512/AMX build crashed on multi-token batches on such a machine)
 LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF -DGGML_AMX_INT8=OFF
 
-.PHONY: help setup lint fmt run test test-fast test-clients bench-path bench-engine bench-archs bench-grammar bench-stack bench-transfer eval-router bench-router chaos fuzz chaos-busy bench-tracing bench-scale bench-index bench bench-full bench-prefill-chunk profile plan plan-check compose-up compose-down gpu-check clean
+.PHONY: help setup lint fmt run test test-fast test-clients bench-path bench-engine bench-archs bench-grammar bench-stack bench-transfer eval-router bench-router chaos fuzz chaos-busy bench-tracing bench-scale bench-scale-stores bench-index bench bench-full bench-prefill-chunk profile plan plan-check compose-up compose-down gpu-check clean
 
 .DEFAULT_GOAL := help
 
@@ -134,6 +134,12 @@ bench-tracing: setup
 bench-scale: setup
 	scripts/peer_venvs.sh router
 	$(BIN)/python -m bench.scale $(SCALE_ARGS)
+
+## bench-scale-stores: the same fleets (4 and 256 workers, 100k blocks, 100 and 1000 req/s) on one redis-server and
+##   on a Redis Cluster of 3 primaries, in one run; writes bench/results/scale_stores.json (~5 min)
+bench-scale-stores: setup
+	$(BIN)/python -m bench.scale --workers 4,256 --blocks 100000 --rates 100,1000 --seconds 8 --stores 0,3 \
+	  --no-peer --out bench/results/scale_stores.json $(SCALE_ARGS)
 
 ## bench-index: the prefix index side by side, Redis vs the router's memory (PD_PREFIX_INDEX=events): lookups,
 ##   updates, memory at 4-256 workers and 1M-10M blocks; writes bench/results/prefix_index_compare.json (~5 min)

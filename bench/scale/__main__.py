@@ -49,7 +49,7 @@ from bench.scale.meters import usage
 from bench.scale.pin import pin
 from bench.scale.plan import TRACE, TRACE_BLOCKS, FleetWorker, Trace, filler_counts, make_plan, read_trace
 from bench.scale.report import percentiles
-from bench.scale.stage import Stage, stage
+from bench.scale.stage import Stage, stage, store_name
 from services.router.recent import REGISTRY_READ_S
 from services.router.registry import Registry
 from shared.config import Common, RouterSettings
@@ -85,7 +85,8 @@ async def measure(st: Stage, trace: Trace, plan: list[FleetWorker], blocks: int,
     r1 = await st.meters.read()
     receiver.spans.clear()
     await st.fleet.admits()   # forget those before this run
-    await st.server.slowlog_reset()
+    for server in st.servers:
+        await server.slowlog_reset()
     gc.collect()
     gc.freeze()   # (the driver's arrivals on time: a full collection of this process's trace and plan took ~0.2 s)
     sent, start = await drive(st.bus, trace.probes, rate, seconds, tag=f"w{len(plan)}-b{blocks}-r{rate}-x{replicas}")
@@ -97,10 +98,11 @@ async def measure(st: Stage, trace: Trace, plan: list[FleetWorker], blocks: int,
     admits, rewrites = await st.fleet.admits()
     decided = placements(sent, spans, admits)
     row = {"workers": len(plan), "blocks": blocks, "rate": rate, "replicas": replicas, "seconds": seconds,
+           "store": st.store,
            "index_rewrites_so_far": rewrites,
            **gateway_view(sent, start, seconds), **router_view(spans),
            **counters(usage(r0, r1), usage(r1, r2), max(len(decided), 1))}
-    row["redis_slow"] = report.slow_commands(await st.server.slowlog_get(4096))
+    row["redis_slow"] = report.slow_commands([e for server in st.servers for e in await server.slowlog_get(4096)])
     row["registry_read_ms"] = await registry_reads(st.state)
     row["kept_up"] = report.kept_up(row)
     row["decisions"] = check(decided, replay, rebuilt=row["kept_up"])
@@ -190,13 +192,13 @@ async def for_workers(trace: Trace, workers: int, args, receiver: OtlpReceiver, 
     """Every run with W workers: per B a fresh stage, filled, then each rate (and the replicas' run)."""
     plan = make_plan(trace, workers, args.trace_blocks)
     runs = []
-    for blocks in args.blocks:
-        async with stage(plan, receiver, log_dir / f"w{workers}-b{blocks}") as st:
+    for blocks, cluster in ((b, c) for b in args.blocks for c in args.stores):
+        async with stage(plan, receiver, log_dir / f"w{workers}-b{blocks}-{store_name(cluster)}", cluster) as st:
             filled = await fill(st, blocks)
-            print(f"W={workers} B={blocks:,}: filled in {filled['fill_s']} s, "
+            print(f"W={workers} B={blocks:,} on {st.store}: filled in {filled['fill_s']} s, "
                   f"{filled['redis_bytes_per_block']} Redis bytes per block", flush=True)
             rates = [(r, 1) for r in args.rates]
-            if (workers, blocks) == (max(args.workers), max(args.blocks)):
+            if (workers, blocks, cluster) == (max(args.workers), max(args.blocks), args.stores[0]):
                 rates.append((max(args.rates), REPLICAS))
             for rate, replicas in rates:
                 await st.routers(replicas, len(plan))
@@ -211,9 +213,10 @@ async def for_workers(trace: Trace, workers: int, args, receiver: OtlpReceiver, 
 
 def line(r: dict) -> str:
     d, g, c = r["decision_ms"], r["placement_ms"], r["decisions"]
-    return (f"  W={r['workers']} B={r['blocks']:,} {r['rate']:g} req/s x{r['replicas']}: decision p50/p99 "
+    return (f"  W={r['workers']} B={r['blocks']:,} {r['store']} {r['rate']:g} req/s x{r['replicas']}: decision p50/p99 "
             f"{d['p50']}/{d['p99']} ms, gateway {g['p50']}/{g['p99']} ms, {r['achieved_rate']} req/s placed, "
-            f"router {r['cpu_pct'].get('router', 0)}% redis {r['cpu_pct'].get('redis', 0)}% "
+            f"router {r['cpu_pct'].get('router', 0)}% "
+            f"redis {round(sum(v for k, v in r['cpu_pct'].items() if k.startswith('redis')), 1)}% "
             f"machine {r['cpu_pct']['machine']}% (other {r['cpu_pct']['other']}%), "
             f"NATS {r['nats_per_request']['net_in']} msgs/req, hit rate {c['hit_rate_router']:.3f} "
             f"(policy {c['hit_rate_policy']:.3f}, same prefill {c['same_prefill']:.3f})")
@@ -243,7 +246,8 @@ async def main_async(args) -> dict:
                   scale="one 16-token block per 512-token trace block", idle_s=IDLE_S)
     return {"machine": machine(), "mode": "quick" if args.quick else "full", "config": config,
             "duration_s": round(time.monotonic() - t0, 1), "runs": runs,
-            "summary": report.summary(runs, CORES)}
+            "summary": {**report.summary([r for r in runs if r["store"] == store_name(args.stores[0])], CORES),
+                        **report.stores(runs)}}
 
 
 def parse() -> argparse.Namespace:
@@ -263,6 +267,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--log-dir", default=f"/tmp/pdserve-scale-{os.getpid()}")
     ap.add_argument("--out", type=Path, default=RESULTS / "scale.json")
     ap.add_argument("--no-peer", dest="peer", action="store_false", help="leave vllm-router out (step 5)")
+    ap.add_argument("--stores", type=ints, default=[0], help="each (W, B) on each store: 0 one redis-server, N a "
+                    "Redis Cluster of N primaries (redis+cluster://); the summary's targets are the first's")
     args = ap.parse_args()
     for k, v in (QUICK if args.quick else FULL).items():
         if getattr(args, k) is None:
@@ -287,6 +293,8 @@ def main() -> None:
     report.plot(result["runs"], args.out.with_suffix(".png"))
     if args.out == RESULTS / "scale.json":  # the committed results: the README's section follows them
         readme.update(result)
+    elif args.out == RESULTS / "scale_stores.json":
+        readme.update_stores(result)
     print(json.dumps(result["summary"], indent=2))
     print(f"wrote {args.out} and {args.out.with_suffix('.png').name} in {result['duration_s']} s")
 

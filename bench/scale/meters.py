@@ -55,7 +55,7 @@ class Reading:
     busy_s: float
     total_s: float
     nats: dict[str, int]
-    redis_memory: int           # INFO memory: used_memory less its clients' buffers (mem_clients_normal)
+    redis_memory: int           # INFO memory: used_memory less its clients' buffers (mem_clients_normal), all servers
 
 
 @dataclass
@@ -79,14 +79,15 @@ class Usage:
 
 
 class Meters:
-    def __init__(self, pids: Callable[[], dict[str, int]], nats_monitor_url: str, redis: aioredis.Redis):
-        self.pids, self.nats_monitor_url, self.redis = pids, nats_monitor_url, redis
+    def __init__(self, pids: Callable[[], dict[str, int]], nats_monitor_url: str, servers: list[aioredis.Redis]):
+        self.pids, self.nats_monitor_url, self.servers = pids, nats_monitor_url, servers
 
     async def read(self) -> Reading:
         busy, total = machine_s()
-        memory = await self.redis.info("memory")
+        memory = [await server.info("memory") for server in self.servers]
+        held = sum(m["used_memory"] - m["mem_clients_normal"] for m in memory)
         return Reading(time.monotonic(), {name: cpu_s(pid) for name, pid in self.pids().items()}, busy, total,
-                       nats_msgs(self.nats_monitor_url), memory["used_memory"] - memory["mem_clients_normal"])
+                       nats_msgs(self.nats_monitor_url), held)
 
 
 def usage(a: Reading, b: Reading) -> Usage:

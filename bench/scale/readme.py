@@ -10,6 +10,7 @@ from bench.results_doc import RESULTS_DOC, update_block
 
 RESULTS = Path(__file__).parents[1] / "results"
 BEGIN, END = "<!-- bench:scale:begin -->", "<!-- bench:scale:end -->"
+STORES_BEGIN, STORES_END = "<!-- bench:stores:begin -->", "<!-- bench:stores:end -->"
 
 
 def _ms(d: dict | None) -> str:
@@ -120,9 +121,32 @@ def update(data: dict) -> None:
     update_block(RESULTS_DOC, BEGIN, END, section(data))
 
 
+def stores_section(data: dict) -> str:
+    """The same cells on one redis-server and on a Redis Cluster (`make bench-scale-stores`)."""
+    m, c = data["machine"], data["config"]
+    names = sorted({r["store"] for r in data["runs"]}, key=lambda n: (n != "redis", n))
+    label = {n: "one redis-server" if n == "redis" else f"a Redis Cluster of {n.removeprefix('cluster')} primaries"
+             for n in names}
+    rows = [f"| {cell.replace('-', ' ').replace('w', 'W=', 1).replace('b', 'B=', 1).replace('r', '', 1)} req/s | "
+            f"{label[n]} | {v['decision_p50_ms']:.1f} / {v['decision_p99_ms']:.1f} | {v['achieved_rate']:g} | "
+            f"{_num(v['router_cpu_ms_per_placement'])} | {_num(v['redis_cpu_ms_per_placement'])} |"
+            for cell, by in data["summary"].get("by_store", {}).items() for n in names if (v := by.get(n))]
+    return "\n".join([
+        f"`make bench-scale-stores` ({data['duration_s'] / 60:.0f} min, {m['cpus']} CPU cores, "
+        f"{m.get('cpu_model', '')}; {c['seconds']:g} s of arrivals per run): the same fleets, trace and router on "
+        f"{' and on '.join(label[n] for n in names)}, one after the other in one run.",
+        "", "| cell | store | decision p50 / p99 ms | placed req/s | router CPU ms / placement | "
+        "Redis CPU ms / placement (all nodes) |", "|---|---|---|---|---|---|", *rows])
+
+
+def update_stores(data: dict) -> None:
+    update_block(RESULTS_DOC, STORES_BEGIN, STORES_END, stores_section(data))
+
+
 def main() -> None:
     update(json.loads((RESULTS / "scale.json").read_text()))
-    print(f"wrote the Scale section of {RESULTS_DOC.name}")
+    update_stores(json.loads((RESULTS / "scale_stores.json").read_text()))
+    print(f"wrote the Scale sections of {RESULTS_DOC.name}")
 
 
 if __name__ == "__main__":

@@ -212,3 +212,18 @@ def slow_commands(entries: list[dict]) -> dict:
         row["max_ms"] = round(max(row["max_ms"], e["duration"] / 1e3), 3)
         row["total_ms"] = round(row["total_ms"] + e["duration"] / 1e3, 3)
     return dict(sorted(out.items(), key=lambda kv: -kv[1]["total_ms"]))
+
+
+def stores(runs: list[dict]) -> dict:
+    """With runs on more than one store (`--stores`): each cell's figures by store, side by side."""
+    if len({r["store"] for r in runs}) < 2:
+        return {}
+    cells: dict[str, dict] = {}
+    for r in runs:
+        if r["replicas"] == 1:
+            cells.setdefault(f"w{r['workers']}-b{r['blocks']}-r{r['rate']:g}", {})[r["store"]] = {
+                "decision_p50_ms": r["decision_ms"]["p50"], "decision_p99_ms": r["decision_ms"]["p99"],
+                "achieved_rate": r["achieved_rate"],
+                "router_cpu_ms_per_placement": (r.get("router_cpu_ms_per_placement") or {}).get("net"),
+                "redis_cpu_ms_per_placement": (r.get("redis_cpu_ms_per_placement") or {}).get("net")}
+    return {"by_store": cells}

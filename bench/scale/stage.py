@@ -1,9 +1,9 @@
 """The processes under test for one (W, B) of `make bench-scale`, on free ports: nats-server
-(JetStream, with its monitoring port for message counts), redis-server and the router
+(JetStream, with its monitoring port for message counts), redis-server (or a Redis Cluster) and the router
 replicas, started as deploy/local/stack.py starts them and exporting spans to the run's OTLP
 receiver; the simulated fleet (bench/scale/fleet.py) in its own process; this process's clients
-(the gateway's NATS connection, the store, a connection of its own to redis-server for INFO
-and SLOWLOG) and its counters (bench/scale/meters.py).
+(the gateway's NATS connection, the store, a connection of its own to each Redis server for
+INFO and SLOWLOG) and its counters (bench/scale/meters.py).
 """
 
 from __future__ import annotations
@@ -21,21 +21,23 @@ import redis.asyncio as aioredis
 from bench.scale.fleet_process import FleetProcess
 from bench.scale.meters import Meters, cpu_s
 from bench.scale.plan import FleetWorker
+from deploy.local import redis_cluster
 from deploy.local.servers import binary, free_port
 from deploy.local.stack import Stack, StackConfig
 from shared import grants
 from shared.bus import Bus
 from shared.state import State
 from shared.tools.otlp_sink import OtlpReceiver
-from shared.urls import async_redis
+from shared.urls import TIMEOUTS
 
 
 class Backend:
-    """nats-server (JetStream, monitoring port), redis-server and router replicas on free
-    ports with this run's password, started as deploy/local/stack.py starts them."""
+    """nats-server (JetStream, monitoring port), redis-server (or a Redis Cluster of `cluster`
+    primaries) and router replicas on free ports with this run's password, started as
+    deploy/local/stack.py starts them."""
 
-    def __init__(self, log_dir: Path, otlp_url: str):
-        self.stack = Stack(StackConfig.on_free_ports(log_dir=log_dir, env={
+    def __init__(self, log_dir: Path, otlp_url: str, cluster: int = 0):
+        self.stack = Stack(StackConfig.on_free_ports(log_dir=log_dir, redis_cluster=cluster, env={
             "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_url, "OTEL_BSP_MAX_QUEUE_SIZE": "100000"}))
         self.monitor_port = free_port()
         self.monitor_url = f"http://127.0.0.1:{self.monitor_port}"
@@ -44,14 +46,21 @@ class Backend:
         s, c = self.stack, self.stack.cfg
         (s.data / "nats.conf").write_text(grants.nats_authorization(s.nats_passwords))
         # commands over 1 ms are logged: what holds the single-threaded Redis up, per run
-        (s.data / "redis.conf").write_text(f"requirepass {s.secret}\n{grants.redis_users(s.nats_passwords)}"
-                                           "slowlog-log-slower-than 1000\nslowlog-max-len 4096\n")
+        conf = s.data / "redis.conf"
+        conf.write_text(f"requirepass {s.secret}\n{grants.redis_users(s.nats_passwords)}"
+                        "slowlog-log-slower-than 1000\nslowlog-max-len 4096\n")
         s.spawn("nats", [binary("nats-server"), "-c", str(s.data / "nats.conf"), "-js", "-a", "127.0.0.1",
                          "-p", str(c.nats_port), "-m", str(self.monitor_port), "-sd", str(s.data / "nats")])
-        s.spawn("redis", [binary("redis-server"), str(s.data / "redis.conf"), "--port", str(c.redis_port), "--bind",
-                          "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(s.data)])
-        for port in (c.nats_port, c.redis_port):
+        if c.redis_cluster:
+            for i, port in enumerate(s.cluster_ports):
+                s.spawn(f"redis-{i}", redis_cluster.node(s.data / "redis", port, conf))
+        else:
+            s.spawn("redis", [binary("redis-server"), str(conf), "--port", str(c.redis_port), "--bind",
+                              "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(s.data)])
+        for port in (c.nats_port, *s.cluster_ports):
             s.wait_port(port, 20)
+        if c.redis_cluster:
+            redis_cluster.form(s.cluster_ports, s.secret)
         self.add_router("router")
 
     def add_router(self, name: str) -> None:
@@ -63,14 +72,25 @@ class Backend:
     def pids(self) -> dict[str, int]:
         return {name: p.pid for name, p in self.stack.procs.items() if p.poll() is None}
 
+    def servers(self) -> list[aioredis.Redis]:
+        """A client of each Redis server (a cluster's primaries), for INFO and SLOWLOG."""
+        s = self.stack
+        return [aioredis.Redis(port=p, password=s.secret, **TIMEOUTS) for p in s.cluster_ports]
+
+
+def store_name(cluster: int) -> str:
+    """A run's store: `redis` (one redis-server) or `cluster<N>` (a Redis Cluster of N primaries)."""
+    return f"cluster{cluster}" if cluster else "redis"
+
 
 class Stage:
     """One (W, B): the backend, the fleet, and this process's clients (the gateway's NATS
-    connection; the store, for the registry; `server`, for Redis's INFO and SLOWLOG)."""
+    connection; the store, for the registry; `servers`, each Redis server's, for INFO and SLOWLOG)."""
 
-    def __init__(self, backend: Backend, fleet: FleetProcess, bus: Bus, state: State, server: aioredis.Redis):
-        self.backend, self.fleet, self.bus, self.state, self.server = backend, fleet, bus, state, server
-        self.meters = Meters(self.pids, backend.monitor_url, server)
+    def __init__(self, backend: Backend, fleet: FleetProcess, bus: Bus, state: State, servers: list[aioredis.Redis]):
+        self.backend, self.fleet, self.bus, self.state, self.servers = backend, fleet, bus, state, servers
+        self.meters = Meters(self.pids, backend.monitor_url, servers)
+        self.store = store_name(backend.stack.cfg.redis_cluster)
         self.memory_before = 0   # what Redis held before the fleet started
 
     def pids(self) -> dict[str, int]:
@@ -119,20 +139,21 @@ class Stage:
 
 
 @asynccontextmanager
-async def stage(plan: list[FleetWorker], receiver: OtlpReceiver, log_dir: Path):
+async def stage(plan: list[FleetWorker], receiver: OtlpReceiver, log_dir: Path, cluster: int = 0):
     async with AsyncExitStack() as stack:
-        backend = Backend(log_dir, receiver.url)
+        backend = Backend(log_dir, receiver.url, cluster)
         stack.callback(backend.stack.stop)
         backend.start()
         bus = await Bus.connect(backend.stack.nats_url, "scale-gateway")
         stack.push_async_callback(bus.close)
         state = State.connect(backend.stack.redis_url)
         stack.push_async_callback(state.close)
-        server = async_redis(backend.stack.redis_url, 2)
-        stack.push_async_callback(server.aclose)
+        servers = backend.servers()
+        for server in servers:
+            stack.push_async_callback(server.aclose)
         fleet = FleetProcess(log_dir / "fleet.log")
         stack.push_async_callback(fleet.stop)
-        st = Stage(backend, fleet, bus, state, server)
+        st = Stage(backend, fleet, bus, state, servers)
         await st.registered(1)
         st.memory_before = (await st.meters.read()).redis_memory
         await fleet.start(plan, backend.stack.service_env())

@@ -42,6 +42,11 @@ def test_the_scale_figures_are_the_committed_run():
     assert _between(scale_readme.BEGIN, scale_readme.END) == "\n" + scale_readme.section(_json("scale.json")) + "\n"
 
 
+def test_the_store_figures_are_the_committed_run():
+    assert _between(scale_readme.STORES_BEGIN, scale_readme.STORES_END) == "\n" + scale_readme.stores_section(
+        _json("scale_stores.json")) + "\n"
+
+
 def test_the_architectures_table_is_the_committed_run():
     architectures = pytest.importorskip("bench.engine.architectures")
     assert _between(architectures.BEGIN, architectures.END) == "\n" + architectures.table(
