@@ -76,20 +76,25 @@ class SentinelTarget:
     username: str | None = None
 
 
+def _hosts(netloc: str, what: str) -> list[tuple[str, int]]:
+    """The host:port list of a URL's netloc (after its credentials); `what` names one in errors."""
+    hosts = []
+    for host in filter(None, netloc.rpartition("@")[2].split(",")):
+        name, _, port = host.rpartition(":")
+        if not name or not port.isdigit():
+            raise ValueError(f"PD_REDIS_URL: {what} {host!r} is not host:port")
+        hosts.append((name, int(port)))
+    if not hosts:
+        raise ValueError(f"PD_REDIS_URL names no {what}")
+    return hosts
+
+
 def sentinel_target(url: str) -> SentinelTarget | None:
     """The Sentinels, service and credentials of a redis+sentinel:// URL; None for another scheme."""
     parts = urlsplit(url)
     if parts.scheme != SENTINEL_SCHEME:
         return None
-    hosts = parts.netloc.rpartition("@")[2]
-    sentinels = []
-    for host in filter(None, hosts.split(",")):
-        name, _, port = host.rpartition(":")
-        if not name or not port.isdigit():
-            raise ValueError(f"PD_REDIS_URL: Sentinel {host!r} is not host:port")
-        sentinels.append((name, int(port)))
-    if not sentinels:
-        raise ValueError("PD_REDIS_URL names no Sentinel")
+    sentinels = _hosts(parts.netloc, "Sentinel")
     path = [p for p in parts.path.split("/") if p]
     if not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
         raise ValueError("PD_REDIS_URL: a redis+sentinel:// URL ends in /<service> or /<service>/<db>")
@@ -112,14 +117,7 @@ def cluster_target(url: str) -> ClusterTarget | None:
     parts = urlsplit(url)
     if parts.scheme != CLUSTER_SCHEME:
         return None
-    nodes = []
-    for host in filter(None, parts.netloc.rpartition("@")[2].split(",")):
-        name, _, port = host.rpartition(":")
-        if not name or not port.isdigit():
-            raise ValueError(f"PD_REDIS_URL: cluster node {host!r} is not host:port")
-        nodes.append((name, int(port)))
-    if not nodes:
-        raise ValueError("PD_REDIS_URL names no cluster node")
+    nodes = _hosts(parts.netloc, "cluster node")
     if parts.path.strip("/"):
         raise ValueError("PD_REDIS_URL: a Redis Cluster has one database: a redis+cluster:// URL has no /<db>")
     return ClusterTarget(nodes, unquote(parts.password) if parts.password else None,

@@ -21,7 +21,6 @@ import redis.asyncio as aioredis
 from bench.scale.fleet_process import FleetProcess
 from bench.scale.meters import Meters, cpu_s
 from bench.scale.plan import FleetWorker
-from deploy.local import redis_cluster
 from deploy.local.servers import binary, free_port
 from deploy.local.stack import Stack, StackConfig
 from shared import grants
@@ -45,22 +44,11 @@ class Backend:
     def start(self) -> None:
         s, c = self.stack, self.stack.cfg
         (s.data / "nats.conf").write_text(grants.nats_authorization(s.nats_passwords))
-        # commands over 1 ms are logged: what holds the single-threaded Redis up, per run
-        conf = s.data / "redis.conf"
-        conf.write_text(f"requirepass {s.secret}\n{grants.redis_users(s.nats_passwords)}"
-                        "slowlog-log-slower-than 1000\nslowlog-max-len 4096\n")
         s.spawn("nats", [binary("nats-server"), "-c", str(s.data / "nats.conf"), "-js", "-a", "127.0.0.1",
                          "-p", str(c.nats_port), "-m", str(self.monitor_port), "-sd", str(s.data / "nats")])
-        if c.redis_cluster:
-            for i, port in enumerate(s.cluster_ports):
-                s.spawn(f"redis-{i}", redis_cluster.node(s.data / "redis", port, conf))
-        else:
-            s.spawn("redis", [binary("redis-server"), str(conf), "--port", str(c.redis_port), "--bind",
-                              "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(s.data)])
-        for port in (c.nats_port, *s.cluster_ports):
-            s.wait_port(port, 20)
-        if c.redis_cluster:
-            redis_cluster.form(s.cluster_ports, s.secret)
+        # commands over 1 ms are logged: what holds the single-threaded Redis up, per run
+        s.start_redis("slowlog-log-slower-than 1000\nslowlog-max-len 4096\n")
+        s.wait_port(c.nats_port, 20)
         self.add_router("router")
 
     def add_router(self, name: str) -> None:
@@ -75,7 +63,7 @@ class Backend:
     def servers(self) -> list[aioredis.Redis]:
         """A client of each Redis server (a cluster's primaries), for INFO and SLOWLOG."""
         s = self.stack
-        return [aioredis.Redis(port=p, password=s.secret, **TIMEOUTS) for p in s.cluster_ports]
+        return [aioredis.Redis(port=p, password=s.secret, **TIMEOUTS) for p in s.redis_ports]
 
 
 def store_name(cluster: int) -> str:

@@ -89,7 +89,8 @@ class Stack:
         self.ha_ports = ha.Ports.from_first(cfg.nats_port, cfg.redis_port) if cfg.ha else None
         if cfg.redis_cluster and (cfg.ha or cfg.hosts):
             raise ValueError("the Redis Cluster runs on this machine's loopback, without HA")
-        self.cluster_ports = [cfg.redis_port, *(redis_cluster.free_node_port() for _ in range(cfg.redis_cluster - 1))]
+        # Redis's: one server, or the cluster's primaries
+        self.redis_ports = [cfg.redis_port, *(redis_cluster.free_node_port() for _ in range(cfg.redis_cluster - 1))]
 
     @property
     def url(self) -> str:
@@ -118,7 +119,7 @@ class Stack:
         if self.ha_ports:
             return ha.redis_url(self.ha_ports, name, password, self.sentinel_secret)
         if self.cfg.redis_cluster:
-            return redis_cluster.url(self.cluster_ports, name, password)
+            return redis_cluster.url(self.redis_ports, name, password)
         return f"redis://{name}:{password}@{self.ip('redis')}:{self.cfg.redis_port}/0"
 
     def ip(self, name: str) -> str:
@@ -199,22 +200,29 @@ class Stack:
         if self.ha_ports:
             ha.start(self.data, self.ha_ports, self.secret, self.nats_passwords, self.spawn, self.sentinel_secret)
             return
-        nats_conf, redis_conf = self.data / "nats.conf", self.data / "redis.conf"
+        nats_conf = self.data / "nats.conf"
         nats_conf.write_text(grants.nats_authorization(self.nats_passwords))
-        redis_conf.write_text(f"requirepass {self.secret}\n{grants.redis_users(self.nats_passwords)}")
         self.spawn("nats", [binary("nats-server"), "-c", str(nats_conf), "-js", "-a", self.ip("nats"),
                             "-p", str(c.nats_port), "-sd", str(self.data / "nats")])
-        if c.redis_cluster:
-            for i, port in enumerate(self.cluster_ports):
+        self.start_redis()
+        self.wait_port(c.nats_port, 20, self.ip("nats"))
+
+    def start_redis(self, conf: str = "") -> None:
+        """Redis with this run's passwords (and `conf`, more redis.conf lines): one server, or a
+        Redis Cluster of cfg.redis_cluster primaries (deploy/local/redis_cluster.py); returns once
+        it answers."""
+        redis_conf = self.data / "redis.conf"
+        redis_conf.write_text(f"requirepass {self.secret}\n{grants.redis_users(self.nats_passwords)}{conf}")
+        if self.cfg.redis_cluster:
+            for i, port in enumerate(self.redis_ports):
                 self.spawn(f"redis-{i}", redis_cluster.node(self.data / "redis", port, redis_conf))
         else:
-            self.spawn("redis", [binary("redis-server"), str(redis_conf), "--port", str(c.redis_port), "--bind",
+            self.spawn("redis", [binary("redis-server"), str(redis_conf), "--port", str(self.cfg.redis_port), "--bind",
                                  self.ip("redis"), "--save", "", "--appendonly", "no", "--dir", str(self.data)])
-        self.wait_port(c.nats_port, 20, self.ip("nats"))
-        for port in self.cluster_ports:
+        for port in self.redis_ports:
             self.wait_port(port, 20, self.ip("redis"))
-        if c.redis_cluster:
-            redis_cluster.form(self.cluster_ports, self.secret)
+        if self.cfg.redis_cluster:
+            redis_cluster.form(self.redis_ports, self.secret)
 
     def restart(self, name: str, kill: bool = True) -> subprocess.Popen:
         """Stop a process (SIGKILL, or SIGTERM and wait) and start it again as it was started."""
