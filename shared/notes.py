@@ -1,6 +1,7 @@
 """Request events on their way to Redis (`state.requests.note`): queued, and sent in order by one writer,
 up to WRITE_BATCH events a round trip, so a burst of requests costs a few round trips rather
-than a task and a pooled connection per event.
+than a task and a pooled connection per event. The writer starts a turn of the event loop after
+the event: what the request does next (a NATS message published in the same turn) goes first.
 
 An event that carries state another process acts on is kept until it is written: a gateway's
 ownership of its request (`owner`), a router's placement record (`also`), a terminal phase (it
@@ -68,6 +69,8 @@ class Notes:
             await asyncio.wait([self.writer], timeout=timeout_s)
 
     async def _write(self) -> None:
+        await asyncio.sleep(0)  # a turn of the loop first: a message the caller just published (the
+        #                         route request, the placement's reply) is written before this round trip is built
         while self.queue:
             batch = [self.queue.popleft() for _ in range(min(len(self.queue), WRITE_BATCH))]
             try:

@@ -2,7 +2,11 @@
 
 Spans are exported over OTLP/HTTP when an endpoint is configured (the standard
 OTEL_EXPORTER_OTLP_ENDPOINT, e.g. Jaeger's http://localhost:4318); otherwise they are
-created and dropped, so the code path is the same either way. The context carries W3C
+created and dropped, so the code path is the same either way. Which traces are recorded is
+OpenTelemetry's standard setting, OTEL_TRACES_SAMPLER (and _ARG; default: all): with
+`parentbased_traceidratio` and 0.1 the gateway records one request in ten and every other
+service follows the decision the trace context carries, so a trace is whole or absent. A
+request not recorded still has its trace id (`x-trace-id`, log lines). The context carries W3C
 `baggage` on with the trace (OpenTelemetry's default propagators); the entries named in
 PD_TRACE_BAGGAGE_KEYS become attributes of every span (a client's entries are not all copied:
 their keys and values are the client's).
@@ -24,19 +28,27 @@ _provider: TracerProvider | None = None
 
 
 def setup(service: str, otlp_endpoint: str | None, baggage_keys: str = "") -> trace.Tracer:
-    """`baggage_keys`: separated by commas."""
+    """This process's tracer (`provider`, made the global one)."""
     global _provider
-    _provider = TracerProvider(resource=Resource.create({"service.name": f"pdserve-{service}"}))
+    _provider = provider(service, otlp_endpoint, baggage_keys)
+    trace.set_tracer_provider(_provider)
+    return trace.get_tracer(f"pdserve.{service}")
+
+
+def provider(service: str, otlp_endpoint: str | None, baggage_keys: str = "") -> TracerProvider:
+    """The tracer provider of a service: the sampler from OTEL_TRACES_SAMPLER (the SDK reads
+    it), the baggage entries named in `baggage_keys` (separated by commas) onto every span,
+    spans exported in batches to `otlp_endpoint` when given."""
+    made = TracerProvider(resource=Resource.create({"service.name": f"pdserve-{service}"}))
     keys = {k.strip() for k in baggage_keys.split(",") if k.strip()}
     if keys:
-        _provider.add_span_processor(BaggageSpanProcessor(keys.__contains__))
+        made.add_span_processor(BaggageSpanProcessor(keys.__contains__))
     if otlp_endpoint:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
         exporter = OTLPSpanExporter(endpoint=otlp_endpoint.rstrip("/") + "/v1/traces")
-        _provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=200))
-    trace.set_tracer_provider(_provider)
-    return trace.get_tracer(f"pdserve.{service}")
+        made.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=200))
+    return made
 
 
 def shutdown() -> None:

@@ -85,7 +85,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         await state.close()
         tracing.shutdown()
 
-    app = FastAPI(title="pdserve", version="0.1.0", lifespan=lifespan)
+    # FastAPI's own telemetry off: the request's span is RequestContext's (its trace continues the
+    # client's and goes on through every service); FastAPI's would be a trace more per request,
+    # and its metrics are Prometheus's here (shared/metrics.py)
+    app = FastAPI(title="pdserve", version="0.1.0", lifespan=lifespan,
+                  telemetry={"tracing": False, "metrics": False, "logs": False})
     errors.install(app)
     app.include_router(v1)
     app.include_router(tokens)

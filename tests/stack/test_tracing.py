@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from conftest import MODEL
 
@@ -37,3 +39,15 @@ def test_one_trace_spans_every_service_with_parent_links(client, otlp):
     assert receive["bytes"] == transfer["bytes"] and receive["ok"] is True and receive["bad_blocks"] == 0
     assert spans["kv.transfer"].start_ns < spans["prefill.compute"].end_ns
     assert spans["router.route"].attributes["mode"] == "remote"
+
+
+def test_the_gateway_makes_no_trace_beside_the_requests(client, otlp):
+    """Every span the gateway exports is in a request's trace (its `gateway.request`'s): no
+    framework span starts a trace of its own."""
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hi."}], temperature=0, max_tokens=2)
+    otlp.wait_for(raw.headers["x-trace-id"], {"gateway.request", "decode.generate"})
+    time.sleep(1.0)  # (the exporters' batches: any other span of the request is in by now)
+    requests = {s.trace_id for s in otlp.spans if s.name == "gateway.request"}
+    stray = [s.name for s in otlp.spans if s.service == "pdserve-gateway" and s.trace_id not in requests]
+    assert not stray, stray
