@@ -44,7 +44,7 @@ import uvloop
 
 from bench.scale import peer, readme, report
 from bench.scale.check import Replay, check, holders
-from bench.scale.drive import drive, placements, route_spans
+from bench.scale.drive import admit_split, drive, placements, route_spans
 from bench.scale.meters import usage
 from bench.scale.pin import pin
 from bench.scale.plan import TRACE, TRACE_BLOCKS, FleetWorker, Trace, filler_counts, make_plan, read_trace
@@ -102,6 +102,7 @@ async def measure(st: Stage, trace: Trace, plan: list[FleetWorker], blocks: int,
            "index_rewrites_so_far": rewrites,
            **gateway_view(sent, start, seconds), **router_view(spans),
            **counters(usage(r0, r1), usage(r1, r2), max(len(decided), 1))}
+    row["admit_ms"] = admit_split(spans, admits)
     row["redis_slow"] = report.slow_commands([e for server in st.servers for e in await server.slowlog_get(4096)])
     row["registry_read_ms"] = await registry_reads(st.state)
     row["kept_up"] = report.kept_up(row)

@@ -16,6 +16,7 @@ import nats.errors
 
 from bench.scale.check import Placement
 from bench.scale.plan import MODEL, Probe
+from bench.scale.report import percentiles
 from planner.arrivals import arrival_times
 from shared import subjects
 from shared.bus import Bus
@@ -90,3 +91,21 @@ def placements(sent: list[Sent], spans: dict[str, Span], admits: dict[str, tuple
                              span.end_ns, a.get("prefill_worker") or None, a.get("decode_worker") or None,
                              a.get("prefill_cached_tokens"), a.get("prefill_queued_tokens"), asked, answered))
     return out
+
+
+def admit_split(spans: dict[str, Span], admits: dict[str, tuple[int, int]]) -> dict[str, dict]:
+    """Each placement's admit wait (the span's `admit_wait_ms`) in three, p50 / p99 ms: to the
+    simulated decode worker (from the admit sent, as the span's claim and renewals end, to the
+    worker's handler running: the router's publish, nats-server, the fleet process's loop), the
+    worker's own answer, and back (nats-server, the router's loop taking the reply)."""
+    to, own, back = [], [], []
+    for rid, span in spans.items():
+        a = span.attributes
+        if not a.get("ok") or rid not in admits:
+            continue
+        asked, answered = admits[rid]
+        sent_ns = span.start_ns + 1e6 * (a.get("begin_ms", 0.0) + a.get("hold_ms", 0.0))
+        to.append((asked - sent_ns) / 1e6)
+        own.append((answered - asked) / 1e6)
+        back.append(a.get("admit_wait_ms", 0.0) - to[-1] - own[-1])
+    return {"to_worker": percentiles(to), "worker": percentiles(own), "back": percentiles(back)}

@@ -45,6 +45,15 @@ def own_split(runs: list[dict], at: dict) -> str:
             f"{lo['decision_redis_ms']['p99']:.1f} → {hi['decision_redis_ms']['p99']:.1f} ms at p99)")
 
 
+def admit_legs(legs: dict | None) -> str:
+    """The admit wait's parts (bench/scale/drive.admit_split), p50 / p99, as a clause."""
+    if not legs or any((legs.get(k) or {}).get("p50") is None for k in ("to_worker", "worker", "back")):
+        return ""
+    return (f"; of its admit wait, p50 / p99 ms: {_ms(legs['to_worker'])} to the simulated decode worker (the "
+            f"router's publish, nats-server, the fleet process's loop), {_ms(legs['worker'])} its answer, "
+            f"{_ms(legs['back'])} back")
+
+
 def section(data: dict) -> str:
     s, m = data["summary"], data["machine"]
     met = s.get("targets_met", {})
@@ -80,7 +89,7 @@ def section(data: dict) -> str:
         + f" (target ≤ 1 ms, 1,000 placements/s a core: {mark('router_cpu_ms_per_placement')}).",
         f"- Decision p50 / p99 at W=256, B=10M, 100 req/s: {_num(s.get('decision_p50_ms_w256_b10m_r100'))} / "
         f"{_num(s.get('decision_p99_ms_w256_b10m_r100'))} ms (target p99 ≤ 5 ms and ≤ 1.5× p50: "
-        f"{mark('decision_p99_ms_w256_b10m_r100')}).",
+        f"{mark('decision_p99_ms_w256_b10m_r100')}){admit_legs(s.get('admit_ms_w256_b10m_r100'))}.",
         f"- Decision p99 at W=256, B=10M, 1,000 req/s: {_num(s.get('decision_p99_ms_w256_b10m_r1000'))} ms "
         f"(target ≤ 2 ms: {mark('decision_p99_ms_w256_b10m_r1000')}).",
         f"- p99 growth W=4 → W=256 (B={s.get('growth_measured_at', {}).get('blocks', 0):,}, "

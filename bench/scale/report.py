@@ -53,7 +53,16 @@ def bottleneck(row: dict, cores: int) -> str:
                      f"{row.get('router_failed', 0)} failed)")
     usage = ", ".join(f"{k} {v:.0f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1]))
     return f"{'; '.join(notes) or 'no CPU saturated; rate reached'} (CPU, % of a core: {usage}, " \
-           f"outside the benchmark {row['cpu_pct']['other']:.0f})"
+           f"outside the benchmark {row['cpu_pct']['other']:.0f}){admits(row)}"
+
+
+def admits(row: dict) -> str:
+    """The admit wait's p99 in its three parts (drive.admit_split), as words; '' if not measured."""
+    legs = row.get("admit_ms") or {}
+    if not all((legs.get(k) or {}).get("p99") is not None for k in ("to_worker", "worker", "back")):
+        return ""
+    return (f"; the admit wait at p99: {legs['to_worker']['p99']:.1f} ms to the simulated decode worker, "
+            f"{legs['worker']['p99']:.1f} ms its answer, {legs['back']['p99']:.1f} ms back")
 
 
 def find(runs: list[dict], workers: int, blocks: int | None, rate: float | None, replicas: int = 1) -> dict | None:
@@ -138,6 +147,7 @@ def summary(runs: list[dict], cores: int) -> dict:
          "router_cpu_ms_per_placement": cpu, "router_cpu_ms_per_placement_w256": cpu.get("w256"),
          "decision_p99_ms_w256_b10m_r100": calm["decision_ms"]["p99"] if calm else None,
          "decision_p50_ms_w256_b10m_r100": calm["decision_ms"]["p50"] if calm else None,
+         "admit_ms_w256_b10m_r100": calm.get("admit_ms") if calm else None,
          "registry_read_ms": registry_reads(runs),
          "hit_rate_same_as_policy": bool(checked) and all(checked),
          "hit_rate_checked_runs": f"{len(checked)} of {len(runs)}: those the router kept up with (an overloaded "
