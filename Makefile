@@ -85,8 +85,8 @@ bench-grammar: setup
 	$(BIN)/pip install -q llguidance==1.9.1 outlines-core==0.2.14
 	$(BIN)/python -m bench.engine.grammar_libs
 
-## bench-stack: what the services add to each request's first token, per hop, from its own trace; writes
-##   bench/results/stack.json (~3 minutes)
+## bench-stack: what the services add to each request's first token, per hop, from its own trace, beside the same
+##   kinds of hop with nothing in them (bench/hop_floor.py); writes bench/results/stack.json (~4 minutes)
 bench-stack: setup
 	$(BIN)/python -m bench.stack_overhead
 

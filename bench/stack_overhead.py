@@ -24,7 +24,9 @@ in-process. The hops split the rest, each from that request's spans on one host'
     the first token    `prefill.compute` ends → the client reads its token (NATS, the gateway, SSE)
 
 Beside it, the same prompt on an engine in this process (the same weights), as a check: TTFT
-through the stack less the engine's, p50 less p50. Targets: overhead p50 ≤ 3 ms, p99 ≤ 10 ms.
+through the stack less the engine's, p50 less p50; and the same kinds of hop with nothing in them
+(bench/hop_floor.py: a NATS request and reply, a job through JetStream), what this machine's
+hops cost before any service's work. Targets: overhead p50 ≤ 3 ms, p99 ≤ 10 ms.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from bench import hop_floor
 from bench.results_doc import RESULTS_DOC, update_block
 from deploy.local.stack import Stack, StackConfig
 from shared.config import WorkerSettings
@@ -157,6 +160,7 @@ def main() -> None:
                 through.append(stack_ttft(http, MODEL, trace_id))
                 direct.append(engine_ttft(engine, ids, i))
             traces = spans_of(receiver, [t for t, _ in sent], 3 if args.colocated else 4)
+        floor = hop_floor.measure()   # (the stack up and idle beside it, as between its requests)
     rows = [h for (t, at), ttft in zip(sent, through) if (h := hops(at, ttft, traces[t], args.colocated))]
     mode = "colocated" if args.colocated else "1 prefill + 1 decode"
     per_hop = {k: {"p50": round(pct([r[k] for r in rows], 50), 2), "p99": round(pct([r[k] for r in rows], 99), 2)}
@@ -170,6 +174,8 @@ def main() -> None:
         print(f"{name:28} {v['p50']:8.2f} {v['p99']:8.2f}")
     p50, p99 = (per_hop["overhead"]["p50"], per_hop["overhead"]["p99"]) if rows else (None, None)
     summary = {"overhead_p50_ms": p50, "overhead_p99_ms": p99,
+               "floor_nats_request_reply_p50_ms": floor["nats_request_reply"]["p50"],
+               "floor_jetstream_pickup_p50_ms": floor["jetstream_pickup"]["pull_max_jobs"]["p50"],
                "overhead_p50_less_p50_ms": round(1e3 * (pct(through, 50) - pct(direct, 50)), 2),
                "requests_traced": len(rows), "target_p50_ms": TARGET_P50_MS, "target_p99_ms": TARGET_P99_MS,
                "targets_met": {"overhead_p50_ms": p50 is not None and p50 <= TARGET_P50_MS,
@@ -178,7 +184,7 @@ def main() -> None:
     out.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "processor": platform.processor()},
                                "mode": mode, "prompt_tokens": len(ids), "requests": args.requests,
                                "threads": threads, "weights": WorkerSettings().weights, "ttft_ms": ms,
-                               "hops_ms": per_hop, "summary": summary}, indent=1) + "\n")
+                               "hops_ms": per_hop, "floor_ms": floor, "summary": summary}, indent=1) + "\n")
     print(f"wrote {out}")
     if not args.colocated:
         update_block(RESULTS_DOC, BEGIN, END, section(json.loads(out.read_text())))
@@ -199,8 +205,23 @@ def section(data: dict) -> str:
         f"| TTFT through the stack | {t['through_stack']['p50']:.2f} | {t['through_stack']['p99']:.2f} |",
         f"| TTFT of the same prompt on an engine in the benchmark's process | {t['engine_in_process']['p50']:.2f} | "
         f"{t['engine_in_process']['p99']:.2f} |", "",
+        *floor_lines(data.get("floor_ms")),
         f"Targets: overhead p50 ≤ {s['target_p50_ms']:g} ms ({met[s['targets_met']['overhead_p50_ms']]}), "
         f"p99 ≤ {s['target_p99_ms']:g} ms ({met[s['targets_met']['overhead_p99_ms']]})."])
+
+
+def floor_lines(floor: dict | None) -> list[str]:
+    """The hops with nothing in them (bench/hop_floor.py), measured in the same run."""
+    if not floor:
+        return []
+    rr, pickup = floor["nats_request_reply"], floor["jetstream_pickup"]
+    return [f"The same kinds of hop with nothing in them, in the same run (`bench/hop_floor.py`: two idle processes "
+            f"on a nats-server of their own, a message every {1e3 * floor['gap_s']:g} ms): a NATS request and its "
+            f"reply {rr['p50']:.2f} / {rr['p99']:.2f} ms (p50 / p99); a job from its publish to its consumer on the "
+            f"prefill job stream's configuration, taken as the prefill worker takes jobs (a pull of up to "
+            f"`max_jobs`) {pickup['pull_max_jobs']['p50']:.2f} / {pickup['pull_max_jobs']['p99']:.2f} ms, "
+            f"one job a pull {pickup['pull_1']['p50']:.2f} / {pickup['pull_1']['p99']:.2f} ms, pushed "
+            f"{pickup['push']['p50']:.2f} / {pickup['push']['p99']:.2f} ms.", ""]
 
 
 if __name__ == "__main__":
