@@ -24,10 +24,10 @@ import time
 
 import nats
 import nats.errors
-import numpy as np
 import uvloop
 
 from deploy.local.servers import binary, die_with_parent, free_port, wait_for_port
+from planner.metrics import percentiles
 from shared import subjects
 from shared.bus import Bus
 from shared.config import PrefillSettings
@@ -39,8 +39,9 @@ PAYLOAD = b"x" * 1024   # about a prefill job's or a route request's size
 MODES = {"pull_max_jobs": PrefillSettings.model_fields["max_jobs"].default, "pull_1": 1, "push": 0}
 
 
-def percentiles(xs: list[float]) -> dict[str, float]:
-    return {"p50": round(float(np.percentile(xs, 50)), 3), "p99": round(float(np.percentile(xs, 99)), 3)}
+def p50_p99(xs: list[float]) -> dict[str, float]:
+    """ms, as stack.json keeps them (planner.metrics.percentiles, rounded)."""
+    return {k: round(v, 3) for k, v in percentiles(xs, (50, 99)).items() if k != "mean"}
 
 
 async def respond(url: str) -> None:
@@ -132,11 +133,11 @@ def measure(count: int = COUNT) -> dict:
                 taker = _child("take", url, mode, str(count))
                 uvloop.run(_publish(url, mode, count))
                 out, _ = taker.communicate(timeout=60)
-                pickup[mode] = percentiles(json.loads(out))
+                pickup[mode] = p50_p99(json.loads(out))
         finally:
             server.terminate()
             server.wait(timeout=10)
-    return {"nats_request_reply": percentiles(rtt), "jetstream_pickup": pickup, "gap_s": GAP_S, "count": count}
+    return {"nats_request_reply": p50_p99(rtt), "jetstream_pickup": pickup, "gap_s": GAP_S, "count": count}
 
 
 async def _ensure(url: str) -> None:
