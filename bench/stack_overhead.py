@@ -43,7 +43,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from bench import hop_floor
+from bench import hop_floor, warmth
 from bench.results_doc import RESULTS_DOC, update_block
 from deploy.local.stack import Stack, StackConfig
 from shared.config import WorkerSettings
@@ -161,6 +161,7 @@ def main() -> None:
                 direct.append(engine_ttft(engine, ids, i))
             traces = spans_of(receiver, [t for t, _ in sent], 3 if args.colocated else 4)
         floor = hop_floor.measure()   # (the stack up and idle beside it, as between its requests)
+        cold = warmth.measure()
     rows = [h for (t, at), ttft in zip(sent, through) if (h := hops(at, ttft, traces[t], args.colocated))]
     mode = "colocated" if args.colocated else "1 prefill + 1 decode"
     per_hop = {k: {"p50": round(pct([r[k] for r in rows], 50), 2), "p99": round(pct([r[k] for r in rows], 99), 2)}
@@ -181,7 +182,8 @@ def main() -> None:
                "targets_met": {"overhead_p50_ms": p50 is not None and p50 <= TARGET_P50_MS,
                                "overhead_p99_ms": p99 is not None and p99 <= TARGET_P99_MS}}
     out = Path(__file__).parent / "results" / ("stack_colocated.json" if args.colocated else "stack.json")
-    out.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "processor": platform.processor()},
+    out.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "processor": platform.processor(),
+                                           "warmth": cold},
                                "mode": mode, "prompt_tokens": len(ids), "requests": args.requests,
                                "threads": threads, "weights": WorkerSettings().weights, "ttft_ms": ms,
                                "hops_ms": per_hop, "floor_ms": floor, "summary": summary}, indent=1) + "\n")
@@ -206,6 +208,8 @@ def section(data: dict) -> str:
         f"| TTFT of the same prompt on an engine in the benchmark's process | {t['engine_in_process']['p50']:.2f} | "
         f"{t['engine_in_process']['p99']:.2f} |", "",
         *floor_lines(data.get("floor_ms")),
+        *([f"The services wait between these requests, sent one at a time, and each starts on cold caches: "
+           f"{why}.", ""] if (why := warmth.clause(data["machine"].get("warmth"))) else []),
         f"Targets: overhead p50 ≤ {s['target_p50_ms']:g} ms ({met[s['targets_met']['overhead_p50_ms']]}), "
         f"p99 ≤ {s['target_p99_ms']:g} ms ({met[s['targets_met']['overhead_p99_ms']]})."])
 

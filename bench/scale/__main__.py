@@ -42,11 +42,12 @@ from pathlib import Path
 import numpy as np
 import uvloop
 
+from bench import warmth
 from bench.scale import peer, readme, report
 from bench.scale.check import Replay, check, holders
 from bench.scale.drive import admit_split, drive, placements, route_spans
 from bench.scale.meters import usage
-from bench.scale.pin import pin
+from bench.scale.pin import pin, under_test
 from bench.scale.plan import TRACE, TRACE_BLOCKS, FleetWorker, Trace, filler_counts, make_plan, read_trace
 from bench.scale.report import percentiles
 from bench.scale.stage import Stage, stage, store_name
@@ -232,6 +233,7 @@ def machine() -> dict:
 
 async def main_async(args) -> dict:
     t0 = time.monotonic()
+    cold = warmth.measure(under_test() if args.pin else None)   # on the router's cores, before anything runs
     trace = read_trace(args.trace, args.history)
     receiver = OtlpReceiver()
     log_dir = Path(args.log_dir)
@@ -245,9 +247,9 @@ async def main_async(args) -> dict:
     config.update(trace_name=args.trace.name, probes=len(trace.probes), block_tokens=16,
                   prefix_index=Common().prefix_index,
                   scale="one 16-token block per 512-token trace block", idle_s=IDLE_S)
-    return {"machine": machine(), "mode": "quick" if args.quick else "full", "config": config,
+    return {"machine": {**machine(), "warmth": cold}, "mode": "quick" if args.quick else "full", "config": config,
             "duration_s": round(time.monotonic() - t0, 1), "runs": runs,
-            "summary": {**report.summary([r for r in runs if r["store"] == store_name(args.stores[0])], CORES),
+            "summary": {**report.summary([r for r in runs if r["store"] == store_name(args.stores[0])], CORES, cold),
                         **report.stores(runs)}}
 
 

@@ -20,6 +20,12 @@ def split(cores: list[int]) -> tuple[set[int], set[int]] | None:
     return set(cores[:half]), set(cores[half:])
 
 
+def under_test() -> set[int] | None:
+    """The cores the router replicas are pinned to (None on one core: nothing pinned)."""
+    halves = split(CORES)
+    return halves[0] if halves else None
+
+
 def pin(pids: dict[str, int]) -> dict[str, list[int]]:
     """Every thread of each process onto its half (threads started later inherit it); returns
     the cores by process name ({} on one core: nothing pinned)."""

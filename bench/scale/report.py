@@ -19,6 +19,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
+from bench import warmth  # noqa: E402
+
 DECISION_P99_MS = 2.0
 GROWTH = 1.5
 BYTES_PER_BLOCK = 100.0
@@ -104,13 +106,14 @@ def nats_per_request(runs: list[dict], workers: int) -> float | None:
     return round(float(np.mean(xs)), 2) if xs else None
 
 
-def router_cpu(runs: list[dict]) -> dict[str, float]:
-    """Router CPU ms per placement by W (mean over the single-router runs it kept up with, less
-    its idle rate): 1000 / this is what one core of router can place per second."""
+def router_cpu(runs: list[dict], rate: float | None = None) -> dict[str, float]:
+    """Router CPU ms per placement by W (mean over the single-router runs it kept up with, at
+    `rate` or at every rate, less its idle rate): 1000 / this is what one core of router can
+    place per second."""
     out = {}
     for w in sorted({r["workers"] for r in runs}):
         xs = [r["router_cpu_ms_per_placement"]["net"] for r in runs
-              if r["workers"] == w and r["replicas"] == 1 and kept_up(r)]
+              if r["workers"] == w and r["replicas"] == 1 and kept_up(r) and rate in (None, r["rate"])]
         if xs:
             out[f"w{w}"] = round(float(np.mean(xs)), 2)
     return out
@@ -126,8 +129,18 @@ def registry_reads(runs: list[dict]) -> dict:
     return out
 
 
-def summary(runs: list[dict], cores: int) -> dict:
-    """The issue's figures and targets, and what limited those not met."""
+def cpu_words(by_rate: dict[str, dict[str, float]], cold: dict | None) -> str:
+    """What limits the router's CPU per placement, in words: the figures at each rate, and what
+    the machine charges a process that waited (bench/warmth.py)."""
+    at = "; ".join(f"{r[1:]} req/s: " + ", ".join(f"W={w[1:]} {v:.2f} ms" for w, v in ws.items())
+                   for r, ws in by_rate.items() if ws)
+    why = warmth.clause(cold)
+    return f"{at}" + (f". The same code costs more the longer it waited: {why}" if why else "")
+
+
+def summary(runs: list[dict], cores: int, cold: dict | None = None) -> dict:
+    """The issue's figures and targets, and what limited those not met; `cold`: the machine's
+    price of a wait (bench/warmth.py), beside the router's CPU."""
     target = find(runs, 256, 10_000_000, 1000)
     ratio, at, by_cell = growth(runs)
     largest = max((r["blocks"] for r in runs), default=0)
@@ -138,6 +151,7 @@ def summary(runs: list[dict], cores: int) -> dict:
     own_ratio, own_at, _ = growth(runs, "decision_own_ms", at=at or None)
     calm = find(runs, 256, 10_000_000, 100)
     cpu = router_cpu(runs)
+    by_rate = {f"r{rate:g}": router_cpu(runs, rate) for rate in sorted({r["rate"] for r in runs})}
     s: dict[str, Any] = {"decision_p99_ms_w256_b10m_r1000": target["decision_ms"]["p99"] if target else None,
          "decision_p99_growth_w4_to_w256": ratio, "growth_measured_at": at, "growth_by_cell": by_cell,
          # the same without the wait for the simulated decode workers' admit answers
@@ -145,6 +159,8 @@ def summary(runs: list[dict], cores: int) -> dict:
          "redis_bytes_per_block": per_block, "redis_bytes_per_block_at_blocks": largest,
          "nats_msgs_per_request_w4": n4, "nats_msgs_per_request_w256": n256,
          "router_cpu_ms_per_placement": cpu, "router_cpu_ms_per_placement_w256": cpu.get("w256"),
+         "router_cpu_ms_per_placement_by_rate": by_rate,
+         "warmth_times_back_to_back": cold["times_back_to_back"] if cold else None,
          "decision_p99_ms_w256_b10m_r100": calm["decision_ms"]["p99"] if calm else None,
          "decision_p50_ms_w256_b10m_r100": calm["decision_ms"]["p50"] if calm else None,
          "admit_ms_w256_b10m_r100": calm.get("admit_ms") if calm else None,
@@ -165,6 +181,8 @@ def summary(runs: list[dict], cores: int) -> dict:
     limiting = {"decision_p99_ms_w256_b10m_r1000": target, "decision_p99_ms_w256_b10m_r100": calm,
                 "decision_p99_growth_w4_to_w256": find(runs, 256, at.get("blocks"), at.get("rate"))}
     s["limited_by"] = {k: bottleneck(row, cores) for k, row in limiting.items() if row and met.get(k) is False}
+    if met["router_cpu_ms_per_placement"] is False:
+        s["limited_by"]["router_cpu_ms_per_placement"] = cpu_words(by_rate, cold)
     return s
 
 

@@ -106,7 +106,9 @@ def test_the_summary_holds_the_issues_figures_and_names_what_limits_them():
     runs = [_run(4, 10_000_000, 100, 2.0, 6.0), _run(256, 10_000_000, 100, 2.5, 6.2),
             _run(4, 10_000_000, 1000, 1.0, 9.0), _run(256, 10_000_000, 1000, 3.0, 20.0),
             _run(256, 10_000_000, 1000, 2.5, 6.1, replicas=3)]
-    s = summary(runs, cores=2)
+    cold = {"unit": "u", "us_p50_after_gap_ms": {"0": 10.0, "1": 15.0, "10": 30.0},
+            "times_back_to_back": {"1": 1.5, "10": 3.0}}
+    s = summary(runs, cores=2, cold=cold)
     assert s["decision_p99_ms_w256_b10m_r1000"] == 3.0
     assert s["decision_p99_growth_w4_to_w256"] == 1.25 and s["growth_measured_at"] == {"blocks": 10_000_000,
                                                                                         "rate": 100}
@@ -122,6 +124,11 @@ def test_the_summary_holds_the_issues_figures_and_names_what_limits_them():
                                 "hit_rate_same_as_policy": True, "router_cpu_ms_per_placement": False,
                                 # p99 2.5 ms is under 5 ms but 2x its p50
                                 "decision_p99_ms_w256_b10m_r100": False}
+    # by rate, of the runs it kept up with (none at 1000 here), beside the machine's price of a wait
+    assert s["router_cpu_ms_per_placement_by_rate"] == {"r100": {"w4": 4.0, "w256": 4.0}, "r1000": {}}
+    assert s["warmth_times_back_to_back"] == {"1": 1.5, "10": 3.0}
+    why = s["limited_by"]["router_cpu_ms_per_placement"]
+    assert why.startswith("100 req/s: W=4 4.00 ms, W=256 4.00 ms.") and "3.0× after 10 ms idle" in why
     why = s["limited_by"]["decision_p99_ms_w256_b10m_r1000"]
     assert "machine CPU saturated" in why and "router 99%" in why and "placed 200 of 1000 req/s" in why
     assert bottleneck(runs[0], cores=2).startswith("machine CPU saturated (199% of 2 cores) (CPU")
