@@ -46,6 +46,7 @@ from bench import warmth
 from bench.scale import peer, readme, report
 from bench.scale.check import Replay, check, holders
 from bench.scale.drive import admit_split, drive, placements, route_spans
+from bench.scale.fleet import LATE_EVERY_S
 from bench.scale.meters import usage
 from bench.scale.pin import pin, under_test
 from bench.scale.plan import TRACE, TRACE_BLOCKS, FleetWorker, Trace, filler_counts, make_plan, read_trace
@@ -96,7 +97,7 @@ async def measure(st: Stage, trace: Trace, plan: list[FleetWorker], blocks: int,
     spans = await route_spans(receiver, {s.request_id for s in sent})
     sizes = {w.worker_id: len(w.cached) + f for w, f in zip(plan, filler_counts(blocks, plan))}
     replay = Replay(await st.state.registry.workers(), sizes, holders(plan), RouterSettings())
-    admits, rewrites = await st.fleet.admits()
+    admits, rewrites, late_ms = await st.fleet.admits()
     decided = placements(sent, spans, admits)
     row = {"workers": len(plan), "blocks": blocks, "rate": rate, "replicas": replicas, "seconds": seconds,
            "store": st.store,
@@ -104,6 +105,8 @@ async def measure(st: Stage, trace: Trace, plan: list[FleetWorker], blocks: int,
            **gateway_view(sent, start, seconds), **router_view(spans),
            **counters(usage(r0, r1), usage(r1, r2), max(len(decided), 1))}
     row["admit_ms"] = admit_split(spans, admits)
+    # its loop busy: an admit's wait there (bench/scale/fleet.py)
+    row["fleet_late_ms"] = {**percentiles(late_ms), "every_ms": 1e3 * LATE_EVERY_S}
     row["redis_slow"] = report.slow_commands([e for server in st.servers for e in await server.slowlog_get(4096)])
     row["registry_read_ms"] = await registry_reads(st.state)
     row["kept_up"] = report.kept_up(row)

@@ -21,8 +21,10 @@ PLAN is a pickled list of bench/scale/plan.FleetWorker. Each simulated worker:
    checked against the policy's.
 Control, one line each way on stdin / stdout: (started) -> "ready"; "fill N" -> "filled N";
 "admits" -> JSON: the admits answered since last asked, [request id, asked, answered] (wall
-clock, ns: when the router decided and when it heard back, as near as they can be seen), and
-how many caches were rewritten whole so far (`rewrites`: each a lapsed lease or failed update);
+clock, ns: when the router decided and when it heard back, as near as they can be seen), how
+many caches were rewritten whole so far (`rewrites`: each a lapsed lease or failed update) and
+how late its loop woke a timer every LATE_EVERY_S since last asked (`late_ms`: how long the
+loop was busy with something else, the wait an admit that arrived meanwhile had too);
 "quit" -> the workers deregister and release their index entries, then the process exits.
 """
 
@@ -64,6 +66,7 @@ STEP_S = 0.05            # a simulated engine step: the churn of the requests it
 FETCH_JOBS, FETCH_WAIT_S = 64, 5.0   # idle pulls wait longer than a real worker's 0.5 s: 128 idle simulated
                                      # workers polling that often would cost this one process more than they tell
 FINISH_AFTER_S = 2.0     # an admitted request is recorded finished this long after its admit
+LATE_EVERY_S = 0.01      # the loop's lateness sampled this often (uvloop's timers tick in ms)
 
 
 @dataclass(eq=False)   # by identity: a set of them is kept
@@ -127,6 +130,7 @@ class Fleet:
         self.tags = 0
         self.stepping: set[Sim] = set()   # workers with churn pending
         self.admits: list[tuple[str, int, int]] = []   # (request id, asked, answered) in wall-clock ns
+        self.late_ms: list[float] = []                 # the loop's lateness, each LATE_EVERY_S
 
     async def start(self) -> None:
         await self.bus.ensure_prefill_stream()
@@ -140,6 +144,7 @@ class Fleet:
             self.sims.append(sim)
         await self.settled()
         self.tasks.append(asyncio.create_task(self.steps()))
+        self.tasks.append(asyncio.create_task(self.lateness()))
         phases = random.Random(0)
         for sim in self.sims:
             self.tasks.append(asyncio.create_task(self.beating(sim, phases.uniform(0, self.heartbeat_s))))
@@ -174,6 +179,14 @@ class Fleet:
         # it ends a little later, as a request does: off the supervisor's list of requests in flight
         asyncio.get_running_loop().call_later(FINISH_AFTER_S, self.state.requests.note, req.request_id, "finished",
                                               sim.spec.worker_id, req.attempt)
+
+    async def lateness(self) -> None:
+        """How late a timer fires, each LATE_EVERY_S: the loop busy (or its process off the CPU)."""
+        loop = asyncio.get_running_loop()
+        while not self.stop.is_set():
+            t = loop.time()
+            await asyncio.sleep(LATE_EVERY_S)
+            self.late_ms.append(round(1e3 * (loop.time() - t - LATE_EVERY_S), 3))
 
     async def take_jobs(self, sim: Sim, pull) -> None:
         while not self.stop.is_set():
@@ -263,8 +276,9 @@ async def serve(plan_path: Path) -> None:
                 gc.freeze()   # (its admits answered on time: no full collection walks the plan)
                 print(f"filled {words[1]}", flush=True)
             elif words[:1] == ["admits"]:
-                print(json.dumps({"admits": fleet.admits, "rewrites": fleet.rewrites()}), flush=True)
-                fleet.admits = []
+                print(json.dumps({"admits": fleet.admits, "rewrites": fleet.rewrites(), "late_ms": fleet.late_ms}),
+                      flush=True)
+                fleet.admits, fleet.late_ms = [], []
             elif words[:1] == ["quit"]:
                 break
         await fleet.close()

@@ -44,14 +44,16 @@ class FleetProcess:
         await stdin.drain()
         await self.expect("filled", timeout_s)
 
-    async def admits(self, timeout_s: float = 60) -> tuple[dict[str, tuple[int, int]], int]:
+    async def admits(self, timeout_s: float = 60) -> tuple[dict[str, tuple[int, int]], int, list[float]]:
         """(request id -> (asked, answered) in wall-clock ns, of the admits answered since last
-        asked; caches the fleet has rewritten whole since it started)."""
+        asked; caches the fleet has rewritten whole since it started; its loop's lateness in ms
+        since last asked)."""
         stdin, _ = self._pipes()
         stdin.write(b"admits\n")
         await stdin.drain()
         answer = json.loads(await self.expect("{", timeout_s))
-        return {rid: (asked, answered) for rid, asked, answered in answer["admits"]}, answer["rewrites"]
+        return ({rid: (asked, answered) for rid, asked, answered in answer["admits"]}, answer["rewrites"],
+                answer["late_ms"])
 
     async def expect(self, start: str, timeout_s: float) -> str:
         _, stdout = self._pipes()

@@ -63,8 +63,11 @@ def admits(row: dict) -> str:
     legs = row.get("admit_ms") or {}
     if not all((legs.get(k) or {}).get("p99") is not None for k in ("to_worker", "worker", "back")):
         return ""
+    late = row.get("fleet_late_ms") or {}
     return (f"; the admit wait at p99: {legs['to_worker']['p99']:.1f} ms to the simulated decode worker, "
-            f"{legs['worker']['p99']:.1f} ms its answer, {legs['back']['p99']:.1f} ms back")
+            f"{legs['worker']['p99']:.1f} ms its answer, {legs['back']['p99']:.1f} ms back"
+            + (f" (the fleet's loop late by {late['p50']:.1f} / {late['p99']:.1f} ms p50 / p99, sampled each "
+               f"{late.get('every_ms', 10):g} ms)" if late.get("p99") is not None else ""))
 
 
 def find(runs: list[dict], workers: int, blocks: int | None, rate: float | None, replicas: int = 1) -> dict | None:

@@ -132,6 +132,11 @@ def test_the_summary_holds_the_issues_figures_and_names_what_limits_them():
     why = s["limited_by"]["decision_p99_ms_w256_b10m_r1000"]
     assert "machine CPU saturated" in why and "router 99%" in why and "placed 200 of 1000 req/s" in why
     assert bottleneck(runs[0], cores=2).startswith("machine CPU saturated (199% of 2 cores) (CPU")
+    legs = {k: {"p50": 0.1, "p99": p99} for k, p99 in (("to_worker", 6.5), ("worker", 0.2), ("back", 3.9))}
+    late = {"p50": 0.0, "p99": 3.0, "every_ms": 10.0}
+    words = bottleneck({**runs[0], "admit_ms": legs, "fleet_late_ms": late}, cores=2)
+    assert words.endswith("the admit wait at p99: 6.5 ms to the simulated decode worker, 0.2 ms its answer, 3.9 ms "
+                          "back (the fleet's loop late by 0.0 / 3.0 ms p50 / p99, sampled each 10 ms)")
     assert summary(runs + [_run(16, 10_000_000, 100, 2.0, 6.0, same=False)], 2)["hit_rate_same_as_policy"] is False
 
 
