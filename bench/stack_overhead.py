@@ -26,7 +26,8 @@ in-process. The hops split the rest, each from that request's spans on one host'
 Beside it, the same prompt on an engine in this process (the same weights), as a check: TTFT
 through the stack less the engine's, p50 less p50; and the same kinds of hop with nothing in them
 (bench/hop_floor.py: a NATS request and reply, a job through JetStream), what this machine's
-hops cost before any service's work. Targets: overhead p50 ≤ 3 ms, p99 ≤ 10 ms.
+hops cost before any service's work; and what this machine charges a process that waited
+(bench/warmth.py). Targets: overhead p50 ≤ 3 ms, p99 ≤ 10 ms.
 """
 
 from __future__ import annotations
@@ -208,8 +209,8 @@ def section(data: dict) -> str:
         f"| TTFT of the same prompt on an engine in the benchmark's process | {t['engine_in_process']['p50']:.2f} | "
         f"{t['engine_in_process']['p99']:.2f} |", "",
         *floor_lines(data.get("floor_ms")),
-        *([f"The services wait between these requests, sent one at a time, and each starts on cold caches: "
-           f"{why}.", ""] if (why := warmth.clause(data["machine"].get("warmth"))) else []),
+        *([f"The services wait between these requests, sent one at a time; in the same run {why}.", ""]
+          if (why := warmth.clause(data["machine"].get("warmth"))) else []),
         f"Targets: overhead p50 ≤ {s['target_p50_ms']:g} ms ({met[s['targets_met']['overhead_p50_ms']]}), "
         f"p99 ≤ {s['target_p99_ms']:g} ms ({met[s['targets_met']['overhead_p99_ms']]})."])
 

@@ -22,6 +22,8 @@ trace (bench/scale/plan.py); placements are asked as the gateway asks them, open
 5. A peer, vLLM's Rust router, in front of as many mock OpenAI workers, fed the same prompts at
    the same rates (bench/scale/peer.py: `cache_aware` and `round_robin`, at the fewest and the
    most workers): the latency it adds and its CPU per request, beside ours.
+Before them, on the router's cores, what this machine charges a process that waited (bench/warmth.py:
+a router at 100 req/s waits ~10 ms before each placement), reported beside the router's CPU.
 Writes bench/results/scale.json (machine, mode, config, runs, summary), scale.png and the
 "Scale" section of docs/RESULTS.md (bench/scale/readme.py).
 """
