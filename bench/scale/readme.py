@@ -86,9 +86,7 @@ def section(data: dict) -> str:
         "",
         "- Router CPU per placement (less its idle rate; mean of the runs it kept up with): "
         + ", ".join(f"W={w[1:]} {v:.2f} ms" for w, v in (s.get("router_cpu_ms_per_placement") or {}).items())
-        + f" (target ≤ 1 ms, 1,000 placements/s a core: {mark('router_cpu_ms_per_placement')})"
-        + "".join(f"; at {r[1:]} req/s " + ", ".join(f"W={w[1:]} {v:.2f}" for w, v in ws.items())
-                  for r, ws in (s.get("router_cpu_ms_per_placement_by_rate") or {}).items() if ws) + ".",
+        + f" (target ≤ 1 ms, 1,000 placements/s a core: {mark('router_cpu_ms_per_placement')}).",
         f"- Decision p50 / p99 at W=256, B=10M, 100 req/s: {_num(s.get('decision_p50_ms_w256_b10m_r100'))} / "
         f"{_num(s.get('decision_p99_ms_w256_b10m_r100'))} ms (target p99 ≤ 5 ms and ≤ 1.5× p50: "
         f"{mark('decision_p99_ms_w256_b10m_r100')}){admit_legs(s.get('admit_ms_w256_b10m_r100'))}.",
