@@ -15,7 +15,8 @@ from nats.aio.subscription import Subscription
 from nats.js.api import RetentionPolicy, StreamConfig
 from opentelemetry import context
 
-from shared import subjects, tracing
+from shared import macs, subjects, tracing
+from shared.macs import Signed
 from shared.messages import Message, PrefillJob
 from shared.urls import nats_inbox, nats_servers
 
@@ -48,6 +49,10 @@ class Bus:
 
     async def publish(self, subject: str, msg: Message, ctx: context.Context | None = None) -> None:
         await self.nc.publish(subject, msg.encode(), headers=tracing.inject(ctx))
+
+    async def publish_signed(self, subject: str, signed: Signed, ctx: context.Context | None = None) -> None:
+        """A token chunk with its MAC (shared/macs.py)."""
+        await self.nc.publish(subject, signed.data, headers={**tracing.inject(ctx), macs.HEADER: signed.mac})
 
     async def request(self, subject: str, msg: Message, reply_type: type[M], timeout: float) -> M:
         reply = await self.nc.request(subject, msg.encode(), timeout=timeout, headers=tracing.inject())

@@ -74,6 +74,7 @@ class RouteRequest(Message):
     attempt: int = 0                # placements before this one (failover after a decode worker was lost)
     generated_token_ids: list[int] = []  # tokens already generated and streamed: continue after them
     avoid_workers: list[str] = []   # decode workers to try last (the one this request stalled on)
+    secret: str = ""                # this placement's: its chunks' MACs (shared/macs.py); told to its workers only
 
 
 class Requeue(Message):
@@ -148,6 +149,7 @@ class AdmitRequest(Message):
     generated_token_ids: list[int] = []   # mode local, failover: prefilled with the prompt, count as generated
     attempt: int = 0                      # the request's placement number (a failover is a new admit)
     expected_prefill_s: float = 0.0       # remote: the prefill worker's queue + this prompt, predicted (0: unknown)
+    secret: str = ""                      # the placement's (RouteRequest.secret): its chunks are signed with it
 
 
 class AdmitReply(Message):
@@ -239,6 +241,7 @@ class PrefillJob(Message):
     requeued: bool = False               # moved here off a prefill worker lost or frozen
     decode_host: str = ""                # the decode worker's host identity when it reads same-host KV
                                          # from the prefill worker's segment (shared/kv/segment.py)
+    secret: str = ""                     # the placement's (RouteRequest.secret): its first token's chunk is signed
 
 
 class KVAck(Message):

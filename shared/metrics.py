@@ -67,6 +67,8 @@ QUEUED_TOKENS = Gauge("pd_queued_prompt_tokens", "Prompt tokens waiting to be co
 STEP_SECONDS = Histogram("pd_engine_step_seconds", "Engine steps", ["role", "kind"], buckets=LATENCY)
 STALE_CHUNKS = Counter("pd_stale_chunks", "Token chunks the gateway dropped: from a placement the request has "
                        "left (a worker still publishing after its request moved)")
+FORGED_CHUNKS = Counter("pd_forged_chunks", "Token chunks the gateway dropped: no secret of the request's placements "
+                        "verifies them (made up, or moved from another request: shared/macs.py)")
 REPLAYED_CHUNKS = Counter("pd_replayed_chunks", "Token chunks published again for a gateway that lost them")
 PROMPT_TOKENS = Counter("pd_prompt_tokens", "Prompt tokens prefilled (cached ones included)", ["role"])
 CACHED_TOKENS = Counter("pd_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache", ["role"])

@@ -6,7 +6,8 @@ reconnect) and asks the worker for the chunks from the first one it is missing
 (`pd.decode.<id>.replay`); answered from here, the stream goes on without recomputing
 anything. What is not here any more (cancelled, finished over `keep_s` ago, or older than
 the last `window` chunks of a request) is refused, and the gateway places the request again.
-Chunks are kept encoded (~250 bytes each; a TokenChunk object takes ~1.4 KB).
+Chunks are kept as they were published, encoded with their MAC (shared/macs.py; ~250 bytes
+each, where a TokenChunk object takes ~1.4 KB).
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
+from shared.macs import Signed
 from shared.messages import TokenChunk
 
-Kept = tuple[int, int, bytes]  # seq, tokens it holds (at least 1), the encoded chunk
+Kept = tuple[int, int, Signed]  # seq, tokens it holds (at least 1), the chunk as published
 
 
 class ChunkLog:
@@ -27,14 +29,15 @@ class ChunkLog:
         self.running: dict[str, deque[Kept]] = {}
         self.finished: OrderedDict[str, tuple[float, deque[Kept]]] = OrderedDict()  # rid: (when, chunks)
 
-    def record(self, chunk: TokenChunk) -> None:
+    def record(self, chunk: TokenChunk, signed: Signed) -> None:
+        """`chunk` was published as `signed`."""
         chunks = self.running.setdefault(chunk.request_id, deque(maxlen=self.window))
-        chunks.append((chunk.seq, max(1, len(chunk.token_ids)), chunk.encode()))
+        chunks.append((chunk.seq, max(1, len(chunk.token_ids)), signed))
         if chunk.finished:
             self.finished[chunk.request_id] = (self.clock(), self.running.pop(chunk.request_id))
             self._expire()
 
-    def since(self, request_id: str, from_seq: int, placed: bool = False) -> list[TokenChunk] | None:
+    def since(self, request_id: str, from_seq: int, placed: bool = False) -> list[Signed] | None:
         """The chunks that hold tokens from `from_seq` on (None: not all of them are here).
         `placed`: the request is on this worker (queued, prefilling, or waiting for its KV);
         if it has published nothing yet, nothing of it is lost: none to send."""
@@ -46,7 +49,7 @@ class ChunkLog:
             return [] if placed else None
         if chunks[0][0] > from_seq:
             return None  # older than the window, or made before this placement
-        return [TokenChunk.decode(data) for seq, n, data in chunks if seq + n > from_seq]
+        return [signed for seq, n, signed in chunks if seq + n > from_seq]
 
     def forget(self, request_id: str) -> None:
         self.running.pop(request_id, None)

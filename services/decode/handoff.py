@@ -142,7 +142,7 @@ class Handoffs:
                          decode_worker=self.id, decode_address=self.transport.address,
                          decode_fingerprint=self.engine.fingerprint, first_block=rx.res.first_block,
                          kv_tag=rx.kv_tag, generated_token_ids=req.generated_token_ids, attempt=req.attempt,
-                         requeued=requeued, decode_host=self.host)
+                         requeued=requeued, decode_host=self.host, secret=req.secret)
         try:
             await self.bus.queue_prefill(rx.prefill_worker, job, ctx)
         except Exception as e:  # noqa: BLE001 - NATS or the stream away: prefill here

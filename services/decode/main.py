@@ -44,7 +44,7 @@ from services.decode.admits import AdmitReplies
 from services.decode.chunk_log import ChunkLog
 from services.decode.handoff import Handoffs, PrefillWorkerLate, PrefillWorkerLost
 from services.decode.requests import DecodeRequest, DecodeRequests
-from shared import metrics, subjects, tracing
+from shared import macs, metrics, subjects, tracing
 from shared.bus import Bus, after_reconnects, context_of
 from shared.config import DecodeSettings
 from shared.engine.block_manager import OutOfBlocks
@@ -176,7 +176,7 @@ class DecodeWorker:
         max_num_seqs (`failover_seqs`): its client is mid-stream, a new request can wait."""
         limit = self.engine.cfg.max_num_seqs + (self.settings.failover_seqs if req.attempt else 0)
         res = self.engine.reserve(req.request_id, req.prompt_token_ids, params, req.generated_token_ids, limit)
-        return res, self.requests.open(req.request_id, req.attempt)
+        return res, self.requests.open(req.request_id, req.attempt, req.secret)
 
     async def prefill_locally(self, req: AdmitRequest, why: str) -> None:
         """The whole prompt runs here: placed here (colocated mode, a short prompt), a failover
@@ -186,7 +186,7 @@ class DecodeWorker:
         def add() -> None:  # on the engine thread, in order with cancels (abort_older)
             self.engine.add_request(req.request_id, req.prompt_token_ids, req.sampling.to_engine(),
                                     generated_token_ids=req.generated_token_ids)
-            self.requests.open(req.request_id, req.attempt).prefilled_here = True
+            self.requests.open(req.request_id, req.attempt, req.secret).prefilled_here = True
         await self.host.call(add)
         self.host.wake.set()
 
@@ -210,7 +210,8 @@ class DecodeWorker:
                                            end.prompt_logprobs)
                 if not out.finished:  # published by the prefill side; kept here (before any later
                     # token) for a gateway that lost it
-                    self.chunks.record(TokenChunk.from_output(out, req.attempt, self.id))
+                    chunk = TokenChunk.from_output(out, req.attempt, self.id)
+                    self.chunks.record(chunk, macs.sign(chunk, req.secret))
                 await self.handoffs.ack(rx, KVAck(request_id=rid, ok=True))
                 await self.handoffs.report(rx, ok=True)
                 span.set_attribute("ok", True)
@@ -276,14 +277,15 @@ class DecodeWorker:
             if not out.finished and rid not in self.engine.seqs:  # cancelled since its step ran
                 continue
             held = self.requests.get(rid)
-            chunk = TokenChunk.from_output(out, held.attempt if held is not None else 0, self.id)
-            self.chunks.record(chunk)
-            await self.bus.publish(subjects.tokens(rid), chunk)
+            if held is None:  # its record closed by a cancel meanwhile: no placement to sign it for
+                continue
+            chunk = TokenChunk.from_output(out, held.attempt, self.id)
+            signed = macs.sign(chunk, held.secret)
+            self.chunks.record(chunk, signed)
+            await self.bus.publish_signed(subjects.tokens(rid), signed)
             if not out.finished and rid not in self.engine.seqs:  # cancelled while it was published
                 continue
             self.advanced.add(rid)
-            if held is None:  # (its record closed by a cancel meanwhile)
-                continue
             if out.finished:
                 self.finished(out, held)
             elif held.first_token is None:  # (an abort's output, finished, is no first token)
@@ -340,8 +342,8 @@ class DecodeWorker:
             await self.bus.respond(msg, ReplayReply(request_id=req.request_id, ok=False,
                                                     reason=f"no chunks from {req.from_seq} here"))
             return
-        for chunk in chunks:
-            await self.bus.publish(subjects.tokens(req.request_id), chunk)
+        for signed in chunks:
+            await self.bus.publish_signed(subjects.tokens(req.request_id), signed)
         metrics.REPLAYED_CHUNKS.inc(len(chunks))
         await self.bus.respond(msg, ReplayReply(request_id=req.request_id, ok=True, chunks=len(chunks)))
 

@@ -20,6 +20,7 @@ from opentelemetry import trace
 @dataclass(eq=False)
 class DecodeRequest:
     attempt: int                                  # its placement number (engine thread)
+    secret: str = ""                              # the placement's: its chunks are signed with it (shared/macs.py)
     prefilled_here: bool = False                  # its prompt computed here, not received (engine thread)
     span: trace.Span | None = None                # `decode.generate`, from the admit's reply on
     receiving: asyncio.Task | None = None         # its KV wait, while the KV is on its way
@@ -42,12 +43,12 @@ class DecodeRequests:
     def __init__(self) -> None:
         self.held: dict[str, DecodeRequest] = {}
 
-    def open(self, rid: str, attempt: int) -> DecodeRequest:
+    def open(self, rid: str, attempt: int, secret: str) -> DecodeRequest:
         """On the engine thread, as the engine takes the request: the record of this placement
         already held (a failed handoff's, its prompt now prefilled here), else a new one."""
         held = self.held.get(rid)
         if held is None or held.attempt != attempt or held.closed:
-            held = self.held[rid] = DecodeRequest(attempt)
+            held = self.held[rid] = DecodeRequest(attempt, secret)
         return held
 
     def get(self, rid: str) -> DecodeRequest | None:

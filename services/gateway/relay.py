@@ -45,7 +45,7 @@ from opentelemetry import trace
 
 from services.gateway.errors import APIError
 from services.gateway.reorder import Reorder
-from shared import metrics, subjects
+from shared import macs, metrics, subjects
 from shared.absence import Absence
 from shared.bus import Bus
 from shared.config import GatewaySettings
@@ -116,9 +116,16 @@ class Relay:
         subscriptions exist before anything can produce a token (or a supervisor's word), so
         none is missed."""
         queue: asyncio.Queue[TokenChunk | Stalled] = asyncio.Queue()
+        req = req.model_copy(update={"secret": macs.new_secret()})
+        secrets = {req.attempt: req.secret}  # each placement's (failover adds one): chunks are taken signed by one
 
         async def on_chunk(msg: Msg) -> None:
-            queue.put_nowait(TokenChunk.decode(msg.data))
+            chunk = macs.opened(req.request_id, secrets, msg.data, (msg.headers or {}).get(macs.HEADER, ""))
+            if chunk is None:
+                metrics.FORGED_CHUNKS.inc()
+                log.warning("%s: a chunk no placement of it signed was dropped", req.request_id)
+                return
+            queue.put_nowait(chunk)
 
         async def on_event(msg: Msg) -> None:
             queue.put_nowait(Stalled.decode(msg.data))
@@ -137,7 +144,7 @@ class Relay:
             self.records.note(req.request_id, outcome, by=self.owner, owner=self.owner, reason=reason)
             metrics.REQUESTS.labels(outcome).inc()
             raise
-        return reply, self._ordered(req, reply, queue, subs)
+        return reply, self._ordered(req, reply, queue, subs, secrets)
 
     async def abandon(self, req: RouteRequest) -> None:
         """The request gives up its placement while a router may have admitted it meanwhile (its
@@ -186,12 +193,12 @@ class Relay:
         return reply
 
     async def _ordered(self, req: RouteRequest, placement: RouteReply, queue: asyncio.Queue,
-                       sub: Subscriptions) -> AsyncIterator[TokenChunk]:
+                       sub: Subscriptions, secrets: dict[int, str] | None = None) -> AsyncIterator[TokenChunk]:
         """Chunks in `seq` order, once each (reorder.py), of the request's current placement
         only (a worker it left may still publish: dropped, counted). Silence, a gap that stays open, or the
         supervisor's word moves the request (`recover`). Its end goes to Redis and, unless it
         finished, a cancel to every worker it was placed on."""
-        stream = Stream(placement, req.attempt, self.liveness())
+        stream = Stream(placement, req.attempt, self.liveness(), secrets if secrets is not None else {})
         stream.holders.add(placement.decode_worker, placement.prefill_worker)
         outcome, reason = "cancelled", "client gone"
         try:
@@ -241,10 +248,11 @@ class Relay:
             # the old placement may still run (chunks lost on the bus, a lease that lapsed
             # for a moment, a hung step): stop it before the request goes elsewhere
             stream.attempt += 1
+            stream.secrets[stream.attempt] = macs.new_secret()
             await stream.holders.cancel(self.bus, Cancel(request_id=req.request_id, reason="failover",
                                                          before_attempt=stream.attempt))
             stream.placement = await self.failover(req, stream.placement, stream.order.generated, stream.attempt,
-                                                   why)
+                                                   why, stream.secrets[stream.attempt])
             stream.holders.add(stream.placement.decode_worker, stream.placement.prefill_worker)
             stream.order.forget_waiting()
             stream.liveness, stream.replays = self.liveness(), 0
@@ -335,8 +343,8 @@ class Relay:
                                     self.timings.check_s)
 
     async def failover(self, req: RouteRequest, lost: RouteReply, generated: list[int], attempt: int,
-                       why: str) -> RouteReply:
-        """Place the request again, to continue after `generated` (attempt > 0)."""
+                       why: str, secret: str = "") -> RouteReply:
+        """Place the request again, to continue after `generated` (attempt > 0), under `secret`."""
         trace.get_current_span().add_event("failover", {"why": why, "decode_worker": lost.decode_worker or "",
                                                         "resumed_after_tokens": len(generated), "attempt": attempt})
         metrics.FAILOVERS.labels(why.split(" in ")[0]).inc()   # worker lost, stream interrupted, stalled
@@ -351,7 +359,7 @@ class Relay:
         # a stalled worker still heartbeats: the router tries the others first
         avoid = [lost.decode_worker] if why.startswith("stalled") and lost.decode_worker else []
         return await self.place(req.model_copy(update={"attempt": attempt, "generated_token_ids": list(generated),
-                                                       "avoid_workers": avoid}),
+                                                       "avoid_workers": avoid, "secret": secret}),
                                 retry_s=max(self.timings.placement_retry_s, self.timings.token_timeout_s))
 
 
@@ -371,6 +379,7 @@ class Stream:
     placement: RouteReply
     attempt: int
     liveness: Liveness
+    secrets: dict[int, str]                                # each placement's, by attempt (shared/macs.py)
     replays: int = 0                                       # asked of this placement so far
     order: Reorder = field(default_factory=Reorder)        # its chunks in order
     holders: Holders = field(default_factory=Holders)      # every placement's workers: a cancel goes to them alone

@@ -55,7 +55,7 @@ from opentelemetry.util.types import AttributeValue
 from services.prefill.intake import JobIntake, queued_at
 from services.prefill.jobs import Job, Jobs
 from services.prefill.watch import DecodeWatch
-from shared import metrics, subjects
+from shared import macs, metrics, subjects
 from shared.bus import Bus, after_reconnects, context_of
 from shared.config import PrefillSettings
 from shared.engine.engine import Engine, RequestOutput
@@ -297,8 +297,9 @@ class PrefillWorker:
         span.end()
         if isinstance(span, ReadableSpan) and span.start_time and span.end_time:
             metrics.PREFILL_SECONDS.observe((span.end_time - span.start_time) / 1e9)
-        await self.bus.publish(subjects.tokens(out.request_id), TokenChunk.from_output(out, job.attempt, self.id),
-                               ctx=trace.set_span_in_context(span))
+        await self.bus.publish_signed(subjects.tokens(out.request_id),
+                                      macs.sign(TokenChunk.from_output(out, job.attempt, self.id), job.secret),
+                                      ctx=trace.set_span_in_context(span))
         if out.finished:  # done on its first token: nothing to hand off
             self.sender.drop(out.request_id)
             self.end_kv_span(held, acked=False, error="finished in prefill")

@@ -328,7 +328,8 @@ class Router:
                     prefill_worker: str | None, expected_prefill_s: float = 0.0) -> AdmitReply | None:
         msg = AdmitRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
                            mode=mode, prefill_worker=prefill_worker, generated_token_ids=req.generated_token_ids,
-                           attempt=req.attempt, expected_prefill_s=expected_prefill_s)
+                           attempt=req.attempt, expected_prefill_s=expected_prefill_s,
+                           secret=req.secret)
         try:
             return await self.bus.request(subjects.decode_admit(decode.worker_id), msg, AdmitReply,
                                           timeout=self.settings.admit_timeout_s)

@@ -1,7 +1,21 @@
 """A decode worker's published chunks, kept for a gateway that lost some on the bus."""
 
 from services.decode.chunk_log import ChunkLog
+from shared import macs
 from shared.messages import TokenChunk
+
+SECRET = macs.new_secret()
+
+
+class Log(ChunkLog):
+    """Records a chunk as the decode worker does (signed), and gives back the chunks kept."""
+
+    def record(self, chunk):
+        super().record(chunk, macs.sign(chunk, SECRET))
+
+    def since(self, *args, **kw):
+        kept = super().since(*args, **kw)
+        return None if kept is None else [TokenChunk.decode(s.data) for s in kept]
 
 
 def chunk(rid, seq, n=1, finished=False):
@@ -9,7 +23,7 @@ def chunk(rid, seq, n=1, finished=False):
 
 
 def test_chunks_from_a_seq_on_include_the_one_that_holds_it():
-    log = ChunkLog()
+    log = Log()
     for c in (chunk("a", 0), chunk("a", 1, n=3), chunk("a", 4), chunk("b", 0)):
         log.record(c)
     assert [c.seq for c in log.since("a", 0)] == [0, 1, 4]
@@ -19,18 +33,18 @@ def test_chunks_from_a_seq_on_include_the_one_that_holds_it():
 
 
 def test_what_left_the_window_or_came_before_this_placement_is_refused():
-    log = ChunkLog(window=3)
+    log = Log(window=3)
     for seq in range(5):
         log.record(chunk("a", seq))
     assert log.since("a", 1) is None and [c.seq for c in log.since("a", 2)] == [2, 3, 4]
-    resumed = ChunkLog()
+    resumed = Log()
     resumed.record(chunk("r", 7))                           # a failover placement: tokens 0-6 were made elsewhere
     assert resumed.since("r", 3) is None and len(resumed.since("r", 7)) == 1
 
 
 def test_finished_requests_are_kept_for_a_while_and_cancelled_ones_not_at_all():
     now = [0.0]
-    log = ChunkLog(keep_s=10, clock=lambda: now[0])
+    log = Log(keep_s=10, clock=lambda: now[0])
     log.record(chunk("done", 0))
     log.record(chunk("done", 1, finished=True))
     log.record(chunk("gone", 0))
@@ -42,7 +56,7 @@ def test_finished_requests_are_kept_for_a_while_and_cancelled_ones_not_at_all():
 
 
 def test_a_request_placed_here_that_published_nothing_yet_lost_nothing():
-    log = ChunkLog()
+    log = Log()
     assert log.since("waiting", 1, placed=True) == []       # its KV (and first token) not in yet
     assert log.since("waiting", 1) is None                  # not here: the gateway must move it
     log.record(chunk("waiting", 1))
