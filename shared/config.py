@@ -237,6 +237,10 @@ class RouterSettings(Common):
     affinity_slack: int = Field(4, ge=0, description="a conversation stays on its decode worker while that "
                                 "runs at most this many more sequences than the least loaded")
     supervise_s: float = Field(1.0, gt=0, description="the supervisor's round: overdue requests, lost gateways")
+    max_worker_blocks: int = Field(1 << 20, gt=0, description="a worker's registry entry claims at most this many "
+                                   "KV blocks (more is taken as this: services/router/registry.py)")
+    max_prefill_tokens_per_s: float = Field(1e6, gt=0, description="a worker's registry entry claims at most this "
+                                            "prefill rate (more is taken as this)")
     max_routes_in_flight: int = Field(256, gt=0, description="placements one router works on at once; beyond, a "
                                       "request is refused at once (the gateway asks again shortly, maybe "
                                       "another replica) instead of queueing behind an overloaded router")

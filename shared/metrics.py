@@ -69,6 +69,10 @@ STALE_CHUNKS = Counter("pd_stale_chunks", "Token chunks the gateway dropped: fro
                        "left (a worker still publishing after its request moved)")
 FORGED_CHUNKS = Counter("pd_forged_chunks", "Token chunks the gateway dropped: no secret of the request's placements "
                         "verifies them (made up, or moved from another request: shared/macs.py)")
+BAD_REGISTRY_ENTRIES = Counter("pd_bad_registry_entries", "Registry entries skipped: unreadable, or naming another "
+                               "worker than their key's (shared/state/registry.py)")
+CLAMPED_REGISTRY_ENTRIES = Counter("pd_clamped_registry_entries", "Registry entries whose capacity was over the "
+                                   "router's bounds and taken as the bound (services/router/registry.py)")
 REPLAYED_CHUNKS = Counter("pd_replayed_chunks", "Token chunks published again for a gateway that lost them")
 PROMPT_TOKENS = Counter("pd_prompt_tokens", "Prompt tokens prefilled (cached ones included)", ["role"])
 CACHED_TOKENS = Counter("pd_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache", ["role"])

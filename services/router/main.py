@@ -55,6 +55,7 @@ from services.router.errors import EXPECTED
 from services.router.placement import Ask, Fleet, Placement, Rules
 from services.router.pools import Pool, Pools
 from services.router.prefix_follower import PrefixFollower
+from services.router.registry import Bounds
 from services.router.requeue import on_requeue
 from services.router.supervisor import Supervisor
 from shared import metrics, metrics_vllm, prefix_index, subjects, tracing
@@ -85,7 +86,8 @@ class Waits:
 class Router:
     def __init__(self, settings: RouterSettings, bus: Bus, state: State, tracer: trace.Tracer):
         self.settings, self.bus, self.state, self.tracer = settings, bus, state, tracer
-        self.pools = Pools(state, settings.stall_s)
+        self.pools = Pools(state, settings.stall_s,
+                           Bounds(settings.max_worker_blocks, settings.max_prefill_tokens_per_s))
         self.rules = Rules.of(settings)
         self.in_flight = 0       # placements being worked on
         self.id = settings.router_id or f"router-{uuid.uuid4().hex[:8]}"

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from services.router.placement import live
 from services.router.recent import REGISTRY_READ_S
-from services.router.registry import Registry
+from services.router.registry import Bounds, Registry
 from shared import prefix_index
 from shared.messages import WorkerInfo
 from shared.state import State
@@ -54,9 +54,9 @@ def pools(workers: list[WorkerInfo]) -> dict[str, Pool]:
 class Pools:
     """The live workers of each model as last read from the registry."""
 
-    def __init__(self, state: State, stall_s: float):
+    def __init__(self, state: State, stall_s: float, bounds: Bounds | None = None):
         self.state, self.stall_s = state, stall_s
-        self.registry = Registry()
+        self.registry = Registry(bounds=bounds or Bounds())
         self.read_at = -math.inf  # never read
         self.by_model: dict[str, Pool] = {}
         self.refreshing = False  # `keep` runs

@@ -4,12 +4,16 @@ departure numbered in a change log, so a router reads only what changed since it
 
 from __future__ import annotations
 
+import logging
 import uuid
 from dataclasses import dataclass
 
+from shared import metrics
 from shared.messages import WorkerInfo
 from shared.state.keys import REGISTRY_CHANGES, REGISTRY_EPOCH, REGISTRY_SEQ, WORKER_PREFIX, WORKERS, worker_key
 from shared.state.store import Store
+
+log = logging.getLogger(__name__)
 
 # a heartbeat (ARGV[1] the entry) or a departure (ARGV[1] empty), numbered in the change log
 _BEAT = """
@@ -64,6 +68,23 @@ return out
 """
 
 
+def decoded(worker_id: str, value: bytes) -> WorkerInfo | None:
+    """The entry under `worker_id`'s key; None (and counted) when it cannot be read (another
+    version's, or made up) or names another worker: such an entry costs its worker its place in
+    the fleet, never a reader its read of the others."""
+    try:
+        info = WorkerInfo.decode(value)
+    except ValueError as e:  # (pydantic's ValidationError, JSON's errors)
+        why = f"unreadable: {str(e).splitlines()[0]}"
+    else:
+        if info.worker_id == worker_id:
+            return info
+        why = f"names {info.worker_id!r}"
+    metrics.BAD_REGISTRY_ENTRIES.inc()
+    log.warning("registry entry of %r skipped: %s", worker_id, why)
+    return None
+
+
 @dataclass
 class Changes:
     epoch: str
@@ -98,11 +119,11 @@ class Registry:
             since, int(whole), WORKER_PREFIX))
         entries = []
         for i in range(3, len(raw), 3):
-            value = raw[i + 1]
-            info = (self._decoded.get(value) or WorkerInfo.decode(value)) if value else None
+            worker_id, value = raw[i].decode(), raw[i + 1]
+            info = (self._decoded.get(value) or decoded(worker_id, value)) if value else None
             if info is not None:
                 self._decoded[value] = info
-            entries.append((raw[i].decode(), info, int(raw[i + 2]) / 1e3))
+            entries.append((worker_id, info, int(raw[i + 2]) / 1e3))
         if len(self._decoded) > 4 * max(len(entries), 256):  # decoded entries of past reads
             self._decoded.clear()
         return Changes(raw[0].decode(), int(raw[1]), bool(raw[2]), entries)
@@ -114,7 +135,7 @@ class Registry:
     async def entries(self, worker_ids: list[str]) -> dict[str, WorkerInfo | None]:
         """The registry entries of `worker_ids` (None where the lease has lapsed): one round trip."""
         found = await self.store.r.mget([worker_key(w) for w in worker_ids])
-        return {w: WorkerInfo.decode(raw) if raw else None for w, raw in zip(worker_ids, found)}
+        return {w: decoded(w, raw) if raw else None for w, raw in zip(worker_ids, found)}
 
     async def present(self, worker_ids: list[str]) -> set[str]:
         """Those of `worker_ids` whose lease holds: one round trip."""
