@@ -47,8 +47,12 @@ class Bus:
                                 error_cb=on_error, reconnected_cb=on_reconnect, inbox_prefix=nats_inbox(url))
         return cls(nc)
 
-    async def publish(self, subject: str, msg: Message, ctx: context.Context | None = None) -> None:
-        await self.nc.publish(subject, msg.encode(), headers=tracing.inject(ctx))
+    async def publish(self, subject: str, msg: Message, ctx: context.Context | None = None, secret: str = "") -> None:
+        """`secret`: a placement's (shared/macs.py): the message goes with its MAC."""
+        data, headers = msg.encode(), tracing.inject(ctx)
+        if secret:
+            headers[macs.HEADER] = macs.mac(secret, data)
+        await self.nc.publish(subject, data, headers=headers)
 
     async def publish_signed(self, subject: str, signed: Signed, ctx: context.Context | None = None) -> None:
         """A token chunk with its MAC (shared/macs.py)."""

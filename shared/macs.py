@@ -7,17 +7,30 @@ that placement's attempt. So a worker can write only into the streams of the req
 placed for, and a chunk another process made up, or one of a placement the request has left,
 is dropped (and counted: `pd_forged_chunks`, `pd_stale_chunks`). A replayed chunk of the
 current placement verifies but is a duplicate `seq`: the gateway's ordering drops it.
+
+The KV handoff's messages between the placement's two workers (KVLayer and KVEnd one way,
+KVAck, KVResend and KVSync the other) carry a MAC with the same secret: a message of a
+handoff that the secret does not verify is dropped and counted (`pd_forged_kv_messages`), so
+no other process can fail, end or steer a handoff. (The decode side answers a notice for a
+request it holds no receiver of, and so no secret, unsigned: the sender drops that answer
+and its lease ends the handoff.)
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from nats.aio.msg import Msg
+
+from shared import metrics
 from shared.messages import TokenChunk
+
+log = logging.getLogger(__name__)
 
 HEADER = "Pd-Mac"
 
@@ -34,6 +47,16 @@ def mac(secret: str, data: bytes) -> str:
 
 def valid(secret: str, data: bytes, given: str) -> bool:
     return bool(secret) and bool(given) and hmac.compare_digest(mac(secret, data), given)
+
+
+def signed_with(secret: str, msg: Msg) -> bool:
+    """Whether a message received carries the MAC `secret` gives its bytes (a KV handoff's
+    messages: the placement's workers sign them with its secret); one that does not is counted."""
+    if valid(secret, msg.data, (msg.headers or {}).get(HEADER, "")):
+        return True
+    metrics.FORGED_KV_MESSAGES.inc()
+    log.warning("a KV handoff message on %s without its placement's MAC was dropped", msg.subject)
+    return False
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from shared import macs
+
 
 @dataclass
 class LocalMsg:
@@ -24,13 +26,15 @@ class LocalBus:
     async def subscribe(self, subject: str, handler, queue: str = ""):
         self.subs.append((subject, handler))
 
-    async def publish(self, subject: str, msg, ctx=None) -> None:
+    async def publish(self, subject: str, msg, ctx=None, secret: str = "") -> None:
         self.sent.append((subject, msg))
         if self.lose(subject):
             return
+        data = msg.encode()
+        headers = {macs.HEADER: macs.mac(secret, data)} if secret else {}
         for pattern, handler in self.subs:
             if _match(pattern, subject):
-                task = asyncio.create_task(handler(LocalMsg(subject, msg.encode())))
+                task = asyncio.create_task(handler(LocalMsg(subject, data, headers)))
                 self.tasks.add(task)
                 task.add_done_callback(self.tasks.discard)
 

@@ -29,6 +29,7 @@ from shared.messages import KVAck, PrefillJob, Sampling
 PROMPT = [(7 * i) % 200 + 3 for i in range(600)]
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 CONFIG = dict(num_blocks=64, prefill_chunk=128, max_batched_tokens=128)
+SECRET = "5e" * 16   # the placement's secret both sides are told (shared/macs.py)
 
 
 async def decode(url: str, work: Path) -> None:
@@ -36,14 +37,14 @@ async def decode(url: str, work: Path) -> None:
     bus, transport = await Bus.connect(url, "netns-decode"), create_transport("ucx")
     res = engine.reserve("r", PROMPT, PARAMS)
     inbox = KVInbox(bus, "d")
-    rx = inbox.add(KVReceiver.for_engine(engine, res, TAG_SPAN, transport, bus))
+    rx = inbox.add(KVReceiver.for_engine(engine, res, TAG_SPAN, transport, bus, "p", secret=SECRET))
     await inbox.start()
     await bus.nc.flush()
     (work / "decode.json").write_text(json.dumps({"address": transport.address, "fingerprint": engine.fingerprint,
                                                   "first_block": res.first_block, "kv_tag": TAG_SPAN}))
     first = await asyncio.wait_for(rx.wait(), 60)
     out = engine.commit_import("r", first)
-    await bus.publish(subjects.prefill_kv_ack("p"), KVAck(request_id="r", ok=True))
+    await bus.publish(subjects.prefill_kv_ack("p"), KVAck(request_id="r", ok=True, kv_tag=TAG_SPAN), secret=SECRET)
     tokens = list(out.new_token_ids)
     while engine.has_work():
         tokens += [t for o in engine.step() for t in o.new_token_ids]
@@ -66,7 +67,7 @@ async def prefill(url: str, work: Path) -> None:
     await sender.start()
     job = PrefillJob(request_id="r", prompt_token_ids=PROMPT, sampling=Sampling(), decode_worker="d",
                      decode_address=peer["address"], decode_fingerprint=peer["fingerprint"],
-                     first_block=peer["first_block"], kv_tag=peer["kv_tag"])
+                     first_block=peer["first_block"], kv_tag=peer["kv_tag"], secret=SECRET)
     sink = await sender.open(job)
     engine.add_request("r", PROMPT, PARAMS, prefill_only=True)
     engine.stream_kv("r", job.first_block, sink)

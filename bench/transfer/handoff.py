@@ -70,7 +70,7 @@ def _decode_side(url, cmd_q, reply_q):
             rid, prompt = cmd
             res = engine.reserve(rid, prompt, _params())
             kv_tag = (len(inbox.receivers) + 1) * TAG_SPAN
-            inbox.add(KVReceiver.for_engine(engine, res, kv_tag, transport, bus))
+            inbox.add(KVReceiver.for_engine(engine, res, kv_tag, transport, bus, "bench-p", secret=SECRET))
             cpu0, wall0 = time.process_time(), time.time()
             reply_q.put((res.first_block, kv_tag))
             first = await asyncio.wait_for(inbox.receivers[rid].wait(), 120)
@@ -78,7 +78,8 @@ def _decode_side(url, cmd_q, reply_q):
             landed = time.time()
             # CPU of this whole process (event loop, ucxx threads) while it waited for and took the KV
             cpu = (time.process_time() - cpu0) / (landed - wall0)
-            await bus.publish(subjects.prefill_kv_ack("bench-p"), KVAck(request_id=rid, ok=True))
+            await bus.publish(subjects.prefill_kv_ack("bench-p"), KVAck(request_id=rid, ok=True, kv_tag=kv_tag),
+                              secret=SECRET)
             engine.abort(rid)
             reply_q.put((landed, cpu))
         await bus.close()
@@ -91,6 +92,7 @@ def _params():
     return SamplingParams(max_tokens=2, temperature=0)
 
 
+SECRET = "be" * 16  # the placement's secret both sides are told (shared/macs.py)
 ROUNDS = 9  # the rounds' spread here is about +-0.1 of the prefill: the median of 5 moved by 0.05 from run to run
 
 
@@ -146,7 +148,7 @@ def exposed_fraction(tokens: int = 1024, same_host: bool = True, rounds: int = R
                 first_block, kv_tag = await loop.run_in_executor(None, reply_q.get, True, 60)
                 job = PrefillJob(request_id=rid, prompt_token_ids=ids, sampling=Sampling(), decode_worker="bench-d",
                                  decode_address=address, decode_fingerprint=fingerprint, first_block=first_block,
-                                 kv_tag=kv_tag, decode_host=decode_host)
+                                 kv_tag=kv_tag, decode_host=decode_host, secret=SECRET)
                 w0, t0 = time.time(), time.perf_counter()
                 sink = await sender.open(job)
                 first = await host.call(prefill, rid, ids, sink)

@@ -126,11 +126,11 @@ class Handoffs:
     def waited_on(self) -> set[str]:
         return {rx.prefill_worker for rx in list(self.inbox.receivers.values()) if rx.prefill_worker}
 
-    def receiver(self, res: Reservation, prefill_worker: str) -> KVReceiver:
+    def receiver(self, res: Reservation, prefill_worker: str, secret: str) -> KVReceiver:
         """What receives a reservation's KV from `prefill_worker`, under a tag range of its own."""
         kv_tag = random.getrandbits(63 - TAG_SPAN.bit_length()) * TAG_SPAN  # the sender numbers within
-        return self.inbox.add(KVReceiver.for_engine(self.engine, res, kv_tag, self.transport, self.bus,
-                                                    self.settings.kv_max_attempts, prefill_worker=prefill_worker))
+        return self.inbox.add(KVReceiver.for_engine(self.engine, res, kv_tag, self.transport, self.bus, prefill_worker,
+                                                    self.settings.kv_max_attempts, secret))
 
     async def queue_prefill(self, req: AdmitRequest, rx: KVReceiver, ctx: context.Context | None,
                             requeued: bool = False) -> None:
@@ -215,7 +215,7 @@ class Handoffs:
                  answer.prefill_worker)
         rx.close()
         await self.ack(rx, KVAck(request_id=req.request_id, ok=False, error=f"moved to {answer.prefill_worker}: {why}"))
-        moved = self.receiver(rx.res, answer.prefill_worker)
+        moved = self.receiver(rx.res, answer.prefill_worker, rx.secret)
         await self.queue_prefill(req, moved, None, requeued=True)
         metrics.REQUEUED_JOBS.inc()
         return moved, answer.expected_prefill_s
@@ -224,7 +224,7 @@ class Handoffs:
         """To the prefill worker computing the request's KV: it may free its copy (not ok: it
         stops computing the prompt too)."""
         if rx.prefill_worker:
-            await self.inbox.ack(rx.prefill_worker, ack.model_copy(update={"kv_tag": rx.kv_tag}))
+            await self.inbox.ack(rx.prefill_worker, ack.model_copy(update={"kv_tag": rx.kv_tag}), rx.secret)
 
     async def report(self, rx: KVReceiver, ok: bool, reason: str = "") -> None:
         """How the handoff over this prefill → decode path went, for the routers' breakers."""

@@ -164,7 +164,7 @@ class DecodeWorker:
             return AdmitReply(request_id=rid, ok=False, reason=f"no room: {e}")
         except ValueError as e:
             return AdmitReply(request_id=rid, ok=False, reason=str(e))
-        rx = self.handoffs.receiver(res, req.prefill_worker or "")
+        rx = self.handoffs.receiver(res, req.prefill_worker or "", req.secret)
         held.receiving = asyncio.create_task(self.receive_kv(req, held))
         return AdmitReply(request_id=rid, ok=True, first_block=res.first_block, num_blocks=res.num_blocks,
                           kv_tag=rx.kv_tag)

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from nats.aio.msg import Msg
 
-from shared import subjects
+from shared import macs, subjects
 from shared.bus import Bus
 from shared.engine.engine import Engine
 from shared.engine.kv_io import Reservation
@@ -70,8 +70,9 @@ class HandoffTerms:
 
     reservation: Reservation
     kv_tag: int
-    prefill_worker: str = ""
+    prefill_worker: str
     max_attempts: int = 3
+    secret: str = ""          # the placement's: the handoff's messages both ways are signed with it (shared/macs.py)
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ class TargetPool:
 
 class KVReceiver:
     def __init__(self, terms: HandoffTerms, pool: TargetPool, transport: KVTransport, bus: Bus):
-        self.prefill_worker = terms.prefill_worker  # the sender, when known at admission
+        self.prefill_worker, self.secret = terms.prefill_worker, terms.secret  # the sender, the placement's secret
         self.res, self.kv_tag, self.max_attempts = terms.reservation, terms.kv_tag, terms.max_attempts
         self.pool, self.transport, self.bus = pool, transport, bus
         self.have = np.zeros((pool.num_layers, self.res.num_blocks - self.res.first_block), dtype=bool)
@@ -105,8 +106,8 @@ class KVReceiver:
 
     @classmethod
     def for_engine(cls, engine: Engine, reservation: Reservation, kv_tag: int, transport: KVTransport,
-                   bus: Bus, max_attempts: int = 3, prefill_worker: str = "") -> KVReceiver:
-        return cls(HandoffTerms(reservation, kv_tag, prefill_worker, max_attempts), TargetPool.of(engine),
+                   bus: Bus, prefill_worker: str, max_attempts: int = 3, secret: str = "") -> KVReceiver:
+        return cls(HandoffTerms(reservation, kv_tag, prefill_worker, max_attempts, secret), TargetPool.of(engine),
                    transport, bus)
 
     @property
@@ -190,7 +191,7 @@ class KVReceiver:
                 self.resends += 1
                 await self.bus.publish(subjects.prefill_kv_resend(n.prefill_worker), KVResend(
                     request_id=self.rid, layer=layer, first_block=n.first_block + a, num_blocks=b - a,
-                    attempt=n.attempt + 1))
+                    attempt=n.attempt + 1), secret=self.secret)
 
     def _check(self, n: KVLayer) -> int:
         """The notice against the reservation; returns its first block's index in `have`."""
@@ -230,7 +231,8 @@ class KVInbox:
     def __init__(self, bus: Bus, worker_id: str, answers_kept: int = 10_000):
         self.bus, self.worker_id = bus, worker_id
         self.receivers: dict[str, KVReceiver] = {}
-        self.answers: OrderedDict[str, KVAck] = OrderedDict()  # the latest acks given, by request
+        self.answers: OrderedDict[str, tuple[KVAck, str]] = OrderedDict()  # the latest acks given (and the
+        # secret they were signed with), by request
         self.answers_kept = answers_kept
 
     async def start(self) -> None:
@@ -245,60 +247,72 @@ class KVInbox:
         if (rx := self.receivers.pop(rid, None)) is not None:
             rx.close()
 
-    async def ack(self, prefill_worker: str, ack: KVAck) -> None:
-        """The decode side's answer to a handoff, kept to be given again."""
-        self.answers[ack.request_id] = ack
+    async def ack(self, prefill_worker: str, ack: KVAck, secret: str) -> None:
+        """The decode side's answer to a handoff, signed with its placement's secret (none: a
+        request never held here), kept to be given again."""
+        self.answers[ack.request_id] = ack, secret
         self.answers.move_to_end(ack.request_id)
         while len(self.answers) > self.answers_kept:
             self.answers.popitem(last=False)
-        await self.bus.publish(subjects.prefill_kv_ack(prefill_worker), ack)
+        await self.bus.publish(subjects.prefill_kv_ack(prefill_worker), ack, secret=secret)
 
     async def sync(self) -> None:
         """After this worker's bus reconnected: each waiting receiver asks its sender for the
         notices and end again (KVSync)."""
         for rx in list(self.receivers.values()):
             if rx.prefill_worker and not rx.outcome.done():
-                await self.bus.publish(subjects.prefill_kv_sync(rx.prefill_worker), KVSync(request_id=rx.rid))
+                await self.bus.publish(subjects.prefill_kv_sync(rx.prefill_worker), KVSync(request_id=rx.rid),
+                                       secret=rx.secret)
 
     async def on_layer(self, msg: Msg) -> None:
         notice = KVLayer.decode(msg.data)
         kv_tag = notice.tag - notice.tag % TAG_SPAN
         if (rx := self.receivers.get(notice.request_id)) is None:
             await self.answer(notice.request_id, notice.prefill_worker, kv_tag)
+        elif not macs.signed_with(rx.secret, msg):
+            return
         elif self.belongs(rx, notice.prefill_worker, kv_tag):
             rx.on_layer(notice)
         else:
-            await self.refuse_other(notice.request_id, notice.prefill_worker, kv_tag)
+            await self.refuse_other(rx, notice.prefill_worker, kv_tag)
 
     async def on_end(self, msg: Msg) -> None:
         end = KVEnd.decode(msg.data)
         if (rx := self.receivers.get(end.request_id)) is None:
             if end.prefill_worker:
                 await self.answer(end.request_id, end.prefill_worker, end.kv_tag, again=True)
+        elif not macs.signed_with(rx.secret, msg):
+            return
         elif self.belongs(rx, end.prefill_worker, end.kv_tag):
             rx.on_end(end)
         else:
-            await self.refuse_other(end.request_id, end.prefill_worker, end.kv_tag)
+            await self.refuse_other(rx, end.prefill_worker, end.kv_tag)
 
     @staticmethod
     def belongs(rx: KVReceiver, sender: str, kv_tag: int) -> bool:
-        """Whether a notice or end from `sender` for handoff `kv_tag` is `rx`'s: not when the
-        job moved off a prefill worker thought lost (what that worker still sends), nor an
-        older placement's handoff of the same request (a failover's) — 0 and "" match any."""
-        return (not rx.prefill_worker or not sender or sender == rx.prefill_worker) and kv_tag in (0, rx.kv_tag)
+        """Whether a notice or end from `sender` for handoff `kv_tag` is `rx`'s: its sender and its
+        tag range exactly — not when the job moved off a prefill worker thought lost (what that
+        worker still sends), nor an older placement's handoff of the same request (a failover's)."""
+        return sender == rx.prefill_worker and kv_tag == rx.kv_tag
 
-    async def refuse_other(self, rid: str, sender: str, kv_tag: int) -> None:
+    async def refuse_other(self, rx: KVReceiver, sender: str, kv_tag: int) -> None:
+        """A handoff of the request that is not `rx`'s (signed with the same secret: the same
+        placement, its job moved off `sender`) is told to stop."""
+        if not sender:
+            return
         await self.bus.publish(subjects.prefill_kv_ack(sender), KVAck(
-            request_id=rid, ok=False, error="moved to another handoff of the request", kv_tag=kv_tag))
+            request_id=rx.rid, ok=False, error="moved to another handoff of the request", kv_tag=kv_tag),
+            secret=rx.secret)
 
     async def answer(self, rid: str, prefill_worker: str, kv_tag: int, again: bool = False) -> None:
         """To the sender of handoff `kv_tag` of a request with no receiver here: a refusal if
         that handoff was never answered, else (`again`) the answer it was given."""
         given = self.answers.get(rid)
-        if given is None or given.kv_tag not in (0, kv_tag):
-            await self.ack(prefill_worker, KVAck(request_id=rid, ok=False, error="no reservation", kv_tag=kv_tag))
+        if given is None or given[0].kv_tag not in (0, kv_tag):
+            await self.ack(prefill_worker, KVAck(request_id=rid, ok=False, error="no reservation", kv_tag=kv_tag),
+                           given[1] if given else "")
         elif again:
-            await self.ack(prefill_worker, given)
+            await self.ack(prefill_worker, *given)
 
 
 def _runs(mask: np.ndarray, value: bool) -> list[tuple[int, int]]:

@@ -42,7 +42,7 @@ import torch
 from nats.aio.msg import Msg
 from opentelemetry import context, trace
 
-from shared import subjects
+from shared import macs, subjects
 from shared.bus import Bus
 from shared.config import PrefillSettings
 from shared.engine.kv_io import KVPiece
@@ -200,14 +200,15 @@ class KVSender:
                 return
             self.transport.corrupted += self.transport.faults.apply_in_place(payload, notice.attempt)
         h.notices.append(notice)
-        await self.bus.publish(subjects.decode_kv(h.job.decode_worker), notice, ctx=h.ctx)
+        await self.bus.publish(subjects.decode_kv(h.job.decode_worker), notice, ctx=h.ctx, secret=h.job.secret)
         if notice.segment is None:
             await self.transport.send(h.job.decode_address, notice.tag, payload, notice.attempt)
 
     async def on_resend(self, msg: Msg) -> None:
         req = KVResend.decode(msg.data)
         h = self.handoffs.get(req.request_id)
-        if h is None or h.acked.done() or req.attempt >= self.settings.max_attempts:
+        if h is None or h.acked.done() or req.attempt >= self.settings.max_attempts \
+                or not macs.signed_with(h.job.secret, msg):
             return
         try:
             data = await self.worker.read_blocks(req.request_id, req.layer, req.first_block, req.num_blocks)
@@ -221,7 +222,8 @@ class KVSender:
 
     async def on_sync(self, msg: Msg) -> None:
         """The decode side's bus was away while this handoff was open."""
-        if (h := self.handoffs.get(KVSync.decode(msg.data).request_id)) is not None:
+        if (h := self.handoffs.get(KVSync.decode(msg.data).request_id)) is not None \
+                and macs.signed_with(h.job.secret, msg):
             await self.publish_again(h)
 
     async def resync(self) -> None:
@@ -236,9 +238,9 @@ class KVSender:
         if h.acked.done():
             return
         for notice in list(h.notices):
-            await self.bus.publish(subjects.decode_kv(h.job.decode_worker), notice, ctx=h.ctx)
+            await self.bus.publish(subjects.decode_kv(h.job.decode_worker), notice, ctx=h.ctx, secret=h.job.secret)
         if h.end is not None:
-            await self.bus.publish(subjects.decode_kv_end(h.job.decode_worker), h.end, ctx=h.ctx)
+            await self.bus.publish(subjects.decode_kv_end(h.job.decode_worker), h.end, ctx=h.ctx, secret=h.job.secret)
 
     # -- 3. finish: the lease ------------------------------------------------------------------
     async def finish(self, rid: str, first_token: int, lease_s: float, logprob: Logprob | None = None,
@@ -291,7 +293,8 @@ class KVSender:
     async def on_ack(self, msg: Msg) -> None:
         ack = KVAck.decode(msg.data)
         h = self.handoffs.get(ack.request_id)
-        if h is not None and not h.acked.done() and ack.kv_tag in (0, h.job.kv_tag):  # (another handoff's: not this)
+        if h is not None and not h.acked.done() and ack.kv_tag == h.job.kv_tag \
+                and macs.signed_with(h.job.secret, msg):  # (another handoff's, or no placement's: not this)
             h.acked.set_result(ack)
             if not ack.ok and self.worker.given_up is not None:  # the decode side gave up: stop computing too (in
                 self.giving_up.start(self.worker.given_up(h.job, ack.error))  # a task: it waits for the engine step)
@@ -304,7 +307,7 @@ class KVSender:
         h.end = KVEnd(request_id=h.job.request_id, ok=ok, first_token=first_token, first_logprob=logprob,
                       prompt_logprobs=prompt_logprobs, error=error,
                       prefill_worker=self.settings.worker_id, kv_tag=h.job.kv_tag)
-        await self.bus.publish(subjects.decode_kv_end(h.job.decode_worker), h.end, ctx=h.ctx)
+        await self.bus.publish(subjects.decode_kv_end(h.job.decode_worker), h.end, ctx=h.ctx, secret=h.job.secret)
 
 
 def batch_ready(batch_bytes: int, last_layer: bool, piece_bytes: int) -> bool:

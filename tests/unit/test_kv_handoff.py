@@ -26,6 +26,7 @@ from shared.messages import KVAck, KVEnd, KVLayer, KVResend, KVSync, PrefillJob,
 
 PARAMS = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 PROMPT = list(range(3, 90))   # 87 tokens: 6 blocks of 16
+SECRET = "5e" * 16             # the placement's secret both sides are told (shared/macs.py)
 CHUNKED = dict(num_blocks=64, prefill_chunk=32, max_batched_tokens=32)   # 3 passes
 
 
@@ -52,13 +53,13 @@ async def handoff(src: Engine, dst: Engine, prompt=PROMPT, rid="r", faults: Faul
     await sender.start()
     res = dst.reserve(rid, prompt, PARAMS)
     inbox = KVInbox(bus, "d")
-    rx = inbox.add(KVReceiver.for_engine(dst, res, 1 << 20, rx_transport, bus, max_attempts))
+    rx = inbox.add(KVReceiver.for_engine(dst, res, 1 << 20, rx_transport, bus, "p", max_attempts, SECRET))
     await inbox.start()
     if decode_host is None:
         decode_host = segment.host if segment else ""
     job = PrefillJob(request_id=rid, prompt_token_ids=prompt, sampling=Sampling(), decode_worker="d",
                      decode_address=rx_transport.address, decode_fingerprint=fingerprint or dst.fingerprint,
-                     first_block=res.first_block, kv_tag=1 << 20, decode_host=decode_host)
+                     first_block=res.first_block, kv_tag=1 << 20, decode_host=decode_host, secret=SECRET)
     sink = await sender.open(job)
     h = sender.handoffs[rid]
     src.add_request(rid, prompt, PARAMS, prefill_only=True)
@@ -74,13 +75,14 @@ async def handoff(src: Engine, dst: Engine, prompt=PROMPT, rid="r", faults: Faul
     try:
         first_token = await asyncio.wait_for(rx.wait(), 10)
     except KVFailed:
-        await bus.publish(subjects.prefill_kv_ack("p"), KVAck(request_id=rid, ok=False, error="failed"))
+        await bus.publish(subjects.prefill_kv_ack("p"), KVAck(request_id=rid, ok=False, error="failed", kv_tag=1 << 20),
+                          secret=SECRET)
         await finishing
         src.free(rid)
         dst.abort(rid)
         raise
     out = dst.commit_import(rid, first_token)
-    await inbox.ack("p", KVAck(request_id=rid, ok=True))
+    await inbox.ack("p", KVAck(request_id=rid, ok=True, kv_tag=1 << 20), SECRET)
     inbox.receivers.pop(rid)
     ack = await finishing
     assert ack.ok
@@ -237,9 +239,9 @@ def test_notices_lost_with_the_bus_come_again_on_a_sync_and_no_payload_is_receiv
         while not bus.of_type(KVEnd):
             await asyncio.sleep(0.01)
         bus.lose = lambda subject: False
-        await bus.publish(subjects.prefill_kv_sync("p"), KVSync(request_id="r"))
+        await bus.publish(subjects.prefill_kv_sync("p"), KVSync(request_id="r"), secret=SECRET)
         await asyncio.sleep(0.05)
-        await bus.publish(subjects.prefill_kv_sync("p"), KVSync(request_id="r"))  # a second round
+        await bus.publish(subjects.prefill_kv_sync("p"), KVSync(request_id="r"), secret=SECRET)  # a second round
 
     out, h, rx, bus = asyncio.run(handoff(src, dst, bus=bus, before_wait=reconnect))
     assert out == expected(tiny)
@@ -278,7 +280,7 @@ def test_a_decode_side_answers_what_it_has_no_receiver_for(tiny):
         bus = LocalBus()
         inbox = KVInbox(bus, "d")
         await inbox.start()
-        await inbox.ack("p", KVAck(request_id="done", ok=True))
+        await inbox.ack("p", KVAck(request_id="done", ok=True), SECRET)
         for rid in ("done", "done", "gone"):
             await bus.publish(subjects.decode_kv_end("d"), KVEnd(request_id=rid, ok=True, first_token=1,
                                                                  prefill_worker="p"))
@@ -302,12 +304,12 @@ def test_a_sender_other_than_the_receivers_is_refused_and_nothing_of_it_is_mixed
         inbox = KVInbox(bus, "d")
         await inbox.start()
         rx = inbox.add(KVReceiver.for_engine(dst, dst.reserve("r", PROMPT, PARAMS), 1 << 20,
-                                             create_transport("fake"), bus, prefill_worker="new"))
+                                             create_transport("fake"), bus, "new", secret=SECRET))
         await bus.publish(subjects.decode_kv("d"), KVLayer(
-            request_id="r", prefill_worker="lost", fingerprint=dst.fingerprint, tag=1, layer=0, num_blocks=1,
-            first_block=0, checksums=[0]))
+            request_id="r", prefill_worker="lost", fingerprint=dst.fingerprint, tag=1 << 20, layer=0, num_blocks=1,
+            first_block=0, checksums=[0]), secret=SECRET)
         await bus.publish(subjects.decode_kv_end("d"), KVEnd(request_id="r", ok=True, first_token=1,
-                                                             prefill_worker="lost"))
+                                                             prefill_worker="lost", kv_tag=1 << 20), secret=SECRET)
         await asyncio.sleep(0.05)
         return rx, [(a.request_id, a.ok, a.error) for a in bus.of_type(KVAck)]
 
@@ -330,19 +332,21 @@ def test_an_older_placements_handoff_from_the_same_sender_is_refused_and_its_ans
         inbox = KVInbox(bus, "d")
         await inbox.start()
         rx = inbox.add(KVReceiver.for_engine(dst, dst.reserve("r", PROMPT, PARAMS), 2 << 20,
-                                             create_transport("fake"), bus, prefill_worker="p"))
+                                             create_transport("fake"), bus, "p", secret=SECRET))
         sender = KVSender(SenderSettings("p", dst.fingerprint), create_transport("fake"), bus,
                           WorkerHooks(None, given_up))
         await sender.start()
         job = PrefillJob(request_id="r", prompt_token_ids=PROMPT, sampling=Sampling(), decode_worker="d",
-                         decode_address="x", decode_fingerprint=dst.fingerprint, first_block=0, kv_tag=1 << 20)
+                         decode_address="x", decode_fingerprint=dst.fingerprint, first_block=0, kv_tag=1 << 20,
+                         secret=SECRET)
         await sender.open(job)
         await bus.publish(subjects.decode_kv("d"), KVLayer(
             request_id="r", prefill_worker="p", fingerprint=dst.fingerprint, tag=(1 << 20) + 3, layer=0,
-            num_blocks=1, first_block=0, checksums=[0]))
+            num_blocks=1, first_block=0, checksums=[0]), secret=SECRET)
         await bus.publish(subjects.decode_kv_end("d"), KVEnd(request_id="r", ok=True, first_token=1,
-                                                             prefill_worker="p", kv_tag=1 << 20))
-        await bus.publish(subjects.prefill_kv_ack("p"), KVAck(request_id="r", ok=False, error="x", kv_tag=2 << 20))
+                                                             prefill_worker="p", kv_tag=1 << 20), secret=SECRET)
+        await bus.publish(subjects.prefill_kv_ack("p"), KVAck(request_id="r", ok=False, error="x", kv_tag=2 << 20),
+                          secret=SECRET)
         await asyncio.sleep(0.05)
         return rx, sender.handoffs["r"].acked, stopped, [(a.kv_tag, a.error) for a in bus.of_type(KVAck)]
 
@@ -367,10 +371,12 @@ def test_a_decode_side_that_gives_up_stops_the_prefill_side_once(tiny):
                           WorkerHooks(None, given_up))
         await sender.start()
         job = PrefillJob(request_id="r", prompt_token_ids=PROMPT, sampling=Sampling(), decode_worker="d",
-                         decode_address="x", decode_fingerprint=src.fingerprint, first_block=0, kv_tag=1 << 20)
+                         decode_address="x", decode_fingerprint=src.fingerprint, first_block=0, kv_tag=1 << 20,
+                         secret=SECRET)
         await sender.open(job)
         for error in ("deadline passed", "cancelled"):
-            await bus.publish(subjects.prefill_kv_ack("p"), KVAck(request_id="r", ok=False, error=error))
+            ack = KVAck(request_id="r", ok=False, error=error, kv_tag=1 << 20)
+            await bus.publish(subjects.prefill_kv_ack("p"), ack, secret=SECRET)
         await asyncio.sleep(0.05)
         return stopped, sender.handoffs["r"].acked.result()
 
@@ -395,11 +401,11 @@ def test_a_payload_the_transport_loses_breaks_the_handoff_off_instead_of_failing
         dst = Engine(tiny, EngineConfig(num_blocks=64))
         inbox = KVInbox(bus, "d")
         await inbox.start()
-        rx = inbox.add(KVReceiver.for_engine(dst, dst.reserve("r", PROMPT, PARAMS), 1 << 20, Broken(), bus,
-                                             prefill_worker="p"))
+        rx = inbox.add(KVReceiver.for_engine(dst, dst.reserve("r", PROMPT, PARAMS), 1 << 20, Broken(), bus, "p",
+                                             secret=SECRET))
         await bus.publish(subjects.decode_kv("d"), KVLayer(
             request_id="r", prefill_worker="p", fingerprint=dst.fingerprint, tag=(1 << 20) + 1, layer=0,
-            num_blocks=1, first_block=0, checksums=[0]))
+            num_blocks=1, first_block=0, checksums=[0]), secret=SECRET)
         with pytest.raises(KVBrokeOff, match="broke off: Input/output error"):
             await asyncio.wait_for(rx.wait(), 5)
 
@@ -446,3 +452,45 @@ def test_a_full_segment_sends_over_the_transport_and_another_host_never_uses_it(
     out, h, _, bus = asyncio.run(handoff(src, dst, piece_bytes=0, segment=segment, decode_host="elsewhere"))
     assert out == expected(tiny) and h.segment_bytes == 0 and segment.full == 0
     assert all(n.segment is None for n in bus.of_type(KVLayer))
+
+
+def test_handoff_messages_without_the_placements_mac_are_dropped_and_counted_both_ways(tiny):
+    """Another process on the bus (any worker's credentials publish on these subjects) tries
+    to fail the handoff, end it with its own first token, or stop the sender: with no MAC,
+    or another placement's, nothing changes on either side; the wildcard sender and tag of
+    old ("" and 0) name no handoff."""
+    from shared import metrics
+
+    other = "0f" * 16
+
+    async def scenario():
+        bus = LocalBus()
+        dst = Engine(tiny, EngineConfig(num_blocks=64))
+        inbox = KVInbox(bus, "d")
+        await inbox.start()
+        rx = inbox.add(KVReceiver.for_engine(dst, dst.reserve("r", PROMPT, PARAMS), 1 << 20,
+                                             create_transport("fake"), bus, "p", secret=SECRET))
+        sender = KVSender(SenderSettings("p", dst.fingerprint), create_transport("fake"), bus, WorkerHooks(None))
+        await sender.start()
+        await sender.open(PrefillJob(request_id="r", prompt_token_ids=PROMPT, sampling=Sampling(), decode_worker="d",
+                                     decode_address="x", decode_fingerprint=dst.fingerprint, first_block=0,
+                                     kv_tag=1 << 20, secret=SECRET))
+        for secret in ("", other):
+            await bus.publish(subjects.decode_kv_end("d"), KVEnd(request_id="r", ok=False, error="forged",
+                                                                 prefill_worker="p", kv_tag=1 << 20), secret=secret)
+            await bus.publish(subjects.decode_kv_end("d"), KVEnd(request_id="r", ok=True, first_token=666,
+                                                                 prefill_worker="p", kv_tag=1 << 20), secret=secret)
+            await bus.publish(subjects.prefill_kv_ack("p"), KVAck(request_id="r", ok=False, error="forged",
+                                                                  kv_tag=1 << 20), secret=secret)
+            await bus.publish(subjects.prefill_kv_resend("p"), KVResend(request_id="r", layer=0, first_block=0,
+                                                                        num_blocks=1, attempt=1), secret=secret)
+        wildcard = KVEnd(request_id="r", ok=False, error="wildcard")   # prefill_worker "", kv_tag 0
+        await bus.publish(subjects.decode_kv_end("d"), wildcard, secret=SECRET)
+        await asyncio.sleep(0.05)
+        return rx, sender.handoffs["r"]
+
+    before = metrics.FORGED_KV_MESSAGES._value.get()
+    rx, h = asyncio.run(scenario())
+    assert not rx.outcome.done() and rx.end is None and rx.first_token is None
+    assert not h.acked.done() and h.resent_blocks == 0
+    assert metrics.FORGED_KV_MESSAGES._value.get() == before + 8
