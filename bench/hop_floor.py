@@ -9,7 +9,7 @@ on a nats-server of their own.
 
 A message goes every GAP_S, so each finds its receiver idle, as bench-stack's requests, sent one
 at a time, find the services. JetStream: the prefill job stream's own configuration
-(`Bus.ensure_prefill_stream`); a job's pickup is from the publisher's call to the consumer holding
+(`shared.streams`); a job's pickup is from the publisher's call to the consumer holding
 it, for the prefill worker's way of taking jobs (a pull of up to `max_jobs`) and two others.
 """
 
@@ -28,7 +28,7 @@ import uvloop
 
 from deploy.local.servers import binary, die_with_parent, free_port, wait_for_port
 from planner.metrics import percentiles
-from shared import subjects
+from shared import streams, subjects
 from shared.bus import Bus
 from shared.config import PrefillSettings
 
@@ -141,9 +141,9 @@ def measure(count: int = COUNT) -> dict:
 
 
 async def _ensure(url: str) -> None:
-    """The prefill job stream, as the router makes it (JetStream up: it answers)."""
+    """The streams, as the operator makes them (JetStream up: it answers)."""
     bus = await Bus.connect(url, "floor")
-    await bus.ensure_prefill_stream()
+    await streams.ensure(bus)
     await bus.close()
 
 

@@ -4,9 +4,10 @@
     pdserve gateway --gateway-port 80  one service (router, prefill, decode alike)
     pdserve plan --workers 8           how many prefill and decode workers (`make plan`)
     pdserve timeline <x-request-id>    one request's events
+    pdserve streams                    the operator's keeper of the JetStream streams
     pdserve version
 
-Each setting of shared/config.py (and of the stack: deploy/local/stack.ServeSettings) is a flag
+Each setting of shared/config.py (and of the stack: deploy/local/serve.ServeSettings) is a flag
 (`--kv-blocks`) as well as a PD_* variable (PD_KV_BLOCKS); a flag wins. pydantic-settings
 builds the flags and their help from the fields' descriptions. `plan` and `timeline` keep their
 own parsers (their modules' `main(argv)`): the command hands them the rest of the line.
@@ -28,12 +29,12 @@ from pydantic_settings import (
     SettingsError,
 )
 
-from deploy.local.stack import ServeSettings
-from shared.config import DecodeSettings, GatewaySettings, PrefillSettings, RouterSettings
+from deploy.local.serve import ServeSettings
+from shared.config import DecodeSettings, GatewaySettings, PrefillSettings, RouterSettings, StreamsSettings
 
 # the subcommand that runs each settings' `main(settings)`
-RUNS = {"serve": "deploy.local.stack", "gateway": "services.gateway.main", "router": "services.router.main",
-        "prefill": "services.prefill.main", "decode": "services.decode.main"}
+RUNS = {"serve": "deploy.local.serve", "gateway": "services.gateway.main", "router": "services.router.main",
+        "prefill": "services.prefill.main", "decode": "services.decode.main", "streams": "shared.streams"}
 # the subcommands whose modules parse their own arguments: `main(argv, prog)`
 FORWARDED = {"plan": "planner.plan", "timeline": "shared.tools.timeline"}
 
@@ -57,6 +58,8 @@ class Pdserve(BaseSettings):
     router: CliSubCommand[RouterSettings] = Field(description="the router: admission and placement")
     prefill: CliSubCommand[PrefillSettings] = Field(description="a prefill worker")
     decode: CliSubCommand[DecodeSettings] = Field(description="a decode worker")
+    streams: CliSubCommand[StreamsSettings] = Field(description="the operator's keeper of the JetStream streams: "
+                                                    "makes them, and makes a lost one again")
     plan: CliSubCommand[Forwarded] = Field(description="how many prefill and decode workers for a trace and its "
                                            "SLOs, simulated from the profile (make plan)")
     timeline: CliSubCommand[Forwarded] = Field(description="one request's events from the state store")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -12,7 +13,6 @@ import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js.api import RetentionPolicy, StreamConfig
 from opentelemetry import context
 
 from shared import macs, subjects, tracing
@@ -22,7 +22,6 @@ from shared.urls import nats_inbox, nats_servers
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
-PREFILL_JOB_MAX_AGE_S = 600.0
 
 
 class Bus:
@@ -89,38 +88,18 @@ class Bus:
         await self.js.publish(subjects.prefill_jobs(prefill_worker), job.encode(),
                               headers={**tracing.inject(ctx), "Nats-Msg-Id": msg_id})
 
-    async def ensure_prefill_stream(self, replicas: int = 1, timeout_s: float = 60.0) -> None:
-        """The work queue of prefill jobs: each job is delivered to one consumer, kept until acked;
-        a job nobody acked within PREFILL_JOB_MAX_AGE_S (its worker died for good) is dropped —
-        its decode worker prefilled it long before."""
-        await self.ensure_stream(StreamConfig(name=subjects.PREFILL_STREAM, subjects=[subjects.PREFILL_JOBS],
-                                              retention=RetentionPolicy.WORK_QUEUE, max_age=PREFILL_JOB_MAX_AGE_S,
-                                              num_replicas=replicas), timeout_s)
-
-    async def ensure_stream(self, config: StreamConfig, timeout_s: float = 60.0) -> None:
-        """Make the stream `config` names unless it exists. `num_replicas`: copies on that many
-        servers of a NATS cluster (a message survives the loss of all but one); a stream made with
-        fewer is given more, never fewer (a process started with the default 1 does not shrink a
-        fleet's). A cluster still electing its JetStream leader, or not yet with enough servers
-        for the copies, is asked again until `timeout_s`."""
-        name, replicas = config.name or "", config.num_replicas or 1
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while True:
+    async def wait_stream(self, name: str, period_s: float = 0.5) -> None:
+        """Until stream `name` exists: the operator makes the streams (shared/streams.py), a
+        service only reads their configuration."""
+        for asked in itertools.count():
             try:
-                try:
-                    made = await self.js.stream_info(name)
-                except nats.js.errors.NotFoundError:
-                    await self.js.add_stream(config)
-                    return
-                if (made.config.num_replicas or 1) < replicas:
-                    await self.js.update_stream(made.config.evolve(num_replicas=replicas))
+                await self.js.stream_info(name)
                 return
-            except (nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError, nats.errors.NoRespondersError,
-                    nats.js.errors.BadRequestError) as e:  # (400 here: "no suitable peers" while the cluster forms)
-                if asyncio.get_running_loop().time() > deadline:
-                    raise
-                log.info("JetStream not ready yet (%s): asking again", e)
-                await asyncio.sleep(0.5)
+            except (nats.js.errors.NotFoundError, nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError,
+                    nats.errors.NoRespondersError) as e:
+                if asked % 20 == 0:
+                    log.warning("stream %s not there yet (%s): the operator makes it (pdserve streams)", name, e)
+            await asyncio.sleep(period_s)
 
     async def close(self) -> None:
         if self.nc.is_connected:

@@ -47,8 +47,9 @@ class Common(BaseSettings):
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="redis://host:port/db, or the primary Sentinels "
                            "watch: redis+sentinel://[:password@]host:port,host:port/<service>[/db], or a Redis "
                            "Cluster's nodes: redis+cluster://[:password@]host:port,host:port (shared/urls.py)")
-    stream_replicas: int = Field(1, ge=1, le=5, description="copies of the prefill job stream on the servers of a "
-                                 "NATS cluster (JetStream): 3 on a 3-node cluster")
+    stream_replicas: int = Field(1, ge=1, le=5, description="copies of each stream on the servers of a NATS "
+                                 "cluster (JetStream): 3 on a 3-node cluster (the streams' keeper, `pdserve streams`, "
+                                 "makes them)")
     prefix_index: Literal["events", "redis"] = Field(
         "events", description="where routers find which worker caches a prompt's blocks; events: workers publish "
         "their cache changes on NATS (JetStream) and each router keeps the index in memory "
@@ -200,6 +201,11 @@ def _loopback(host: str) -> bool:
         return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:  # another name: it may resolve anywhere
         return False
+
+
+class StreamsSettings(Common):
+    keep_s: float = Field(5.0, ge=0, description="check the streams again this often, making a missing one again "
+                          "(0: once, then exit)")
 
 
 class RouterSettings(Common):

@@ -1,35 +1,40 @@
-"""Who may do what on the bus: a NATS user per service role, each allowed to publish and
-subscribe on exactly the subjects of its part of the request path (shared/subjects.py, one
-source for both), rendered as nats-server's `authorization` block.
+"""Who may do what on the bus: a NATS user per service instance (its worker, router or gateway
+id), allowed to publish and subscribe on exactly the subjects of its part of the request path
+(shared/subjects.py, one source for both), rendered as nats-server's `authorization` block.
 
     role      publishes                                       subscribes
     gateway   route requests; replays; cancels                 its requests' tokens and events
-    router    admits; events; cancels; the job stream's setup  route requests, requeues, KV outcomes
+    router    admits; events; cancels                          route requests, requeues, KV outcomes
               prefix snapshots asked; its prefix-event consumer  (and the prefix events, on its inbox)
-    prefill   tokens (a failed handoff); KV to decode workers  its cancels and KV acks; its job stream
-              prefix events                                    prefix snapshot asks
-    decode    tokens; prefill jobs; KV acks; requeues          admits, cancels, replays, KV notices
-              prefix events                                    prefix snapshot asks
+    prefill   tokens (its first token); KV to decode workers   its own cancels and KV acks; its own
+              its own prefix events                              consumer of its own job subject
+    decode    tokens; prefill jobs; KV acks; requeues          its own admits, cancels, replays, KV
+              its own prefix events                              notices; its own snapshot asks
 
-Every role may answer the requests it receives (`allow_responses`: the reply subject of one
-received request, once) and reads the replies to its own requests, which come to inboxes
-under its name (`_INBOX.<user>.`, nats-py's inbox prefix: shared/urls.py), not to another
-role's. The operator's user (`pdserve`: `make run`'s tools, the tests) has every subject.
-So prompts are read by the router (route requests), the decode pool (admits) and the prefill
-pool (its job stream) only, outputs by the gateway only, and only decode workers (which hold
-the KV blocks a job fills) queue jobs.
+"Its own": an instance's grant names its id (`grant(role, me)`), so a decode worker reads the
+admits of no other decode worker, and a prefill worker pulls only from its own durable consumer,
+made with its own job subject as the filter (the consumer create subject pins it). Every user may
+answer the requests it receives (`allow_responses`: the reply subject of one received request,
+once) and reads the replies to its own requests, which come to inboxes under its name
+(`_INBOX.<user>.`, nats-py's inbox prefix: shared/urls.py), not to another's. The streams belong to
+the operator (shared/streams.py): services read their configuration and hold no right to create,
+change, purge or delete one. The operator's user (`pdserve`: the streams' keeper, tools, tests)
+has every subject. A deployment that gives one identity per role (`me` = ANY: compose and
+Kubernetes, deploy/nats/authorization.conf) grants each role what any of its instances may do.
+What a worker publishes on subjects it shares with its role (tokens, KV, acks) is accepted only
+with its placement's MAC (shared/macs.py).
 
-In Redis each role is an ACL user (its password the role's NATS password) with the keys of its
-part (`REDIS_KEYS`, the prefixes shared/state/keys.py names) and every command but the dangerous
-ones (FLUSHALL, CONFIG, KEYS, DEBUG, SHUTDOWN, ACL, REPLICAOF, MONITOR, ...); the operator is
-Redis's default user. Redis 6.2's key patterns grant reading and writing together, so a role
-that reads a key can write it: every role reads and writes the registry and the request state.
+In Redis each role is an ACL user with the keys of its part (`REDIS_KEYS`, the prefixes
+shared/state/keys.py names) and every command but the dangerous ones (FLUSHALL, CONFIG, KEYS,
+DEBUG, SHUTDOWN, ACL, REPLICAOF, MONITOR, ...); the operator is Redis's default user. Redis 6.2's
+key patterns grant reading and writing together, so a role that reads a key can write it: every
+role reads and writes the registry and the request state.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from shared import subjects
@@ -38,6 +43,7 @@ ROLES = ("gateway", "router", "prefill", "decode")
 OPERATOR = "pdserve"
 ANY = "*"
 _STREAM = subjects.PREFILL_STREAM
+_PREFIX = subjects.PREFIX_STREAM
 
 
 @dataclass(frozen=True)
@@ -46,44 +52,66 @@ class Grant:
     subscribe: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class User:
+    """A NATS user: an instance's own identity (`instance` its id), or one for every instance of
+    a role (`instance` ANY); `password` a literal, or a `$VARIABLE` nats-server reads from its
+    environment (`password_variable`)."""
+
+    name: str
+    role: str
+    password: str
+    instance: str = ANY
+
+
 def inbox(user: str) -> str:
     """The prefix of the inboxes `user`'s requests are answered on."""
     return f"_INBOX.{user}"
 
 
-_STREAM_SETUP = tuple(f"$JS.API.STREAM.{verb}.{_STREAM}" for verb in ("INFO", "CREATE", "UPDATE"))
-_CANCELS = (subjects.decode_cancel(ANY), subjects.prefill_cancel(ANY))
-# PD_PREFIX_INDEX=events: workers publish their prefix events and answer snapshots; each router
-# reads the events through an ordered consumer of its own (made, flow-controlled) and asks snapshots
-_PREFIX = subjects.PREFIX_STREAM
-_PREFIX_SETUP = tuple(f"$JS.API.STREAM.{verb}.{_PREFIX}" for verb in ("INFO", "CREATE", "UPDATE"))
-_PREFIX_PUBLISHER = (subjects.prefix_events(ANY), *_PREFIX_SETUP)
-_PREFIX_READER = (subjects.prefix_snapshot(ANY), *_PREFIX_SETUP, f"$JS.API.CONSUMER.CREATE.{_PREFIX}",
+def _prefix_publisher(me: str) -> tuple[str, ...]:
+    """PD_PREFIX_INDEX=events: a worker publishes its own prefix events and reads the stream's configuration."""
+    return subjects.prefix_events(me), f"$JS.API.STREAM.INFO.{_PREFIX}"
+
+
+# each router reads the prefix events through an ordered consumer of its own (made, flow-controlled)
+_PREFIX_READER = (subjects.prefix_snapshot(ANY), f"$JS.API.STREAM.INFO.{_PREFIX}", f"$JS.API.CONSUMER.CREATE.{_PREFIX}",
                   f"$JS.API.CONSUMER.CREATE.{_PREFIX}.>", f"$JS.API.CONSUMER.DELETE.{_PREFIX}.*",
                   f"$JS.FC.{_PREFIX}.>")
+_CANCELS = (subjects.decode_cancel(ANY), subjects.prefill_cancel(ANY))
 
-GRANTS: dict[str, Grant] = {
-    "gateway": Grant(
-        publish=(subjects.ROUTE, subjects.decode_replay(ANY), *_CANCELS),
-        subscribe=(subjects.tokens(ANY), subjects.stalled(ANY))),
-    "router": Grant(
-        publish=(subjects.decode_admit(ANY), subjects.stalled(ANY), *_CANCELS, *_STREAM_SETUP, *_PREFIX_READER),
-        subscribe=(subjects.ROUTE, subjects.REQUEUE, subjects.KV_OUTCOMES)),
-    "prefill": Grant(
-        publish=(subjects.tokens(ANY), subjects.decode_cancel(ANY), subjects.decode_kv(ANY),
-                 subjects.decode_kv_end(ANY), subjects.decode_replay(ANY), *_STREAM_SETUP,
-                 # its consumer of the job stream: found by subject, made durable, pulled, acked
-                 "$JS.API.STREAM.NAMES", f"$JS.API.CONSUMER.INFO.{_STREAM}.*", f"$JS.API.CONSUMER.CREATE.{_STREAM}.>",
-                 f"$JS.API.CONSUMER.DURABLE.CREATE.{_STREAM}.*", f"$JS.API.CONSUMER.MSG.NEXT.{_STREAM}.*",
-                 f"$JS.ACK.{_STREAM}.>", *_PREFIX_PUBLISHER),
-        subscribe=(*subjects.prefill_control(ANY).values(), subjects.prefix_snapshot(ANY))),
-    "decode": Grant(
-        publish=(subjects.tokens(ANY), subjects.prefill_jobs(ANY), subjects.REQUEUE, subjects.KV_OUTCOMES,
-                 subjects.prefill_kv_ack(ANY), subjects.prefill_kv_resend(ANY), subjects.prefill_kv_sync(ANY),
-                 *_PREFIX_PUBLISHER),
-        subscribe=(subjects.decode_admit(ANY), subjects.decode_cancel(ANY), subjects.decode_replay(ANY),
-                   subjects.decode_kv(ANY), subjects.decode_kv_end(ANY), subjects.prefix_snapshot(ANY))),
-}
+
+def consumer_create(me: str) -> str:
+    """The subject prefill worker `me` makes its durable consumer on: its name and its filter
+    (its own job subject) are in the subject, and the server refuses a body that differs."""
+    return f"$JS.API.CONSUMER.CREATE.{_STREAM}.{me}.{subjects.prefill_jobs(me)}"
+
+
+def grant(role: str, me: str = ANY) -> Grant:
+    """What instance `me` of `role` may do (ANY: whichever instance)."""
+    if role == "gateway":
+        return Grant(publish=(subjects.ROUTE, subjects.decode_replay(ANY), *_CANCELS),
+                     subscribe=(subjects.tokens(ANY), subjects.stalled(ANY)))
+    if role == "router":
+        return Grant(publish=(subjects.decode_admit(ANY), subjects.stalled(ANY), *_CANCELS,
+                              f"$JS.API.STREAM.INFO.{_STREAM}", *_PREFIX_READER),
+                     subscribe=(subjects.ROUTE, subjects.REQUEUE, subjects.KV_OUTCOMES))
+    if role == "prefill":
+        return Grant(publish=(subjects.tokens(ANY), subjects.decode_cancel(ANY), subjects.decode_kv(ANY),
+                              subjects.decode_kv_end(ANY), subjects.decode_replay(ANY),
+                              # its consumer of the job stream: found by subject, made, pulled, acked
+                              "$JS.API.STREAM.NAMES", f"$JS.API.STREAM.INFO.{_STREAM}",
+                              f"$JS.API.CONSUMER.INFO.{_STREAM}.{me}", consumer_create(me),
+                              f"$JS.API.CONSUMER.MSG.NEXT.{_STREAM}.{me}", f"$JS.ACK.{_STREAM}.{me}.>",
+                              *_prefix_publisher(me)),
+                     subscribe=(*subjects.prefill_control(me).values(), subjects.prefix_snapshot(me)))
+    if role == "decode":
+        return Grant(publish=(subjects.tokens(ANY), subjects.prefill_jobs(ANY), subjects.REQUEUE, subjects.KV_OUTCOMES,
+                              subjects.prefill_kv_ack(ANY), subjects.prefill_kv_resend(ANY),
+                              subjects.prefill_kv_sync(ANY), *_prefix_publisher(me)),
+                     subscribe=(subjects.decode_admit(me), subjects.decode_cancel(me), subjects.decode_replay(me),
+                                subjects.decode_kv(me), subjects.decode_kv_end(me), subjects.prefix_snapshot(me)))
+    raise ValueError(f"no such role: {role!r}")
 
 
 # Redis keys by role (shared/state/keys.py, prefix_index.py, the gateway's limits)
@@ -109,33 +137,38 @@ def password_variable(user: str) -> str:
     return f"$PD_NATS_{user.upper()}_PASSWORD"
 
 
-def nats_authorization(passwords: Mapping[str, str]) -> str:
-    """nats-server's `authorization` block: each role with its grant, and the operator, with
-    the passwords given by user (a literal, or a `$VARIABLE` nats-server reads from its
-    environment: `password_variable`)."""
+def role_users(passwords: Mapping[str, str]) -> list[User]:
+    """One identity per role (and the operator), with these passwords by role."""
+    return [User(role, role, passwords[role]) for role in ROLES] + [User(OPERATOR, OPERATOR, passwords[OPERATOR])]
 
-    def secret(user: str) -> str:
-        p = passwords[user]
+
+def nats_authorization(users: Iterable[User]) -> str:
+    """nats-server's `authorization` block: each user with its instance's grant, the operator
+    with every subject."""
+
+    def secret(p: str) -> str:
         return p if p.startswith("$") else json.dumps(p)
 
-    users = []
-    for role in ROLES:
-        g = GRANTS[role]
-        users.append(
-            f"    {{ user: {role}, password: {secret(role)}, permissions: {{\n"
+    lines = []
+    for u in users:
+        if u.role == OPERATOR:
+            lines.append(f"    {{ user: {json.dumps(u.name)}, password: {secret(u.password)} }}")
+            continue
+        g = grant(u.role, u.instance)
+        lines.append(
+            f"    {{ user: {json.dumps(u.name)}, password: {secret(u.password)}, permissions: {{\n"
             f"        publish: {{ allow: {json.dumps(list(g.publish))} }}\n"
-            f"        subscribe: {{ allow: {json.dumps([*g.subscribe, inbox(role) + '.>'])} }}\n"
+            f"        subscribe: {{ allow: {json.dumps([*g.subscribe, inbox(u.name) + '.>'])} }}\n"
             f"        allow_responses: true }} }}")
-    users.append(f"    {{ user: {OPERATOR}, password: {secret(OPERATOR)} }}")
-    return "authorization {\n  users: [\n" + "\n".join(users) + "\n  ]\n}\n"
+    return "authorization {\n  users: [\n" + "\n".join(lines) + "\n  ]\n}\n"
 
 
 def main() -> None:
-    """Print the authorization block with each password read from the server's environment
-    (deploy/nats/authorization.conf: compose and the NATS Helm chart include it)."""
+    """Print the authorization block of one identity per role, each password read from the
+    server's environment (deploy/nats/authorization.conf: compose and the NATS Helm chart include it)."""
     print("# Generated by `python -m shared.grants` from shared/grants.py: NATS users per service role.\n"
           "# Each password comes from nats-server's environment (PD_NATS_<USER>_PASSWORD).")
-    print(nats_authorization({user: password_variable(user) for user in (*ROLES, OPERATOR)}), end="")
+    print(nats_authorization(role_users({user: password_variable(user) for user in (*ROLES, OPERATOR)})), end="")
 
 
 if __name__ == "__main__":

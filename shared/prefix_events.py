@@ -68,8 +68,8 @@ class PrefixEventPublisher:
     """A worker's side: its changes published in order by one task, off the step loop, and its
     snapshot answered."""
 
-    def __init__(self, bus: Bus, worker_id: str, snapshot: Snapshot, replicas: int = 1):
-        self.bus, self.worker_id, self.snapshot, self.replicas = bus, worker_id, snapshot, replicas
+    def __init__(self, bus: Bus, worker_id: str, snapshot: Snapshot):
+        self.bus, self.worker_id, self.snapshot = bus, worker_id, snapshot
         self.epoch = uuid.uuid4().hex[:12]
         self.seq = 0                 # changes sent (or lost) so far, in the engine host's order
         self.lost = 0                # messages that failed to publish
@@ -83,7 +83,7 @@ class PrefixEventPublisher:
         return {"prefix_epoch": self.epoch, "prefix_seq": self.seq}
 
     async def start(self) -> None:
-        await self.bus.ensure_stream(stream_config(self.replicas))
+        await self.bus.wait_stream(subjects.PREFIX_STREAM)
         self.sub = await self.bus.subscribe(subjects.prefix_snapshot(self.worker_id), self.on_ask)
         self.task = asyncio.create_task(self._run())
 

@@ -69,8 +69,7 @@ class WorkerCore:
         # index in memory) or written to Redis (redis)
         self.publisher: PrefixEventPublisher | PrefixPublisher
         if bus is not None and settings.prefix_index == "events":
-            self.publisher = PrefixEventPublisher(bus, self.id, lambda: self.host.cache_snapshot(),
-                                                  settings.stream_replicas)
+            self.publisher = PrefixEventPublisher(bus, self.id, lambda: self.host.cache_snapshot())
         else:
             self.publisher = PrefixPublisher(state, self.id, lease_s=settings.lease_s,
                                              snapshot=lambda: self.host.call(engine.cached_hashes))

@@ -47,7 +47,7 @@ import nats.errors
 from nats.aio.msg import Msg
 
 from bench.scale.plan import BLOCK, MODEL, FleetWorker, filler, filler_counts
-from shared import subjects
+from shared import streams, subjects
 from shared.bus import Bus, context_of
 from shared.config import Common, lease_s
 from shared.engine.block_manager import CacheChange
@@ -133,7 +133,7 @@ class Fleet:
         self.late_ms: list[float] = []                 # the loop's lateness, each LATE_EVERY_S
 
     async def start(self) -> None:
-        await self.bus.ensure_prefill_stream()
+        await streams.ensure(self.bus)   # (as the operator: the fleet's bus is the operator's)
         for spec in self.plan:
             sim = Sim(spec)
             sim.prefix = PrefixEventPublisher(self.bus, spec.worker_id, sim.snapshot_at) if self.index == "events" \

@@ -23,7 +23,6 @@ from bench.scale.meters import Meters, cpu_s
 from bench.scale.plan import FleetWorker
 from deploy.local.servers import binary, free_port
 from deploy.local.stack import Stack, StackConfig
-from shared import grants
 from shared.bus import Bus
 from shared.state import State
 from shared.tools.otlp_sink import OtlpReceiver
@@ -43,9 +42,9 @@ class Backend:
 
     def start(self) -> None:
         s, c = self.stack, self.stack.cfg
-        (s.data / "nats.conf").write_text(grants.nats_authorization(s.nats_passwords))
-        s.spawn("nats", [binary("nats-server"), "-c", str(s.data / "nats.conf"), "-js", "-a", "127.0.0.1",
-                         "-p", str(c.nats_port), "-m", str(self.monitor_port), "-sd", str(s.data / "nats")])
+        (s.data / "nats.conf").write_text(s.ids.nats_config(s.data / "nats"))
+        s.spawn("nats", [binary("nats-server"), "-c", str(s.data / "nats.conf"), "-a", "127.0.0.1",
+                         "-p", str(c.nats_port), "-m", str(self.monitor_port)])
         # commands over 1 ms are logged: what holds the single-threaded Redis up, per run
         s.start_redis("slowlog-log-slower-than 1000\nslowlog-max-len 4096\n")
         s.wait_port(c.nats_port, 20)

@@ -5,9 +5,9 @@ nats-server and redis-server binaries as the single-server stack (redis-server r
 Sentinel with --sentinel). Used by `make run RUN_ARGS=--ha`, the HA tests and `make chaos`'s HA stack.
 
 Every server takes the stack's password (NATS routes, Redis's default user, replication)
-from config files in the stack's private data directory (NATS and Redis clients a password per
-role, shared/grants.py; the Sentinels one of their own); each has a store directory of its
-own. The clients are given every node (PD_NATS_URL, comma-separated) and the Sentinels
+from config files in the stack's private data directory (the clients a password per instance on
+NATS and per role on Redis, deploy/local/identities.py; the Sentinels one of their own); each has
+a store directory of its own. The clients are given every node (PD_NATS_URL, comma-separated) and the Sentinels
 (PD_REDIS_URL, redis+sentinel://), and find the rest themselves (shared/urls.py).
 
 Process names: nats-0..2, redis (the primary at start), redis-replica, sentinel-0..2.
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import redis
 
+from deploy.local.identities import Identities
 from deploy.local.servers import binary, free_port, wait_for_port
 from shared import grants
 
@@ -59,15 +60,14 @@ def redis_url(ports: Ports, user: str, password: str, sentinel_password: str) ->
     return f"redis+sentinel://{user}:{password}@{sentinels}/{SERVICE}/0?sentinel_password={sentinel_password}"
 
 
-def nats_node(data: Path, ports: Ports, secret: str, users: Mapping[str, str], i: int) -> list[str]:
-    """Node i of the cluster: its config file written, its command line returned. `users`:
-    the clients' passwords by user (each role's grant: shared/grants.py)."""
+def nats_node(data: Path, ports: Ports, secret: str, ids: Identities, i: int) -> list[str]:
+    """Node i of the cluster: its config file written, its command line returned. `ids`: the
+    clients' users (each instance's grant: shared/grants.py) and the store's key."""
     routes = ", ".join(f'"nats-route://route:{secret}@127.0.0.1:{p}"' for j, p in enumerate(ports.routes) if j != i)
     conf = data / f"nats-{i}.conf"
     conf.write_text(f'server_name: "nats-{i}"\nlisten: "127.0.0.1:{ports.nats[i]}"\n'
                     f'http: "127.0.0.1:{ports.monitor[i]}"\n'
-                    f'{grants.nats_authorization(users)}'
-                    f'jetstream {{ store_dir: "{data / f"nats-{i}"}" }}\n'
+                    f'{ids.nats_config(data / f"nats-{i}")}'
                     f'cluster {{\n  name: "pdserve"\n  listen: "127.0.0.1:{ports.routes[i]}"\n'
                     f'  authorization {{ user: route, password: "{secret}" }}\n'
                     # clients are given every node: the cluster need not tell them of the others
@@ -100,22 +100,29 @@ def sentinel(data: Path, ports: Ports, secret: str, sentinel_secret: str, i: int
     return [binary("redis-server"), str(conf), "--sentinel"]
 
 
-def servers(data: Path, ports: Ports, secret: str, users: Mapping[str, str],
+def write_users(data: Path, ports: Ports, secret: str, ids: Identities) -> None:
+    """Every NATS node's config written again (one more user: the caller reloads the nodes)."""
+    for i in range(NODES):
+        nats_node(data, ports, secret, ids, i)
+
+
+def servers(data: Path, ports: Ports, secret: str, ids: Identities,
             sentinel_secret: str) -> dict[str, list[str]]:
     """Every server's command line by process name, in the order to start them."""
-    return {**{f"nats-{i}": nats_node(data, ports, secret, users, i) for i in range(NODES)},
-            **{name: redis_node(data, ports, secret, users, i) for i, name in enumerate(("redis", "redis-replica"))},
+    return {**{f"nats-{i}": nats_node(data, ports, secret, ids, i) for i in range(NODES)},
+            **{name: redis_node(data, ports, secret, ids.redis, i)
+               for i, name in enumerate(("redis", "redis-replica"))},
             **{f"sentinel-{i}": sentinel(data, ports, secret, sentinel_secret, i) for i in range(SENTINELS)}}
 
 
-def start(data: Path, ports: Ports, secret: str, users: Mapping[str, str],
+def start(data: Path, ports: Ports, secret: str, ids: Identities,
           spawn: Callable[[str, list[str]], object], sentinel_secret: str, timeout_s: float = 30) -> None:
     """Start every server with `spawn(name, argv)` and wait until the set is whole. The
     Sentinels start once the replica has synced, and it is whole when each knows the replica
     and the other two: a Sentinel learns a primary's replicas from its INFO, asked every 10 s,
     so one started beside the replica could see none, and a primary lost then is never failed
     over (no replica to promote, its INFO never asked again)."""
-    commands = servers(data, ports, secret, users, sentinel_secret)
+    commands = servers(data, ports, secret, ids, sentinel_secret)
     for name, argv in commands.items():
         if not name.startswith("sentinel"):
             spawn(name, argv)

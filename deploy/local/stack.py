@@ -25,14 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
-
 from deploy.local import ha, redis_cluster
+from deploy.local.identities import Identities
 from deploy.local.servers import binary, die_with_parent, free_port
 from services.router.recent import REGISTRY_READ_S
 from shared import grants
-from shared.config import model_id
 
 
 @dataclass(frozen=True)
@@ -80,10 +77,10 @@ class Stack:
         self.argv: dict[str, tuple[list[str], dict[str, str] | None]] = {}
         # NATS and Redis take passwords made for this run (config files in the private data
         # directory, not on a command line), so nothing else on the host can join the bus; on
-        # NATS each service role is a user of its own, with its grant (shared/grants.py)
+        # NATS each service instance is a user of its own, with its grant (deploy/local/identities.py)
         self.secret = secrets.token_urlsafe(24)
         self.sentinel_secret = secrets.token_urlsafe(24)  # (HA: the services' key to the Sentinels)
-        self.nats_passwords = {user: secrets.token_urlsafe(24) for user in (*grants.ROLES, grants.OPERATOR)}
+        self.ids = Identities.made(self.instances())
         if cfg.ha and cfg.hosts:
             raise ValueError("the HA servers run on this machine's loopback: not with hosts")
         self.ha_ports = ha.Ports.from_first(cfg.nats_port, cfg.redis_port) if cfg.ha else None
@@ -101,11 +98,18 @@ class Stack:
         """The operator's: every subject (tools, tests)."""
         return self.nats_url_of(grants.OPERATOR)
 
+    def instances(self) -> dict[str, str]:
+        """The service instances this stack starts: id -> role."""
+        c = self.cfg
+        return {**{("router" if i == 0 else f"router-{i}"): "router" for i in range(c.routers)},
+                **{f"decode-{i}": "decode" for i in range(c.decode)},
+                **{f"prefill-{i}": "prefill" for i in range(0 if c.colocated else c.prefill)}, "gateway": "gateway"}
+
     def nats_url_of(self, user: str) -> str:
-        """The URL with `user`'s credentials: a service role's, or the operator's."""
+        """The URL with `user`'s credentials: a service instance's, or the operator's."""
         if self.ha_ports:
-            return ha.nats_url(self.ha_ports, user, self.nats_passwords[user])
-        return f"nats://{user}:{self.nats_passwords[user]}@{self.ip('nats')}:{self.cfg.nats_port}"
+            return ha.nats_url(self.ha_ports, user, self.ids.password(user))
+        return f"nats://{user}:{self.ids.password(user)}@{self.ip('nats')}:{self.cfg.nats_port}"
 
     @property
     def redis_url(self) -> str:
@@ -113,9 +117,9 @@ class Stack:
         return self.redis_url_of(grants.OPERATOR)
 
     def redis_url_of(self, user: str) -> str:
-        """The URL with `user`'s credentials: a service role's ACL user (its NATS password), or
-        the operator's (Redis's default user)."""
-        name, password = ("", self.secret) if user == grants.OPERATOR else (user, self.nats_passwords[user])
+        """The URL with `user`'s credentials: a service role's ACL user, or the operator's (Redis's
+        default user)."""
+        name, password = ("", self.secret) if user == grants.OPERATOR else (user, self.ids.redis[user])
         if self.ha_ports:
             return ha.redis_url(self.ha_ports, name, password, self.sentinel_secret)
         if self.cfg.redis_cluster:
@@ -157,12 +161,15 @@ class Stack:
         return proc
 
     def service(self, name: str, module: str, **env: str) -> subprocess.Popen:
-        """Process `name` running `module` (services.<role>.main), on NATS and Redis as its role's user."""
+        """Process `name` running `module` (services.<role>.main), on NATS as its own user (made
+        now if it is new: the servers reload their users) and on Redis as its role's."""
         if name != "gateway":
             self.metrics_ports[name] = free_port()
             env = {**env, "PD_METRICS_PORT": str(self.metrics_ports[name])}
         role = module.split(".")[1]
-        env = {"PD_NATS_URL": self.nats_url_of(role), "PD_REDIS_URL": self.redis_url_of(role), **env}
+        if self.ids.add(name, role):
+            self.reload_users()
+        env = {"PD_NATS_URL": self.nats_url_of(name), "PD_REDIS_URL": self.redis_url_of(role), **env}
         return self.spawn(name, [sys.executable, "-m", module],
                           {**self.service_env(), **env, **self.cfg.worker_env.get(name, {})})
 
@@ -182,6 +189,8 @@ class Stack:
     def start(self, ready_timeout_s: float = 240) -> Stack:
         c = self.cfg
         self.start_servers()
+        self.spawn("streams", [sys.executable, "-m", "shared.streams"],  # the operator's keeper (shared/streams.py)
+                   {**self.service_env(), "PD_NATS_URL": self.nats_url})
         for i in range(c.routers):
             name = "router" if i == 0 else f"router-{i}"
             self.service(name, "services.router.main", PD_ROUTER_ID=name)
@@ -198,12 +207,12 @@ class Stack:
         """NATS and Redis: one of each, or the HA set (deploy/local/ha.py)."""
         c = self.cfg
         if self.ha_ports:
-            ha.start(self.data, self.ha_ports, self.secret, self.nats_passwords, self.spawn, self.sentinel_secret)
+            ha.start(self.data, self.ha_ports, self.secret, self.ids, self.spawn, self.sentinel_secret)
             return
         nats_conf = self.data / "nats.conf"
-        nats_conf.write_text(grants.nats_authorization(self.nats_passwords))
-        self.spawn("nats", [binary("nats-server"), "-c", str(nats_conf), "-js", "-a", self.ip("nats"),
-                            "-p", str(c.nats_port), "-sd", str(self.data / "nats")])
+        nats_conf.write_text(self.ids.nats_config(self.data / "nats"))
+        self.spawn("nats", [binary("nats-server"), "-c", str(nats_conf), "-a", self.ip("nats"),
+                            "-p", str(c.nats_port)])
         self.start_redis()
         self.wait_port(c.nats_port, 20, self.ip("nats"))
 
@@ -212,7 +221,7 @@ class Stack:
         Redis Cluster of cfg.redis_cluster primaries (deploy/local/redis_cluster.py); returns once
         it answers."""
         redis_conf = self.data / "redis.conf"
-        redis_conf.write_text(f"requirepass {self.secret}\n{grants.redis_users(self.nats_passwords)}{conf}")
+        redis_conf.write_text(f"requirepass {self.secret}\n{grants.redis_users(self.ids.redis)}{conf}")
         if self.cfg.redis_cluster:
             for i, port in enumerate(self.redis_ports):
                 self.spawn(f"redis-{i}", redis_cluster.node(self.data / "redis", port, redis_conf))
@@ -223,6 +232,19 @@ class Stack:
             self.wait_port(port, 20, self.ip("redis"))
         if self.cfg.redis_cluster:
             redis_cluster.form(self.redis_ports, self.secret)
+
+    def reload_users(self) -> None:
+        """The NATS servers' users written again (one more instance) and reloaded (SIGHUP)."""
+        nodes = [n for n in self.procs if n == "nats" or n.startswith("nats-")]
+        if not nodes:
+            return  # (not started yet: written as they start)
+        if self.ha_ports:
+            ha.write_users(self.data, self.ha_ports, self.secret, self.ids)
+        else:
+            (self.data / "nats.conf").write_text(self.ids.nats_config(self.data / "nats"))
+        for n in nodes:
+            self.procs[n].send_signal(signal.SIGHUP)
+        time.sleep(0.5)  # (a reload takes milliseconds; a client of the new user that came first would be refused)
 
     def restart(self, name: str, kill: bool = True) -> subprocess.Popen:
         """Stop a process (SIGKILL, or SIGTERM and wait) and start it again as it was started."""
@@ -305,72 +327,6 @@ class Stack:
         if exc_type is None and refused:
             raise RuntimeError(f"NATS or Redis refused the services {len(refused)} operation(s), e.g. {refused[0]!r}; "
                                "shared/grants.py must grant what the services do")
-
-
-class ServeSettings(BaseSettings):
-    """The local stack's shape (`pdserve serve`, `make run`); each service takes its other settings from PD_*."""
-    model_config = SettingsConfigDict(env_prefix="PD_", extra="ignore")
-
-    prefill: int = Field(1, ge=0, description="prefill workers")
-    decode: int = Field(1, ge=1, description="decode workers")
-    colocated: bool = Field(False, description="no prefill pool: decode workers do both")
-    ha: bool = Field(False, description="a 3-node NATS cluster and Redis with a replica and 3 Sentinels (the first "
-                     "node and the primary on nats_port / redis_port)")
-    redis_cluster: int = Field(0, ge=0, description="Redis as a Redis Cluster of this many primaries (the first on "
-                               "redis_port; PD_REDIS_URL=redis+cluster://)")
-    port: int = Field(8000, description="the gateway's port")
-    nats_port: int = Field(4222, description="NATS's port")
-    redis_port: int = Field(6379, description="Redis's port")
-    model: str = Field("smollm2", description="smollm2, a .gguf file, a safetensors directory or a Hugging Face Hub "
-                       "id (served as its own name; model_name overrides)")
-    model_name: str = Field("", description="the id clients ask for (default: the model's own name)")
-    kv_blocks: int = Field(2048, gt=0, description="each worker's KV pool, in blocks of 16 tokens")
-    threads: int = Field(0, ge=0, description="torch threads per worker (0: cores / workers)")
-
-    def config(self) -> StackConfig:
-        return StackConfig(prefill=self.prefill, decode=self.decode, colocated=self.colocated, ha=self.ha,
-                           redis_cluster=self.redis_cluster, gateway_port=self.port, nats_port=self.nats_port,
-                           redis_port=self.redis_port,
-                           model=self.model, kv_blocks=self.kv_blocks, threads=self.threads,
-                           log_dir=Path(".run/logs"), env={"PD_MODEL_NAME": self.model_name} if self.model_name else {})
-
-
-def main(args: ServeSettings) -> None:
-    """The stack in the foreground until Ctrl-C (`pdserve serve`: `args` from its flags and PD_*)."""
-    stack = Stack(args.config())
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C stops, even when started with SIGINT ignored
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    start = time.monotonic()
-    pools = f"{args.decode} colocated" if args.colocated else f"{args.prefill} prefill + {args.decode} decode"
-    pools += " worker(s)" + ("; NATS cluster of 3, Redis primary + replica + 3 Sentinels" if args.ha else "")
-    pools += f"; a Redis Cluster of {args.redis_cluster}" if args.redis_cluster else ""
-    print(f"starting pdserve: {pools}; logs in {stack.log_dir}/", flush=True)
-    try:
-        stack.start()
-        env_file = Path(".run/stack.env")  # for operator tools (python -m shared.tools.timeline)
-        env_file.touch(mode=0o600)
-        env_file.write_text(f"PD_NATS_URL={stack.nats_url}\nPD_REDIS_URL={stack.redis_url}\n")
-        metrics = ", ".join(f"{n} {stack.metrics_url(n)}" for n in stack.procs if not ha.is_server(n))
-        served = args.model_name or model_id(args.model)
-        print(f"ready in {time.monotonic() - start:.1f} s at {stack.url}\n\n"
-              f"  curl {stack.url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-              f"    -d '{{\"model\": \"{served}\", \"messages\": "
-              f"[{{\"role\": \"user\", \"content\": \"What is the capital of Japan?\"}}]}}'\n\n"
-              f"  a model without a chat template (gemma3-270m, a base model) takes text:\n"
-              f"  curl {stack.url}/v1/completions -H 'Content-Type: application/json' \\\n"
-              f"    -d '{{\"model\": \"{served}\", \"prompt\": \"The capital of France is\", \"max_tokens\": 16}}'\n\n"
-              f"  metrics: {metrics}\n\n"
-              "Ctrl-C stops everything.", flush=True)
-        while all(p.poll() is None for p in stack.procs.values()):
-            time.sleep(0.5)
-        dead = [n for n, p in stack.procs.items() if p.poll() is not None]
-        print(f"{', '.join(dead)} exited; stopping (see {stack.log_dir}/)", flush=True)
-    except KeyboardInterrupt:
-        print("\nstopping…", flush=True)
-    except (RuntimeError, TimeoutError) as e:
-        print(f"failed to start: {e}", file=sys.stderr, flush=True)
-    finally:
-        stack.stop()
 
 
 if __name__ == "__main__":  # the same as `pdserve serve`, its flags and PD_*

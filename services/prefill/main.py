@@ -111,7 +111,7 @@ class PrefillWorker:
         return self.core.info()
 
     async def serve(self, stop: asyncio.Event) -> None:
-        await self.bus.ensure_prefill_stream(self.settings.stream_replicas)
+        await self.bus.wait_stream(subjects.PREFILL_STREAM)  # (its consumer: its own subject's, shared/grants.py)
         pull = await self.bus.js.pull_subscribe(subjects.prefill_jobs(self.id), durable=self.id)
         await self.bus.subscribe(subjects.prefill_control(self.id)["cancel"], self.on_cancel)
         await self.sender.start()
@@ -297,9 +297,8 @@ class PrefillWorker:
         span.end()
         if isinstance(span, ReadableSpan) and span.start_time and span.end_time:
             metrics.PREFILL_SECONDS.observe((span.end_time - span.start_time) / 1e9)
-        await self.bus.publish_signed(subjects.tokens(out.request_id),
-                                      macs.sign(TokenChunk.from_output(out, job.attempt, self.id), job.secret),
-                                      ctx=trace.set_span_in_context(span))
+        signed = macs.sign(TokenChunk.from_output(out, job.attempt, self.id), job.secret)
+        await self.bus.publish_signed(subjects.tokens(out.request_id), signed, ctx=trace.set_span_in_context(span))
         if out.finished:  # done on its first token: nothing to hand off
             self.sender.drop(out.request_id)
             self.end_kv_span(held, acked=False, error="finished in prefill")

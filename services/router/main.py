@@ -95,8 +95,8 @@ class Router:
         self.breakers = Breakers(settings.breaker_failures, settings.breaker_window_s, settings.breaker_cooldown_s)
         self.bookings = Bookings(settings.heartbeat_s, self.breakers)
         # PD_PREFIX_INDEX=events: the prefix index in this router's memory, fed by the workers' events
-        self.follower = PrefixFollower(bus, self.id, self.pools.registered, GONE_LEASES * settings.lease_s,
-                                       settings.stream_replicas) if settings.prefix_index == "events" else None
+        self.follower = PrefixFollower(bus, self.id, self.pools.registered, GONE_LEASES * settings.lease_s) \
+            if settings.prefix_index == "events" else None
 
     async def read_workers(self) -> dict[str, Pool]:
         return await self.pools.read()
@@ -105,7 +105,7 @@ class Router:
         self._background.start(coro)
 
     async def serve(self, stop: asyncio.Event) -> None:
-        await self.bus.ensure_prefill_stream(self.settings.stream_replicas)
+        await self.bus.wait_stream(subjects.PREFILL_STREAM)
         # each route in its own task: one slow admit (a worker that just died) holds up no other
         sub = await self.bus.subscribe(subjects.ROUTE, self.start_route, queue=subjects.ROUTER_QUEUE)
         requeues = await self.bus.subscribe(subjects.REQUEUE, self.start_requeue, queue=subjects.ROUTER_QUEUE)

@@ -30,7 +30,6 @@ from services.router.prefix_memory import MemoryIndex
 from shared import metrics, subjects
 from shared.bus import Bus
 from shared.messages import PrefixEvents, PrefixSnapshot, PrefixSnapshotAsk, WorkerInfo
-from shared.prefix_events import stream_config
 from shared.tasks import Background, every
 
 log = logging.getLogger("router.prefix")
@@ -43,8 +42,8 @@ RETRY_S = 1.0
 
 class PrefixFollower:
     def __init__(self, bus: Bus, router_id: str, registered: Callable[[], Awaitable[list[WorkerInfo]]],
-                 gone_s: float, replicas: int = 1):
-        self.bus, self.id, self.registered, self.replicas = bus, router_id, registered, replicas
+                 gone_s: float):
+        self.bus, self.id, self.registered = bus, router_id, registered
         self.index = MemoryIndex()
         self.feeds = Feeds(self.index, gone_s)
         self.asking = Background(log, "prefix snapshot")
@@ -59,7 +58,7 @@ class PrefixFollower:
         return self.index.lookup(hashes)
 
     async def start(self) -> None:
-        await self.bus.ensure_stream(stream_config(self.replicas))
+        await self.bus.wait_stream(subjects.PREFIX_STREAM)
         self.sub = await self.bus.js.subscribe(subjects.PREFIX_EVENTS, stream=subjects.PREFIX_STREAM,
                                                cb=self.on_message, ordered_consumer=True,
                                                deliver_policy=DeliverPolicy.NEW)

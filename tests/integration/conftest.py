@@ -5,6 +5,7 @@ one redis-server, then on a cluster of three primaries (deploy/local/redis_clust
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import tempfile
 from pathlib import Path
@@ -12,8 +13,10 @@ from pathlib import Path
 import pytest
 
 from deploy.local import ha, redis_cluster
+from deploy.local.identities import Identities
 from deploy.local.servers import binary, free_port, wait_for_port
-from shared import grants
+from shared import grants, streams
+from shared.bus import Bus
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +65,18 @@ def nats_url():
         proc = subprocess.Popen([binary("nats-server"), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", d],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_for_port(port)
-        yield f"nats://127.0.0.1:{port}"
+        url = f"nats://127.0.0.1:{port}"
+        asyncio.run(_streams(url))
+        yield url
         proc.terminate()
         proc.wait()
+
+
+async def _streams(url: str) -> None:
+    """The streams, made as the operator's keeper makes them (shared/streams.py)."""
+    bus = await Bus.connect(url, "operator")
+    await streams.ensure(bus)
+    await bus.close()
 
 
 @pytest.fixture
@@ -79,7 +91,9 @@ def ha_servers():
 
     with tempfile.TemporaryDirectory() as d:
         try:
-            ha.start(Path(d), ports, secret, {u: secret for u in (*grants.ROLES, grants.OPERATOR)}, spawn, secret)
+            ids = Identities.made({})
+            ids.nats[grants.OPERATOR] = grants.User(grants.OPERATOR, grants.OPERATOR, secret)   # (the tests' user)
+            ha.start(Path(d), ports, secret, ids, spawn, secret)
             yield ports, secret, procs
         finally:
             for proc in procs.values():

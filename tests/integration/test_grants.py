@@ -1,8 +1,9 @@
-"""Each service role's NATS user (shared/grants.py) on a real nats-server: what the request path
-needs works (a route request answered across roles, a prefill job queued by a decode worker
-and pulled and acked by a prefill worker), and each named operation outside a role's grant is
-refused by the server and delivers nothing. The stack tests run every service under its grant
-(deploy/local/stack.py fails a run in which NATS refused a service anything)."""
+"""Each service instance's NATS user (shared/grants.py) on a real nats-server: what the request
+path needs works (a route request answered across roles, a prefill job queued by a decode worker
+and pulled and acked by a prefill worker through its own consumer), and each named operation
+outside an instance's grant — another instance's admits, jobs or acks, the streams' administration
+— is refused by the server and delivers nothing. The stack tests run every service under its
+grant (deploy/local/stack.py fails a run in which NATS refused a service anything)."""
 
 from __future__ import annotations
 
@@ -14,28 +15,39 @@ import pytest
 
 from deploy.local.servers import binary, free_port, wait_for_port
 from services.router.prefix_follower import PrefixFollower
-from shared import grants, subjects
+from shared import grants, streams, subjects
 from shared.bus import Bus
 from shared.engine.block_manager import CacheChange
 from shared.messages import PrefillJob, RouteReply, RouteRequest, Sampling, WorkerInfo
 from shared.prefix_events import PrefixEventPublisher
 from shared.urls import nats_inbox
 
-PASSWORDS = {user: f"pw-{user}" for user in (*grants.ROLES, grants.OPERATOR)}
+INSTANCES = {"gateway": "gateway", "router": "router", "prefill-0": "prefill", "prefill-1": "prefill",
+             "decode-0": "decode", "decode-1": "decode", grants.OPERATOR: grants.OPERATOR}
+PASSWORDS = {user: f"pw-{user}" for user in INSTANCES}
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("nats")
     conf = d / "nats.conf"
-    conf.write_text(grants.nats_authorization(PASSWORDS))
+    conf.write_text(grants.nats_authorization(grants.User(u, role, PASSWORDS[u], instance=u)
+                                              for u, role in INSTANCES.items()))
     port = free_port()
     proc = subprocess.Popen([binary("nats-server"), "-c", str(conf), "-js", "-a", "127.0.0.1", "-p", str(port),
                              "-sd", str(d / "store")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for_port(port)
+    asyncio.run(_streams(port))
     yield port
     proc.terminate()
     proc.wait()
+
+
+async def _streams(port: int) -> None:
+    """The streams, made by the operator (shared/streams.py)."""
+    bus = await Bus.connect(url(port, grants.OPERATOR), "operator")
+    await streams.ensure(bus)
+    await bus.close()
 
 
 def url(port: int, user: str, password: str | None = None) -> str:
@@ -60,27 +72,50 @@ class Client:
         await self.nc.close()
 
 
+_JS = "$JS.API"
+_STREAM = subjects.PREFILL_STREAM
 DENIED_SUBSCRIPTIONS = [
-    ("gateway", subjects.ROUTE),                       # read the prompts routed
-    ("router", subjects.tokens("r1")),                 # read another service's outputs
-    ("prefill", subjects.tokens("r1")),
-    ("decode", subjects.tokens("r1")),
-    ("decode", subjects.ROUTE),
-    ("prefill", subjects.decode_admit("decode-0")),    # read the prompts admitted to a decode worker
-    ("decode", grants.inbox("gateway") + ".>"),        # read the replies to another role's requests
-    ("router", subjects.PREFILL_JOBS),                 # read the job stream's prompts
+    ("gateway", subjects.ROUTE),                          # read the prompts routed
+    ("router", subjects.tokens("r1")),                    # read another service's outputs
+    ("prefill-0", subjects.tokens("r1")),
+    ("decode-0", subjects.tokens("r1")),
+    ("decode-0", subjects.ROUTE),
+    ("prefill-0", subjects.decode_admit("decode-0")),     # read the prompts admitted to a decode worker
+    ("decode-0", subjects.decode_admit("decode-1")),      # ... to another decode worker
+    ("decode-0", subjects.decode_admit("*")),             # ... to every decode worker
+    ("decode-0", subjects.decode_kv("decode-1")),         # another decode worker's KV notices
+    ("decode-0", subjects.decode_replay("decode-1")),     # answer for another decode worker
+    ("prefill-0", subjects.prefill_kv_ack("prefill-1")),  # another prefill worker's acks
+    ("prefill-0", subjects.prefill_cancel("prefill-1")),
+    ("decode-0", grants.inbox("gateway") + ".>"),         # read the replies to another's requests
+    ("decode-0", grants.inbox("decode-1") + ".>"),
+    ("router", subjects.PREFILL_JOBS),                    # read the job stream's prompts
 ]
 
 DENIED_PUBLISHES = [
-    ("gateway", subjects.tokens("r1")),                # write into a user's stream
+    ("gateway", subjects.tokens("r1")),                   # write into a user's stream
     ("router", subjects.tokens("r1")),
-    ("gateway", subjects.decode_admit("decode-0")),    # hand a decode worker a prompt
-    ("prefill", subjects.prefill_jobs("prefill-0")),   # queue a job (only decode workers do)
+    ("gateway", subjects.decode_admit("decode-0")),       # hand a decode worker a prompt
+    ("prefill-0", subjects.prefill_jobs("prefill-0")),    # queue a job (only decode workers do)
     ("gateway", subjects.prefill_jobs("prefill-0")),
-    ("decode", subjects.ROUTE),
-    ("decode", subjects.stalled("r1")),                # end another request's stream
-    ("prefill", f"$JS.API.STREAM.PURGE.{subjects.PREFILL_STREAM}"),
-    ("router", f"$JS.API.STREAM.DELETE.{subjects.PREFILL_STREAM}"),
+    ("decode-0", subjects.ROUTE),
+    ("decode-0", subjects.stalled("r1")),                 # end another request's stream
+    ("decode-0", subjects.prefix_events("decode-1")),     # another worker's cache, as the routers see it
+    # the streams are the operator's: none may change, make, purge or delete one
+    ("prefill-0", f"{_JS}.STREAM.UPDATE.{_STREAM}"),      # (a stream that stores every output)
+    ("router", f"{_JS}.STREAM.UPDATE.{_STREAM}"),
+    ("decode-0", f"{_JS}.STREAM.UPDATE.{_STREAM}"),
+    ("router", f"{_JS}.STREAM.CREATE.{_STREAM}"),
+    ("prefill-0", f"{_JS}.STREAM.PURGE.{_STREAM}"),
+    ("router", f"{_JS}.STREAM.DELETE.{_STREAM}"),
+    ("prefill-0", f"{_JS}.STREAM.UPDATE.{subjects.PREFIX_STREAM}"),
+    # a prefill worker's consumer is its own, on its own subject
+    ("prefill-0", f"{_JS}.CONSUMER.MSG.NEXT.{_STREAM}.prefill-1"),              # take another's jobs
+    ("prefill-0", f"{_JS}.CONSUMER.CREATE.{_STREAM}.prefill-0.pd.prefill.jobs.>"),  # its own, over every job
+    ("prefill-0", f"{_JS}.CONSUMER.CREATE.{_STREAM}.prefill-1.pd.prefill.jobs.prefill-1"),
+    ("prefill-0", f"{_JS}.CONSUMER.DURABLE.CREATE.{_STREAM}.prefill-0"),      # (the filter in the body)
+    ("prefill-0", f"{_JS}.CONSUMER.DELETE.{_STREAM}.prefill-1"),
+    ("prefill-0", f"$JS.ACK.{_STREAM}.prefill-1.x"),                           # ack another's job away
 ]
 
 
@@ -92,8 +127,8 @@ async def _refused(client: Client) -> list[str]:
 
 
 def _try(server: int, role: str, subject: str, operation: str) -> tuple[list, list[str]]:
-    """`role` tries `operation` ("subscription" or "publish") on `subject` while the operator
-    does the other side; returns what was delivered and the refusals `role` had."""
+    """User `role` tries `operation` ("subscription" or "publish") on `subject` while the
+    operator does the other side; returns what was delivered and the refusals `role` had."""
     async def scenario() -> tuple[list, list[str]]:
         got: list = []
         client, operator = Client(server, role), Client(server, grants.OPERATOR)
@@ -113,17 +148,18 @@ def _try(server: int, role: str, subject: str, operation: str) -> tuple[list, li
 
 
 @pytest.mark.parametrize(("role", "subject"), DENIED_SUBSCRIPTIONS, ids=[f"{r}:{s}" for r, s in DENIED_SUBSCRIPTIONS])
-def test_a_role_cannot_subscribe_outside_its_grant(server, role, subject):
+def test_an_instance_cannot_subscribe_outside_its_grant(server, role, subject):
     got, refused = _try(server, role, subject, "subscription")
     assert got == []
     assert any(f'permissions violation for subscription to "{subject.lower()}"' in e for e in refused), refused
 
 
 @pytest.mark.parametrize(("role", "subject"), DENIED_PUBLISHES, ids=[f"{r}:{s}" for r, s in DENIED_PUBLISHES])
-def test_a_role_cannot_publish_outside_its_grant(server, role, subject):
+def test_an_instance_cannot_publish_outside_its_grant(server, role, subject):
     got, refused = _try(server, role, subject, "publish")
+    sent = subject.replace(">", "x").replace("*", "x").lower()
     assert got == []
-    assert any(f'permissions violation for publish to "{subject.lower()}"' in e for e in refused), refused
+    assert any(f'permissions violation for publish to "{sent}"' in e for e in refused), refused
 
 
 def test_a_wrong_password_is_refused(server):
@@ -136,13 +172,14 @@ def test_a_wrong_password_is_refused(server):
 
 def test_the_request_path_works_across_roles(server):
     """gateway -> router request/reply (the reply on the gateway's own inboxes, answered under
-    the router's allow_responses), and the job stream: set up by the router, a job queued by a
-    decode worker (acked by the stream), pulled and acked by a prefill worker."""
+    the router's allow_responses), and the job stream: made by the operator, a job queued by a
+    decode worker (acked by the stream), pulled and acked by a prefill worker through the
+    consumer it makes of its own subject."""
     async def scenario() -> None:
         gateway = await Bus.connect(url(server, "gateway"), "gateway")
         router = await Bus.connect(url(server, "router"), "router")
-        decode = await Bus.connect(url(server, "decode"), "decode")
-        prefill = await Bus.connect(url(server, "prefill"), "prefill")
+        decode = await Bus.connect(url(server, "decode-0"), "decode")
+        prefill = await Bus.connect(url(server, "prefill-0"), "prefill")
         try:
             async def answer(msg) -> None:
                 ask = RouteRequest.decode(msg.data)
@@ -154,7 +191,7 @@ def test_the_request_path_works_across_roles(server):
             reply = await gateway.request(subjects.ROUTE, ask, RouteReply, timeout=5)
             assert reply.ok and reply.decode_worker == "decode-0"
 
-            await router.ensure_prefill_stream()
+            await router.wait_stream(subjects.PREFILL_STREAM)
             job = PrefillJob(request_id="r1", prompt_token_ids=[1, 2, 3], sampling=Sampling(),
                              decode_worker="decode-0", decode_address="", decode_fingerprint="", first_block=0,
                              kv_tag=1)
@@ -175,7 +212,7 @@ def test_prefix_events_work_across_roles(server):
     answer snapshots; a router's follower (its ordered consumer, its snapshot asks) indexes both."""
     async def scenario() -> None:
         router = await Bus.connect(url(server, "router"), "router")
-        workers = {role: await Bus.connect(url(server, role), role) for role in ("prefill", "decode")}
+        workers = {role: await Bus.connect(url(server, f"{role}-0"), role) for role in ("prefill", "decode")}
         caches = {"prefill": [1, 2, 3], "decode": [1, 2]}
 
         def snapshot(role: str):

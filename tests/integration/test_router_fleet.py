@@ -18,7 +18,7 @@ from redis.asyncio.connection import Connection
 
 from deploy.local.servers import binary, free_port, wait_for_port
 from services.router.main import Router
-from shared import subjects
+from shared import streams, subjects
 from shared.bus import Bus
 from shared.config import RouterSettings
 from shared.engine.block_manager import CacheChange
@@ -109,7 +109,7 @@ def _placement(nats_url: str, redis_url: str, size: int, varz: str, rounds: int 
         setup = State.connect(redis_url)
         await setup.r.flushdb()
         bus = await Bus.connect(nats_url, "test")
-        await bus.ensure_prefill_stream()
+        await streams.ensure(bus)
         publishers = await _fleet(setup, bus, size, cached_on="prefill-9")
         state = State.connect(redis_url)
         state.r.connection_pool.connection_class = Recording

@@ -12,7 +12,7 @@ import pytest
 from opentelemetry import trace
 
 from services.router.main import Router
-from shared import subjects
+from shared import streams, subjects
 from shared.bus import Bus
 from shared.config import RouterSettings
 from shared.messages import AdmitReply, AdmitRequest, PrefillJob, RouteReply, RouteRequest, Sampling, WorkerInfo
@@ -49,9 +49,9 @@ async def _setup(nats_url: str, redis_url: str):
     for w in (_worker("decode-0", "decode"), _worker("decode-1", "decode", running=6), _worker("prefill-0", "prefill")):
         await state.registry.heartbeat(w, 60)
     bus = await Bus.connect(nats_url, "test")
-    await bus.ensure_prefill_stream()
+    await streams.ensure(bus)
     await bus.js.delete_stream(subjects.PREFILL_STREAM)  # its jobs and the ids it deduplicates (earlier runs')
-    await bus.ensure_prefill_stream()
+    await streams.ensure(bus)
     admits: dict[str, list[str]] = {"decode-0": [], "decode-1": []}
 
     def stand_in(wid: str):

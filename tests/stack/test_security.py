@@ -38,7 +38,7 @@ def test_keys_rate_limit_and_length_limits_on_the_live_gateway(tmp_path):
         big = post({**body, "max_tokens": 100})                                  # 3
         again = post(body)                                                       # 4
         over = post(body)                                                        # the bucket is empty
-        passwords = [stack.secret, *stack.nats_passwords.values()]
+        passwords = [stack.secret, *stack.ids.passwords()]
     logs = "".join(p.read_text(errors="replace") for p in tmp_path.glob("*.log"))
 
     assert (missing.status_code, missing.json()["error"]["code"]) == (401, "missing_api_key")

@@ -36,7 +36,8 @@ SETTINGS = {"gateway": GatewaySettings, "router": RouterSettings, "prefill": Pre
 MODELS = {("apps/v1", "Deployment"): "V1Deployment", ("v1", "Service"): "V1Service",
           ("v1", "Secret"): "V1Secret", ("policy/v1", "PodDisruptionBudget"): "V1PodDisruptionBudget",
           ("autoscaling/v2", "HorizontalPodAutoscaler"): "V2HorizontalPodAutoscaler",
-          ("networking.k8s.io/v1", "NetworkPolicy"): "V1NetworkPolicy", ("v1", "ConfigMap"): "V1ConfigMap"}
+          ("networking.k8s.io/v1", "NetworkPolicy"): "V1NetworkPolicy", ("v1", "ConfigMap"): "V1ConfigMap",
+          ("batch/v1", "Job"): "V1Job"}
 SCALARS = {"str": str, "int": int, "float": (int, float), "bool": bool}
 
 
@@ -243,6 +244,22 @@ def test_every_container_runs_non_root_on_a_read_only_root_with_limits(name):
     for p in yaml.safe_load((overlay / "kustomization.yaml").read_text())["patches"]:
         if p["target"]["name"] == name:
             hardened(patched(DEPLOYMENTS[name], yaml.safe_load((overlay / p["path"]).read_text())), f"gpu {name}")
+
+
+def test_the_streams_are_made_by_a_job_as_the_operator_and_no_service_holds_its_url():
+    """shared/streams.py, once, with the operator's URL from a Secret of its own."""
+    (job,) = [d for d in BASE if d["kind"] == "Job"]
+    hardened(job, "streams job")
+    (c,) = job["spec"]["template"]["spec"]["containers"]
+    assert importlib.util.find_spec(c["command"][-1]) is not None and c["command"][-1] == "shared.streams"
+    env = {e["name"]: e for e in c["env"]}
+    assert env["PD_NATS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "pdserve-operator", "key": "nats-url"}
+    assert env["PD_KEEP_S"]["value"] == "0"
+    assert urlsplit(SECRETS["pdserve-operator"]["nats-url"]).username == grants.OPERATOR
+    for name in DEPLOYMENTS:
+        refs = [e["valueFrom"]["secretKeyRef"]["name"] for e in container(name)["env"]
+                if "secretKeyRef" in e.get("valueFrom", {})]
+        assert "pdserve-operator" not in refs, name
 
 
 @pytest.mark.parametrize("name", sorted(SETTINGS))

@@ -1,0 +1,68 @@
+"""A local stack's credentials, made for each run: a NATS user per service instance, named by its
+id and holding that instance's grant (shared/grants.py), the operator's NATS user, and a Redis
+ACL user per role. Passwords are random per run and reach a process only in its own environment
+(its URLs); the servers read them from config files in the stack's private data directory.
+
+An instance started after the servers (a router replica a benchmark adds) gets its identity
+then: the NATS config is written again and the servers reload it (deploy/local/stack.py).
+
+JetStream's store is encrypted (ChaCha20-Poly1305) with a key made for the run, so the prompts
+in the job stream are not on disk in clear, and held to MAX_FILE_STORE.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared import grants
+from shared.grants import User
+
+MAX_FILE_STORE = "4G"
+
+
+def _password() -> str:
+    return secrets.token_urlsafe(24)
+
+
+@dataclass
+class Identities:
+    nats: dict[str, User] = field(default_factory=dict)           # by user name
+    redis: dict[str, str] = field(default_factory=dict)           # a role's ACL user's password, by role
+    store_key: str = field(default_factory=_password)              # JetStream's encryption key
+
+    @classmethod
+    def made(cls, instances: Mapping[str, str]) -> Identities:
+        """For `instances` (id -> role), with the operator and each role's Redis user."""
+        ids = cls(redis={role: _password() for role in grants.ROLES})
+        ids.nats[grants.OPERATOR] = User(grants.OPERATOR, grants.OPERATOR, _password())
+        for name, role in instances.items():
+            ids.add(name, role)
+        return ids
+
+    def add(self, name: str, role: str) -> bool:
+        """Instance `name` of `role` has an identity (made now: True)."""
+        if name in self.nats:
+            if self.nats[name].role != role:
+                raise ValueError(f"{name} is a {self.nats[name].role}, not a {role}")
+            return False
+        self.nats[name] = User(name, role, _password(), instance=name)
+        return True
+
+    def users(self) -> list[User]:
+        return list(self.nats.values())
+
+    def password(self, user: str) -> str:
+        return self.nats[user].password
+
+    def passwords(self) -> list[str]:
+        """Every secret here (what no log may carry)."""
+        return [u.password for u in self.nats.values()] + list(self.redis.values()) + [self.store_key]
+
+    def nats_config(self, store: Path) -> str:
+        """nats-server's users and its JetStream store (at `store`, encrypted)."""
+        return grants.nats_authorization(self.users()) + (
+            f'jetstream {{ store_dir: "{store}", max_file_store: {MAX_FILE_STORE}, cipher: chachapoly, '
+            f'key: "{self.store_key}" }}\n')
