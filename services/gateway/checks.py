@@ -60,6 +60,15 @@ def cache_salt(gw: Gateway, body: Body, request: Request) -> str:
 MAX_SESSION_CHARS = 200  # x-session-id, as the session_id field
 
 
+def session(body: Body, request: Request) -> str | None:
+    """The conversation the request continues (`session_id`, or the x-session-id header), as its
+    API key's own: with keys set, one key's session never names another's (nor steers it to
+    a decode worker)."""
+    sid = body.session_id or request.headers.get("x-session-id")
+    key = getattr(request.state, "api_key", None)
+    return f"key:{key}/{sid}" if sid and key else sid
+
+
 def check_model(gw: Gateway, model: str | None) -> None:
     """The model a request names is the one served (None: not named) — a 404 otherwise."""
     if model is not None and model != gw.settings.model_name:

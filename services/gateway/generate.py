@@ -169,7 +169,7 @@ async def _place(gw: Gateway, request: Request, body: ChatCompletionRequest | Co
         for j, (tokens, sampling) in enumerate(zip(prompts, samplings)):
             # n > 1: the later choices follow choice 0 to its decode worker (choices.py), under one session
             prid = ids.prompt_id(rid, len(prompts), j)
-            session = body.session_id or request.headers.get("x-session-id") or (f"n-{prid}" if n > 1 else None)
+            session = checks.session(body, request) or (f"n-{prid}" if n > 1 else None)
             req = RouteRequest(request_id=prid, prompt_token_ids=tokens, sampling=sampling, model=body.model,
                                session_id=session)
             checks.check_size(gw, body, req)

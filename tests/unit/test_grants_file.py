@@ -17,3 +17,20 @@ def test_the_deployed_authorization_is_the_rendered_one():
     assert FILE.read_text() == out.getvalue(), "run: python -m shared.grants > deploy/nats/authorization.conf"
     for role in grants.ROLES:
         assert grants.password_variable(role) in out.getvalue()
+
+
+def test_an_instances_grant_names_its_own_subjects_and_a_roles_any_instances():
+    """decode-0 reads its own admits, KV and cancels; prefill-0 makes and pulls its own consumer;
+    no grant makes, changes, purges or deletes a stream (shared/streams.py is the operator's)."""
+    from shared import subjects
+
+    decode, prefill = grants.grant("decode", "decode-0"), grants.grant("prefill", "prefill-0")
+    assert subjects.decode_admit("decode-0") in decode.subscribe and "pd.decode.*.admit" not in decode.subscribe
+    assert all("decode-0" in s for s in decode.subscribe)
+    assert grants.consumer_create("prefill-0") in prefill.publish
+    assert all("*" not in s and ">" not in s for s in prefill.publish if "CONSUMER" in s)
+    for role in grants.ROLES:
+        for g in (grants.grant(role), grants.grant(role, f"{role}-0")):
+            assert not [s for s in g.publish if ".STREAM." in s and not s.split(".STREAM.")[1].startswith(
+                ("INFO.", "NAMES"))], role
+    assert "pd.decode.*.admit" in grants.grant("decode").subscribe   # one identity per role: any instance's

@@ -1,0 +1,246 @@
+"""The insider suite: an attacker holds one service instance's own credentials (what a
+compromised pod holds: its NATS user, its role's Redis user) on the live stack, 2 prefill + 2
+decode workers. Each attack is refused, or does nothing to anyone else's request:
+
+    forge a client's output         any worker publishes chunks on pd.tokens.<id>: unsigned,
+                                    they never reach the client (shared/macs.py)
+    make the job stream store       STREAM.UPDATE with pd.tokens.> added: refused, the stream is
+    every output                    the operator's (shared/streams.py)
+    read prompts not placed for     a decode worker subscribes to another's admits: refused
+    steal another's jobs            a prefill worker pulls from another's consumer: refused
+    fail another's handoff          a forged KVEnd / KVAck: dropped and counted
+    write the worker registry       Redis 6.2 lets a role write every entry (its key patterns read
+                                    and write together): a malformed entry, or one naming
+                                    another worker, is skipped, and the fleet serves on
+
+What a compromised instance can still do is in docs/ARCHITECTURE.md ("Security model").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import nats
+import nats.errors
+import pytest
+from conftest import MODEL
+from nats.js.api import StreamConfig
+
+from deploy.local.stack import Stack, StackConfig
+from shared import subjects
+from shared.messages import KVAck, KVEnd, TokenChunk, WorkerInfo
+from shared.state import State
+from shared.urls import nats_inbox
+
+pytestmark = pytest.mark.slow
+PROMPT = "Explain in one sentence why the sky is blue. " * 12   # a prefill long enough to attack its handoff
+INSIDER = "insider"   # the attacker's connection name: its refusals in NATS's log are its own
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    s = Stack(StackConfig.on_free_ports(prefill=2, decode=2, kv_blocks=512,
+                                        log_dir=tmp_path_factory.mktemp("insider-logs"))).start()
+    yield s
+    s.stop()
+    refused = [line for line in s.refused() if INSIDER not in line]
+    assert not refused, refused   # the services themselves were refused nothing
+
+
+class Insider:
+    """A connection with instance `name`'s own credentials; keeps the server's refusals."""
+
+    def __init__(self, stack: Stack, name: str):
+        self.url, self.refusals = stack.nats_url_of(name), []
+
+    async def __aenter__(self) -> nats.NATS:
+        async def on_error(e: Exception) -> None:
+            self.refusals.append(str(e).lower())
+
+        self.nc = await nats.connect(self.url, name=INSIDER, error_cb=on_error, inbox_prefix=nats_inbox(self.url),
+                                     allow_reconnect=False)
+        return self.nc
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.nc.close()
+
+
+def ask(stack: Stack, rid: str, stream: bool = False, max_tokens: int = 12) -> httpx.Response:
+    body = {"model": MODEL, "temperature": 0, "max_tokens": max_tokens, "stream": stream,
+            "messages": [{"role": "user", "content": PROMPT}]}
+    return httpx.post(stack.url + "/v1/chat/completions", json=body, headers={"x-request-id": rid}, timeout=120)
+
+
+def under_attack(stack: Stack, rid: str, attack) -> httpx.Response:
+    """`rid` asked while `attack(stop)` runs in a thread of its own (its own event loop)."""
+    stop = threading.Event()
+    thread = threading.Thread(target=lambda: asyncio.run(attack(stop)))
+    thread.start()
+    try:
+        time.sleep(0.3)   # (its connection up before the request)
+        return ask(stack, rid, stream=True)
+    finally:
+        stop.set()
+        thread.join(30)
+
+
+def fallbacks(stack: Stack, worker: str) -> float:
+    """Prompts `worker` prefilled itself after a handoff failed (pd_decode_prefills{why="fallback"})."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(stack.metrics_url(worker), timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "pd_decode_prefills_total" and s.labels.get("why") == "fallback")
+
+
+def content(response: httpx.Response) -> str:
+    text = ""
+    for line in response.text.splitlines():
+        if line.startswith("data: {"):
+            for choice in json.loads(line[6:])["choices"]:
+                text += choice["delta"].get("content") or ""
+    return text
+
+
+@pytest.mark.parametrize("insider", ["prefill-0", "decode-1"])
+def test_no_worker_can_forge_or_end_a_clients_stream(stack, insider):
+    """Chunks with the next seqs, `finished` with attacker text, on the request's subject as fast
+    as the worker's credentials publish them: the client gets the model's answer, and the
+    gateway counts the forgeries."""
+    clean = content(ask(stack, f"clean-{insider}", stream=True))
+    rid = f"forged-{insider}"
+    before = stack.metric_total("gateway", "pd_forged_chunks_total")
+
+    async def forge(stop: threading.Event) -> None:
+        async with Insider(stack, insider) as nc:
+            while not stop.is_set():
+                for seq in range(4):
+                    chunk = TokenChunk(request_id=rid, seq=seq, token_ids=[1], text=" PWNED", finished=seq == 3,
+                                       finish_reason="stop", worker=insider)
+                    await nc.publish(subjects.tokens(rid), chunk.encode())
+                await asyncio.sleep(0.002)
+
+    r = under_attack(stack, rid, forge)
+    assert r.status_code == 200 and "PWNED" not in r.text
+    assert content(r) == clean
+    assert stack.metric_total("gateway", "pd_forged_chunks_total") > before
+
+
+def test_no_service_can_change_purge_or_delete_a_stream(stack):
+    """The attack that made the job stream store every output (STREAM.UPDATE adding
+    pd.tokens.>), and its variants, from each role: refused; the stream is as the operator made it."""
+    async def scenario() -> tuple[list[str], list[str]]:
+        failures = []
+        for name in ("prefill-0", "decode-0", "router", "gateway"):
+            async with Insider(stack, name) as nc:
+                js = nc.jetstream(timeout=0.5)
+                for attempt in (js.update_stream(StreamConfig(name=subjects.PREFILL_STREAM,
+                                                              subjects=[subjects.PREFILL_JOBS, "pd.tokens.>"])),
+                                js.purge_stream(subjects.PREFILL_STREAM), js.delete_stream(subjects.PREFILL_STREAM),
+                                js.add_stream(StreamConfig(name="PD_OUTPUTS", subjects=["pd.tokens.>"]))):
+                    try:
+                        await attempt
+                        failures.append(f"{name}: {attempt}")
+                    except Exception:  # noqa: BLE001 - refused: a permissions violation, no answer
+                        pass
+        operator = await nats.connect(stack.nats_url)
+        try:
+            made = (await operator.jetstream().stream_info(subjects.PREFILL_STREAM)).config.subjects or []
+            names = await operator.jetstream().streams_info()
+        finally:
+            await operator.close()
+        return failures, [*made, *(s.config.name or "" for s in names)]
+
+    failures, seen = asyncio.run(scenario())
+    assert failures == []
+    assert "pd.tokens.>" not in seen and "PD_OUTPUTS" not in seen and subjects.PREFILL_STREAM in seen
+
+
+def test_a_worker_reads_no_prompt_and_takes_no_job_it_was_not_placed_for(stack):
+    """decode-1 subscribes to decode-0's admits (and every decode worker's), prefill-1 pulls
+    from prefill-0's consumer: refused, and nothing of the requests served meanwhile reaches them."""
+    got: list[bytes] = []
+
+    async def listen(stop: threading.Event) -> None:
+        async with Insider(stack, "decode-1") as nc:
+            for subject in (subjects.decode_admit("decode-0"), "pd.decode.*.admit", subjects.decode_kv("decode-0"),
+                            subjects.PREFILL_JOBS):
+                await nc.subscribe(subject, cb=lambda m: got.append(m.data))
+            while not stop.is_set():
+                await asyncio.sleep(0.05)
+
+    for i in range(3):
+        assert under_attack(stack, f"read-{i}", listen).status_code == 200
+    assert got == []
+
+    async def steal() -> list[str]:
+        insider = Insider(stack, "prefill-1")
+        async with insider as nc:
+            try:
+                pull = await nc.jetstream(timeout=2).pull_subscribe(subjects.prefill_jobs("prefill-0"),
+                                                                    durable="prefill-0")
+                await pull.fetch(1, timeout=1)
+                return ["pulled"]
+            except Exception:  # noqa: BLE001 - refused
+                pass
+            await nc.flush()
+            await asyncio.sleep(0.2)
+        return insider.refusals
+
+    refusals = asyncio.run(steal())
+    assert refusals and all("permissions violation" in r for r in refusals), refusals
+
+
+def test_a_forged_handoff_message_fails_no_one_and_is_counted(stack):
+    """While requests hand their KV over, prefill-1 publishes KVEnd(not ok) for them to both
+    decode workers and decode-1 publishes KVAck(not ok) to both prefill workers: none falls
+    back to a local prefill, the answers are the model's, and the forgeries are counted."""
+    clean = content(ask(stack, "handoff-clean", stream=True))
+    rids = [f"handoff-{i}" for i in range(3)]
+
+    async def forge(stop: threading.Event) -> None:
+        async with Insider(stack, "prefill-1") as p, Insider(stack, "decode-1") as d:
+            while not stop.is_set():
+                for rid in rids:
+                    for w in ("decode-0", "decode-1"):
+                        await p.publish(subjects.decode_kv_end(w), KVEnd(
+                            request_id=rid, ok=False, error="forged", prefill_worker="prefill-0").encode())
+                    for w in ("prefill-0", "prefill-1"):
+                        await d.publish(subjects.prefill_kv_ack(w), KVAck(request_id=rid, ok=False,
+                                                                          error="forged").encode())
+                await asyncio.sleep(0.002)
+
+    before = {w: fallbacks(stack, w) for w in ("decode-0", "decode-1")}
+    forged = sum(stack.metric_total(w, "pd_forged_kv_messages_total") for w in ("decode-0", "decode-1"))
+    for rid in rids:
+        r = under_attack(stack, rid, forge)
+        assert r.status_code == 200 and content(r) == clean
+    assert {w: fallbacks(stack, w) for w in before} == before   # no handoff failed over to a local prefill
+    assert sum(stack.metric_total(w, "pd_forged_kv_messages_total") for w in before) > forged
+
+
+def test_a_bad_registry_entry_written_with_a_roles_credentials_takes_nothing_down(stack):
+    """With decode's Redis user: a malformed entry, a `v: 2` one, and one under another key
+    naming decode-0 with every block free. The routers skip them (and count them), /ready
+    stays up and requests are served."""
+    async def write() -> None:
+        state = State.connect(stack.redis_url_of("decode"))
+        try:
+            await state.registry._beat("decode-x", b"{not json", 30)
+            await state.registry._beat("decode-y", WorkerInfo(worker_id="decode-y", role="decode").encode()
+                                       .replace(b'"v":1', b'"v":2'), 30)
+            await state.registry._beat("decode-z", WorkerInfo(worker_id="decode-0", role="decode", model=MODEL,
+                                                              total_blocks=10**9, free_blocks=10**9).encode(), 30)
+        finally:
+            await state.close()
+
+    asyncio.run(write())
+    time.sleep(1.5)   # (a registry read or two)
+    ready = httpx.get(stack.url + "/ready", timeout=10)
+    assert ready.status_code == 200
+    assert ask(stack, "after-bad-entries").status_code == 200
+    assert stack.metric_total("router", "pd_bad_registry_entries_total") >= 3
