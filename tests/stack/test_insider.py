@@ -76,9 +76,17 @@ def ask(stack: Stack, rid: str, stream: bool = False, max_tokens: int = 12) -> h
 
 
 def under_attack(stack: Stack, rid: str, attack) -> httpx.Response:
-    """`rid` asked while `attack(stop)` runs in a thread of its own (its own event loop)."""
-    stop = threading.Event()
-    thread = threading.Thread(target=lambda: asyncio.run(attack(stop)))
+    """`rid` asked while `attack(stop)` runs in a thread of its own (its own event loop); an
+    attack that failed to run fails the test."""
+    stop, failed = threading.Event(), []
+
+    def run() -> None:
+        try:
+            asyncio.run(attack(stop))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            failed.append(e)
+
+    thread = threading.Thread(target=run)
     thread.start()
     try:
         time.sleep(0.3)   # (its connection up before the request)
@@ -86,6 +94,7 @@ def under_attack(stack: Stack, rid: str, attack) -> httpx.Response:
     finally:
         stop.set()
         thread.join(30)
+        assert not failed, failed
 
 
 def fallbacks(stack: Stack, worker: str) -> float:
@@ -167,9 +176,12 @@ def test_a_worker_reads_no_prompt_and_takes_no_job_it_was_not_placed_for(stack):
 
     async def listen(stop: threading.Event) -> None:
         async with Insider(stack, "decode-1") as nc:
+            async def keep(msg) -> None:
+                got.append(msg.data)
+
             for subject in (subjects.decode_admit("decode-0"), "pd.decode.*.admit", subjects.decode_kv("decode-0"),
                             subjects.PREFILL_JOBS):
-                await nc.subscribe(subject, cb=lambda m: got.append(m.data))
+                await nc.subscribe(subject, cb=keep)
             while not stop.is_set():
                 await asyncio.sleep(0.05)
 
