@@ -4,7 +4,7 @@ id), allowed to publish and subscribe on exactly the subjects of its part of the
 
     role      publishes                                       subscribes
     gateway   route requests; replays; cancels                 its requests' tokens and events
-    router    admits; events; cancels                          route requests, requeues, KV outcomes
+    router    admits; events; the supervisor's cancels          route requests, requeues, KV outcomes
               prefix snapshots asked; its prefix-event consumer  (and the prefix events, on its inbox)
     prefill   tokens (its first token); KV to decode workers   its own cancels and KV acks; its own
               its own prefix events                              consumer of its own job subject
@@ -93,7 +93,8 @@ def grant(role: str, me: str = ANY) -> Grant:
         return Grant(publish=(subjects.ROUTE, subjects.decode_replay(ANY), *_CANCELS),
                      subscribe=(subjects.tokens(ANY), subjects.stalled(ANY)))
     if role == "router":
-        return Grant(publish=(subjects.decode_admit(ANY), subjects.stalled(ANY), *_CANCELS,
+        return Grant(publish=(subjects.decode_admit(ANY), subjects.stalled(ANY),
+                              subjects.decode_supervisor_cancel(ANY), subjects.prefill_supervisor_cancel(ANY),
                               f"$JS.API.STREAM.INFO.{_STREAM}", *_PREFIX_READER),
                      subscribe=(subjects.ROUTE, subjects.REQUEUE, subjects.KV_OUTCOMES))
     if role == "prefill":
@@ -109,8 +110,9 @@ def grant(role: str, me: str = ANY) -> Grant:
         return Grant(publish=(subjects.tokens(ANY), subjects.prefill_jobs(ANY), subjects.REQUEUE, subjects.KV_OUTCOMES,
                               subjects.prefill_kv_ack(ANY), subjects.prefill_kv_resend(ANY),
                               subjects.prefill_kv_sync(ANY), *_prefix_publisher(me)),
-                     subscribe=(subjects.decode_admit(me), subjects.decode_cancel(me), subjects.decode_replay(me),
-                                subjects.decode_kv(me), subjects.decode_kv_end(me), subjects.prefix_snapshot(me)))
+                     subscribe=(subjects.decode_admit(me), *subjects.decode_control(me).values(),
+                                subjects.decode_replay(me), subjects.decode_kv(me), subjects.decode_kv_end(me),
+                                subjects.prefix_snapshot(me)))
     raise ValueError(f"no such role: {role!r}")
 
 

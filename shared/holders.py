@@ -20,19 +20,20 @@ from shared.messages import Cancel
 
 @dataclass
 class Holders:
-    decode: set[str] = field(default_factory=set)
-    prefill: set[str] = field(default_factory=set)
+    decode: dict[str, set[str]] = field(default_factory=dict)    # worker -> the secrets of its placements here
+    prefill: dict[str, set[str]] = field(default_factory=dict)
 
-    def add(self, decode: str | None = None, prefill: str | None = None) -> None:
-        if decode:
-            self.decode.add(decode)
-        if prefill:
-            self.prefill.add(prefill)
+    def add(self, decode: str | None = None, prefill: str | None = None, secret: str = "") -> None:
+        """Workers of a placement (and its secret, when known: the gateway's)."""
+        for held, worker in ((self.decode, decode), (self.prefill, prefill)):
+            if worker:
+                held.setdefault(worker, set()).update({secret} if secret else set())
 
     @classmethod
     def of(cls, events: Iterable[Event]) -> Holders:
         """From a request's events: each `routed` names its placement's workers, and the workers'
-        own events name them too (should a `routed` note have been lost)."""
+        own events name them too (should a `routed` note have been lost). No secrets: the
+        supervisor's view."""
         h = cls()
         for e in events:
             f = e.fields
@@ -45,7 +46,16 @@ class Holders:
         return h
 
     async def cancel(self, bus: Bus, msg: Cancel) -> None:
-        for worker in sorted(self.decode):
-            await bus.publish(subjects.decode_cancel(worker), msg)
-        for worker in sorted(self.prefill):
-            await bus.publish(subjects.prefill_cancel(worker), msg)
+        """The gateway's cancel: to each worker once per placement's secret it holds, signed
+        with it (a worker takes a cancel only with the MAC of a placement it holds)."""
+        for held, subject in ((self.decode, subjects.decode_cancel), (self.prefill, subjects.prefill_cancel)):
+            for worker in sorted(held):
+                for secret in sorted(held[worker]) or [""]:   # ("": none known, unsigned)
+                    await bus.publish(subject(worker), msg, secret=secret)
+
+    async def cancel_as_supervisor(self, bus: Bus, msg: Cancel) -> None:
+        """A router's supervisor's cancel, on the subjects only routers publish to (no MAC)."""
+        for held, subject in ((self.decode, subjects.decode_supervisor_cancel),
+                              (self.prefill, subjects.prefill_supervisor_cancel)):
+            for worker in sorted(held):
+                await bus.publish(subject(worker), msg)

@@ -10,8 +10,11 @@ current placement verifies but is a duplicate `seq`: the gateway's ordering drop
 
 The KV handoff's messages between the placement's two workers (KVLayer and KVEnd one way,
 KVAck, KVResend and KVSync the other) carry a MAC with the same secret: a message of a
-handoff that the secret does not verify is dropped and counted (`pd_forged_kv_messages`), so
-no other process can fail, end or steer a handoff. (The decode side answers a notice for a
+handoff that the secret does not verify is dropped and counted (`pd_forged_messages`), so
+no other process can fail, end or steer a handoff. So do cancels: the gateway signs its cancels
+with the secrets of the placements each worker holds, a prefill worker the cancel of a request
+that finished in prefill; the supervisor's cancels go on subjects only routers may publish to
+(shared/holders.py). (The decode side answers a notice for a
 request it holds no receiver of, and so no secret, unsigned: the sender drops that answer
 and its lease ends the handoff.)
 """
@@ -48,10 +51,10 @@ def valid(secret: str, data: bytes, given: str) -> bool:
 
 def signed_with(secret: str, msg: Msg) -> bool:
     """Whether a message received carries the MAC `secret` gives its bytes (a KV handoff's
-    messages: the placement's workers sign them with its secret); one that does not is counted."""
+    messages and a placement's cancels are signed with its secret); one that does not is counted."""
     if valid(secret, msg.data, (msg.headers or {}).get(HEADER, "")):
         return True
-    metrics.FORGED_KV_MESSAGES.inc()   # (counted, not logged: a flood of them would flood the log)
+    metrics.FORGED_MESSAGES.inc()   # (counted, not logged: a flood of them would flood the log)
     return False
 
 

@@ -69,8 +69,8 @@ STALE_CHUNKS = Counter("pd_stale_chunks", "Token chunks the gateway dropped: fro
                        "left (a worker still publishing after its request moved)")
 FORGED_CHUNKS = Counter("pd_forged_chunks", "Token chunks the gateway dropped: no secret of the request's placements "
                         "verifies them (made up, or moved from another request: shared/macs.py)")
-FORGED_KV_MESSAGES = Counter("pd_forged_kv_messages", "KV handoff messages dropped: their placement's secret does not "
-                             "verify them (shared/macs.py)")
+FORGED_MESSAGES = Counter("pd_forged_messages", "A placement's messages dropped (its KV handoff's, its cancels): its "
+                          "secret does not verify them (shared/macs.py)")
 BAD_REGISTRY_ENTRIES = Counter("pd_bad_registry_entries", "Registry entries skipped: unreadable, or naming another "
                                "worker than their key's (shared/state/registry.py)")
 CLAMPED_REGISTRY_ENTRIES = Counter("pd_clamped_registry_entries", "Registry entries whose capacity was over the "

@@ -34,13 +34,24 @@ def decode_replay(worker: str) -> str:
 
 
 def decode_cancel(worker: str) -> str:
-    """gateway, supervisor, prefill -> decode worker: Cancel of a request placed there."""
+    """gateway, prefill -> decode worker: Cancel of a request placed there, with the placement's MAC."""
     return f"pd.decode.{worker}.cancel"
 
 
 def prefill_cancel(worker: str) -> str:
-    """gateway, supervisor -> prefill worker: Cancel of a request whose job it was given."""
+    """gateway -> prefill worker: Cancel of a request whose job it was given, with the placement's MAC."""
     return f"pd.prefill.{worker}.cancel"
+
+
+def decode_supervisor_cancel(worker: str) -> str:
+    """a router's supervisor -> decode worker: Cancel of a request given up (its gateway lost,
+    or stalled and not moved); only routers may publish it (shared/grants.py), so it needs no MAC."""
+    return f"pd.decode.{worker}.cancel.supervisor"
+
+
+def prefill_supervisor_cancel(worker: str) -> str:
+    """a router's supervisor -> prefill worker: as decode_supervisor_cancel."""
+    return f"pd.prefill.{worker}.cancel.supervisor"
 
 
 def prefill_kv_ack(worker: str) -> str:
@@ -62,12 +73,13 @@ def decode_control(worker: str) -> dict[str, str]:
     """What one decode worker subscribes to for the requests it holds, by message. Each is
     addressed to the workers of the request alone, so what a request costs the bus does not
     grow with the fleet (tests/integration/test_control_fanout.py)."""
-    return {"cancel": decode_cancel(worker)}
+    return {"cancel": decode_cancel(worker), "supervisor_cancel": decode_supervisor_cancel(worker)}
 
 
 def prefill_control(worker: str) -> dict[str, str]:
     """What one prefill worker subscribes to for the requests it holds, by message."""
-    return {"cancel": prefill_cancel(worker), "kv_ack": prefill_kv_ack(worker),
+    return {"cancel": prefill_cancel(worker), "supervisor_cancel": prefill_supervisor_cancel(worker),
+            "kv_ack": prefill_kv_ack(worker),
             "kv_resend": prefill_kv_resend(worker), "kv_sync": prefill_kv_sync(worker)}
 
 

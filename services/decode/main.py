@@ -95,7 +95,8 @@ class DecodeWorker:
         await self.bus.subscribe(subjects.decode_admit(self.id), self.start_admit)
         await self.inbox.start()
         await self.core.start_prefix()
-        await self.bus.subscribe(subjects.decode_control(self.id)["cancel"], self.on_cancel)
+        for subject in subjects.decode_control(self.id).values():   # the gateway's and the supervisor's
+            await self.bus.subscribe(subject, self.on_cancel)
         await self.bus.subscribe(subjects.decode_replay(self.id), self.on_replay)
         # registered (as draining, after SIGTERM) until the last sequence is done: the gateway
         # tells a draining worker from a dead one, and does not move its streams
@@ -312,8 +313,13 @@ class DecodeWorker:
             span.end()
 
     async def on_cancel(self, msg: Msg) -> None:
+        """A cancel counts with the MAC of the placement held here (the gateway's, or the prefill
+        worker's when the request finished there), or on the subject only routers publish to."""
         cancel = Cancel.decode(msg.data)
         rid, held = cancel.request_id, self.requests.get(cancel.request_id)
+        if msg.subject != subjects.decode_supervisor_cancel(self.id) and \
+                (held is None or not macs.signed_with(held.secret, msg)):
+            return
         task = held.receiving if held is not None else None  # a KV wait, unless of a placement the cancel spares
         if held is not None and task is not None and (cancel.before_attempt is None
                                                       or held.attempt < cancel.before_attempt):

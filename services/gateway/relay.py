@@ -158,10 +158,10 @@ class Relay:
             log.debug("%s: placement not read: %s", req.request_id, e)
             return
         holders = Holders()
-        holders.add(known.get("decode"))
+        holders.add(known.get("decode"), secret=req.secret)
         if "reply" in known:
             reply = RouteReply.decode(known["reply"].encode())
-            holders.add(reply.decode_worker, reply.prefill_worker)
+            holders.add(reply.decode_worker, reply.prefill_worker, req.secret)
         await holders.cancel(self.bus, Cancel(request_id=req.request_id, reason="placement abandoned"))
 
     async def place(self, req: RouteRequest, retry_s: float | None = None) -> RouteReply:
@@ -198,7 +198,7 @@ class Relay:
         supervisor's word moves the request (`recover`). Its end goes to Redis and, unless it
         finished, a cancel to every worker it was placed on."""
         stream = Stream(placement, req.attempt, self.liveness(), secrets if secrets is not None else {})
-        stream.holders.add(placement.decode_worker, placement.prefill_worker)
+        stream.holders.add(placement.decode_worker, placement.prefill_worker, stream.secrets.get(req.attempt, ""))
         outcome, reason = "cancelled", "client gone"
         try:
             while not stream.order.finished:
@@ -252,7 +252,8 @@ class Relay:
                                                          before_attempt=stream.attempt))
             stream.placement = await self.failover(req, stream.placement, stream.order.generated, stream.attempt,
                                                    why, stream.secrets[stream.attempt])
-            stream.holders.add(stream.placement.decode_worker, stream.placement.prefill_worker)
+            stream.holders.add(stream.placement.decode_worker, stream.placement.prefill_worker,
+                               stream.secrets[stream.attempt])
             stream.order.forget_waiting()
             stream.liveness, stream.replays = self.liveness(), 0
 

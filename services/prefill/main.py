@@ -52,6 +52,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.util.types import AttributeValue
 
+from services.prefill.cancels import Cancels
 from services.prefill.intake import JobIntake, queued_at
 from services.prefill.jobs import Job, Jobs
 from services.prefill.watch import DecodeWatch
@@ -100,9 +101,7 @@ class PrefillWorker:
         self.jobs = Jobs()  # one record per job taken, until its ack
         self.sender = KVSender(SenderSettings.for_prefill(settings, self.id, engine.fingerprint), transport, bus,
                                WorkerHooks(self.read_blocks, self.given_up), make_segment(settings.kv_segment_bytes))
-        # request -> its placements before this attempt are cancelled: a job of one is dropped when
-        # taken (noted whether or not a job of the request is here, so not in a job's record)
-        self.cancelled: dict[str, float] = {}
+        self.cancels = Cancels()  # kept for the jobs taken later (cancels.py)
         self.handoffs: set[asyncio.Task] = set()
         self.ending = Background(log, "cancel")  # work being ended (each waits for the engine thread)
         self.intake = JobIntake()
@@ -113,7 +112,8 @@ class PrefillWorker:
     async def serve(self, stop: asyncio.Event) -> None:
         await self.bus.wait_stream(subjects.PREFILL_STREAM)  # (its consumer: its own subject's, shared/grants.py)
         pull = await self.bus.js.pull_subscribe(subjects.prefill_jobs(self.id), durable=self.id)
-        await self.bus.subscribe(subjects.prefill_control(self.id)["cancel"], self.on_cancel)
+        for name in ("cancel", "supervisor_cancel"):
+            await self.bus.subscribe(subjects.prefill_control(self.id)[name], self.on_cancel)
         await self.sender.start()
         await self.core.start_prefix()
         # the lease lasts until the jobs in hand are done: decode workers waiting for their KV
@@ -227,7 +227,7 @@ class PrefillWorker:
         delivered again later when an older placement's work must end first."""
         fresh = msg.metadata.num_delivered == 1 and time.time() - queued_at(msg) < FRESH_JOB_S
         held = self.sender.handoffs.get(job.request_id)
-        if (job.attempt < self.cancelled.get(job.request_id, 0) or (held and held.job.attempt >= job.attempt)
+        if (self.cancels.stops(job) or (held and held.job.attempt >= job.attempt)
                 or (not fresh and not job.attempt and await self.taken_over(job.request_id))):
             await msg.ack()  # cancelled before it started, a redelivery of a job in hand, or the
             return True      # decode worker gave up waiting and prefilled it (this worker's last life?)
@@ -303,7 +303,7 @@ class PrefillWorker:
             self.sender.drop(out.request_id)
             self.end_kv_span(held, acked=False, error="finished in prefill")
             await self.bus.publish(subjects.decode_cancel(job.decode_worker),
-                                   Cancel(request_id=out.request_id, reason=FINISHED_IN_PREFILL))
+                                   Cancel(request_id=out.request_id, reason=FINISHED_IN_PREFILL), secret=job.secret)
             await self.ack_job(held)
             return
         self.state.requests.note(out.request_id, "transferring", by=self.id, attempt=job.attempt,
@@ -362,12 +362,12 @@ class PrefillWorker:
         cancel = Cancel.decode(msg.data)
         if cancel.reason == FINISHED_IN_PREFILL:
             return
-        rid = cancel.request_id
+        rid, supervisor = cancel.request_id, msg.subject == subjects.prefill_supervisor_cancel(self.id)
         before = math.inf if cancel.before_attempt is None else cancel.before_attempt  # a failover: older ones
-        self.cancelled[rid] = max(self.cancelled.get(rid, 0), before)
-        if len(self.cancelled) > 10_000:
-            self.cancelled.clear()
-        self.ending.start(self.cancel_older(rid, before))
+        self.cancels.note(rid, before, msg, supervisor)
+        held = self.sender.handoffs.get(rid) or self.jobs.get(rid)   # (the placement's secret, when here)
+        if supervisor or (held is not None and macs.signed_with(held.job.secret, msg)):
+            self.ending.start(self.cancel_older(rid, before))
 
     async def cancel_older(self, rid: str, before: float) -> None:
         """End this worker's work for the request's placements before attempt `before`: a

@@ -63,7 +63,7 @@ class Supervisor:
                 self.absence.forget(gateway)
             metrics.SUPERVISOR_ACTIONS.labels("abandoned").inc(len(rids))
             for rid in rids:
-                await Holders.of(await self.state.requests.events(rid)).cancel(
+                await Holders.of(await self.state.requests.events(rid)).cancel_as_supervisor(
                     self.bus, Cancel(request_id=rid, reason="gateway lost"))
                 self.state.requests.note(rid, "failed", by=self.id, owner=gateway, reason=f"gateway {gateway} lost")
             if rids:
@@ -82,7 +82,7 @@ class Supervisor:
             metrics.SUPERVISOR_ACTIONS.labels(verdict).inc()
         if verdict in ("abandoned", "unheeded"):
             why = f"gateway {s.owner} lost" if verdict == "abandoned" else f"stalled in {s.phase}, not moved"
-            await Holders.of(events).cancel(self.bus, Cancel(request_id=rid, reason=why))
+            await Holders.of(events).cancel_as_supervisor(self.bus, Cancel(request_id=rid, reason=why))
             self.state.requests.note(rid, "failed", by=self.id, owner=s.owner, reason=why)
         elif verdict == "stalled":
             log.warning("%s: no progress in %s on %s (attempt %d); asking its gateway to move it",

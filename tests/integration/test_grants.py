@@ -101,6 +101,9 @@ DENIED_PUBLISHES = [
     ("decode-0", subjects.ROUTE),
     ("decode-0", subjects.stalled("r1")),                 # end another request's stream
     ("decode-0", subjects.prefix_events("decode-1")),     # another worker's cache, as the routers see it
+    ("gateway", subjects.decode_supervisor_cancel("decode-0")),   # a cancel without a MAC: the routers' alone
+    ("prefill-0", subjects.decode_supervisor_cancel("decode-0")),
+    ("decode-0", subjects.prefill_supervisor_cancel("prefill-0")),
     # the streams are the operator's: none may change, make, purge or delete one
     ("prefill-0", f"{_JS}.STREAM.UPDATE.{_STREAM}"),      # (a stream that stores every output)
     ("router", f"{_JS}.STREAM.UPDATE.{_STREAM}"),

@@ -40,7 +40,7 @@ def test_stalled_requests_are_reported_and_orphans_cancelled(nats_url, redis_url
         async def on_event(msg):
             heard.append(Stalled.decode(msg.data))
 
-        await bus.subscribe("pd.*.*.cancel", on_cancel)   # any worker's
+        await bus.subscribe("pd.*.*.cancel.supervisor", on_cancel)   # any worker's (the routers' subjects)
         await bus.subscribe("pd.stalled.*", on_event)
         for w in (WorkerInfo(worker_id="gw-a", role="gateway"), WorkerInfo(worker_id="decode-0", role="decode")):
             await state.registry.heartbeat(w, 60)
@@ -74,9 +74,10 @@ def test_stalled_requests_are_reported_and_orphans_cancelled(nats_url, redis_url
     cancels = [m for m in heard if isinstance(m, tuple)]
     assert stalled == [Stalled(request_id="stuck", attempt=0, phase="decoding", worker="decode-0")]  # once a period
     assert sorted(cancels, key=lambda c: c[1].request_id) == [   # to the request's workers alone
-        ("pd.decode.decode-0.cancel", Cancel(request_id="orphan", reason="gateway lost")),
-        ("pd.prefill.prefill-0.cancel", Cancel(request_id="orphan", reason="gateway lost")),
-        ("pd.decode.decode-0.cancel", Cancel(request_id="unheeded", reason="stalled in decoding, not moved"))]
+        ("pd.decode.decode-0.cancel.supervisor", Cancel(request_id="orphan", reason="gateway lost")),
+        ("pd.prefill.prefill-0.cancel.supervisor", Cancel(request_id="orphan", reason="gateway lost")),
+        ("pd.decode.decode-0.cancel.supervisor",
+         Cancel(request_id="unheeded", reason="stalled in decoding, not moved"))]
     assert unheeded[-1].event == "failed" and gateways == {"gw-a"}   # gw-b left the list once emptied
     assert stuck_status == "stalled"
     assert orphan[-1].event == "failed" and orphan[-1].fields["reason"] == "gateway gw-b lost"

@@ -9,6 +9,8 @@ decode workers. Each attack is refused, or does nothing to anyone else's request
     read prompts not placed for     a decode worker subscribes to another's admits: refused
     steal another's jobs            a prefill worker pulls from another's consumer: refused
     fail another's handoff          a forged KVEnd / KVAck: dropped and counted
+    terminate others' requests      a Cancel on every worker's cancel subject: dropped and counted;
+                                    the supervisor's cancel subjects: refused (the routers' alone)
     write the worker registry       Redis 6.2 lets a role write every entry (its key patterns read
                                     and write together): a malformed entry, or one naming
                                     another worker, is skipped, and the fleet serves on
@@ -32,7 +34,7 @@ from nats.js.api import StreamConfig
 
 from deploy.local.stack import Stack, StackConfig
 from shared import subjects
-from shared.messages import KVAck, KVEnd, TokenChunk, WorkerInfo
+from shared.messages import Cancel, KVAck, KVEnd, TokenChunk, WorkerInfo
 from shared.state import State
 from shared.urls import nats_inbox
 
@@ -227,12 +229,39 @@ def test_a_forged_handoff_message_fails_no_one_and_is_counted(stack):
                 await asyncio.sleep(0.002)
 
     before = {w: fallbacks(stack, w) for w in ("decode-0", "decode-1")}
-    forged = sum(stack.metric_total(w, "pd_forged_kv_messages_total") for w in ("decode-0", "decode-1"))
+    forged = sum(stack.metric_total(w, "pd_forged_messages_total") for w in ("decode-0", "decode-1"))
     for rid in rids:
         r = under_attack(stack, rid, forge)
         assert r.status_code == 200 and content(r) == clean
     assert {w: fallbacks(stack, w) for w in before} == before   # no handoff failed over to a local prefill
-    assert sum(stack.metric_total(w, "pd_forged_kv_messages_total") for w in before) > forged
+    assert sum(stack.metric_total(w, "pd_forged_messages_total") for w in before) > forged
+
+
+@pytest.mark.parametrize("insider", ["gateway", "prefill-1"])
+def test_no_gateway_or_worker_can_cancel_a_request_it_does_not_hold(stack, insider):
+    """A cancel of the request, on every worker's cancel subject, as fast as the credentials
+    publish it (and on the supervisor's subjects: refused): the request ends with the model's
+    answer and the workers count the forgeries."""
+    clean = content(ask(stack, f"cancel-clean-{insider}", stream=True))
+    rid = f"cancelled-{insider}"
+    workers = ("decode-0", "decode-1", "prefill-0", "prefill-1")
+    forged = sum(stack.metric_total(w, "pd_forged_messages_total") for w in workers)
+
+    async def cancel(stop: threading.Event) -> None:
+        async with Insider(stack, insider) as nc:
+            msg = Cancel(request_id=rid).encode()
+            while not stop.is_set():
+                for w in ("decode-0", "decode-1"):
+                    await nc.publish(subjects.decode_cancel(w), msg)
+                    await nc.publish(subjects.decode_supervisor_cancel(w), msg)
+                for w in ("prefill-0", "prefill-1"):
+                    if insider == "gateway":
+                        await nc.publish(subjects.prefill_cancel(w), msg)
+                await asyncio.sleep(0.002)
+
+    r = under_attack(stack, rid, cancel)
+    assert r.status_code == 200 and content(r) == clean
+    assert sum(stack.metric_total(w, "pd_forged_messages_total") for w in workers) > forged
 
 
 def test_a_bad_registry_entry_written_with_a_roles_credentials_takes_nothing_down(stack):

@@ -38,7 +38,7 @@ def streamed(deliver):
                 routed.append(req)
                 return PLACED
 
-            async def publish(self, subject, m, ctx=None):
+            async def publish(self, subject, m, ctx=None, secret=""):
                 pass
 
         _, chunks = await Relay(Bus(), RelayTimings(1, 2)).run(REQ)

@@ -17,4 +17,31 @@ def test_a_requests_holders_are_every_placements_workers_from_its_events():
               event("routed", "router", attempt=1, decode="d1", prefill=""),
               event("decoding", "d1", attempt=1)]
     h = Holders.of(events)
-    assert (h.decode, h.prefill) == ({"d0", "d1", "d2"}, {"p0", "p1"})
+    assert (set(h.decode), set(h.prefill)) == ({"d0", "d1", "d2"}, {"p0", "p1"})
+
+
+def test_the_gateways_cancel_goes_signed_once_per_placement_held_and_the_supervisors_on_its_own_subjects():
+    """A worker takes a cancel only with the MAC of a placement it holds (shared/macs.py): the
+    gateway signs one for each of a worker's placements; the supervisor's goes on the subjects
+    only routers may publish to."""
+    import asyncio
+
+    from shared.messages import Cancel
+
+    sent = []
+
+    class Bus:
+        async def publish(self, subject, msg, ctx=None, secret=""):
+            sent.append((subject, secret))
+
+    h = Holders()
+    h.add("d0", "p0", "s0")
+    h.add("d0", None, "s1")          # a failover placed on the same decode worker
+    h.add("d1", secret="s1")
+    asyncio.run(h.cancel(Bus(), Cancel(request_id="r")))
+    assert sent == [("pd.decode.d0.cancel", "s0"), ("pd.decode.d0.cancel", "s1"), ("pd.decode.d1.cancel", "s1"),
+                    ("pd.prefill.p0.cancel", "s0")]
+    sent.clear()
+    asyncio.run(h.cancel_as_supervisor(Bus(), Cancel(request_id="r")))
+    assert sent == [("pd.decode.d0.cancel.supervisor", ""), ("pd.decode.d1.cancel.supervisor", ""),
+                    ("pd.prefill.p0.cancel.supervisor", "")]

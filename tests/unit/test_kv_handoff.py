@@ -489,8 +489,8 @@ def test_handoff_messages_without_the_placements_mac_are_dropped_and_counted_bot
         await asyncio.sleep(0.05)
         return rx, sender.handoffs["r"]
 
-    before = metrics.FORGED_KV_MESSAGES._value.get()
+    before = metrics.FORGED_MESSAGES._value.get()
     rx, h = asyncio.run(scenario())
     assert not rx.outcome.done() and rx.end is None and rx.first_token is None
     assert not h.acked.done() and h.resent_blocks == 0
-    assert metrics.FORGED_KV_MESSAGES._value.get() == before + 8
+    assert metrics.FORGED_MESSAGES._value.get() == before + 8

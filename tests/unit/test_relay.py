@@ -15,7 +15,7 @@ class FakeBus:
     def __init__(self):
         self.published = []
 
-    async def publish(self, subject, msg, ctx=None):
+    async def publish(self, subject, msg, ctx=None, secret=""):
         self.published.append((subject, msg))
 
     async def heard(self, subject, msg, timeout):  # as shared.bus.Bus's, over this bus's request
