@@ -1,11 +1,13 @@
-"""The whole stack on one machine, no Docker: `pdserve serve` (what `make run` does; `python -m deploy.local.stack`).
+"""The whole stack on one machine, no Docker: what `pdserve serve` runs (deploy/local/serve.py,
+`make run`; `python -m deploy.local.stack` the same).
 
 Starts nats-server (JetStream) and redis-server from the pip-installed binaries (`--ha`: a
-3-node NATS cluster and a Redis primary + replica under 3 Sentinels, deploy/local/ha.py), then the
-router, the decode and prefill workers and the gateway as separate processes; waits until
-the gateway's /ready says the pools are up; prints a curl example. Ctrl-C (or SIGTERM)
-stops everything: each service drains, and every child dies with the launcher even if it
-is killed (PR_SET_PDEATHSIG). The tests start the same Stack on free ports.
+3-node NATS cluster and a Redis primary + replica under 3 Sentinels, deploy/local/ha.py), each
+service instance a NATS user of its own (deploy/local/identities.py), then the streams' keeper
+(shared/streams.py), the router, the decode and prefill workers and the gateway as separate
+processes; waits until the gateway's /ready says the pools are up. Stopping it stops
+everything: each service drains, and every child dies with the launcher even if it is killed
+(PR_SET_PDEATHSIG). The tests start the same Stack on free ports.
 """
 
 from __future__ import annotations
