@@ -143,7 +143,7 @@ def measure(count: int = COUNT) -> dict:
 async def _ensure(url: str) -> None:
     """The streams, as the operator makes them (JetStream up: it answers)."""
     bus = await Bus.connect(url, "floor")
-    await streams.ensure(bus)
+    await streams.ensure(bus.js)
     await bus.close()
 
 

@@ -1,7 +1,7 @@
 """A worker's prefix-cache changes as an ordered stream, for routers that keep the index in
 memory (PD_PREFIX_INDEX=events; services/router/prefix_follower.py).
 
-    PD_PREFIX                     JetStream stream, the last HISTORY messages of each worker kept
+    PD_PREFIX                     JetStream stream, each worker's last messages kept (shared/streams.py)
     pd.prefix.events.<worker>     PrefixEvents in order: changes (first, last] of life `epoch`, netted
     pd.prefix.snapshot.<worker>   request/reply: the whole cache, PrefixSnapshot pages
 
@@ -24,7 +24,6 @@ from collections.abc import Awaitable, Callable
 
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 
 from shared import subjects
 from shared.bus import Bus
@@ -35,16 +34,8 @@ from shared.prefix_index import net_changes
 log = logging.getLogger("prefix_events")
 CHUNK = 4096        # changes per message: ~100 KB of JSON at most (NATS's default payload limit is 1 MB)
 PAGE = 16384        # hashes per snapshot page (~350 KB)
-HISTORY = 1024      # messages kept per worker: a router away for fewer catches up from the stream
-MAX_AGE_S = 600.0
 KEEP_S = 30.0       # a snapshot's copy is kept this long for its other pages
 Snapshot = Callable[[], Awaitable[tuple[list[int], int]]]
-
-
-def stream_config(replicas: int = 1) -> StreamConfig:
-    return StreamConfig(name=subjects.PREFIX_STREAM, subjects=[subjects.PREFIX_EVENTS],
-                        retention=RetentionPolicy.LIMITS, max_msgs_per_subject=HISTORY, max_age=MAX_AGE_S,
-                        discard=DiscardPolicy.OLD, storage=StorageType.FILE, num_replicas=replicas)
 
 
 def messages(worker_id: str, epoch: str, first: int, changes: list[CacheChange]) -> list[PrefixEvents]:

@@ -19,21 +19,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 
+import nats
 import nats.errors
 import nats.js.errors
+from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 
-from shared import subjects
-from shared.bus import Bus
+from shared import logs, subjects
 from shared.config import StreamsSettings
-from shared.prefix_events import stream_config as prefix_config
-from shared.service import run, setup_logging, stop_event
+from shared.urls import nats_inbox, nats_servers
 
 log = logging.getLogger("streams")
 PREFILL_MAX_AGE_S = 600.0     # a job nobody acked this long (its worker died for good) was prefilled elsewhere long ago
 PREFILL_MAX_MSGS = 100_000    # jobs queued at once, over every prefill worker
 PREFILL_MAX_BYTES = 1 << 30   # and their bytes (a job carries its prompt's token ids)
+PREFIX_HISTORY = 1024         # prefix events kept per worker: a router away for fewer catches up from the stream
+PREFIX_MAX_AGE_S = 600.0
+PREFIX_MAX_BYTES = 1 << 28
 _KEPT = ("subjects", "retention", "max_age", "max_msgs", "max_bytes", "max_msgs_per_subject", "discard", "storage")
 
 
@@ -42,6 +46,14 @@ def prefill_config(replicas: int = 1) -> StreamConfig:
                         retention=RetentionPolicy.WORK_QUEUE, max_age=PREFILL_MAX_AGE_S, max_msgs=PREFILL_MAX_MSGS,
                         max_bytes=PREFILL_MAX_BYTES, discard=DiscardPolicy.NEW, storage=StorageType.FILE,
                         num_replicas=replicas)
+
+
+def prefix_config(replicas: int = 1) -> StreamConfig:
+    """The workers' prefix-cache changes (shared/prefix_events.py): each worker's last messages."""
+    return StreamConfig(name=subjects.PREFIX_STREAM, subjects=[subjects.PREFIX_EVENTS],
+                        retention=RetentionPolicy.LIMITS, max_msgs_per_subject=PREFIX_HISTORY,
+                        max_age=PREFIX_MAX_AGE_S, max_bytes=PREFIX_MAX_BYTES, discard=DiscardPolicy.OLD,
+                        storage=StorageType.FILE, num_replicas=replicas)
 
 
 def configs(replicas: int = 1) -> list[StreamConfig]:
@@ -56,7 +68,7 @@ def drift(made: StreamConfig, wanted: StreamConfig) -> StreamConfig | None:
     return made.evolve(**changes) if changes else None
 
 
-async def ensure(bus: Bus, replicas: int = 1, timeout_s: float = 60.0) -> list[str]:
+async def ensure(js: JetStreamContext, replicas: int = 1, timeout_s: float = 60.0) -> list[str]:
     """Each stream made, or set as `configs` says; returns what was done. A cluster still
     electing its JetStream leader, or not yet with enough servers for the copies, is asked
     again until `timeout_s`."""
@@ -67,13 +79,13 @@ async def ensure(bus: Bus, replicas: int = 1, timeout_s: float = 60.0) -> list[s
         while True:
             try:
                 try:
-                    made = (await bus.js.stream_info(name)).config
+                    made = (await js.stream_info(name)).config
                 except nats.js.errors.NotFoundError:
-                    await bus.js.add_stream(config)
+                    await js.add_stream(config)
                     done.append(f"made {name}")
                     break
                 if (update := drift(made, config)) is not None:
-                    await bus.js.update_stream(update)
+                    await js.update_stream(update)
                     done.append(f"set {name}")
                 break
             except (nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError, nats.errors.NoRespondersError,
@@ -86,13 +98,18 @@ async def ensure(bus: Bus, replicas: int = 1, timeout_s: float = 60.0) -> list[s
 
 
 async def keep(settings: StreamsSettings) -> None:
-    """Ensure the streams, then (keep_s > 0) again every keep_s until stopped."""
-    stop = stop_event()
-    bus = await Bus.connect(settings.nats_url, "streams")
+    """Ensure the streams, then (keep_s > 0) again every keep_s until SIGTERM / SIGINT. A
+    process of its own, light: nats-py and the settings, no engine."""
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    url = settings.nats_url
+    nc = await nats.connect(nats_servers(url), name="streams", max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                            inbox_prefix=nats_inbox(url))
     try:
         while True:
             try:
-                for what in await ensure(bus, settings.stream_replicas):
+                for what in await ensure(nc.jetstream(), settings.stream_replicas):
                     log.info("stream %s", what)
             except Exception as e:  # noqa: BLE001 - NATS away: the next round tries again
                 if not settings.keep_s:
@@ -106,14 +123,14 @@ async def keep(settings: StreamsSettings) -> None:
             except TimeoutError:
                 pass
     finally:
-        await bus.close()
+        await nc.close()
 
 
 def main(settings: StreamsSettings | None = None) -> None:
     """`pdserve streams`: the operator's keeper of the streams (its NATS user must be the operator's)."""
     settings = settings or StreamsSettings()
-    setup_logging(settings, "streams")
-    run(keep(settings))
+    logs.setup(settings.log_level, "streams", settings.log_format)
+    asyncio.run(keep(settings))
 
 
 if __name__ == "__main__":

@@ -133,7 +133,7 @@ class Fleet:
         self.late_ms: list[float] = []                 # the loop's lateness, each LATE_EVERY_S
 
     async def start(self) -> None:
-        await streams.ensure(self.bus)   # (as the operator: the fleet's bus is the operator's)
+        await streams.ensure(self.bus.js)   # (as the operator: the fleet's bus is the operator's)
         for spec in self.plan:
             sim = Sim(spec)
             sim.prefix = PrefixEventPublisher(self.bus, spec.worker_id, sim.snapshot_at) if self.index == "events" \

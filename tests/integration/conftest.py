@@ -75,7 +75,7 @@ def nats_url():
 async def _streams(url: str) -> None:
     """The streams, made as the operator's keeper makes them (shared/streams.py)."""
     bus = await Bus.connect(url, "operator")
-    await streams.ensure(bus)
+    await streams.ensure(bus.js)
     await bus.close()
 
 

@@ -46,7 +46,7 @@ def server(tmp_path_factory):
 async def _streams(port: int) -> None:
     """The streams, made by the operator (shared/streams.py)."""
     bus = await Bus.connect(url(port, grants.OPERATOR), "operator")
-    await streams.ensure(bus)
+    await streams.ensure(bus.js)
     await bus.close()
 
 

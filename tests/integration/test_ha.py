@@ -36,7 +36,7 @@ def test_a_queued_job_outlives_the_node_it_was_sent_to(ha_servers):
 
     async def scenario():
         bus = await Bus.connect(ha.nats_url(ports, grants.OPERATOR, secret), "test")
-        await streams.ensure(bus, replicas=ha.NODES)
+        await streams.ensure(bus.js, replicas=ha.NODES)
         info = await bus.js.stream_info(subjects.PREFILL_STREAM)
         await bus.js.publish(subjects.prefill_jobs("prefill-0"), b"job-1")
         first = node_of(bus, ports)

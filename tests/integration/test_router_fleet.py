@@ -109,7 +109,7 @@ def _placement(nats_url: str, redis_url: str, size: int, varz: str, rounds: int 
         setup = State.connect(redis_url)
         await setup.r.flushdb()
         bus = await Bus.connect(nats_url, "test")
-        await streams.ensure(bus)
+        await streams.ensure(bus.js)
         publishers = await _fleet(setup, bus, size, cached_on="prefill-9")
         state = State.connect(redis_url)
         state.r.connection_pool.connection_class = Recording

@@ -49,9 +49,9 @@ async def _setup(nats_url: str, redis_url: str):
     for w in (_worker("decode-0", "decode"), _worker("decode-1", "decode", running=6), _worker("prefill-0", "prefill")):
         await state.registry.heartbeat(w, 60)
     bus = await Bus.connect(nats_url, "test")
-    await streams.ensure(bus)
+    await streams.ensure(bus.js)
     await bus.js.delete_stream(subjects.PREFILL_STREAM)  # its jobs and the ids it deduplicates (earlier runs')
-    await streams.ensure(bus)
+    await streams.ensure(bus.js)
     admits: dict[str, list[str]] = {"decode-0": [], "decode-1": []}
 
     def stand_in(wid: str):
