@@ -1,13 +1,14 @@
 """The JetStream streams belong to the operator: made and kept by the operator's identity
 (`pdserve streams`: the local stack runs it beside the services, compose as a service of its
-own, Kubernetes as a Deployment), never by a service. A service's grant reads a stream's
+own, Kubernetes as a Job), never by a service. A service's grant reads a stream's
 configuration and nothing more (shared/grants.py), so no compromised instance can widen a
 stream's subjects (say, to store every output), purge it or delete it.
 
     PD_PREFILL  the prefill jobs: a work queue, each job kept until acked or PREFILL_MAX_AGE_S;
                 at most PREFILL_MAX_MSGS jobs and PREFILL_MAX_BYTES, new ones refused past that
                 (the decode worker then prefills the request itself)
-    PD_PREFIX   the workers' prefix-cache changes (shared/prefix_events.py)
+    PD_PREFIX   the workers' prefix-cache changes (shared/prefix_events.py): each worker's last
+                PREFIX_HISTORY messages, at most PREFIX_MAX_BYTES
 
 Both are file streams with `num_replicas` copies on a NATS cluster. The keeper checks them every
 `keep_s` and makes again a stream it finds missing (a server's store lost), or sets again a
@@ -62,7 +63,8 @@ def configs(replicas: int = 1) -> list[StreamConfig]:
 
 def drift(made: StreamConfig, wanted: StreamConfig) -> StreamConfig | None:
     """The configuration to set on a stream made as `made` (None: nothing to change)."""
-    changes = {k: getattr(wanted, k) for k in _KEPT if getattr(made, k) != getattr(wanted, k)}
+    changes = {k: getattr(wanted, k) for k in _KEPT   # (a field left unset here is the server's: -1, unlimited)
+               if getattr(wanted, k) is not None and getattr(made, k) != getattr(wanted, k)}
     if (made.num_replicas or 1) < (wanted.num_replicas or 1):
         changes["num_replicas"] = wanted.num_replicas
     return made.evolve(**changes) if changes else None

@@ -9,6 +9,9 @@ from shared import streams, subjects
 def test_a_stream_as_configured_is_left_alone():
     for config in streams.configs(3):
         assert streams.drift(config, config) is None
+        as_read = config.evolve(**{k: -1 for k in ("max_msgs", "max_bytes", "max_msgs_per_subject")
+                                   if getattr(config, k) is None})   # the server's "unlimited"
+        assert streams.drift(as_read, config) is None
 
 
 def test_limits_and_subjects_that_drifted_are_set_again_and_copies_only_raised():
