@@ -30,6 +30,15 @@ SECRET = "5e" * 16             # the placement's secret both sides are told (sha
 CHUNKED = dict(num_blocks=64, prefill_chunk=32, max_batched_tokens=32)   # 3 passes
 
 
+async def receiving(dst: Engine, bus: LocalBus, sender: str, kv_tag: int = 1 << 20, transport=None) -> KVReceiver:
+    """Decode worker "d"'s inbox, started, with a receiver of request "r" from `sender` under the
+    placement's SECRET (the fake transport unless another is given)."""
+    inbox = KVInbox(bus, "d")
+    await inbox.start()
+    return inbox.add(KVReceiver.for_engine(dst, dst.reserve("r", PROMPT, PARAMS), kv_tag,
+                                           transport or create_transport("fake"), bus, sender, secret=SECRET))
+
+
 def expected(tiny, prompt=PROMPT):
     ref = Engine(tiny, EngineConfig(num_blocks=64))
     ref.add_request("r", prompt, PARAMS)
@@ -301,10 +310,7 @@ def test_a_sender_other_than_the_receivers_is_refused_and_nothing_of_it_is_mixed
     async def scenario():
         bus = LocalBus()
         dst = Engine(tiny, EngineConfig(num_blocks=64))
-        inbox = KVInbox(bus, "d")
-        await inbox.start()
-        rx = inbox.add(KVReceiver.for_engine(dst, dst.reserve("r", PROMPT, PARAMS), 1 << 20,
-                                             create_transport("fake"), bus, "new", secret=SECRET))
+        rx = await receiving(dst, bus, "new")
         await bus.publish(subjects.decode_kv("d"), KVLayer(
             request_id="r", prefill_worker="lost", fingerprint=dst.fingerprint, tag=1 << 20, layer=0, num_blocks=1,
             first_block=0, checksums=[0]), secret=SECRET)
@@ -329,10 +335,7 @@ def test_an_older_placements_handoff_from_the_same_sender_is_refused_and_its_ans
             stopped.append((job.kv_tag, reason))
 
         dst = Engine(tiny, EngineConfig(num_blocks=64))
-        inbox = KVInbox(bus, "d")
-        await inbox.start()
-        rx = inbox.add(KVReceiver.for_engine(dst, dst.reserve("r", PROMPT, PARAMS), 2 << 20,
-                                             create_transport("fake"), bus, "p", secret=SECRET))
+        rx = await receiving(dst, bus, "p", kv_tag=2 << 20)
         sender = KVSender(SenderSettings("p", dst.fingerprint), create_transport("fake"), bus,
                           WorkerHooks(None, given_up))
         await sender.start()
@@ -399,10 +402,7 @@ def test_a_payload_the_transport_loses_breaks_the_handoff_off_instead_of_failing
     async def scenario():
         bus = LocalBus()
         dst = Engine(tiny, EngineConfig(num_blocks=64))
-        inbox = KVInbox(bus, "d")
-        await inbox.start()
-        rx = inbox.add(KVReceiver.for_engine(dst, dst.reserve("r", PROMPT, PARAMS), 1 << 20, Broken(), bus, "p",
-                                             secret=SECRET))
+        rx = await receiving(dst, bus, "p", transport=Broken())
         await bus.publish(subjects.decode_kv("d"), KVLayer(
             request_id="r", prefill_worker="p", fingerprint=dst.fingerprint, tag=(1 << 20) + 1, layer=0,
             num_blocks=1, first_block=0, checksums=[0]), secret=SECRET)
@@ -466,10 +466,7 @@ def test_handoff_messages_without_the_placements_mac_are_dropped_and_counted_bot
     async def scenario():
         bus = LocalBus()
         dst = Engine(tiny, EngineConfig(num_blocks=64))
-        inbox = KVInbox(bus, "d")
-        await inbox.start()
-        rx = inbox.add(KVReceiver.for_engine(dst, dst.reserve("r", PROMPT, PARAMS), 1 << 20,
-                                             create_transport("fake"), bus, "p", secret=SECRET))
+        rx = await receiving(dst, bus, "p")
         sender = KVSender(SenderSettings("p", dst.fingerprint), create_transport("fake"), bus, WorkerHooks(None))
         await sender.start()
         await sender.open(PrefillJob(request_id="r", prompt_token_ids=PROMPT, sampling=Sampling(), decode_worker="d",
