@@ -16,22 +16,23 @@ from pathlib import Path
 
 import redis
 
-from deploy.local.servers import binary, free_port, wait_for_port
+from deploy.local.servers import binary, claim, free_port, wait_for_port
 
 SLOTS = 16384
 BUS = 10000  # a node's cluster bus: its port + BUS
 
 
 def free_node_port() -> int:
-    """A free port whose cluster-bus port is free too."""
+    """A free port whose cluster-bus port is free too (and held back from free_port from now on)."""
     while True:
         port = free_port()
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port + BUS))
-                return port
             except OSError:
                 continue
+        claim(port + BUS)
+        return port
 
 
 def node(data: Path, port: int, conf: Path | None = None) -> list[str]:
@@ -67,13 +68,23 @@ def url(ports: list[int], user: str = "", password: str = "") -> str:
     return f"redis+cluster://{auth}" + ",".join(f"127.0.0.1:{p}" for p in ports)
 
 
-def start(data: Path, primaries: int, spawn: Callable[[list[str]], subprocess.Popen]) -> str:
+def start(data: Path, primaries: int, spawn: Callable[[list[str]], subprocess.Popen], tries: int = 3) -> str:
     """`primaries` nodes started with `spawn` (their data under `data`) and formed into a cluster;
-    the PD_REDIS_URL that names it."""
-    ports = [free_node_port() for _ in range(primaries)]
-    for p in ports:
-        spawn(node(data, p))
-    for p in ports:
-        wait_for_port(p)
-    form(ports)
-    return url(ports)
+    the PD_REDIS_URL that names it. A node that exits before it listens (its port or its bus port
+    taken by another process in between) costs a try: all of them stop, and new ports are drawn."""
+    for attempt in range(tries):
+        ports = [free_node_port() for _ in range(primaries)]
+        procs = [spawn(node(data / str(attempt), p)) for p in ports]
+        try:
+            for p, proc in zip(ports, procs, strict=True):
+                wait_for_port(p, proc=proc)
+        except RuntimeError:
+            for proc in procs:
+                proc.terminate()
+                proc.wait()
+            if attempt == tries - 1:
+                raise
+            continue
+        form(ports)
+        return url(ports)
+    raise AssertionError("unreachable")

@@ -9,6 +9,7 @@ import random
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -53,10 +54,18 @@ def binary(name: str) -> str:
     return str(path)
 
 
-def wait_for_port(port: int, timeout_s: float = 10) -> None:
-    """Until something accepts connections on 127.0.0.1:`port` (RuntimeError after `timeout_s`)."""
+def claim(port: int) -> None:
+    """`port` is taken by a server of this process (a cluster bus): free_port never hands it out."""
+    _handed_out.add(port)
+
+
+def wait_for_port(port: int, timeout_s: float = 30, proc: subprocess.Popen | None = None) -> None:
+    """Until something accepts connections on 127.0.0.1:`port` (RuntimeError after `timeout_s`, or
+    as soon as `proc`, the server that was to listen there, has exited)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server for port {port} exited with {proc.returncode}")
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
             return
