@@ -122,7 +122,7 @@ async def start(gw: Gateway, request: Request, body: ChatCompletionRequest | Com
     scoring = isinstance(body, CompletionRequest) and body.max_tokens == 0  # echo: the prompt scored alone
     samplings = _samplings(gw, request, body, prompts, scoring)
     span = trace.get_current_span()
-    rid = await request_id(gw, request, len(prompts), body.n)
+    rid = request.state.request_id
     span.set_attributes({"prompt_tokens": sum(map(len, prompts)), "stream": body.stream,
                          "max_tokens": samplings[0].max_tokens,
                          **genai.request_attributes(body, kind, samplings[0].max_tokens)})
@@ -183,17 +183,6 @@ async def _place(gw: Gateway, request: Request, body: ChatCompletionRequest | Co
             trace.get_current_span().set_attribute("error", e.message)
         raise
     return placements, streams
-
-
-async def request_id(gw: Gateway, request: Request, prompts: int, n: int) -> str:
-    """The request's id (ids.py): the one middleware.RequestContext gave it, or, when that is the
-    client's `x-request-id`, the client's as claimed (and the response's header says which)."""
-    rid = request.state.request_id
-    if request.state.client_id:
-        rid = await ids.settle(gw.state, rid, prompts, n, gw.relay.owner)
-        request.state.request_id = rid
-        trace.get_current_span().set_attribute("request_id", rid)
-    return rid
 
 
 async def _cancel(streams: list[AsyncIterator[TokenChunk]]) -> None:

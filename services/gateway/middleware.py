@@ -1,7 +1,7 @@
-"""Every HTTP request: a request id (the client's `x-request-id` when it sends one, ids.py),
-the root span of its trace (continuing the client's `traceparent`, `tracestate` and
-`baggage`), both returned as headers (`x-request-id`, `x-trace-id`) on every response, errors
-included; the body size limit, counted as the bytes arrive (a chunked body has no
+"""Every HTTP request: a request id of the server's (ids.py), the root span of its trace
+(continuing the client's `traceparent`, `tracestate` and `baggage`), both returned as headers
+(`x-request-id`, `x-trace-id`) on every response, errors included, with the client's own id
+echoed (`x-client-request-id`); the body size limit, counted as the bytes arrive (a chunked body has no
 Content-Length); and the last word on a failure no handler answered: a 500 in OpenAI's error
 shape, with the ids, its traceback in the log."""
 
@@ -39,22 +39,21 @@ class RequestContext:
         if scope["type"] != "http" or scope["path"] == "/metrics":  # scrapes: no trace each few seconds
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-        client_id = headers.get("x-request-id") or None  # (an empty one: as if absent)
-        valid = client_id is not None and ids.CLIENT_ID.fullmatch(client_id) is not None
-        request_id = client_id if valid else ids.new()
+        client, request_id = ids.client_id(headers), ids.new()
         state = scope.setdefault("state", {})
-        state.update(request_id=request_id, client_id=valid, arrived=time.monotonic())
+        state.update(request_id=request_id, arrived=time.monotonic())
         name = f"{scope['method']} {scope['path']}"
         with tracing.continued(self.tracer, "gateway.request", tracing.extract(headers), kind=trace.SpanKind.SERVER,
-                               attributes={"request_id": request_id, "http.route": name}) as span:
+                               attributes={"request_id": request_id, "http.route": name,
+                                           **ids.attributes(client)}) as span:
             started = False
 
             async def send_with_ids(message: Message) -> None:
                 nonlocal started
                 if message["type"] == "http.response.start":
-                    started = True  # (the id as generate.py settled it)
-                    message["headers"] = [*message.get("headers", []), (b"x-request-id", state["request_id"].encode()),
-                                          (b"x-trace-id", tracing.trace_id_hex(span).encode())]
+                    started = True
+                    message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode()),
+                                          (b"x-trace-id", tracing.trace_id_hex(span).encode()), *ids.echoed(client)]
                     span.set_attribute("http.status_code", message["status"])
                 await send(message)
 
@@ -72,12 +71,11 @@ class RequestContext:
             size = headers.get("content-length", "")
             if len(size) > 20 or (size.isdigit() and int(size) > self.max_bytes):
                 return await self._too_large(scope, receive, send_with_ids)
-            if client_id is not None and not valid:
-                return await self._refused_id(scope, receive, send_with_ids)
+            if client is not None and not client.valid:
+                return await self._refused_id(scope, receive, send_with_ids, client.header)
             try:
                 await self.app(scope, counted, send_with_ids)
             except Exception as e:  # noqa: BLE001 - the catch-all: no request gets a bare 500
-                request_id = state["request_id"]
                 log.exception("%s: %s failed", request_id, name)
                 span.record_exception(e)
                 if not started:
@@ -89,7 +87,7 @@ class RequestContext:
         too_big = JSONResponse(errors.body(413, BodyTooLarge(self.max_bytes).detail), status_code=413)
         await too_big(scope, receive, send)
 
-    async def _refused_id(self, scope: Scope, receive: Receive, send: Send) -> None:
-        refused = JSONResponse(errors.body(400, f"The x-request-id header must be {ids.CLIENT_ID_RULE}.",
-                                           param="x-request-id"), status_code=400)
+    async def _refused_id(self, scope: Scope, receive: Receive, send: Send, header: str) -> None:
+        refused = JSONResponse(errors.body(400, f"The {header} header must be {ids.CLIENT_ID_RULE}.",
+                                           param=header), status_code=400)
         await refused(scope, receive, send)

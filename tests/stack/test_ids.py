@@ -1,6 +1,7 @@
-"""A client's ids continue through the stack: its `x-request-id` is the request's id (in the
-response, the timeline and the spans), and its `traceparent`, `tracestate` and `baggage` carry
-the trace on through every service; the request span speaks OpenTelemetry's GenAI attributes."""
+"""A client's ids continue through the stack: its `x-request-id` comes back beside the
+server's (which names the request in the timeline and the spans), and its `traceparent`,
+`tracestate` and `baggage` carry the trace on through every service; the request span speaks
+OpenTelemetry's GenAI attributes."""
 
 from __future__ import annotations
 
@@ -24,37 +25,33 @@ def chat(stack, headers: dict, **extra) -> httpx.Response:
     return httpx.post(stack.url + "/v1/chat/completions", json=body, headers=headers, timeout=120)
 
 
-def test_a_clients_request_id_names_the_request_everywhere(stack, otlp):
-    mine = f"app-{secrets.token_hex(6)}"
-    r = chat(stack, {"x-request-id": mine})
-    assert r.status_code == 200, r.text
-    assert r.headers["x-request-id"] == mine and r.json()["id"] == f"chatcmpl-{mine}"
-    events = [json.loads(e)["event"] for e in sync_redis(stack.redis_url).lrange(log_key(mine), 0, -1)]
-    assert events[0] == "received" and "finished" in events, events
-    spans = otlp.wait_for(r.headers["x-trace-id"], {"gateway.request", "router.route"})
-    assert next(s for s in spans if s.name == "gateway.request").attributes["request_id"] == mine
-
-
-def test_a_request_id_in_use_gets_a_suffix_and_both_are_served(stack):
-    mine = f"again-{secrets.token_hex(6)}"
-    first, second = chat(stack, {"x-request-id": mine}), chat(stack, {"x-request-id": mine})
+def test_the_request_id_is_the_servers_and_the_clients_comes_back(stack, otlp):
+    """A client's `x-request-id` names nothing inside (no subject, no key): the request gets a
+    uuid of the server's, in the response, the timeline and the spans; the client's id is the
+    span's `client_request_id` and comes back in `x-client-request-id`. The same id sent twice
+    is two requests, both served, neither told of the other."""
+    mine = f"app.{secrets.token_hex(6)}:7"   # (any visible ASCII: it names no subject)
+    first, second = chat(stack, {"x-request-id": mine}), chat(stack, {"x-client-request-id": mine})
     assert first.status_code == second.status_code == 200, second.text
-    assert first.headers["x-request-id"] == mine
-    assert second.headers["x-request-id"].startswith(f"{mine}-r") and second.json()["id"].endswith(
-        second.headers["x-request-id"])
-    # a choice's own id (the first request's choice 1) is taken too: a later request cannot have it
-    fan = chat(stack, {"x-request-id": f"{mine}-x"}, n=2)
-    assert fan.status_code == 200 and len(fan.json()["choices"]) == 2
-    taken = chat(stack, {"x-request-id": f"{mine}-x-1"})
-    assert taken.status_code == 200 and taken.headers["x-request-id"] != f"{mine}-x-1"
+    rids = [r.headers["x-request-id"] for r in (first, second)]
+    assert all(len(rid) == 32 and mine not in rid for rid in rids) and rids[0] != rids[1]
+    assert first.headers["x-client-request-id"] == second.headers["x-client-request-id"] == mine
+    assert first.json()["id"] == f"chatcmpl-{rids[0]}"
+    store = sync_redis(stack.redis_url)
+    events = [json.loads(e)["event"] for e in store.lrange(log_key(rids[0]), 0, -1)]
+    assert events[0] == "received" and "finished" in events, events
+    assert not store.keys(f"*{mine}*")
+    spans = otlp.wait_for(first.headers["x-trace-id"], {"gateway.request", "router.route"})
+    request = next(s for s in spans if s.name == "gateway.request")
+    assert request.attributes["request_id"] == rids[0] and request.attributes["client_request_id"] == mine
 
 
-@pytest.mark.parametrize("bad", ["has.dot", "a" * 65, "spa ce", "star*"])
-def test_a_malformed_request_id_is_a_400_naming_the_header(stack, bad):
-    r = chat(stack, {"x-request-id": bad})
+@pytest.mark.parametrize("bad", [b"a" * 129, b"spa ce", "caf\u00e9".encode("latin-1")])
+def test_a_malformed_client_request_id_is_a_400_naming_the_header(stack, bad):
+    r = chat(stack, {"x-client-request-id": bad})
     assert r.status_code == 400, r.text
-    assert r.json()["error"]["param"] == "x-request-id"
-    assert len(r.headers["x-request-id"]) == 32  # (a new id of its own, for the logs)
+    assert r.json()["error"]["param"] == "x-client-request-id"
+    assert len(r.headers["x-request-id"]) == 32 and "x-client-request-id" not in r.headers
 
 
 def test_traceparent_tracestate_and_baggage_continue_through_every_service(stack, otlp):
