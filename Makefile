@@ -10,7 +10,7 @@ LLAMA_CPP_VERSION ?= 0.3.36
 # its AVX2 kernels on every x86 machine (its AVX-512/AMX build crashed on multi-token batches on such a machine)
 LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF -DGGML_AMX_INT8=OFF
 
-.PHONY: help setup lint fmt run test test-fast test-clients bench-path bench-engine bench-archs bench-grammar bench-stack bench-transfer eval-router bench-router chaos fuzz chaos-busy bench-tracing bench-scale bench-scale-stores bench-index bench bench-full bench-prefill-chunk profile plan plan-check compose-up compose-down gpu-check clean
+.PHONY: help setup lint fmt run test test-fast test-clients bench-path bench-engine bench-archs bench-grammar bench-stack bench-transfer eval-router bench-router chaos fuzz chaos-busy bench-security bench-tracing bench-scale bench-scale-stores bench-index bench bench-full bench-prefill-chunk profile plan plan-check compose-up compose-down gpu-check clean
 
 .DEFAULT_GOAL := help
 
@@ -123,6 +123,12 @@ fuzz: setup
 ## chaos-busy: the same beside a busy neighbour (a process spinning on a core for the whole run); writes bench/results/chaos-busy.json
 chaos-busy: setup
 	$(BIN)/python -m bench.chaos --busy
+
+## bench-security: what the security measures cost per unit, each beside what it adds to: a prompt's block hashes,
+##   BLAKE2b-64 vs xxh3-64; a token chunk's MAC, signing and opening vs its plain encoding (~20 s); writes
+##   bench/results/security.json
+bench-security: setup
+	$(BIN)/python -m bench.security
 
 ## bench-tracing: throughput with tracing on vs off, two stacks side by side; writes bench/results/tracing.json
 bench-tracing: setup
