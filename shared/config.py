@@ -135,7 +135,8 @@ class Common(BaseSettings):
 
 
 class GatewaySettings(Common):
-    gateway_id: str = Field("", description="registry id (default: gateway-<random>)")
+    gateway_id: str = Field("", description="its instance's name: each start registers as <name>_<random> "
+                            "(default name: gateway)")
     gateway_host: str = Field("127.0.0.1", description="address the HTTP API listens on (other than loopback: "
                               "API keys or allow_open)")
     gateway_port: int = Field(8000, description="port the HTTP API listens on")

@@ -24,11 +24,13 @@ Kubernetes, deploy/nats/authorization.conf) grants each role what any of its ins
 What a worker publishes on subjects it shares with its role (tokens, KV, acks) is accepted only
 with its placement's MAC (shared/macs.py).
 
-In Redis each role is an ACL user with the keys of its part (`REDIS_KEYS`, the prefixes
-shared/state/keys.py names) and every command but the dangerous ones (FLUSHALL, CONFIG, KEYS,
-DEBUG, SHUTDOWN, ACL, REPLICAOF, MONITOR, ...); the operator is Redis's default user. Redis 6.2's
-key patterns grant reading and writing together, so a role that reads a key can write it: every
-role reads and writes the registry and the request state.
+In Redis (Valkey 9 locally; any Redis >= 7) each instance is an ACL user with the keys of its
+role's part (`REDIS_KEYS`, the prefixes shared/state/keys.py names) and every command but the
+dangerous ones (FLUSHALL, CONFIG, KEYS, DEBUG, SHUTDOWN, ACL, REPLICAOF, MONITOR, ...); the
+operator is Redis's default user. The registry's entries are read-only (`%R~`) but the
+instance's own: no instance can write, renew or delete another's entry. The registry's index
+(the set of ids, the change log) and the request state stay writable by every role that uses
+them. A deployment with one identity per role (`instance` ANY) lets each role write any entry.
 """
 
 from __future__ import annotations
@@ -116,8 +118,10 @@ def grant(role: str, me: str = ANY) -> Grant:
     raise ValueError(f"no such role: {role!r}")
 
 
-# Redis keys by role (shared/state/keys.py, prefix_index.py, the gateway's limits)
-_REGISTRY = ("pd:{registry}:*",)
+# Redis keys by role (shared/state/keys.py, prefix_index.py, the gateway's limits); the registry's
+# entries apart (redis_keys): each instance writes its own
+_ENTRIES = "pd:{registry}:worker:"
+_REGISTRY = ("pd:{registry}:workers", "pd:{registry}:seq", "pd:{registry}:changes", "pd:{registry}:epoch")
 _REQUESTS = ("pd:req:*", "pd:{flight}:*")
 REDIS_KEYS: dict[str, tuple[str, ...]] = {
     "gateway": (*_REGISTRY, *_REQUESTS, "pd:route:*", "pd:rate:*", "pd:inflight:*"),
@@ -128,10 +132,23 @@ REDIS_KEYS: dict[str, tuple[str, ...]] = {
 REDIS_COMMANDS = "+@all -@dangerous +cluster|slots"  # (a Redis Cluster's clients learn its slots with CLUSTER SLOTS)
 
 
-def redis_users(passwords: Mapping[str, str]) -> str:
-    """redis.conf's `user` lines: each role on, with its password, its keys and its commands."""
-    return "".join(f"user {role} on >{passwords[role]} {' '.join('~' + k for k in REDIS_KEYS[role])} "
-                   f"{REDIS_COMMANDS}\n" for role in ROLES)
+def redis_keys(role: str, me: str = ANY) -> str:
+    """The key patterns of instance `me` of `role`: its role's, and the registry's entries, read
+    only but its own (a gateway's: `me_<start>`, each start registered apart) (`me` ANY: every
+    instance of the role, so every entry)."""
+    own = f"{_ENTRIES}{me}_*" if role == "gateway" else f"{_ENTRIES}{me}"
+    entries = f"~{_ENTRIES}*" if me == ANY else f"%R~{_ENTRIES}* ~{own}"
+    return " ".join((entries, *("~" + k for k in REDIS_KEYS[role])))
+
+
+def redis_user(u: User) -> str:
+    """The ACL rule of `u` (an instance's user, or a role's): on, its password, keys and commands."""
+    return f"{u.name} on >{u.password} {redis_keys(u.role, u.instance)} {REDIS_COMMANDS}"
+
+
+def redis_users(users: Iterable[User]) -> str:
+    """redis.conf's `user` lines (the operator is Redis's default user: none of its own)."""
+    return "".join(f"user {redis_user(u)}\n" for u in users if u.role != OPERATOR)
 
 
 def password_variable(user: str) -> str:

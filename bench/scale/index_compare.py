@@ -40,7 +40,7 @@ import uvloop
 from redis.asyncio.client import Pipeline
 
 from bench.scale import index_readme
-from deploy.local.servers import binary, free_port, wait_for_port
+from deploy.local.servers import free_port, valkey_server, wait_for_port
 from services.router.prefix_feeds import Feeds, Snapshot
 from services.router.prefix_memory import MemoryIndex
 from shared import prefix_index
@@ -279,7 +279,7 @@ def machine() -> dict:
 async def main_async(args: argparse.Namespace) -> dict:
     t0, port = time.monotonic(), free_port()
     with tempfile.TemporaryDirectory() as d:
-        server = subprocess.Popen([binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+        server = subprocess.Popen([valkey_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                                    "--appendonly", "no", "--dir", d], stdout=subprocess.DEVNULL)
         try:
             wait_for_port(port)

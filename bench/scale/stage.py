@@ -51,7 +51,7 @@ class Backend:
         self.add_router("router")
 
     def add_router(self, name: str) -> None:
-        self.stack.service(name, "services.router.main", PD_ROUTER_ID=name)
+        self.stack.service(name, "services.router.main")
 
     def routers(self) -> list[str]:
         return [n for n in self.stack.procs if n.startswith("router")]

@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
 
 from deploy.local.identities import Identities
-from deploy.local.servers import binary, free_port, wait_for_port
-from shared import grants
+from deploy.local.servers import binary, free_port, valkey_server, wait_for_port
 
 NODES = 3
 SENTINELS = 3
@@ -75,14 +74,14 @@ def nats_node(data: Path, ports: Ports, secret: str, ids: Identities, i: int) ->
     return [binary("nats-server"), "-c", str(conf)]
 
 
-def redis_node(data: Path, ports: Ports, secret: str, users: Mapping[str, str], i: int) -> list[str]:
+def redis_node(data: Path, ports: Ports, secret: str, ids: Identities, i: int) -> list[str]:
     """The primary (0) or the replica (1): no persistence, full syncs over the socket; the
-    default user's password `secret`, each role an ACL user (shared/grants.py)."""
+    default user's password `secret`, each instance an ACL user (shared/grants.py)."""
     store = data / ("redis" if i == 0 else "redis-replica")
     store.mkdir(exist_ok=True)
     conf = store / "redis.conf"
-    conf.write_text(f"requirepass {secret}\nmasterauth {secret}\n{grants.redis_users(users)}")
-    argv = [binary("redis-server"), str(conf), "--port", str(ports.redis[i]), "--bind", "127.0.0.1",
+    conf.write_text(f"requirepass {secret}\nmasterauth {secret}\n{ids.redis_users()}")
+    argv = [valkey_server(), str(conf), "--port", str(ports.redis[i]), "--bind", "127.0.0.1",
             "--save", "", "--appendonly", "no", "--dir", str(store),
             "--repl-diskless-sync", "yes", "--repl-diskless-sync-delay", "0"]
     return argv + (["--replicaof", "127.0.0.1", str(ports.redis[0])] if i else [])
@@ -97,20 +96,23 @@ def sentinel(data: Path, ports: Ports, secret: str, sentinel_secret: str, i: int
                     f"sentinel auth-pass {SERVICE} {secret}\nsentinel sentinel-pass {sentinel_secret}\n"
                     f"sentinel down-after-milliseconds {SERVICE} {DOWN_AFTER_MS}\n"
                     f"sentinel failover-timeout {SERVICE} {FAILOVER_TIMEOUT_MS}\n")
-    return [binary("redis-server"), str(conf), "--sentinel"]
+    return [valkey_server(), str(conf), "--sentinel"]
 
 
 def write_users(data: Path, ports: Ports, secret: str, ids: Identities) -> None:
-    """Every NATS node's config written again (one more user: the caller reloads the nodes)."""
+    """Every NATS and Redis node's config written again (one more user: the caller reloads the
+    NATS nodes and gives the Redis nodes the user)."""
     for i in range(NODES):
         nats_node(data, ports, secret, ids, i)
+    for i in range(2):
+        redis_node(data, ports, secret, ids, i)
 
 
 def servers(data: Path, ports: Ports, secret: str, ids: Identities,
             sentinel_secret: str) -> dict[str, list[str]]:
     """Every server's command line by process name, in the order to start them."""
     return {**{f"nats-{i}": nats_node(data, ports, secret, ids, i) for i in range(NODES)},
-            **{name: redis_node(data, ports, secret, ids.redis, i)
+            **{name: redis_node(data, ports, secret, ids, i)
                for i, name in enumerate(("redis", "redis-replica"))},
             **{f"sentinel-{i}": sentinel(data, ports, secret, sentinel_secret, i) for i in range(SENTINELS)}}
 

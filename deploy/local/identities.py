@@ -1,10 +1,12 @@
-"""A local stack's credentials, made for each run: a NATS user per service instance, named by its
-id and holding that instance's grant (shared/grants.py), the operator's NATS user, and a Redis
-ACL user per role. Passwords are random per run and reach a process only in its own environment
-(its URLs); the servers read them from config files in the stack's private data directory.
+"""A local stack's credentials, made for each run: per service instance a NATS user and a Redis
+ACL user, both named by its id and holding that instance's grant (shared/grants.py), and the
+operator's NATS user. Passwords are random per run and reach a process only in its own
+environment (its URLs); the servers read them from config files in the stack's private data
+directory.
 
 An instance started after the servers (a router replica a benchmark adds) gets its identity
-then: the NATS config is written again and the servers reload it (deploy/local/stack.py).
+then: the config files are written again, the NATS servers reload theirs and each Redis server
+is given the user (deploy/local/stack.py).
 
 JetStream's store is encrypted (ChaCha20-Poly1305) with a key made for the run, so the prompts
 in the job stream are not on disk in clear, and held to MAX_FILE_STORE.
@@ -30,13 +32,13 @@ def _password() -> str:
 @dataclass
 class Identities:
     nats: dict[str, User] = field(default_factory=dict)           # by user name
-    redis: dict[str, str] = field(default_factory=dict)           # a role's ACL user's password, by role
+    redis: dict[str, User] = field(default_factory=dict)          # ACL users, by instance
     store_key: str = field(default_factory=_password)              # JetStream's encryption key
 
     @classmethod
     def made(cls, instances: Mapping[str, str]) -> Identities:
-        """For `instances` (id -> role), with the operator and each role's Redis user."""
-        ids = cls(redis={role: _password() for role in grants.ROLES})
+        """For `instances` (id -> role), with the operator."""
+        ids = cls()
         ids.nats[grants.OPERATOR] = User(grants.OPERATOR, grants.OPERATOR, _password())
         for name, role in instances.items():
             ids.add(name, role)
@@ -49,6 +51,7 @@ class Identities:
                 raise ValueError(f"{name} is a {self.nats[name].role}, not a {role}")
             return False
         self.nats[name] = User(name, role, _password(), instance=name)
+        self.redis[name] = User(name, role, _password(), instance=name)
         return True
 
     def users(self) -> list[User]:
@@ -59,7 +62,11 @@ class Identities:
 
     def passwords(self) -> list[str]:
         """Every secret here (what no log may carry)."""
-        return [u.password for u in self.nats.values()] + list(self.redis.values()) + [self.store_key]
+        return [u.password for u in (*self.nats.values(), *self.redis.values())] + [self.store_key]
+
+    def redis_users(self) -> str:
+        """redis.conf's `user` lines."""
+        return grants.redis_users(self.redis.values())
 
     def nats_config(self, store: Path) -> str:
         """nats-server's users and its JetStream store (at `store`, encrypted)."""

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import redis
 
-from deploy.local.servers import binary, claim, free_port, wait_for_port
+from deploy.local.servers import claim, free_port, valkey_server, wait_for_port
 
 SLOTS = 16384
 BUS = 10000  # a node's cluster bus: its port + BUS
@@ -39,7 +39,7 @@ def node(data: Path, port: int, conf: Path | None = None) -> list[str]:
     """A cluster-mode redis-server's command line (its node file and nothing persisted under `data`;
     its users and passwords from `conf`, a redis.conf)."""
     (data / str(port)).mkdir(parents=True, exist_ok=True)
-    return [binary("redis-server"), *([str(conf)] if conf else []), "--port", str(port), "--bind", "127.0.0.1",
+    return [valkey_server(), *([str(conf)] if conf else []), "--port", str(port), "--bind", "127.0.0.1",
             "--cluster-enabled", "yes",
             "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000", "--save", "",
             "--appendonly", "no", "--dir", str(data / str(port))]

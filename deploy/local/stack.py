@@ -27,9 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import redis
+
 from deploy.local import ha, redis_cluster
 from deploy.local.identities import Identities
-from deploy.local.servers import binary, die_with_parent, free_port
+from deploy.local.servers import binary, die_with_parent, free_port, valkey_server
 from services.router.recent import REGISTRY_READ_S
 from shared import grants
 
@@ -89,6 +91,7 @@ class Stack:
         if cfg.redis_cluster and (cfg.ha or cfg.hosts):
             raise ValueError("the Redis Cluster runs on this machine's loopback, without HA")
         # Redis's: one server, or the cluster's primaries
+        self.redis_conf = ""   # (more redis.conf lines: start_redis's)
         self.redis_ports = [cfg.redis_port, *(redis_cluster.free_node_port() for _ in range(cfg.redis_cluster - 1))]
 
     @property
@@ -119,9 +122,9 @@ class Stack:
         return self.redis_url_of(grants.OPERATOR)
 
     def redis_url_of(self, user: str) -> str:
-        """The URL with `user`'s credentials: a service role's ACL user, or the operator's (Redis's
-        default user)."""
-        name, password = ("", self.secret) if user == grants.OPERATOR else (user, self.ids.redis[user])
+        """The URL with `user`'s credentials: a service instance's ACL user, or the operator's
+        (Redis's default user)."""
+        name, password = ("", self.secret) if user == grants.OPERATOR else (user, self.ids.redis[user].password)
         if self.ha_ports:
             return ha.redis_url(self.ha_ports, name, password, self.sentinel_secret)
         if self.cfg.redis_cluster:
@@ -163,15 +166,18 @@ class Stack:
         return proc
 
     def service(self, name: str, module: str, **env: str) -> subprocess.Popen:
-        """Process `name` running `module` (services.<role>.main), on NATS as its own user (made
-        now if it is new: the servers reload their users) and on Redis as its role's."""
+        """Process `name` running `module` (services.<role>.main), on NATS and Redis as its own
+        user (made now if it is new: the servers are given it)."""
         if name != "gateway":
             self.metrics_ports[name] = free_port()
             env = {**env, "PD_METRICS_PORT": str(self.metrics_ports[name])}
         role = module.split(".")[1]
         if self.ids.add(name, role):
             self.reload_users()
-        env = {"PD_NATS_URL": self.nats_url_of(name), "PD_REDIS_URL": self.redis_url_of(role), **env}
+        # (its registry id is its name: its Redis user writes that entry alone)
+        id_variable = {"router": "PD_ROUTER_ID", "gateway": "PD_GATEWAY_ID"}.get(role, "PD_WORKER_ID")
+        env = {"PD_NATS_URL": self.nats_url_of(name), "PD_REDIS_URL": self.redis_url_of(name), id_variable: name,
+               **env}
         return self.spawn(name, [sys.executable, "-m", module],
                           {**self.service_env(), **env, **self.cfg.worker_env.get(name, {})})
 
@@ -195,12 +201,11 @@ class Stack:
                    {**self.service_env(), "PD_NATS_URL": self.nats_url})
         for i in range(c.routers):
             name = "router" if i == 0 else f"router-{i}"
-            self.service(name, "services.router.main", PD_ROUTER_ID=name)
+            self.service(name, "services.router.main")
         for i in range(c.decode):
-            self.service(f"decode-{i}", "services.decode.main", PD_WORKER_ID=f"decode-{i}")
+            self.service(f"decode-{i}", "services.decode.main")
         for i in range(0 if c.colocated else c.prefill):
-            self.service(f"prefill-{i}", "services.prefill.main", PD_WORKER_ID=f"prefill-{i}",
-                         PD_KV_BLOCKS=str(c.prefill_kv_blocks or c.kv_blocks))
+            self.service(f"prefill-{i}", "services.prefill.main", PD_KV_BLOCKS=str(c.prefill_kv_blocks or c.kv_blocks))
         self.service("gateway", "services.gateway.main")
         self.wait_ready(ready_timeout_s)
         return self
@@ -222,21 +227,28 @@ class Stack:
         """Redis with this run's passwords (and `conf`, more redis.conf lines): one server, or a
         Redis Cluster of cfg.redis_cluster primaries (deploy/local/redis_cluster.py); returns once
         it answers."""
-        redis_conf = self.data / "redis.conf"
-        redis_conf.write_text(f"requirepass {self.secret}\n{grants.redis_users(self.ids.redis)}{conf}")
+        self.redis_conf = conf
+        redis_conf = self.write_redis_conf()
         if self.cfg.redis_cluster:
             for i, port in enumerate(self.redis_ports):
                 self.spawn(f"redis-{i}", redis_cluster.node(self.data / "redis", port, redis_conf))
         else:
-            self.spawn("redis", [binary("redis-server"), str(redis_conf), "--port", str(self.cfg.redis_port), "--bind",
+            self.spawn("redis", [valkey_server(), str(redis_conf), "--port", str(self.cfg.redis_port), "--bind",
                                  self.ip("redis"), "--save", "", "--appendonly", "no", "--dir", str(self.data)])
         for port in self.redis_ports:
             self.wait_port(port, 20, self.ip("redis"))
         if self.cfg.redis_cluster:
             redis_cluster.form(self.redis_ports, self.secret)
 
+    def write_redis_conf(self) -> Path:
+        path = self.data / "redis.conf"
+        path.write_text(f"requirepass {self.secret}\n{self.ids.redis_users()}{self.redis_conf}")
+        return path
+
     def reload_users(self) -> None:
-        """The NATS servers' users written again (one more instance) and reloaded (SIGHUP)."""
+        """The servers' users written again (one more instance): the NATS servers reload theirs
+        (SIGHUP); each Redis server is given the new ACL users (ACL SETUSER: its config file only
+        counts at its next start)."""
         nodes = [n for n in self.procs if n == "nats" or n.startswith("nats-")]
         if not nodes:
             return  # (not started yet: written as they start)
@@ -244,8 +256,16 @@ class Stack:
             ha.write_users(self.data, self.ha_ports, self.secret, self.ids)
         else:
             (self.data / "nats.conf").write_text(self.ids.nats_config(self.data / "nats"))
+            self.write_redis_conf()
         for n in nodes:
             self.procs[n].send_signal(signal.SIGHUP)
+        for port in self.ha_ports.redis if self.ha_ports else self.redis_ports:
+            try:
+                with redis.Redis(host=self.ip("redis"), port=port, password=self.secret, socket_timeout=5) as r:
+                    for user in self.ids.redis.values():
+                        r.execute_command("ACL", "SETUSER", *grants.redis_user(user).split())
+            except redis.ConnectionError:
+                pass  # (a server down now reads its config file when it starts again)
         time.sleep(0.5)  # (a reload takes milliseconds; a client of the new user that came first would be refused)
 
     def restart(self, name: str, kill: bool = True) -> subprocess.Popen:

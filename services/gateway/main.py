@@ -62,7 +62,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         model_config, tokenizer = await load_model(settings)
         bus = await Bus.connect(settings.nats_url, name="gateway")
         state = State.for_service(settings)
-        me = WorkerInfo(worker_id=settings.gateway_id or f"gateway-{uuid.uuid4().hex[:8]}", role="gateway")
+        # (a start of its own: a restarted gateway's requests are the supervisors' to end, not its)
+        me = WorkerInfo(worker_id=f"{settings.gateway_id or 'gateway'}_{uuid.uuid4().hex[:8]}", role="gateway")
         app.state.gateway = build_gateway(settings, keys, bus, state, model_config, tokenizer, me.worker_id)
         # the lease tells the routers' supervisors that someone still reads these requests' tokens
         stop = asyncio.Event()

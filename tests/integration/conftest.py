@@ -14,7 +14,7 @@ import pytest
 
 from deploy.local import ha, redis_cluster
 from deploy.local.identities import Identities
-from deploy.local.servers import binary, free_port, wait_for_port
+from deploy.local.servers import binary, free_port, valkey_server, wait_for_port
 from shared import grants, streams
 from shared.bus import Bus
 
@@ -28,7 +28,7 @@ def redis_url(redis_server_url):
 def redis_server_url():
     port = free_port()
     with tempfile.TemporaryDirectory() as d:
-        proc = subprocess.Popen([binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+        proc = subprocess.Popen([valkey_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                                  "--appendonly", "no", "--dir", d], stdout=subprocess.DEVNULL)
         wait_for_port(port)
         yield f"redis://127.0.0.1:{port}/0"

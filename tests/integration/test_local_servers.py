@@ -11,13 +11,12 @@ from pathlib import Path
 import pytest
 
 from deploy.local import redis_cluster
-from deploy.local.servers import binary, wait_for_port
+from deploy.local.servers import valkey_server, wait_for_port
 
 
 def test_a_node_whose_port_is_taken_costs_a_try_not_the_cluster(monkeypatch):
     taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
+    taken.bind(("127.0.0.1", 0))   # (bound, not listening: the node's bind fails, and nothing answers there)
     drawn = iter([taken.getsockname()[1]])
     real = redis_cluster.free_node_port
     monkeypatch.setattr(redis_cluster, "free_node_port", lambda: next(drawn, None) or real())
@@ -43,7 +42,7 @@ def test_waiting_for_a_server_that_exited_fails_at_once_with_its_exit_code():
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     port = taken.getsockname()[1]
-    proc = subprocess.Popen([binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1"],
+    proc = subprocess.Popen([valkey_server(), "--port", str(port), "--bind", "127.0.0.1"],
                             stdout=subprocess.DEVNULL)
     try:
         with pytest.raises(RuntimeError, match="exited with 1"):

@@ -8,7 +8,7 @@ import asyncio
 import subprocess
 import tempfile
 
-from deploy.local.servers import binary, free_port, wait_for_port
+from deploy.local.servers import free_port, valkey_server, wait_for_port
 from shared.notes import WRITE_BATCH
 from shared.state import State, owned_key, request_key
 
@@ -52,7 +52,7 @@ def test_ownership_noted_while_redis_is_away_is_written_when_it_answers():
     port = free_port()
 
     def redis(d: str) -> subprocess.Popen:
-        proc = subprocess.Popen([binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+        proc = subprocess.Popen([valkey_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                                  "--appendonly", "no", "--dir", d], stdout=subprocess.DEVNULL)
         wait_for_port(port)
         return proc

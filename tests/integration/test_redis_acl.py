@@ -1,8 +1,9 @@
-"""Each service role's Redis ACL user (shared/grants.py) on a real redis-server: the role's
-part of the store works through the code that uses it (the registry, request state, the
-gateway's limits), and each named operation outside the role's grant is refused (NOPERM):
-admin commands, keys of another part, and a key touched from inside a script. The stack tests
-run every service as its Redis user (deploy/local/stack.py)."""
+"""Each service instance's Redis ACL user (shared/grants.py) on a real server (Valkey 9): its
+role's part of the store works through the code that uses it (the registry, request state,
+the gateway's limits), and each named operation outside its grant is refused (NOPERM): admin
+commands, keys of another part, a key touched from inside a script, and another instance's
+registry entry (written, renewed, deleted, or heartbeated through the registry's own script).
+The stack tests run every service as its own Redis user (deploy/local/stack.py)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,15 @@ import subprocess
 import pytest
 import redis
 
-from deploy.local.servers import binary, free_port, wait_for_port
+from deploy.local.servers import free_port, valkey_server, wait_for_port
 from services.gateway.concurrency import Concurrency
 from shared import grants
 from shared.messages import WorkerInfo
 from shared.state import State
 
-PASSWORDS = {role: f"pw-{role}" for role in grants.ROLES}
+USERS = {role: grants.User(f"{role}-0", role, f"pw-{role}", instance=f"{role}-0") for role in grants.ROLES}
 OPERATOR = "operator-pw"
+ENTRY = "pd:{registry}:worker:"
 # (role, what, a command as redis-py sends it): each must be refused
 DENIED = [(role, what, command) for role in grants.ROLES for what, command in [
     ("flush the store", ("FLUSHALL",)), ("read the config", ("CONFIG", "GET", "*")), ("list keys", ("KEYS", "*")),
@@ -31,6 +33,11 @@ DENIED = [(role, what, command) for role in grants.ROLES for what, command in [
     ("decode", "a route record", ("HSET", "pd:route:r1", "decode", "decode-evil")),
     ("router", "the in-flight count", ("ZREM", "pd:inflight:alice", "r1:0")),
     ("prefill", "a session", ("SET", "pd:session:s1", "decode-evil")),
+    ("decode", "another's registry entry", ("SET", ENTRY + "decode-1", "{}")),
+    ("prefill", "delete another's entry", ("DEL", ENTRY + "decode-0")),
+    ("router", "renew another's lease", ("PEXPIRE", ENTRY + "decode-0", "99999")),
+    ("gateway", "another's entry from a script", ("EVAL", "return redis.call('SET', KEYS[1], 'x')", "1",
+                                                    ENTRY + "router-0")),
 ]
 
 
@@ -38,9 +45,9 @@ DENIED = [(role, what, command) for role in grants.ROLES for what, command in [
 def port(tmp_path_factory):
     d = tmp_path_factory.mktemp("redis")
     conf = d / "redis.conf"
-    conf.write_text(f"requirepass {OPERATOR}\n{grants.redis_users(PASSWORDS)}")
+    conf.write_text(f"requirepass {OPERATOR}\n{grants.redis_users(USERS.values())}")
     p = free_port()
-    proc = subprocess.Popen([binary("redis-server"), str(conf), "--port", str(p), "--bind", "127.0.0.1",
+    proc = subprocess.Popen([valkey_server(), str(conf), "--port", str(p), "--bind", "127.0.0.1",
                              "--save", "", "--appendonly", "no", "--dir", str(d)], stdout=subprocess.DEVNULL)
     wait_for_port(p)
     yield p
@@ -49,7 +56,13 @@ def port(tmp_path_factory):
 
 
 def url(port: int, role: str) -> str:
-    return f"redis://{role}:{PASSWORDS[role]}@127.0.0.1:{port}/0"
+    """Instance `<role>-0`'s."""
+    return f"redis://{USERS[role].name}:{USERS[role].password}@127.0.0.1:{port}/0"
+
+
+def registered(role: str) -> str:
+    """The registry id of instance `<role>-0` (a gateway's has its start's suffix)."""
+    return f"{role}-0_1a2b" if role == "gateway" else f"{role}-0"
 
 
 @pytest.mark.parametrize("role, what, command", DENIED, ids=[f"{r}: {w}" for r, w, _ in DENIED])
@@ -64,7 +77,7 @@ def test_each_roles_part_of_the_store_works_as_that_role(port):
     async def scenario():
         stores = {role: State.connect(url(port, role)) for role in grants.ROLES}
         for role, store in stores.items():  # every role registers and records request events
-            await store.registry.heartbeat(WorkerInfo(worker_id=f"{role}-0", role=role), lease_s=5)
+            await store.registry.heartbeat(WorkerInfo(worker_id=registered(role), role=role), lease_s=5)
             await store.requests.record(f"r-{role}", "received" if role == "gateway" else "decoding", by=f"{role}-0",
                                owner="gw-0" if role == "gateway" else "", deadline_s=30)
         workers = await stores["router"].registry.workers()
@@ -77,5 +90,27 @@ def test_each_roles_part_of_the_store_works_as_that_role(port):
         return [w.worker_id for w in workers], phases
 
     workers, phases = asyncio.run(scenario())
-    assert workers == sorted(f"{role}-0" for role in grants.ROLES)
+    assert workers == sorted(registered(role) for role in grants.ROLES)
     assert phases == {"gateway": "received", "router": "decoding", "prefill": "decoding", "decode": "decoding"}
+
+
+def test_no_instance_can_heartbeat_or_deregister_another_through_the_registry(port):
+    """The registry's own calls, made for another instance's id: refused, and its entry stays."""
+    async def scenario() -> list[str]:
+        decode, prefill = State.connect(url(port, "decode")), State.connect(url(port, "prefill"))
+        await decode.registry.heartbeat(WorkerInfo(worker_id="decode-0", role="decode"), lease_s=30)
+        refused = []
+        for attempt in (prefill.registry.heartbeat(WorkerInfo(worker_id="decode-0", role="prefill"), lease_s=30),
+                        prefill.registry.deregister("decode-0")):
+            try:
+                await attempt
+            except redis.exceptions.ResponseError as e:
+                refused.append(str(e))
+        entry = (await prefill.registry.entries(["decode-0"]))["decode-0"]
+        for store in (decode, prefill):
+            await store.close()
+        assert entry is not None and entry.role == "decode"
+        return refused
+
+    refused = asyncio.run(scenario())
+    assert len(refused) == 2 and all("permission" in r.lower() for r in refused), refused

@@ -1,5 +1,5 @@
 """The insider suite: an attacker holds one service instance's own credentials (what a
-compromised pod holds: its NATS user, its role's Redis user) on the live stack, 2 prefill + 2
+compromised pod holds: its NATS user, its Redis user) on the live stack, 2 prefill + 2
 decode workers. Each attack is refused, or does nothing to anyone else's request:
 
     forge a client's output         any worker publishes chunks on pd.tokens.<id>: unsigned,
@@ -11,9 +11,9 @@ decode workers. Each attack is refused, or does nothing to anyone else's request
     fail another's handoff          a forged KVEnd / KVAck: dropped and counted
     terminate others' requests      a Cancel on every worker's cancel subject: dropped and counted;
                                     the supervisor's cancel subjects: refused (the routers' alone)
-    write the worker registry       Redis 6.2 lets a role write every entry (its key patterns read
-                                    and write together): a malformed entry, or one naming
-                                    another worker, is skipped, and the fleet serves on
+    write the worker registry       another's entry: refused (each instance's Redis user writes its
+                                    own entry alone); its own, malformed or naming another
+                                    worker: skipped and counted, and the fleet serves on
 
 Request ids are the server's (uuid4): an attacker would have to learn one. These attacks are
 given every id as it is routed (the operator's connection reads the router's subject for them),
@@ -280,24 +280,41 @@ def test_no_gateway_or_worker_can_cancel_a_request_it_does_not_hold(stack, insid
     assert sum(stack.metric_total(w, "pd_forged_messages_total") for w in workers) > forged
 
 
-def test_a_bad_registry_entry_written_with_a_roles_credentials_takes_nothing_down(stack):
-    """With decode's Redis user: a malformed entry, a `v: 2` one, and one under another key
-    naming decode-0 with every block free. The routers skip them (and count them), /ready
-    stays up and requests are served."""
-    async def write() -> None:
-        state = State.connect(stack.redis_url_of("decode"))
+def test_an_instance_writes_only_its_own_registry_entry_and_a_bad_one_takes_nothing_down(stack):
+    """With decode-1's own Redis user: another's entry (decode-0's, a new one, a router's)
+    written, renewed, deleted or heartbeated: refused, NOPERM. Its own entry, made malformed,
+    `v: 2`, or naming decode-0 with every block free, over and over: the routers skip it (and
+    count it), /ready stays up and requests are served (decode-1 alone is out meanwhile)."""
+    entry = "pd:{registry}:worker:"
+
+    async def write() -> list[str]:
+        state, refused = State.connect(stack.redis_url_of("decode-1")), []
         try:
-            await state.registry._beat("decode-x", b"{not json", 30)
-            await state.registry._beat("decode-y", WorkerInfo(worker_id="decode-y", role="decode").encode()
-                                       .replace(b'"v":1', b'"v":2'), 30)
-            await state.registry._beat("decode-z", WorkerInfo(worker_id="decode-0", role="decode", model=MODEL,
-                                                              total_blocks=10**9, free_blocks=10**9).encode(), 30)
+            for attempt in (lambda: state.registry._beat("decode-0", b"{}", 30),
+                            lambda: state.registry.deregister("decode-0"),
+                            lambda: state.registry._beat("decode-x", b"{}", 30),
+                            lambda: state.store.r.set(entry + "router", b"{}"),
+                            lambda: state.store.r.pexpire(entry + "decode-0", 1)):
+                try:
+                    await attempt()
+                except Exception as e:  # noqa: BLE001 - refused: NOPERM
+                    refused.append(str(e))
+            own = [b"{not json", WorkerInfo(worker_id="decode-1", role="decode").encode().replace(b'"v":1', b'"v":2'),
+                   WorkerInfo(worker_id="decode-0", role="decode", model=MODEL, total_blocks=10**9,
+                              free_blocks=10**9).encode()]
+            for _ in range(20):   # (faster than decode-1's own heartbeats put it right)
+                for bad in own:
+                    await state.registry._beat("decode-1", bad, 30)
+                    await asyncio.sleep(0.03)
         finally:
             await state.close()
+        return refused
 
-    asyncio.run(write())
+    before = stack.metric_total("router", "pd_bad_registry_entries_total")
+    refused = asyncio.run(write())
+    assert len(refused) == 5 and all("permission" in r.lower() for r in refused), refused
     time.sleep(1.5)   # (a registry read or two)
     ready = httpx.get(stack.url + "/ready", timeout=10)
     assert ready.status_code == 200
     assert ask(stack).status_code == 200
-    assert stack.metric_total("router", "pd_bad_registry_entries_total") >= 3
+    assert stack.metric_total("router", "pd_bad_registry_entries_total") >= before + 3

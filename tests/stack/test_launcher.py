@@ -43,7 +43,7 @@ def test_launcher_starts_everything_and_ctrl_c_stops_everything(tmp_path):
         until_ready(proc)
         children = psutil.Process(proc.pid).children(recursive=True)
         names = " ".join(" ".join(c.cmdline()) for c in children)
-        for part in ("nats-server", "redis-server", "services.router", "services.gateway",
+        for part in ("nats-server", "valkey-server", "services.router", "services.gateway",
                      "services.prefill", "services.decode"):
             assert part in names, part
         r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60, json={

@@ -101,7 +101,7 @@ def test_a_restarted_decode_peer_is_reached_through_a_new_endpoint(plain, otlp, 
     proc = plain.procs["decode-0"]
     proc.terminate()
     proc.wait(30)
-    plain.service("decode-0", "services.decode.main", PD_WORKER_ID="decode-0")
+    plain.service("decode-0", "services.decode.main")
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         new = [w["ucx_address"] for w in _workers(plain) if w["role"] == "decode"]

@@ -69,7 +69,8 @@ def test_compose_gives_each_service_its_role_and_no_password_on_a_command_line()
     # Redis: redis.conf written at start, each role's ACL user as shared/grants.py has it
     script = services["redis"]["command"][0].replace("$$", "$")
     users = [line for line in script.splitlines() if line.startswith("user ")]
-    assert users == grants.redis_users({r: grants.password_variable(r) for r in grants.ROLES}).splitlines()
+    roles = (grants.User(r, r, grants.password_variable(r)) for r in grants.ROLES)
+    assert users == grants.redis_users(roles).splitlines()
     assert "requirepass $PD_REDIS_PASSWORD" in script and "PD_REDIS_PASSWORD" in services["redis"]["environment"]
     assert set(PASSWORDS) - {grants.password_variable(grants.OPERATOR)[1:]} <= set(services["redis"]["environment"])
     for name, service in services.items():
