@@ -293,10 +293,10 @@ def test_an_instance_writes_only_its_own_registry_entry_and_a_bad_one_takes_noth
             for attempt in (lambda: state.registry._beat("decode-0", b"{}", 30),
                             lambda: state.registry.deregister("decode-0"),
                             lambda: state.registry._beat("decode-x", b"{}", 30),
-                            lambda: state.store.r.set(entry + "router", b"{}"),
-                            lambda: state.store.r.pexpire(entry + "decode-0", 1)):
+                            lambda: state.registry.store.r.set(entry + "router", b"{}"),
+                            lambda: state.registry.store.r.pexpire(entry + "decode-0", 1)):
                 try:
-                    await attempt()
+                    refused.append(f"done: {await attempt()}")
                 except Exception as e:  # noqa: BLE001 - refused: NOPERM
                     refused.append(str(e))
             own = [b"{not json", WorkerInfo(worker_id="decode-1", role="decode").encode().replace(b'"v":1', b'"v":2'),
