@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import ssl
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -18,6 +19,7 @@ from opentelemetry import context
 from shared import macs, subjects, tracing
 from shared.macs import Signed
 from shared.messages import Message, PrefillJob
+from shared.tls import client_context
 from shared.urls import nats_inbox, nats_servers
 
 log = logging.getLogger(__name__)
@@ -35,7 +37,8 @@ class Bus:
         return self.nc.stats["reconnects"]
 
     @classmethod
-    async def connect(cls, url: str, name: str) -> Bus:
+    async def connect(cls, url: str, name: str, tls: ssl.SSLContext | None = None) -> Bus:
+        """`tls`: this client's (default: from PD_TLS_*, shared/tls.py; none there: plain)."""
         async def on_error(e: Exception) -> None:
             log.warning("nats: %s", e)
 
@@ -43,7 +46,8 @@ class Bus:
             log.warning("nats: reconnected")
 
         nc = await nats.connect(nats_servers(url), name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                                error_cb=on_error, reconnected_cb=on_reconnect, inbox_prefix=nats_inbox(url))
+                                error_cb=on_error, reconnected_cb=on_reconnect, inbox_prefix=nats_inbox(url),
+                                tls=tls or client_context())
         return cls(nc)
 
     async def publish(self, subject: str, msg: Message, ctx: context.Context | None = None, secret: str = "") -> None:

@@ -30,6 +30,7 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfi
 
 from shared import logs, subjects
 from shared.config import StreamsSettings
+from shared.tls import client_context
 from shared.urls import nats_inbox, nats_servers
 
 log = logging.getLogger("streams")
@@ -107,7 +108,7 @@ async def keep(settings: StreamsSettings) -> None:
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     url = settings.nats_url
     nc = await nats.connect(nats_servers(url), name="streams", max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                            inbox_prefix=nats_inbox(url))
+                            inbox_prefix=nats_inbox(url), tls=client_context())
     try:
         while True:
             try:

@@ -49,8 +49,8 @@ class Ports:
         return ports
 
 
-def nats_url(ports: Ports, user: str, password: str) -> str:
-    return ",".join(f"nats://{user}:{password}@127.0.0.1:{p}" for p in ports.nats)
+def nats_url(ports: Ports, user: str, password: str, scheme: str = "nats") -> str:
+    return ",".join(f"{scheme}://{user}:{password}@127.0.0.1:{p}" for p in ports.nats)
 
 
 def redis_url(ports: Ports, user: str, password: str, sentinel_password: str) -> str:

@@ -34,6 +34,7 @@ class Identities:
     nats: dict[str, User] = field(default_factory=dict)           # by user name
     redis: dict[str, User] = field(default_factory=dict)          # ACL users, by instance
     store_key: str = field(default_factory=_password)              # JetStream's encryption key
+    tls: str = ""                                                  # the NATS servers' tls block (--tls)
 
     @classmethod
     def made(cls, instances: Mapping[str, str]) -> Identities:
@@ -69,7 +70,7 @@ class Identities:
         return grants.redis_users(self.redis.values())
 
     def nats_config(self, store: Path) -> str:
-        """nats-server's users and its JetStream store (at `store`, encrypted)."""
-        return grants.nats_authorization(self.users()) + (
+        """nats-server's users, its TLS (when on) and its JetStream store (at `store`, encrypted)."""
+        return grants.nats_authorization(self.users()) + self.tls + (
             f'jetstream {{ store_dir: "{store}", max_file_store: {MAX_FILE_STORE}, cipher: chachapoly, '
             f'key: "{self.store_key}" }}\n')

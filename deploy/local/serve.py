@@ -12,6 +12,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from deploy.local.stack import Stack, StackConfig
+from shared import grants
 from shared.config import model_id
 
 
@@ -26,6 +27,8 @@ class ServeSettings(BaseSettings):
                      "node and the primary on nats_port / redis_port)")
     redis_cluster: int = Field(0, ge=0, description="Redis as a Redis Cluster of this many primaries (the first on "
                                "redis_port; PD_REDIS_URL=redis+cluster://)")
+    tls: bool = Field(False, description="NATS on mutual TLS: a CA, the servers' and each instance's certificate "
+                      "made at start (under the stack's private data directory)")
     port: int = Field(8000, description="the gateway's port")
     nats_port: int = Field(4222, description="NATS's port")
     redis_port: int = Field(6379, description="Redis's port")
@@ -37,8 +40,8 @@ class ServeSettings(BaseSettings):
 
     def config(self) -> StackConfig:
         return StackConfig(prefill=self.prefill, decode=self.decode, colocated=self.colocated, ha=self.ha,
-                           redis_cluster=self.redis_cluster, gateway_port=self.port, nats_port=self.nats_port,
-                           redis_port=self.redis_port,
+                           redis_cluster=self.redis_cluster, tls=self.tls, gateway_port=self.port,
+                           nats_port=self.nats_port, redis_port=self.redis_port,
                            model=self.model, kv_blocks=self.kv_blocks, threads=self.threads,
                            log_dir=Path(".run/logs"), env={"PD_MODEL_NAME": self.model_name} if self.model_name else {})
 
@@ -52,12 +55,14 @@ def main(args: ServeSettings) -> None:
     pools = f"{args.decode} colocated" if args.colocated else f"{args.prefill} prefill + {args.decode} decode"
     pools += " worker(s)" + ("; NATS cluster of 3, Redis primary + replica + 3 Sentinels" if args.ha else "")
     pools += f"; a Redis Cluster of {args.redis_cluster}" if args.redis_cluster else ""
+    pools += "; NATS on mutual TLS" if args.tls else ""
     print(f"starting pdserve: {pools}; logs in {stack.log_dir}/", flush=True)
     try:
         stack.start()
         env_file = Path(".run/stack.env")  # for operator tools (python -m shared.tools.timeline)
         env_file.touch(mode=0o600)
-        env_file.write_text(f"PD_NATS_URL={stack.nats_url}\nPD_REDIS_URL={stack.redis_url}\n")
+        tls = "".join(f"{k}={v}\n" for k, v in stack.tls_env(grants.OPERATOR).items())
+        env_file.write_text(f"PD_NATS_URL={stack.nats_url}\nPD_REDIS_URL={stack.redis_url}\n{tls}")
         scraped = [n for n in stack.procs if n in (*stack.metrics_ports, "gateway")]   # (not the servers, the keeper)
         metrics = ", ".join(f"{n} {stack.metrics_url(n)}" for n in scraped)
         served = args.model_name or model_id(args.model)

@@ -30,6 +30,7 @@ from typing import Any
 import redis
 
 from deploy.local import ha, redis_cluster
+from deploy.local.certificates import Authority, nats_block
 from deploy.local.identities import Identities
 from deploy.local.servers import binary, die_with_parent, free_port, valkey_server
 from services.router.recent import REGISTRY_READ_S
@@ -64,6 +65,7 @@ class StackConfig:
     worker_env: dict[str, dict[str, str]] = field(default_factory=dict)  # by process name, on top of env
     cpus: dict[str, set[int]] = field(default_factory=dict)  # by process name: CPU affinity (benchmark arms)
     hosts: dict[str, Host] = field(default_factory=dict)     # by process name: where it runs (else 127.0.0.1)
+    tls: bool = False                  # NATS on mutual TLS, certificates made at start (deploy/local/certificates.py)
 
     @classmethod
     def on_free_ports(cls, **kw: Any) -> StackConfig:
@@ -85,6 +87,10 @@ class Stack:
         self.secret = secrets.token_urlsafe(24)
         self.sentinel_secret = secrets.token_urlsafe(24)  # (HA: the services' key to the Sentinels)
         self.ids = Identities.made(self.instances())
+        self.authority = Authority(self.data / "tls") if cfg.tls else None
+        if self.authority:
+            server = self.authority.issue("nats", ("127.0.0.1", "localhost", self.ip("nats")))
+            self.ids.tls = nats_block(server, self.authority.ca)
         if cfg.ha and cfg.hosts:
             raise ValueError("the HA servers run on this machine's loopback: not with hosts")
         self.ha_ports = ha.Ports.from_first(cfg.nats_port, cfg.redis_port) if cfg.ha else None
@@ -112,9 +118,14 @@ class Stack:
 
     def nats_url_of(self, user: str) -> str:
         """The URL with `user`'s credentials: a service instance's, or the operator's."""
+        scheme = "tls" if self.authority else "nats"
         if self.ha_ports:
-            return ha.nats_url(self.ha_ports, user, self.ids.password(user))
-        return f"nats://{user}:{self.ids.password(user)}@{self.ip('nats')}:{self.cfg.nats_port}"
+            return ha.nats_url(self.ha_ports, user, self.ids.password(user), scheme)
+        return f"{scheme}://{user}:{self.ids.password(user)}@{self.ip('nats')}:{self.cfg.nats_port}"
+
+    def tls_env(self, name: str) -> dict[str, str]:
+        """With TLS on, where process `name` finds its certificate, key and the CA (shared/tls.py)."""
+        return self.authority.issue(name).env(self.authority.ca) if self.authority else {}
 
     @property
     def redis_url(self) -> str:
@@ -146,7 +157,7 @@ class Stack:
                 "PD_KV_BLOCKS": str(c.kv_blocks),
                 "PD_THREADS": str(threads), "PD_REQUIRE_PREFILL": str(not c.colocated).lower(),
                 "PD_STREAM_REPLICAS": str(ha.NODES if c.ha else 1),
-                "UCX_WARN_UNUSED_ENV_VARS": "n", "PYTHONUNBUFFERED": "1", **c.env}
+                "UCX_WARN_UNUSED_ENV_VARS": "n", "PYTHONUNBUFFERED": "1", **self.tls_env(grants.OPERATOR), **c.env}
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         self.argv[name] = (argv, env)
@@ -177,7 +188,7 @@ class Stack:
         # (its registry id is its name: its Redis user writes that entry alone)
         id_variable = {"router": "PD_ROUTER_ID", "gateway": "PD_GATEWAY_ID"}.get(role, "PD_WORKER_ID")
         env = {"PD_NATS_URL": self.nats_url_of(name), "PD_REDIS_URL": self.redis_url_of(name), id_variable: name,
-               **env}
+               **self.tls_env(name), **env}
         return self.spawn(name, [sys.executable, "-m", module],
                           {**self.service_env(), **env, **self.cfg.worker_env.get(name, {})})
 

@@ -1,7 +1,8 @@
-"""The stack on a Redis Cluster of three primaries (PD_REDIS_URL=redis+cluster://, each service its
-role's ACL user on every node): concurrent requests get the tokens the in-process engine gives
-them, every request's record and placement are written, a client's request id is claimed with its
-parts', and the state is spread over every primary (each script's keys share a hash tag: shared/state/keys.py)."""
+"""The stack on a Redis Cluster of three primaries (PD_REDIS_URL=redis+cluster://, each service
+instance its own ACL user on every node): concurrent requests get the tokens the in-process
+engine gives them, every request's record and placement are written, a batch's parts are
+served, and the state is spread over every primary (each script's keys share a hash tag:
+shared/state/keys.py)."""
 
 from __future__ import annotations
 
