@@ -10,7 +10,7 @@ LLAMA_CPP_VERSION ?= 0.3.36
 # its AVX2 kernels on every x86 machine (its AVX-512/AMX build crashed on multi-token batches on such a machine)
 LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF -DGGML_AMX_INT8=OFF
 
-.PHONY: help setup lint fmt run test test-fast test-clients bench-path bench-engine bench-archs bench-grammar bench-stack bench-transfer eval-router bench-router chaos fuzz chaos-busy bench-security bench-tracing bench-scale bench-scale-stores bench-index bench bench-full bench-prefill-chunk profile plan plan-check compose-up compose-down gpu-check clean
+.PHONY: help setup lint fmt run test test-fast test-clients bench-path bench-engine bench-archs bench-grammar bench-stack bench-transfer eval-router bench-router chaos fuzz chaos-busy chaos-tls bench-security bench-tls bench-tracing bench-scale bench-scale-stores bench-index bench bench-full bench-prefill-chunk profile plan plan-check compose-up compose-down gpu-check clean
 
 .DEFAULT_GOAL := help
 
@@ -124,11 +124,20 @@ fuzz: setup
 chaos-busy: setup
 	$(BIN)/python -m bench.chaos --busy
 
+## chaos-tls: the same with NATS on mutual TLS (every service on its own certificate); writes bench/results/chaos-tls.json
+chaos-tls: setup
+	$(BIN)/python -m bench.chaos --tls
+
 ## bench-security: what the security measures cost per unit, each beside what it adds to: a prompt's block hashes,
 ##   BLAKE2b-64 vs xxh3-64; a token chunk's MAC, signing and opening vs its plain encoding (~20 s); writes
 ##   bench/results/security.json
 bench-security: setup
 	$(BIN)/python -m bench.security
+
+## bench-tls: throughput and time to first token with NATS on mutual TLS vs plain, two stacks side by side (~4 min);
+##   writes bench/results/tls.json
+bench-tls: setup
+	$(BIN)/python -m bench.tls_overhead
 
 ## bench-tracing: throughput with tracing on vs off, two stacks side by side; writes bench/results/tracing.json
 bench-tracing: setup

@@ -43,34 +43,46 @@ async def round_(url: str, concurrency: int, tokens: int, tag: str) -> tuple[int
         return sum(counts), time.perf_counter() - start
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--tokens", type=int, default=32)
-    args = ap.parse_args()
-    sink = OtlpReceiver()
-    arms = {"off": {}, "on": {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.url}}
-    stacks = {name: Stack(StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=1024, threads=1, env=env))
-              for name, env in arms.items()}
-    totals = {name: [0, 0.0] for name in arms}
+def side_by_side(configs: dict[str, StackConfig], args: argparse.Namespace, what: str) -> dict[str, float]:
+    """Each arm's stack started, then rounds of the same load on each in turn (the order
+    alternating), after a warm-up round each: output tokens per second of wall time, by arm."""
+    stacks = {name: Stack(cfg) for name, cfg in configs.items()}
+    totals = {name: [0, 0.0] for name in stacks}
     try:
         for s in stacks.values():
             s.start()
         for name, s in stacks.items():   # warm-up round each, not counted
             asyncio.run(round_(s.url, 4, 4, f"warm-{name}"))
         for r in range(args.rounds):
-            order = list(stacks) if r % 2 == 0 else list(reversed(stacks))
-            for name in order:
+            for name in list(stacks) if r % 2 == 0 else list(reversed(stacks)):
                 n, secs = asyncio.run(round_(stacks[name].url, args.concurrency, args.tokens, f"{r}"))
                 totals[name][0] += n
                 totals[name][1] += secs
-                print(f"round {r} tracing {name:3}: {n} tokens in {secs:.2f} s = {n / secs:.1f} tok/s", flush=True)
+                print(f"round {r} {what} {name:3}: {n} tokens in {secs:.2f} s = {n / secs:.1f} tok/s", flush=True)
     finally:
         for s in stacks.values():
             s.stop()
+    return {name: n / secs for name, (n, secs) in totals.items()}
+
+
+def load_args(doc: str) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--ttft", type=int, default=40, help="(bench.tls_overhead) requests timed to the first token")
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = load_args(__doc__)
+    sink = OtlpReceiver()
+    arms = {"off": {}, "on": {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.url}}
+    try:
+        tput = side_by_side({name: StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=1024, threads=1, env=env)
+                             for name, env in arms.items()}, args, "tracing")
+    finally:
         sink.close()
-    tput = {name: n / secs for name, (n, secs) in totals.items()}
     ratio = tput["on"] / tput["off"]
     spans = len(sink.spans)
     print(f"\nthroughput tracing off {tput['off']:.1f} tok/s, on {tput['on']:.1f} tok/s ({spans} spans received): "

@@ -1,6 +1,7 @@
-"""The chaos figures of docs/RESULTS.md, from bench/results/chaos.json and chaos-busy.json (`make chaos`
-and `make chaos-busy` write them): a table row per scenario, and a line for the run beside a
-busy neighbour. `python -m bench.chaos.readme` rewrites the block from the files."""
+"""The chaos figures of docs/RESULTS.md, from bench/results/chaos.json, chaos-busy.json and
+chaos-tls.json (`make chaos`, `make chaos-busy` and `make chaos-tls` write them): a table row per
+scenario, and a line each for the run beside a busy neighbour and the run on mutual TLS.
+`python -m bench.chaos.readme` rewrites the block from the files."""
 
 from __future__ import annotations
 
@@ -23,7 +24,16 @@ def _cell(value) -> str:
     return "—" if value is None else str(value)
 
 
-def block(chaos: dict, busy: dict | None) -> str:
+def line(title: str, run: dict | None) -> str:
+    """A run's scenarios in a sentence ("" without the run)."""
+    if run is None:
+        return ""
+    parts = "; ".join(f"{s['scenario']}: {s['lost']} lost, {s['mismatched']} mismatched, {s['leaked_blocks']} "
+                      f"leaked, recovery {s['recovery_s']} s" for s in run["scenarios"])
+    return "\n" + textwrap.fill(f"{title}: {parts}.", 96, break_on_hyphens=False) + "\n"
+
+
+def block(chaos: dict, busy: dict | None, tls: dict | None = None) -> str:
     def row(cells) -> str:
         return "| " + " | ".join(map(_cell, cells)) + " |\n"
     rows = row(COLUMNS) + row(["---"] * len(COLUMNS)) + "".join(row((
@@ -35,11 +45,8 @@ def block(chaos: dict, busy: dict | None) -> str:
     text = textwrap.fill(f"The committed run: {c['requests']} requests of {c['max_tokens']} tokens per scenario "
                          "(\"extra load time\" is negative where the run without faults, the stack's first, was the "
                          "slower):", 96, break_on_hyphens=False) + f"\n\n{rows}"
-    if busy is not None:
-        parts = "; ".join(f"{s['scenario']}: {s['lost']} lost, {s['mismatched']} mismatched, {s['leaked_blocks']} "
-                          f"leaked, recovery {s['recovery_s']} s" for s in busy["scenarios"])
-        text += "\n" + textwrap.fill(f"Beside a busy neighbour (`make chaos-busy`, `bench/results/chaos-busy.json`): "
-                                    f"{parts}.", 96, break_on_hyphens=False) + "\n"
+    text += line("Beside a busy neighbour (`make chaos-busy`, `bench/results/chaos-busy.json`)", busy)
+    text += line("With NATS on mutual TLS (`make chaos-tls`, `bench/results/chaos-tls.json`)", tls)
     return f"{BEGIN}\n{text}{END}"
 
 
@@ -49,7 +56,7 @@ def current() -> str:
         return json.loads(path.read_text()) if path.exists() else None
     chaos = read("chaos.json")
     assert chaos is not None, "no bench/results/chaos.json: run `make chaos`"
-    return block(chaos, read("chaos-busy.json"))
+    return block(chaos, read("chaos-busy.json"), read("chaos-tls.json"))
 
 
 def write() -> None:

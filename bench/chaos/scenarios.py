@@ -383,12 +383,14 @@ async def on_stack(args, scenarios: list[str], kind: str, hosts: dict[str, Host]
     requests = prompts(args.requests)
     log_dir = Path(tempfile.mkdtemp(prefix="pdserve-chaos-"))
     cfg = StackConfig.on_free_ports(prefill=2, decode=2, kv_blocks=args.kv_blocks, log_dir=log_dir, env=ENV,
-                                    ha=kind == "ha", hosts=hosts, worker_env=worker_env)
+                                    ha=kind == "ha", hosts=hosts, worker_env=worker_env,
+                                    tls=getattr(args, "tls", False))
     results = []
     busy = getattr(args, "busy", False)
     with neighbour(busy), Stack(cfg) as stack:
         where = {"single": "", "ha": " on the HA bus and store", "hosts": " each on a host of its own"}[kind]
-        print(f"stack up: 2 prefill + 2 decode{where}{' beside a busy neighbour' if busy else ''}; "
+        print(f"stack up: 2 prefill + 2 decode{where}{' beside a busy neighbour' if busy else ''}"
+              f"{' on mutual TLS' if cfg.tls else ''}; "
               f"logs in {log_dir}", flush=True)
         t0 = time.monotonic()
         reference = await run_all(stack.url, requests, args.max_tokens)
@@ -422,12 +424,14 @@ def main() -> None:
     ap.add_argument("--scenarios", type=lambda s: s.split(","), default=list(SCENARIOS + HA_SCENARIOS + HOST_SCENARIOS))
     ap.add_argument("--busy", action="store_true", help="beside a process spinning on a core for the whole run; "
                     "writes bench/results/chaos-busy.json")
+    ap.add_argument("--tls", action="store_true", help="NATS on mutual TLS (StackConfig.tls); writes "
+                    "bench/results/chaos-tls.json")
     args = ap.parse_args()
     unknown = set(args.scenarios) - set(SCENARIOS + HA_SCENARIOS + HOST_SCENARIOS)
     if unknown:
         sys.exit(f"unknown scenarios: {', '.join(sorted(unknown))}")
     results = asyncio.run(main_async(args))
-    out = RESULTS.with_name("chaos-busy.json") if args.busy else RESULTS
+    out = RESULTS.with_name("chaos-busy.json" if args.busy else "chaos-tls.json" if args.tls else RESULTS.name)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"config": vars(args), "scenarios": results}, indent=2))
     readme.write()
