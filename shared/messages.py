@@ -163,11 +163,9 @@ class AdmitReply(Message):
 
 class SegmentRef(BaseModel):
     """Where a KV payload is in its sender's shared-memory segment (shared/kv/segment.py): the
-    sender's pid, the segment's fd in that process and the file's inode, and the offset."""
+    segment's file (its inode: the one its owner hands over) and the offset."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    pid: int
-    fd: int
     inode: int
     offset: int
 

@@ -133,7 +133,7 @@ def exposed_fraction(tokens: int = 1024, same_host: bool = True, rounds: int = R
             bus = await Bus.connect(url, "bench-prefill")
             sender = KVSender(SenderSettings("bench-p", engine.fingerprint), create_transport("ucx"), bus,
                               WorkerHooks(lambda *a: host.call(engine.kv_blocks, *a)),
-                              Segment(256 << 20) if same_host else None)
+                              Segment(256 << 20, "bench-p") if same_host else None)
             await sender.start()
             loop = asyncio.get_running_loop()
             alone, streamed, after = [], [], []

@@ -17,6 +17,8 @@ from bench.children import call, children, outcome
 from bench.transfer.common import ARM_TIMEOUT_S, NATS_SLOW_CONSUMER, STREAMED, reps_for
 from bench.transfer.handoff import nats_server
 
+OWNER = "bench-segment"   # the sender's worker id: where it hands its segment over
+
 
 def _receiver(sizes, url, ready_q, done_q, window):
     import nats
@@ -37,9 +39,9 @@ def _receiver(sizes, url, ready_q, done_q, window):
             async with under_way:
                 buf = staging.take(size)
                 if size <= INLINE_COPY:
-                    segments.read(ref, buf)
+                    segments.read(OWNER, ref, buf)
                 else:
-                    await asyncio.to_thread(segments.read, ref, buf)
+                    await asyncio.to_thread(segments.read, OWNER, ref, buf)
                 staging.give(buf)
             counts[size] += 1
             if counts[size] in (window, reps_for(size) + window):  # warmed up; done
@@ -67,7 +69,7 @@ async def _send(sizes, url, done_q, window):
     from shared.kv.segment import Segment
 
     nc = await nats.connect(url)
-    segment = Segment(window * max(sizes))
+    segment = Segment(window * max(sizes), OWNER)
     loop = asyncio.get_running_loop()
     out = {}
     for size in sizes:

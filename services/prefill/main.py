@@ -100,11 +100,11 @@ class PrefillWorker:
         self.id, self.host = self.core.id, self.core.host
         self.jobs = Jobs()  # one record per job taken, until its ack
         self.sender = KVSender(SenderSettings.for_prefill(settings, self.id, engine.fingerprint), transport, bus,
-                               WorkerHooks(self.read_blocks, self.given_up), make_segment(settings.kv_segment_bytes))
+                               WorkerHooks(self.read_blocks, self.given_up),
+                               make_segment(settings.kv_segment_bytes, self.id))
         self.cancels = Cancels()  # kept for the jobs taken later (cancels.py)
         self.handoffs: set[asyncio.Task] = set()
-        self.ending = Background(log, "cancel")  # work being ended (each waits for the engine thread)
-        self.intake = JobIntake()
+        self.ending, self.intake = Background(log, "cancel"), JobIntake()  # (ending: work being ended, on the engine)
 
     def info(self) -> WorkerInfo:
         return self.core.info()

@@ -150,10 +150,10 @@ class KVReceiver:
             try:
                 if n.segment is None:
                     await self.transport.recv(n.tag, staged)
-                elif staged.nbytes <= INLINE_COPY:
-                    SEGMENTS.read(n.segment, staged)
+                elif staged.nbytes <= INLINE_COPY:   # (the placed prefill worker's segment: no other)
+                    SEGMENTS.read(self.prefill_worker, n.segment, staged)
                 else:
-                    await asyncio.to_thread(SEGMENTS.read, n.segment, staged)
+                    await asyncio.to_thread(SEGMENTS.read, self.prefill_worker, n.segment, staged)
             except Exception as e:  # noqa: BLE001 - UCX's error types, or the segment gone: the peer failed
                 raise KVBrokeOff(f"KV from {n.prefill_worker} broke off: {e or type(e).__name__}") from e
             try:

@@ -11,11 +11,15 @@ says where (`SegmentRef`), and the decode worker copies it out of its mapping of
   network and PID namespaces and the user. The decode worker says its identity in its
   PrefillJob (`decode_host`); the prefill worker places payloads in its segment only for a
   job with its own identity, else (and when the segment is full) it sends over the transport.
-- **Opening.** The decode worker opens the segment as /proc/<pid>/fd/<fd> of the prefill
-  worker (the notice names the file's inode, so a reused pid or fd is never mistaken for it),
-  maps it read-only and keeps the mapping. A mapping outlives the process that made it, so a
-  prefill worker killed mid-copy leaves its receivers reading memory that is still there.
-  Mappings of segments whose owner is gone are dropped when a new segment is mapped.
+- **Handing over.** The prefill worker listens on a Unix socket in the abstract namespace
+  named by its worker id (`address`), and gives the segment's file descriptor (SCM_RIGHTS) to
+  each process of its own user that connects. The decode worker connects to the address of
+  the prefill worker its handoff was placed with (never to one a message names: a placed
+  prefill worker can make it map its own segment, nothing else), checks the file is the one
+  the notice names (its inode), maps it read-only and keeps the mapping, and the connection:
+  its end says the owner is gone. A mapping outlives the process that made it, so a prefill
+  worker killed mid-copy leaves its receivers reading memory that is still there. Mappings of
+  segments whose owner is gone are dropped when a new segment is mapped.
 - **Leased and checksummed as before.** A region of the segment is held until the handoff
   ends (the decode side's ack, the lease's end, a cancel): then it is written again. A
   decode side still copying after its lease ended may read bytes of a later payload; every
@@ -29,6 +33,10 @@ import bisect
 import logging
 import mmap
 import os
+import select
+import socket
+import struct
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +45,52 @@ from shared.messages import SegmentRef
 
 log = logging.getLogger("kv.segment")
 ALIGN = 4096
+_PEERCRED = "3i"   # SO_PEERCRED's struct ucred: pid, uid, gid
+
+
+def address(worker_id: str) -> str:
+    """Where prefill worker `worker_id` hands its segment over (the abstract namespace: per
+    network namespace, no file)."""
+    return f"\0pdserve-kv/{worker_id}"
+
+
+class Giver:
+    """The prefill worker's socket: each connecting process of its own user gets the segment's
+    file descriptor; the connections stay open until this process ends (the readers' sign of
+    its life)."""
+
+    def __init__(self, fd: int, worker_id: str) -> None:
+        self.fd, self.held = fd, list[socket.socket]()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self.sock.bind(address(worker_id))
+        self.sock.listen(64)
+        threading.Thread(target=self._serve, name="kv-segment-giver", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return  # closed
+            _, uid, _ = struct.unpack(_PEERCRED, conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                 struct.calcsize(_PEERCRED)))
+            if uid != os.getuid():
+                conn.close()
+                continue
+            try:
+                socket.send_fds(conn, [b"k"], [self.fd])
+                self.held.append(conn)
+            except OSError:
+                conn.close()
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)   # (wakes the accept: a close alone leaves the address bound)
+        except OSError:
+            pass
+        self.sock.close()
+        for conn in self.held:
+            conn.close()
 
 
 def host_identity() -> str:
@@ -89,9 +143,9 @@ class Extents:
 
 class Segment:
     """The prefill worker's side: `nbytes` of shared memory, regions taken per payload and
-    given back when their handoff ends."""
+    given back when their handoff ends, handed over at worker `worker_id`'s address."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, worker_id: str) -> None:
         self.host = host_identity()
         self.fd = os.memfd_create("pdserve-kv", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, nbytes)
@@ -100,6 +154,7 @@ class Segment:
         self.inode = os.fstat(self.fd).st_ino
         self.extents = Extents(nbytes)
         self.full = 0  # payloads that did not fit (sent over the transport instead)
+        self.giver = Giver(self.fd, worker_id)
 
     def take(self, nbytes: int) -> tuple[SegmentRef, np.ndarray] | None:
         """A region for a payload of `nbytes` — where it is, and the bytes to write it into —
@@ -108,13 +163,14 @@ class Segment:
         if offset is None:
             self.full += 1
             return None
-        ref = SegmentRef(pid=os.getpid(), fd=self.fd, inode=self.inode, offset=offset)
+        ref = SegmentRef(inode=self.inode, offset=offset)
         return ref, self.bytes[offset:offset + nbytes]
 
     def give(self, ref: SegmentRef) -> None:
         self.extents.give(ref.offset)
 
     def close(self) -> None:
+        self.giver.close()
         self.bytes = np.empty(0, np.uint8)
         if self.map is not None:
             try:
@@ -124,13 +180,13 @@ class Segment:
         os.close(self.fd)
 
 
-def make_segment(nbytes: int) -> Segment | None:
-    """The prefill worker's segment, or None (KV over the transport only) when `nbytes` is 0 or
-    the system has no memfd or does not say which host this is."""
+def make_segment(nbytes: int, worker_id: str) -> Segment | None:
+    """Prefill worker `worker_id`'s segment, or None (KV over the transport only) when `nbytes`
+    is 0 or the system has no memfd, does not say which host this is, or the address is taken."""
     if not nbytes:
         return None
     try:
-        segment = Segment(nbytes)
+        segment = Segment(nbytes, worker_id)
     except (OSError, AttributeError) as e:  # (os.memfd_create: Linux only)
         log.warning("no shared-memory segment for KV (%s): same-host KV goes over the transport", e)
         return None
@@ -142,44 +198,54 @@ class Segments:
 
     def __init__(self) -> None:
         self.host = host_identity()
-        self.maps: dict[tuple[int, int, int], np.ndarray] = {}  # (pid, fd, inode) -> its bytes
-        self.usable = True  # false once the system refused to open one (then this side says no host)
+        self.maps: dict[str, tuple[int, np.ndarray, socket.socket]] = {}  # by owner: (inode, bytes, connection)
+        self.usable = True  # false once the system refused to hand one over (then this side says no host)
+        self._lock = threading.Lock()   # (copies run on threads too)
 
-    def read(self, ref: SegmentRef, out: np.ndarray) -> None:
-        """Copy the payload at `ref` into `out` (uint8, the payload's size). Raises OSError
-        when the segment cannot be opened (its owner is gone) or is too short."""
-        src = self._mapped(ref)
+    def read(self, owner: str, ref: SegmentRef, out: np.ndarray) -> None:
+        """Copy the payload at `ref` in prefill worker `owner`'s segment into `out` (uint8, the
+        payload's size). Raises OSError when the segment cannot be had (its owner is gone, it
+        is another file than the notice's) or is too short."""
+        src = self._mapped(owner, ref)
         if ref.offset < 0 or ref.offset + out.nbytes > src.nbytes:
-            raise OSError(f"payload at {ref.offset}+{out.nbytes} past the end of segment {ref.pid}/{ref.fd}")
+            raise OSError(f"payload at {ref.offset}+{out.nbytes} past the end of {owner}'s segment")
         np.copyto(out.reshape(-1), src[ref.offset:ref.offset + out.nbytes])
 
-    def _mapped(self, ref: SegmentRef) -> np.ndarray:
-        key = (ref.pid, ref.fd, ref.inode)
-        if (src := self.maps.get(key)) is not None:
+    def _mapped(self, owner: str, ref: SegmentRef) -> np.ndarray:
+        with self._lock:
+            held = self.maps.get(owner)
+            if held is not None and held[0] == ref.inode:
+                return held[1]
+            self.prune()
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            try:
+                conn.settimeout(5)
+                conn.connect(address(owner))
+                _, fds, _, _ = socket.recv_fds(conn, 1, 1)
+            except OSError as e:
+                conn.close()
+                raise FileNotFoundError(f"{owner}'s segment is not handed over here ({e})") from e
+            if not fds:
+                conn.close()
+                self.usable = False
+                log.warning("%s handed over no segment; KV goes over the transport", owner)
+                raise PermissionError(f"{owner} handed over no segment")
+            try:
+                if os.fstat(fds[0]).st_ino != ref.inode:
+                    conn.close()
+                    raise FileNotFoundError(f"{owner}'s segment is another file than the notice's")
+                src = np.frombuffer(mmap.mmap(fds[0], 0, prot=mmap.PROT_READ), dtype=np.uint8)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            if held is not None:
+                held[2].close()
+            self.maps[owner] = (ref.inode, src, conn)
             return src
-        self.prune()
-        try:
-            fd = os.open(f"/proc/{ref.pid}/fd/{ref.fd}", os.O_RDONLY | os.O_CLOEXEC)
-        except PermissionError:
-            self.usable = False
-            log.warning("may not open the KV segments of other processes here; KV goes over the transport")
-            raise
-        try:
-            if os.fstat(fd).st_ino != ref.inode:
-                raise FileNotFoundError(f"segment {ref.pid}/{ref.fd} is gone (its process ended)")
-            src = np.frombuffer(mmap.mmap(fd, 0, prot=mmap.PROT_READ), dtype=np.uint8)
-        finally:
-            os.close(fd)
-        self.maps[key] = src
-        return src
 
     def prune(self) -> None:
-        """Drop the mappings of segments whose owner is gone."""
-        for key in list(self.maps):
-            pid, fd, inode = key
-            try:
-                alive = os.stat(f"/proc/{pid}/fd/{fd}").st_ino == inode
-            except OSError:
-                alive = False
-            if not alive:
-                self.maps.pop(key, None)  # (another thread's copy may have pruned it too)
+        """Drop the mappings of segments whose owner is gone (its end of the connection closed)."""
+        for owner, (_, _, conn) in list(self.maps.items()):
+            if select.select([conn], [], [], 0)[0]:   # (readable: the owner closed it; it never writes again)
+                conn.close()
+                self.maps.pop(owner, None)

@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 
 SIZE = 64 << 20
+OWNER = f"prefill-{os.getpid()}"
 
 
-def _owner(ref_q, hold_q):
+def _owner(ref_q, hold_q, name):
     from shared.kv.segment import Segment
 
-    seg = Segment(2 * SIZE)
+    seg = Segment(2 * SIZE, name)
     refs = []
     for fill in (1, 2):
         ref, region = seg.take(SIZE)
@@ -33,7 +34,7 @@ def _owner(ref_q, hold_q):
 def _killed_owner() -> tuple[mp.Process, list]:
     ctx = mp.get_context("spawn")
     ref_q, hold_q = ctx.Queue(), ctx.Queue()
-    owner = ctx.Process(target=_owner, args=(ref_q, hold_q), daemon=True)
+    owner = ctx.Process(target=_owner, args=(ref_q, hold_q, OWNER), daemon=True)
     owner.start()
     return owner, ref_q.get(timeout=60)
 
@@ -44,13 +45,13 @@ def test_copies_during_and_after_the_owners_death_read_what_it_wrote():
     reader = Segments()
     owner, (first, second) = _killed_owner()
     out = np.empty(SIZE, dtype=np.uint8)
-    reader.read(first, out)  # mapped while the owner lives
+    reader.read(OWNER, first, out)  # mapped while the owner lives
     copies, errors = [0], []
 
     def copy_on():  # copies back to back across the kill
         try:
             while copies[0] < 200:
-                reader.read(second, out)
+                reader.read(OWNER, second, out)
                 copies[0] += 1
         except Exception as e:  # noqa: BLE001 - the assertion below says what
             errors.append(e)
@@ -65,7 +66,7 @@ def test_copies_during_and_after_the_owners_death_read_what_it_wrote():
     copier.join(120)
     assert owner.exitcode == -signal.SIGKILL and not errors and copies[0] == 200
     assert (out == 2).all()
-    reader.read(first, out)
+    reader.read(OWNER, first, out)
     assert (out == 1).all()
     reader.prune()
     assert not reader.maps   # the dead owner's mapping is let go
@@ -78,4 +79,4 @@ def test_a_segment_whose_owner_died_before_it_was_mapped_is_refused():
     os.kill(owner.pid, signal.SIGKILL)
     owner.join(10)
     with pytest.raises(FileNotFoundError):
-        Segments().read(first, np.empty(SIZE, dtype=np.uint8))
+        Segments().read(OWNER, first, np.empty(SIZE, dtype=np.uint8))

@@ -4,7 +4,6 @@ process: fake transport, in-process bus. The same code runs over UCX and NATS in
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 
 import numpy as np
@@ -413,21 +412,37 @@ def test_a_payload_the_transport_loses_breaks_the_handoff_off_instead_of_failing
     assert staging.made == 1 and staging.idle_bytes == 0
 
 
+@pytest.fixture
+def segment_of():
+    """Segments of prefill worker "p" (the handoffs' sender), closed after the test (its
+    address is free again)."""
+    made: list[Segment] = []
+
+    def make(nbytes: int, owner: str = "p") -> Segment:
+        made.append(Segment(nbytes, owner))
+        return made[-1]
+
+    yield make
+    for segment in made:
+        segment.close()
+
+
 @pytest.mark.parametrize("piece_bytes", [0, 8 << 20], ids=["per-layer", "per-pass"])
-def test_kv_to_the_same_host_goes_through_the_segment_and_its_regions_are_free_after_the_ack(tiny, piece_bytes):
-    segment = Segment(16 << 20)
+def test_kv_to_the_same_host_goes_through_the_segment_and_its_regions_are_free_after_the_ack(tiny, piece_bytes,
+                                                                                             segment_of):
+    segment = segment_of(16 << 20)
     src, dst = Engine(tiny, EngineConfig(**CHUNKED)), Engine(tiny, EngineConfig(num_blocks=64))
     out, h, rx, bus = asyncio.run(handoff(src, dst, piece_bytes=piece_bytes, segment=segment))
     assert out == expected(tiny)
     notices = bus.of_type(KVLayer)
-    assert notices and all(n.segment is not None and n.segment.pid == os.getpid() for n in notices)
+    assert notices and all(n.segment is not None and n.segment.inode == segment.inode for n in notices)
     assert h.segment_bytes == h.bytes_sent == rx.bytes_received > 0
     assert segment.extents.used_bytes == 0 and segment.extents.free == [(0, 16 << 20)]
     assert not h.placed and segment.full == 0
 
 
-def test_a_byte_corrupted_in_the_segment_is_caught_and_resent(tiny):
-    segment = Segment(16 << 20)
+def test_a_byte_corrupted_in_the_segment_is_caught_and_resent(tiny, segment_of):
+    segment = segment_of(16 << 20)
     src, dst = Engine(tiny, EngineConfig(**CHUNKED)), Engine(tiny, EngineConfig(num_blocks=64))
     out, h, rx, bus = asyncio.run(handoff(src, dst, faults=Faults(corrupt_rate=1.0, corrupt_attempts=1),
                                           segment=segment))
@@ -437,9 +452,9 @@ def test_a_byte_corrupted_in_the_segment_is_caught_and_resent(tiny):
     assert segment.extents.used_bytes == 0
 
 
-def test_a_full_segment_sends_over_the_transport_and_another_host_never_uses_it(tiny):
+def test_a_full_segment_sends_over_the_transport_and_another_host_never_uses_it(tiny, segment_of):
     block_nbytes = Engine(tiny, EngineConfig(num_blocks=4)).runner.kv[0][0].nbytes
-    segment = Segment(4096)  # smaller than any payload
+    segment = segment_of(4096)  # smaller than any payload
     src, dst = Engine(tiny, EngineConfig(**CHUNKED)), Engine(tiny, EngineConfig(num_blocks=64))
     out, h, _, bus = asyncio.run(handoff(src, dst, piece_bytes=0, segment=segment))
     assert out == expected(tiny)
@@ -447,7 +462,7 @@ def test_a_full_segment_sends_over_the_transport_and_another_host_never_uses_it(
     assert all(n.segment is None for n in bus.of_type(KVLayer)) and h.segment_bytes == 0
     assert segment.full == len(bus.of_type(KVLayer))
 
-    segment = Segment(16 << 20)  # room enough, but the decode worker is on another host
+    segment = segment_of(16 << 20, "p-2")  # room enough, but the decode worker is on another host
     src, dst = Engine(tiny, EngineConfig(**CHUNKED)), Engine(tiny, EngineConfig(num_blocks=64))
     out, h, _, bus = asyncio.run(handoff(src, dst, piece_bytes=0, segment=segment, decode_host="elsewhere"))
     assert out == expected(tiny) and h.segment_bytes == 0 and segment.full == 0

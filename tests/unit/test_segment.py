@@ -1,16 +1,21 @@
 """Same-host KV segments (shared/kv/segment.py): the region allocator, and a payload written
-by one side read by the other through /proc (here both in one process; a killed owner in
-tests/integration/test_segment_peer_failure.py)."""
+by one side read by the other, the segment handed over on its owner's socket (here both in
+one process; a killed owner in tests/integration/test_segment_peer_failure.py)."""
 
 from __future__ import annotations
 
 import random
+import secrets
 
 import numpy as np
 import pytest
 
 from shared.kv.segment import ALIGN, Extents, Segment, Segments, host_identity, make_segment
-from shared.messages import SegmentRef
+
+
+def owner() -> str:
+    """A worker id of its own (its address is taken while its segment is open)."""
+    return f"prefill-{secrets.token_hex(4)}"
 
 
 def test_extents_take_first_fit_and_merge_what_is_given_back():
@@ -42,34 +47,42 @@ def test_extents_never_overlap_and_end_whole_in_any_order():
     assert e.free == [(0, 256 * ALIGN)]
 
 
-def test_a_payload_in_a_segment_is_read_back_through_proc():
-    seg, reader = Segment(1 << 20), Segments()
+def test_a_payload_in_a_segment_is_read_back_from_the_segment_its_owner_hands_over():
+    me = owner()
+    seg, reader = Segment(1 << 20, me), Segments()
     assert seg.host == reader.host == host_identity()
     ref, region = seg.take(100_000)
     payload = np.random.default_rng(0).integers(0, 256, 100_000, dtype=np.uint8)
     region[:] = payload
     out = np.empty(100_000, dtype=np.uint8)
-    reader.read(ref, out)
+    reader.read(me, ref, out)
     assert np.array_equal(out, payload)
     second, region2 = seg.take(10)
     region2[:] = 9
-    reader.read(second, out[:10])
+    reader.read(me, second, out[:10])
     assert (out[:10] == 9).all() and len(reader.maps) == 1   # mapped once
     seg.give(ref)
     seg.give(second)
     seg.close()
 
 
-def test_a_reference_to_another_file_or_past_the_end_is_refused():
-    seg, reader = Segment(64 << 10), Segments()
+def test_another_file_an_absent_owner_or_past_the_end_is_refused():
+    """A notice names only an inode and an offset: the file is whichever the placed worker
+    hands over, and one that is not the notice's is refused (so is another's address)."""
+    me, other = owner(), owner()
+    seg, theirs, reader = Segment(64 << 10, me), Segment(64 << 10, other), Segments()
     ref, _ = seg.take(4096)
-    with pytest.raises(FileNotFoundError):  # the fd now names another file (the owner restarted)
-        reader.read(ref.model_copy(update={"inode": ref.inode + 1}), np.empty(8, np.uint8))
+    with pytest.raises(FileNotFoundError, match="another file"):   # (the owner restarted; or theirs named)
+        reader.read(me, ref.model_copy(update={"inode": ref.inode + 1}), np.empty(8, np.uint8))
+    with pytest.raises(FileNotFoundError, match="another file"):
+        reader.read(other, ref, np.empty(8, np.uint8))
+    with pytest.raises(FileNotFoundError, match="not handed over"):
+        reader.read(owner(), ref, np.empty(8, np.uint8))
     with pytest.raises(OSError, match="past the end"):
-        reader.read(ref.model_copy(update={"offset": 60 << 10}), np.empty(8 << 10, np.uint8))
-    with pytest.raises(FileNotFoundError):
-        reader.read(SegmentRef(pid=ref.pid, fd=9999, inode=1, offset=0), np.empty(8, np.uint8))
+        reader.read(me, ref.model_copy(update={"offset": 60 << 10}), np.empty(8 << 10, np.uint8))
+    assert set(reader.maps) == {me}
     seg.close()
+    theirs.close()
     reader.prune()
     assert not reader.maps   # its owner closed it: the mapping is dropped
 
@@ -77,7 +90,9 @@ def test_a_reference_to_another_file_or_past_the_end_is_refused():
 def test_no_segment_without_bytes_or_a_host(monkeypatch):
     from shared.kv import segment
 
-    assert make_segment(0) is None
-    assert make_segment(1 << 16).host == host_identity() != ""
+    assert make_segment(0, owner()) is None
+    made = make_segment(1 << 16, owner())
+    assert made is not None and made.host == host_identity() != ""
+    made.close()
     monkeypatch.setattr(segment, "host_identity", lambda: "")   # the system does not say: never "same host"
-    assert make_segment(1 << 16) is None
+    assert make_segment(1 << 16, owner()) is None
