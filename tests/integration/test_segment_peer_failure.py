@@ -80,3 +80,32 @@ def test_a_segment_whose_owner_died_before_it_was_mapped_is_refused():
     owner.join(10)
     with pytest.raises(FileNotFoundError):
         Segments().read(OWNER, first, np.empty(SIZE, dtype=np.uint8))
+
+
+def _stranger(ref, name, out_q):
+    from shared.kv.segment import Segments
+
+    os.setuid(65534)   # (nobody)
+    try:
+        Segments().read(name, ref, np.empty(8, dtype=np.uint8))
+        out_q.put("read")
+    except OSError as e:
+        out_q.put(type(e).__name__)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to start a process as another user")
+def test_a_process_of_another_user_is_handed_no_segment():
+    from shared.kv.segment import Segment
+
+    name = f"prefill-own-{os.getpid()}"
+    seg = Segment(1 << 20, name)
+    ref, _ = seg.take(4096)
+    ctx = mp.get_context("spawn")
+    out_q = ctx.Queue()
+    stranger = ctx.Process(target=_stranger, args=(ref, name, out_q))
+    stranger.start()
+    try:
+        assert out_q.get(timeout=60) == "PermissionError"
+    finally:
+        stranger.join(10)
+        seg.close()
