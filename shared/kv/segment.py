@@ -154,7 +154,11 @@ class Segment:
         self.inode = os.fstat(self.fd).st_ino
         self.extents = Extents(nbytes)
         self.full = 0  # payloads that did not fit (sent over the transport instead)
-        self.giver = Giver(self.fd, worker_id)
+        try:
+            self.giver = Giver(self.fd, worker_id)
+        except OSError:   # (its address taken)
+            self.close_memory()
+            raise
 
     def take(self, nbytes: int) -> tuple[SegmentRef, np.ndarray] | None:
         """A region for a payload of `nbytes` — where it is, and the bytes to write it into —
@@ -171,6 +175,9 @@ class Segment:
 
     def close(self) -> None:
         self.giver.close()
+        self.close_memory()
+
+    def close_memory(self) -> None:
         self.bytes = np.empty(0, np.uint8)
         if self.map is not None:
             try:

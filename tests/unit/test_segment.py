@@ -96,3 +96,15 @@ def test_no_segment_without_bytes_or_a_host(monkeypatch):
     made.close()
     monkeypatch.setattr(segment, "host_identity", lambda: "")   # the system does not say: never "same host"
     assert make_segment(1 << 16, owner()) is None
+
+
+def test_a_second_segment_at_a_taken_address_is_none_and_the_first_serves_on():
+    me = owner()
+    first = Segment(1 << 16, me)
+    assert make_segment(1 << 16, me) is None   # (another process of that id on this host)
+    ref, region = first.take(8)
+    region[:] = 7
+    out = np.empty(8, np.uint8)
+    Segments().read(me, ref, out)
+    assert (out == 7).all()
+    first.close()
