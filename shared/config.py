@@ -284,6 +284,9 @@ class WorkerSettings(Common):
     kv_segment_bytes: int = Field(256 << 20, ge=0, description="KV between workers on one host through shared "
                                   "memory (shared/kv/segment.py): a prefill worker's segment this large, a decode "
                                   "worker reads from them; 0: over the transport")
+    kv_segment_scope: str = Field("", description="names this deployment's segments on a host (their sockets are "
+                                  "in the network namespace's abstract namespace): two deployments sharing one "
+                                  "need two; set alike on both pools")
     kv_max_attempts: int = Field(3, ge=1, description="sends of a KV block that fails its checksum, then "
                                  "the decode worker prefills locally")
     kv_fault_corrupt_rate: float = Field(0.0, ge=0, le=1, description="fault injection: fraction of KV "

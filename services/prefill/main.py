@@ -101,7 +101,7 @@ class PrefillWorker:
         self.jobs = Jobs()  # one record per job taken, until its ack
         self.sender = KVSender(SenderSettings.for_prefill(settings, self.id, engine.fingerprint), transport, bus,
                                WorkerHooks(self.read_blocks, self.given_up),
-                               make_segment(settings.kv_segment_bytes, self.id))
+                               make_segment(settings.kv_segment_bytes, self.id, settings.kv_segment_scope))
         self.cancels = Cancels()  # kept for the jobs taken later (cancels.py)
         self.handoffs: set[asyncio.Task] = set()
         self.ending, self.intake = Background(log, "cancel"), JobIntake()  # (ending: work being ended, on the engine)

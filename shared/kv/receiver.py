@@ -47,7 +47,7 @@ log = logging.getLogger("kv.receiver")
 WriteBlocks = Callable[[int, list[int], torch.Tensor], None]  # layer, block ids, data
 STAGING = Staging()  # this process's staging buffers, shared by its receivers (one event loop)
 SEGMENTS = Segments()  # the same-host senders' segments this process has mapped
-INLINE_COPY = 1 << 20  # larger copies out of a segment run off the event loop (numpy lets go of the GIL)
+INLINE_COPY = 1 << 20  # larger copies out of a segment (and a first mapping) run off the event loop
 
 
 class KVFailed(RuntimeError):
@@ -150,8 +150,8 @@ class KVReceiver:
             try:
                 if n.segment is None:
                     await self.transport.recv(n.tag, staged)
-                elif staged.nbytes <= INLINE_COPY:   # (the placed prefill worker's segment: no other)
-                    SEGMENTS.read(self.prefill_worker, n.segment, staged)
+                elif staged.nbytes <= INLINE_COPY and SEGMENTS.mapped(self.prefill_worker, n.segment):
+                    SEGMENTS.read(self.prefill_worker, n.segment, staged)   # (the placed prefill worker's: no other)
                 else:
                     await asyncio.to_thread(SEGMENTS.read, self.prefill_worker, n.segment, staged)
             except Exception as e:  # noqa: BLE001 - UCX's error types, or the segment gone: the peer failed

@@ -12,14 +12,16 @@ says where (`SegmentRef`), and the decode worker copies it out of its mapping of
   PrefillJob (`decode_host`); the prefill worker places payloads in its segment only for a
   job with its own identity, else (and when the segment is full) it sends over the transport.
 - **Handing over.** The prefill worker listens on a Unix socket in the abstract namespace
-  named by its worker id (`address`), and gives the segment's file descriptor (SCM_RIGHTS) to
-  each process of its own user that connects. The decode worker connects to the address of
-  the prefill worker its handoff was placed with (never to one a message names: a placed
-  prefill worker can make it map its own segment, nothing else), checks the file is the one
-  the notice names (its inode), maps it read-only and keeps the mapping, and the connection:
-  its end says the owner is gone. A mapping outlives the process that made it, so a prefill
-  worker killed mid-copy leaves its receivers reading memory that is still there. Mappings of
-  segments whose owner is gone are dropped when a new segment is mapped.
+  named by its deployment's scope and its worker id (`address`), and gives the segment's file
+  descriptor (SCM_RIGHTS) to each process of its own user that connects; the file is sealed
+  against writes through any later mapping (F_SEAL_FUTURE_WRITE): only the owner writes it.
+  The decode worker connects to the address of the prefill worker its handoff was placed with
+  (never to one a message names: a placed prefill worker can make it map its own segment,
+  nothing else), checks the file is the one the notice names (its inode), maps it read-only
+  and keeps the mapping, and the connection: its end says the owner is gone. A mapping
+  outlives the process that made it, so a prefill worker killed mid-copy leaves its receivers
+  reading memory that is still there. Mappings of segments whose owner is gone are dropped
+  when a new segment is mapped.
 - **Leased and checksummed as before.** A region of the segment is held until the handoff
   ends (the decode side's ack, the lease's end, a cancel): then it is written again. A
   decode side still copying after its lease ended may read bytes of a later payload; every
@@ -30,10 +32,10 @@ says where (`SegmentRef`), and the decode worker copies it out of its mapping of
 from __future__ import annotations
 
 import bisect
+import fcntl
 import logging
 import mmap
 import os
-import select
 import socket
 import struct
 import threading
@@ -46,12 +48,23 @@ from shared.messages import SegmentRef
 log = logging.getLogger("kv.segment")
 ALIGN = 4096
 _PEERCRED = "3i"   # SO_PEERCRED's struct ucred: pid, uid, gid
+_SEAL_FUTURE_WRITE = 0x10   # (F_SEAL_FUTURE_WRITE, Linux 5.1: not in Python's fcntl)
 
 
-def address(worker_id: str) -> str:
-    """Where prefill worker `worker_id` hands its segment over (the abstract namespace: per
-    network namespace, no file)."""
-    return f"\0pdserve-kv/{worker_id}"
+def address(worker_id: str, scope: str = "") -> str:
+    """Where prefill worker `worker_id` of deployment `scope` hands its segment over (the
+    abstract namespace: per network namespace, no file)."""
+    return f"\0pdserve-kv/{scope}/{worker_id}"
+
+
+def closed(conn: socket.socket) -> bool:
+    """Whether the other end of `conn` (which never writes) has closed it."""
+    try:
+        return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 class Giver:
@@ -59,10 +72,14 @@ class Giver:
     file descriptor; the connections stay open until this process ends (the readers' sign of
     its life)."""
 
-    def __init__(self, fd: int, worker_id: str) -> None:
+    def __init__(self, fd: int, worker_id: str, scope: str) -> None:
         self.fd, self.held = fd, list[socket.socket]()
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        self.sock.bind(address(worker_id))
+        try:
+            self.sock.bind(address(worker_id, scope))
+        except OSError:
+            self.sock.close()
+            raise
         self.sock.listen(64)
         threading.Thread(target=self._serve, name="kv-segment-giver", daemon=True).start()
 
@@ -79,9 +96,13 @@ class Giver:
                 continue
             try:
                 socket.send_fds(conn, [b"k"], [self.fd])
-                self.held.append(conn)
             except OSError:
                 conn.close()
+                continue
+            for gone in [c for c in self.held if closed(c)]:   # (readers that have ended)
+                gone.close()
+                self.held.remove(gone)
+            self.held.append(conn)
 
     def close(self) -> None:
         try:
@@ -145,17 +166,19 @@ class Segment:
     """The prefill worker's side: `nbytes` of shared memory, regions taken per payload and
     given back when their handoff ends, handed over at worker `worker_id`'s address."""
 
-    def __init__(self, nbytes: int, worker_id: str) -> None:
+    def __init__(self, nbytes: int, worker_id: str, scope: str = "") -> None:
         self.host = host_identity()
-        self.fd = os.memfd_create("pdserve-kv", os.MFD_CLOEXEC)
+        self.fd = os.memfd_create("pdserve-kv", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(self.fd, nbytes)
         self.map = mmap.mmap(self.fd, nbytes) if nbytes else None
+        # (its size fixed, and no mapping made from now on can write it: the readers' are read-only)
+        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | _SEAL_FUTURE_WRITE)
         self.bytes = np.frombuffer(self.map, dtype=np.uint8) if self.map is not None else np.empty(0, np.uint8)
         self.inode = os.fstat(self.fd).st_ino
         self.extents = Extents(nbytes)
         self.full = 0  # payloads that did not fit (sent over the transport instead)
         try:
-            self.giver = Giver(self.fd, worker_id)
+            self.giver = Giver(self.fd, worker_id, scope)
         except OSError:   # (its address taken)
             self.close_memory()
             raise
@@ -187,27 +210,31 @@ class Segment:
         os.close(self.fd)
 
 
-def make_segment(nbytes: int, worker_id: str) -> Segment | None:
+def make_segment(nbytes: int, worker_id: str, scope: str = "") -> Segment | None:
     """Prefill worker `worker_id`'s segment, or None (KV over the transport only) when `nbytes`
     is 0 or the system has no memfd, does not say which host this is, or the address is taken."""
-    if not nbytes:
+    if not nbytes or not host_identity():
         return None
     try:
-        segment = Segment(nbytes, worker_id)
+        segment = Segment(nbytes, worker_id, scope)
     except (OSError, AttributeError) as e:  # (os.memfd_create: Linux only)
         log.warning("no shared-memory segment for KV (%s): same-host KV goes over the transport", e)
         return None
-    return segment if segment.host else None
+    return segment
 
 
 class Segments:
     """The decode worker's side: other processes' segments, mapped on first use."""
 
-    def __init__(self) -> None:
-        self.host = host_identity()
+    def __init__(self, scope: str = "") -> None:
+        self.host, self.scope = host_identity(), scope   # (scope: the deployment's, as its prefill workers')
         self.maps: dict[str, tuple[int, np.ndarray, socket.socket]] = {}  # by owner: (inode, bytes, connection)
-        self.usable = True  # false once the system refused to hand one over (then this side says no host)
         self._lock = threading.Lock()   # (copies run on threads too)
+
+    def mapped(self, owner: str, ref: SegmentRef) -> bool:
+        """Whether the segment of `ref` is mapped here already (a read then waits on no one)."""
+        held = self.maps.get(owner)
+        return held is not None and held[0] == ref.inode
 
     def read(self, owner: str, ref: SegmentRef, out: np.ndarray) -> None:
         """Copy the payload at `ref` in prefill worker `owner`'s segment into `out` (uint8, the
@@ -227,15 +254,13 @@ class Segments:
             conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
             try:
                 conn.settimeout(5)
-                conn.connect(address(owner))
+                conn.connect(address(owner, self.scope))
                 _, fds, _, _ = socket.recv_fds(conn, 1, 1)
             except OSError as e:
                 conn.close()
                 raise FileNotFoundError(f"{owner}'s segment is not handed over here ({e})") from e
-            if not fds:
+            if not fds:   # (it let go: this process is not of its user)
                 conn.close()
-                self.usable = False
-                log.warning("%s handed over no segment; KV goes over the transport", owner)
                 raise PermissionError(f"{owner} handed over no segment")
             try:
                 if os.fstat(fds[0]).st_ino != ref.inode:
@@ -253,6 +278,6 @@ class Segments:
     def prune(self) -> None:
         """Drop the mappings of segments whose owner is gone (its end of the connection closed)."""
         for owner, (_, _, conn) in list(self.maps.items()):
-            if select.select([conn], [], [], 0)[0]:   # (readable: the owner closed it; it never writes again)
+            if closed(conn):
                 conn.close()
                 self.maps.pop(owner, None)

@@ -4,6 +4,7 @@ one process; a killed owner in tests/integration/test_segment_peer_failure.py)."
 
 from __future__ import annotations
 
+import os
 import random
 import secrets
 
@@ -108,3 +109,39 @@ def test_a_second_segment_at_a_taken_address_is_none_and_the_first_serves_on():
     Segments().read(me, ref, out)
     assert (out == 7).all()
     first.close()
+
+
+def test_one_worker_id_in_two_scopes_is_two_segments_each_read_in_its_own():
+    me = owner()
+    a, b = Segment(1 << 16, me, "stack-a"), Segment(1 << 16, me, "stack-b")   # (two stacks on one host)
+    refs = []
+    for seg, fill in ((a, 1), (b, 2)):
+        ref, region = seg.take(8)
+        region[:] = fill
+        refs.append(ref)
+    out = np.empty(8, np.uint8)
+    for scope, ref, fill in (("stack-a", refs[0], 1), ("stack-b", refs[1], 2)):
+        Segments(scope).read(me, ref, out)
+        assert (out == fill).all()
+    a.close()
+    b.close()
+
+
+def test_the_segment_handed_over_cannot_be_mapped_for_writing():
+    import mmap
+    import socket
+
+    from shared.kv.segment import address
+
+    me = owner()
+    seg = Segment(1 << 16, me)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.connect(address(me))
+        _, fds, _, _ = socket.recv_fds(conn, 1, 1)
+    try:
+        with pytest.raises(PermissionError):
+            mmap.mmap(fds[0], 0, prot=mmap.PROT_READ | mmap.PROT_WRITE)   # (sealed: its owner alone writes)
+    finally:
+        for fd in fds:
+            os.close(fd)
+        seg.close()
