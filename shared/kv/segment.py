@@ -246,7 +246,10 @@ class Segments:
         np.copyto(out.reshape(-1), src[ref.offset:ref.offset + out.nbytes])
 
     def _mapped(self, owner: str, ref: SegmentRef) -> np.ndarray:
-        with self._lock:
+        held = self.maps.get(owner)   # (no lock: a copy on the event loop never waits on a first mapping)
+        if held is not None and held[0] == ref.inode:
+            return held[1]
+        with self._lock:   # (one first mapping at a time, on a thread: it waits on the owner)
             held = self.maps.get(owner)
             if held is not None and held[0] == ref.inode:
                 return held[1]
