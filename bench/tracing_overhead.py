@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import platform
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -43,25 +45,31 @@ async def round_(url: str, concurrency: int, tokens: int, tag: str) -> tuple[int
         return sum(counts), time.perf_counter() - start
 
 
-def side_by_side(configs: dict[str, StackConfig], args: argparse.Namespace, what: str) -> dict[str, float]:
-    """Each arm's stack started, then rounds of the same load on each in turn (the order
-    alternating), after a warm-up round each: output tokens per second of wall time, by arm."""
+@contextlib.contextmanager
+def started(configs: dict[str, StackConfig]) -> Iterator[dict[str, Stack]]:
+    """Each arm's stack, started; all of them stopped after."""
     stacks = {name: Stack(cfg) for name, cfg in configs.items()}
-    totals = {name: [0, 0.0] for name in stacks}
     try:
         for s in stacks.values():
             s.start()
-        for name, s in stacks.items():   # warm-up round each, not counted
-            asyncio.run(round_(s.url, 4, 4, f"warm-{name}"))
-        for r in range(args.rounds):
-            for name in list(stacks) if r % 2 == 0 else list(reversed(stacks)):
-                n, secs = asyncio.run(round_(stacks[name].url, args.concurrency, args.tokens, f"{r}"))
-                totals[name][0] += n
-                totals[name][1] += secs
-                print(f"round {r} {what} {name:3}: {n} tokens in {secs:.2f} s = {n / secs:.1f} tok/s", flush=True)
+        yield stacks
     finally:
         for s in stacks.values():
             s.stop()
+
+
+def side_by_side(stacks: dict[str, Stack], args: argparse.Namespace, what: str) -> dict[str, float]:
+    """Rounds of the same load on each arm's stack in turn (the order alternating), after a
+    warm-up round each: output tokens per second of wall time, by arm."""
+    totals = {name: [0, 0.0] for name in stacks}
+    for name, s in stacks.items():   # warm-up round each, not counted
+        asyncio.run(round_(s.url, 4, 4, f"warm-{name}"))
+    for r in range(args.rounds):
+        for name in list(stacks) if r % 2 == 0 else list(reversed(stacks)):
+            n, secs = asyncio.run(round_(stacks[name].url, args.concurrency, args.tokens, f"{r}"))
+            totals[name][0] += n
+            totals[name][1] += secs
+            print(f"round {r} {what} {name:3}: {n} tokens in {secs:.2f} s = {n / secs:.1f} tok/s", flush=True)
     return {name: n / secs for name, (n, secs) in totals.items()}
 
 
@@ -79,8 +87,9 @@ def main() -> None:
     sink = OtlpReceiver()
     arms = {"off": {}, "on": {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.url}}
     try:
-        tput = side_by_side({name: StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=1024, threads=1, env=env)
-                             for name, env in arms.items()}, args, "tracing")
+        with started({name: StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=1024, threads=1, env=env)
+                      for name, env in arms.items()}) as stacks:
+            tput = side_by_side(stacks, args, "tracing")
     finally:
         sink.close()
     ratio = tput["on"] / tput["off"]
