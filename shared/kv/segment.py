@@ -233,8 +233,12 @@ class Segments:
 
     def mapped(self, owner: str, ref: SegmentRef) -> bool:
         """Whether the segment of `ref` is mapped here already (a read then waits on no one)."""
+        return self._held(owner, ref) is not None
+
+    def _held(self, owner: str, ref: SegmentRef) -> np.ndarray | None:
+        """The mapping of `ref`'s segment (None: not mapped, or `owner`'s is another file now)."""
         held = self.maps.get(owner)
-        return held is not None and held[0] == ref.inode
+        return held[1] if held is not None and held[0] == ref.inode else None
 
     def read(self, owner: str, ref: SegmentRef, out: np.ndarray) -> None:
         """Copy the payload at `ref` in prefill worker `owner`'s segment into `out` (uint8, the
@@ -246,13 +250,11 @@ class Segments:
         np.copyto(out.reshape(-1), src[ref.offset:ref.offset + out.nbytes])
 
     def _mapped(self, owner: str, ref: SegmentRef) -> np.ndarray:
-        held = self.maps.get(owner)   # (no lock: a copy on the event loop never waits on a first mapping)
-        if held is not None and held[0] == ref.inode:
-            return held[1]
+        if (src := self._held(owner, ref)) is not None:   # (no lock: a copy on the event loop never waits)
+            return src
         with self._lock:   # (one first mapping at a time, on a thread: it waits on the owner)
-            held = self.maps.get(owner)
-            if held is not None and held[0] == ref.inode:
-                return held[1]
+            if (src := self._held(owner, ref)) is not None:   # (another thread's, meanwhile)
+                return src
             self.prune()
             conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
             try:
@@ -273,8 +275,8 @@ class Segments:
             finally:
                 for fd in fds:
                     os.close(fd)
-            if held is not None:
-                held[2].close()
+            if (old := self.maps.get(owner)) is not None:   # (its former segment: the owner restarted)
+                old[2].close()
             self.maps[owner] = (ref.inode, src, conn)
             return src
 
