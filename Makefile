@@ -199,6 +199,8 @@ plan-check: setup
 ## compose-up / compose-down: the Docker Compose stack (NATS, Redis, Jaeger, Prometheus, Grafana, the services)
 COMPOSE := docker compose -f deploy/compose/compose.yaml
 compose-up:
+	@test -f deploy/compose/.env || { umask 077; $(BIN)/python -m services.issuer.keys | sed 's/^export //' \
+		> deploy/compose/.env && echo "made deploy/compose/.env: this deployment's keys, tokens and passwords"; }
 	$(COMPOSE) up --build -d
 	@echo "gateway :8000  Jaeger :16686  Prometheus :9090  Grafana :3000 (dashboard pdserve)"
 

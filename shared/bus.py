@@ -17,6 +17,8 @@ from nats.aio.subscription import Subscription
 from opentelemetry import context
 
 from shared import macs, subjects, tracing
+from shared.grants import inbox
+from shared.identity import Enrollment
 from shared.macs import Signed
 from shared.messages import Message, PrefillJob
 from shared.tls import client_context
@@ -37,8 +39,12 @@ class Bus:
         return self.nc.stats["reconnects"]
 
     @classmethod
-    async def connect(cls, url: str, name: str, tls: ssl.SSLContext | None = None) -> Bus:
-        """`tls`: this client's (default: from PD_TLS_*, shared/tls.py; none there: plain)."""
+    async def connect(cls, url: str, name: str, tls: ssl.SSLContext | None = None,
+                      me: Enrollment | None = None) -> Bus:
+        """`tls`: this client's (default: from PD_TLS_*, shared/tls.py; none there: plain). `me`:
+        this instance's enrollment (shared/identity.py): it connects with its key and its role's
+        token, as the user the identity issuer names after the key; none: PD_NATS_URL's user."""
+        auth = {"nkeys_seed_str": me.key.seed.decode(), "token": me.token} if me else {}
         async def on_error(e: Exception) -> None:
             log.warning("nats: %s", e)
 
@@ -46,9 +52,17 @@ class Bus:
             log.warning("nats: reconnected")
 
         nc = await nats.connect(nats_servers(url), name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                                error_cb=on_error, reconnected_cb=on_reconnect, inbox_prefix=nats_inbox(url),
-                                tls=tls or client_context())
+                                error_cb=on_error, reconnected_cb=on_reconnect,
+                                inbox_prefix=inbox(me.name) if me else nats_inbox(url), tls=tls or client_context(),
+                                **auth)
         return cls(nc)
+
+    async def enroll_redis(self, me: Enrollment, url: str, timeout: float = 10) -> str:
+        """PD_REDIS_URL as instance `me`: its Redis user made by the identity issuer."""
+        reply = await self.nc.request(subjects.IDENTITY_REDIS, me.redis_request(), timeout=timeout)
+        if reply.data != b"ok":
+            raise RuntimeError(f"the identity issuer made no Redis user for {me.name}: {reply.data.decode()}")
+        return me.redis_url(url)
 
     async def publish(self, subject: str, msg: Message, ctx: context.Context | None = None, secret: str = "") -> None:
         """`secret`: a placement's (shared/macs.py): the message goes with its MAC."""

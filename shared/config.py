@@ -47,6 +47,10 @@ class Common(BaseSettings):
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="redis://host:port/db, or the primary Sentinels "
                            "watch: redis+sentinel://[:password@]host:port,host:port/<service>[/db], or a Redis "
                            "Cluster's nodes: redis+cluster://[:password@]host:port,host:port (shared/urls.py)")
+    enroll_token: str = Field("", description="this role's token with the deployment's identity issuer "
+                              "(services/issuer): the instance makes a key, is named after it and gets its own NATS "
+                              "and Redis users (shared/identity.py); empty: the users PD_NATS_URL and PD_REDIS_URL "
+                              "name (the local stack)")
     stream_replicas: int = Field(1, ge=1, le=5, description="copies of each stream on the servers of a NATS "
                                  "cluster (JetStream): 3 on a 3-node cluster (the streams' keeper, `pdserve streams`, "
                                  "makes them)")
@@ -202,6 +206,27 @@ def _loopback(host: str) -> bool:
         return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:  # another name: it may resolve anywhere
         return False
+
+
+class IssuerSettings(Common):
+    issuer_seed: str = Field("", description="the issuer's account key (a seed, SA...): it signs the instances' "
+                             "NATS users; nats-server names its public key as auth_callout issuer "
+                             "(`python -m services.issuer.keys` makes the deployment's keys and tokens)")
+    enroll_gateway: str = Field("", description="the gateways' enrollment token (PD_ENROLL_TOKEN on them)")
+    enroll_router: str = Field("", description="the routers' enrollment token")
+    enroll_prefill: str = Field("", description="the prefill workers' enrollment token")
+    enroll_decode: str = Field("", description="the decode workers' enrollment token")
+    issuer_keep_s: float = Field(1.0, gt=0, description="check Redis this often for the users made, making a "
+                                 "lost one again (a Redis restarted empty)")
+
+    @model_validator(mode="after")
+    def _complete(self) -> Self:
+        tokens = [self.enroll_gateway, self.enroll_router, self.enroll_prefill, self.enroll_decode]
+        if not self.issuer_seed or not all(tokens):
+            raise ValueError("the issuer needs PD_ISSUER_SEED and PD_ENROLL_<ROLE> for every role")
+        if len(set(tokens)) < len(tokens):
+            raise ValueError("each role needs an enrollment token of its own (PD_ENROLL_<ROLE>)")
+        return self
 
 
 class StreamsSettings(Common):

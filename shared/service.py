@@ -13,7 +13,7 @@ from typing import NoReturn
 
 import uvloop
 
-from shared import logs, metrics
+from shared import identity, logs, metrics
 from shared.bus import Bus
 from shared.config import Common, lease_s
 from shared.messages import WorkerInfo
@@ -24,11 +24,13 @@ from shared.tasks import every
 log = logging.getLogger(__name__)
 
 
-async def connect(stack: AsyncExitStack, settings: Common, name: str) -> tuple[Bus, State]:
-    """NATS and Redis for a service, closed (NATS drained) when `stack` unwinds."""
-    bus = await Bus.connect(settings.nats_url, name=name)
+async def connect(stack: AsyncExitStack, settings: Common, name: str, role: str) -> tuple[Bus, State]:
+    """NATS and Redis for an instance of `role`, closed (NATS drained) when `stack` unwinds: as
+    its own users, from the identity issuer when it has an enrollment token (shared/identity.py)."""
+    me = identity.mine(role, settings.enroll_token)
+    bus = await Bus.connect(settings.nats_url, name=name, me=me)
     stack.push_async_callback(bus.close)
-    state = State.for_service(settings)
+    state = State.for_service(settings, await bus.enroll_redis(me, settings.redis_url) if me else "")
     stack.push_async_callback(state.close)
     return bus, state
 

@@ -4,6 +4,10 @@ ROUTE = "pd.router.route"                       # gateway -> router, request/rep
 REQUEUE = "pd.router.requeue"                   # decode -> router, request/reply: a lost prefill worker's job
 ROUTER_QUEUE = "router"                         # queue group: router replicas share the load
 
+IDENTITY_REDIS = "pd.identity.redis"            # instance -> identity issuer, request/reply: its Redis ACL user
+ISSUER_QUEUE = "issuer"                         # queue group: issuer replicas share the requests
+AUTH_CALLOUT = "$SYS.REQ.USER.AUTH"             # nats-server -> identity issuer: a connection to authorize
+
 PREFILL_STREAM = "PD_PREFILL"                   # JetStream work queue of prefill jobs
 PREFILL_JOBS = "pd.prefill.jobs.>"
 

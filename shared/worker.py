@@ -12,7 +12,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from shared import metrics, metrics_vllm, tracing
+from shared import identity, metrics, metrics_vllm, tracing
 from shared.bus import Bus
 from shared.config import WorkerSettings
 from shared.engine.block_manager import CacheChange
@@ -29,7 +29,7 @@ from shared.state import State
 
 
 def worker_id(settings: WorkerSettings, role: str) -> str:
-    return settings.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
+    return identity.instance_id(role, settings.enroll_token, settings.worker_id, f"{role}-{uuid.uuid4().hex[:8]}")
 
 
 def torch_dtype(name: str, device: str) -> torch.dtype:
@@ -123,7 +123,7 @@ async def serve_worker(role: str, settings: WorkerSettings, worker_cls: Callable
     engine = build_engine(settings)
     async with AsyncExitStack() as stack:
         stop = stop_event()
-        bus, state = await connect(stack, settings, role)
+        bus, state = await connect(stack, settings, role, role)
         transport = create_transport("ucx", settings.ucx_progress_mode,
                                      Faults(settings.kv_fault_corrupt_rate, settings.kv_fault_corrupt_attempts,
                                             settings.kv_fault_delay_s), settings.ucx_error_handling)

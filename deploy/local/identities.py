@@ -8,6 +8,10 @@ An instance started after the servers (a router replica a benchmark adds) gets i
 then: the config files are written again, the NATS servers reload theirs and each Redis server
 is given the user (deploy/local/stack.py).
 
+With `--issuer` the stack runs as compose and Kubernetes do: the servers know only the operator
+and the identity issuer (services/issuer), which lets each instance in as a user named after the
+key it makes (shared/identity.py); an instance gets its role's enrollment token alone.
+
 JetStream's store is encrypted (ChaCha20-Poly1305) with a key made for the run, so the prompts
 in the job stream are not on disk in clear, and held to MAX_FILE_STORE.
 """
@@ -19,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.issuer import keys
 from shared import grants
 from shared.grants import User
 
@@ -35,18 +40,22 @@ class Identities:
     redis: dict[str, User] = field(default_factory=dict)          # ACL users, by instance
     store_key: str = field(default_factory=_password)              # JetStream's encryption key
     tls: str = ""                                                  # the NATS servers' tls block (--tls)
+    issuer: dict[str, str] = field(default_factory=dict)           # its keys and the roles' tokens (--issuer)
 
     @classmethod
-    def made(cls, instances: Mapping[str, str]) -> Identities:
-        """For `instances` (id -> role), with the operator."""
-        ids = cls()
+    def made(cls, instances: Mapping[str, str], issuer: bool = False) -> Identities:
+        """For `instances` (id -> role), with the operator; `issuer`: the issuer's keys instead."""
+        ids = cls(issuer=keys.made() if issuer else {})
         ids.nats[grants.OPERATOR] = User(grants.OPERATOR, grants.OPERATOR, _password())
         for name, role in instances.items():
             ids.add(name, role)
         return ids
 
     def add(self, name: str, role: str) -> bool:
-        """Instance `name` of `role` has an identity (made now: True)."""
+        """Instance `name` of `role` has an identity (made now: True; with the issuer, never: it
+        gives the instance its own)."""
+        if self.issuer:
+            return False
         if name in self.nats:
             if self.nats[name].role != role:
                 raise ValueError(f"{name} is a {self.nats[name].role}, not a {role}")
@@ -63,14 +72,26 @@ class Identities:
 
     def passwords(self) -> list[str]:
         """Every secret here (what no log may carry)."""
-        return [u.password for u in (*self.nats.values(), *self.redis.values())] + [self.store_key]
+        return [u.password for u in (*self.nats.values(), *self.redis.values())] + [self.store_key] + [
+            v for k, v in self.issuer.items() if k.startswith(("PD_ISSUER_SEED", "PD_ENROLL_"))]
+
+    def enrollment(self, role: str) -> dict[str, str]:
+        """An instance's environment with the issuer: its role's token."""
+        return {"PD_ENROLL_TOKEN": self.issuer[f"PD_ENROLL_{role.upper()}"]}
+
+    def issuer_env(self) -> dict[str, str]:
+        """The issuer's: its key and every role's token."""
+        return {k: v for k, v in self.issuer.items() if k.startswith(("PD_ISSUER_SEED", "PD_ENROLL_"))}
 
     def redis_users(self) -> str:
-        """redis.conf's `user` lines."""
+        """redis.conf's `user` lines (with the issuer, none: it makes the instances')."""
         return grants.redis_users(self.redis.values())
 
     def nats_config(self, store: Path) -> str:
         """nats-server's users, its TLS (when on) and its JetStream store (at `store`, encrypted)."""
-        return grants.nats_authorization(self.users()) + self.tls + (
+        users = grants.nats_callout(self.password(grants.OPERATOR), self.issuer["PD_ISSUER_ACCOUNT"],
+                                    self.issuer["PD_ISSUER_NKEY"]) if self.issuer else grants.nats_authorization(
+            self.users())
+        return users + self.tls + (
             f'jetstream {{ store_dir: "{store}", max_file_store: {MAX_FILE_STORE}, cipher: chachapoly, '
             f'key: "{self.store_key}" }}\n')

@@ -29,6 +29,8 @@ class ServeSettings(BaseSettings):
                                "redis_port; PD_REDIS_URL=redis+cluster://)")
     tls: bool = Field(False, description="NATS on mutual TLS: a CA, the servers' and each instance's certificate "
                       "made at start (under the stack's private data directory)")
+    issuer: bool = Field(False, description="instances let in by the identity issuer as compose and Kubernetes "
+                         "run them: each a NATS and Redis user named after the key it makes (services/issuer)")
     port: int = Field(8000, description="the gateway's port")
     nats_port: int = Field(4222, description="NATS's port")
     redis_port: int = Field(6379, description="Redis's port")
@@ -40,7 +42,7 @@ class ServeSettings(BaseSettings):
 
     def config(self) -> StackConfig:
         return StackConfig(prefill=self.prefill, decode=self.decode, colocated=self.colocated, ha=self.ha,
-                           redis_cluster=self.redis_cluster, tls=self.tls, gateway_port=self.port,
+                           redis_cluster=self.redis_cluster, tls=self.tls, issuer=self.issuer, gateway_port=self.port,
                            nats_port=self.nats_port, redis_port=self.redis_port,
                            model=self.model, kv_blocks=self.kv_blocks, threads=self.threads,
                            log_dir=Path(".run/logs"), env={"PD_MODEL_NAME": self.model_name} if self.model_name else {})
@@ -56,6 +58,7 @@ def main(args: ServeSettings) -> None:
     pools += " worker(s)" + ("; NATS cluster of 3, Redis primary + replica + 3 Sentinels" if args.ha else "")
     pools += f"; a Redis Cluster of {args.redis_cluster}" if args.redis_cluster else ""
     pools += "; NATS on mutual TLS" if args.tls else ""
+    pools += "; instances let in by the identity issuer" if args.issuer else ""
     print(f"starting pdserve: {pools}; logs in {stack.log_dir}/", flush=True)
     try:
         stack.start()

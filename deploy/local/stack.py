@@ -67,6 +67,7 @@ class StackConfig:
     cpus: dict[str, set[int]] = field(default_factory=dict)  # by process name: CPU affinity (benchmark arms)
     hosts: dict[str, Host] = field(default_factory=dict)     # by process name: where it runs (else 127.0.0.1)
     tls: bool = False                  # NATS on mutual TLS, certificates made at start (deploy/local/certificates.py)
+    issuer: bool = False               # instances let in by the identity issuer, as compose and Kubernetes run them
 
     @classmethod
     def on_free_ports(cls, **kw: Any) -> StackConfig:
@@ -87,7 +88,7 @@ class Stack:
         # NATS each service instance is a user of its own, with its grant (deploy/local/identities.py)
         self.secret = secrets.token_urlsafe(24)
         self.sentinel_secret = secrets.token_urlsafe(24)  # (HA: the services' key to the Sentinels)
-        self.ids = Identities.made(self.instances())
+        self.ids = Identities.made(self.instances(), issuer=cfg.issuer)
         self.authority = Authority(self.data / "tls") if cfg.tls else None
         if self.authority:
             server = self.authority.issue("nats", ("127.0.0.1", "localhost", self.ip("nats")))
@@ -97,6 +98,8 @@ class Stack:
         self.ha_ports = ha.Ports.from_first(cfg.nats_port, cfg.redis_port) if cfg.ha else None
         if cfg.redis_cluster and (cfg.ha or cfg.hosts):
             raise ValueError("the Redis Cluster runs on this machine's loopback, without HA")
+        if cfg.issuer and (cfg.ha or cfg.redis_cluster):
+            raise ValueError("the identity issuer runs here with one NATS server and one Redis")
         # Redis's: one server, or the cluster's primaries
         self.redis_conf = ""   # (more redis.conf lines: start_redis's)
         self.redis_ports = [cfg.redis_port, *(redis_cluster.free_node_port() for _ in range(cfg.redis_cluster - 1))]
@@ -118,8 +121,10 @@ class Stack:
                 **{f"prefill-{i}": "prefill" for i in range(0 if c.colocated else c.prefill)}, "gateway": "gateway"}
 
     def nats_url_of(self, user: str) -> str:
-        """The URL with `user`'s credentials: a service instance's, or the operator's."""
+        """The URL with `user`'s credentials: a service instance's, or the operator's ("": none)."""
         scheme = "tls" if self.authority else "nats"
+        if not user:
+            return f"{scheme}://{self.ip('nats')}:{self.cfg.nats_port}"
         if self.ha_ports:
             return ha.nats_url(self.ha_ports, user, self.ids.password(user), scheme)
         return f"{scheme}://{user}:{self.ids.password(user)}@{self.ip('nats')}:{self.cfg.nats_port}"
@@ -135,7 +140,9 @@ class Stack:
 
     def redis_url_of(self, user: str) -> str:
         """The URL with `user`'s credentials: a service instance's ACL user, or the operator's
-        (Redis's default user)."""
+        (Redis's default user); "": none."""
+        if not user:
+            return f"redis://{self.ip('redis')}:{self.cfg.redis_port}/0"
         name, password = ("", self.secret) if user == grants.OPERATOR else (user, self.ids.redis[user].password)
         if self.ha_ports:
             return ha.redis_url(self.ha_ports, name, password, self.sentinel_secret)
@@ -187,10 +194,12 @@ class Stack:
         role = module.split(".")[1]
         if self.ids.add(name, role):
             self.reload_users()
-        # (its registry id is its name: its Redis user writes that entry alone)
+        # (its registry id is its name, its Redis user writes that entry alone; with the issuer: its key's)
         id_variable = {"router": "PD_ROUTER_ID", "gateway": "PD_GATEWAY_ID"}.get(role, "PD_WORKER_ID")
-        env = {"PD_NATS_URL": self.nats_url_of(name), "PD_REDIS_URL": self.redis_url_of(name), id_variable: name,
-               **self.tls_env(name), **env}
+        own = self.ids.enrollment(role) | {"PD_NATS_URL": self.nats_url_of(""), "PD_REDIS_URL": self.redis_url_of("")} \
+            if self.cfg.issuer else {"PD_NATS_URL": self.nats_url_of(name), "PD_REDIS_URL": self.redis_url_of(name),
+                                     id_variable: name}
+        env = {**own, **self.tls_env(name), **env}
         return self.spawn(name, [sys.executable, "-m", module],
                           {**self.service_env(), **env, **self.cfg.worker_env.get(name, {})})
 
@@ -212,6 +221,10 @@ class Stack:
         self.start_servers()
         self.spawn("streams", [sys.executable, "-m", "shared.streams"],  # the operator's keeper (shared/streams.py)
                    {**self.service_env(), "PD_NATS_URL": self.nats_url})
+        if c.issuer:  # (its NATS user is the nkey its seed makes; Redis's default user, to make the instances')
+            self.spawn("issuer", [sys.executable, "-m", "services.issuer.main"], {
+                **self.service_env(), **self.ids.issuer_env(), "PD_NATS_URL": self.nats_url_of(""),
+                **self.tls_env("issuer"), "PD_METRICS_PORT": "0"})
         for i in range(c.routers):
             name = "router" if i == 0 else f"router-{i}"
             self.service(name, "services.router.main")

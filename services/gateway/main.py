@@ -37,7 +37,7 @@ from services.gateway.deps import Gateway
 from services.gateway.middleware import RequestContext
 from services.gateway.ratelimit import RateLimit
 from services.gateway.relay import Relay
-from shared import metrics_vllm, tracing
+from shared import identity, metrics_vllm, tracing
 from shared.bus import Bus
 from shared.config import GatewaySettings
 from shared.engine import grammar
@@ -60,10 +60,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         tracing.setup("gateway", settings.otlp_endpoint, settings.trace_baggage_keys)
         model_config, tokenizer = await load_model(settings)
-        bus = await Bus.connect(settings.nats_url, name="gateway")
-        state = State.for_service(settings)
+        enrolled = identity.mine("gateway", settings.enroll_token)  # (shared/identity.py)
+        bus = await Bus.connect(settings.nats_url, name="gateway", me=enrolled)
+        state = State.for_service(settings, await bus.enroll_redis(enrolled, settings.redis_url) if enrolled else "")
         # (a start of its own: a restarted gateway's requests are the supervisors' to end, not its)
-        me = WorkerInfo(worker_id=f"{settings.gateway_id or 'gateway'}_{uuid.uuid4().hex[:8]}", role="gateway")
+        name = identity.instance_id("gateway", settings.enroll_token, settings.gateway_id, "gateway")
+        me = WorkerInfo(worker_id=f"{name}_{uuid.uuid4().hex[:8]}", role="gateway")
         app.state.gateway = build_gateway(settings, keys, bus, state, model_config, tokenizer, me.worker_id)
         # the lease tells the routers' supervisors that someone still reads these requests' tokens
         stop = asyncio.Event()

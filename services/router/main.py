@@ -58,7 +58,7 @@ from services.router.prefix_follower import PrefixFollower
 from services.router.registry import Bounds
 from services.router.requeue import on_requeue
 from services.router.supervisor import Supervisor
-from shared import metrics, metrics_vllm, prefix_index, subjects, tracing
+from shared import identity, metrics, metrics_vllm, prefix_index, subjects, tracing
 from shared.bus import Bus, context_of
 from shared.config import RouterSettings
 from shared.hashing import block_hashes
@@ -90,7 +90,8 @@ class Router:
                            Bounds(settings.max_worker_blocks, settings.max_prefill_tokens_per_s))
         self.rules = Rules.of(settings)
         self.in_flight = 0       # placements being worked on
-        self.id = settings.router_id or f"router-{uuid.uuid4().hex[:8]}"
+        self.id = identity.instance_id("router", settings.enroll_token, settings.router_id,
+                                       f"router-{uuid.uuid4().hex[:8]}")
         self._background = Background(log, "background step")  # Redis or NATS away: logged, not fatal
         self.breakers = Breakers(settings.breaker_failures, settings.breaker_window_s, settings.breaker_cooldown_s)
         self.bookings = Bookings(settings.heartbeat_s, self.breakers)
@@ -346,7 +347,7 @@ async def serve(settings: RouterSettings) -> None:
     metrics_vllm.register(settings.model_name)
     async with AsyncExitStack() as stack:
         stop = stop_event()
-        bus, state = await connect(stack, settings, "router")
+        bus, state = await connect(stack, settings, "router", "router")
         await Router(settings, bus, state, tracer).serve(stop)
     tracing.shutdown()
 

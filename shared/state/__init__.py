@@ -56,9 +56,10 @@ class State(Store):
         return cls(async_redis(url, MAX_CONNECTIONS), stall_s, min_prefill_tokens_per_s)
 
     @classmethod
-    def for_service(cls, settings: Common) -> State:
-        """The store for a service: its URL and its phase-deadline settings (shared/config.Common)."""
-        return cls.connect(settings.redis_url, settings.stall_s, settings.stall_min_prefill_tokens_per_s)
+    def for_service(cls, settings: Common, url: str = "") -> State:
+        """The store for a service: its URL (`url`, its own user's; default PD_REDIS_URL) and its
+        phase-deadline settings (shared/config.Common)."""
+        return cls.connect(url or settings.redis_url, settings.stall_s, settings.stall_min_prefill_tokens_per_s)
 
     async def close(self) -> None:
         """The events noted still on their way written (for up to 2 s), then the connection closed."""

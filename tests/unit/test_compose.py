@@ -1,6 +1,7 @@
-"""The compose stack names real modules and real settings, runs each service as its role's NATS
-and Redis user (shared/grants.py) as the image's non-root user, with no password on a command
-line (and `docker compose config` passes where the compose plugin exists)."""
+"""The compose stack names real modules and real settings, lets each instance in through the
+identity issuer as a NATS and Redis user of its own (its role's token, no user in its URLs:
+shared/identity.py), runs it as the image's non-root user, with no secret on a command line
+(and `docker compose config` passes where the compose plugin exists)."""
 
 import importlib.util
 import os
@@ -13,16 +14,16 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from services.issuer import keys
 from shared import grants
-from shared.config import DecodeSettings, GatewaySettings, PrefillSettings, RouterSettings
-from shared.urls import nats_inbox
+from shared.config import DecodeSettings, GatewaySettings, IssuerSettings, PrefillSettings, RouterSettings
 
 COMPOSE = Path(__file__).parents[2] / "deploy" / "compose" / "compose.yaml"
 DOCKERFILE = (COMPOSE.parent / "Dockerfile").read_text()
-PASSWORDS = [grants.password_variable(u)[1:] for u in (*grants.ROLES, grants.OPERATOR)] + ["PD_REDIS_PASSWORD"]
-INTERPOLATED_PASSWORD = re.compile(r"(?<!\$)\$\{?PD_\w*PASSWORD")   # `$$` is a literal `$`
+SECRETS = list(keys.made())   # what `make compose-up` writes into deploy/compose/.env
+INTERPOLATED_SECRET = re.compile(r"(?<!\$)\$\{?PD_\w*(PASSWORD|SEED|ENROLL|KEY)")   # `$$` is a literal `$`
 SETTINGS = {"router": RouterSettings, "gateway": GatewaySettings, "prefill": PrefillSettings,
-            "decode": DecodeSettings}
+            "decode": DecodeSettings, "issuer": IssuerSettings}
 
 
 def test_compose_services_and_settings_exist():
@@ -47,35 +48,36 @@ def interpolated(text: str) -> str:
     return re.sub(r"\$\{(\w+)(:[-?][^}]*)?\}", lambda m: f"<{m.group(1)}>", text)
 
 
-def test_compose_gives_each_service_its_role_and_no_password_on_a_command_line():
+def test_compose_lets_each_instance_in_through_the_issuer_and_no_secret_on_a_command_line():
     spec = yaml.safe_load(COMPOSE.read_text())
     services = spec["services"]
     uid, gid = re.search(r"^USER (\d+):(\d+)$", DOCKERFILE, re.M).groups()
     for role in grants.ROLES:
-        env, var = services[role]["environment"], grants.password_variable(role)[1:]
-        for key, scheme in (("PD_NATS_URL", "nats"), ("PD_REDIS_URL", "redis")):
-            url = urlsplit(interpolated(env[key]))
-            assert (url.scheme, url.username, url.password) == (scheme, role, f"<{var}>"), env[key]
-        assert nats_inbox(interpolated(env["PD_NATS_URL"])) == grants.inbox(role)   # the inboxes its grant reads
+        env = services[role]["environment"]
+        assert interpolated(env["PD_ENROLL_TOKEN"]) == f"<PD_ENROLL_{role.upper()}>"
+        assert urlsplit(env["PD_NATS_URL"]).username is None and urlsplit(env["PD_REDIS_URL"]).username is None
+        assert interpolated(services["issuer"]["environment"][f"PD_ENROLL_{role.upper()}"]) == \
+            f"<PD_ENROLL_{role.upper()}>"
         assert services[role]["user"] == f"{uid}:{gid}" and int(uid) != 0 and services[role]["cap_drop"] == ["ALL"]
-    # NATS: the rendered authorization block, each password from the server's environment
+    assert services["issuer"]["deploy"]["replicas"] >= 2   # none running: nobody connects
+    # NATS: the rendered authorization block, what it reads from the server's environment
     nats = services["nats"]
-    assert set(PASSWORDS) - {"PD_REDIS_PASSWORD"} <= set(nats["environment"])
+    authorization = (COMPOSE.parents[1] / "nats" / "authorization.conf").read_text()
+    assert set(re.findall(r"\$(PD_\w+)", authorization)) <= set(nats["environment"])
     assert "../nats/authorization.conf:/etc/nats/authorization.conf:ro" in nats["volumes"]
     (config,) = nats["configs"]
     assert config["target"] == nats["command"][-1] == "/etc/nats/nats.conf"
     conf = spec["configs"][config["source"]]["content"]
     assert "include ./authorization.conf" in conf and "jetstream" in conf
-    # Redis: redis.conf written at start, each role's ACL user as shared/grants.py has it
+    # Redis: the operator is the default user; the instances' users are the issuer's, kept in its aclfile
     script = services["redis"]["command"][0].replace("$$", "$")
-    users = [line for line in script.splitlines() if line.startswith("user ")]
-    roles = (grants.User(r, r, grants.password_variable(r)) for r in grants.ROLES)
-    assert users == grants.redis_users(roles).splitlines()
-    assert "requirepass $PD_REDIS_PASSWORD" in script and "PD_REDIS_PASSWORD" in services["redis"]["environment"]
-    assert set(PASSWORDS) - {grants.password_variable(grants.OPERATOR)[1:]} <= set(services["redis"]["environment"])
+    assert 'user default on >$PD_REDIS_PASSWORD' in script and "--aclfile /data/users.acl" in script
+    assert urlsplit(interpolated(services["issuer"]["environment"]["PD_REDIS_URL"])).password == "<PD_REDIS_PASSWORD>"
+    assert set(SECRETS) >= {v for s in services.values() for v in re.findall(r"\$\{(PD_\w+):\?",
+                                                                            yaml.safe_dump(s.get("environment", {})))}
     for name, service in services.items():
         argv = [*service.get("entrypoint", []), *(service.get("command") or [])]
-        assert not any(INTERPOLATED_PASSWORD.search(a) for a in argv), name
+        assert not any(INTERPOLATED_SECRET.search(a) for a in argv), name
 
 
 def test_docker_compose_config_validates():
@@ -83,5 +85,5 @@ def test_docker_compose_config_validates():
     if docker is None or subprocess.run([docker, "compose", "version"], capture_output=True).returncode != 0:
         pytest.skip("no docker compose plugin on this machine")
     result = subprocess.run([docker, "compose", "-f", str(COMPOSE), "config", "--quiet"], capture_output=True,
-                            text=True, env={**os.environ, **dict.fromkeys(PASSWORDS, "x")})
+                            text=True, env={**os.environ, **dict.fromkeys(SECRETS, "x")})
     assert result.returncode == 0, result.stderr

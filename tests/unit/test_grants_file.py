@@ -15,8 +15,9 @@ def test_the_deployed_authorization_is_the_rendered_one():
     with contextlib.redirect_stdout(out):
         grants.main()
     assert FILE.read_text() == out.getvalue(), "run: python -m shared.grants > deploy/nats/authorization.conf"
-    for role in grants.ROLES:
-        assert grants.password_variable(role) in out.getvalue()
+    text = out.getvalue()
+    assert "auth_callout { issuer: $PD_ISSUER_ACCOUNT" in text and "$PD_ISSUER_NKEY" in text
+    assert not any(f'user: "{role}"' in text for role in grants.ROLES)   # every instance is the issuer's to let in
 
 
 def test_an_instances_grant_names_its_own_subjects_and_a_roles_any_instances():

@@ -25,14 +25,13 @@ from prometheus_client import REGISTRY
 import shared.metrics  # noqa: F401 - registers the metrics the adapter rules read
 from services.gateway.api import router as gateway_routes
 from shared import grants, probes
-from shared.config import DecodeSettings, GatewaySettings, PrefillSettings, RouterSettings
+from shared.config import DecodeSettings, GatewaySettings, IssuerSettings, PrefillSettings, RouterSettings
 from shared.engine.kernels import cc
-from shared.urls import nats_inbox
 
 DEPLOY = Path(__file__).parents[2] / "deploy"
 K8S = DEPLOY / "k8s"
 SETTINGS = {"gateway": GatewaySettings, "router": RouterSettings, "prefill": PrefillSettings,
-            "decode": DecodeSettings}
+            "decode": DecodeSettings, "issuer": IssuerSettings}
 MODELS = {("apps/v1", "Deployment"): "V1Deployment", ("v1", "Service"): "V1Service",
           ("v1", "Secret"): "V1Secret", ("policy/v1", "PodDisruptionBudget"): "V1PodDisruptionBudget",
           ("autoscaling/v2", "HorizontalPodAutoscaler"): "V2HorizontalPodAutoscaler",
@@ -141,10 +140,9 @@ def test_each_deployment_runs_a_real_module_with_real_settings_and_probes(name):
     env = [e["name"] for e in c["env"]] + list(CONFIG)
     unknown = [k for k in env if k.startswith("PD_") and k not in fields]
     assert not unknown, unknown
-    secret = SECRETS["pdserve-bus"]
     for e in c["env"]:
         ref = e.get("valueFrom", {}).get("secretKeyRef")
-        assert ref is None or (ref["name"] == "pdserve-bus" and ref["key"] in secret), e
+        assert ref is None or ref["key"] in SECRETS[ref["name"]], e
     values = {e["name"]: e.get("value") for e in c["env"]} | CONFIG
     port = int(values["PD_GATEWAY_PORT"] if name == "gateway" else values["PD_METRICS_PORT"])
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
@@ -257,26 +255,27 @@ def test_the_streams_are_made_by_a_job_as_the_operator_and_no_service_holds_its_
     assert env["PD_KEEP_S"]["value"] == "0"
     assert urlsplit(SECRETS["pdserve-operator"]["nats-url"]).username == grants.OPERATOR
     for name in DEPLOYMENTS:
-        refs = [e["valueFrom"]["secretKeyRef"]["name"] for e in container(name)["env"]
-                if "secretKeyRef" in e.get("valueFrom", {})]
-        assert "pdserve-operator" not in refs, name
+        refs = {e["valueFrom"]["secretKeyRef"]["name"]: e["valueFrom"]["secretKeyRef"]["key"] for e in
+                container(name)["env"] if "secretKeyRef" in e.get("valueFrom", {})}
+        # (the issuer: Redis's default user, which makes the pods' users; never the operator's NATS URL)
+        assert refs.get("pdserve-operator") == ("redis-url" if name == "issuer" else None), name
 
 
-@pytest.mark.parametrize("name", sorted(SETTINGS))
-def test_each_deployment_is_its_own_role_on_nats_and_redis(name):
-    assert set(DEPLOYMENTS) == set(grants.ROLES)
-    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container(name)["env"]
-            if "secretKeyRef" in e.get("valueFrom", {})}
-    assert refs["PD_NATS_URL"] == {"name": "pdserve-bus", "key": f"nats-url-{name}"}
-    assert refs["PD_REDIS_URL"] == {"name": "pdserve-bus", "key": f"redis-url-{name}"}
-    nats, redis = SECRETS["pdserve-bus"][f"nats-url-{name}"], SECRETS["pdserve-bus"][f"redis-url-{name}"]
-    assert urlsplit(nats).username == urlsplit(redis).username == name
-    assert nats_inbox(nats) == grants.inbox(name)            # the inboxes its grant reads
-    # nats-server reads each user's password from its environment: one per user, the role's the URL's
-    users = SECRETS["pdserve-nats-users"]
-    assert set(users) == {grants.password_variable(u)[1:] for u in (*grants.ROLES, grants.OPERATOR)}
-    assert urlsplit(nats).password == urlsplit(redis).password == users[grants.password_variable(name)[1:]]
-    assert not any(k.startswith("nats-url") and not k.endswith(grants.ROLES) for k in SECRETS["pdserve-bus"])
+@pytest.mark.parametrize("name", sorted(grants.ROLES))
+def test_each_pod_is_let_in_by_the_issuer_as_its_own_user(name):
+    """A pod holds its role's enrollment token and no user: not in PD_NATS_URL, not in
+    PD_REDIS_URL, no id of its own (the issuer names it after its key, shared/identity.py)."""
+    env = {e["name"]: e for e in container(name)["env"]}
+    assert env["PD_ENROLL_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "pdserve-identity", "key": f"enroll-{name}"}
+    assert env["PD_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "pdserve-bus", "key": "redis-url"}
+    assert "PD_NATS_URL" not in env and urlsplit(CONFIG["PD_NATS_URL"]).username is None
+    assert urlsplit(SECRETS["pdserve-bus"]["redis-url"]).username is None
+    assert not {"PD_WORKER_ID", "PD_ROUTER_ID", "PD_GATEWAY_ID"} & set(env)
+    issuer = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container("issuer")["env"] if "valueFrom" in e}
+    assert issuer[f"PD_ENROLL_{name.upper()}"] == {"name": "pdserve-identity", "key": f"enroll-{name}"}
+    # nats-server's environment holds what its authorization block reads, nothing more
+    conf = (DEPLOY / "nats" / "authorization.conf").read_text()
+    assert set(re.findall(r"\$(PD_\w+)", conf)) == set(SECRETS["pdserve-nats-users"])
 
 
 def test_the_nats_users_configmap_is_the_rendered_authorization():
@@ -305,7 +304,7 @@ def test_network_policies_admit_only_the_gateway_from_outside_and_the_workers_to
     prometheus = {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
     workers = {"prefill", "decode"}
     bus = SECRETS["pdserve-bus"]
-    needed = {53, urlsplit(bus["nats-url-gateway"]).port, urlsplit(bus["redis-url-gateway"]).port, 6379,
+    needed = {53, urlsplit(CONFIG["PD_NATS_URL"]).port, urlsplit(bus["redis-url"]).port, 6379,
               urlsplit(CONFIG["OTEL_EXPORTER_OTLP_ENDPOINT"]).port}   # DNS, NATS, Sentinel, Redis, OTLP
     for name in DEPLOYMENTS:
         mine = [p["spec"] for p in policies if selects(p["spec"]["podSelector"], labels[name])]
