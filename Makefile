@@ -198,14 +198,16 @@ plan-check: setup
 
 ## compose-up / compose-down: the Docker Compose stack (NATS, Redis, Jaeger, Prometheus, Grafana, the services)
 COMPOSE := docker compose -f deploy/compose/compose.yaml
+# the deployment's keys, tokens and passwords: made once (python -m services.issuer.keys), never committed
+COMPOSE_SECRETS := deploy/compose/secrets.env
 compose-up:
-	@test -f deploy/compose/.env || { umask 077; $(BIN)/python -m services.issuer.keys | sed 's/^export //' \
-		> deploy/compose/.env && echo "made deploy/compose/.env: this deployment's keys, tokens and passwords"; }
-	$(COMPOSE) up --build -d
+	@test -f $(COMPOSE_SECRETS) || { umask 077; $(BIN)/python -m services.issuer.keys > $(COMPOSE_SECRETS) \
+		&& echo "made $(COMPOSE_SECRETS): this deployment's keys, tokens and passwords"; }
+	set -a && . ./$(COMPOSE_SECRETS) && set +a && $(COMPOSE) up --build -d
 	@echo "gateway :8000  Jaeger :16686  Prometheus :9090  Grafana :3000 (dashboard pdserve)"
 
 compose-down:
-	$(COMPOSE) down
+	set -a && . ./$(COMPOSE_SECRETS) && set +a && $(COMPOSE) down
 
 ## gpu-check: Triton kernels and the engine on CUDA, then the planner's profile of the device and an 8-worker plan on it
 ##   (run on a GPU machine; the profile and plan steps have not yet run on one)

@@ -20,7 +20,7 @@ from shared.config import DecodeSettings, GatewaySettings, IssuerSettings, Prefi
 
 COMPOSE = Path(__file__).parents[2] / "deploy" / "compose" / "compose.yaml"
 DOCKERFILE = (COMPOSE.parent / "Dockerfile").read_text()
-SECRETS = list(keys.made())   # what `make compose-up` writes into deploy/compose/.env
+SECRETS = list(keys.made())   # what `make compose-up` writes into deploy/compose/secrets.env
 INTERPOLATED_SECRET = re.compile(r"(?<!\$)\$\{?PD_\w*(PASSWORD|SEED|ENROLL|KEY)")   # `$$` is a literal `$`
 SETTINGS = {"router": RouterSettings, "gateway": GatewaySettings, "prefill": PrefillSettings,
             "decode": DecodeSettings, "issuer": IssuerSettings}
