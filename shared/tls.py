@@ -5,7 +5,8 @@ certificate their CA signed (`verify: true`), then the instance's user and passw
 without TLS (shared/grants.py).
 
 A process finds its files in PD_TLS_CA (the CA that signed the servers' certificates), and
-PD_TLS_CERT / PD_TLS_KEY (its own certificate and key), all PEM. The local stack (`make run
+PD_TLS_CERT / PD_TLS_KEY (its own certificate and key), all PEM. Redis on TLS is a rediss:// URL
+naming its files in its query (ssl_ca_certs, ssl_certfile, ssl_keyfile: redis-py's own). The local stack (`make run
 RUN_ARGS=--tls`) makes a CA and every certificate at start (deploy/local/certificates.py)
 under its private data directory; a deployment mounts its own.
 """

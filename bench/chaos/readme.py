@@ -46,7 +46,7 @@ def block(chaos: dict, busy: dict | None, tls: dict | None = None) -> str:
                          "(\"extra load time\" is negative where the run without faults, the stack's first, was the "
                          "slower):", 96, break_on_hyphens=False) + f"\n\n{rows}"
     text += line("Beside a busy neighbour (`make chaos-busy`, `bench/results/chaos-busy.json`)", busy)
-    text += line("With NATS on mutual TLS (`make chaos-tls`, `bench/results/chaos-tls.json`)", tls)
+    text += line("With NATS and Redis on mutual TLS (`make chaos-tls`, `bench/results/chaos-tls.json`)", tls)
     return f"{BEGIN}\n{text}{END}"
 
 

@@ -424,7 +424,7 @@ def main() -> None:
     ap.add_argument("--scenarios", type=lambda s: s.split(","), default=list(SCENARIOS + HA_SCENARIOS + HOST_SCENARIOS))
     ap.add_argument("--busy", action="store_true", help="beside a process spinning on a core for the whole run; "
                     "writes bench/results/chaos-busy.json")
-    ap.add_argument("--tls", action="store_true", help="NATS on mutual TLS (StackConfig.tls); writes "
+    ap.add_argument("--tls", action="store_true", help="NATS and Redis on mutual TLS (StackConfig.tls); writes "
                     "bench/results/chaos-tls.json")
     args = ap.parse_args()
     unknown = set(args.scenarios) - set(SCENARIOS + HA_SCENARIOS + HOST_SCENARIOS)

@@ -83,6 +83,17 @@ def nats_block(server: Files, ca: Path) -> str:
             f"timeout: 5 }}\n")
 
 
+def redis_conf(server: Files, ca: Path, port: int) -> str:
+    """redis.conf's TLS: `port` on TLS alone, every client's certificate verified against `ca`."""
+    return (f"port 0\ntls-port {port}\ntls-cert-file {server.cert}\ntls-key-file {server.key}\n"
+            f"tls-ca-cert-file {ca}\ntls-auth-clients yes\n")
+
+
+def redis_query(client: Files, ca: Path) -> str:
+    """A rediss:// URL's query naming a client's files (redis-py passes them to its SSL connection)."""
+    return f"?ssl_ca_certs={ca}&ssl_certfile={client.cert}&ssl_keyfile={client.key}"
+
+
 def _name(common_name: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 

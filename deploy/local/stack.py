@@ -31,9 +31,9 @@ from typing import Any
 import redis
 
 from deploy.local import ha, redis_cluster
-from deploy.local.certificates import Authority, nats_block
-from deploy.local.identities import Identities
-from deploy.local.servers import binary, die_with_parent, free_port, valkey_server
+from deploy.local.certificates import Authority, nats_block, redis_conf, redis_query
+from deploy.local.identities import Identities, refused
+from deploy.local.servers import binary, die_with_parent, free_port, tls_redis_server, valkey_server
 from services.router.recent import REGISTRY_READ_S
 from shared import grants
 
@@ -93,6 +93,8 @@ class Stack:
         if self.authority:
             server = self.authority.issue("nats", ("127.0.0.1", "localhost", self.ip("nats")))
             self.ids.tls = nats_block(server, self.authority.ca)
+        # (Redis on TLS too, one server: the HA set and the Redis Cluster keep plain Redis)
+        self.redis_tls = bool(self.authority) and not cfg.ha and not cfg.redis_cluster
         if cfg.ha and cfg.hosts:
             raise ValueError("the HA servers run on this machine's loopback: not with hosts")
         self.ha_ports = ha.Ports.from_first(cfg.nats_port, cfg.redis_port) if cfg.ha else None
@@ -138,17 +140,21 @@ class Stack:
         """The operator's: Redis's default user (tools, tests)."""
         return self.redis_url_of(grants.OPERATOR)
 
-    def redis_url_of(self, user: str) -> str:
-        """The URL with `user`'s credentials: a service instance's ACL user, or the operator's
-        (Redis's default user); "": none."""
-        if not user:
-            return f"redis://{self.ip('redis')}:{self.cfg.redis_port}/0"
-        name, password = ("", self.secret) if user == grants.OPERATOR else (user, self.ids.redis[user].password)
+    def redis_url_of(self, user: str, cert: str = "") -> str:
+        """The URL with `user`'s credentials: a service instance's ACL user, the operator's
+        (Redis's default user), or none (""); on TLS with the certificate of `cert` (default: the user's)."""
+        name, password = ("", self.secret) if user == grants.OPERATOR else (user, self.ids.redis[user].password) \
+            if user else ("", "")
         if self.ha_ports:
             return ha.redis_url(self.ha_ports, name, password, self.sentinel_secret)
         if self.cfg.redis_cluster:
             return redis_cluster.url(self.redis_ports, name, password)
-        return f"redis://{name}:{password}@{self.ip('redis')}:{self.cfg.redis_port}/0"
+        where = f"{name}:{password}@{self.ip('redis')}:{self.cfg.redis_port}/0" if user else \
+            f"{self.ip('redis')}:{self.cfg.redis_port}/0"
+        if self.authority and self.redis_tls:
+            files = self.authority.issue(cert or user or grants.OPERATOR)
+            return f"rediss://{where}{redis_query(files, self.authority.ca)}"
+        return f"redis://{where}"
 
     def ip(self, name: str) -> str:
         """The address of the host process `name` runs on."""
@@ -196,9 +202,9 @@ class Stack:
             self.reload_users()
         # (its registry id is its name, its Redis user writes that entry alone; with the issuer: its key's)
         id_variable = {"router": "PD_ROUTER_ID", "gateway": "PD_GATEWAY_ID"}.get(role, "PD_WORKER_ID")
-        own = self.ids.enrollment(role) | {"PD_NATS_URL": self.nats_url_of(""), "PD_REDIS_URL": self.redis_url_of("")} \
-            if self.cfg.issuer else {"PD_NATS_URL": self.nats_url_of(name), "PD_REDIS_URL": self.redis_url_of(name),
-                                     id_variable: name}
+        own = {**self.ids.enrollment(role), "PD_NATS_URL": self.nats_url_of(""),
+               "PD_REDIS_URL": self.redis_url_of("", name)} if self.cfg.issuer else {
+            "PD_NATS_URL": self.nats_url_of(name), "PD_REDIS_URL": self.redis_url_of(name), id_variable: name}
         env = {**own, **self.tls_env(name), **env}
         return self.spawn(name, [sys.executable, "-m", module],
                           {**self.service_env(), **env, **self.cfg.worker_env.get(name, {})})
@@ -259,8 +265,10 @@ class Stack:
             for i, port in enumerate(self.redis_ports):
                 self.spawn(f"redis-{i}", redis_cluster.node(self.data / "redis", port, redis_conf))
         else:
-            self.spawn("redis", [valkey_server(), str(redis_conf), "--port", str(self.cfg.redis_port), "--bind",
-                                 self.ip("redis"), "--save", "", "--appendonly", "no", "--dir", str(self.data)])
+            listen = [] if self.redis_tls else ["--port", str(self.cfg.redis_port)]   # (on TLS: its conf's tls-port)
+            server = tls_redis_server() if self.redis_tls else valkey_server()
+            self.spawn("redis", [server, str(redis_conf), *listen, "--bind", self.ip("redis"), "--save", "",
+                                 "--appendonly", "no", "--dir", str(self.data)])
         for port in self.redis_ports:
             self.wait_port(port, 20, self.ip("redis"))
         if self.cfg.redis_cluster:
@@ -268,7 +276,9 @@ class Stack:
 
     def write_redis_conf(self) -> Path:
         path = self.data / "redis.conf"
-        path.write_text(f"requirepass {self.secret}\n{self.ids.redis_users()}{self.redis_conf}")
+        tls = redis_conf(self.authority.issue("redis", ("127.0.0.1", "localhost", self.ip("redis"))), self.authority.ca,
+                         self.cfg.redis_port) if self.authority and self.redis_tls else ""
+        path.write_text(f"requirepass {self.secret}\n{tls}{self.ids.redis_users()}{self.redis_conf}")
         return path
 
     def reload_users(self) -> None:
@@ -287,7 +297,8 @@ class Stack:
             self.procs[n].send_signal(signal.SIGHUP)
         for port in self.ha_ports.redis if self.ha_ports else self.redis_ports:
             try:
-                with redis.Redis(host=self.ip("redis"), port=port, password=self.secret, socket_timeout=5) as r:
+                with redis.Redis.from_url(self.redis_url, socket_timeout=5) if self.redis_tls else \
+                        redis.Redis(host=self.ip("redis"), port=port, password=self.secret, socket_timeout=5) as r:
                     for user in self.ids.redis.values():
                         r.execute_command("ACL", "SETUSER", *grants.redis_user(user).split())
             except redis.RedisError:
@@ -355,14 +366,8 @@ class Stack:
                 shutil.rmtree(store, ignore_errors=True)
 
     def refused(self) -> list[str]:
-        """The operations NATS or Redis refused a service (outside its grant: shared/grants.py),
-        from NATS's logs (a violation) and the services' (Redis's NOPERM, as they report it)."""
-        def lines(log: Path) -> list[str]:
-            return log.read_text(errors="replace").splitlines()
-        logs = sorted(self.log_dir.glob("*.log"))
-        return [line for log in logs if log.name.startswith("nats") for line in lines(log) if "Violation" in line] + \
-            [line for log in logs if not ha.is_server(log.stem) for line in lines(log)
-             if "NOPERM" in line or "no permissions to" in line or "can't access at least one of the keys" in line]
+        """The operations NATS or Redis refused a service (outside its grant: shared/grants.py)."""
+        return refused(self.log_dir)
 
     def __enter__(self) -> Stack:
         return self.start()

@@ -1,7 +1,7 @@
 """The stack with NATS on mutual TLS (StackConfig.tls, `make run RUN_ARGS=--tls`): a request
 is served through a prefill worker's handoff, every service connected with its own certificate;
 a client with the operator's password but no certificate, a certificate another CA signed, or
-no TLS at all is refused by the server before it can say who it is."""
+no TLS at all is refused by the server before it can say who it is; Redis the same."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import ssl
 import httpx
 import nats
 import pytest
+import redis
 from conftest import MODEL
 
 from deploy.local.certificates import Authority
@@ -67,3 +68,19 @@ def test_only_a_client_with_a_certificate_of_the_stacks_ca_is_let_in(stack, tmp_
 
     assert asyncio.run(scenario()) == {"own certificate": True, "no certificate": False,
                                        "another CA's certificate": False, "no TLS": False}
+
+
+def test_redis_takes_only_a_client_with_a_certificate_of_the_stacks_ca(stack, tmp_path):
+    """Redis on TLS too (tls-port alone, tls-auth-clients): every service's URL is rediss:// with
+    its own certificate; the operator's password without a certificate, or with another CA's, or
+    over plain TCP, gets nothing."""
+    own = stack.redis_url
+    assert own.startswith("rediss://") and stack.redis_url_of("decode-0").startswith("rediss://")
+    assert redis.Redis.from_url(own).ping()
+    stranger = Authority(tmp_path / "other").issue("pdserve")
+    base, _, query = own.partition("?")
+    no_cert = f"{base}?ssl_ca_certs={dict(p.split('=') for p in query.split('&'))['ssl_ca_certs']}"
+    foreign = f"{no_cert}&ssl_certfile={stranger.cert}&ssl_keyfile={stranger.key}"
+    for url in (no_cert, foreign, base.replace("rediss://", "redis://")):
+        with pytest.raises(redis.exceptions.ConnectionError):
+            redis.Redis.from_url(url, socket_timeout=3).ping()
