@@ -132,6 +132,34 @@ def test_the_gpu_overlay_gives_each_worker_a_gpu_and_stays_valid():
         assert {"name": "PD_DEVICE", "value": "cuda"} in c["env"]
 
 
+def test_the_tls_overlay_gives_every_pod_a_certificate_of_its_own_and_stays_valid():
+    """cert-manager's CSI driver makes each pod's certificate when it starts (nothing a person
+    edits); shared/tls.py reads it where it is mounted; NATS's URL is tls://."""
+    overlay = K8S / "overlays" / "tls"
+    spec = yaml.safe_load((overlay / "kustomization.yaml").read_text())
+    assert spec["resources"] == ["../../base"]
+    docs = [*DEPLOYMENTS.values(), *(d for d in BASE if d["kind"] == "Job")]
+    for doc in docs:
+        for p in spec["patches"]:
+            t = p["target"]
+            if t["kind"] == doc["kind"] and t.get("name", doc["metadata"]["name"]) == doc["metadata"]["name"]:
+                doc = patched(doc, yaml.safe_load((overlay / p["path"]).read_text()))
+        name = doc["metadata"]["name"]
+        validated(doc, f"tls overlay {name}")
+        hardened(doc, f"tls {name}")
+        pod, c = doc["spec"]["template"]["spec"], doc["spec"]["template"]["spec"]["containers"][0]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "tls"]
+        assert volume["csi"]["driver"] == "csi.cert-manager.io" and "${POD_NAME}" in \
+            volume["csi"]["volumeAttributes"]["csi.cert-manager.io/common-name"]
+        (mount,) = [m["mountPath"] for m in c["volumeMounts"] if m["name"] == "tls"]
+        env = {e["name"]: e for e in c["env"]}
+        assert {env[f"PD_TLS_{k}"]["value"] for k in ("CA", "CERT", "KEY")} == \
+            {f"{mount}/{f}" for f in ("ca.crt", "tls.crt", "tls.key")}, name
+        assert [e["name"] for e in c["env"]].count("PD_NATS_URL") <= 1, name
+        if doc["kind"] == "Deployment":
+            assert env["PD_NATS_URL"]["value"].startswith("tls://"), name
+
+
 @pytest.mark.parametrize("name", sorted(SETTINGS))
 def test_each_deployment_runs_a_real_module_with_real_settings_and_probes(name):
     c = container(name)
