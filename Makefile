@@ -10,7 +10,7 @@ LLAMA_CPP_VERSION ?= 0.3.36
 # its AVX2 kernels on every x86 machine (its AVX-512/AMX build crashed on multi-token batches on such a machine)
 LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF -DGGML_AMX_INT8=OFF
 
-.PHONY: help setup lint fmt run test test-fast test-clients bench-path bench-engine bench-archs bench-grammar bench-stack bench-transfer eval-router bench-router chaos fuzz chaos-busy chaos-tls bench-security bench-tls bench-tracing bench-scale bench-scale-stores bench-index bench bench-full bench-prefill-chunk profile plan plan-check compose-up compose-down gpu-check clean
+.PHONY: help setup lint fmt run test test-fast test-clients bench-path bench-engine bench-archs bench-grammar bench-stack bench-transfer eval-router bench-router chaos fuzz chaos-busy chaos-tls bench-security bench-tls bench-tracing bench-scale bench-scale-stores bench-index bench bench-full bench-prefill-chunk profile plan plan-check compose-up compose-down compose-check gpu-check clean
 
 .DEFAULT_GOAL := help
 
@@ -212,6 +212,12 @@ compose-up:
 
 compose-down:
 	set -a && . ./$(COMPOSE_SECRETS) && set +a && $(COMPOSE) down
+
+## compose-check: the compose stack built (on a local Debian base: no Docker Hub here), started and checked end to end
+##   through the gateway's published port, then taken down; installs docker.io and Compose when missing, starts dockerd
+##   (--iptables=false) when none runs; prints each step with its time; writes bench/results/compose.json
+compose-check: setup
+	$(BIN)/python -m bench.compose_check
 
 ## gpu-check: Triton kernels and the engine on CUDA, then the planner's profile of the device and an 8-worker plan on it
 ##   (run on a GPU machine; the profile and plan steps have not yet run on one)

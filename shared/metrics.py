@@ -118,6 +118,15 @@ def worker(info: WorkerInfo) -> None:
     QUEUED_TOKENS.labels(role).set(info.queued_tokens)
 
 
+def openmetrics_names_kept(accept: str) -> str:
+    """`accept` (a scrape's Accept header) asking for OpenMetrics with names as they are: without
+    an `escaping` of its own, prometheus_client escapes every `:` in a sample's name (`vllm:...`
+    reached Prometheus 2.x as `vllm_...`, which vLLM's dashboards do not query), while its HELP and
+    TYPE lines keep it."""
+    return ",".join(f"{part};escaping=allow-utf-8" if part.split(";")[0].strip() == "application/openmetrics-text"
+                    and "escaping=" not in part else part for part in accept.split(","))
+
+
 def serve(port: int, host: str = "0.0.0.0") -> int:
     """`/metrics` on its own port (router and workers; the gateway mounts it on its app), with
     `/health` and `/ready` beside it (shared/probes.py). Returns the port, 0 when off or taken
@@ -129,6 +138,7 @@ def serve(port: int, host: str = "0.0.0.0") -> int:
     def app(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         probe = probes.answer(environ.get("PATH_INFO", ""))
         if probe is None:
+            environ["HTTP_ACCEPT"] = openmetrics_names_kept(environ.get("HTTP_ACCEPT", ""))
             return scrape(environ, start_response)
         status, body = probe
         start_response(f"{status} {'OK' if status == 200 else 'Service Unavailable'}",

@@ -18,6 +18,7 @@ from services.gateway.generate import chat_ids, generate
 from services.gateway.responses import respond
 from services.gateway.responses_request import ResponsesRequest
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from shared.metrics import openmetrics_names_kept
 
 router = APIRouter()
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
@@ -85,7 +86,7 @@ async def version() -> dict:
 @router.get("/metrics", include_in_schema=False)
 async def metrics(request: Request) -> Response:
     """Prometheus text, or OpenMetrics (with trace-id exemplars) when the scraper asks for it."""
-    encode, content_type = choose_encoder(request.headers.get("accept", ""))
+    encode, content_type = choose_encoder(openmetrics_names_kept(request.headers.get("accept", "")))
     return Response(encode(REGISTRY), media_type=content_type)
 
 

@@ -1,13 +1,18 @@
-"""An in-process OTLP/HTTP trace receiver: services export to it; tests and benchmarks read the spans."""
+"""An OTLP/HTTP trace receiver: services export to it; tests and benchmarks read the spans, in
+process or (`python -m shared.tools.otlp_sink`, make compose-check's stand-in for Jaeger) as JSON
+from GET /spans?trace_id=<hex>."""
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
+import json
 import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
@@ -43,7 +48,7 @@ def _attributes(kvs: Iterable[KeyValue]) -> dict:
 
 
 class OtlpReceiver:
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self.spans: list[Span] = []
         self._lock = threading.Lock()
         receiver = self
@@ -61,11 +66,20 @@ class OtlpReceiver:
                 self.send_header("content-length", "0")
                 self.end_headers()
 
+            def do_GET(self) -> None:  # noqa: N802
+                trace_id = parse_qs(urlsplit(self.path).query).get("trace_id", [""])[0]
+                body = json.dumps([dataclasses.asdict(s) for s in receiver.trace(trace_id)], default=str).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
             def log_message(self, *args: object) -> None:
                 return None
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self.url = f"http://{host}:{self._server.server_address[1]}"
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
 
     def _ingest(self, req: ExportTraceServiceRequest) -> None:
@@ -98,3 +112,9 @@ class OtlpReceiver:
 
     def close(self) -> None:
         self._server.shutdown()
+
+
+if __name__ == "__main__":   # on every address, OTLP/HTTP's port
+    receiver = OtlpReceiver("0.0.0.0", 4318)
+    print(f"receiving traces on {receiver.url}", flush=True)
+    threading.Event().wait()

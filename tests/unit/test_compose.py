@@ -65,10 +65,9 @@ def test_compose_lets_each_instance_in_through_the_issuer_and_no_secret_on_a_com
     authorization = (COMPOSE.parents[1] / "nats" / "authorization.conf").read_text()
     assert set(re.findall(r"\$(PD_\w+)", authorization)) <= set(nats["environment"])
     assert "../nats/authorization.conf:/etc/nats/authorization.conf:ro" in nats["volumes"]
-    (config,) = nats["configs"]
-    assert config["target"] == nats["command"][-1] == "/etc/nats/nats.conf"
-    conf = spec["configs"][config["source"]]["content"]
-    assert "include ./authorization.conf" in conf and "jetstream" in conf
+    assert f"./nats.conf:{nats['command'][-1]}:ro" in nats["volumes"]
+    conf = (COMPOSE.parent / "nats.conf").read_text()
+    assert "include ./authorization.conf" in conf and "jetstream" in conf and "$PD_JS_KEY" in conf
     # Redis: the operator is the default user; the instances' users are the issuer's, kept in its aclfile
     script = services["redis"]["command"][0].replace("$$", "$")
     assert 'user default on >$PD_REDIS_PASSWORD' in script and "--aclfile /data/users.acl" in script
@@ -87,3 +86,24 @@ def test_docker_compose_config_validates():
     result = subprocess.run([docker, "compose", "-f", str(COMPOSE), "config", "--quiet"], capture_output=True,
                             text=True, env={**os.environ, **dict.fromkeys(SECRETS, "x")})
     assert result.returncode == 0, result.stderr
+
+
+def test_the_check_overrides_the_same_stack_and_says_what_stands_in():
+    """make compose-check (bench/compose_check.py) runs compose.yaml with check.yaml over it:
+    the override names only services the stack has, builds the pdserve image from the same
+    Dockerfile on the local base, and replaces what comes from Docker Hub."""
+    spec = yaml.safe_load(COMPOSE.read_text())["services"]
+    check = yaml.safe_load((COMPOSE.parent / "check.yaml").read_text())["services"]
+    assert set(check) <= set(spec)
+    for name, service in check.items():
+        if spec[name].get("build"):
+            assert service["build"]["dockerfile"] == spec[name]["build"]["dockerfile"]
+            assert service["build"]["args"]["BASE_IMAGE"] == "pdserve-base:bookworm"
+        elif "build" in service:
+            assert (COMPOSE.parent / service["build"]["context"] / service["build"]["dockerfile"]).is_file(), name
+    for name in (n for n, s in spec.items() if "build" not in s):   # Docker Hub's: built, stood in, or left out
+        assert check[name].get("build") or check[name].get("profiles") or name == "jaeger", name
+    assert check["jaeger"]["command"][-1] == "shared.tools.otlp_sink"   # the stand-in, read by the check
+    ignored = [line for line in (COMPOSE.parents[2] / ".dockerignore").read_text().splitlines()
+               if line and not line.startswith("#")]
+    assert ignored[0] == "*"   # the build context holds what the Dockerfile copies, never a venv

@@ -1,7 +1,9 @@
 """The metrics under vLLM's names (shared/metrics_vllm.py): what a vLLM dashboard or an llm-d
 scorer queries is exported, with `model_name`, and equals the pd_* metric it views."""
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared import metrics
@@ -71,3 +73,18 @@ def test_vllms_names_view_the_pd_metrics_with_the_model_name():
     ttft = [(labels, v) for (n, labels), v in got.items() if n == "vllm:time_to_first_token_seconds_bucket"]
     assert ttft and all(v == pd[("pd_time_to_first_token_seconds_bucket",
                                   tuple(kv for kv in labels if kv[0] != "model_name"))] for labels, v in ttft)
+
+
+def test_a_prometheus_scrape_gets_vllms_names_as_they_are():
+    """Prometheus asks for OpenMetrics (Accept below: Prometheus 2.x's); without an escaping of
+    its own prometheus_client escapes the `:` of every sample's name, so `vllm:...` reached
+    Prometheus as `vllm_...` (seen by make compose-check). The gateway's /metrics and the
+    workers' ask it to keep names as they are."""
+    registry = CollectorRegistry()
+    Counter("vllm:generation_tokens", "tokens", registry=registry).inc(3)
+    accept = "application/openmetrics-text;version=1.0.0;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+    encode, content_type = choose_encoder(metrics.openmetrics_names_kept(accept))
+    assert content_type.startswith("application/openmetrics-text")
+    names = {s.name for f in openmetrics_families(encode(registry).decode()) for s in f.samples}
+    assert "vllm:generation_tokens_total" in names and "vllm_generation_tokens_total" not in names
+    assert metrics.openmetrics_names_kept("text/plain") == "text/plain"
