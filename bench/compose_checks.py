@@ -2,6 +2,7 @@
 the gateway's published port: each check a dict with `ok` and what it saw, named in the JSON.
 
   ready                       the gateway's /ready, with the pools registered
+  no_restarts                 no container restarted on the way (each waited for what it needs)
   openai_sdk                  the official client: a chat answer, a stream, a tool call
   trace_spans_every_service   one request's trace at the OTLP receiver holds spans of the gateway,
                               the router, a prefill and a decode worker
@@ -58,6 +59,14 @@ def ready(gw: str, timeout_s: float = 900) -> dict:
             body = str(e)
         time.sleep(2)
     return {"ok": False, "last": body}
+
+
+def no_restarts(compose: Callable[..., str]) -> dict:
+    ids = containers(compose)
+    out = subprocess.run(["docker", "inspect", "-f", "{{.Name}} {{.RestartCount}} {{.State.Health}}", *ids],
+                         capture_output=True, text=True).stdout
+    counts = {line.split()[0].lstrip("/"): int(line.split()[1]) for line in out.splitlines() if line.strip()}
+    return {"ok": bool(counts) and not any(counts.values()), "restarts": counts}
 
 
 def openai_sdk(gw: str, key: str) -> dict:
@@ -185,6 +194,7 @@ def run_all(env: dict[str, str], key: str, compose: Callable[..., str]) -> dict[
     gw = f"http://127.0.0.1:{env['GATEWAY_PORT']}"
     checks: dict[str, Callable[[], dict]] = {
         "ready": lambda: ready(gw),
+        "no_restarts": lambda: no_restarts(compose),
         "openai_sdk": lambda: openai_sdk(gw, key),
         "trace_spans_every_service": lambda: trace(gw, key, env["OTLP_PORT"]),
         "prometheus_targets_up": lambda: prometheus(env["PROMETHEUS_PORT"]),

@@ -19,14 +19,19 @@ from shared import grants, natsjwt
 from shared.identity import ISSUER_KEY
 
 
+def _secret() -> str:
+    """A password or token nats-server reads as a string: it parses a `$VARIABLE`'s value as it
+    would a literal, and one that starts with a digit fails as a number."""
+    return "pd" + secrets.token_hex(24)
+
+
 def made() -> dict[str, str]:
     seed = natsjwt.new_key(nkeys.PREFIX_BYTE_ACCOUNT).seed.decode()
     values = {"PD_ISSUER_SEED": seed,
               "PD_ISSUER_ACCOUNT": nkeys.from_seed(seed.encode()).public_key.decode(),
               "PD_ISSUER_NKEY": natsjwt.derived_key(seed, ISSUER_KEY).public_key.decode()}
-    values |= {f"PD_ENROLL_{role.upper()}": secrets.token_urlsafe(24) for role in grants.ROLES}
-    return values | {"PD_NATS_PDSERVE_PASSWORD": secrets.token_urlsafe(24),
-                     "PD_REDIS_PASSWORD": secrets.token_urlsafe(24), "PD_JS_KEY": secrets.token_hex(32)}
+    values |= {f"PD_ENROLL_{role.upper()}": _secret() for role in grants.ROLES}
+    return values | {"PD_NATS_PDSERVE_PASSWORD": _secret(), "PD_REDIS_PASSWORD": _secret(), "PD_JS_KEY": _secret()}
 
 
 def main() -> None:

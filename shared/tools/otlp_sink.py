@@ -114,7 +114,11 @@ class OtlpReceiver:
         self._server.shutdown()
 
 
-if __name__ == "__main__":   # on every address, OTLP/HTTP's port
+if __name__ == "__main__":   # on every address, OTLP/HTTP's port, until SIGTERM (a container's stop)
+    import signal
+
     receiver = OtlpReceiver("0.0.0.0", 4318)
     print(f"receiving traces on {receiver.url}", flush=True)
-    threading.Event().wait()
+    stops = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stops)   # (as PID 1 a signal left at its default is ignored)
+    signal.sigwait(stops)

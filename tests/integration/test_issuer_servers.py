@@ -11,6 +11,7 @@ import asyncio
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import nats
 import nats.errors
@@ -184,7 +185,31 @@ def test_a_redis_restarted_empty_gets_the_users_back(deployment):
     asyncio.run(run())
 
 
-def test_the_keys_are_one_deployment_s():
+def test_the_keys_are_one_deployment_s_and_nats_server_reads_them_as_strings(tmp_path):
+    """nats-server parses a `$VARIABLE`'s value as it would a literal: a password that began
+    with a digit stopped it ("Expected digit in ISO8601 datetime", seen by make compose-check).
+    20 sets of keys, each read at a start of nats-server through the deployed authorization block."""
+    conf = tmp_path / "nats.conf"
+    (tmp_path / "authorization.conf").write_text((Path(__file__).parents[2] / "deploy" / "nats" /
+                                                 "authorization.conf").read_text())
+    conf.write_text('jetstream { store_dir: "' + str(tmp_path) + '", key: $PD_JS_KEY }\n'
+                    "include ./authorization.conf\n")
+
+    def starts(secrets: dict[str, str]) -> str:
+        port = free_port()
+        proc = subprocess.Popen([binary("nats-server"), "-c", str(conf), "-a", "127.0.0.1", "-p", str(port)],
+                                env={**os.environ, **secrets}, stderr=subprocess.PIPE, text=True)
+        try:
+            wait_for_port(port, 10, proc)
+            return ""
+        except RuntimeError:
+            return proc.communicate(timeout=5)[1][-300:]
+        finally:
+            proc.terminate()
+            proc.wait()
+    assert "could not be parsed" in starts({**keys.made(), "PD_NATS_PDSERVE_PASSWORD": "1234-kabc"})  # the old way
+    for _ in range(20):
+        assert starts(keys.made()) == ""
     made = keys.made()
     assert natsjwt.public(made["PD_ISSUER_ACCOUNT"])[0] != natsjwt.public(made["PD_ISSUER_NKEY"])[0]
     assert len({made[f"PD_ENROLL_{r.upper()}"] for r in grants.ROLES}) == len(grants.ROLES)

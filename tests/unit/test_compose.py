@@ -107,3 +107,19 @@ def test_the_check_overrides_the_same_stack_and_says_what_stands_in():
     ignored = [line for line in (COMPOSE.parents[2] / ".dockerignore").read_text().splitlines()
                if line and not line.startswith("#")]
     assert ignored[0] == "*"   # the build context holds what the Dockerfile copies, never a venv
+
+
+def test_the_gpu_profile_puts_each_worker_on_an_nvidia_gpu_with_a_cuda_torch():
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    for role in ("prefill", "decode"):
+        gpu = services[f"{role}-gpu"]
+        assert gpu["profiles"] == ["gpu"] and gpu["command"] == services[role]["command"]
+        assert gpu["deploy"]["resources"]["reservations"]["devices"] == [
+            {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+        assert gpu["build"]["args"]["TORCH_SPEC"] == "torch" and gpu["image"] != services[role]["image"]
+        assert gpu["environment"]["PD_DEVICE"] == "cuda"
+        assert interpolated(gpu["environment"]["PD_ENROLL_TOKEN"]) == f"<PD_ENROLL_{role.upper()}>"
+    for name, service in services.items():   # every pdserve service waits for what it needs, probed while it runs
+        if service.get("image", "").startswith("pdserve") and name not in ("streams", "issuer"):
+            assert service["depends_on"]["issuer"] == {"condition": "service_healthy"}, name
+            assert "/ready" in " ".join(service["healthcheck"]["test"]), name
