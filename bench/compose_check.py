@@ -37,6 +37,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 from bench import compose_checks
+from bench.results_doc import RESULTS_DOC, update_block
 from deploy.local.servers import free_port
 from services.gateway.auth import KEY_PREFIX, hash_key
 from services.issuer import keys
@@ -146,6 +147,22 @@ def down(env: dict[str, str]) -> dict[str, list[str]]:
     return left
 
 
+def write_doc(result: dict) -> None:
+    """docs/RESULTS.md's compose block, from the run's JSON."""
+    s, c, m = result["summary"], result["checks"], result["machine"]
+    kill = c.get("decode_killed_mid_stream", {})
+    lines = [f"On {m['cpu_model']} ({m['cpus']} vCPUs): {s['passed']} of {s['passed'] + len(s['failed'])} checks "
+             f"passed{' (failed: ' + ', '.join(s['failed']) + ')' if s['failed'] else ''} in {s['seconds']} s; "
+             + ", ".join(f"{k} {v} s" for k, v in s["steps_s"].items()) + ".",
+             "Images: " + ", ".join(f"{k} {v} MB" for k, v in s["image_mb"].items()) + "."]
+    if "ready" in c and c["ready"].get("ok"):
+        lines.append(f"Ready {c['ready']['after_s']} s after `up`; a decode container killed (of "
+                     f"{kill.get('decode_replicas')}) under {kill.get('streams')} streams: {kill.get('lost')} lost, "
+                     f"{kill.get('equal_to_alone')} equal to the same request alone.")
+    lines.append("Checks: " + ", ".join(f"{name} {'ok' if v.get('ok') else 'FAILED'}" for name, v in c.items()) + ".")
+    update_block(RESULTS_DOC, "<!-- bench:compose:begin -->", "<!-- bench:compose:end -->", "\n\n".join(lines))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.compose_check", description=__doc__.splitlines()[0])
     ap.add_argument("--keep-up", action="store_true", help="leave the stack running after the checks")
@@ -177,12 +194,13 @@ def main() -> None:
     failed = sorted(name for name, c in checks.items() if not c.get("ok"))
     summary = {"passed": len(checks) - len(failed), "failed": failed, "seconds": round(time.monotonic() - started),
                "steps_s": TIMES, "image_mb": sizes}
+    result = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                          "cpu_model": compose_checks.cpu_model()}, "checks": checks, "summary": summary}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                                               "cpu_model": compose_checks.cpu_model()},
-                                   "checks": checks, "summary": summary}, indent=2) + "\n")
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    write_doc(result)
     print(json.dumps(summary, indent=2))
-    print(f"wrote {RESULTS}")
+    print(f"wrote {RESULTS} and the compose block of docs/RESULTS.md")
     sys.exit(1 if failed else 0)
 
 
