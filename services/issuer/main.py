@@ -7,7 +7,8 @@ token and the server's nonce signed by the user nkey it presents; its user is na
 key (`<role>-<key>`), holds that instance's grant (shared/grants.py) and is signed by the issuer's
 account key. The instance then asks for its Redis ACL user in a request signed by the same key:
 the issuer sets it (ACL SETUSER with the password's hash; ACL SAVE where Redis keeps an aclfile)
-and sets it again whenever Redis has lost it (a Redis restarted empty).
+and sets it again whenever Redis has lost it (a Redis restarted empty; a replica promoted, since
+Redis replicates no ACL change).
 
 With no issuer running no instance can connect or reconnect (those connected stay connected):
 run two, which share the requests (a queue group).

@@ -39,5 +39,5 @@ def test_the_dashboard_refers_only_to_exported_metrics():
 
 def test_prometheus_scrapes_every_service():
     cfg = yaml.safe_load((COMPOSE / "prometheus" / "prometheus.yml").read_text())
-    assert {j["job_name"] for j in cfg["scrape_configs"]} == {"gateway", "router", "prefill", "decode"}
+    assert {j["job_name"] for j in cfg["scrape_configs"]} == {"gateway", "router", "prefill", "decode", "issuer"}
 
