@@ -219,9 +219,15 @@ class IssuerSettings(Common):
     issuer_keep_s: float = Field(1.0, gt=0, description="check Redis this often for the users made, making a "
                                  "lost one again (a Redis restarted empty)")
 
+    @property
+    def tokens(self) -> dict[str, str]:
+        """Each role's enrollment token, by role."""
+        return {"gateway": self.enroll_gateway, "router": self.enroll_router, "prefill": self.enroll_prefill,
+                "decode": self.enroll_decode}
+
     @model_validator(mode="after")
     def _complete(self) -> Self:
-        tokens = [self.enroll_gateway, self.enroll_router, self.enroll_prefill, self.enroll_decode]
+        tokens = list(self.tokens.values())
         if not self.issuer_seed or not all(tokens):
             raise ValueError("the issuer needs PD_ISSUER_SEED and PD_ENROLL_<ROLE> for every role")
         if len(set(tokens)) < len(tokens):

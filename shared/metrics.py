@@ -97,11 +97,12 @@ KV_RECEIVED = Counter("pd_kv_received_bytes", "KV bytes received and verified")
 # the router's prefix index in memory (PD_PREFIX_INDEX=events: services/router/prefix_follower.py)
 PREFIX_FEEDS = Gauge("pd_prefix_index_feeds", "Workers' feeds into the router's prefix index, by state",
                      ["state"])  # following, awaiting_snapshot (its events held until the snapshot is in)
-ISSUED = Counter("pd_identities", "The identity issuer's answers: NATS connections let in or refused, Redis "
-                 "users made or refused (services/issuer)", ["what", "outcome"])
 PREFIX_BLOCKS = Gauge("pd_prefix_index_blocks", "Block hashes in the router's prefix index")
 PREFIX_EVENTS = Counter("pd_prefix_index_events", "Prefix events applied to the router's index")
 PREFIX_SNAPSHOTS = Counter("pd_prefix_index_snapshots", "Workers' snapshots taken into the router's index")
+# the identity issuer (services/issuer)
+ISSUED = Counter("pd_identities", "The identity issuer's answers: NATS connections let in or refused, Redis "
+                 "users made or refused", ["what", "outcome"])
 
 
 def exemplar(trace_id: str | None) -> dict[str, str] | None:

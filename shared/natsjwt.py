@@ -18,6 +18,7 @@ import nacl.signing
 import nkeys
 
 _HEADER = {"typ": "JWT", "alg": "ed25519-nkey"}
+_URLSAFE = str.maketrans("+/", "-_")   # standard base64's alphabet as the URL-safe one
 
 
 class Invalid(ValueError):
@@ -82,8 +83,7 @@ def verify_nonce(public_key: str, nonce: str, signature: str) -> bool:
     """Whether `signature` (base64, either alphabet) is `public_key`'s over `nonce`: a client's
     proof that it holds the key it connects with."""
     try:
-        sig = signature.replace("-", "+").replace("_", "/")
-        public(public_key)[1].verify(nonce.encode(), base64.b64decode(sig + "=" * (-len(sig) % 4)))
+        public(public_key)[1].verify(nonce.encode(), _unb64(signature.translate(_URLSAFE)))
     except (ValueError, TypeError, nacl.exceptions.CryptoError):
         return False
     return True

@@ -74,7 +74,7 @@ class Identities:
     def passwords(self) -> list[str]:
         """Every secret here (what no log may carry)."""
         return [u.password for u in (*self.nats.values(), *self.redis.values())] + [self.store_key] + [
-            v for k, v in self.issuer.items() if k.startswith(("PD_ISSUER_SEED", "PD_ENROLL_"))]
+            *self.issuer_env().values()]
 
     def enrollment(self, role: str) -> dict[str, str]:
         """An instance's environment with the issuer: its role's token."""

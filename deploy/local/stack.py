@@ -149,8 +149,7 @@ class Stack:
             return ha.redis_url(self.ha_ports, name, password, self.sentinel_secret)
         if self.cfg.redis_cluster:
             return redis_cluster.url(self.redis_ports, name, password)
-        where = f"{name}:{password}@{self.ip('redis')}:{self.cfg.redis_port}/0" if user else \
-            f"{self.ip('redis')}:{self.cfg.redis_port}/0"
+        where = f"{f'{name}:{password}@' if user else ''}{self.ip('redis')}:{self.cfg.redis_port}/0"
         if self.authority and self.redis_tls:
             files = self.authority.issue(cert or user or grants.OPERATOR)
             return f"rediss://{where}{redis_query(files, self.authority.ca)}"

@@ -116,8 +116,7 @@ def redis_rule(token: str, tokens: Mapping[str, str]) -> tuple[str, list[str]]:
 class Issuer:
     def __init__(self, settings: IssuerSettings, r: aioredis.Redis):
         self.key = nkeys.from_seed(settings.issuer_seed.encode())
-        self.tokens = {"gateway": settings.enroll_gateway, "router": settings.enroll_router,
-                       "prefill": settings.enroll_prefill, "decode": settings.enroll_decode}
+        self.tokens = settings.tokens
         self.redis = r
         self.users: dict[str, list[str]] = {}  # made by this issuer, kept in Redis
 
