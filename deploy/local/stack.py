@@ -81,6 +81,7 @@ class Stack:
         self.log_dir = cfg.log_dir or self.data / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
+        self.started: list[subprocess.Popen] = []   # every process ever spawned (a restart replaces one in procs)
         self.metrics_ports: dict[str, int] = {}  # router and workers (the gateway serves /metrics itself)
         self.argv: dict[str, tuple[list[str], dict[str, str] | None]] = {}
         # NATS and Redis take passwords made for this run (config files in the private data
@@ -188,6 +189,7 @@ class Stack:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env or self.service_env(),
                                 preexec_fn=setup)
         self.procs[name] = proc
+        self.started.append(proc)
         return proc
 
     def service(self, name: str, module: str, **env: str) -> subprocess.Popen:
@@ -222,6 +224,16 @@ class Stack:
         return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == metric)
 
     def start(self, ready_timeout_s: float = 240) -> Stack:
+        """Every process started, returning once the stack is ready; a start that fails part-way
+        (a server or a service that exits, a wait that times out, an interrupt) stops what it
+        started before it raises."""
+        try:
+            return self.start_all(ready_timeout_s)
+        except BaseException:
+            self.stop(timeout_s=10)
+            raise
+
+    def start_all(self, ready_timeout_s: float) -> Stack:
         c = self.cfg
         self.start_servers()
         self.spawn("streams", [sys.executable, "-m", "shared.streams"],  # the operator's keeper (shared/streams.py)
@@ -344,7 +356,8 @@ class Stack:
         raise TimeoutError(f"stack not ready after {timeout_s} s; logs in {self.log_dir}")
 
     def stop(self, timeout_s: float = 30) -> None:
-        """Services first (they drain), then the bus and the store."""
+        """Services first (they drain), then the bus and the store; one still running after
+        `timeout_s` is killed."""
         servers = [n for n in self.procs if ha.is_server(n)]
         for group in ([n for n in self.procs if n not in servers], servers):
             for name in group:
@@ -360,6 +373,10 @@ class Stack:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+        for proc in self.started:   # (one replaced under its name and still running)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
         for store in self.data.glob("nats*"):
             if store.is_dir():
                 shutil.rmtree(store, ignore_errors=True)

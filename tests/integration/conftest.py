@@ -14,7 +14,7 @@ import pytest
 
 from deploy.local import ha, redis_cluster
 from deploy.local.identities import Identities
-from deploy.local.servers import binary, free_port, valkey_server, wait_for_port
+from deploy.local.servers import binary, ended, free_port, running, valkey_server, wait_for_port
 from shared import grants, streams
 from shared.bus import Bus
 
@@ -27,13 +27,11 @@ def redis_url(redis_server_url):
 @pytest.fixture(scope="module")
 def redis_server_url():
     port = free_port()
-    with tempfile.TemporaryDirectory() as d:
-        proc = subprocess.Popen([valkey_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                 "--appendonly", "no", "--dir", d], stdout=subprocess.DEVNULL)
-        wait_for_port(port)
+    with tempfile.TemporaryDirectory() as d, running([valkey_server(), "--port", str(port), "--bind", "127.0.0.1",
+                                                      "--save", "", "--appendonly", "no", "--dir", d],
+                                                     stdout=subprocess.DEVNULL) as proc:
+        wait_for_port(port, proc=proc)
         yield f"redis://127.0.0.1:{port}/0"
-        proc.terminate()
-        proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +47,7 @@ def redis_cluster_url():
             yield redis_cluster.start(Path(d), 3, spawn)
         finally:
             for proc in procs:
-                proc.terminate()
-                proc.wait()
+                ended(proc)
 
 
 @pytest.fixture(scope="module", params=["one", "cluster"])
@@ -61,15 +58,13 @@ def redis_or_cluster_url(request):
 @pytest.fixture(scope="module")
 def nats_url():
     port = free_port()
-    with tempfile.TemporaryDirectory() as d:
-        proc = subprocess.Popen([binary("nats-server"), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", d],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for_port(port)
+    with tempfile.TemporaryDirectory() as d, running([binary("nats-server"), "-js", "-a", "127.0.0.1", "-p", str(port),
+                                                      "-sd", d], stdout=subprocess.DEVNULL,
+                                                     stderr=subprocess.DEVNULL) as proc:
+        wait_for_port(port, proc=proc)
         url = f"nats://127.0.0.1:{port}"
         asyncio.run(_streams(url))
         yield url
-        proc.terminate()
-        proc.wait()
 
 
 async def _streams(url: str) -> None:

@@ -13,7 +13,7 @@ import subprocess
 import nats
 import pytest
 
-from deploy.local.servers import binary, free_port, wait_for_port
+from deploy.local.servers import binary, free_port, running, wait_for_port
 from services.router.prefix_follower import PrefixFollower
 from shared import grants, streams, subjects
 from shared.bus import Bus
@@ -34,13 +34,11 @@ def server(tmp_path_factory):
     conf.write_text(grants.nats_authorization(grants.User(u, role, PASSWORDS[u], instance=u)
                                               for u, role in INSTANCES.items()))
     port = free_port()
-    proc = subprocess.Popen([binary("nats-server"), "-c", str(conf), "-js", "-a", "127.0.0.1", "-p", str(port),
-                             "-sd", str(d / "store")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for_port(port)
-    asyncio.run(_streams(port))
-    yield port
-    proc.terminate()
-    proc.wait()
+    with running([binary("nats-server"), "-c", str(conf), "-js", "-a", "127.0.0.1", "-p", str(port),
+                  "-sd", str(d / "store")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as proc:
+        wait_for_port(port, proc=proc)
+        asyncio.run(_streams(port))
+        yield port
 
 
 async def _streams(port: int) -> None:

@@ -8,6 +8,7 @@ request, or a name taken from another instance are refused."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import nats.errors
 import pytest
 import redis
 
-from deploy.local.servers import binary, free_port, valkey_server, wait_for_port
+from deploy.local.servers import binary, free_port, running, valkey_server, wait_for_port
 from services.issuer import keys
 from shared import grants, identity, natsjwt, subjects
 from shared.bus import Bus
@@ -33,29 +34,27 @@ ENTRY = "pd:{registry}:worker:"
 def deployment(tmp_path_factory):
     """(secrets, NATS URL, Redis URL): the servers and the issuer running."""
     d = tmp_path_factory.mktemp("issuer")
-    secrets, procs = keys.made(), []
+    secrets = keys.made()
     env = {**os.environ, **secrets}
     nats_port, redis_port = free_port(), free_port()
     (d / "authorization.conf").write_text(grants.nats_callout(*(
         "$" + v for v in ("PD_NATS_PDSERVE_PASSWORD", "PD_ISSUER_ACCOUNT", "PD_ISSUER_NKEY"))))
     (d / "nats.conf").write_text(f'listen: "127.0.0.1:{nats_port}"\ninclude ./authorization.conf\n')
     (d / "users.acl").write_text(f"user default on >{secrets['PD_REDIS_PASSWORD']} ~* &* +@all\n")
-    procs.append(subprocess.Popen([binary("nats-server"), "-c", str(d / "nats.conf")], env=env,
-                                  stderr=subprocess.DEVNULL))
-    procs.append(subprocess.Popen([valkey_server(), "--port", str(redis_port), "--bind", "127.0.0.1",
-                                   "--aclfile", str(d / "users.acl"), "--save", "", "--dir", str(d)],
-                                  stdout=subprocess.DEVNULL))
-    wait_for_port(nats_port, proc=procs[0])
-    wait_for_port(redis_port, proc=procs[1])
     nats_url, redis_url = f"nats://127.0.0.1:{nats_port}", f"redis://127.0.0.1:{redis_port}/0"
     operator_redis = f"redis://:{secrets['PD_REDIS_PASSWORD']}@127.0.0.1:{redis_port}/0"
-    procs.append(subprocess.Popen([sys.executable, "-m", "services.issuer.main"], env={
-        **env, "PD_NATS_URL": nats_url, "PD_REDIS_URL": operator_redis, "PD_ISSUER_KEEP_S": "0.2"}))
-    asyncio.run(_until_enrolls(nats_url, secrets["PD_ENROLL_DECODE"]))
-    yield secrets, nats_url, redis_url, operator_redis, d
-    for p in reversed(procs):
-        p.terminate()
-        p.wait()
+    with contextlib.ExitStack() as procs:
+        bus_server = procs.enter_context(running([binary("nats-server"), "-c", str(d / "nats.conf")], env=env,
+                                           stderr=subprocess.DEVNULL))
+        store = procs.enter_context(running([valkey_server(), "--port", str(redis_port), "--bind", "127.0.0.1",
+                                             "--aclfile", str(d / "users.acl"), "--save", "", "--dir", str(d)],
+                                            stdout=subprocess.DEVNULL))
+        wait_for_port(nats_port, proc=bus_server)
+        wait_for_port(redis_port, proc=store)
+        procs.enter_context(running([sys.executable, "-m", "services.issuer.main"], env={
+            **env, "PD_NATS_URL": nats_url, "PD_REDIS_URL": operator_redis, "PD_ISSUER_KEEP_S": "0.2"}))
+        asyncio.run(_until_enrolls(nats_url, secrets["PD_ENROLL_DECODE"]))
+        yield secrets, nats_url, redis_url, operator_redis, d
 
 
 async def _until_enrolls(url: str, token: str) -> None:

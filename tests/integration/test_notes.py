@@ -8,7 +8,7 @@ import asyncio
 import subprocess
 import tempfile
 
-from deploy.local.servers import free_port, valkey_server, wait_for_port
+from deploy.local.servers import ended, free_port, valkey_server, wait_for_port
 from shared.notes import WRITE_BATCH
 from shared.state import State, owned_key, request_key
 
@@ -54,26 +54,30 @@ def test_ownership_noted_while_redis_is_away_is_written_when_it_answers():
     def redis(d: str) -> subprocess.Popen:
         proc = subprocess.Popen([valkey_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                                  "--appendonly", "no", "--dir", d], stdout=subprocess.DEVNULL)
-        wait_for_port(port)
+        try:
+            wait_for_port(port, proc=proc)
+        except RuntimeError:
+            ended(proc)
+            raise
         return proc
 
     async def scenario(d: str):
         proc = redis(d)
-        store = State.connect(f"redis://127.0.0.1:{port}/0")
-        await store.r.ping()
-        proc.terminate()
-        proc.wait()
-        for i in range(10):
-            store.requests.note(f"k{i}", "received", by="gw-a", owner="gw-a")
-            store.requests.note(f"h{i}", "decoding", by="decode-0")
-        await asyncio.sleep(1.5)                      # round trips fail meanwhile
-        proc = redis(d)                               # back, empty
-        await store.requests.notes.flush(20)
-        out = await store.r.scard(owned_key("gw-a")), await written(store, [f"h{i}" for i in range(10)])
-        await store.close()
-        proc.terminate()
-        proc.wait()
-        return out
+        try:
+            store = State.connect(f"redis://127.0.0.1:{port}/0")
+            await store.r.ping()
+            ended(proc)
+            for i in range(10):
+                store.requests.note(f"k{i}", "received", by="gw-a", owner="gw-a")
+                store.requests.note(f"h{i}", "decoding", by="decode-0")
+            await asyncio.sleep(1.5)                      # round trips fail meanwhile
+            proc = redis(d)                               # back, empty
+            await store.requests.notes.flush(20)
+            out = await store.r.scard(owned_key("gw-a")), await written(store, [f"h{i}" for i in range(10)])
+            await store.close()
+            return out
+        finally:
+            ended(proc)
 
     with tempfile.TemporaryDirectory() as d:
         owned, history = asyncio.run(scenario(d))

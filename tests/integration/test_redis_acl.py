@@ -13,7 +13,7 @@ import subprocess
 import pytest
 import redis
 
-from deploy.local.servers import free_port, valkey_server, wait_for_port
+from deploy.local.servers import free_port, running, valkey_server, wait_for_port
 from services.gateway.concurrency import Concurrency
 from shared import grants
 from shared.messages import WorkerInfo
@@ -47,12 +47,10 @@ def port(tmp_path_factory):
     conf = d / "redis.conf"
     conf.write_text(f"requirepass {OPERATOR}\n{grants.redis_users(USERS.values())}")
     p = free_port()
-    proc = subprocess.Popen([valkey_server(), str(conf), "--port", str(p), "--bind", "127.0.0.1",
-                             "--save", "", "--appendonly", "no", "--dir", str(d)], stdout=subprocess.DEVNULL)
-    wait_for_port(p)
-    yield p
-    proc.terminate()
-    proc.wait()
+    with running([valkey_server(), str(conf), "--port", str(p), "--bind", "127.0.0.1",
+                  "--save", "", "--appendonly", "no", "--dir", str(d)], stdout=subprocess.DEVNULL) as proc:
+        wait_for_port(p, proc=proc)
+        yield p
 
 
 def url(port: int, role: str) -> str:

@@ -16,7 +16,7 @@ import pytest
 from opentelemetry import trace
 from redis.asyncio.connection import Connection
 
-from deploy.local.servers import binary, free_port, wait_for_port
+from deploy.local.servers import binary, free_port, running, wait_for_port
 from services.router.main import Router
 from shared import streams, subjects
 from shared.bus import Bus
@@ -46,14 +46,12 @@ class Recording(Connection):
 @pytest.fixture(scope="module")
 def nats_monitored():
     port, monitor = free_port(), free_port()
-    with tempfile.TemporaryDirectory() as d:
-        proc = subprocess.Popen([binary("nats-server"), "-js", "-a", "127.0.0.1", "-p", str(port), "-m", str(monitor),
-                                 "-sd", d], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for_port(port)
-        wait_for_port(monitor)
+    with tempfile.TemporaryDirectory() as d, running([binary("nats-server"), "-js", "-a", "127.0.0.1", "-p", str(port),
+                                                      "-m", str(monitor), "-sd", d], stdout=subprocess.DEVNULL,
+                                                     stderr=subprocess.DEVNULL) as proc:
+        wait_for_port(port, proc=proc)
+        wait_for_port(monitor, proc=proc)
         yield f"nats://127.0.0.1:{port}", f"http://127.0.0.1:{monitor}/varz"
-        proc.terminate()
-        proc.wait()
 
 
 def _out_msgs(varz: str) -> int:
@@ -119,12 +117,12 @@ def _placement(nats_url: str, redis_url: str, size: int, varz: str, rounds: int 
         sampling = Sampling(max_tokens=8)
         await router.route(RouteRequest(request_id="warm", prompt_token_ids=PROMPT, sampling=sampling, model="m"))
         await asyncio.sleep(0.2)  # background writes of the warm-up done
-        await router.read_workers()
+        await router.pools.read()
         router.pools.refreshing = True  # as while serving: Pools.keep re-reads the registry off the placement path
         trips, replies = [], []
         before = await _settled_out_msgs(varz)
         for n in range(rounds):
-            await router.read_workers()  # as the background re-read does: never on the placement path
+            await router.pools.read()  # as the background re-read does: never on the placement path
             Recording.trips = []
             replies.append(await router.route(RouteRequest(request_id=f"r{n}", prompt_token_ids=PROMPT,
                                                            sampling=sampling, model="m")))

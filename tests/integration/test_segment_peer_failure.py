@@ -108,4 +108,7 @@ def test_a_process_of_another_user_is_handed_no_segment():
         assert out_q.get(timeout=60) == "PermissionError"
     finally:
         stranger.join(10)
+        if stranger.is_alive():
+            stranger.kill()
+            stranger.join()
         seg.close()

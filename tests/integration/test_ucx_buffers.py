@@ -26,6 +26,7 @@ def _in_fresh_process(target, timeout=60) -> dict:
     proc.join(timeout)
     if proc.is_alive():
         proc.kill()
+        proc.join()
         pytest.fail(f"{target.__name__} hung for {timeout} s")
     assert proc.exitcode == 0, f"{target.__name__} died with exit code {proc.exitcode}"
     return out.get(timeout=5)

@@ -54,8 +54,7 @@ def test_launcher_starts_everything_and_ctrl_c_stops_everything(tmp_path):
         time.sleep(0.5)
         assert [c.pid for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE] == []
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        end_tree(proc)
 
 
 def test_pdserve_serve_a_model_directory(tmp_path):
@@ -73,8 +72,21 @@ def test_pdserve_serve_a_model_directory(tmp_path):
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        end_tree(proc)
+
+
+def end_tree(proc: subprocess.Popen) -> None:
+    """The launcher, if it still runs (a failed test), killed with every process under it."""
+    if proc.poll() is None:
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        proc.kill()
+        proc.wait()
+        for child in tree:
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(tree, timeout=10)
 
 
 def until_ready(proc: subprocess.Popen) -> None:

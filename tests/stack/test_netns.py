@@ -94,6 +94,7 @@ def test_kv_crosses_a_veth_pair_over_ucx_tcp(netns_pair, tiny, tmp_path):
         for p in procs:
             if p.poll() is None:
                 p.kill()
+            p.wait()
         nats.terminate()
         nats.wait()
     result = json.loads((tmp_path / "result.json").read_text())
