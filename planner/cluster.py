@@ -153,7 +153,7 @@ class Cluster:
     def decide(self, r: Req) -> Placement[Worker] | None:
         """Where the router would place `r` now (None: no decode worker has room)."""
         fleet = Fleet(self.room, self.prefills, self.layout.decode_knobs.block_size)
-        return placement.decide(Ask(r.prompt, r.output), fleet, Books(turn=self.turn), self.rules)
+        return placement.decide(Ask(r.prompt, r.output), fleet, Books(turn=self.turn), self.rules).placement
 
     def _place(self, r: Req, now: float) -> bool:
         chosen = self.decide(r)

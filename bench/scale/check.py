@@ -113,7 +113,7 @@ class Replay:
         hits = self.cached(p.probe)
         fleet = Fleet(self.decodes, self.prefills, self.bs, {w: (hits.get(w, 0), n) for w, n in self.sizes.items()})
         books = Books(admitted=admitted, sent=assigned, turn=turn)
-        chosen = placement.decide(Ask(len(p.probe.tokens), p.max_tokens), fleet, books, self.rules)
+        chosen = placement.decide(Ask(len(p.probe.tokens), p.max_tokens), fleet, books, self.rules).placement
         if chosen is None:
             return None, None
         return chosen.decode.worker_id, chosen.prefill.worker_id if chosen.prefill is not None else None

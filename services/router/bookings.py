@@ -4,9 +4,8 @@ cursor; with the paths its breakers block (breakers.py), placement.Books as a pl
 
 from __future__ import annotations
 
-from services.router import placement, policy
 from services.router.breakers import Breakers
-from services.router.placement import Books, Placement
+from services.router.placement import Books, Placement, next_turn
 from services.router.recent import Recent, horizons
 
 
@@ -17,20 +16,30 @@ class Bookings:
         self.sent, self.admitted = Recent(sent_s), Recent(admitted_s)
         self.turn = 0  # remote placements tried so far (round-robin baseline)
 
-    def books(self, now: float, decode: str | None = None) -> Books:
-        """The admits booked per decode worker (ranking), or for a prompt bound to `decode`: the
-        prefill tokens sent, the prefill workers whose path to it is blocked now, the cursor."""
-        if decode is None:
-            return Books(admitted=self.admitted.totals(now))
-        return Books(sent=self.sent.totals(now), blocked={decode: self.breakers.blocked(decode, now)},
-                     turn=self.turn)
+    def books(self, now: float) -> Books:
+        """The admits booked per decode worker, the prefill tokens sent per prefill worker, the
+        KV paths blocked now, the cursor."""
+        return Books(admitted=self.admitted.totals(now), sent=self.sent.totals(now),
+                     blocked=self.breakers.blocked(now), turn=self.turn)
 
-    def prefill(self, prefill: policy.PrefillCandidate, decode: str, prompt_tokens: int, now: float) -> list:
-        """A prompt sent to `prefill` for `decode`: its uncached tokens counted on that worker's
-        queue (routes decided meanwhile see them until its registry entry catches up) and the
-        path's breaker told; returns the booking, to `sent.cancel` if the admit is refused."""
-        self.breakers.chosen(prefill.worker_id, decode, now)
-        return self.sent.add(prefill.worker_id, prompt_tokens - prefill.cached_tokens, now)
+    def tried(self, chosen: Placement, tokens: int, now: float) -> list | None:
+        """A placement asked of its decode worker: a remote one's uncached prompt tokens counted on
+        its prefill worker's queue (routes decided meanwhile see them until that worker's registry
+        entry catches up), the path's breaker told, the cursor moved on; returns the booking, to
+        `cancel` if the admit is refused. `tokens`: what is prefilled (Ask.tokens)."""
+        self.turn = next_turn(self.turn, chosen.prefill is not None)
+        if chosen.prefill is None:
+            return None
+        return self.sent_to(chosen, tokens, now)
 
-    def tried(self, chosen: Placement) -> None:
-        self.turn = placement.next_turn(self.turn, chosen.prefill is not None)
+    def sent_to(self, chosen: Placement, tokens: int, now: float) -> list | None:
+        """`tokens` to prefill sent to `chosen`'s prefill worker (a requeue: the cursor stays)."""
+        prefill = chosen.prefill
+        if prefill is None:
+            return None
+        self.breakers.chosen(prefill.worker_id, chosen.decode.worker_id, now)
+        return self.sent.add(prefill.worker_id, tokens - prefill.cached_tokens, now)
+
+    def cancel(self, booking: list | None) -> None:
+        if booking is not None:
+            self.sent.cancel(booking)

@@ -15,7 +15,6 @@ it is cheaper (`local_or_remote`).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, Protocol, TypeVar
 
 Mode = Literal["remote", "local"]  # a placement's: the prefill pool prefills the prompt, or its decode worker
@@ -206,50 +205,3 @@ def local_or_remote(prompt_tokens: int, decode_cached_tokens: int, decode_runnin
         return "local", (f"local {local_s:.3f} s ({decode_running} streams stalled {compute:.3f} s) < "
                          f"remote {remote_s:.3f} s")
     return "remote", f"remote {remote_s:.3f} s <= local {local_s:.3f} s ({decode_running} streams)"
-
-
-@dataclass
-class Breaker:
-    """Circuit breaker for one prefill → decode KV path (a plain state machine; the caller
-    passes the time). Closed: remote prefills go this way. `failures` failed handoffs within
-    `window_s` (and no more successes than failures among them) open it: for `cooldown_s` new
-    requests avoid the path — another prefill worker, or a local prefill on the decode
-    worker. Then half-open: one request probes it; success closes it, failure opens it again."""
-
-    failures: int = 5
-    window_s: float = 30.0
-    cooldown_s: float = 10.0
-    outcomes: list[tuple[float, bool]] = field(default_factory=list)
-    opened_at: float | None = None
-    probing_since: float | None = None
-
-    def record(self, ok: bool, now: float) -> None:
-        self.outcomes = [(t, o) for t, o in self.outcomes if t > now - self.window_s] + [(now, ok)]
-        if self.opened_at is not None:           # the probe's answer (or a straggler's)
-            if ok and self.probing_since is not None:
-                self.opened_at = self.probing_since = None
-                self.outcomes = []
-            elif not ok:
-                self.opened_at, self.probing_since = now, None
-            return
-        bad = sum(not o for _, o in self.outcomes)
-        if bad >= self.failures and bad >= len(self.outcomes) - bad:
-            self.opened_at = now
-
-    def allow(self, now: float) -> bool:
-        """May a new request use the path now? Half-open: one probe at a time (`chosen`); a
-        probe that never reports back frees the slot after another cooldown."""
-        if self.opened_at is None:
-            return True
-        if now - self.opened_at < self.cooldown_s:
-            return False
-        return self.probing_since is None or now - self.probing_since >= self.cooldown_s
-
-    def chosen(self, now: float) -> None:
-        """A request was sent this way: when the breaker is not closed, it is the probe."""
-        if self.opened_at is not None:
-            self.probing_since = now
-
-    @property
-    def state(self) -> str:
-        return "closed" if self.opened_at is None else ("half-open" if self.probing_since else "open")

@@ -1,8 +1,8 @@
 """The registry as a placement needs it: per model, its live prefill and decode workers
-(placement.live), who holds which prefix-index slot and each by id — made once per registry read, not once
-per placement (a placement's own work then follows the prompt and the workers holding it, not
-the fleet). `Pools` keeps them: re-read in the background every REGISTRY_READ_S while the
-router serves, read on the spot when older."""
+(placement.live) and each by id — made once per registry read, not once per placement (a
+placement's own work then follows the prompt and the workers holding it, not the fleet).
+`Pools` keeps them: re-read in the background every REGISTRY_READ_S while the router serves,
+read on the spot when older."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from services.router.placement import live
 from services.router.recent import REGISTRY_READ_S
 from services.router.registry import Bounds, Registry
-from shared import prefix_index
 from shared.messages import WorkerInfo
 from shared.state import State
 from shared.tasks import every
@@ -31,7 +30,6 @@ class Pool:
     workers: list[WorkerInfo] = field(default_factory=list)
     prefills: list[WorkerInfo] = field(default_factory=list)
     decodes: list[WorkerInfo] = field(default_factory=list)
-    slots: dict[int, WorkerInfo] = field(default_factory=dict)   # prefix-index slot -> its worker
     ids: dict[str, WorkerInfo] = field(default_factory=dict)     # worker id -> its entry
 
     @property
@@ -48,7 +46,7 @@ def pools(workers: list[WorkerInfo]) -> dict[str, Pool]:
     for w in workers:
         by_model.setdefault(w.model, []).append(w)
     return {model: Pool(ws, [w for w in ws if w.role == "prefill"], [w for w in ws if w.role == "decode"],
-                        prefix_index.by_slot(ws), {w.worker_id: w for w in ws}) for model, ws in by_model.items()}
+                        {w.worker_id: w for w in ws}) for model, ws in by_model.items()}
 
 
 class Pools:
@@ -83,6 +81,10 @@ class Pools:
         if time.monotonic() - self.read_at > WORKERS_MAX_AGE_S:
             await self.read()
         return self.registry.workers()
+
+    def entry(self, worker_id: str) -> WorkerInfo | None:
+        """A registered worker's entry as last read (live or not)."""
+        return next((w for w in self.registry.workers() if w.worker_id == worker_id), None)
 
     async def keep(self, stop: asyncio.Event) -> None:
         self.refreshing = True

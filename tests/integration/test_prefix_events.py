@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import nats.errors
 from opentelemetry import trace
 
+from services.router.indexes import EventsIndex
 from services.router.main import Router
 from services.router.prefix_follower import PrefixFollower
 from services.router.prefix_memory import MemoryIndex
@@ -20,7 +21,7 @@ from shared.bus import Bus
 from shared.config import RouterSettings
 from shared.engine.block_manager import CacheChange
 from shared.hashing import block_hashes
-from shared.messages import WorkerInfo
+from shared.messages import RouteRequest, Sampling, WorkerInfo
 from shared.prefix_events import PrefixEventPublisher
 from shared.prefix_index import PrefixPublisher, lookup
 from shared.state import State
@@ -211,22 +212,25 @@ def test_a_router_set_to_events_places_from_its_memory_index(nats_url, redis_url
             await state.registry.heartbeat(w.model_copy(update={"model": "m", "cached_blocks": 3}), 30)
         bus = await Bus.connect(nats_url, "router")
         router = Router(RouterSettings(prefix_index="events"), bus, state, trace.get_tracer("test"))
-        assert router.follower is not None
-        await router.follower.start()
-        pool = (await router.read_workers())["m"]
-        await router.follower.tick()
+        assert isinstance(router.index, EventsIndex)
+        await router.index.follower.start()
+        pool = (await router.pools.read())["m"]
+        await router.index.follower.tick()
         for _ in range(100):
-            if await router.holding(pool, hashes):
+            if (await router.index.holding(pool, hashes))[0]:
                 break
             await asyncio.sleep(0.05)
-        assert await router.holding(pool, hashes) == {"prefill-0": (3, 3)}
+        assert await router.index.holding(pool, hashes) == ({"prefill-0": (3, 3)}, [])
         assert await Router(RouterSettings(prefix_index="redis"), bus, state,
-                            trace.get_tracer("test")).holding(pool, hashes) == {}
+                            trace.get_tracer("test")).index.holding(pool, hashes) == ({}, [])
         # nothing read from Redis before deciding: no conversation, the index in memory
-        assert await router.read_inputs(hashes, None) == (None, None)
+        req = RouteRequest(request_id="r", prompt_token_ids=list(range(64)), model="m", sampling=Sampling())
+        ask, placed = await router.inputs.of_route(req)
+        assert ask.session_worker is None and placed.cached == {"prefill-0": (3, 3)}
         await state.sessions.set_worker("s1", "decode-0", 60)
-        assert await router.read_inputs(hashes, "s1") == ("decode-0", None)
-        await router.follower.close()
+        ask, _ = await router.inputs.of_route(req.model_copy(update={"session_id": "s1"}))
+        assert ask.session_worker == "decode-0"
+        await router.index.close()
         await bus.close()
         await fleet.close()
         await fleet.bus.close()

@@ -49,3 +49,46 @@ def test_test_files_have_unique_names():
     one name in different folders stop the whole run at collection."""
     names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
     assert sorted(n for n in set(names) if names.count(n) > 1) == []
+
+
+def module_imports(folder: Path) -> dict[str, set[str]]:
+    """Each module of `folder` (dotted) -> the modules of `folder` it imports (TYPE_CHECKING ones too)."""
+    mods = {".".join(p.relative_to(ROOT).with_suffix("").parts): p for p in folder.rglob("*.py")}
+    graph = {}
+    for name, path in mods.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found |= {m for m in (node.module, *(f"{node.module}.{a.name}" for a in node.names)) if m in mods}
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name in mods}
+        graph[name] = found - {name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles: each module that reaches itself, with the modules on the way (a
+    depth-first search from every module; small graphs)."""
+    found = []
+    for start in sorted(graph):
+        seen, todo = set(), [(start, [start])]
+        while todo:
+            node, path = todo.pop()
+            for nxt in sorted(graph[node]):
+                if nxt == start:
+                    found.append(path)
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    todo.append((nxt, [*path, nxt]))
+    return found
+
+
+@pytest.mark.parametrize("service", sorted(p.name for p in (ROOT / "services").iterdir()
+                                           if p.is_dir() and (p / "__init__.py").exists()))
+def test_no_import_circle_within_a_service(service):
+    assert circles(module_imports(ROOT / "services" / service)) == []
+
+
+def test_the_circle_finder_finds_one():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"], ["b", "c", "a"],
+                                                                         ["c", "a", "b"]]

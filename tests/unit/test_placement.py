@@ -8,6 +8,8 @@ import asyncio
 import math
 import time
 
+import pytest
+
 from bench.scale.check import Placement as Placed
 from bench.scale.check import Replay
 from bench.scale.plan import Probe
@@ -15,8 +17,8 @@ from planner.cluster import Cluster, Layout
 from planner.cost import DECODE_BATCHES, DECODE_CONTEXTS, Cost
 from planner.worker import Knobs, Req
 from services.router import placement
-from services.router.main import Router, Waits
-from services.router.placement import Ask, Books, Fleet, Rules
+from services.router.main import Router
+from services.router.placement import Ask, Books, Fleet, Placement, Refusal, Rules
 from shared.config import RouterSettings
 from shared.messages import AdmitReply, KVOutcome, RouteRequest, Sampling, WorkerInfo
 
@@ -40,29 +42,36 @@ def fleet(prefills: int = 2, decodes: int = 2, **per_worker: dict) -> list[Worke
 
 
 class _Placements:
+    async def begin(self, *args) -> tuple[bool, dict]:
+        return True, {}
+
     async def hold(self, *args) -> bool:
         return True
 
 
+class _Requests:
+    def note(self, *args, **kwargs) -> None:
+        pass
+
+
 class _State:
-    placements = _Placements()
+    placements, requests = _Placements(), _Requests()
 
 
 def by_router(workers: list[WorkerInfo], prompts: list[int], settings: RouterSettings, outcomes=()):
-    """The router's own path: its registry cache, breakers, ranking, prefill choice and bookings
-    (the admits answered yes)."""
+    """The router's own path (Router.route): its registry cache, breakers, the decision, its
+    claim and bookings (the claims granted, the admits answered yes)."""
     router = Router(settings, None, _State(), None)  # type: ignore[arg-type]
     router.pools.registry.entries = {w.worker_id: (w, math.inf) for w in workers}
     router.pools.registry.read = lambda state: asyncio.sleep(0)  # type: ignore[method-assign]
-    router.admit = lambda *a: asyncio.sleep(0, AdmitReply(request_id="r", ok=True))  # type: ignore[method-assign]
+    router.admits.admit = lambda *a: asyncio.sleep(0, AdmitReply(request_id="r", ok=True))  # type: ignore
     for out in outcomes:
         router.breakers.record(out, time.monotonic())
     out = []
     for i, n in enumerate(prompts):
         req = RouteRequest(request_id=f"r{i}", prompt_token_ids=list(range(n)), model="m",
                            sampling=Sampling(max_tokens=32))
-        pool = asyncio.run(router.pools.pool("m"))
-        reply = asyncio.run(router.place(req, f"k{i}", 10.0, Ask.of(req), Fleet.of(pool, {}), Waits()))
+        reply = asyncio.run(router.route(req))
         out.append((reply.decode_worker, reply.prefill_worker))
     return out
 
@@ -156,7 +165,7 @@ def test_router_and_replay_send_a_prompt_where_its_prefix_is_cached():
     assert replay == [("decode-0", "prefill-1")]
     pure = placement.decide(Ask(400, 32), Fleet([w for w in workers if w.role == "decode"],
                                                 [w for w in workers if w.role == "prefill"], BS,
-                                                {"prefill-1": (4, 4)}), Books(), Rules.of(settings))
+                                                {"prefill-1": (4, 4)}), Books(), Rules.of(settings)).placement
     assert pure is not None and pure.prefill is not None and pure.prefill.worker_id == "prefill-1"
     assert pure.kind == "cached_prefix" and pure.prefill.cached_tokens == 4 * BS
 
@@ -169,28 +178,96 @@ def test_a_failing_kv_path_is_skipped_and_all_failing_means_local():
     assert by_router(workers, [400], settings, fail) == [("decode-0", "prefill-1")]
     both = fail + [fail[0].model_copy(update={"prefill_worker": "prefill-1"})] * 2
     assert by_router(workers, [400], settings, both) == [("decode-0", None)]
-    pure = placement.place_prefill(Ask(400, 32), workers[2], Fleet([workers[2]], workers[:2], BS),
-                                   Books(blocked={"decode-0": {"prefill-0", "prefill-1"}}), Rules())
-    assert (pure.mode, pure.kind) == ("local", "breaker_open")
+    pure = placement.decide(Ask(400, 32), Fleet([workers[2]], workers[:2], BS),
+                            Books(blocked={"decode-0": {"prefill-0", "prefill-1"}}), Rules()).placement
+    assert pure is not None and (pure.mode, pure.kind) == ("local", "breaker_open")
 
 
-def test_rank_puts_avoided_workers_last_and_a_takeovers_worker_first():
+def order(ask: Ask, decodes: list[WorkerInfo], prefills=(), rules: Rules | None = None) -> list:
+    """A plan's steps: each placement's (decode, prefill) in turn, then the refusal's kind."""
+    return [(p.decode.worker_id, p.prefill.worker_id if p.prefill else None) if isinstance(p, Placement) else p.kind
+            for p in placement.decide(ask, Fleet(decodes, list(prefills), BS), Books(), rules or Rules())]
+
+
+def test_a_plan_lists_every_worker_best_first_avoided_last_a_takeovers_first_then_refuses():
     decodes = [w for w in fleet(0, 3, decode_0={"running": 1}, decode_1={"running": 2}) if w.role == "decode"]
-    order = lambda **kw: [w.worker_id for w in placement.rank(Ask(100, 16, **kw), Fleet(decodes, []), Books(),  # noqa: E731
-                                                               Rules())]
-    assert order() == ["decode-2", "decode-0", "decode-1"]
-    assert order(avoid=["decode-2"]) == ["decode-0", "decode-1", "decode-2"]
-    assert order(chosen_before="decode-1") == ["decode-1", "decode-2", "decode-0"]
-    assert placement.first(Ask(100, 16, avoid=["decode-2"]), Fleet(decodes, []), Books(), Rules()).worker_id \
-        == "decode-0"
-    assert placement.decide(Ask(10**6, 16), Fleet(decodes, []), Books(), Rules()) is None  # no room anywhere
+    names = lambda **kw: [d for d, _ in order(Ask(100, 16, **kw), decodes)[:-1]]  # noqa: E731
+    assert names() == ["decode-2", "decode-0", "decode-1"]
+    assert names(avoid=["decode-2"]) == ["decode-0", "decode-1", "decode-2"]
+    assert names(chosen_before="decode-1") == ["decode-1", "decode-2", "decode-0"]
+    assert order(Ask(100, 16), decodes)[-1] == "no_room"          # every one asked and refused
+    assert order(Ask(10**6, 16), decodes) == ["no_room"]          # no room anywhere: nobody is asked
+    assert order(Ask(100, 16), []) == ["no_decode_worker"]
+
+
+def test_a_plan_ranks_the_pool_only_when_its_first_placement_is_refused(monkeypatch):
+    decodes = [w for w in fleet(0, 2) if w.role == "decode"]
+    ranked = []
+    real = placement.policy.decode_candidates
+    monkeypatch.setattr(placement.policy, "decode_candidates", lambda *a: ranked.append(1) or real(*a))
+    plan = placement.decide(Ask(100, 16), Fleet(decodes, [], BS), Books(), Rules())
+    assert plan.placement is not None and plan.placement.decode.worker_id == "decode-0" and not ranked
+    steps = list(plan)
+    assert len(steps) == 3 and isinstance(steps[-1], Refusal) and ranked == [1]
+
+
+def test_round_robin_moves_its_cursor_within_a_plan_as_each_remote_placement_is_tried():
+    workers = fleet(2, 2)
+    rules = Rules(prefill_choice="round_robin", placement="remote")
+    got = order(Ask(400, 16), [w for w in workers if w.role == "decode"], [w for w in workers if w.role == "prefill"],
+                rules)
+    assert got == [("decode-0", "prefill-0"), ("decode-1", "prefill-1"), "no_room"]
+
+
+def test_the_ttft_objective_refuses_a_new_request_not_a_failover_nor_a_requeue():
+    slow = fleet(1, 1, prefill_0={"queued_tokens": 30_000})   # 30 s queued at 1000 tokens/s
+    decodes, prefills = slow[1:], slow[:1]
+    rules = Rules(placement="remote", ttft_slo_s=5.0)
+    refused = placement.decide(Ask(400, 16), Fleet(decodes, prefills, BS), Books(), rules).first
+    assert isinstance(refused, Refusal) and refused.kind == "ttft_objective"
+    assert refused.retry_after_s == pytest.approx(30.4 - 5.0) and "exceeds the 5 s objective" in refused.reason
+    for ask in (Ask(400, 16, generated=10, attempt=1), Ask(400, 0, bound_to="decode-0")):
+        chosen = placement.decide(ask, Fleet(decodes, prefills, BS), Books(), rules).placement
+        assert chosen is not None and chosen.prefill is not None
+        assert chosen.expected_prefill_s == pytest.approx((30_000 + ask.tokens) / 1000)
+    assert placement.decide(Ask(400, 16), Fleet(decodes, prefills, BS), Books(), Rules(placement="remote")).placement
+
+
+def test_a_requeue_is_bound_to_its_decode_worker_even_without_room_and_never_says_resumed():
+    full = fleet(1, 2, decode_0={"free_blocks": 0})
+    ask = Ask(400, 0, generated=50, attempt=1, bound_to="decode-0")
+    got = placement.decide(ask, Fleet(full[1:], full[:1], BS), Books(), Rules()).placement
+    assert got is not None and got.decode.worker_id == "decode-0" and got.kind != "resumed"
+    assert got.prefill is not None and got.prefill.worker_id == "prefill-0"
+
+
+def test_the_router_asks_the_next_decode_worker_when_one_refuses_and_books_only_the_taken_admit():
+    settings = RouterSettings(placement="remote")
+    router = Router(settings, None, _State(), None)  # type: ignore[arg-type]
+    workers = fleet(1, 2)
+    router.pools.registry.entries = {w.worker_id: (w, math.inf) for w in workers}
+    router.pools.registry.read = lambda state: asyncio.sleep(0)  # type: ignore[method-assign]
+    asked: list[str] = []
+
+    async def admit(chosen, req):
+        asked.append(chosen.decode.worker_id)
+        return AdmitReply(request_id=req.request_id, ok=chosen.decode.worker_id != "decode-0")
+    router.admits.admit = admit  # type: ignore[method-assign]
+    req = RouteRequest(request_id="r", prompt_token_ids=list(range(400)), model="m", sampling=Sampling(max_tokens=8))
+    reply = asyncio.run(router.route(req))
+    assert asked == ["decode-0", "decode-1"] and reply.ok and reply.decode_worker == "decode-1"
+    now = time.monotonic()
+    assert router.bookings.admitted.totals(now) == {"decode-1": 1}
+    assert router.bookings.sent.totals(now) == {"prefill-0": 400}  # the refused admit's booking taken back
+    assert router.bookings.turn == 2
 
 
 def test_a_failover_is_placed_like_a_new_request_and_says_it_resumed():
     workers = fleet(1, 1)
-    chosen = placement.plan(Ask(300, 16, generated=100, attempt=1), workers[1], Fleet(workers[1:], workers[:1], BS),
-                            Books(), Rules())
-    assert chosen.kind == "resumed" and chosen.reason.startswith("resumed after 100 tokens (attempt 1): ")
+    chosen = placement.decide(Ask(300, 16, generated=100, attempt=1), Fleet(workers[1:], workers[:1], BS),
+                              Books(), Rules()).placement
+    assert chosen is not None and chosen.kind == "resumed"
+    assert chosen.reason.startswith("resumed after 100 tokens (attempt 1): ")
     assert chosen.prefill is not None and chosen.prefill.worker_id == "prefill-0"
 
 

@@ -1,4 +1,5 @@
 from services.router import policy
+from services.router.breakers import Breaker
 from shared.messages import WorkerInfo
 
 
@@ -121,7 +122,7 @@ def test_local_prefill_when_the_pool_would_queue_it_or_holds_less_of_it_and_loca
 
 
 def test_a_breaker_opens_on_repeated_transfer_failures_then_probes_and_closes():
-    b = policy.Breaker(failures=3, window_s=10, cooldown_s=5)
+    b = Breaker(failures=3, window_s=10, cooldown_s=5)
     for t in (0, 1):
         b.record(False, t)
     assert b.allow(2) and b.state == "closed"          # 2 failures: still closed
@@ -139,11 +140,11 @@ def test_a_breaker_opens_on_repeated_transfer_failures_then_probes_and_closes():
 
 
 def test_old_failures_leave_the_window_and_successes_outweigh_failures():
-    b = policy.Breaker(failures=3, window_s=10, cooldown_s=5)
+    b = Breaker(failures=3, window_s=10, cooldown_s=5)
     for t in (0, 1, 2):
         b.record(False, t)
     assert b.state == "open"
-    b = policy.Breaker(failures=3, window_s=10, cooldown_s=5)
+    b = Breaker(failures=3, window_s=10, cooldown_s=5)
     for t in (0, 1):
         b.record(False, t)
     b.record(False, 20)                                 # the first two are out of the window
@@ -155,7 +156,8 @@ def test_old_failures_leave_the_window_and_successes_outweigh_failures():
     assert b.state == "closed"                          # 3 failures among 8: a healthy path
 
 
-def test_pools_split_the_registry_per_model_and_name_each_slots_worker():
+def test_pools_split_the_registry_per_model_and_the_redis_index_names_each_slots_worker():
+    from services.router.indexes import RedisIndex
     from services.router.pools import EMPTY, pools
 
     def w(wid, role, model, slot):
@@ -164,12 +166,13 @@ def test_pools_split_the_registry_per_model_and_name_each_slots_worker():
                  w("p2", "prefill", "b", 5)])
     a, b = got["a"], got["b"]
     assert [x.worker_id for x in a.prefills] == ["p1"] and [x.worker_id for x in a.decodes] == ["d1", "d2"]
-    assert {s: x.worker_id for s, x in a.slots.items()} == {3: "p1", 7: "d2"}   # slot 0: none (lost)
+    slots = RedisIndex(None, "r", 1.0).slots(a)  # type: ignore[arg-type]
+    assert {s: x.worker_id for s, x in slots.items()} == {3: "p1", 7: "d2"}   # slot 0: none (lost)
     assert a.block_size == 32 and EMPTY.block_size == 16 and not EMPTY.workers
     assert [x.worker_id for x in b.workers] == ["p2"] and set(got) == {"a", "b"}
     # a lookup's answer by slot, turned into the holders alone (a slot nobody names is dropped)
     from shared import prefix_index
-    assert prefix_index.by_worker(a.slots, {3: 4, 9: 2}) == {"p1": (4, 3)}
+    assert prefix_index.by_worker(slots, {3: 4, 9: 2}) == {"p1": (4, 3)}
 
 
 def test_best_decode_is_the_rankings_first_on_any_pool():
