@@ -20,12 +20,13 @@ from shared import macs, subjects, tracing
 from shared.grants import inbox
 from shared.identity import Enrollment
 from shared.macs import Signed
-from shared.messages import Message, PrefillJob
+from shared.messages import Message, Ping, PrefillJob
 from shared.tls import client_context
 from shared.urls import nats_inbox, nats_servers
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
+PING_HEADER = "Pd-Ping"  # a Ping: answered here, not by the subscription's handler
 
 
 class Bus:
@@ -79,13 +80,13 @@ class Bus:
         reply = await self.nc.request(subject, msg.encode(), timeout=timeout, headers=tracing.inject())
         return reply_type.decode(reply.data)
 
-    async def heard(self, subject: str, msg: Message, timeout: float) -> bool | None:
-        """Whether anything subscribes to `subject`: True when it answered `msg`, False when
-        the server says no responders (it closes a killed process's connection at once, long
-        before its lease lapses), None — no verdict — on silence (a subscriber that does not
-        answer this message) or with this connection away."""
+    async def heard(self, subject: str, timeout: float) -> bool | None:
+        """Whether anything subscribes to `subject`: True when its bus answered a Ping, False
+        when the server says no responders (it closes a killed process's connection at once,
+        long before its lease lapses), None — no verdict — on silence (a process whose event
+        loop is stuck) or with this connection away."""
         try:
-            await self.nc.request(subject, msg.encode(), timeout=timeout)
+            await self.nc.request(subject, Ping().encode(), timeout=timeout, headers={PING_HEADER: "1"})
         except nats.errors.NoRespondersError:
             return False
         except Exception:  # noqa: BLE001 - timed out, or this connection away
@@ -96,7 +97,14 @@ class Bus:
         await self.nc.publish(request.reply, msg.encode(), headers=tracing.inject())
 
     async def subscribe(self, subject: str, handler: Callable[[Msg], Awaitable[None]], queue: str = "") -> Subscription:
-        return await self.nc.subscribe(subject, queue=queue, cb=handler)
+        """`handler` gets every message but a Ping, which is answered here."""
+        async def on_message(msg: Msg) -> None:
+            if msg.headers and PING_HEADER in msg.headers:
+                if msg.reply:
+                    await self.nc.publish(msg.reply, b"")
+                return
+            await handler(msg)
+        return await self.nc.subscribe(subject, queue=queue, cb=on_message)
 
     async def queue_prefill(self, prefill_worker: str, job: PrefillJob, ctx: context.Context | None = None) -> None:
         """Put a job on that prefill worker's queue (awaits the stream's ack); a second job for

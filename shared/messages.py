@@ -214,7 +214,6 @@ class Replay(Message):
     from_seq: int
 
 
-PAST_THE_END = 1 << 62  # a Replay from here publishes nothing: it only asks whether the worker is there
 
 
 class ReplayReply(Message):
@@ -262,6 +261,11 @@ class KVResend(Message):
     first_block: int
     num_blocks: int
     attempt: int              # the attempt this re-send is
+
+
+class Ping(Message):
+    """Is a subscriber of this subject there? Answered by the subscriber's bus (shared/bus.py),
+    never handed to its handler; the server answers no responders for a process gone."""
 
 
 class KVSync(Message):

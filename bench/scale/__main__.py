@@ -55,7 +55,7 @@ from bench.scale.plan import TRACE, TRACE_BLOCKS, FleetWorker, Trace, filler_cou
 from bench.scale.report import percentiles
 from bench.scale.stage import Stage, stage, store_name
 from services.router.recent import REGISTRY_READ_S
-from services.router.registry import Registry
+from services.router.registry import RegistryCopy
 from shared.config import Common, RouterSettings
 from shared.state import State
 from shared.tools.otlp_sink import OtlpReceiver
@@ -122,7 +122,7 @@ async def registry_reads(state: State, rounds: int = 20) -> dict:
     """A router's registry read, side by side while the fleet heartbeats: the whole registry
     (`state.registry.workers`, as routers read it before) and the changes since the last read
     (services/router/registry.py), REGISTRY_READ_S apart; median ms of each."""
-    whole, changes, registry = [], [], Registry()
+    whole, changes, registry = [], [], RegistryCopy()
     await registry.read(state)
     for _ in range(rounds):
         await asyncio.sleep(REGISTRY_READ_S)

@@ -37,7 +37,7 @@ from shared.engine.kv_io import Reservation
 from shared.kv import TAG_SPAN, KVTransport
 from shared.kv.receiver import SEGMENTS, KVBrokeOff, KVInbox, KVReceiver
 from shared.lifecycle import kv_deadline_s
-from shared.messages import AdmitRequest, KVAck, KVOutcome, KVSync, PrefillJob, Requeue, Requeued, WorkerInfo
+from shared.messages import AdmitRequest, KVAck, KVOutcome, PrefillJob, Requeue, Requeued, WorkerInfo
 from shared.state import State
 from shared.state.registry import Registry
 
@@ -119,10 +119,9 @@ class Handoffs:
         return SEGMENTS.host if self.settings.kv_segment_bytes else ""
 
     async def off_bus(self, worker: str) -> bool:
-        """No connection of `worker` on the bus: the server says no responders on its KVSync
-        subject (a live worker subscribes to it, and ignores a sync of no request)."""
-        return await self.bus.heard(subjects.prefill_kv_sync(worker), KVSync(request_id=""),
-                                    min(0.25, self.settings.heartbeat_s)) is False
+        """No connection of `worker` on the bus: the server says no responders to a Ping on its
+        KVSync subject (a live worker subscribes to it)."""
+        return await self.bus.heard(subjects.prefill_kv_sync(worker), min(0.25, self.settings.heartbeat_s)) is False
 
     def waited_on(self) -> set[str]:
         return {rx.prefill_worker for rx in list(self.inbox.receivers.values()) if rx.prefill_worker}

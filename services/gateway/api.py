@@ -20,7 +20,7 @@ from services.gateway.responses_request import ResponsesRequest
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from shared.metrics import openmetrics_names_kept
 
-router = APIRouter()
+ops = APIRouter()  # version, metrics, health, ready: no key
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
 tokens = APIRouter(dependencies=[Depends(authorize)])  # vLLM's, beside /v1
 # response_model=None: a route's `-> dict` is for mypy, not a response schema of its OpenAPI document
@@ -78,24 +78,24 @@ async def detokenize(body: DetokenizeRequest, gw: GatewayDep) -> dict:
     return {"prompt": gw.tokenizer.decode(body.tokens)}
 
 
-@router.get("/version", response_model=None)
+@ops.get("/version", response_model=None)
 async def version() -> dict:
     return {"version": importlib.metadata.version("pdserve")}
 
 
-@router.get("/metrics", include_in_schema=False)
+@ops.get("/metrics", include_in_schema=False)
 async def metrics(request: Request) -> Response:
     """Prometheus text, or OpenMetrics (with trace-id exemplars) when the scraper asks for it."""
     encode, content_type = choose_encoder(openmetrics_names_kept(request.headers.get("accept", "")))
     return Response(encode(REGISTRY), media_type=content_type)
 
 
-@router.get("/health", response_model=None)
+@ops.get("/health", response_model=None)
 async def health() -> dict:
     return {"status": "ok"}
 
 
-@router.get("/ready")
+@ops.get("/ready")
 async def ready(gw: GatewayDep) -> JSONResponse:
     """Ready when NATS is connected and a router and the worker pools are registered."""
     try:

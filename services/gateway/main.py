@@ -30,7 +30,7 @@ from fastapi import FastAPI
 from opentelemetry import trace
 
 from services.gateway import connections, errors, tools
-from services.gateway.api import router, tokens, v1
+from services.gateway.api import ops, tokens, v1
 from services.gateway.auth import KeyCheck
 from services.gateway.concurrency import Concurrency
 from services.gateway.deps import Gateway
@@ -96,7 +96,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     errors.install(app)
     app.include_router(v1)
     app.include_router(tokens)
-    app.include_router(router)
+    app.include_router(ops)
 
     app.add_middleware(RequestContext, tracer=trace.get_tracer("pdserve.gateway"),
                        max_bytes=settings.max_request_bytes)

@@ -50,7 +50,7 @@ from shared.absence import Absence
 from shared.bus import Bus
 from shared.config import GatewaySettings
 from shared.holders import Holders
-from shared.messages import PAST_THE_END, Cancel, Replay, ReplayReply, RouteReply, RouteRequest, Stalled, TokenChunk
+from shared.messages import Cancel, Replay, ReplayReply, RouteReply, RouteRequest, Stalled, TokenChunk
 from shared.state import State, placement_key
 
 log = logging.getLogger("gateway.relay")
@@ -319,7 +319,7 @@ class Relay:
         worker = placement.decode_worker
         if not worker:
             return False
-        on_bus = await self.on_bus(worker, rid)
+        on_bus = await self.on_bus(worker)
         if on_bus is not None:
             return not on_bus
         if self.records.alive is not None:
@@ -329,18 +329,17 @@ class Relay:
                 pass
         return False
 
-    async def on_bus(self, worker: str, rid: str) -> bool | None:
-        """Whether `worker` answers on the bus (a replay from past the end, which publishes
-        nothing): None — no verdict — unless `probe` and this gateway's own connection has
-        been up for BUS_SETTLED_S without a reconnect (after a NATS restart the workers
-        reconnect too, some later than this gateway), or when it does not answer in time."""
+    async def on_bus(self, worker: str) -> bool | None:
+        """Whether `worker` answers on the bus (a Ping on its replay subject): None — no
+        verdict — unless `probe` and this gateway's own connection has been up for BUS_SETTLED_S
+        without a reconnect (after a NATS restart the workers reconnect too, some later than
+        this gateway), or when it does not answer in time."""
         count, since = self.bus_seen
         if self.reconnects() != count:
             self.bus_seen = count, since = self.reconnects(), time.monotonic()
         if not self.timings.probe or time.monotonic() - since < BUS_SETTLED_S:
             return None
-        return await self.bus.heard(subjects.decode_replay(worker), Replay(request_id=rid, from_seq=PAST_THE_END),
-                                    self.timings.check_s)
+        return await self.bus.heard(subjects.decode_replay(worker), self.timings.check_s)
 
     async def failover(self, req: RouteRequest, lost: RouteReply, generated: list[int], attempt: int,
                        why: str, secret: str = "") -> RouteReply:

@@ -68,10 +68,8 @@ from shared.kv.sender import KVSender, SenderSettings, WorkerHooks
 from shared.messages import (
     CANCELLED,
     FINISHED_IN_PREFILL,
-    PAST_THE_END,
     Cancel,
     PrefillJob,
-    Replay,
     TokenChunk,
     WorkerInfo,
 )
@@ -186,10 +184,10 @@ class PrefillWorker:
                     self.ending.start(give_up(job))
 
     async def off_bus(self, decode_worker: str) -> bool:
-        """No connection of `decode_worker` on the bus: the server says no responders to a
-        replay from past the end of no request (a live one answers "no chunks", publishing nothing)."""
-        return await self.bus.heard(subjects.decode_replay(decode_worker), Replay(request_id="", from_seq=PAST_THE_END),
-                                    min(0.25, self.settings.heartbeat_s)) is False
+        """No connection of `decode_worker` on the bus: the server says no responders to a Ping
+        on its replay subject."""
+        return await self.bus.heard(subjects.decode_replay(decode_worker), min(0.25, self.settings.heartbeat_s)) \
+            is False
 
     async def ack_job(self, held: Job) -> None:
         """The job is over (handed off, refused or cancelled): ack it, it leaves the queue."""

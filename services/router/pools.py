@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from services.router.placement import live
 from services.router.recent import REGISTRY_READ_S
-from services.router.registry import Bounds, Registry
+from services.router.registry import Bounds, RegistryCopy
 from shared.messages import WorkerInfo
 from shared.state import State
 from shared.tasks import every
@@ -54,7 +54,7 @@ class Pools:
 
     def __init__(self, state: State, stall_s: float, bounds: Bounds | None = None):
         self.state, self.stall_s = state, stall_s
-        self.registry = Registry(bounds=bounds or Bounds())
+        self.registry = RegistryCopy(bounds=bounds or Bounds())
         self.read_at = -math.inf  # never read
         self.by_model: dict[str, Pool] = {}
         self.refreshing = False  # `keep` runs

@@ -56,7 +56,7 @@ class Bounds:
         return info.model_copy(update=over)
 
 
-class Registry:
+class RegistryCopy:
     def __init__(self, clock: Callable[[], float] = time.monotonic, bounds: Bounds = Bounds()) -> None:
         self.clock, self.bounds = clock, bounds
         self.epoch, self.seq = "", 0

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from services.router.registry import Registry
+from services.router.registry import RegistryCopy
 from shared.messages import WorkerInfo
 from shared.state import State
 
@@ -29,7 +29,7 @@ def test_a_read_carries_what_changed_not_the_fleet(redis_url):
         await state.r.flushall()
         for i in range(256):
             await state.registry.heartbeat(info(i), lease_s=30)
-        a, b = Registry(), Registry()
+        a, b = RegistryCopy(), RegistryCopy()
         await a.read(state)
         first = a.changes_read
         await a.read(state)
@@ -57,7 +57,7 @@ def test_a_lapsed_lease_leaves_and_an_emptied_redis_is_read_whole(redis_url):
         await state.r.flushall()
         await state.registry.heartbeat(info(1), lease_s=30)
         await state.registry.heartbeat(info(2), lease_s=2)
-        reg = Registry(clock=lambda: now[0])
+        reg = RegistryCopy(clock=lambda: now[0])
         await reg.read(state)
         before = [w.worker_id for w in reg.workers()]
         now[0] += 2.5                                 # decode-002 did not beat again
@@ -90,7 +90,7 @@ def test_a_bad_entry_costs_its_worker_its_place_never_the_read_of_the_others(red
         await state.registry.heartbeat(WorkerInfo(worker_id="decode-005", role="decode", total_blocks=10**9,
                                                   free_blocks=10**9, running=-50, prefill_tokens_per_s=1e12),
                                        lease_s=30)
-        reg = Registry(bounds=Bounds(max_blocks=4096, max_tokens_per_s=5e4))
+        reg = RegistryCopy(bounds=Bounds(max_blocks=4096, max_tokens_per_s=5e4))
         await reg.read(state)
         entries = await state.registry.entries(["decode-001", "decode-002", "decode-004"])
         await state.close()
