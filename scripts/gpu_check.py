@@ -149,7 +149,7 @@ def decode_steps(loaded: LoadedModel, prompt: list[int]) -> dict:
     """Decode step time at batch 1, 8, 32 with each kernel backend, beside the HBM bandwidth
     limit: the weights' bytes and the batch's KV bytes read once per step at the copy rate."""
     gbps, cfg = hbm_gbps(), loaded.config
-    weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in loaded.decoder.parameters())
     out: dict = {"hbm_copy_gbps": gbps, "weight_bytes": weight_bytes, "steps": []}
     for backend in ("triton", "torch"):
         eng = Engine(loaded, EngineConfig(num_blocks=8192, device="cuda", kernels=backend, max_num_seqs=64))

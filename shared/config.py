@@ -25,6 +25,8 @@ def model_id(source: str) -> str:
         return SMOLLM2_ID
     if source == "gemma3-270m":
         return "gemma-3-270m"
+    if source.startswith("fake:"):   # (the fake model's: shared/engine/fake.py)
+        return "fake-" + model_id(source.removeprefix("fake:"))
     path = Path(source)
     if path.exists():
         return path.stem if path.suffix == ".gguf" else path.resolve().name
@@ -328,6 +330,8 @@ class WorkerSettings(Common):
                                                "this many never returns (heartbeats go on)")
     fault_engine_raise_after_steps: int = Field(0, ge=0, description="fault injection: the engine step after "
                                                 "this many raises (the worker leaves and exits)")
+    fake_step_s: float = Field(0.0, ge=0, description="tests: the fake model's (PD_MODEL=fake:smollm2, "
+                               "shared/engine/fake.py) sleep per forward pass, a step time")
 
 
 class PrefillSettings(WorkerSettings):

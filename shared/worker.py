@@ -4,6 +4,7 @@ changes published, registry entry, draining), how the engine is built, and start
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import uuid
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from shared.config import WorkerSettings
 from shared.engine.block_manager import CacheChange
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
+from shared.engine.fake import FakeModel
 from shared.engine.loader import load
 from shared.engine_host import EngineHost
 from shared.kv import Faults, KVTransport, create_transport
@@ -26,6 +28,8 @@ from shared.prefix_events import PrefixEventPublisher
 from shared.prefix_index import PrefixPublisher
 from shared.service import connect, stop_event
 from shared.state import State
+
+log = logging.getLogger(__name__)
 
 
 def worker_id(settings: WorkerSettings, role: str) -> str:
@@ -44,6 +48,9 @@ def build_engine(settings: WorkerSettings) -> Engine:
         torch.set_num_threads(settings.threads)
     dtype = torch_dtype(settings.dtype, settings.device)
     loaded = load(settings.model, dtype=dtype, device=settings.device, weights=settings.weights)
+    if isinstance(loaded.model, FakeModel):
+        log.warning("the fake model (%s): no weights, its tokens are no model's (tests only)", settings.model)
+        loaded.model.step_s = settings.fake_step_s
     cfg = EngineConfig(num_blocks=settings.kv_blocks, dtype=dtype, max_num_seqs=settings.max_num_seqs,
                        max_batched_tokens=settings.max_batched_tokens,
                        prefill_chunk=settings.prefill_chunk, mixed_batches=settings.mixed_batches,

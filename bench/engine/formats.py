@@ -95,7 +95,7 @@ def measure(threads: int, rounds: int, steps: int, with_quality: bool = True) ->
         loaded = {f: load(str(path), weights=f) for f in ("fp32", "native")}
         engines = {f: Engine(m, cfg) for f, m in loaded.items()}
         cpp = LlamaCpp(str(path), threads, logits_all=with_quality)
-        out[name] = {"file": path.name, "formats": sorted(loaded["native"].model.packed_formats()),
+        out[name] = {"file": path.name, "formats": sorted(loaded["native"].decoder.packed_formats()),
                      "speed": speed({**{f: engine_arm(e) for f, e in engines.items()}, "llama.cpp": llamacpp_arm(cpp)},
                                     rounds, steps)}
         if with_quality:

@@ -8,6 +8,8 @@
 - a directory          config.json + *.safetensors (+ tokenizer.json)
 - a Hub id             org/name, its snapshot in the Hugging Face cache (downloaded if absent)
 - "tiny"               random weights from a fixed seed, for unit tests
+- "fake:smollm2"       no weights: the fake model (fake.py) with SmolLM2's tokenizer and KV shape,
+                       for the stack tests of routing, failover and the bus (never a default)
 
 `weights` (weights.py): "fp32" dequantizes every matrix; "native" keeps a GGUF's own blocks
 (Q4_0…Q8_0, Q4_K, Q5_K, Q6_K) and computes with them (other sources and formats stay fp32);
@@ -30,9 +32,10 @@ from pathlib import Path
 import torch
 import xxhash
 
-from shared.engine import gguf_file, gguf_tensors
+from shared.engine import fake, gguf_file, gguf_tensors
 from shared.engine.architectures import model_config
 from shared.engine.config import ModelConfig
+from shared.engine.fake import FakeModel
 from shared.engine.model import DecoderModel
 from shared.engine.tokenizer import Tokenizer
 from shared.engine.weights import choose
@@ -43,12 +46,19 @@ TINY_SEED = 1234
 
 @dataclass
 class LoadedModel:
-    model: DecoderModel
+    model: DecoderModel | FakeModel
     config: ModelConfig
     tokenizer: Tokenizer | None
     name: str
     weights_id: str  # identity of the weights (content hash or seed)
     weights: str = "fp32"  # the format computed with (weights.FORMATS)
+
+    @property
+    def decoder(self) -> DecoderModel:
+        """The real model's modules (a fake model has none)."""
+        if not isinstance(self.model, DecoderModel):
+            raise TypeError(f"{self.name} is the fake model: it has no weights")
+        return self.model
 
     def fingerprint(self, dtype: torch.dtype, block_size: int, any_format: bool = False) -> str:
         """What two engines must share to exchange KV; `any_format`: whatever weights' format
@@ -81,6 +91,8 @@ def smollm2_path() -> Path:
 
 
 def load(source: str, dtype: torch.dtype = torch.float32, device: str = "cpu", weights: str = "fp32") -> LoadedModel:
+    if fake.is_fake(source):
+        return _load_fake(source)
     path = None if source == "tiny" else _resolve(source)
     weights = choose(weights, path is not None and not path.is_dir(), device, dtype)
     if weights == "native" and (device != "cpu" or dtype != torch.float32):
@@ -94,6 +106,9 @@ def inspect(source: str) -> tuple[ModelConfig, Tokenizer | None]:
     """Architecture and tokenizer without the weights (what a gateway needs)."""
     if source == "tiny":
         return ModelConfig.tiny(), None
+    if fake.is_fake(source):
+        base = fake.base_of(source)
+        return fake.BASES[base], Tokenizer.from_gguf(_resolve(base))
     path = _resolve(source)
     if path.is_dir():
         return _hf_config(path), _hf_tokenizer(path)
@@ -159,6 +174,14 @@ def _load_tiny(dtype: torch.dtype, device: str) -> LoadedModel:
     torch.manual_seed(TINY_SEED)
     model = _build(cfg, None, dtype, device)
     return LoadedModel(model, cfg, None, "tiny", f"tiny-seed-{TINY_SEED}")
+
+
+def _load_fake(source: str) -> LoadedModel:
+    """The fake model over its base's tokenizer (fake.py): no weights, named fake everywhere (its
+    KV fingerprint too: a fake worker and a real one never exchange KV)."""
+    cfg, tokenizer = inspect(source)
+    assert tokenizer is not None  # (every base has one)
+    return LoadedModel(FakeModel(cfg, tokenizer), cfg, tokenizer, f"fake-{fake.base_of(source)}", "fake-v1")
 
 
 # -- GGUF ----------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import torch
 
 from shared.engine.batch import ForwardBatch
 from shared.engine.config import EngineConfig, ModelConfig
+from shared.engine.fake import FakeModel
 from shared.engine.kernels import select
 from shared.engine.logprobs import logprobs_of
 from shared.engine.model import DecoderModel
@@ -17,7 +18,7 @@ from shared.engine.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, mcfg: ModelConfig, cfg: EngineConfig, num_blocks: int):
+    def __init__(self, model: DecoderModel | FakeModel, mcfg: ModelConfig, cfg: EngineConfig, num_blocks: int):
         self.model, self.mcfg, self.cfg = model, mcfg, cfg
         self.device = torch.device(cfg.device)
         self.ops = select(cfg.kernels, cfg.device)
