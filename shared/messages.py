@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal, Self
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from shared.engine.grammar import Grammar
 from shared.engine.logprobs import Logprob
@@ -23,11 +23,11 @@ class Message(BaseModel):
     fields while older ones still run (rolling upgrades); a change older services cannot read
     safely raises `v`, which they refuse."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
     v: Literal[1] = 1
 
     def encode(self) -> bytes:
-        return self.model_dump_json().encode()
+        return self.model_dump_json(by_alias=True).encode()
 
     @classmethod
     def decode(cls, data: bytes) -> Self:
@@ -186,7 +186,8 @@ class KVLayer(Message):
     first_block: int          # index among the prompt's blocks
     num_blocks: int
     checksums: list[int]      # xxh3-64 of each block's bytes as sent (encoded), layer-major
-    attempt: int = 0          # 0, then 1.. for re-sends
+    resend: int = Field(0, alias="attempt")  # 0: the first send of these blocks, then 1.. for re-sends
+    #                                          (its name on the wire, which every version reads)
     encoding: Literal["native", "int8"] = "native"   # shared/kv/codec.py
     num_layers: int = 1       # (an older receiver sees a checksum count that does not match: refused, never misread)
     segment: SegmentRef | None = None  # the payload is in the sender's segment (same host), not on `tag`
@@ -260,7 +261,7 @@ class KVResend(Message):
     layer: int
     first_block: int
     num_blocks: int
-    attempt: int              # the attempt this re-send is
+    resend: int = Field(alias="attempt")  # the re-send this is (1..; its name on the wire, as KVLayer's)
 
 
 class Ping(Message):

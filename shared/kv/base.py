@@ -8,7 +8,7 @@ needs no endpoint back to the sender. The sender opens (and caches) one endpoint
 address: a restarted peer has a new address, so it is never reached through a stale one.
 
 Fault injection (tests and drills, off by default): `corrupt_rate` flips one byte in that
-fraction of payloads whose attempt is below `corrupt_attempts` (on a copy: the pool is never
+fraction of payloads whose resend is below `corrupt_sends` (on a copy: the pool is never
 touched); `delay_s` holds each send that long.
 """
 
@@ -37,22 +37,22 @@ def block_checksums(blocks: np.ndarray) -> list[int]:
 @dataclass
 class Faults:
     corrupt_rate: float = 0.0
-    corrupt_attempts: int = 1
+    corrupt_sends: int = 1
     delay_s: float = 0.0
 
-    def strikes(self, attempt: int) -> bool:
-        return attempt < self.corrupt_attempts and self.corrupt_rate > 0 and random.random() < self.corrupt_rate
+    def strikes(self, resend: int) -> bool:
+        return resend < self.corrupt_sends and self.corrupt_rate > 0 and random.random() < self.corrupt_rate
 
-    def apply(self, payload: np.ndarray, attempt: int) -> tuple[np.ndarray, bool]:
-        if self.strikes(attempt):
+    def apply(self, payload: np.ndarray, resend: int) -> tuple[np.ndarray, bool]:
+        if self.strikes(resend):
             payload = np.array(payload, copy=True)
-            self.apply_in_place(payload, attempt, strikes=True)
+            self.apply_in_place(payload, resend, strikes=True)
             return payload, True
         return payload, False
 
-    def apply_in_place(self, payload: np.ndarray, attempt: int, strikes: bool = False) -> bool:
+    def apply_in_place(self, payload: np.ndarray, resend: int, strikes: bool = False) -> bool:
         """Flip one byte of `payload` itself (a payload in a shared-memory segment: its own region)."""
-        if strikes or self.strikes(attempt):
+        if strikes or self.strikes(resend):
             flat = payload.reshape(-1)
             flat[random.randrange(flat.size)] ^= 0xFF
             return True
@@ -75,9 +75,9 @@ class KVTransport(abc.ABC):
     def address(self) -> str:
         """This process's address, as peers use it."""
 
-    async def send(self, peer: str, tag: int, payload: np.ndarray, attempt: int = 0) -> int:
+    async def send(self, peer: str, tag: int, payload: np.ndarray, resend: int = 0) -> int:
         """Send one uint8 payload to a peer on `tag`; returns bytes sent."""
-        payload, corrupted = self.faults.apply(payload, attempt)
+        payload, corrupted = self.faults.apply(payload, resend)
         self.corrupted += corrupted
         await self.faults.hold()
         await self._send(peer, tag, payload)

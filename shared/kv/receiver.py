@@ -9,7 +9,7 @@
    segment when the notice says where (same host: shared/kv/segment.py) — and check every
    block against its checksum. Good blocks are decoded (native or
    int8, shared/kv/codec.py) and written into the reservation; bad ones are asked for again
-   (KVResend to the notice's sender, fresh tag) up to `max_attempts` sends in all, then the
+   (KVResend to the notice's sender, fresh tag) up to `max_sends` sends in all, then the
    handoff fails.
 3. KVEnd: the first token — or the sender's explicit failure. Notices and ends of another
    handoff — from a sender other than the receiver's (a job moved off a prefill worker thought
@@ -71,7 +71,7 @@ class HandoffTerms:
     reservation: Reservation
     kv_tag: int
     prefill_worker: str
-    max_attempts: int = 3
+    max_sends: int = 3
     secret: str = ""          # the placement's: the handoff's messages both ways are signed with it (shared/macs.py)
 
 
@@ -95,7 +95,7 @@ class TargetPool:
 class KVReceiver:
     def __init__(self, terms: HandoffTerms, pool: TargetPool, transport: KVTransport, bus: Bus):
         self.prefill_worker, self.secret = terms.prefill_worker, terms.secret  # the sender, the placement's secret
-        self.res, self.kv_tag, self.max_attempts = terms.reservation, terms.kv_tag, terms.max_attempts
+        self.res, self.kv_tag, self.max_sends = terms.reservation, terms.kv_tag, terms.max_sends
         self.pool, self.transport, self.bus = pool, transport, bus
         self.have = np.zeros((pool.num_layers, self.res.num_blocks - self.res.first_block), dtype=bool)
         self.end: KVEnd | None = None  # KVEnd(ok): the first token (and its log probabilities)
@@ -106,8 +106,8 @@ class KVReceiver:
 
     @classmethod
     def for_engine(cls, engine: Engine, reservation: Reservation, kv_tag: int, transport: KVTransport,
-                   bus: Bus, prefill_worker: str, max_attempts: int = 3, secret: str = "") -> KVReceiver:
-        return cls(HandoffTerms(reservation, kv_tag, prefill_worker, max_attempts, secret), TargetPool.of(engine),
+                   bus: Bus, prefill_worker: str, max_sends: int = 3, secret: str = "") -> KVReceiver:
+        return cls(HandoffTerms(reservation, kv_tag, prefill_worker, max_sends, secret), TargetPool.of(engine),
                    transport, bus)
 
     @property
@@ -176,9 +176,9 @@ class KVReceiver:
         good = np.array([a == b for a, b in zip(block_checksums(buf), n.checksums)]).reshape(n.num_layers, nb)
         if not good.all():
             self.bad_blocks += int((~good).sum())
-            if n.attempt + 1 >= self.max_attempts:
+            if n.resend + 1 >= self.max_sends:
                 raise KVFailed(f"layers {n.layer}+{n.num_layers}: {int((~good).sum())} blocks still corrupt "
-                               f"after {n.attempt + 1} sends")
+                               f"after {n.resend + 1} sends")
             log.warning("%s: layers %d+%d: %d corrupt blocks; asking for them again", self.rid, n.layer,
                         n.num_layers, (~good).sum())
         for i, layer in enumerate(range(n.layer, n.layer + n.num_layers)):
@@ -191,7 +191,7 @@ class KVReceiver:
                 self.resends += 1
                 await self.bus.publish(subjects.prefill_kv_resend(n.prefill_worker), KVResend(
                     request_id=self.rid, layer=layer, first_block=n.first_block + a, num_blocks=b - a,
-                    attempt=n.attempt + 1), secret=self.secret)
+                    resend=n.resend + 1), secret=self.secret)
 
     def _check(self, n: KVLayer) -> int:
         """The notice against the reservation; returns its first block's index in `have`."""

@@ -18,7 +18,7 @@ One Handoff per request:
 3. `finish(rid, first_token, lease_s)` after the prompt's last pass: KVEnd(ok, first token
    and, when the request asks, its log probabilities and the prompt's),
    then wait for the KVAck; KVResend requests are answered meanwhile (re-read from the pool,
-   attempt n, fresh tag). The lease ends at the ack, at `lease_s`, or at `cancel`. Acks and
+   re-send n, fresh tag). The lease ends at the ack, at `lease_s`, or at `cancel`. Acks and
    re-send requests come to this worker alone (`pd.prefill.<id>.kv.ack`, `.kv.resend`): each
    notice names its sender.
 4. `cancel(rid, reason)`: KVEnd(not ok) — the explicit failure message — and the lease ends.
@@ -87,7 +87,7 @@ class SenderSettings:
 
     worker_id: str
     fingerprint: str
-    max_attempts: int = 3
+    max_sends: int = 3
     encoding: codec.Encoding = "native"
     piece_bytes: int = 8 << 20
 
@@ -142,14 +142,14 @@ class KVSender:
         return sink
 
     # -- 2. pieces -----------------------------------------------------------------------------
-    def _start_send(self, h: Handoff, pieces: list[KVPiece], attempt: int) -> None:
+    def _start_send(self, h: Handoff, pieces: list[KVPiece], resend: int) -> None:
         if h.acked.done() or h.error or h.closed:
             return
-        task = asyncio.create_task(self._send(h, pieces, attempt))
+        task = asyncio.create_task(self._send(h, pieces, resend))
         h.sends.add(task)
         task.add_done_callback(h.sends.discard)
 
-    async def _send(self, h: Handoff, pieces: list[KVPiece], attempt: int) -> None:
+    async def _send(self, h: Handoff, pieces: list[KVPiece], resend: int) -> None:
         """One message: consecutive layers of one run of blocks."""
         try:
             if pieces[-1].ready is not None:  # the gathers or the layers' kernels may still be running
@@ -167,7 +167,7 @@ class KVSender:
             notice = KVLayer(request_id=h.job.request_id, prefill_worker=self.settings.worker_id,
                              fingerprint=self.settings.fingerprint, tag=tag, layer=first.layer, num_layers=len(pieces),
                              first_block=first.first_block, num_blocks=first.num_blocks,
-                             checksums=block_checksums(host), attempt=attempt, encoding=self.settings.encoding,
+                             checksums=block_checksums(host), resend=resend, encoding=self.settings.encoding,
                              segment=ref)
             h.pieces += 1
             h.bytes_sent += host.nbytes  # counted when handed over: the ack may beat the send's completion
@@ -198,16 +198,16 @@ class KVSender:
             await self.transport.faults.hold()
             if h.closed:  # its region may be another handoff's by now: nothing more of it goes out
                 return
-            self.transport.corrupted += self.transport.faults.apply_in_place(payload, notice.attempt)
+            self.transport.corrupted += self.transport.faults.apply_in_place(payload, notice.resend)
         h.notices.append(notice)
         await self.bus.publish(subjects.decode_kv(h.job.decode_worker), notice, ctx=h.ctx, secret=h.job.secret)
         if notice.segment is None:
-            await self.transport.send(h.job.decode_address, notice.tag, payload, notice.attempt)
+            await self.transport.send(h.job.decode_address, notice.tag, payload, notice.resend)
 
     async def on_resend(self, msg: Msg) -> None:
         req = KVResend.decode(msg.data)
         h = self.handoffs.get(req.request_id)
-        if h is None or h.acked.done() or req.attempt >= self.settings.max_attempts \
+        if h is None or h.acked.done() or req.resend >= self.settings.max_sends \
                 or not macs.signed_with(h.job.secret, msg):
             return
         try:
@@ -217,8 +217,8 @@ class KVSender:
             return
         h.resent_blocks += req.num_blocks
         trace.get_current_span(h.ctx).add_event("resend", {"layer": req.layer, "first_block": req.first_block,
-                                                           "blocks": req.num_blocks, "attempt": req.attempt})
-        self._start_send(h, [KVPiece(req.request_id, req.layer, req.first_block, data)], req.attempt)
+                                                           "blocks": req.num_blocks, "resend": req.resend})
+        self._start_send(h, [KVPiece(req.request_id, req.layer, req.first_block, data)], req.resend)
 
     async def on_sync(self, msg: Msg) -> None:
         """The decode side's bus was away while this handoff was open."""

@@ -23,7 +23,7 @@ from kubernetes.client import ApiClient
 from prometheus_client import REGISTRY
 
 import shared.metrics  # noqa: F401 - registers the metrics the adapter rules read
-from services.gateway.api import router as gateway_routes
+from services.gateway.api import ops as gateway_routes
 from shared import grants, probes
 from shared.config import DecodeSettings, GatewaySettings, IssuerSettings, PrefillSettings, RouterSettings
 from shared.engine.kernels import cc

@@ -45,7 +45,7 @@ def expected(tiny, prompt=PROMPT):
 
 
 async def handoff(src: Engine, dst: Engine, prompt=PROMPT, rid="r", faults: Faults | None = None,
-                  fingerprint: str | None = None, max_attempts: int = 3, encoding="native", piece_bytes=8 << 20,
+                  fingerprint: str | None = None, max_sends: int = 3, encoding="native", piece_bytes=8 << 20,
                   bus: LocalBus | None = None, before_wait=None, segment: Segment | None = None,
                   decode_host: str | None = None):
     """Prefill on src streaming to dst (through `segment` when given: the same host); returns
@@ -56,12 +56,12 @@ async def handoff(src: Engine, dst: Engine, prompt=PROMPT, rid="r", faults: Faul
     async def read_blocks(r, layer, first, n):
         return src.kv_blocks(r, layer, first, n)
 
-    sender = KVSender(SenderSettings("p", src.fingerprint, max_attempts, encoding, piece_bytes), tx, bus,
+    sender = KVSender(SenderSettings("p", src.fingerprint, max_sends, encoding, piece_bytes), tx, bus,
                       WorkerHooks(read_blocks), segment)
     await sender.start()
     res = dst.reserve(rid, prompt, PARAMS)
     inbox = KVInbox(bus, "d")
-    rx = inbox.add(KVReceiver.for_engine(dst, res, 1 << 20, rx_transport, bus, "p", max_attempts, SECRET))
+    rx = inbox.add(KVReceiver.for_engine(dst, res, 1 << 20, rx_transport, bus, "p", max_sends, SECRET))
     await inbox.start()
     if decode_host is None:
         decode_host = segment.host if segment else ""
@@ -147,19 +147,19 @@ def test_a_corrupted_byte_is_caught_every_time_and_resent(tiny, piece_bytes):
     """Every first send has one byte flipped: each is caught by its block checksum, only the
     bad block of the bad layer is sent again, and the output is unchanged."""
     src, dst = Engine(tiny, EngineConfig(**CHUNKED)), Engine(tiny, EngineConfig(num_blocks=64))
-    out, h, rx, bus = asyncio.run(handoff(src, dst, faults=Faults(corrupt_rate=1.0, corrupt_attempts=1),
+    out, h, rx, bus = asyncio.run(handoff(src, dst, faults=Faults(corrupt_rate=1.0, corrupt_sends=1),
                                           piece_bytes=piece_bytes))
     assert out == expected(tiny)
     first_sends = 3 * (tiny.config.num_layers if piece_bytes == 0 else 1)
     assert rx.bad_blocks == first_sends == rx.resends == len(bus.of_type(KVResend))
     assert h.resent_blocks == first_sends   # one block per corrupted payload, not the whole message
-    assert all(n.attempt == 1 and n.num_layers == 1 for n in bus.of_type(KVLayer)[first_sends:])
+    assert all(n.resend == 1 and n.num_layers == 1 for n in bus.of_type(KVLayer)[first_sends:])
 
 
 def test_kv_that_stays_corrupt_fails_after_bounded_tries(tiny):
     src, dst = Engine(tiny, EngineConfig(**CHUNKED)), Engine(tiny, EngineConfig(num_blocks=64))
     with pytest.raises(KVFailed, match="still corrupt after 2 sends"):
-        asyncio.run(handoff(src, dst, faults=Faults(corrupt_rate=1.0, corrupt_attempts=99), max_attempts=2))
+        asyncio.run(handoff(src, dst, faults=Faults(corrupt_rate=1.0, corrupt_sends=99), max_sends=2))
     assert src.num_free_blocks == src.num_blocks and dst.num_free_blocks == dst.num_blocks
 
 
@@ -444,7 +444,7 @@ def test_kv_to_the_same_host_goes_through_the_segment_and_its_regions_are_free_a
 def test_a_byte_corrupted_in_the_segment_is_caught_and_resent(tiny, segment_of):
     segment = segment_of(16 << 20)
     src, dst = Engine(tiny, EngineConfig(**CHUNKED)), Engine(tiny, EngineConfig(num_blocks=64))
-    out, h, rx, bus = asyncio.run(handoff(src, dst, faults=Faults(corrupt_rate=1.0, corrupt_attempts=1),
+    out, h, rx, bus = asyncio.run(handoff(src, dst, faults=Faults(corrupt_rate=1.0, corrupt_sends=1),
                                           segment=segment))
     assert out == expected(tiny)
     assert rx.bad_blocks == 3 == len(bus.of_type(KVResend)) and h.resent_blocks == 3
@@ -495,7 +495,7 @@ def test_handoff_messages_without_the_placements_mac_are_dropped_and_counted_bot
             await bus.publish(subjects.prefill_kv_ack("p"), KVAck(request_id="r", ok=False, error="forged",
                                                                   kv_tag=1 << 20), secret=secret)
             await bus.publish(subjects.prefill_kv_resend("p"), KVResend(request_id="r", layer=0, first_block=0,
-                                                                        num_blocks=1, attempt=1), secret=secret)
+                                                                        num_blocks=1, resend=1), secret=secret)
         wildcard = KVEnd(request_id="r", ok=False, error="wildcard")   # prefill_worker "", kv_tag 0
         await bus.publish(subjects.decode_kv_end("d"), wildcard, secret=SECRET)
         await asyncio.sleep(0.05)

@@ -21,14 +21,14 @@ def test_a_payload_arrives_whole_on_its_tag():
     assert sent == payload.nbytes and np.array_equal(payload, out)
 
 
-def test_fault_injection_flips_one_byte_of_a_copy_only_for_early_attempts():
+def test_fault_injection_flips_one_byte_of_a_copy_only_for_early_sends():
     async def run():
-        a, b = create_transport("fake", faults=Faults(corrupt_rate=1.0, corrupt_attempts=1)), create_transport("fake")
+        a, b = create_transport("fake", faults=Faults(corrupt_rate=1.0, corrupt_sends=1)), create_transport("fake")
         payload = np.zeros((4, 1024), dtype=np.uint8)
         first, second = np.empty_like(payload), np.empty_like(payload)
-        await a.send(b.address, 1, payload.reshape(-1), attempt=0)
+        await a.send(b.address, 1, payload.reshape(-1), resend=0)
         await b.recv(1, first)
-        await a.send(b.address, 2, payload.reshape(-1), attempt=1)
+        await a.send(b.address, 2, payload.reshape(-1), resend=1)
         await b.recv(2, second)
         return payload, first, second, a.corrupted
 

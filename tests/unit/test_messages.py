@@ -16,7 +16,7 @@ EXAMPLES = [
     m.KVLayer(request_id="r", prefill_worker="p", fingerprint="f", tag=1 << 20, layer=3, first_block=0,
               num_blocks=2, checksums=[1, 2**64 - 1]),
     m.KVEnd(request_id="r", ok=True, first_token=5),
-    m.KVResend(request_id="r", layer=3, first_block=1, num_blocks=1, attempt=1),
+    m.KVResend(request_id="r", layer=3, first_block=1, num_blocks=1, resend=1),
     m.PrefillJob(request_id="r", prompt_token_ids=[1], sampling=SAMPLING, decode_worker="d",
                  decode_address="00ff", decode_fingerprint="f", first_block=0, kv_tag=1 << 20),
     m.KVAck(request_id="r", ok=False, error="bad checksum"),
@@ -39,6 +39,12 @@ def test_a_newer_senders_fields_are_ignored_and_an_unknown_version_refused():
         m.Cancel.decode(b'{"v":2,"request_id":"r"}')
     with pytest.raises(ValidationError):   # made in code, a misspelt field is still an error
         m.Cancel(request_id="r", surprise=1)
+
+
+def test_a_resend_number_keeps_its_name_on_the_wire_so_every_version_reads_it():
+    notice = m.KVResend(request_id="r", layer=0, first_block=0, num_blocks=1, resend=2)
+    assert b'"attempt":2' in notice.encode() and b"resend" not in notice.encode()
+    assert m.KVResend.decode(notice.encode()).resend == 2
 
 
 def test_sampling_maps_to_engine_params():
