@@ -39,6 +39,14 @@ def smollm2():
 
 
 @pytest.fixture(scope="session")
+def fake():
+    """The fake model (shared/engine/fake.py): the in-process reference of the stack tests that run it."""
+    from shared.engine.loader import load
+
+    return load("fake:smollm2")
+
+
+@pytest.fixture(scope="session")
 def smollm2_native():
     """SmolLM2 with its file's 4-bit blocks computed with as they are (PD_WEIGHTS=native)."""
     from shared.engine.loader import load

@@ -1,4 +1,5 @@
-"""The real stack as processes on free ports: nats-server, redis-server, router, gateway, workers."""
+"""The real stack as processes on free ports: nats-server, redis-server, router, gateway, workers;
+with the real model, or the fake one where the model is not what is tested (FAKE, fake_env)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,14 @@ from deploy.local.stack import Stack, StackConfig
 from shared.tools.otlp_sink import OtlpReceiver
 
 MODEL = "SmolLM2-135M-Instruct"
+# the fake model (shared/engine/fake.py), for the tests of routing, failover, cancellation and the
+# bus: the real engine around it, tokens no model's; served under MODEL's name (fake_env)
+FAKE = "fake:smollm2"
+
+
+def fake_env(step_s: float = 0.0, **env: str) -> dict[str, str]:
+    """A fake-model stack's environment (`env` on top): MODEL's name, `step_s` slept per forward pass."""
+    return {"PD_MODEL_NAME": MODEL, "PD_FAKE_STEP_S": str(step_s), **env}
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """A worker whose engine loop dies leaves the registry at once and exits non-zero, instead of
 heartbeating on while it does nothing; its streams are continued on another decode worker,
-each one exactly the in-process engine's tokens."""
+each one exactly the in-process engine's tokens. On the fake model (tests/stack/conftest.py):
+what is tested is the loop's death and the streams' failover, not the model's numbers."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from conftest import MODEL
+from conftest import FAKE, MODEL, fake_env
 from helpers import generate
 
 from deploy.local.stack import Stack, StackConfig
@@ -22,12 +23,12 @@ QUESTIONS = ["Name three rivers of Europe.", "What is rain?", "Write a haiku abo
              "What do bees make?", "Describe a lighthouse."]
 
 
-def test_a_decode_worker_whose_engine_step_raises_leaves_and_its_streams_finish_elsewhere(smollm2, tmp_path):
-    tok = smollm2.tokenizer
+def test_a_decode_worker_whose_engine_step_raises_leaves_and_its_streams_finish_elsewhere(fake, tmp_path):
+    tok = fake.tokenizer
     prompts = {q: tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS}
-    expected = generate(smollm2, prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
-    cfg = StackConfig.on_free_ports(prefill=1, decode=2, kv_blocks=512, log_dir=tmp_path,
-                                    env={"PD_HEARTBEAT_S": "0.3", "PD_FAILOVER_CHECK_S": "0.3"},
+    expected = generate(fake, prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    cfg = StackConfig.on_free_ports(prefill=1, decode=2, kv_blocks=512, log_dir=tmp_path, model=FAKE,
+                                    env=fake_env(PD_HEARTBEAT_S="0.3", PD_FAILOVER_CHECK_S="0.3"),
                                     worker_env={"decode-0": {"PD_FAULT_ENGINE_RAISE_AFTER_STEPS": "20"}})
     with Stack(cfg) as stack, httpx.Client(base_url=stack.url, timeout=120) as http:
         def ask(q: str) -> list[int]:
