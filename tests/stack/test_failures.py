@@ -1,5 +1,7 @@
 """Failures on the live stack: a prefill worker killed mid-job costs its lease, not the KV
-deadline, and not the request: its job moves to another prefill worker."""
+deadline, and not the request: its job moves to another prefill worker. The tests of the
+breaker, the refused queue and the decode workers' failover and drain run the fake model
+(tests/stack/conftest.py): the path is what they test, not the model's numbers."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from conftest import MODEL
+from conftest import FAKE, MODEL, fake_env
 from helpers import generate
 
 from deploy.local.stack import Stack, StackConfig
@@ -136,9 +138,9 @@ def test_a_failing_kv_path_opens_its_breaker_and_requests_go_colocated(tmp_path)
     after its re-sends and the decode worker prefills locally. After 3 such failures the
     routers' breaker for prefill-0 → decode-0 opens and the next requests are prefilled on the
     decode worker from the start — no more doomed transfers; every answer still arrives."""
-    cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=512, log_dir=tmp_path, env={
-        "PD_KV_FAULT_CORRUPT_RATE": "1.0", "PD_KV_FAULT_CORRUPT_ATTEMPTS": "99", "PD_BREAKER_FAILURES": "3",
-        "PD_BREAKER_COOLDOWN_S": "300"})
+    cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=512, log_dir=tmp_path, model=FAKE, env=fake_env(
+        PD_KV_FAULT_CORRUPT_RATE="1.0", PD_KV_FAULT_CORRUPT_ATTEMPTS="99", PD_BREAKER_FAILURES="3",
+        PD_BREAKER_COOLDOWN_S="300"))
     modes, answers = [], []
     with Stack(cfg) as stack:
         store = sync_redis(stack.redis_url)
@@ -175,8 +177,8 @@ def test_a_prefill_job_the_queue_refuses_is_prefilled_on_the_decode_worker_at_on
         await js.publish(subjects.prefill_jobs("nobody"), b"{}")  # never taken: the queue stays full
         await nc.close()
 
-    cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=512, log_dir=tmp_path,
-                                    env={"PD_KV_TIMEOUT_S": "60"})
+    cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=512, log_dir=tmp_path, model=FAKE,
+                                    env=fake_env(PD_KV_TIMEOUT_S="60"))
     with Stack(cfg) as stack:
         asyncio.run(fill_queue(stack.nats_url))
         start = time.monotonic()
@@ -234,11 +236,11 @@ def test_a_frozen_prefill_worker_loses_the_job_to_another_in_about_its_predicted
     print(f"frozen prefill worker: request done in {took:.1f} s, on prefill-1")
 
 
-def _greedy_40(smollm2, messages) -> list[int]:
+def _greedy_40(loaded, messages) -> list[int]:
     """The in-process engine's 40 greedy tokens for a chat (EOS ignored)."""
-    tok = smollm2.tokenizer
+    tok = loaded.tokenizer
     prompt = tok.encode(tok.apply_chat_template(messages))
-    return generate(smollm2, {"q": prompt}, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))["q"]
+    return generate(loaded, {"q": prompt}, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))["q"]
 
 
 def _stream_40(messages) -> dict:
@@ -249,9 +251,11 @@ def _stream_40(messages) -> dict:
 @pytest.fixture(scope="module")
 def two_decode(tmp_path_factory):
     """1 prefill + 2 decode workers, for the tests that kill or stop a decode worker: each
-    takes it with both decode workers up (`_both_decode_workers_up`)."""
+    takes it with both decode workers up (`_both_decode_workers_up`). On the fake model, 50 ms a
+    pass (a stream of 40 tokens lasts about 2 s, as on the real one): what is tested is the
+    failover and the drain, the streams compared with the in-process fake engine's."""
     cfg = StackConfig.on_free_ports(prefill=1, decode=2, kv_blocks=512, log_dir=tmp_path_factory.mktemp("two-decode"),
-                                    env={"PD_HEARTBEAT_S": "0.3", "PD_FAILOVER_CHECK_S": "0.3"})
+                                    model=FAKE, env=fake_env(0.05, PD_HEARTBEAT_S="0.3", PD_FAILOVER_CHECK_S="0.3"))
     with Stack(cfg) as stack:
         yield stack
 
@@ -279,14 +283,14 @@ def _answers_200(url: str) -> bool:
         return False
 
 
-def test_a_decode_worker_killed_mid_stream_is_continued_on_another(smollm2, two_decode):
+def test_a_decode_worker_killed_mid_stream_is_continued_on_another(fake, two_decode):
     """kill -9 of the decode worker serving a stream after 8 tokens: the gateway sees its lease
     lapse, the request is placed again with those 8 tokens like a new request — the prefill
     worker computes prompt + 8 and hands its KV to the other decode worker, which continues.
     The client's stream equals the in-process engine's greedy output token for token (none
     repeated, none missing), its text is whole, and every pool is whole afterwards."""
     messages = [{"role": "user", "content": "List the planets of the solar system with one fact each."}]
-    expected = _greedy_40(smollm2, messages)
+    expected = _greedy_40(fake, messages)
     stack = _both_decode_workers_up(two_decode)
     ids, text, victim, killed, resumed_at = [], "", None, None, None
     with httpx.Client(base_url=stack.url, timeout=120) as http:
@@ -318,19 +322,19 @@ def test_a_decode_worker_killed_mid_stream_is_continued_on_another(smollm2, two_
     assert not [e for e in events if e["event"] == "prefill_local"], events  # no recompute on a decode worker
     assert prefill["free_blocks"] == prefill["total_blocks"], prefill
     assert ids == expected, (len(ids), len(expected))
-    assert text == smollm2.tokenizer.decode(expected)
+    assert text == fake.tokenizer.decode(expected)
     assert info["free_blocks"] == info["total_blocks"] and info["running"] == 0
     recovery_s = resumed_at - killed
     assert recovery_s < 10, recovery_s
     print(f"decode worker killed after 8 tokens: stream moving again {recovery_s:.1f} s later on {survivor}")
 
 
-def test_sigterm_drains_a_decode_worker_its_streams_finish_there_new_ones_go_elsewhere(smollm2, two_decode):
+def test_sigterm_drains_a_decode_worker_its_streams_finish_there_new_ones_go_elsewhere(fake, two_decode):
     """SIGTERM to the decode worker serving a stream after 5 tokens: it stays registered as
     draining, takes no new request (the next one goes to the other worker), finishes the
     stream itself (no failover: no second placement), and exits once done."""
     messages = [{"role": "user", "content": "Describe a lighthouse at night."}]
-    expected = _greedy_40(smollm2, messages)
+    expected = _greedy_40(fake, messages)
     stack = _both_decode_workers_up(two_decode)
     ids, victim, other = [], None, None
     with httpx.Client(base_url=stack.url, timeout=120) as http:
