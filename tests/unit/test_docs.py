@@ -1,5 +1,5 @@
-"""The docs a reader uses: a short README, an ARCHITECTURE navigable by `###` with no section
-too long, present tense about the repository alone (no working sessions, no paths outside it),
+"""The docs a reader uses: a short README, a short ARCHITECTURE navigable by `###` with no
+section too long, present tense about the repository alone (no working sessions, no paths outside it),
 and relative links that resolve."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 ARCHITECTURE = ROOT / "docs" / "ARCHITECTURE.md"
 SECTION_MAX = 80
+ARCHITECTURE_MAX = 900
 
 
 def _prose(text: str) -> str:
@@ -39,6 +40,10 @@ def test_architecture_has_a_section_per_contract_none_too_long():
     assert sum(lines[i].startswith("### ") for i in heads) >= 20
     long = [(lines[a], b - a) for a, b in zip(heads, heads[1:] + [len(lines)]) if b - a > SECTION_MAX]
     assert not long, long
+
+
+def test_architecture_is_short():
+    assert len(ARCHITECTURE.read_text().splitlines()) <= ARCHITECTURE_MAX
 
 
 def _anchor(heading: str) -> str:
