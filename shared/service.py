@@ -83,13 +83,6 @@ async def until_stopped(stop: asyncio.Event, required: dict[str, asyncio.Task], 
     await _ended(next((n, t) for n, t in required.items() if t in done), state, worker_id)
 
 
-async def check_required(required: dict[str, asyncio.Task], state: State, worker_id: str) -> None:
-    """`until_stopped` for a loop that polls: a needed task already ended ends the worker."""
-    for named in required.items():
-        if named[1].done():
-            await _ended(named, state, worker_id)
-
-
 async def _ended(named: tuple[str, asyncio.Task], state: State, worker_id: str) -> NoReturn:
     name, task = named
     error = None if task.cancelled() else task.exception()

@@ -4,7 +4,7 @@
    job goes on the chosen prefill worker's queue (`queue_prefill`, JetStream).
 2. The wait (`wait_kv`) ends with the first token once every block is in. Meanwhile the
    prefill workers waited on are looked at once per heartbeat for all the waits, in one
-   round trip (`PrefillWatch`): one gone (its lease lapsed and no connection to the bus, for
+   round trip (watch.py): one gone (its lease lapsed and no connection to the bus, for
    `absent_s`: killed), or a payload from it broken off in the transport (it died
    mid-transfer: UCX fails the receive at once) → PrefillWorkerLost; one whose engine step
    has run far past the prefill's predicted time and its own slowest recent step with no KV
@@ -23,13 +23,12 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
 
 import nats.errors
 from opentelemetry import context, trace
 
+from services.decode.watch import PrefillWatch, PrefillWorkerLate, PrefillWorkerLost
 from shared import metrics, subjects
-from shared.absence import Absence
 from shared.bus import Bus
 from shared.config import DecodeSettings
 from shared.engine.engine import Engine
@@ -37,69 +36,10 @@ from shared.engine.kv_io import Reservation
 from shared.kv import TAG_SPAN, KVTransport
 from shared.kv.receiver import SEGMENTS, KVBrokeOff, KVInbox, KVReceiver
 from shared.lifecycle import kv_deadline_s
-from shared.messages import AdmitRequest, KVAck, KVOutcome, PrefillJob, Requeue, Requeued, WorkerInfo
+from shared.messages import AdmitRequest, KVAck, KVOutcome, PrefillJob, Requeue, Requeued
 from shared.state import State
-from shared.state.registry import Registry
 
 log = logging.getLogger("decode.handoff")
-
-
-class PrefillWorkerLost(RuntimeError):
-    """The worker computing a request's KV is gone (missing from the registry and the bus), or
-    a payload from it broke off in the transport, while the request waited for it."""
-
-
-class PrefillWorkerLate(RuntimeError):
-    """The request's KV did not come by its deadline, though its prefill worker holds its
-    lease (frozen, or far behind its predicted time)."""
-
-
-class PrefillWatch:
-    """The registry entries of the prefill workers that KV waits are waiting on: one round
-    trip per heartbeat for all of them (sooner while a missing one awaits confirmation),
-    however many waits there are. A worker missing from the registry is asked on the bus
-    (`off_bus`: the NATS server closes a killed process's connection at once); it is gone
-    once it has been missing from both for `absent_s`. Either alone is no verdict: a Redis
-    restarted empty shows everyone missing until their next heartbeat, and after a NATS
-    restart workers reconnect one by one. Redis unreachable: no verdict either."""
-
-    def __init__(self, registry: Registry, period_s: float, absent_s: float,
-                 off_bus: Callable[[str], Awaitable[bool]] | None = None):
-        self.registry, self.period_s, self.off_bus = registry, period_s, off_bus
-        self.absence = Absence(absent_s)
-        self.entries: dict[str, WorkerInfo] = {}   # the last entry found of each worker waited on
-        self.gone: set[str] = set()
-
-    async def watch(self, waited_on: Callable[[], set[str]]) -> None:
-        while True:
-            try:
-                await self.look(waited_on())
-            except Exception as e:  # noqa: BLE001 - never the end of the watch: the next look tries again
-                log.warning("prefill workers not looked at: %s", e)
-            await asyncio.sleep(self.next_look_s(time.monotonic()))
-
-    async def look(self, workers: set[str]) -> None:
-        for who in set(self.absence.since) - workers:
-            self.absence.forget(who)
-        if not workers:
-            self.entries, self.gone = {}, set()
-            return
-        try:
-            found = await self.registry.entries(sorted(workers))
-        except Exception as e:  # noqa: BLE001 - Redis away: no verdict (no step to judge a freeze by)
-            log.debug("prefill workers not looked at: %s", e)
-            self.entries = {}
-            return
-        self.entries = {w: e for w, e in found.items() if e is not None}
-        missing = sorted(workers - set(self.entries))
-        off = await asyncio.gather(*(self.off_bus(w) for w in missing)) if self.off_bus else [True] * len(missing)
-        self.gone = self.absence.judge(workers, set(self.entries), {w for w, o in zip(missing, off) if o},
-                                       time.monotonic())
-
-    def next_look_s(self, now: float) -> float:
-        """A heartbeat, or less when a missing worker's absence is confirmed before then."""
-        due = [since + self.absence.confirm_s - now for w, since in self.absence.since.items() if w not in self.gone]
-        return max(0.05, min([self.period_s, *due]))
 
 
 class Handoffs:

@@ -42,8 +42,9 @@ from opentelemetry import trace
 
 from services.decode.admits import AdmitReplies
 from services.decode.chunk_log import ChunkLog
-from services.decode.handoff import Handoffs, PrefillWorkerLate, PrefillWorkerLost
+from services.decode.handoff import Handoffs
 from services.decode.requests import DecodeRequest, DecodeRequests
+from services.decode.watch import PrefillWorkerLate, PrefillWorkerLost
 from shared import macs, metrics, subjects, tracing
 from shared.bus import Bus, after_reconnects, context_of
 from shared.config import DecodeSettings

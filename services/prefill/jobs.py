@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from nats.aio.msg import Msg
 from opentelemetry import trace
+from opentelemetry.util.types import AttributeValue
 
 from shared.messages import PrefillJob
 
@@ -25,6 +26,13 @@ class Job:
     def computing(self) -> bool:
         return self.compute_span is not None
 
+    def end_kv(self, acked: bool, error: str = "", **attributes: AttributeValue) -> None:
+        """Its `kv.transfer` span ends (once)."""
+        span, self.kv_span = self.kv_span, None
+        if span is not None:
+            span.set_attributes({"acked": acked, "error": error, **attributes})
+            span.end()
+
 
 class Jobs:
     def __init__(self) -> None:
@@ -36,12 +44,12 @@ class Jobs:
     def get(self, rid: str) -> Job | None:
         return self.held.get(rid)
 
-    def close(self, held: Job) -> bool:
-        """`held` is over: dropped; whether it was held until now."""
-        if self.held.get(held.job.request_id) is not held:
-            return False
-        del self.held[held.job.request_id]
-        return True
+    async def ack(self, held: Job) -> None:
+        """The job is over (handed off, refused or cancelled): dropped, and its delivery acked (it
+        leaves the queue) unless it was dropped before."""
+        if self.held.get(held.job.request_id) is held:
+            del self.held[held.job.request_id]
+            await held.msg.ack()
 
     def computing(self) -> int:
         """Jobs whose prompt is being computed (the handoffs under way not counted)."""

@@ -5,34 +5,34 @@
    prefill rate), pull from this worker's durable consumer (`pd.prefill.jobs.<id>`). Each
    step's prefix-cache changes go to its event stream for the routers' index
    (shared/prefix_events.py; PD_PREFIX_INDEX=redis: its slot in Redis, shared/prefix_index.py).
-2. Take jobs (up to `max_jobs` in flight: the engine orders what it holds by priority — a
-   job moved off another prefill worker, or of a request moved off a decode worker, ahead of
-   new prompts — and length, so it takes deep; JetStream keeps the rest in order of
-   arrival); a job cancelled before it starts is dropped. Each job opens a KV handoff to its decode worker
-   (shared/kv/sender.py; refused at once if the decode worker's fingerprint differs) and is
-   queued with the engine streaming its KV. Jobs in hand are kept from redelivery
-   (`in_progress` every JOB_KEEPALIVE_S) until they are acked.
-3. Step the engine: queued prompts are prefilled together, long ones in chunks. As each layer
-   of each pass is computed, its new blocks go to the decode worker (KVLayer notice on NATS,
-   payload over UCX), overlapping the rest of the pass. A prompt that completes yields its
-   first token, published at once on `pd.tokens.<rid>` (seq 0).
-4. Hand off: KVEnd with the first token; the blocks stay until the decode side acks (the
-   lease: `kv_ack_timeout_s`), re-sending any block it reports corrupt (acks and re-send
-   requests come on `pd.prefill.<id>.kv.ack` / `.kv.resend`; after a reconnect of either
-   side's bus, open handoffs are published again: `.kv.sync`); then free, ack the job. A
-   request that finished on its first token releases its decode worker's reservation
-   (a Cancel on `pd.decode.<d>.cancel`). Every heartbeat one look at the registry (and the
-   bus, for one missing there) finds the jobs whose decode worker is gone: they are given up
-   (compute and lease) at once.
+2. Take jobs (a task of its own, `max_jobs` computing at once: the engine orders what it holds
+   by priority — a job moved off another prefill worker, or of a request moved off a decode
+   worker, ahead of new prompts — and length, so it takes deep; JetStream keeps the rest in
+   order of arrival); a job cancelled before it starts is dropped. Each job opens a KV handoff
+   to its decode worker (shared/kv/sender.py; refused at once if the decode worker's
+   fingerprint differs) and is queued with the engine streaming its KV. Jobs in hand are kept
+   from redelivery (`in_progress` every JOB_KEEPALIVE_S) until they are acked.
+3. Step the engine (its loop, a task: shared/engine_host.py): queued prompts are prefilled
+   together, long ones in chunks. As each layer of each pass is computed, its new blocks go to
+   the decode worker (KVLayer notice on NATS, payload over UCX), overlapping the rest of the
+   pass. A prompt that completes yields its first token, published at once (seq 0).
+4. Hand off (handoff.py): KVEnd with the first token; the blocks stay until the decode side
+   acks (the lease: `kv_ack_timeout_s`), re-sending any block it reports corrupt (acks and
+   re-send requests come on `pd.prefill.<id>.kv.ack` / `.kv.resend`; after a reconnect of
+   either side's bus, open handoffs are published again: `.kv.sync`); then free, ack the job.
+   A request that finished on its first token releases its decode worker's reservation (a
+   Cancel on `pd.decode.<d>.cancel`). Every heartbeat one look at the registry (and the bus,
+   for one missing there: watch.py) finds the jobs whose decode worker is gone: they are given
+   up (compute and lease) at once.
 5. Cancel (`pd.prefill.<id>.cancel`, sent only to the workers of the request's placements),
    or the decode side gives the handoff up (a KVAck not ok before the end: its deadline, a
    cancel there, a refusal): abort the request wherever it is; a handoff in progress ends with
    KVEnd(not ok).
 6. SIGTERM: mark the registry entry draining (the router sends nothing more), stop pulling
-   jobs, finish the ones taken, then leave the registry and drain NATS. Killed instead: the
-   lease lapses and the decode workers waiting for this worker's KV ask a router for another
-   prefill worker (`pd.router.requeue`) and put the job on its queue; with none, they prefill
-   it themselves. A job left on this worker's queue whose request moved on is dropped if this
+   jobs, compute and hand off the ones taken, then leave the registry and drain NATS. Killed
+   instead: the lease lapses and the decode workers waiting for this worker's KV ask a router
+   for another prefill worker (`pd.router.requeue`) and put the job on its queue; with none,
+   they prefill it themselves. A job left on this worker's queue whose request moved on is dropped if this
    worker comes back (`taken_over`).
 """
 
@@ -49,17 +49,16 @@ import torch
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from opentelemetry import trace
-from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.util.types import AttributeValue
 
 from services.prefill.cancels import Cancels
+from services.prefill.handoff import Handoffs
 from services.prefill.intake import JobIntake, queued_at
-from services.prefill.jobs import Job, Jobs
+from services.prefill.jobs import Jobs
 from services.prefill.watch import DecodeWatch
 from shared import macs, metrics, subjects
 from shared.bus import Bus, after_reconnects, context_of
 from shared.config import PrefillSettings
-from shared.engine.engine import Engine, RequestOutput
+from shared.engine.engine import Engine
 from shared.engine.kv_io import KVPiece
 from shared.engine.sequence import Status
 from shared.kv import KVTransport
@@ -70,10 +69,9 @@ from shared.messages import (
     FINISHED_IN_PREFILL,
     Cancel,
     PrefillJob,
-    TokenChunk,
     WorkerInfo,
 )
-from shared.service import check_required, heartbeat, leave_and_exit, run, serving, setup_logging
+from shared.service import heartbeat, run, serving, setup_logging, until_stopped
 from shared.state import PREFILLED_ELSEWHERE, State
 from shared.tasks import Background
 from shared.worker import WorkerCore, serve_worker
@@ -87,6 +85,8 @@ JOB_KEEPALIVE_S = 10.0  # JetStream redelivers a job unacked for 30 s (its ack_w
 # lost). Saves a round trip on every first token; redeliveries and old jobs are still checked.
 FRESH_JOB_S = 5.0
 MAX_JOB_DELIVERIES = 3  # a job the engine fails on this often is ended, not taken again
+FETCH_WAIT_S = 0.5      # a fetch of jobs waits this long for one to come
+TAKE_AGAIN_S = 0.005    # no room for another job: look again after this
 
 
 class PrefillWorker:
@@ -101,7 +101,7 @@ class PrefillWorker:
                                WorkerHooks(self.read_blocks, self.given_up),
                                make_segment(settings.kv_segment_bytes, self.id, settings.kv_segment_scope))
         self.cancels = Cancels()  # kept for the jobs taken later (cancels.py)
-        self.handoffs: set[asyncio.Task] = set()
+        self.handoffs = Handoffs(self.id, settings, bus, state, self.host, self.sender, self.jobs)
         self.ending, self.intake = Background(log, "cancel"), JobIntake()  # (ending: work being ended, on the engine)
 
     def info(self) -> WorkerInfo:
@@ -116,35 +116,31 @@ class PrefillWorker:
         await self.core.start_prefix()
         # the lease lasts until the jobs in hand are done: decode workers waiting for their KV
         # tell a draining worker (still registered, `draining`) from a dead one (gone)
-        gone = asyncio.Event()
+        gone, engine_stop = asyncio.Event(), asyncio.Event()
         beat = asyncio.create_task(heartbeat(self.state, self.info, self.settings.heartbeat_s, gone))
+        engine_loop = asyncio.create_task(self.host.run(self.handoffs.first_tokens, engine_stop))
+        intake = asyncio.create_task(self.take_jobs(pull, stop))
         keepalive = asyncio.create_task(self.keep_jobs())
         watch = asyncio.create_task(self.watch_decode_workers())
         resync = asyncio.create_task(after_reconnects(self.bus, self.settings.heartbeat_s, self.sender.resync))
         log.info("prefill worker %s ready", self.id)
         serving()
-        required = {"heartbeat": beat, "job keepalive": keepalive, "decode worker watch": watch, "resync": resync}
-        try:
-            while not stop.is_set() or self.jobs.computing() or self.handoffs:
-                await check_required(required, self.state, self.id)
-                if stop.is_set() and not self.core.draining:  # the router sends no more jobs here
-                    await self.core.drain()
-                if not stop.is_set() and (computing := self.jobs.computing()) < self.settings.max_jobs:
-                    await self.take_jobs(pull, computing, wait_s=0.005 if computing else 0.5)
-                if self.engine.has_work():
-                    for out in await self.host.step():
-                        await self.on_first_token(out)
-                elif self.handoffs:
-                    await asyncio.wait(self.handoffs, timeout=0.05)
-        except Exception as e:  # noqa: BLE001 - a worker that cannot go on leaves, and does not look alive
-            await leave_and_exit(self.state, self.id, f"its serve loop failed: {e!r}", e)
-        keepalive.cancel()
-        watch.cancel()
-        resync.cancel()
+        await until_stopped(stop, {"engine loop": engine_loop, "heartbeat": beat, "job intake": intake,
+                                   "job keepalive": keepalive, "decode worker watch": watch, "resync": resync},
+                            self.state, self.id)
+        await self.core.drain()  # the router sends no more jobs here
+        await intake  # (it returns once `stop` is set)
         try:  # a pull subscription left to the connection's drain holds it for the whole drain timeout
             await pull.unsubscribe()
         except Exception as e:  # noqa: BLE001 - NATS away: closing anyway
             log.debug("pull subscription: %s", e)
+        engine_stop.set()
+        await engine_loop  # after engine_stop it returns once the prompts taken are computed
+        while self.handoffs.leases:  # and handed off
+            await asyncio.wait(self.handoffs.leases)
+        keepalive.cancel()
+        watch.cancel()
+        resync.cancel()
         gone.set()
         await beat
         await self.state.registry.deregister(self.id)
@@ -189,11 +185,6 @@ class PrefillWorker:
         return await self.bus.heard(subjects.decode_replay(decode_worker), min(0.25, self.settings.heartbeat_s)) \
             is False
 
-    async def ack_job(self, held: Job) -> None:
-        """The job is over (handed off, refused or cancelled): ack it, it leaves the queue."""
-        if self.jobs.close(held):
-            await held.msg.ack()
-
     async def taken_over(self, rid: str) -> bool:
         """The decode side gave up waiting and prefilled it, or its job went to another prefill
         worker while this one was away (Redis unreachable: assume not)."""
@@ -205,9 +196,14 @@ class PrefillWorker:
             log.warning("%s: request state unreadable (%s); running the job", rid, e)
             return False
 
-    async def take_jobs(self, pull: JetStreamContext.PullSubscription, computing: int, wait_s: float) -> None:
-        for msg in await self.intake.fetch(pull, self.settings.max_jobs - computing, wait_s):
-            await self.take_job(msg)
+    async def take_jobs(self, pull: JetStreamContext.PullSubscription, stop: asyncio.Event) -> None:
+        """Until `stop`: as many jobs as there is room for (`max_jobs` computing at once)."""
+        while not stop.is_set():
+            if (room := self.settings.max_jobs - self.jobs.computing()) <= 0:
+                await asyncio.sleep(TAKE_AGAIN_S)
+                continue
+            for msg in await self.intake.fetch(pull, room, FETCH_WAIT_S):
+                await self.take_job(msg)
 
     async def take_job(self, msg: Msg) -> None:
         """One job delivered: started, unless it is not this worker's to start (now)."""
@@ -263,6 +259,7 @@ class PrefillWorker:
             await msg.term()
             return
         self.jobs.open(job, msg, span, kv_span)
+        self.host.wake.set()
         self.state.requests.note(job.request_id, "prefilling", by=self.id, attempt=job.attempt,
                                  prompt_tokens=len(job.prompt_token_ids) + len(job.generated_token_ids))
 
@@ -282,69 +279,6 @@ class PrefillWorker:
 
     async def read_blocks(self, rid: str, layer: int, first_block: int, num_blocks: int) -> torch.Tensor:
         return await self.host.call(self.engine.kv_blocks, rid, layer, first_block, num_blocks)
-
-    async def on_first_token(self, out: RequestOutput) -> None:
-        held = self.jobs.get(out.request_id)
-        if held is None or held.compute_span is None:  # cancelled while its last pass ran
-            return
-        job, span = held.job, held.compute_span
-        held.compute_span = None  # from here the handoff (or nothing) owns it
-        metrics.PROMPT_TOKENS.labels("prefill").inc(out.num_prompt_tokens)
-        metrics.CACHED_TOKENS.labels("prefill").inc(out.num_cached_tokens)
-        span.set_attribute("cached_tokens", out.num_cached_tokens)
-        span.end()
-        if isinstance(span, ReadableSpan) and span.start_time and span.end_time:
-            metrics.PREFILL_SECONDS.observe((span.end_time - span.start_time) / 1e9)
-        signed = macs.sign(TokenChunk.from_output(out, job.attempt, self.id), job.secret)
-        await self.bus.publish_signed(subjects.tokens(out.request_id), signed, ctx=trace.set_span_in_context(span))
-        if out.finished:  # done on its first token: nothing to hand off
-            self.sender.drop(out.request_id)
-            self.end_kv_span(held, acked=False, error="finished in prefill")
-            await self.bus.publish(subjects.decode_cancel(job.decode_worker),
-                                   Cancel(request_id=out.request_id, reason=FINISHED_IN_PREFILL), secret=job.secret)
-            await self.ack_job(held)
-            return
-        self.state.requests.note(out.request_id, "transferring", by=self.id, attempt=job.attempt,
-                                 prompt_tokens=len(job.prompt_token_ids) + len(job.generated_token_ids),
-                                 decode=job.decode_worker)
-        held.computed_at = time.monotonic()
-        task = asyncio.create_task(self.handoff(held, out))
-        self.handoffs.add(task)
-        task.add_done_callback(self.handoffs.discard)
-
-    async def handoff(self, held: Job, first: RequestOutput) -> None:
-        """The lease: the blocks stay until the decode side answers (or time runs out)."""
-        job, rid = held.job, held.job.request_id
-        h = self.sender.handoffs[rid]
-        acked = False
-        try:
-            ack = await self.sender.finish(rid, first.new_token_ids[0], self.settings.kv_ack_timeout_s,
-                                           first.logprobs[0] if first.logprobs else None, first.prompt_logprobs)
-            acked = ack.ok
-            if not ack.ok:
-                log.warning("%s: KV handoff ended without the decode side's ack: %s", rid, ack.error)
-            exposed_s = time.monotonic() - held.computed_at
-            self.end_kv_span(held, acked=ack.ok, error=ack.error, bytes=h.bytes_sent, segment_bytes=h.segment_bytes,
-                             pieces=h.pieces, resent_blocks=h.resent_blocks, skipped_blocks=job.first_block,
-                             exposed_ms=round(1e3 * exposed_s, 3))  # last layer computed -> decode side's ack
-        except Exception as e:  # noqa: BLE001 - the decode side falls back to a local prefill on its deadline
-            log.warning("%s: KV handoff failed: %s", rid, e)
-            self.end_kv_span(held, acked=False, error=str(e))
-        finally:
-            metrics.KV_BYTES.labels(self.transport.name).inc(h.bytes_sent - h.segment_bytes)
-            metrics.KV_BYTES.labels("segment").inc(h.segment_bytes)
-            metrics.KV_RESENT.inc(h.resent_blocks)
-            metrics.KV_SECONDS.observe(time.monotonic() - held.computed_at)
-            if not acked:
-                metrics.KV_FAILURES.inc()
-            await self.ack_job(held)  # before the free: a later attempt's job waits for the free (take_jobs)
-            await self.host.call(self.engine.free, rid)
-
-    def end_kv_span(self, held: Job, acked: bool, error: str = "", **attributes: AttributeValue) -> None:
-        span, held.kv_span = held.kv_span, None
-        if span is not None:
-            span.set_attributes({"acked": acked, "error": error, **attributes})
-            span.end()
 
     async def given_up(self, job: PrefillJob, reason: str) -> None:
         """The decode side ended this job's handoff before its ack (deadline, cancel, refusal,
@@ -382,10 +316,10 @@ class PrefillWorker:
             if span is None:  # its last pass finished meanwhile: the handoff owns it, ends on the cancel
                 return
             self.sender.drop(rid)
-            self.end_kv_span(taken, acked=False, error="cancelled")
+            taken.end_kv(acked=False, error="cancelled")
             span.add_event("cancelled")
             span.end()
-            await self.ack_job(taken)
+            await self.jobs.ack(taken)
 
 def main(settings: PrefillSettings | None = None) -> None:
     """The prefill worker with `settings` (`pdserve prefill`: its flags), else from the environment."""

@@ -5,7 +5,7 @@ One look per heartbeat at all of them: one round trip to the registry, and for e
 missing there a question on the bus (`off_bus`: whether the NATS server says "no responders"
 on its subject, as it does for a killed process's at once). A worker is gone once it has
 been missing from both for `absent_s` (`Absence.judge`, as the decode side's PrefillWatch in
-services/decode/handoff.py judges prefill workers). Redis unreachable: no verdict.
+services/decode/watch.py judges prefill workers). Redis unreachable: no verdict.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""services/decode/handoff.py's PrefillWatch: one look for all the KV waits, absence confirmed,
+"""services/decode/watch.py's PrefillWatch: one look for all the KV waits, absence confirmed,
 and gone only when missing from the registry and the bus alike."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from services.decode.handoff import PrefillWatch
+from services.decode.watch import PrefillWatch
 from shared.messages import WorkerInfo
 
 
