@@ -320,11 +320,12 @@ class WorkerSettings(Common):
     kv_segment_scope: str = Field("", description="names this deployment's segments on a host (their sockets are "
                                   "in the network namespace's abstract namespace): two deployments sharing one "
                                   "need two; set alike on both pools")
-    kv_max_attempts: int = Field(3, ge=1, description="sends of a KV block that fails its checksum, then "
-                                 "the decode worker prefills locally")
+    kv_max_sends: int = Field(3, ge=1, description="sends of a KV block that fails its checksum, then "
+                              "the decode worker prefills locally")
     kv_fault_corrupt_rate: float = Field(0.0, ge=0, le=1, description="fault injection: fraction of KV "
                                          "payloads sent with one byte flipped (0: off)")
-    kv_fault_corrupt_attempts: int = Field(1, ge=0, description="fault injection: corrupt only attempts below this")
+    kv_fault_corrupt_sends: int = Field(1, ge=0, description="fault injection: corrupt only a block's "
+                                        "first sends, this many (resend numbers below it)")
     kv_fault_delay_s: float = Field(0.0, ge=0, description="fault injection: hold each KV payload send this long")
     fault_engine_hang_after_steps: int = Field(0, ge=0, description="fault injection: the engine step after "
                                                "this many never returns (heartbeats go on)")

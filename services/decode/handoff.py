@@ -70,7 +70,7 @@ class Handoffs:
         """What receives a reservation's KV from `prefill_worker`, under a tag range of its own."""
         kv_tag = random.getrandbits(63 - TAG_SPAN.bit_length()) * TAG_SPAN  # the sender numbers within
         return self.inbox.add(KVReceiver.for_engine(self.engine, res, kv_tag, self.transport, self.bus, prefill_worker,
-                                                    self.settings.kv_max_attempts, secret))
+                                                    self.settings.kv_max_sends, secret))
 
     async def queue_prefill(self, req: AdmitRequest, rx: KVReceiver, ctx: context.Context | None,
                             requeued: bool = False) -> None:

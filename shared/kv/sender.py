@@ -93,7 +93,7 @@ class SenderSettings:
 
     @classmethod
     def for_prefill(cls, settings: PrefillSettings, worker_id: str, fingerprint: str) -> SenderSettings:
-        return cls(worker_id, fingerprint, settings.kv_max_attempts, settings.kv_transfer_encoding,
+        return cls(worker_id, fingerprint, settings.kv_max_sends, settings.kv_transfer_encoding,
                    settings.kv_piece_bytes)
 
 

@@ -139,7 +139,7 @@ def test_a_failing_kv_path_opens_its_breaker_and_requests_go_colocated(tmp_path)
     routers' breaker for prefill-0 → decode-0 opens and the next requests are prefilled on the
     decode worker from the start — no more doomed transfers; every answer still arrives."""
     cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=512, log_dir=tmp_path, model=FAKE, env=fake_env(
-        PD_KV_FAULT_CORRUPT_RATE="1.0", PD_KV_FAULT_CORRUPT_ATTEMPTS="99", PD_BREAKER_FAILURES="3",
+        PD_KV_FAULT_CORRUPT_RATE="1.0", PD_KV_FAULT_CORRUPT_SENDS="99", PD_BREAKER_FAILURES="3",
         PD_BREAKER_COOLDOWN_S="300"))
     modes, answers = [], []
     with Stack(cfg) as stack:

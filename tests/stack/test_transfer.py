@@ -121,7 +121,7 @@ def faulty(otlp, tmp_path_factory):
     """Every first send of a payload has one byte flipped, and every send is held 1.5 s; the
     payloads go through the prefill worker's segment (the default on one host)."""
     with _stack(tmp_path_factory.mktemp("transfer-faulty"), otlp, PD_KV_FAULT_CORRUPT_RATE="1",
-                PD_KV_FAULT_CORRUPT_ATTEMPTS="1", PD_KV_FAULT_DELAY_S="1.5") as s:
+                PD_KV_FAULT_CORRUPT_SENDS="1", PD_KV_FAULT_DELAY_S="1.5") as s:
         yield s
 
 
