@@ -2,11 +2,13 @@
 no 5xx and no hang, whatever the body, at ~4,000 requests: schemathesis's coverage phase (~2,000 a
 run, whatever the examples) and 10 fuzzed examples per operation (`make fuzz`: 100 over four
 seeds, over 10,000). Generation is capped (max_tokens <= 4, prompts <= 256 tokens) so that the
-requests that do reach a worker stay cheap."""
+requests that do reach a worker stay cheap. On the fake model (tests/stack/conftest.py): what is
+probed is the gateway's handling of bodies, not the model's numbers."""
 
 from __future__ import annotations
 
 import pytest
+from conftest import FAKE, fake_env
 
 from bench.fuzz import CAPS, answered_after, run_both
 from deploy.local.stack import Stack, StackConfig
@@ -16,7 +18,8 @@ EXAMPLES = 10  # per operation: the fuzzing phase's share (the coverage phase's 
 
 
 def test_over_1000_generated_requests_get_no_5xx_and_no_hang(tmp_path):
-    cfg = StackConfig.on_free_ports(colocated=True, decode=1, kv_blocks=512, log_dir=tmp_path, env=CAPS)
+    cfg = StackConfig.on_free_ports(colocated=True, decode=1, kv_blocks=512, log_dir=tmp_path, model=FAKE,
+                                    env=fake_env(**CAPS))
     with Stack(cfg) as stack:
         any_model, served = run_both(stack, tmp_path, EXAMPLES)
         after = answered_after(stack)

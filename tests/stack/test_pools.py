@@ -1,4 +1,6 @@
-"""Several workers per pool under concurrent load, and the colocated mode."""
+"""Several workers per pool under concurrent load, and the colocated mode. On the fake model
+(tests/stack/conftest.py), but for the native weights' test: what the others test is the path
+(pools, placement, the KV deadline, the trace), each answer compared with the in-process fake's."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import time
 
 import httpx
 import pytest
-from conftest import MODEL
+from conftest import FAKE, MODEL, fake_env
 from helpers import generate
 
 from deploy.local.stack import Stack, StackConfig
@@ -20,10 +22,10 @@ QUESTIONS = [f"What is the capital of {c}?" for c in
             [f"Give one fact about the number {n}." for n in range(10)]
 
 
-def _expected(smollm2, max_tokens: int) -> dict[str, list[int]]:
-    tok = smollm2.tokenizer
+def _expected(loaded, max_tokens: int) -> dict[str, list[int]]:
+    tok = loaded.tokenizer
     prompts = {q: tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS}
-    return generate(smollm2, prompts, SamplingParams(max_tokens=max_tokens, temperature=0))
+    return generate(loaded, prompts, SamplingParams(max_tokens=max_tokens, temperature=0))
 
 
 async def _ask_all(url: str, max_tokens: int) -> dict[str, dict]:
@@ -37,18 +39,19 @@ async def _ask_all(url: str, max_tokens: int) -> dict[str, dict]:
         return dict(await asyncio.gather(*(one(q) for q in QUESTIONS)))
 
 
-def test_two_prefill_two_decode_serve_20_concurrent_requests(smollm2, tmp_path):
-    cfg = StackConfig.on_free_ports(prefill=2, decode=2, kv_blocks=512, threads=1, log_dir=tmp_path)
+def test_two_prefill_two_decode_serve_20_concurrent_requests(fake, tmp_path):
+    cfg = StackConfig.on_free_ports(prefill=2, decode=2, kv_blocks=512, threads=1, log_dir=tmp_path, model=FAKE,
+                                    env=fake_env())
     with Stack(cfg) as stack:
         answers = asyncio.run(_ask_all(stack.url, 12))
         ready = httpx.get(stack.url + "/ready").json()
-    expected = _expected(smollm2, 12)
+    expected = _expected(fake, 12)
     for q in QUESTIONS:
         assert answers[q]["choices"][0]["token_ids"] == expected[q], q
     assert ready["workers"] == {"router": 1, "prefill": 2, "decode": 2}
 
 
-def test_native_weights_in_both_pools_give_each_requests_tokens_as_if_alone(smollm2, smollm2_native, tmp_path):
+def test_native_weights_in_both_pools_give_each_requests_tokens_as_if_alone(smollm2_native, tmp_path):
     """PD_WEIGHTS=native on both pools: 20 concurrent requests, prefilled on the prefill worker or
     beside the decode worker's streams and decoded in batches of whatever is running, each get
     the tokens the in-process native engine gives it alone (a row's sums do not depend on its
@@ -57,26 +60,31 @@ def test_native_weights_in_both_pools_give_each_requests_tokens_as_if_alone(smol
                                     env={"PD_WEIGHTS": "native"})
     with Stack(cfg) as stack:
         answers = asyncio.run(_ask_all(stack.url, 12))
-    native, tok = smollm2_native, smollm2.tokenizer
+    native, tok = smollm2_native, smollm2_native.tokenizer
     for q in QUESTIONS:
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
         alone = generate(native, {q: ids}, SamplingParams(max_tokens=12, temperature=0))[q]
         assert answers[q]["choices"][0]["token_ids"] == alone, q
 
 
-def test_colocated_mode_serves_without_a_prefill_pool(smollm2, tmp_path, otlp):
-    """No prefill pool: the decode worker prefills. Its trace is the local-prefill path: the
-    route says local, decode.generate has no KV transfer under it, no prefill span exists."""
-    cfg = StackConfig.on_free_ports(decode=1, colocated=True, kv_blocks=512, log_dir=tmp_path,
-                                    env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.url})
+def test_colocated_mode_serves_without_a_prefill_pool(fake, tmp_path, otlp):
+    """No prefill pool: the decode worker prefills; the answer is the in-process engine's. Its
+    trace is the local-prefill path: the route says local, decode.generate has no KV transfer
+    under it, no prefill span exists."""
+    cfg = StackConfig.on_free_ports(decode=1, colocated=True, kv_blocks=512, log_dir=tmp_path, model=FAKE,
+                                    env=fake_env(OTEL_EXPORTER_OTLP_ENDPOINT=otlp.url))
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    tok = fake.tokenizer
+    expected = generate(fake, {"q": tok.encode(tok.apply_chat_template(messages))},
+                        SamplingParams(max_tokens=16, temperature=0))["q"]
     with Stack(cfg) as stack:
         r = httpx.post(stack.url + "/v1/chat/completions", timeout=120, json={
-            "model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
-            "temperature": 0, "max_tokens": 16, "return_token_ids": True})
+            "model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 16, "return_token_ids": True})
         ready = httpx.get(stack.url + "/ready").json()
         spans = otlp.wait_for(r.headers["x-trace-id"], {"gateway.request", "router.route", "decode.admit",
                                                         "decode.generate"})
-    assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == expected
+    assert r.json()["choices"][0]["message"]["content"] == tok.decode(expected)
     assert ready["ready"] and ready["workers"]["prefill"] == 0
     by_name = {s.name: s for s in spans}
     by_id = {s.span_id: s for s in spans}
@@ -90,7 +98,7 @@ def test_colocated_mode_serves_without_a_prefill_pool(smollm2, tmp_path, otlp):
     assert not {"kv.receive", "kv.transfer", "prefill.compute", "prefill.queue"} & set(by_name)
 
 
-def test_a_stalled_prefill_worker_costs_a_deadline_not_the_request(smollm2, tmp_path):
+def test_a_stalled_prefill_worker_costs_a_deadline_not_the_request(fake, tmp_path):
     """Prefill frozen mid-flight: the decode worker's KV deadline passes, it prefills locally,
     the answer is the same; when the prefill worker wakes, its late KV is refused and freed."""
     import json
@@ -98,11 +106,11 @@ def test_a_stalled_prefill_worker_costs_a_deadline_not_the_request(smollm2, tmp_
 
     import redis
 
-    cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=512, log_dir=tmp_path,
-                                    env={"PD_KV_TIMEOUT_S": "2"})
+    cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=512, log_dir=tmp_path, model=FAKE,
+                                    env=fake_env(PD_KV_TIMEOUT_S="2"))
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    tok = smollm2.tokenizer
-    expected = generate(smollm2, {"q": tok.encode(tok.apply_chat_template(messages))},
+    tok = fake.tokenizer
+    expected = generate(fake, {"q": tok.encode(tok.apply_chat_template(messages))},
                         SamplingParams(max_tokens=12, temperature=0))["q"]
     with Stack(cfg) as stack:
         prefill = stack.procs["prefill-0"]
