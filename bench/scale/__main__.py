@@ -166,7 +166,7 @@ def router_view(spans: dict) -> dict:
             "decision_own_ms": percentiles([s.duration_ms - s.attributes.get("admit_wait_ms", 0.0) for s in ok]),
             # of which before the first admit (the inputs read, the first choice, the claim: Redis's round
             # trips and, with the index in memory, its lookup) and the claim renewals
-            "decision_redis_ms": percentiles([s.attributes.get("begin_ms", 0.0) + s.attributes.get("hold_ms", 0.0)
+            "decision_redis_ms": percentiles([s.attributes.get("begin_ms", 0.0) + s.attributes.get("renew_ms", 0.0)
                                               for s in ok])}
 
 

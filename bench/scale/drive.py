@@ -104,7 +104,7 @@ def admit_split(spans: dict[str, Span], admits: dict[str, tuple[int, int]]) -> d
         if not a.get("ok") or rid not in admits:
             continue
         asked, answered = admits[rid]
-        sent_ns = span.start_ns + 1e6 * (a.get("begin_ms", 0.0) + a.get("hold_ms", 0.0))
+        sent_ns = span.start_ns + 1e6 * (a.get("begin_ms", 0.0) + a.get("renew_ms", 0.0))
         to.append((asked - sent_ns) / 1e6)
         own.append((answered - asked) / 1e6)
         back.append(a.get("admit_wait_ms", 0.0) - to[-1] - own[-1])

@@ -79,7 +79,7 @@ class DecodeWorker:
         self.settings, self.engine, self.bus, self.state = settings, engine, bus, state
         self.transport, self.tracer = transport, tracer
         self.id, self.host = self.core.id, self.core.host
-        self.requests = DecodeRequests()  # one record per request held here
+        self.requests = DecodeRequests()  # one record per request placed here
         self.handoffs = Handoffs(self.id, settings, engine, bus, state, transport)
         self.inbox = self.handoffs.inbox
         self.replies = AdmitReplies()  # by (request, attempt): a repeated admit gets the first reply
@@ -147,9 +147,9 @@ class DecodeWorker:
             if reply.ok and req.mode == "remote" and rx is not None and not repeat:
                 self.queueing.start(self.handoffs.queue_prefill(req, rx, parent))
             span.set_attributes({"ok": reply.ok, "reason": reply.reason, "first_block": reply.first_block})
-            held = self.requests.get(req.request_id)
-            if reply.ok and held is not None and held.attempt == req.attempt:
-                held.span = self.tracer.start_span("decode.generate", context=parent, attributes={
+            record = self.requests.get(req.request_id)
+            if reply.ok and record is not None and record.attempt == req.attempt:
+                record.span = self.tracer.start_span("decode.generate", context=parent, attributes={
                     "request_id": req.request_id, "attempt": req.attempt, "mode": req.mode, "worker": self.id})
             await self.bus.respond(msg, reply)
 
@@ -161,13 +161,13 @@ class DecodeWorker:
             if req.mode == "local":
                 await self.prefill_locally(req, "resumed" if req.generated_token_ids else "placed")
                 return AdmitReply(request_id=rid, ok=True, reason="local prefill")
-            res, held = await self.host.call(self.reserve_on_engine, req, params)
+            res, record = await self.host.call(self.reserve_on_engine, req, params)
         except OutOfBlocks as e:
             return AdmitReply(request_id=rid, ok=False, reason=f"no room: {e}")
         except ValueError as e:
             return AdmitReply(request_id=rid, ok=False, reason=str(e))
         rx = self.handoffs.receiver(res, req.prefill_worker or "", req.secret)
-        held.receiving = asyncio.create_task(self.receive_kv(req, held))
+        record.receiving = asyncio.create_task(self.receive_kv(req, record))
         return AdmitReply(request_id=rid, ok=True, first_block=res.first_block, num_blocks=res.num_blocks,
                           kv_tag=rx.kv_tag)
 
@@ -193,9 +193,9 @@ class DecodeWorker:
         self.host.wake.set()
 
     # -- KV arrival --------------------------------------------------------------------------
-    async def receive_kv(self, req: AdmitRequest, held: DecodeRequest) -> None:
+    async def receive_kv(self, req: AdmitRequest, record: DecodeRequest) -> None:
         rid, rx = req.request_id, self.inbox.receivers[req.request_id]
-        parent = trace.set_span_in_context(held.span) if held.span is not None else None
+        parent = trace.set_span_in_context(record.span) if record.span is not None else None
         with self.tracer.start_as_current_span("kv.receive", context=parent) as span:
             try:
                 expected_s, left = req.expected_prefill_s, []  # prefill workers this request's job left
@@ -230,17 +230,17 @@ class DecodeWorker:
             except Exception as e:  # noqa: BLE001 - late, corrupt, refused or mismatched KV: never decode from it
                 span.set_attributes({"ok": False, "error": str(e) or type(e).__name__})
                 rx.close()
-                await self.handoff_failed(req, rx, e, held)
+                await self.handoff_failed(req, rx, e, record)
             finally:
                 rx.close()
                 span.set_attributes({"bytes": rx.bytes_received, "pieces": rx.pieces, "bad_blocks": rx.bad_blocks,
                                      "resends": rx.resends, "blocks": int(rx.have.shape[1])})
-                if held.receiving is asyncio.current_task():  # (not cancelled already)
-                    held.receiving = None
+                if record.receiving is asyncio.current_task():  # (not cancelled already)
+                    record.receiving = None
                 if self.inbox.receivers.get(rid) is rx:
                     del self.inbox.receivers[rid]
 
-    async def handoff_failed(self, req: AdmitRequest, rx: KVReceiver, e: Exception, held: DecodeRequest) -> None:
+    async def handoff_failed(self, req: AdmitRequest, rx: KVReceiver, e: Exception, record: DecodeRequest) -> None:
         """The prefill side is told; this placement's reservation is dropped (only this one: a
         cancel may have let a newer one in meanwhile) and, unless the placement is over (it was
         cancelled), the prompt is prefilled here under the same record."""
@@ -249,9 +249,9 @@ class DecodeWorker:
         ended, _ = await self.host.call(self.abort_older, rid, req.attempt + 1)
         if not ended or isinstance(e, KVCancelled):
             log.info("%s: KV handoff of attempt %d ended (%s); its placement is over", rid, req.attempt, reason)
-            self.requests.close(rid, held)
+            self.requests.close(rid, record)
             return
-        held.first_token = None
+        record.first_token = None
         log.warning("%s: KV handoff failed (%s); prefilling locally", rid, reason)
         await self.prefill_locally(req, "fallback")
         if not isinstance(e, (PrefillWorkerLost, PrefillWorkerLate)):  # the path's fault
@@ -278,53 +278,53 @@ class DecodeWorker:
             rid = out.request_id
             if not out.finished and rid not in self.engine.seqs:  # cancelled since its step ran
                 continue
-            held = self.requests.get(rid)
-            if held is None:  # its record closed by a cancel meanwhile: no placement to sign it for
+            record = self.requests.get(rid)
+            if record is None:  # its record closed by a cancel meanwhile: no placement to sign it for
                 continue
-            chunk = TokenChunk.from_output(out, held.attempt, self.id)
-            signed = macs.sign(chunk, held.secret)
+            chunk = TokenChunk.from_output(out, record.attempt, self.id)
+            signed = macs.sign(chunk, record.secret)
             self.chunks.record(chunk, signed)
             await self.bus.publish_signed(subjects.tokens(rid), signed)
             if not out.finished and rid not in self.engine.seqs:  # cancelled while it was published
                 continue
             self.advanced.add(rid)
             if out.finished:
-                self.finished(out, held)
-            elif held.first_token is None:  # (an abort's output, finished, is no first token)
-                self.first_token(out, held)
+                self.finished(out, record)
+            elif record.first_token is None:  # (an abort's output, finished, is no first token)
+                self.first_token(out, record)
 
-    def first_token(self, out: RequestOutput, held: DecodeRequest) -> None:
+    def first_token(self, out: RequestOutput, record: DecodeRequest) -> None:
         """The first token this worker made for a request: it is decoding here."""
-        held.decoding(out.num_generated_tokens)
-        if held.span is not None:
-            held.span.add_event("first_token", {"generated_before": out.num_generated_tokens - 1})
-        if held.prefilled_here:  # local mode, a fallback, a failover with no prefill worker
+        record.decoding(out.num_generated_tokens)
+        if record.span is not None:
+            record.span.add_event("first_token", {"generated_before": out.num_generated_tokens - 1})
+        if record.prefilled_here:  # local mode, a fallback, a failover with no prefill worker
             metrics.PROMPT_TOKENS.labels("decode").inc(out.num_prompt_tokens)
             metrics.CACHED_TOKENS.labels("decode").inc(out.num_cached_tokens)
-        self.state.requests.note(out.request_id, "decoding", by=self.id, attempt=held.attempt,
+        self.state.requests.note(out.request_id, "decoding", by=self.id, attempt=record.attempt,
                                  prompt_tokens=out.num_prompt_tokens)
 
-    def finished(self, out: RequestOutput, held: DecodeRequest) -> None:
+    def finished(self, out: RequestOutput, record: DecodeRequest) -> None:
         """A request ended here (its last chunk published): its span closes with its pace."""
-        if self.requests.close(out.request_id, held) and (span := held.span) is not None:
+        if self.requests.close(out.request_id, record) and (span := record.span) is not None:
             span.set_attributes({"output_tokens": out.num_generated_tokens,
                                  "finish_reason": out.finish_reason or ""})
-            if (pace := held.time_per_output_token_ms(out.num_generated_tokens)) is not None:
+            if (pace := record.time_per_output_token_ms(out.num_generated_tokens)) is not None:
                 span.set_attribute("time_per_output_token_ms", pace)
             span.end()
 
     async def on_cancel(self, msg: Msg) -> None:
-        """A cancel counts with the MAC of the placement held here (the gateway's, or the prefill
+        """A cancel counts with the MAC of the placement here (the gateway's, or the prefill
         worker's when the request finished there), or on the subject only routers publish to."""
         cancel = Cancel.decode(msg.data)
-        rid, held = cancel.request_id, self.requests.get(cancel.request_id)
+        rid, record = cancel.request_id, self.requests.get(cancel.request_id)
         if msg.subject != subjects.decode_supervisor_cancel(self.id) and \
-                (held is None or not macs.signed_with(held.secret, msg)):
+                (record is None or not macs.signed_with(record.secret, msg)):
             return
-        task = held.receiving if held is not None else None  # a KV wait, unless of a placement the cancel spares
-        if held is not None and task is not None and (cancel.before_attempt is None
-                                                      or held.attempt < cancel.before_attempt):
-            held.receiving = None
+        task = record.receiving if record is not None else None  # a KV wait, unless of a placement the cancel spares
+        if record is not None and task is not None and (cancel.before_attempt is None
+                                                      or record.attempt < cancel.before_attempt):
+            record.receiving = None
             task.cancel()  # it answers the prefill side as it ends
             self.inbox.close(rid)
         else:
@@ -335,12 +335,12 @@ class DecodeWorker:
     async def abort(self, rid: str, before_attempt: int | None) -> None:
         """Checked and done on the engine thread, in order with admits: a failover's cancel
         never stops the placement it was sent for, whichever handler runs first."""
-        ended, held = await self.host.call(self.abort_older, rid, before_attempt)
+        ended, record = await self.host.call(self.abort_older, rid, before_attempt)
         if ended:
             self.chunks.forget(rid)
-            if held is not None and self.requests.close(rid, held) and held.span is not None:
-                held.span.add_event("cancelled")
-                held.span.end()
+            if record is not None and self.requests.close(rid, record) and record.span is not None:
+                record.span.add_event("cancelled")
+                record.span.end()
 
     async def on_replay(self, msg: Msg) -> None:
         req = Replay.decode(msg.data)
@@ -357,11 +357,11 @@ class DecodeWorker:
     def abort_older(self, rid: str, before_attempt: int | None) -> tuple[bool, DecodeRequest | None]:
         """On the engine thread: abort the request unless it is a placement at or after
         `before_attempt` (None: whatever it is). Whether it did, and the request's record here."""
-        held = self.requests.get(rid)
-        if before_attempt is not None and (held.attempt if held is not None else 0) >= before_attempt:
-            return False, held
+        record = self.requests.get(rid)
+        if before_attempt is not None and (record.attempt if record is not None else 0) >= before_attempt:
+            return False, record
         self.engine.abort(rid)
-        return True, held
+        return True, record
 
 
 def main(settings: DecodeSettings | None = None) -> None:

@@ -41,18 +41,18 @@ class DecodeRequest:
 
 class DecodeRequests:
     def __init__(self) -> None:
-        self.held: dict[str, DecodeRequest] = {}
+        self.records: dict[str, DecodeRequest] = {}
 
     def open(self, rid: str, attempt: int, secret: str) -> DecodeRequest:
         """On the engine thread, as the engine takes the request: the record of this placement
-        already held (a failed handoff's, its prompt now prefilled here), else a new one."""
-        held = self.held.get(rid)
-        if held is None or held.attempt != attempt or held.closed:
-            held = self.held[rid] = DecodeRequest(attempt, secret)
-        return held
+        already kept (a failed handoff's, its prompt now prefilled here), else a new one."""
+        record = self.records.get(rid)
+        if record is None or record.attempt != attempt or record.closed:
+            record = self.records[rid] = DecodeRequest(attempt, secret)
+        return record
 
     def get(self, rid: str) -> DecodeRequest | None:
-        return self.held.get(rid)
+        return self.records.get(rid)
 
     def close(self, rid: str, record: DecodeRequest) -> bool:
         """`record` is over (dropped, unless a newer placement's took its place): whether it was
@@ -60,10 +60,10 @@ class DecodeRequests:
         if record.closed:
             return False
         record.closed = True
-        if self.held.get(rid) is record:
-            del self.held[rid]
+        if self.records.get(rid) is record:
+            del self.records[rid]
         return True
 
     def receiving(self) -> list[asyncio.Task]:
         """The KV waits under way."""
-        return [r.receiving for r in list(self.held.values()) if r.receiving is not None]
+        return [r.receiving for r in list(self.records.values()) if r.receiving is not None]

@@ -39,7 +39,7 @@ def inflight_key(caller: str) -> str:
 class Concurrency:
     def __init__(self, state: Store, limit: int, lease_s: float, fail_open: bool):
         self.state, self.limit, self.lease_ms, self.fail_open = state, limit, int(lease_s * 1000), fail_open
-        self.held: dict[str, tuple[str, list[str]]] = {}  # request id -> (caller, its members)
+        self.taken: dict[str, tuple[str, list[str]]] = {}  # request id -> (caller, its members)
         self.leaving = Background(log, "leaving the in-flight count")
 
     async def join(self, caller: str, request_id: str, choices: int) -> None:
@@ -63,19 +63,19 @@ class Concurrency:
             raise APIError(429, f"Too many requests in flight: this key may have {self.limit} at once (each choice "
                                 "counts). Retry when one ends.", code="concurrency_limit_exceeded",
                            headers={"Retry-After": "1"})
-        self.held[request_id] = (caller, members)
+        self.taken[request_id] = (caller, members)
 
     def leave(self, request_id: str) -> None:
         """The request ended: its places are free (in the background; the lease is the backstop)."""
-        held = self.held.pop(request_id, None)
-        if held is not None:
-            caller, members = held
+        taken = self.taken.pop(request_id, None)
+        if taken is not None:
+            caller, members = taken
             self.leaving.start(self.state.call(lambda p: p.zrem(inflight_key(caller), *members)))
 
     async def renew(self) -> None:
         """Every heartbeat: the leases of the requests this gateway serves, one round trip."""
         callers: dict[str, list[str]] = {}
-        for caller, members in self.held.values():
+        for caller, members in self.taken.values():
             callers.setdefault(caller, []).extend(members)
         if callers:
             renew = self.state.script(RENEW)

@@ -139,59 +139,59 @@ def grammar(functions: list[dict], choice: str, parallel: bool, fmt: CallFormat)
 
 class CallStream:
     """Splits generated text, as it comes, into content and whole tool calls: text that may be
-    the start of a call is held back until it is one or cannot be; the separator after a call
+    the start of a call is withheld until it is one or cannot be; the separator after a call
     is dropped."""
 
     def __init__(self, fmt: CallFormat) -> None:
         self.fmt = fmt
-        self.held = ""
+        self.withheld = ""
         self.calls = 0
         self.after_call = False
         self.json = json.JSONDecoder()
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         """(content, tool calls) that `text` completes."""
-        self.held += text
+        self.withheld += text
         content = ""
         calls: list[dict] = []
-        while self.held:
+        while self.withheld:
             if self.after_call:
                 sep = self.fmt.sep
-                if sep.startswith(self.held) and len(self.held) < len(sep):
+                if sep.startswith(self.withheld) and len(self.withheld) < len(sep):
                     break  # (maybe the separator, still coming)
-                self.held = self.held[len(sep):] if self.held.startswith(sep) else self.held
+                self.withheld = self.withheld[len(sep):] if self.withheld.startswith(sep) else self.withheld
                 self.after_call = False
             trigger = self.fmt.trigger
-            start = self.held.find(trigger)
+            start = self.withheld.find(trigger)
             if start < 0:
-                keep = next((n for n in range(min(len(trigger), len(self.held)), 0, -1)
-                             if trigger.startswith(self.held[-n:])), 0)
-                content += self.held[:len(self.held) - keep]
-                self.held = self.held[len(self.held) - keep:]
+                keep = next((n for n in range(min(len(trigger), len(self.withheld)), 0, -1)
+                             if trigger.startswith(self.withheld[-n:])), 0)
+                content += self.withheld[:len(self.withheld) - keep]
+                self.withheld = self.withheld[len(self.withheld) - keep:]
                 break
-            content += self.held[:start]
-            self.held = self.held[start:]
+            content += self.withheld[:start]
+            self.withheld = self.withheld[start:]
             taken = self._take()
             if taken is None:
                 break  # (a call still coming)
             call, n = taken
             if call is None:
-                content += self.held[:n]
+                content += self.withheld[:n]
             else:
                 calls.append(call)
                 self.after_call = True
-            self.held = self.held[n:]
+            self.withheld = self.withheld[n:]
         return content, calls
 
     def flush(self) -> str:
-        """What is still held (a call cut short by max_tokens): content."""
-        rest, self.held = self.held, ""
+        """What is still withheld (a call cut short by max_tokens): content."""
+        rest, self.withheld = self.withheld, ""
         return rest
 
     def _take(self) -> tuple[dict | None, int] | None:
         """At a trigger: (the call, or None where this is text, characters it spans), or None
         while the text so far could still become a call."""
-        fmt, text = self.fmt, self.held
+        fmt, text = self.fmt, self.withheld
         if not text.startswith(fmt.begin):
             return None if fmt.begin.startswith(text) else (None, len(fmt.trigger))
         at = len(fmt.begin)

@@ -43,11 +43,11 @@ class Handoffs:
             await self.first_token(out)
 
     async def first_token(self, out: RequestOutput) -> None:
-        held = self.jobs.get(out.request_id)
-        if held is None or held.compute_span is None:  # cancelled while its last pass ran
+        record = self.jobs.get(out.request_id)
+        if record is None or record.compute_span is None:  # cancelled while its last pass ran
             return
-        job, span = held.job, held.compute_span
-        held.compute_span = None  # from here the handoff (or nothing) owns it
+        job, span = record.job, record.compute_span
+        record.compute_span = None  # from here the handoff (or nothing) owns it
         metrics.PROMPT_TOKENS.labels("prefill").inc(out.num_prompt_tokens)
         metrics.CACHED_TOKENS.labels("prefill").inc(out.num_cached_tokens)
         span.set_attribute("cached_tokens", out.num_cached_tokens)
@@ -58,22 +58,22 @@ class Handoffs:
         await self.bus.publish_signed(subjects.tokens(out.request_id), signed, ctx=trace.set_span_in_context(span))
         if out.finished:  # done on its first token: nothing to hand off
             self.sender.drop(out.request_id)
-            held.end_kv(acked=False, error="finished in prefill")
+            record.end_kv(acked=False, error="finished in prefill")
             await self.bus.publish(subjects.decode_cancel(job.decode_worker),
                                    Cancel(request_id=out.request_id, reason=FINISHED_IN_PREFILL), secret=job.secret)
-            await self.jobs.ack(held)
+            await self.jobs.ack(record)
             return
         self.state.requests.note(out.request_id, "transferring", by=self.id, attempt=job.attempt,
                                  prompt_tokens=len(job.prompt_token_ids) + len(job.generated_token_ids),
                                  decode=job.decode_worker)
-        held.computed_at = time.monotonic()
-        task = asyncio.create_task(self.lease(held, out))
+        record.computed_at = time.monotonic()
+        task = asyncio.create_task(self.lease(record, out))
         self.leases.add(task)
         task.add_done_callback(self.leases.discard)
 
-    async def lease(self, held: Job, first: RequestOutput) -> None:
+    async def lease(self, record: Job, first: RequestOutput) -> None:
         """The blocks stay until the decode side answers (or time runs out)."""
-        job, rid = held.job, held.job.request_id
+        job, rid = record.job, record.job.request_id
         h = self.sender.handoffs[rid]
         acked = False
         try:
@@ -82,19 +82,19 @@ class Handoffs:
             acked = ack.ok
             if not ack.ok:
                 log.warning("%s: KV handoff ended without the decode side's ack: %s", rid, ack.error)
-            exposed_s = time.monotonic() - held.computed_at
-            held.end_kv(acked=ack.ok, error=ack.error, bytes=h.bytes_sent, segment_bytes=h.segment_bytes,
+            exposed_s = time.monotonic() - record.computed_at
+            record.end_kv(acked=ack.ok, error=ack.error, bytes=h.bytes_sent, segment_bytes=h.segment_bytes,
                         pieces=h.pieces, resent_blocks=h.resent_blocks, skipped_blocks=job.first_block,
                         exposed_ms=round(1e3 * exposed_s, 3))  # last layer computed -> decode side's ack
         except Exception as e:  # noqa: BLE001 - the decode side falls back to a local prefill on its deadline
             log.warning("%s: KV handoff failed: %s", rid, e)
-            held.end_kv(acked=False, error=str(e))
+            record.end_kv(acked=False, error=str(e))
         finally:
             metrics.KV_BYTES.labels(self.sender.transport.name).inc(h.bytes_sent - h.segment_bytes)
             metrics.KV_BYTES.labels("segment").inc(h.segment_bytes)
             metrics.KV_RESENT.inc(h.resent_blocks)
-            metrics.KV_SECONDS.observe(time.monotonic() - held.computed_at)
+            metrics.KV_SECONDS.observe(time.monotonic() - record.computed_at)
             if not acked:
                 metrics.KV_FAILURES.inc()
-            await self.jobs.ack(held)  # before the free: a later attempt's job waits for the free
+            await self.jobs.ack(record)  # before the free: a later attempt's job waits for the free
             await self.host.call(self.host.engine.free, rid)

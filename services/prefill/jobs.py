@@ -36,24 +36,24 @@ class Job:
 
 class Jobs:
     def __init__(self) -> None:
-        self.held: dict[str, Job] = {}
+        self.records: dict[str, Job] = {}
 
     def open(self, job: PrefillJob, msg: Msg, compute_span: trace.Span, kv_span: trace.Span) -> None:
-        self.held[job.request_id] = Job(job, msg, compute_span, kv_span)
+        self.records[job.request_id] = Job(job, msg, compute_span, kv_span)
 
     def get(self, rid: str) -> Job | None:
-        return self.held.get(rid)
+        return self.records.get(rid)
 
-    async def ack(self, held: Job) -> None:
+    async def ack(self, record: Job) -> None:
         """The job is over (handed off, refused or cancelled): dropped, and its delivery acked (it
         leaves the queue) unless it was dropped before."""
-        if self.held.get(held.job.request_id) is held:
-            del self.held[held.job.request_id]
-            await held.msg.ack()
+        if self.records.get(record.job.request_id) is record:
+            del self.records[record.job.request_id]
+            await record.msg.ack()
 
     def computing(self) -> int:
         """Jobs whose prompt is being computed (the handoffs under way not counted)."""
-        return sum(j.computing for j in self.held.values())
+        return sum(j.computing for j in self.records.values())
 
     def all(self) -> list[Job]:
-        return list(self.held.values())
+        return list(self.records.values())

@@ -150,9 +150,9 @@ class PrefillWorker:
     async def keep_jobs(self) -> None:
         while True:
             await asyncio.sleep(JOB_KEEPALIVE_S)
-            for held in self.jobs.all():
+            for record in self.jobs.all():
                 try:
-                    await held.msg.in_progress()
+                    await record.msg.in_progress()
                 except Exception as e:  # noqa: BLE001 - NATS reconnecting: the next round tries again
                     log.debug("in_progress: %s", e)
 
@@ -220,12 +220,12 @@ class PrefillWorker:
         """Whether the job is answered without being started: acked when there is nothing to do,
         delivered again later when an older placement's work must end first."""
         fresh = msg.metadata.num_delivered == 1 and time.time() - queued_at(msg) < FRESH_JOB_S
-        held = self.sender.handoffs.get(job.request_id)
-        if (self.cancels.stops(job) or (held and held.job.attempt >= job.attempt)
+        record = self.sender.handoffs.get(job.request_id)
+        if (self.cancels.stops(job) or (record and record.job.attempt >= job.attempt)
                 or (not fresh and not job.attempt and await self.taken_over(job.request_id))):
             await msg.ack()  # cancelled before it started, a redelivery of a job in hand, or the
             return True      # decode worker gave up waiting and prefilled it (this worker's last life?)
-        if held or job.request_id in self.engine.seqs:  # an older placement's work still here (a
+        if record or job.request_id in self.engine.seqs:  # an older placement's work still here (a
             await self.cancel_older(job.request_id, job.attempt)  # failover came first): end it,
             await msg.nak(delay=0.2)                              # take this job once it is gone
             return True
@@ -241,9 +241,9 @@ class PrefillWorker:
         kv_span = self.tracer.start_span("kv.transfer", context=ctx, attributes={
             "request_id": job.request_id, "decode_worker": job.decode_worker, "transport": self.transport.name})
         sink = await self.sender.open(job, trace.set_span_in_context(kv_span))
-        held = self.sender.handoffs[job.request_id]
-        kv_span.set_attributes({"new_endpoint": held.new_endpoint,  # (the segment: where the payloads fit)
-                                "transport": "segment" if held.same_host else self.transport.name})
+        record = self.sender.handoffs[job.request_id]
+        kv_span.set_attributes({"new_endpoint": record.new_endpoint,  # (the segment: where the payloads fit)
+                                "transport": "segment" if record.same_host else self.transport.name})
         try:
             await self.host.call(self.queue, job, sink)
         except Exception as e:  # noqa: BLE001 - refused (ValueError: the router validated it, so a bug),
@@ -297,16 +297,16 @@ class PrefillWorker:
         rid, supervisor = cancel.request_id, msg.subject == subjects.prefill_supervisor_cancel(self.id)
         before = math.inf if cancel.before_attempt is None else cancel.before_attempt  # a failover: older ones
         self.cancels.note(rid, before, msg, supervisor)
-        held = self.sender.handoffs.get(rid) or self.jobs.get(rid)   # (the placement's secret, when here)
-        if supervisor or (held is not None and macs.signed_with(held.job.secret, msg)):
+        record = self.sender.handoffs.get(rid) or self.jobs.get(rid)   # (the placement's secret, when here)
+        if supervisor or (record is not None and macs.signed_with(record.job.secret, msg)):
             self.ending.start(self.cancel_older(rid, before))
 
     async def cancel_older(self, rid: str, before: float) -> None:
         """End this worker's work for the request's placements before attempt `before`: a
         handoff waiting for its ack ends now (KVEnd not ok; its blocks are freed as it ends), a
         prompt still being prefilled is aborted."""
-        held = self.sender.handoffs.get(rid)
-        if held is not None and held.job.attempt < before:
+        record = self.sender.handoffs.get(rid)
+        if record is not None and record.job.attempt < before:
             await self.sender.cancel(rid, CANCELLED)
         taken, seq = self.jobs.get(rid), self.engine.seqs.get(rid)
         if (taken is not None and taken.computing and taken.job.attempt < before and seq is not None

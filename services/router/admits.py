@@ -32,7 +32,7 @@ class Waits:
     """A placement's time in others' hands (span attributes: the router's own time is the rest)."""
 
     noted: str | None = None  # the decode worker noted with the claim (`placements.begin`): its admit needs no hold
-    hold_s: float = 0.0   # renewing the claim in Redis
+    renew_s: float = 0.0   # renewing the claim in Redis
     admit_s: float = 0.0  # the decode workers answering admits
     admitted_at: float = 0.0  # wall time the admit that was taken went out: the `routed` event's time (the
     #                           decode worker queues the prefill at once: its `prefilling` may be noted first)
@@ -60,9 +60,9 @@ class Admits:
         booked = self.bookings.tried(chosen, tokens, time.monotonic())
         asked = time.perf_counter()  # renew the claim (each admit may take its timeout) and note the worker asked
         if chosen.decode.worker_id != waits.noted:  # (noted with the claim: just now)
-            await self.state.placements.hold(key, self.id, lease_s, chosen.decode.worker_id, ROUTE_TTL_S)
+            await self.state.placements.renew(key, self.id, lease_s, chosen.decode.worker_id, ROUTE_TTL_S)
         waits.noted = None
-        waits.hold_s += time.perf_counter() - asked
+        waits.renew_s += time.perf_counter() - asked
         asked, sent_at = time.perf_counter(), time.time()
         admit = await self.admit(chosen, req)
         waits.admit_s += time.perf_counter() - asked
@@ -83,7 +83,7 @@ class Admits:
                                  "prefill_queued_tokens": prefill.queued_tokens})
         span.set_attributes({"decode_cached_tokens": plan.fleet.cached_tokens(decode.worker_id),
                              "session_worker": plan.ask.session_worker or "",
-                             "admit_wait_ms": 1e3 * waits.admit_s, "hold_ms": 1e3 * waits.hold_s})
+                             "admit_wait_ms": 1e3 * waits.admit_s, "renew_ms": 1e3 * waits.renew_s})
         if req.session_id:
             self.background(self.state.sessions.set_worker(req.session_id, decode.worker_id,
                                                            self.settings.session_ttl_s))

@@ -6,7 +6,7 @@ Per worker: its epoch (a life of its publisher, shared/prefix_events.py), the ch
 so far (`seq`) and its holder in the index. An event extending what is indexed (`first` <= seq
 < `last`; netted changes re-state what they touch, so an overlap is harmless) is applied; one
 already counted is skipped. A gap (`first` > seq), a new epoch or a worker not followed yet
-calls for a snapshot: the events arriving meanwhile are held, then applied on top of it in
+calls for a snapshot: the events arriving meanwhile are buffered, then applied on top of it in
 order (another gap: another snapshot). On a new epoch the old life's entries stop counting at
 once (its cache is gone); on a gap they count until the snapshot replaces them. The registry
 closes what no later event would show: a worker absent from it for `gone_s` is dropped; one
@@ -24,7 +24,7 @@ from shared.absence import Absence
 from shared.messages import PrefixEvents, WorkerInfo
 
 BEHIND_S = 2.0    # a registry entry further on than the events applied for this long: a snapshot
-MAX_HELD = 4096   # events held per worker while its snapshot is awaited; beyond, dropped (another snapshot)
+MAX_BUFFERED = 4096   # events buffered per worker while its snapshot is awaited; beyond, dropped (another snapshot)
 
 
 @dataclass
@@ -32,9 +32,9 @@ class Feed:
     epoch: str = ""
     seq: int = 0
     holder: int | None = None                    # its entries in the index (None: none)
-    held: list[PrefixEvents] | None = None       # awaiting a snapshot: the events since (None: not awaiting)
+    buffered: list[PrefixEvents] | None = None       # awaiting a snapshot: the events since (None: not awaiting)
     epochs: set[str] = field(default_factory=set)  # lives seen: a late event of a past one is ignored
-    overflow: bool = False                       # events were dropped while held: the snapshot is not enough
+    overflow: bool = False                       # events were dropped while buffered: the snapshot is not enough
     behind_since: float | None = None            # when its registry entry was first seen ahead of `seq`
 
 
@@ -58,9 +58,9 @@ class Feeds:
         f = self.feeds.setdefault(ev.worker_id, Feed())
         if ev.epoch != f.epoch and ev.epoch in f.epochs:
             return False  # a past life's late word
-        if f.held is not None:
-            if len(f.held) < MAX_HELD:
-                f.held.append(ev)
+        if f.buffered is not None:
+            if len(f.buffered) < MAX_BUFFERED:
+                f.buffered.append(ev)
             else:
                 f.overflow = True
             return False
@@ -74,11 +74,11 @@ class Feeds:
             self._retire(f)
             f.epoch = ev.epoch
             f.epochs.add(ev.epoch)
-        f.held = [ev]
+        f.buffered = [ev]
         return True
 
     def on_snapshot(self, snap: Snapshot) -> bool:
-        """Index the worker's whole cache, then the events held since; True when another
+        """Index the worker's whole cache, then the events buffered since; True when another
         snapshot is needed (a gap after it, or a newer life)."""
         f = self.feeds.get(snap.worker_id)
         if f is None:  # dropped meanwhile (gone from the registry)
@@ -88,16 +88,16 @@ class Feeds:
         self.index.apply(f.holder, snap.hashes, [])
         f.epoch, f.seq = snap.epoch, snap.seq
         f.epochs.add(snap.epoch)
-        held, f.held = f.held or [], None
+        buffered, f.buffered = f.buffered or [], None
         again, f.overflow = f.overflow, False
         self.snapshots += 1
-        for ev in held:
+        for ev in buffered:
             again = self.on_events(ev) or again
         return again
 
     def awaiting(self) -> list[str]:
         """The workers whose snapshot is needed."""
-        return [w for w, f in self.feeds.items() if f.held is not None]
+        return [w for w, f in self.feeds.items() if f.buffered is not None]
 
     def registry(self, workers: Iterable[WorkerInfo], now: float) -> list[str]:
         """One look at the registry: workers gone for `gone_s` dropped; those publishing events
@@ -115,7 +115,7 @@ class Feeds:
         entries are dropped at once), or further on in its changes than the events applied for
         `behind_s` (the last ones were lost: no later event shows the gap)."""
         f = self.feeds.get(w.worker_id)
-        if f is not None and f.held is not None:
+        if f is not None and f.buffered is not None:
             return False  # awaited already
         if f is not None and w.prefix_epoch in f.epochs:
             if w.prefix_epoch != f.epoch or w.prefix_seq <= f.seq:  # an older copy of the entry, or caught up
@@ -127,7 +127,7 @@ class Feeds:
         else:
             f = self.feeds.setdefault(w.worker_id, Feed())
             self._retire(f)
-        f.held, f.behind_since = [], None
+        f.buffered, f.behind_since = [], None
         return True
 
     def drop(self, worker_id: str) -> None:

@@ -58,7 +58,7 @@ class Faults:
             return True
         return False
 
-    async def hold(self) -> None:
+    async def delay(self) -> None:
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
 
@@ -79,7 +79,7 @@ class KVTransport(abc.ABC):
         """Send one uint8 payload to a peer on `tag`; returns bytes sent."""
         payload, corrupted = self.faults.apply(payload, resend)
         self.corrupted += corrupted
-        await self.faults.hold()
+        await self.faults.delay()
         await self._send(peer, tag, payload)
         return payload.nbytes
 

@@ -22,7 +22,7 @@ says where (`SegmentRef`), and the decode worker copies it out of its mapping of
   outlives the process that made it, so a prefill worker killed mid-copy leaves its receivers
   reading memory that is still there. Mappings of segments whose owner is gone are dropped
   when a new segment is mapped.
-- **Leased and checksummed as before.** A region of the segment is held until the handoff
+- **Leased and checksummed as before.** A region of the segment is taken until the handoff
   ends (the decode side's ack, the lease's end, a cancel): then it is written again. A
   decode side still copying after its lease ended may read bytes of a later payload; every
   block is checked against the notice's checksum after the copy, so it never uses them.
@@ -73,7 +73,7 @@ class Giver:
     its life)."""
 
     def __init__(self, fd: int, worker_id: str, scope: str) -> None:
-        self.fd, self.held = fd, list[socket.socket]()
+        self.fd, self.readers = fd, list[socket.socket]()
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             self.sock.bind(address(worker_id, scope))
@@ -81,7 +81,8 @@ class Giver:
             self.sock.close()
             raise
         self.sock.listen(64)
-        threading.Thread(target=self._serve, name="kv-segment-giver", daemon=True).start()
+        self.thread = threading.Thread(target=self._serve, name="kv-segment-giver", daemon=True)
+        self.thread.start()
 
     def _serve(self) -> None:
         while True:
@@ -99,18 +100,21 @@ class Giver:
             except OSError:
                 conn.close()
                 continue
-            for gone in [c for c in self.held if closed(c)]:   # (readers that have ended)
+            for gone in [c for c in self.readers if closed(c)]:   # (readers that have ended)
                 gone.close()
-                self.held.remove(gone)
-            self.held.append(conn)
+                self.readers.remove(gone)
+            self.readers.append(conn)
 
     def close(self) -> None:
         try:
             self.sock.shutdown(socket.SHUT_RDWR)   # (wakes the accept: a close alone leaves the address bound)
         except OSError:
             pass
+        # the address is free once the woken accept has returned too (it holds the socket until
+        # then: on a busy machine, long enough for a new segment of the same name to find it taken)
+        self.thread.join(timeout=5.0)
         self.sock.close()
-        for conn in self.held:
+        for conn in self.readers:
             conn.close()
 
 
@@ -233,12 +237,12 @@ class Segments:
 
     def mapped(self, owner: str, ref: SegmentRef) -> bool:
         """Whether the segment of `ref` is mapped here already (a read then waits on no one)."""
-        return self._held(owner, ref) is not None
+        return self._mapping(owner, ref) is not None
 
-    def _held(self, owner: str, ref: SegmentRef) -> np.ndarray | None:
+    def _mapping(self, owner: str, ref: SegmentRef) -> np.ndarray | None:
         """The mapping of `ref`'s segment (None: not mapped, or `owner`'s is another file now)."""
-        held = self.maps.get(owner)
-        return held[1] if held is not None and held[0] == ref.inode else None
+        mapped = self.maps.get(owner)
+        return mapped[1] if mapped is not None and mapped[0] == ref.inode else None
 
     def read(self, owner: str, ref: SegmentRef, out: np.ndarray) -> None:
         """Copy the payload at `ref` in prefill worker `owner`'s segment into `out` (uint8, the
@@ -250,10 +254,10 @@ class Segments:
         np.copyto(out.reshape(-1), src[ref.offset:ref.offset + out.nbytes])
 
     def _mapped(self, owner: str, ref: SegmentRef) -> np.ndarray:
-        if (src := self._held(owner, ref)) is not None:   # (no lock: a copy on the event loop never waits)
+        if (src := self._mapping(owner, ref)) is not None:   # (no lock: a copy on the event loop never waits)
             return src
         with self._lock:   # (one first mapping at a time, on a thread: it waits on the owner)
-            if (src := self._held(owner, ref)) is not None:   # (another thread's, meanwhile)
+            if (src := self._mapping(owner, ref)) is not None:   # (another thread's, meanwhile)
                 return src
             self.prune()
             conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)

@@ -195,7 +195,7 @@ class KVSender:
 
     async def _post(self, h: Handoff, notice: KVLayer, payload: np.ndarray) -> None:
         if notice.segment is not None:  # the transport's fault injection, on the segment's bytes
-            await self.transport.faults.hold()
+            await self.transport.faults.delay()
             if h.closed:  # its region may be another handoff's by now: nothing more of it goes out
                 return
             self.transport.corrupted += self.transport.faults.apply_in_place(payload, notice.resend)

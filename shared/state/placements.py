@@ -10,7 +10,7 @@ from shared.state.keys import claim_key, route_key
 from shared.state.store import Store
 
 # the claim taken or renewed, then the decode worker about to be asked noted on the placement
-_HOLD = """
+_RENEW = """
 if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -56,12 +56,12 @@ class Placements:
             int(ttl_s * 1000)))
         return bool(claimed), {known[i].decode(): known[i + 1].decode() for i in range(0, len(known), 2)}
 
-    async def hold(self, request_id: str, router_id: str, lease_s: float, decode: str, ttl_s: float) -> bool:
+    async def renew(self, request_id: str, router_id: str, lease_s: float, decode: str, ttl_s: float) -> bool:
         """Renew the claim and note the decode worker about to be asked, in one call (a router
-        taking over a lapsed claim asks that worker first); False if another router holds it."""
+        taking over a lapsed claim asks that worker first); False if another router has it."""
         key = route_key(request_id)
         return bool(await self.store.call(lambda p: p.evalsha(
-            self.store.script(_HOLD).sha, 2, claim_key(request_id), key, router_id, int(lease_s * 1000), decode,
+            self.store.script(_RENEW).sha, 2, claim_key(request_id), key, router_id, int(lease_s * 1000), decode,
             int(ttl_s * 1000))))
 
     async def release(self, request_id: str) -> None:

@@ -75,7 +75,7 @@ class Fleet:
 
 def _matches(follower: PrefixFollower, fleet: Fleet) -> bool:
     feeds = follower.feeds.feeds
-    return all(w in feeds and feeds[w].holder is not None and feeds[w].held is None
+    return all(w in feeds and feeds[w].holder is not None and feeds[w].buffered is None
                and follower.index.held(feeds[w].holder) == c.hashes for w, c in fleet.caches.items())
 
 

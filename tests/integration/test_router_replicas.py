@@ -110,7 +110,7 @@ def test_a_replica_that_died_mid_decision_is_taken_over_on_the_worker_it_chose(n
         (a, b), admits, jobs, state, bus = await _setup(nats_url, redis_url)
         req = _request("r2")
         assert (await state.placements.begin("r2", "router-dead", 0.5, "", 60))[0]     # claimed
-        assert await state.placements.hold("r2", "router-dead", 0.5, "decode-1", 60)   # noted before its admit
+        assert await state.placements.renew("r2", "router-dead", 0.5, "decode-1", 60)   # noted before its admit
         await bus.queue_prefill("prefill-0", _job("r2", "decode-1"))
         t0 = time.monotonic()
         reply = await b.route(req)

@@ -45,7 +45,7 @@ class _Placements:
     async def begin(self, *args) -> tuple[bool, dict]:
         return True, {}
 
-    async def hold(self, *args) -> bool:
+    async def renew(self, *args) -> bool:
         return True
 
 

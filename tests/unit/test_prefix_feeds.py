@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 
-from services.router.prefix_feeds import MAX_HELD, Feeds, Snapshot
+from services.router.prefix_feeds import MAX_BUFFERED, Feeds, Snapshot
 from services.router.prefix_memory import MemoryIndex
 from shared import prefix_events
 from shared.engine.block_manager import CacheChange
@@ -80,10 +80,10 @@ def test_the_registry_names_new_lives_and_drops_workers_gone():
 def test_held_events_are_bounded_and_a_snapshot_after_losing_some_asks_again():
     feeds = Feeds(MemoryIndex(), gone_s=3)
     feeds.on_events(ev(0, 1))
-    for n in range(1, MAX_HELD + 10):
+    for n in range(1, MAX_BUFFERED + 10):
         feeds.on_events(ev(n, n + 1, added=[n]))
-    assert len(feeds.feeds["w"].held or []) == MAX_HELD
-    assert feeds.on_snapshot(Snapshot("w", "e1", 2, [1, 2])) is True  # events past MAX_HELD lost: a gap
+    assert len(feeds.feeds["w"].buffered or []) == MAX_BUFFERED
+    assert feeds.on_snapshot(Snapshot("w", "e1", 2, [1, 2])) is True  # events past MAX_BUFFERED lost: a gap
 
 
 def test_the_index_equals_the_cache_wherever_the_snapshot_falls():
