@@ -7,7 +7,7 @@ import asyncio
 import logging
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AsyncExitStack
 from typing import Literal, Protocol
 
@@ -63,23 +63,27 @@ def build_engine(settings: WorkerSettings) -> Engine:
     return engine
 
 
+class CachePublisher(Protocol):
+    """Where a worker's prefix-cache changes go for the routers' prefix index (PD_PREFIX_INDEX,
+    `PUBLISHERS`): `events` on NATS (shared/prefix_events.py: the routers keep the index in
+    memory), `redis` into Redis under the worker's slot (shared/prefix_index.py)."""
+
+    def registry_fields(self) -> Mapping[str, str | int]: ...
+    async def start(self) -> None: ...
+    def publish(self, changes: list[CacheChange]) -> None: ...
+    async def close(self) -> None: ...
+
+
 class WorkerCore:
     """The parts both workers are made of (each holds one): its id, its engine run on one
     thread (EngineHost), the prefix-cache changes of each step published to the prefix index,
     and its registry entry, `draining` once it stops taking new work."""
 
     def __init__(self, role: Literal["prefill", "decode"], settings: WorkerSettings, engine: Engine,
-                 state: State, transport: KVTransport, bus: Bus | None = None):
+                 state: State, transport: KVTransport, bus: Bus):
         self.role, self.settings, self.engine, self.state, self.transport = role, settings, engine, state, transport
-        self.id = worker_id(settings, role)
-        # the prefix cache's changes, for the routers' prefix index: on NATS (events, the routers keep the
-        # index in memory) or written to Redis (redis)
-        self.publisher: PrefixEventPublisher | PrefixPublisher
-        if bus is not None and settings.prefix_index == "events":
-            self.publisher = PrefixEventPublisher(bus, self.id, lambda: self.host.cache_snapshot())
-        else:
-            self.publisher = PrefixPublisher(state, self.id, lease_s=settings.lease_s,
-                                             snapshot=lambda: self.host.call(engine.cached_hashes))
+        self.bus, self.id = bus, worker_id(settings, role)
+        self.publisher = PUBLISHERS[settings.prefix_index](self)
         self.host = EngineHost(engine, self.on_cache_changes, settings.fault_engine_hang_after_steps, role,
                                settings.fault_engine_raise_after_steps)
         self.draining = False
@@ -113,6 +117,13 @@ class WorkerCore:
         """Take no new work: the registry entry says `draining` at once, not at the next heartbeat."""
         self.draining = True
         await self.state.registry.heartbeat(self.info(), lease_s=self.settings.lease_s)
+
+
+PUBLISHERS: dict[str, Callable[[WorkerCore], CachePublisher]] = {
+    "events": lambda core: PrefixEventPublisher(core.bus, core.id, lambda: core.host.cache_snapshot()),
+    "redis": lambda core: PrefixPublisher(core.state, core.id, lease_s=core.settings.lease_s,
+                                          snapshot=lambda: core.host.call(core.engine.cached_hashes)),
+}
 
 
 class Serving(Protocol):
