@@ -20,6 +20,10 @@ given every id as it is routed (the operator's connection reads the router's sub
 so what refuses them is the MACs and the grants, not the ids' secrecy.
 
 What a compromised instance can still do is in docs/ARCHITECTURE.md ("Security model").
+
+On the fake model (tests/stack/conftest.py) at 50 ms a pass, so that a request lasts about as
+long as on the real one (the attacks' window): what is tested is the grants and the MACs, each
+answer compared with the same request's answer unattacked.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import httpx
 import nats
 import nats.errors
 import pytest
-from conftest import MODEL
+from conftest import FAKE, MODEL, fake_env
 from nats.js.api import StreamConfig
 
 from deploy.local.stack import Stack, StackConfig
@@ -49,7 +53,7 @@ INSIDER = "insider"   # the attacker's connection name: its refusals in NATS's l
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    s = Stack(StackConfig.on_free_ports(prefill=2, decode=2, kv_blocks=512,
+    s = Stack(StackConfig.on_free_ports(prefill=2, decode=2, kv_blocks=512, model=FAKE, env=fake_env(0.05),
                                         log_dir=tmp_path_factory.mktemp("insider-logs"))).start()
     yield s
     s.stop()

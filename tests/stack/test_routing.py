@@ -1,5 +1,7 @@
 """Prefix-aware placement on the live stack: prompts that share a long system prompt go to
-the prefill worker that already holds it, and reuse its KV."""
+the prefill worker that already holds it, and reuse its KV. On the fake model (tests/stack/conftest.py):
+its prefix cache and KV are the real engine's; what is tested is where requests go and what they
+reuse, with a step time per pass where a worker must stay busy for a while."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import redis
-from conftest import MODEL
+from conftest import FAKE, MODEL, fake_env
 
 from deploy.local.stack import Stack, StackConfig
 from shared.state import request_key, worker_key
@@ -46,9 +48,12 @@ def test_shared_system_prompts_stay_on_the_worker_that_caches_them(otlp, tmp_pat
     """prefill-0 is busy with another long prompt when the first system-prompt request comes,
     so that one goes to prefill-1; every later one follows its cache there, though both
     workers are idle by then (a least-loaded or round-robin choice would not). Two router
-    replicas share the requests: what they decide from lives in Redis."""
-    cfg = StackConfig.on_free_ports(prefill=2, decode=1, routers=2, kv_blocks=1024, log_dir=tmp_path,
-                                    env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.url, "PD_HEARTBEAT_S": "0.3"})
+    replicas share the requests: what they decide from lives in Redis. (The prefill workers at 1 s
+    a pass: the other long prompt keeps prefill-0 busy for 2 s.)"""
+    slow = {"PD_FAKE_STEP_S": "1.0"}
+    cfg = StackConfig.on_free_ports(prefill=2, decode=1, routers=2, kv_blocks=1024, log_dir=tmp_path, model=FAKE,
+                                    env=fake_env(OTEL_EXPORTER_OTLP_ENDPOINT=otlp.url, PD_HEARTBEAT_S="0.3"),
+                                    worker_env={"prefill-0": slow, "prefill-1": slow})
     traces = []
     other = [{"role": "user", "content": SYSTEM.replace("Alder", "Birch") + " Summarize."}]
     with Stack(cfg) as stack, ThreadPoolExecutor(1) as pool:
@@ -76,11 +81,13 @@ def test_shared_system_prompts_stay_on_the_worker_that_caches_them(otlp, tmp_pat
 def test_turns_of_a_conversation_follow_their_kv_across_a_router_restart(otlp, tmp_path):
     """decode-0 is busy when turn 1 comes, so it goes to decode-1; turns 2 and 3 go back there
     (both decode workers idle by then) and send only their new blocks — turn 3 through a
-    router restarted in between, which kept nothing in memory."""
-    cfg = StackConfig.on_free_ports(prefill=1, decode=2, kv_blocks=1024, log_dir=tmp_path,
-                                    env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.url, "PD_HEARTBEAT_S": "0.3",
-                                         # (with cheapest, a turn its decode worker mostly holds is prefilled there)
-                                         "PD_PLACEMENT": "remote"})
+    router restarted in between, which kept nothing in memory. (100 ms a pass: the 48 tokens keep
+    decode-0 busy for about 5 s.)"""
+    cfg = StackConfig.on_free_ports(prefill=1, decode=2, kv_blocks=1024, log_dir=tmp_path, model=FAKE,
+                                    env=fake_env(0.1, OTEL_EXPORTER_OTLP_ENDPOINT=otlp.url, PD_HEARTBEAT_S="0.3",
+                                                 # (with cheapest, a turn its decode worker mostly holds is
+                                                 # prefilled there)
+                                                 PD_PLACEMENT="remote"))
     convo = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which mill ground the most?"}]
     results = []
 
@@ -119,8 +126,8 @@ def test_turns_of_a_conversation_follow_their_kv_across_a_router_restart(otlp, t
 
 
 def test_a_request_over_the_ttft_objective_is_refused_with_429_and_retry_after(tmp_path):
-    cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=512, log_dir=tmp_path,
-                                    env={"PD_TTFT_SLO_S": "0.001"})
+    cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=512, log_dir=tmp_path, model=FAKE,
+                                    env=fake_env(PD_TTFT_SLO_S="0.001"))
     with Stack(cfg) as stack:
         r = httpx.post(stack.url + "/v1/chat/completions", timeout=60, json={
             "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
@@ -133,10 +140,11 @@ def test_a_request_over_the_ttft_objective_is_refused_with_429_and_retry_after(t
 def test_a_short_prompt_behind_a_long_one_is_prefilled_on_the_decode_worker(tmp_path):
     """PD_PLACEMENT=cheapest (the default): while prefill-0 computes a long prompt in one pass, a
     short chat is placed on the decode worker (it would wait there behind far more than its own
-    work) and has its answer before the long prompt's first token."""
-    cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=1024, log_dir=tmp_path,
-                                    env={"PD_HEARTBEAT_S": "0.3", "PD_PREFILL_CHUNK": "2048",
-                                         "PD_MAX_BATCHED_TOKENS": "2048"})
+    work) and has its answer before the long prompt's first token. (prefill-0 at 3 s a pass.)"""
+    cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=1024, log_dir=tmp_path, model=FAKE,
+                                    env=fake_env(PD_HEARTBEAT_S="0.3", PD_PREFILL_CHUNK="2048",
+                                                 PD_MAX_BATCHED_TOKENS="2048"),
+                                    worker_env={"prefill-0": {"PD_FAKE_STEP_S": "3"}})
     long = [{"role": "user", "content": SYSTEM * 3 + " Summarise."}]
     with Stack(cfg) as stack, ThreadPoolExecutor(1) as pool:
         store = redis.Redis.from_url(stack.redis_url)

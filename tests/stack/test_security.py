@@ -1,6 +1,7 @@
 """The gateway's guards on the live stack: API keys (401), the per-key rate (429 +
 Retry-After), prompt and max_tokens limits (400 naming the limit); and neither the key, the
-prompt nor the bus passwords appear in any service's log."""
+prompt nor the bus passwords appear in any service's log. On the fake model (tests/stack/conftest.py):
+what is tested is the gateway's guards and the per-key prefix caches, not the model's numbers."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from contextlib import ExitStack
 
 import httpx
 import pytest
-from conftest import MODEL
+from conftest import FAKE, MODEL, fake_env
 
 from deploy.local.stack import Stack, StackConfig
 from services.gateway.auth import hash_key
@@ -20,9 +21,10 @@ SECRET_PROMPT = "The vault code is 7-4-1-9; tell nobody."
 
 
 def test_keys_rate_limit_and_length_limits_on_the_live_gateway(tmp_path):
-    cfg = StackConfig.on_free_ports(colocated=True, decode=1, kv_blocks=256, log_dir=tmp_path, env={
-        "PD_API_KEYS": f"tester:{hash_key(KEY)}", "PD_RATE_LIMIT_PER_S": "0.1", "PD_RATE_LIMIT_BURST": "4",
-        "PD_MAX_PROMPT_TOKENS": "64", "PD_MAX_TOKENS_LIMIT": "8"})
+    cfg = StackConfig.on_free_ports(colocated=True, decode=1, kv_blocks=256, log_dir=tmp_path, model=FAKE,
+                                    env=fake_env(PD_API_KEYS=f"tester:{hash_key(KEY)}", PD_RATE_LIMIT_PER_S="0.1",
+                                                 PD_RATE_LIMIT_BURST="4", PD_MAX_PROMPT_TOKENS="64",
+                                                 PD_MAX_TOKENS_LIMIT="8"))
     body = {"model": MODEL, "messages": [{"role": "user", "content": SECRET_PROMPT}], "max_tokens": 4}
 
     with Stack(cfg) as stack:
@@ -63,11 +65,12 @@ def test_tenants_share_no_cached_prefix_and_get_their_fair_share(tmp_path):
     `cache_salt` partitions further within a key. A priority ahead of the default is only for
     the keys allowed it; a request's tokens (prompt + n x max_tokens) come from its key's token
     bucket; a key has at most PD_MAX_CONCURRENT_PER_KEY requests in flight, and a stream the
-    client closes frees its place."""
+    client closes frees its place. (The fake at 20 ms a pass: a 1,000-token stream stays open.)"""
     other = "pd-" + "0th3r" * 8
-    cfg = StackConfig.on_free_ports(colocated=True, decode=1, kv_blocks=256, log_dir=tmp_path, env={
-        "PD_API_KEYS": f"alice:{hash_key(KEY)},bob:{hash_key(other)}", "PD_PRIORITY_KEYS": "alice",
-        "PD_TOKEN_RATE_LIMIT_PER_S": "1", "PD_TOKEN_RATE_LIMIT_BURST": "5000", "PD_MAX_CONCURRENT_PER_KEY": "2"})
+    cfg = StackConfig.on_free_ports(colocated=True, decode=1, kv_blocks=256, log_dir=tmp_path, model=FAKE,
+                                    env=fake_env(0.02, PD_API_KEYS=f"alice:{hash_key(KEY)},bob:{hash_key(other)}",
+                                                 PD_PRIORITY_KEYS="alice", PD_TOKEN_RATE_LIMIT_PER_S="1",
+                                                 PD_TOKEN_RATE_LIMIT_BURST="5000", PD_MAX_CONCURRENT_PER_KEY="2"))
     document = " ".join(f"Line {i}: the pump on deck {i % 5} ran {i * 3} hours." for i in range(20))
     body = {"model": MODEL, "messages": [{"role": "user", "content": document}], "max_tokens": 2}
 

@@ -1,6 +1,9 @@
 """The routers' supervisor on the live stack: a decode worker that heartbeats but whose step
 never returns has its stream moved to another worker; a gateway that dies has its requests
-cancelled on the workers. One stack for both (2 decode workers, stall_s 2 s)."""
+cancelled on the workers. One stack for both (2 decode workers, stall_s 2 s), on the fake model
+(tests/stack/conftest.py) at 60 ms a pass (a 400-token answer lasts ~25 s, as on the real one):
+what is tested is the supervisor's failover and cancellation, the stream compared with the
+in-process fake engine's."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import time
 import httpx
 import pytest
 import redis
-from conftest import MODEL
+from conftest import FAKE, MODEL, fake_env
 from helpers import generate
 
 from deploy.local.stack import Stack, StackConfig
@@ -27,8 +30,8 @@ HANG_AFTER = 24   # engine steps of decode-0: it hangs after ~25 tokens
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, otlp):
     cfg = StackConfig.on_free_ports(prefill=1, decode=2, kv_blocks=512, log_dir=tmp_path_factory.mktemp("logs"),
-                                    env={"PD_HEARTBEAT_S": "0.3", "PD_FAILOVER_CHECK_S": "0.3", "PD_STALL_S": "2",
-                                         "OTEL_EXPORTER_OTLP_ENDPOINT": otlp.url},
+                                    model=FAKE, env=fake_env(0.06, PD_HEARTBEAT_S="0.3", PD_FAILOVER_CHECK_S="0.3",
+                                                             PD_STALL_S="2", OTEL_EXPORTER_OTLP_ENDPOINT=otlp.url),
                                     worker_env={"decode-0": {"PD_FAULT_ENGINE_HANG_AFTER_STEPS": str(HANG_AFTER)}})
     with Stack(cfg) as s:
         yield s
@@ -39,16 +42,16 @@ def _blocks(store, worker: str) -> tuple[int, int, int]:
     return info.get("free_blocks", -1), info.get("total_blocks", 0), info.get("running", -1)
 
 
-def test_a_hung_decode_step_is_moved_by_the_supervisor_and_the_stream_stays_exact(stack, smollm2, otlp):
+def test_a_hung_decode_step_is_moved_by_the_supervisor_and_the_stream_stays_exact(stack, fake, otlp):
     """decode-0's step hangs after 24 tokens while it heartbeats on: the supervisor sees the
     request's decoding deadline pass and tells the gateway, which moves it to decode-1: the
     prefill worker computes prompt + 25 tokens (the prompt from its cache) and hands the KV
     over. The stream equals the in-process engine's; the timeline and the trace tell the story
     (failover event, a second route in remote mode whose decode.generate receives the KV)."""
     messages = [{"role": "user", "content": "Write a short story about a fox and a crow."}]
-    tok = smollm2.tokenizer
+    tok = fake.tokenizer
     prompt = tok.encode(tok.apply_chat_template(messages))
-    expected = generate(smollm2, {"q": prompt}, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))["q"]
+    expected = generate(fake, {"q": prompt}, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))["q"]
     store = redis.Redis.from_url(stack.redis_url)
     store.set("pd:session:hang", "decode-0")   # the conversation's worker: the request goes there
     ids, gaps, last = [], [], None
