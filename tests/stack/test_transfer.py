@@ -1,6 +1,8 @@
 """The KV handoff through the real services (NATS notices; payloads over UCX, or through the
 prefill worker's shared-memory segment as the services do on one host): integrity under
-injected corruption, a restarted decode peer, cancel mid-transfer, and a session's second turn."""
+injected corruption, a restarted decode peer, cancel mid-transfer, and a session's second turn. On
+the fake model (tests/stack/conftest.py): its KV has SmolLM2's shape and is read back by the next
+pass, so a lost or wrong block changes the tokens, compared with the in-process fake engine's."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import time
 import httpx
 import pytest
 import redis
-from conftest import MODEL
+from conftest import FAKE, MODEL, fake_env
 from helpers import generate
 
 from deploy.local.stack import Stack, StackConfig
@@ -27,9 +29,9 @@ QUESTION = [{"role": "user", "content": DOC + "\nWhich box holds 35 marbles?"}]
 def _stack(tmp_path, otlp, **env) -> Stack:
     """Every prompt through the handoff (PD_PLACEMENT=remote: with cheapest, a repeated prompt or a
     follow-up turn the decode worker holds would be prefilled there)."""
-    cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=512, log_dir=tmp_path,
-                                    env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.url, "PD_PREFILL_CHUNK": "128",
-                                         "PD_HEARTBEAT_S": "0.3", "PD_PLACEMENT": "remote", **env})
+    cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=512, log_dir=tmp_path, model=FAKE,
+                                    env=fake_env(OTEL_EXPORTER_OTLP_ENDPOINT=otlp.url, PD_PREFILL_CHUNK="128",
+                                                 PD_HEARTBEAT_S="0.3", PD_PLACEMENT="remote", **env))
     return Stack(cfg)
 
 
@@ -45,9 +47,9 @@ def _spans(otlp, response: httpx.Response) -> dict:
     return otlp.attributes(response.headers["x-trace-id"], {"kv.transfer", "kv.receive"})
 
 
-def _expected(smollm2, messages, max_tokens=8) -> list[int]:
-    tok = smollm2.tokenizer
-    return generate(smollm2, {"q": tok.encode(tok.apply_chat_template(messages))},
+def _expected(loaded, messages, max_tokens=8) -> list[int]:
+    tok = loaded.tokenizer
+    return generate(loaded, {"q": tok.encode(tok.apply_chat_template(messages))},
                     SamplingParams(max_tokens=max_tokens, temperature=0))["q"]
 
 
@@ -74,13 +76,13 @@ def plain(otlp, tmp_path_factory):
         yield s
 
 
-def test_a_second_turn_sends_only_its_new_blocks(plain, otlp, smollm2):
+def test_a_second_turn_sends_only_its_new_blocks(plain, otlp, fake):
     turn1 = _ask(plain, QUESTION)
     answer = turn1.json()["choices"][0]["message"]["content"]
     turn2_msgs = QUESTION + [{"role": "assistant", "content": answer},
                              {"role": "user", "content": "And which box holds 70 marbles?"}]
     turn2 = _ask(plain, turn2_msgs)
-    assert turn2.json()["choices"][0]["token_ids"] == _expected(smollm2, turn2_msgs)
+    assert turn2.json()["choices"][0]["token_ids"] == _expected(fake, turn2_msgs)
     t1, t2 = _spans(otlp, turn1)["kv.transfer"], _spans(otlp, turn2)["kv.transfer"]
     blocks1 = -(-turn1.json()["usage"]["prompt_tokens"] // 16)
     blocks2 = -(-turn2.json()["usage"]["prompt_tokens"] // 16)
@@ -91,9 +93,9 @@ def test_a_second_turn_sends_only_its_new_blocks(plain, otlp, smollm2):
     assert t2["bytes"] < blocks2 * LAYERS * BLOCK_NBYTES / 3
 
 
-def test_a_restarted_decode_peer_is_reached_through_a_new_endpoint(plain, otlp, smollm2):
+def test_a_restarted_decode_peer_is_reached_through_a_new_endpoint(plain, otlp, fake):
     messages = [{"role": "user", "content": "Name a planet."}]
-    expected = _expected(smollm2, messages)
+    expected = _expected(fake, messages)
     _ask(plain, messages)
     before = _spans(otlp, _ask(plain, messages))["kv.transfer"]
     assert before["new_endpoint"] is False and before["acked"] is True   # the endpoint from the request before
@@ -125,9 +127,9 @@ def faulty(otlp, tmp_path_factory):
         yield s
 
 
-def test_every_corrupted_payload_is_caught_and_resent_and_the_output_is_unchanged(faulty, otlp, smollm2):
+def test_every_corrupted_payload_is_caught_and_resent_and_the_output_is_unchanged(faulty, otlp, fake):
     r = _ask(faulty, QUESTION)
-    assert r.json()["choices"][0]["token_ids"] == _expected(smollm2, QUESTION)
+    assert r.json()["choices"][0]["token_ids"] == _expected(fake, QUESTION)
     spans = _spans(otlp, r)
     sent, got = spans["kv.transfer"], spans["kv.receive"]
     blocks = -(-r.json()["usage"]["prompt_tokens"] // 16)
