@@ -310,6 +310,10 @@ class WorkerSettings(Common):
         "shared/engine/weights.py); fp32: every matrix dequantized; auto: native for a GGUF on CPU, else fp32")
     pair_any_weights: bool = Field(False, description="exchange KV with workers computing with the other weights' "
                                    "format (their KV differs in its last bits); set on both pools")
+    kv_transport: Literal["ucx", "none"] = Field("ucx", description="KV between hosts (and on one host when it "
+                                                 "does not fit the segment): ucx; none: the same-host segment "
+                                                 "only, no UCX loaded (KV it cannot carry is prefilled on the "
+                                                 "decode worker)")
     ucx_progress_mode: Literal["blocking", "polling", "thread", "thread-polling"] = Field(
         "thread", description="ucxx progress; blocking/polling are faster per transfer but spin a core after one")
     ucx_error_handling: bool = Field(True, description="UCX peer-failure handling on KV endpoints (off: shared "

@@ -142,7 +142,7 @@ async def serve_worker(role: str, settings: WorkerSettings, worker_cls: Callable
     async with AsyncExitStack() as stack:
         stop = stop_event()
         bus, state = await connect(stack, settings, role, role)
-        transport = create_transport("ucx", settings.ucx_progress_mode,
+        transport = create_transport(settings.kv_transport, settings.ucx_progress_mode,
                                      Faults(settings.kv_fault_corrupt_rate, settings.kv_fault_corrupt_sends,
                                             settings.kv_fault_delay_s), settings.ucx_error_handling)
         stack.push_async_callback(transport.close)

@@ -54,17 +54,19 @@ def _decode_side(url, cmd_q, reply_q):
     from shared import subjects
     from shared.bus import Bus
     from shared.kv import TAG_SPAN, create_transport
-    from shared.kv.receiver import SEGMENTS, KVInbox, KVReceiver
+    from shared.kv.receiver import KVInbox, KVReceiver
+    from shared.kv.same_host import SameHost
+    from shared.kv.segment import Segments
     from shared.messages import KVAck
 
     engine = _engine()
 
     async def run():
-        bus, transport = await Bus.connect(url, "bench-decode"), create_transport("ucx")
+        bus, transport = await Bus.connect(url, "bench-decode"), SameHost(create_transport("ucx"), segments=Segments())
         inbox = KVInbox(bus, "bench-d")
         await inbox.start()
         await bus.nc.flush()
-        reply_q.put((transport.address, engine.fingerprint, SEGMENTS.host))
+        reply_q.put((transport.address, engine.fingerprint, transport.host))
         loop = asyncio.get_running_loop()
         while (cmd := await loop.run_in_executor(None, cmd_q.get)) is not None:
             rid, prompt = cmd
@@ -107,6 +109,7 @@ def exposed_fraction(tokens: int = 1024, same_host: bool = True, rounds: int = R
     from shared.bus import Bus
     from shared.engine_host import EngineHost
     from shared.kv import create_transport
+    from shared.kv.same_host import SameHost
     from shared.kv.segment import Segment
     from shared.kv.sender import KVSender, SenderSettings, WorkerHooks
     from shared.messages import PrefillJob, Sampling
@@ -131,9 +134,9 @@ def exposed_fraction(tokens: int = 1024, same_host: bool = True, rounds: int = R
         async def run():
             host = EngineHost(engine)
             bus = await Bus.connect(url, "bench-prefill")
-            sender = KVSender(SenderSettings("bench-p", engine.fingerprint), create_transport("ucx"), bus,
-                              WorkerHooks(lambda *a: host.call(engine.kv_blocks, *a)),
-                              Segment(256 << 20, "bench-p") if same_host else None)
+            transport = SameHost(create_transport("ucx"), Segment(256 << 20, "bench-p") if same_host else None)
+            sender = KVSender(SenderSettings("bench-p", engine.fingerprint), transport, bus,
+                              WorkerHooks(lambda *a: host.call(engine.kv_blocks, *a)))
             await sender.start()
             loop = asyncio.get_running_loop()
             alone, streamed, after = [], [], []

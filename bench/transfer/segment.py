@@ -23,7 +23,7 @@ OWNER = "bench-segment"   # the sender's worker id: where it hands its segment o
 def _receiver(sizes, url, ready_q, done_q, window):
     import nats
 
-    from shared.kv.receiver import INLINE_COPY
+    from shared.kv.same_host import INLINE_COPY
     from shared.kv.segment import Segments
     from shared.kv.staging import Staging, size_class
     from shared.messages import SegmentRef

@@ -34,7 +34,7 @@ from shared.config import DecodeSettings
 from shared.engine.engine import Engine
 from shared.engine.kv_io import Reservation
 from shared.kv import TAG_SPAN, KVTransport
-from shared.kv.receiver import SEGMENTS, KVBrokeOff, KVInbox, KVReceiver
+from shared.kv.receiver import KVBrokeOff, KVInbox, KVReceiver
 from shared.lifecycle import kv_deadline_s
 from shared.messages import AdmitRequest, KVAck, KVOutcome, PrefillJob, Requeue, Requeued
 from shared.state import State
@@ -50,13 +50,12 @@ class Handoffs:
         self.id, self.settings, self.engine, self.bus, self.transport = worker_id, settings, engine, bus, transport
         self.inbox = KVInbox(bus, worker_id)
         self.watch = PrefillWatch(state.registry, settings.heartbeat_s, settings.absent_s, self.off_bus)
-        SEGMENTS.scope = settings.kv_segment_scope   # (the prefill workers' segments of this deployment)
 
     @property
     def host(self) -> str:
         """This worker's host identity for PrefillJob.decode_host: prefill workers on this host
         then place KV in their segments for it (shared/kv/segment.py); "" when it reads none."""
-        return SEGMENTS.host if self.settings.kv_segment_bytes else ""
+        return self.transport.host if self.settings.kv_segment_bytes else ""
 
     async def off_bus(self, worker: str) -> bool:
         """No connection of `worker` on the bus: the server says no responders to a Ping on its

@@ -54,6 +54,8 @@ from shared.engine.kv_io import Reservation
 from shared.engine.sequence import SamplingParams
 from shared.kv import KVTransport
 from shared.kv.receiver import KVCancelled, KVReceiver
+from shared.kv.same_host import SameHost
+from shared.kv.segment import Segments
 from shared.messages import (
     AdmitReply,
     AdmitRequest,
@@ -77,10 +79,11 @@ class DecodeWorker:
                  transport: KVTransport, tracer: trace.Tracer):
         self.core = WorkerCore("decode", settings, engine, state, transport, bus)
         self.settings, self.engine, self.bus, self.state = settings, engine, bus, state
-        self.transport, self.tracer = transport, tracer
-        self.id, self.host = self.core.id, self.core.host
+        # KV from a prefill worker on this host is read out of that worker's segment
+        self.transport = SameHost(transport, segments=Segments(settings.kv_segment_scope))
+        self.id, self.host, self.tracer = self.core.id, self.core.host, tracer
         self.requests = DecodeRequests()  # one record per request placed here
-        self.handoffs = Handoffs(self.id, settings, engine, bus, state, transport)
+        self.handoffs = Handoffs(self.id, settings, engine, bus, state, self.transport)
         self.inbox = self.handoffs.inbox
         self.replies = AdmitReplies()  # by (request, attempt): a repeated admit gets the first reply
         self.advanced: set[str] = set()  # requests with a token since the last heartbeat (their deadlines

@@ -62,6 +62,7 @@ from shared.engine.engine import Engine
 from shared.engine.kv_io import KVPiece
 from shared.engine.sequence import Status
 from shared.kv import KVTransport
+from shared.kv.same_host import SameHost
 from shared.kv.segment import make_segment
 from shared.kv.sender import KVSender, SenderSettings, WorkerHooks
 from shared.messages import (
@@ -94,12 +95,13 @@ class PrefillWorker:
                  transport: KVTransport, tracer: trace.Tracer):
         self.core = WorkerCore("prefill", settings, engine, state, transport, bus)
         self.settings, self.engine, self.bus, self.state = settings, engine, bus, state
-        self.transport, self.tracer = transport, tracer
-        self.id, self.host = self.core.id, self.core.host
+        self.id, self.host, self.tracer = self.core.id, self.core.host, tracer
+        # KV to a decode worker on this host goes into this worker's segment (when it has one and it fits)
+        segment = make_segment(settings.kv_segment_bytes, self.id, settings.kv_segment_scope)
+        self.transport = SameHost(transport, segment)
         self.jobs = Jobs()  # one record per job taken, until its ack
-        self.sender = KVSender(SenderSettings.for_prefill(settings, self.id, engine.fingerprint), transport, bus,
-                               WorkerHooks(self.read_blocks, self.given_up),
-                               make_segment(settings.kv_segment_bytes, self.id, settings.kv_segment_scope))
+        self.sender = KVSender(SenderSettings.for_prefill(settings, self.id, engine.fingerprint), self.transport, bus,
+                               WorkerHooks(self.read_blocks, self.given_up))
         self.cancels = Cancels()  # kept for the jobs taken later (cancels.py)
         self.handoffs = Handoffs(self.id, settings, bus, state, self.host, self.sender, self.jobs)
         self.ending, self.intake = Background(log, "cancel"), JobIntake()  # (ending: work being ended, on the engine)

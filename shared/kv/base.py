@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from shared.messages import SegmentRef
+
 TAG_SPAN = 1 << 20  # tags of one handoff: kv_tag .. kv_tag + TAG_SPAN - 1
 
 
@@ -90,6 +92,25 @@ class KVTransport(abc.ABC):
     async def recv(self, tag: int, out: np.ndarray) -> None:
         """Receive the message on `tag` into `out` (uint8, exactly the message's size)."""
 
+    @property
+    def host(self) -> str:
+        """This process's host identity where it places or reads same-host payloads ("": none)."""
+        return ""
+
+    def place(self, peer_host: str, nbytes: int) -> tuple[SegmentRef, np.ndarray] | None:
+        """Where a payload of `nbytes` for a peer on `peer_host` is written for the peer to read
+        it in place (same host: shared/kv/same_host.py), and the bytes to write it into; None:
+        it is sent on its tag."""
+        return None
+
+    def release(self, ref: SegmentRef) -> None:
+        """A placed payload's handoff is over: its region may be written again."""
+        return None
+
+    async def read(self, owner: str, ref: SegmentRef, out: np.ndarray) -> None:
+        """Copy the payload `owner` placed at `ref` into `out` (OSError: it cannot be had)."""
+        raise OSError("this transport carries no placed payloads")
+
     def has_endpoint(self, peer: str) -> bool:
         return False
 
@@ -111,4 +132,25 @@ def create_transport(name: str, ucx_progress_mode: str = "thread", faults: Fault
         from shared.kv.fake import FakeTransport
 
         return FakeTransport(faults)
-    raise ValueError(f"unknown KV transport {name!r} (ucx, fake)")
+    if name == "none":
+        return NoTransport(faults)
+    raise ValueError(f"unknown KV transport {name!r} (ucx, none, fake)")
+
+
+class NoTransport(KVTransport):
+    """No transport between processes (PD_KV_TRANSPORT=none): only the same-host segment
+    carries KV (shared/kv/same_host.py); a payload sent on a tag fails its handoff, and the
+    decode worker prefills the prompt itself."""
+
+    name = "none"
+
+    @property
+    def address(self) -> str:
+        return ""
+
+    async def _send(self, peer: str, tag: int, payload: np.ndarray) -> None:
+        raise ConnectionError("no KV transport (PD_KV_TRANSPORT=none): the payload did not fit the segment, "
+                              "or the decode worker is on another host")
+
+    async def recv(self, tag: int, out: np.ndarray) -> None:
+        raise ConnectionError("no KV transport (PD_KV_TRANSPORT=none)")

@@ -39,15 +39,12 @@ from shared.engine.engine import Engine
 from shared.engine.kv_io import Reservation
 from shared.kv import codec
 from shared.kv.base import TAG_SPAN, KVTransport, block_checksums
-from shared.kv.segment import Segments
 from shared.kv.staging import Staging
 from shared.messages import CANCELLED, KVAck, KVEnd, KVLayer, KVResend, KVSync
 
 log = logging.getLogger("kv.receiver")
 WriteBlocks = Callable[[int, list[int], torch.Tensor], None]  # layer, block ids, data
 STAGING = Staging()  # this process's staging buffers, shared by its receivers (one event loop)
-SEGMENTS = Segments()  # the same-host senders' segments this process has mapped
-INLINE_COPY = 1 << 20  # larger copies out of a segment (and a first mapping) run off the event loop
 
 
 class KVFailed(RuntimeError):
@@ -150,10 +147,8 @@ class KVReceiver:
             try:
                 if n.segment is None:
                     await self.transport.recv(n.tag, staged)
-                elif staged.nbytes <= INLINE_COPY and SEGMENTS.mapped(self.prefill_worker, n.segment):
-                    SEGMENTS.read(self.prefill_worker, n.segment, staged)   # (the placed prefill worker's: no other)
-                else:
-                    await asyncio.to_thread(SEGMENTS.read, self.prefill_worker, n.segment, staged)
+                else:   # (from the placed prefill worker's segment: no other)
+                    await self.transport.read(self.prefill_worker, n.segment, staged)
             except Exception as e:  # noqa: BLE001 - UCX's error types, or the segment gone: the peer failed
                 raise KVBrokeOff(f"KV from {n.prefill_worker} broke off: {e or type(e).__name__}") from e
             try:

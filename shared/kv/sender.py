@@ -49,7 +49,6 @@ from shared.engine.kv_io import KVPiece
 from shared.engine.logprobs import Logprob
 from shared.kv import codec
 from shared.kv.base import TAG_SPAN, KVTransport, block_checksums
-from shared.kv.segment import Segment
 from shared.messages import KVAck, KVEnd, KVLayer, KVResend, KVSync, PrefillJob, SegmentRef
 from shared.tasks import Background
 
@@ -76,7 +75,7 @@ class Handoff:
     batch_bytes: int = 0
     notices: list[KVLayer] = field(default_factory=list)  # published, for a KVSync
     end: KVEnd | None = None                     # published
-    placed: list[SegmentRef] = field(default_factory=list)  # segment regions held until it ends
+    placed: list[SegmentRef] = field(default_factory=list)  # segment regions, the handoff's until it ends
     closed: bool = False                         # finished or dropped: nothing more is placed
 
 
@@ -107,10 +106,8 @@ class WorkerHooks:
 
 
 class KVSender:
-    def __init__(self, settings: SenderSettings, transport: KVTransport, bus: Bus, worker: WorkerHooks,
-                 segment: Segment | None = None):
+    def __init__(self, settings: SenderSettings, transport: KVTransport, bus: Bus, worker: WorkerHooks):
         self.settings, self.transport, self.bus, self.worker = settings, transport, bus, worker
-        self.segment = segment  # same-host decode workers read payloads from it (none: transport only)
         self.giving_up = Background(log, "give-up")
         self.handoffs: dict[str, Handoff] = {}
         self.posts = Background(log, "KV notice + payload", logging.DEBUG)  # under way (failures: _send's)
@@ -127,7 +124,7 @@ class KVSender:
         if (older := self.handoffs.get(job.request_id)) is not None:  # (the worker ends one before taking
             self._close(older)                                         # the next; never two at once)
         h = Handoff(job, ctx, loop.create_future(), not self.transport.has_endpoint(job.decode_address),
-                    same_host=self.segment is not None and job.decode_host == self.segment.host != "")
+                    same_host=job.decode_host == self.transport.host != "")
         self.handoffs[job.request_id] = h
         if job.decode_fingerprint != self.settings.fingerprint:
             await self.cancel(job.request_id, f"fingerprint mismatch: decode {job.decode_fingerprint}, "
@@ -182,9 +179,10 @@ class KVSender:
             await self.cancel(h.job.request_id, f"send failed: {e}")
 
     def _place(self, h: Handoff, rows: list[np.ndarray]) -> tuple[SegmentRef | None, np.ndarray]:
-        """The payload's bytes: in a region of the segment (held by the handoff) when the
-        decode worker is on this host and one is free, else in memory of their own."""
-        region = self.segment.take(sum(r.nbytes for r in rows)) if h.same_host and self.segment else None
+        """The payload's bytes: where the transport places it for the decode worker to read in
+        place (same host: a region of the segment, the handoff's until it ends) when it can,
+        else in memory of their own (sent on its tag)."""
+        region = self.transport.place(h.job.decode_host, sum(r.nbytes for r in rows)) if h.same_host else None
         if region is None:
             return None, rows[0] if len(rows) == 1 else np.concatenate(rows)
         ref, out = region
@@ -275,9 +273,8 @@ class KVSender:
             task.cancel()
         if self.handoffs.get(h.job.request_id) is h:
             del self.handoffs[h.job.request_id]
-        if self.segment is not None:
-            for ref in h.placed:
-                self.segment.give(ref)
+        for ref in h.placed:
+            self.transport.release(ref)
         h.placed.clear()
 
     # -- 4. failure ----------------------------------------------------------------------------

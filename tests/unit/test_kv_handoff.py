@@ -18,7 +18,8 @@ from shared.engine.engine import Engine
 from shared.engine.sequence import SamplingParams
 from shared.kv import Faults, create_transport, receiver
 from shared.kv.receiver import KVBrokeOff, KVFailed, KVInbox, KVReceiver
-from shared.kv.segment import Segment
+from shared.kv.same_host import SameHost
+from shared.kv.segment import Segment, Segments
 from shared.kv.sender import KVSender, SenderSettings, WorkerHooks
 from shared.kv.staging import Staging
 from shared.messages import KVAck, KVEnd, KVLayer, KVResend, KVSync, PrefillJob, Sampling
@@ -47,17 +48,19 @@ def expected(tiny, prompt=PROMPT):
 async def handoff(src: Engine, dst: Engine, prompt=PROMPT, rid="r", faults: Faults | None = None,
                   fingerprint: str | None = None, max_sends: int = 3, encoding="native", piece_bytes=8 << 20,
                   bus: LocalBus | None = None, before_wait=None, segment: Segment | None = None,
-                  decode_host: str | None = None):
+                  decode_host: str | None = None, transport: str = "fake"):
     """Prefill on src streaming to dst (through `segment` when given: the same host); returns
     (tokens, sender handoff, receiver, bus)."""
     bus = bus or LocalBus()
-    tx, rx_transport = create_transport("fake", faults=faults), create_transport("fake")
+    # the same host's segment in front of the transport, as the workers have it (shared/kv/same_host.py)
+    tx = SameHost(create_transport(transport, faults=faults), segment)
+    rx_transport = SameHost(create_transport("fake"), segments=Segments())
 
     async def read_blocks(r, layer, first, n):
         return src.kv_blocks(r, layer, first, n)
 
     sender = KVSender(SenderSettings("p", src.fingerprint, max_sends, encoding, piece_bytes), tx, bus,
-                      WorkerHooks(read_blocks), segment)
+                      WorkerHooks(read_blocks))
     await sender.start()
     res = dst.reserve(rid, prompt, PARAMS)
     inbox = KVInbox(bus, "d")
@@ -467,6 +470,22 @@ def test_a_full_segment_sends_over_the_transport_and_another_host_never_uses_it(
     out, h, _, bus = asyncio.run(handoff(src, dst, piece_bytes=0, segment=segment, decode_host="elsewhere"))
     assert out == expected(tiny) and h.segment_bytes == 0 and segment.full == 0
     assert all(n.segment is None for n in bus.of_type(KVLayer))
+
+
+def test_with_no_transport_the_segment_alone_carries_kv_on_one_host_and_another_hosts_handoff_fails(
+        tiny, segment_of):
+    """PD_KV_TRANSPORT=none (no UCX loaded): same-host KV goes through the segment as ever; KV the
+    segment cannot carry fails its handoff, and the decode worker prefills the prompt itself."""
+    segment = segment_of(16 << 20)
+    src, dst = Engine(tiny, EngineConfig(**CHUNKED)), Engine(tiny, EngineConfig(num_blocks=64))
+    out, h, _, bus = asyncio.run(handoff(src, dst, segment=segment, transport="none"))
+    assert out == expected(tiny) and h.segment_bytes == h.bytes_sent > 0
+    assert all(n.segment is not None for n in bus.of_type(KVLayer))
+    assert segment.extents.used_bytes == 0
+    none = SameHost(create_transport("none"), segment)
+    assert none.place("elsewhere", 64) is None and none.address == ""   # another host: it would go on a tag
+    with pytest.raises(ConnectionError, match="no KV transport"):        # where nothing carries it: the
+        asyncio.run(none.send("peer", 1, np.zeros(64, np.uint8)))        # handoff fails (its sender cancels)
 
 
 def test_handoff_messages_without_the_placements_mac_are_dropped_and_counted_both_ways(tiny):
