@@ -4,7 +4,8 @@ role's enrollment token alone, makes a key, and is let in as a NATS and Redis us
 it. A request is served through a prefill worker's handoff with no operation refused; every
 registry entry is a key's name; a pod holding a role's token (a compromised one) gets a new
 name of its own and cannot read the admits of the decode worker it shares the token with, nor
-write that worker's registry entry."""
+write that worker's registry entry. On the fake model (tests/stack/conftest.py): what is tested is
+who is let in, not the model's numbers."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import httpx
 import nats.errors
 import pytest
 import redis
-from conftest import MODEL
+from conftest import FAKE, MODEL, fake_env
 
 from deploy.local.stack import Stack, StackConfig
 from shared import identity, subjects
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    s = Stack(StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=256, issuer=True,
+    s = Stack(StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=256, issuer=True, model=FAKE, env=fake_env(),
                                         log_dir=tmp_path_factory.mktemp("issuer-logs"))).start()
     yield s
     s.stop()

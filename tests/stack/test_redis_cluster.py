@@ -2,7 +2,8 @@
 instance its own ACL user on every node): concurrent requests get the tokens the in-process
 engine gives them, every request's record and placement are written, a batch's parts are
 served, and the state is spread over every primary (each script's keys share a hash tag:
-shared/state/keys.py)."""
+shared/state/keys.py). On the fake model (tests/stack/conftest.py): what is tested is the state
+on the cluster, the answers compared with the in-process fake engine's."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import asyncio
 
 import httpx
 import redis
-from conftest import MODEL
+from conftest import FAKE, MODEL, fake_env
 from test_pools import QUESTIONS, _ask_all, _expected
 
 from deploy.local.stack import Stack, StackConfig
@@ -20,8 +21,9 @@ from shared.urls import sync_redis
 MAX_TOKENS = 8
 
 
-def test_requests_are_served_and_recorded_with_the_state_on_three_primaries(smollm2, tmp_path):
-    cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=512, redis_cluster=3, log_dir=tmp_path)
+def test_requests_are_served_and_recorded_with_the_state_on_three_primaries(fake, tmp_path):
+    cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=512, redis_cluster=3, log_dir=tmp_path, model=FAKE,
+                                    env=fake_env())
     with Stack(cfg) as stack:
         answers = asyncio.run(_ask_all(stack.url, MAX_TOKENS))
         ask = {"model": MODEL, "prompt": ["Hello", "Hi"], "max_tokens": 2, "n": 2}
@@ -33,7 +35,7 @@ def test_requests_are_served_and_recorded_with_the_state_on_three_primaries(smol
         placed = {q: store.exists(route_key(rid)) for q, rid in rids.items()}
         keys_per_primary = [n.redis_connection.dbsize() for n in store.get_primaries()]
         store.close()
-    expected = _expected(smollm2, MAX_TOKENS)
+    expected = _expected(fake, MAX_TOKENS)
     for q in QUESTIONS:
         assert answers[q]["choices"][0]["token_ids"] == expected[q], q
     assert set(phases.values()) == {b"finished"}, phases

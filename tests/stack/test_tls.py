@@ -1,7 +1,8 @@
 """The stack with NATS on mutual TLS (StackConfig.tls, `make run RUN_ARGS=--tls`): a request
 is served through a prefill worker's handoff, every service connected with its own certificate;
 a client with the operator's password but no certificate, a certificate another CA signed, or
-no TLS at all is refused by the server before it can say who it is; Redis the same."""
+no TLS at all is refused by the server before it can say who it is; Redis the same. On the fake
+model (tests/stack/conftest.py): what is tested is who is let in, not the model's numbers."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import httpx
 import nats
 import pytest
 import redis
-from conftest import MODEL
+from conftest import FAKE, MODEL, fake_env
 
 from deploy.local.certificates import Authority
 from deploy.local.stack import Stack, StackConfig
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    s = Stack(StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=256, tls=True,
+    s = Stack(StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=256, tls=True, model=FAKE, env=fake_env(),
                                         log_dir=tmp_path_factory.mktemp("tls-logs"))).start()
     yield s
     s.stop()
