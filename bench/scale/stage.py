@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import sys
 import time
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -48,6 +49,8 @@ class Backend:
         # commands over 1 ms are logged: what holds the single-threaded Redis up, per run
         s.start_redis("slowlog-log-slower-than 1000\nslowlog-max-len 4096\n")
         s.wait_port(c.nats_port, 20)
+        s.spawn("streams", [sys.executable, "-m", "shared.streams"],  # the operator's keeper, as the local stack's
+                {**s.service_env(), "PD_NATS_URL": s.nats_url})
         self.add_router("router")
 
     def add_router(self, name: str) -> None:
