@@ -42,3 +42,22 @@ def client(stack):
     from openai import OpenAI
 
     return OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def fake_stack(otlp, tmp_path_factory):
+    """The session's stack as `stack` is, on the fake model: for the files whose tests are about
+    the API and the path, not the model's numbers (a file takes it with `client` pointed at it)."""
+    cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=1024, model=FAKE,
+                                    log_dir=tmp_path_factory.mktemp("fake-stack-logs"),
+                                    env=fake_env(OTEL_EXPORTER_OTLP_ENDPOINT=otlp.url,
+                                                 PD_TRACE_BAGGAGE_KEYS="app.tenant"))
+    with Stack(cfg) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def fake_client(fake_stack):
+    from openai import OpenAI
+
+    return OpenAI(base_url=fake_stack.url + "/v1", api_key="unused", max_retries=0, timeout=120)

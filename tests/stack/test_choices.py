@@ -1,4 +1,6 @@
-"""n > 1 through the real stack: n choices from one prompt, the prompt prefilled once."""
+"""n > 1 through the stack: n choices from one prompt, the prompt prefilled once.
+On the session's fake-model stack (tests/stack/conftest.py): what is tested is n's choices, their
+seeds and the prompt prefilled once, not the model's numbers."""
 
 from __future__ import annotations
 
@@ -10,6 +12,16 @@ from prometheus_client.parser import text_string_to_metric_families
 pytestmark = pytest.mark.slow
 WORKERS = ("prefill-0", "decode-0")
 BLOCK = 16  # the workers' KV block size (EngineConfig's default)
+
+
+@pytest.fixture(scope="module")
+def stack(fake_stack):
+    return fake_stack
+
+
+@pytest.fixture(scope="module")
+def client(fake_client):
+    return fake_client
 
 
 def computed_prompt_tokens(stack) -> float:

@@ -1,6 +1,8 @@
-"""Inputs a careless client or an attacker sends, on the real stack: each one a 4xx in OpenAI's
+"""Inputs a careless client or an attacker sends, on the stack: each one a 4xx in OpenAI's
 error shape naming its field, with the request's id, never a 5xx; the stack answers normally
-after them."""
+after them.
+On the session's fake-model stack (tests/stack/conftest.py): what is tested is the gateway's
+refusals, not the model's numbers."""
 
 from __future__ import annotations
 
@@ -12,6 +14,11 @@ from conftest import MODEL
 
 pytestmark = pytest.mark.slow
 HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def stack(fake_stack):
+    return fake_stack
 
 
 def _post(stack, body: dict | bytes, headers: dict | None = None) -> httpx.Response:

@@ -1,7 +1,9 @@
 """A client's ids continue through the stack: its `x-request-id` comes back beside the
 server's (which names the request in the timeline and the spans), and its `traceparent`,
 `tracestate` and `baggage` carry the trace on through every service; the request span speaks
-OpenTelemetry's GenAI attributes."""
+OpenTelemetry's GenAI attributes.
+On the session's fake-model stack (tests/stack/conftest.py): what is tested is the ids, the trace
+context and the spans' attributes, not the model's numbers."""
 
 from __future__ import annotations
 
@@ -18,6 +20,11 @@ from shared.urls import sync_redis
 pytestmark = pytest.mark.slow
 HELLO = [{"role": "user", "content": "Name a fruit."}]  # (not another test's prompt: theirs stay uncached)
 SERVICES = {"pdserve-gateway", "pdserve-router", "pdserve-prefill", "pdserve-decode"}
+
+
+@pytest.fixture(scope="module")
+def stack(fake_stack):
+    return fake_stack
 
 
 def chat(stack, headers: dict, **extra) -> httpx.Response:

@@ -1,6 +1,8 @@
 """Every service's /metrics after a few requests: latency histograms counted, exemplars that
 are the requests' trace ids, and KV transfer counters equal to the bytes the transfers
-reported on their spans (sent on the prefill side, received on the decode side)."""
+reported on their spans (sent on the prefill side, received on the decode side).
+On the session's fake-model stack (tests/stack/conftest.py): what is tested is the metrics against
+the spans, not the model's numbers."""
 
 from __future__ import annotations
 
@@ -13,6 +15,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.slow
 SERVICES = ("gateway", "router", "prefill-0", "decode-0")
+
+
+@pytest.fixture(scope="module")
+def stack(fake_stack):
+    return fake_stack
+
+
+@pytest.fixture(scope="module")
+def client(fake_client):
+    return fake_client
 
 
 def scrape(stack, name: str) -> dict[tuple, float]:

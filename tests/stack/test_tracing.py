@@ -1,4 +1,6 @@
-"""One trace per request across the gateway, router, prefill and decode processes."""
+"""One trace per request across the gateway, router, prefill and decode processes.
+On the session's fake-model stack (tests/stack/conftest.py): what is tested is the trace's spans and
+links, not the model's numbers."""
 
 from __future__ import annotations
 
@@ -8,6 +10,11 @@ import pytest
 from conftest import MODEL
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def client(fake_client):
+    return fake_client
 
 
 def test_one_trace_spans_every_service_with_parent_links(client, otlp):
