@@ -47,11 +47,14 @@ def client(stack):
 @pytest.fixture(scope="session")
 def fake_stack(otlp, tmp_path_factory):
     """The session's stack as `stack` is, on the fake model: for the files whose tests are about
-    the API and the path, not the model's numbers (a file takes it with `client` pointed at it)."""
+    the API and the path, not the model's numbers (a file takes it with `stack` and `client`
+    pointed at it). Every prompt through the prefill worker's handoff (PD_PLACEMENT=remote), as
+    the real stack places them: the fake's passes take microseconds, so once the decode worker's
+    rate is measured the default `cheapest` would prefill short prompts there."""
     cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=1024, model=FAKE,
                                     log_dir=tmp_path_factory.mktemp("fake-stack-logs"),
                                     env=fake_env(OTEL_EXPORTER_OTLP_ENDPOINT=otlp.url,
-                                                 PD_TRACE_BAGGAGE_KEYS="app.tenant"))
+                                                 PD_TRACE_BAGGAGE_KEYS="app.tenant", PD_PLACEMENT="remote"))
     with Stack(cfg) as s:
         yield s
 
