@@ -1,4 +1,8 @@
-"""The OpenAI-compatible API through the real stack (1 prefill + 1 decode worker)."""
+"""The OpenAI-compatible API through the real stack (1 prefill + 1 decode worker). The tests of
+the API's shapes whose answers need no model's numbers (streamed equals whole, text or token
+prompts, batches, seeded sampling) take the session's fake-model stack (`fake_client`,
+tests/stack/conftest.py); those that check the model's answer, tokens, logprobs or the
+penalties' effect on its output keep the real one."""
 
 from __future__ import annotations
 
@@ -28,7 +32,8 @@ def test_chat_non_streaming_names_paris_with_ids_in_headers(client):
     assert resp.id == "chatcmpl-" + raw.headers["x-request-id"] and len(raw.headers["x-trace-id"]) == 32
 
 
-def test_chat_streaming_matches_non_streaming(client):
+def test_chat_streaming_matches_non_streaming(fake_client):
+    client = fake_client
     messages = [{"role": "user", "content": "Write a haiku about rain."}]
     full = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24)
     stream = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24,
@@ -55,9 +60,10 @@ def test_the_stop_string_kept_on_request(client):
     assert "Paris" not in cut and kept.choices[0].message.content == cut + "Paris"
 
 
-def test_completions_with_text_and_token_prompts(client, smollm2):
+def test_completions_with_text_and_token_prompts(fake_client, fake):
+    client = fake_client
     text = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
-    ids = smollm2.tokenizer.encode("The capital of France is")
+    ids = fake.tokenizer.encode("The capital of France is")
     by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
     assert text.choices[0].text == by_ids.choices[0].text and text.usage.completion_tokens == 8
     streamed = "".join(c.choices[0].text for c in client.completions.create(
@@ -65,17 +71,18 @@ def test_completions_with_text_and_token_prompts(client, smollm2):
     assert streamed == text.choices[0].text
 
 
-def test_a_batch_of_prompts_is_answered_prompt_by_prompt(client, smollm2):
+def test_a_batch_of_prompts_is_answered_prompt_by_prompt(fake_client, fake):
     """Completions' batched prompts (lm-eval's local-completions sends them): choice j x n + i
     is prompt j's choice i, each the answer that prompt alone gets; token-id batches too, and
     log-likelihood scoring (echo, max_tokens 0) of each."""
+    client = fake_client
     prompts = ["The capital of France is", "Two plus two equals"]
     alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0) for p in prompts]
     batch = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0)
     assert [c.index for c in batch.choices] == [0, 1]
     assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone]
     assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
-    ids = [smollm2.tokenizer.encode(p) for p in prompts]
+    ids = [fake.tokenizer.encode(p) for p in prompts]
     two = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0, n=2, seed=3)
     assert [c.index for c in two.choices] == [0, 1, 2, 3]
     assert [two.choices[k].text for k in (0, 2)] == [a.choices[0].text for a in alone]  # (greedy: n alike)
@@ -100,7 +107,8 @@ def test_greedy_tokens_equal_the_engine_in_process(client, smollm2):
         assert resp.choices[0].model_extra["token_ids"] == expected, q
 
 
-def test_seeded_sampling_is_reproducible_through_the_stack(client):
+def test_seeded_sampling_is_reproducible_through_the_stack(fake_client):
+    client = fake_client
     kw = dict(model=MODEL, messages=PARIS, temperature=1.0, top_p=0.9, seed=1234, max_tokens=20)
     a, b = client.chat.completions.create(**kw), client.chat.completions.create(**kw)
     assert a.choices[0].message.content == b.choices[0].message.content
