@@ -81,11 +81,13 @@ def end(procs: Iterable[Proc], grace_s: float = 3.0) -> None:
 
 
 class PeakMemory:
-    """The largest resident memory of pytest's process tree (its processes' RSS summed), sampled
-    every SAMPLE_S seconds by a daemon thread."""
+    """The largest memory of pytest's process tree, sampled every SAMPLE_S seconds by a daemon
+    thread: its processes' PSS summed (each shared page split among the processes that map it,
+    so the libraries every worker loads count once), and the machine's memory in use then
+    (total less available: what the kernel's OOM killer would go by)."""
 
     def __init__(self) -> None:
-        self.peak, self.peak_processes = 0, 0
+        self.peak, self.peak_processes, self.machine = 0, 0, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="peak-memory", daemon=True)
 
@@ -100,12 +102,13 @@ class PeakMemory:
         total, count = 0, 0
         for p in [me, *me.children(recursive=True)]:
             try:
-                total += p.memory_info().rss
+                total += p.memory_full_info().pss
                 count += 1
-            except psutil.Error:
+            except (psutil.Error, AttributeError):   # (gone meanwhile; PSS unreadable)
                 pass
         if total > self.peak:
-            self.peak, self.peak_processes = total, count
+            vm = psutil.virtual_memory()
+            self.peak, self.peak_processes, self.machine = total, count, vm.total - vm.available
 
     def _run(self) -> None:
         while not self._stop.wait(SAMPLE_S):
@@ -141,4 +144,5 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_line(f"{len(_found)} process(es) outlived the tests that started them: killed now, "
                                     "and the run fails", red=True, bold=True)
     terminalreporter.write_line(f"peak memory of the test run's processes: {_memory.peak / 2**30:.1f} GiB "
-                                f"(RSS summed over {_memory.peak_processes} processes, sampled every {SAMPLE_S:g} s)")
+                                f"(PSS summed over {_memory.peak_processes} processes, sampled every {SAMPLE_S:g} s; "
+                                f"the machine's memory in use then: {_memory.machine / 2**30:.1f} GiB)")
