@@ -1,6 +1,5 @@
-"""Router: decides where each request runs and admits it on a decode worker, naming its prefill
-worker. A thin shell around one pure decision (placement.decide): it gathers the inputs, asks,
-claims and sends.
+"""Router: where each request runs, admitted on a decode worker that is told its prefill worker.
+A thin shell around one pure decision (placement.decide): it gathers, asks, claims and sends.
 
 1. Start: make sure the prefill work queue exists; join the `router` queue group on
    `pd.router.route` (several replicas share the requests) and `pd.router.requeue`.
@@ -15,9 +14,8 @@ claims and sends.
    replica dies mid-decision its claim lapses and this one takes over, asking the noted decode
    worker first (an admit is idempotent there, and the prefill job deduplicated by its id).
 4. Admit (admits.py): the plan's decode workers in turn until one admits (it reserves KV blocks
-   and, when remote, queues the prefill job on JetStream); no prefill is spent on a request
-   that has nowhere to decode. One round trip after the reply (not awaited) stores it with the
-   request's `routed` event.
+   and, when remote, queues the prefill job on JetStream): no prefill for a request with nowhere
+   to decode. The reply is stored (not awaited) with the request's `routed` event.
 5. Reply to the gateway with the placement and its reason (also on the `router.route` span).
 6. Beside: breakers (breakers.py: every replica hears how each KV handoff ended, `pd.kv.outcomes`);
    requeues (requeue.py: a prompt's prefill placed again when its prefill worker is gone or late);
