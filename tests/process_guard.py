@@ -88,6 +88,7 @@ class PeakMemory:
 
     def __init__(self) -> None:
         self.peak, self.peak_processes, self.machine = 0, 0, 0
+        self.test, self.peak_test = "", ""   # the test running now, and the one running at the peak
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="peak-memory", daemon=True)
 
@@ -109,6 +110,7 @@ class PeakMemory:
         if total > self.peak:
             vm = psutil.virtual_memory()
             self.peak, self.peak_processes, self.machine = total, count, vm.total - vm.available
+            self.peak_test = self.test
 
     def _run(self) -> None:
         while not self._stop.wait(SAMPLE_S):
@@ -122,6 +124,10 @@ _memory = PeakMemory()
 def pytest_configure(config: pytest.Config) -> None:
     os.environ[MARKER] = str(os.getpid())
     _memory.start()
+
+
+def pytest_runtest_logstart(nodeid: str, location: tuple) -> None:
+    _memory.test = nodeid
 
 
 @pytest.hookimpl(trylast=True)   # after the runner's own: the session's fixtures are torn down by then
@@ -145,4 +151,5 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
                                     "and the run fails", red=True, bold=True)
     terminalreporter.write_line(f"peak memory of the test run's processes: {_memory.peak / 2**30:.1f} GiB "
                                 f"(PSS summed over {_memory.peak_processes} processes, sampled every {SAMPLE_S:g} s; "
-                                f"the machine's memory in use then: {_memory.machine / 2**30:.1f} GiB)")
+                                f"the machine's memory in use then: {_memory.machine / 2**30:.1f} GiB; "
+                                f"during {_memory.peak_test or 'no test'})")

@@ -45,6 +45,7 @@ def test_a_run_that_leaves_a_process_fails_and_the_process_is_killed(tmp_path):
                            cwd=tmp_path, timeout=120)
     assert clean.returncode == 0, clean.stdout + clean.stderr
     assert "processes left behind" not in clean.stdout and "peak memory" in clean.stdout
+    assert "during test_clean.py::test_passes" in clean.stdout or "during no test" in clean.stdout, clean.stdout
     leaky = subprocess.run([*run, str(tmp_path / "test_leak.py")], env=env, capture_output=True, text=True,
                            cwd=tmp_path, timeout=120)
     pid = int((tmp_path / "pid").read_text())
