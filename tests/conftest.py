@@ -10,7 +10,12 @@ import pytest
 import torch
 
 # the guard: a process that outlives the run's tests is killed and fails the run; the peak memory
-from process_guard import pytest_configure, pytest_sessionfinish, pytest_terminal_summary  # noqa: F401
+from process_guard import (  # noqa: F401
+    pytest_configure,
+    pytest_runtest_logstart,
+    pytest_sessionfinish,
+    pytest_terminal_summary,
+)
 
 # Triton kernels run interpreted on CPU; must be set before triton is imported.
 if not torch.cuda.is_available():
