@@ -14,6 +14,11 @@ from shared.messages import Requeue, RouteRequest, WorkerInfo
 from shared.state import session_key
 
 
+def leading_hashes(prompt: list[int], generated: list[int], block_size: int, salt: str) -> list[int]:
+    """The hashes of the blocks a prefix cache can hit: all but the last token's (it is always computed)."""
+    return block_hashes([*prompt, *generated][:-1], block_size, salt)
+
+
 class Inputs:
     def __init__(self, pools: Pools, index: PrefixIndex):
         self.pools, self.index = pools, index
@@ -21,8 +26,7 @@ class Inputs:
     async def of_route(self, req: RouteRequest) -> tuple[Ask, Fleet[WorkerInfo]]:
         """A new request (or a failover): the pool's live workers, the prefix held, the conversation's worker."""
         pool = await self.pools.pool(req.model)
-        hashes = block_hashes([*req.prompt_token_ids, *req.generated_token_ids][:-1], pool.block_size,
-                              req.sampling.cache_salt)
+        hashes = leading_hashes(req.prompt_token_ids, req.generated_token_ids, pool.block_size, req.sampling.cache_salt)
         session = session_key(req.session_id) if req.session_id else None
         held, answers = await self.index.holding(pool, hashes, (lambda p: p.get(session)) if session else None)
         worker = answers[0].decode() if session and answers[0] else None
@@ -35,7 +39,7 @@ class Inputs:
         decode = self.pools.entry(req.decode_worker)
         if decode is None:
             return None
-        hashes = block_hashes([*req.prompt_token_ids, *req.generated_token_ids][:-1], pool.block_size, req.cache_salt)
+        hashes = leading_hashes(req.prompt_token_ids, req.generated_token_ids, pool.block_size, req.cache_salt)
         held, _ = await self.index.holding(pool, hashes)
         others = [p for p in pool.prefills if p.worker_id not in req.avoid_workers]
         ask = Ask(len(req.prompt_token_ids), 0, len(req.generated_token_ids), req.attempt, bound_to=decode.worker_id)
