@@ -59,8 +59,8 @@ test-clients: setup
 	PD_CLIENTS_REQUIRED=1 PD_CLIENTS_RESULTS=bench/results/clients.json $(BIN)/python -m pytest -q -m clients \
 		--durations=15 tests/clients; status=$$?; $(BIN)/python -m bench.clients_readme; exit $$status
 
-## lint: ruff (style, import order, likely bugs) over the repository; mypy over every Python folder (shared/,
-##   services/, deploy/, planner/, bench/, scripts/: pyproject.toml's files), each function annotated outside bench/;
+## lint: ruff (style, import order, likely bugs) over the repository; mypy over every Python folder (pdserve/,
+##   bench/, scripts/: pyproject.toml's files), each function annotated outside bench/;
 ##   CI runs it before the tests
 lint: setup
 	$(BIN)/ruff check .
@@ -190,7 +190,7 @@ profile: setup
 ##   P:D configuration of PLAN_ARGS' --workers, default 2); writes bench/results/plan-<trace>-<device>-<N>w.json and .png
 ##   make plan PLAN_ARGS="--workers 8 --ttft 2 --tpot 0.15"
 plan: setup
-	$(BIN)/python -m planner.plan $(PLAN_ARGS)
+	$(BIN)/python -m pdserve.planner.plan $(PLAN_ARGS)
 	$(BIN)/python -m bench.planning.readme
 
 ## plan-check: the simulator's predictions of make bench's three arms and a 1P:2D split against the arms measured right
@@ -202,10 +202,10 @@ plan-check: setup
 
 ## compose-up / compose-down: the Docker Compose stack (NATS, Redis, Jaeger, Prometheus, Grafana, the services)
 COMPOSE := docker compose -f deploy/compose/compose.yaml
-# the deployment's keys, tokens and passwords: made once (python -m services.issuer.keys), never committed
+# the deployment's keys, tokens and passwords: made once (python -m pdserve.services.issuer.keys), never committed
 COMPOSE_SECRETS := deploy/compose/secrets.env
 compose-up:
-	@test -f $(COMPOSE_SECRETS) || { umask 077; $(BIN)/python -m services.issuer.keys > $(COMPOSE_SECRETS) \
+	@test -f $(COMPOSE_SECRETS) || { umask 077; $(BIN)/python -m pdserve.services.issuer.keys > $(COMPOSE_SECRETS) \
 		&& echo "made $(COMPOSE_SECRETS): this deployment's keys, tokens and passwords"; }
 	set -a && . ./$(COMPOSE_SECRETS) && set +a && $(COMPOSE) up --build -d
 	@echo "gateway :8000  Jaeger :16686  Prometheus :9090  Grafana :3000 (dashboard pdserve)"
@@ -224,7 +224,7 @@ compose-check: setup
 gpu-check:
 	$(BIN)/python scripts/gpu_check.py
 	$(BIN)/python -m bench.planning.profile
-	$(BIN)/python -m planner.plan --workers 8
+	$(BIN)/python -m pdserve.planner.plan --workers 8
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -38,9 +38,9 @@ from pathlib import Path
 
 from bench import compose_checks
 from bench.results_doc import RESULTS_DOC, update_block
-from deploy.local.servers import free_port
-from services.gateway.auth import KEY_PREFIX, hash_key
-from services.issuer import keys
+from pdserve.local.servers import free_port
+from pdserve.services.gateway.auth import KEY_PREFIX, hash_key
+from pdserve.services.issuer import keys
 
 ROOT = Path(__file__).parents[1]
 COMPOSE = ROOT / "deploy" / "compose"

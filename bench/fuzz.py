@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from deploy.local.stack import Stack, StackConfig
+from pdserve.local.stack import Stack, StackConfig
 
 SCHEMATHESIS = Path(sys.executable).parent / "schemathesis"
 CAPS = {"PD_MAX_TOKENS_LIMIT": "4", "PD_DEFAULT_MAX_TOKENS": "2", "PD_MAX_PROMPT_TOKENS": "256"}

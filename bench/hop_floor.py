@@ -9,7 +9,7 @@ on a nats-server of their own.
 
 A message goes every GAP_S, so each finds its receiver idle, as bench-stack's requests, sent one
 at a time, find the services. JetStream: the prefill job stream's own configuration
-(`shared.streams`); a job's pickup is from the publisher's call to the consumer holding
+(`pdserve.shared.streams`); a job's pickup is from the publisher's call to the consumer holding
 it, for the prefill worker's way of taking jobs (a pull of up to `max_jobs`) and two others.
 """
 
@@ -26,11 +26,11 @@ import nats
 import nats.errors
 import uvloop
 
-from deploy.local.servers import binary, die_with_parent, free_port, wait_for_port
-from planner.metrics import percentiles
-from shared import streams, subjects
-from shared.bus import Bus
-from shared.config import PrefillSettings
+from pdserve.local.servers import binary, die_with_parent, free_port, wait_for_port
+from pdserve.planner.metrics import percentiles
+from pdserve.shared import streams, subjects
+from pdserve.shared.bus import Bus
+from pdserve.shared.config import PrefillSettings
 
 GAP_S = 0.02
 COUNT = 200
@@ -40,7 +40,7 @@ MODES = {"pull_max_jobs": PrefillSettings.model_fields["max_jobs"].default, "pul
 
 
 def p50_p99(xs: list[float]) -> dict[str, float]:
-    """ms, as stack.json keeps them (planner.metrics.percentiles, rounded)."""
+    """ms, as stack.json keeps them (pdserve.planner.metrics.percentiles, rounded)."""
     return {k: round(v, 3) for k, v in percentiles(xs, (50, 99)).items() if k != "mean"}
 
 

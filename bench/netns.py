@@ -19,7 +19,7 @@ import subprocess
 import uuid
 from dataclasses import dataclass
 
-from deploy.local.stack import Host
+from pdserve.local.config import Host
 
 A_IP, B_IP = "10.231.78.1", "10.231.78.2"
 CLONE_NEWNET, CLONE_NEWNS = 0x40000000, 0x00020000

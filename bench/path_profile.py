@@ -12,7 +12,7 @@ loop called into (`lib:nats`, `lib:redis`, `lib:uvicorn`; `loop`: the loop itsel
 table says which of our functions (with what they call) and which libraries spend the time.
 The same processes are first sampled idle (heartbeats, registry refreshes, a UCX progress
 thread), and that rate is taken off: what is left is the requests' cost. A
-worker's engine (shared/engine/) is the model; the rest of a worker is the request's path.
+worker's engine (pdserve/shared/engine/) is the model; the rest of a worker is the request's path.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 
 from bench.stack_overhead import stack_ttft
-from deploy.local.stack import Stack, StackConfig
+from pdserve.local.stack import Stack, StackConfig
 
 SERVICES = ("gateway", "router", "prefill-0", "decode-0")
 OURS = ("services/", "shared/")
@@ -92,7 +92,7 @@ def table(busy: dict, busy_s: float, idle: dict, idle_s: float, requests: int, r
         extra = {fn: max(0.0, n - idle[name][fn] * scale) for fn, n in counts.items()}
         per_request = {fn: round(1e3 * n / rate / requests, 3) for fn, n in
                        sorted(extra.items(), key=lambda kv: -kv[1]) if n > 0}
-        engine = sum(ms for fn, ms in per_request.items() if fn.startswith("shared/engine/"))
+        engine = sum(ms for fn, ms in per_request.items() if fn.startswith("pdserve/shared/engine/"))
         total = sum(per_request.values())
         out[name] = {"cpu_ms_per_request": round(total, 3), "engine_ms_per_request": round(engine, 3),
                      "path_ms_per_request": round(total - engine, 3),

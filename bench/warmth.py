@@ -18,8 +18,8 @@ import time
 
 import numpy as np
 
-from shared.hashing import block_hashes
-from shared.messages import RouteReply, RouteRequest, Sampling
+from pdserve.shared.hashing import block_hashes
+from pdserve.shared.messages import RouteReply, RouteRequest, Sampling
 
 GAPS_MS = (1, 10)      # a router's wait at 1,000 and at 100 req/s (each beside back to back: 0)
 COUNT = 200            # timings per gap (the 10 ms one takes 2 s)

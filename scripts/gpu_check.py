@@ -23,12 +23,12 @@ from pathlib import Path
 
 import torch
 
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
-from shared.engine.kernels import torch_ref, triton_kernels
-from shared.engine.kv_io import KVPiece
-from shared.engine.loader import LoadedModel, load
-from shared.engine.sequence import SamplingParams
+from pdserve.shared.engine.config import EngineConfig
+from pdserve.shared.engine.engine import Engine
+from pdserve.shared.engine.kernels import torch_ref, triton_kernels
+from pdserve.shared.engine.kv_io import KVPiece
+from pdserve.shared.engine.loader import LoadedModel, load
+from pdserve.shared.engine.sequence import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
 import gpu_kv  # noqa: E402 - beside this script
@@ -103,7 +103,7 @@ def engine_on_cuda() -> dict:
 
     # streamed, as the services do it: pieces from the layer hook (CUDA events), each encoded
     # on the host (native and int8) and written into the reservation on the device
-    from shared.kv import codec
+    from pdserve.shared.kv import codec
 
     for encoding in ("native", "int8"):
         src = Engine(loaded, EngineConfig(num_blocks=4096, device="cuda", prefill_chunk=64))

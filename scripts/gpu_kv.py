@@ -1,6 +1,6 @@
 """The KV path on one GPU, part of `make gpu-check` (scripts/gpu_check.py): device→host of
 streamed layers and host→device of received blocks through the engine's KV stream
-(shared/engine/kv_copies.py) against pinned cudaMemcpy, and the exposed part of a 2k-token
+(pdserve/shared/engine/kv_copies.py) against pinned cudaMemcpy, and the exposed part of a 2k-token
 prefill's KV reaching the host (SmolLM2 takes at most 2,047 tokens: 2k stands for the long
 prompt).
 
@@ -16,11 +16,11 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
-from shared.engine.kv_io import KVPiece
-from shared.engine.loader import LoadedModel
-from shared.engine.sequence import SamplingParams
+from pdserve.shared.engine.config import EngineConfig
+from pdserve.shared.engine.engine import Engine
+from pdserve.shared.engine.kv_io import KVPiece
+from pdserve.shared.engine.loader import LoadedModel
+from pdserve.shared.engine.sequence import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 

@@ -24,11 +24,11 @@ from pathlib import Path
 import httpx
 import torch
 
-from deploy.local.stack import Stack, StackConfig
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
-from shared.engine.loader import load
-from shared.engine.sequence import SamplingParams
+from pdserve.local.stack import Stack, StackConfig
+from pdserve.shared.engine.config import EngineConfig
+from pdserve.shared.engine.engine import Engine
+from pdserve.shared.engine.loader import load
+from pdserve.shared.engine.sequence import SamplingParams
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.",
              "Summarize this log. " + " ".join(f"Valve {i} read {i * 13 % 97} bar." for i in range(60))]

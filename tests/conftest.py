@@ -31,22 +31,22 @@ os.environ.setdefault("PD_WEIGHTS", "fp32")
 
 @pytest.fixture(scope="session")
 def tiny():
-    from shared.engine.loader import load
+    from pdserve.shared.engine.loader import load
 
     return load("tiny")
 
 
 @pytest.fixture(scope="session")
 def smollm2():
-    from shared.engine.loader import load
+    from pdserve.shared.engine.loader import load
 
     return load("smollm2")
 
 
 @pytest.fixture(scope="session")
 def fake():
-    """The fake model (shared/engine/fake.py): the in-process reference of the stack tests that run it."""
-    from shared.engine.loader import load
+    """The fake model (pdserve/shared/engine/fake.py): the in-process reference of the stack tests that run it."""
+    from pdserve.shared.engine.loader import load
 
     return load("fake:smollm2")
 
@@ -54,7 +54,7 @@ def fake():
 @pytest.fixture(scope="session")
 def smollm2_native():
     """SmolLM2 with its file's 4-bit blocks computed with as they are (PD_WEIGHTS=native)."""
-    from shared.engine.loader import load
+    from pdserve.shared.engine.loader import load
 
     return load("smollm2", weights="native")
 
@@ -62,7 +62,7 @@ def smollm2_native():
 @pytest.fixture(scope="session")
 def gemma3():
     """Gemma 3 270M from its Q4_K_M file (tests/engine/test_gemma3_gguf.py, tests/stack/test_models.py)."""
-    from shared.engine.loader import load
+    from pdserve.shared.engine.loader import load
 
     return load("gemma3-270m")
 
@@ -70,7 +70,7 @@ def gemma3():
 @pytest.fixture(scope="session")
 def tokenizer():
 
-    from shared.engine.loader import smollm2_path
-    from shared.engine.tokenizer import Tokenizer
+    from pdserve.shared.engine.loader import smollm2_path
+    from pdserve.shared.engine.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(smollm2_path())

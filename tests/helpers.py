@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine, RequestOutput
-from shared.engine.kernels import blocks
-from shared.engine.sequence import SamplingParams
-from shared.hashing import block_hashes
+from pdserve.shared.engine.config import EngineConfig
+from pdserve.shared.engine.engine import Engine, RequestOutput
+from pdserve.shared.engine.kernels import blocks
+from pdserve.shared.engine.sequence import SamplingParams
+from pdserve.shared.hashing import block_hashes
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 

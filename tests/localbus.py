@@ -1,4 +1,4 @@
-"""An in-process stand-in for shared.bus.Bus (publish / subscribe, `*` as the last token),
+"""An in-process stand-in for pdserve.shared.bus.Bus (publish / subscribe, `*` as the last token),
 delivering asynchronously like NATS, for protocol tests without a server."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from shared import macs
+from pdserve.shared import macs
 
 
 @dataclass

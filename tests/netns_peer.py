@@ -15,21 +15,21 @@ import sys
 import time
 from pathlib import Path
 
-from shared import subjects
-from shared.bus import Bus
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
-from shared.engine.loader import load
-from shared.engine.sequence import SamplingParams
-from shared.kv import TAG_SPAN, create_transport
-from shared.kv.receiver import KVInbox, KVReceiver
-from shared.kv.sender import KVSender, SenderSettings, WorkerHooks
-from shared.messages import KVAck, PrefillJob, Sampling
+from pdserve.shared import subjects
+from pdserve.shared.bus import Bus
+from pdserve.shared.engine.config import EngineConfig
+from pdserve.shared.engine.engine import Engine
+from pdserve.shared.engine.loader import load
+from pdserve.shared.engine.sequence import SamplingParams
+from pdserve.shared.kv import TAG_SPAN, create_transport
+from pdserve.shared.kv.receiver import KVInbox, KVReceiver
+from pdserve.shared.kv.sender import KVSender, SenderSettings, WorkerHooks
+from pdserve.shared.messages import KVAck, PrefillJob, Sampling
 
 PROMPT = [(7 * i) % 200 + 3 for i in range(600)]
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 CONFIG = dict(num_blocks=64, prefill_chunk=128, max_batched_tokens=128)
-SECRET = "5e" * 16   # the placement's secret both sides are told (shared/macs.py)
+SECRET = "5e" * 16   # the placement's secret both sides are told (pdserve/shared/macs.py)
 
 
 async def decode(url: str, work: Path) -> None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 class Stream:
     times: list[float]       # arrival of each frame with tokens, from the request's start
     reference: list[float]   # the same in the run without faults
-    events: list[dict]       # the request's events (shared/lifecycle.py)
+    events: list[dict]       # the request's events (pdserve/shared/lifecycle.py)
 
 
 def p99(xs: list[float]) -> float | None:

@@ -13,7 +13,7 @@ is each request's reference output. Then, per scenario, all requests run again a
   restart-nats   kill -9 of nats-server, started again (JetStream store kept)
   restart-redis  kill -9 of redis-server, started again empty (no persistence)
 
-and on a second stack with the bus and the store as a fleet runs them (deploy/local/ha.py:
+and on a second stack with the bus and the store as a fleet runs them (pdserve/local/ha.py:
 a 3-node NATS cluster, the prefill job stream on all 3; a Redis primary and a replica under
 3 Sentinels), the same workers and load:
 
@@ -78,12 +78,13 @@ import redis
 from bench import netns
 from bench.chaos import readme
 from bench.chaos.measure import Stream, cost
-from deploy.local import ha
-from deploy.local.stack import Host, Stack, StackConfig
-from shared.progress import progress
-from shared.state import WORKERS, log_key, worker_key
-from shared.subjects import PREFILL_STREAM
-from shared.urls import sync_redis
+from pdserve.local import ha
+from pdserve.local.config import Host
+from pdserve.local.stack import Stack, StackConfig
+from pdserve.shared.progress import progress
+from pdserve.shared.state import WORKERS, log_key, worker_key
+from pdserve.shared.subjects import PREFILL_STREAM
+from pdserve.shared.urls import sync_redis
 
 MODEL = "SmolLM2-135M-Instruct"
 RESULTS = Path(__file__).parents[1] / "results" / "chaos.json"
@@ -159,7 +160,7 @@ def client_of(url: str):
 
 
 def request_events(stack: Stack, request_ids: list[str]) -> list[list[dict]]:
-    """Each request's events (shared/lifecycle.py), as recorded in Redis."""
+    """Each request's events (pdserve/shared/lifecycle.py), as recorded in Redis."""
     store = client_of(stack.redis_url)
     with store.pipeline(transaction=False) as p:
         for rid in request_ids:

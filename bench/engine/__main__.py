@@ -5,7 +5,7 @@ threads, measured side by side in one run: `make bench-engine`.
 
 Speed: prompt tokens/s at 512 and 2048 tokens (one prompt, one pass) and the decode step at
 batch 1, 8 and 32 — for our engine with fp32 weights (every matrix dequantized) and with the
-file's own blocks (`native`, shared/engine/weights.py), transformers (fp32, its own KV
+file's own blocks (`native`, pdserve/shared/engine/weights.py), transformers (fp32, its own KV
 cache, only the last position's logits in prefill as its generate() does) and llama.cpp
 (batch 1 only: its server runs one sequence a slot); each the median of interleaved rounds.
 Structured output (bench/engine/structured.py): the decode step at batch 8 under a JSON schema
@@ -50,9 +50,9 @@ from bench.engine.timing import (
     ratio,
     speed,
 )
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
-from shared.engine.loader import load, smollm2_path
+from pdserve.shared.engine.config import EngineConfig
+from pdserve.shared.engine.engine import Engine
+from pdserve.shared.engine.loader import load, smollm2_path
 
 RESULTS = Path(__file__).parents[1] / "results"
 

@@ -21,11 +21,11 @@ import torch
 from bench.engine import tiny_archs
 from bench.engine.quality import logits_all, reference_greedy
 from bench.results_doc import RESULTS_DOC, update_block
-from shared.engine.architectures import ARCHITECTURES
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
-from shared.engine.loader import load
-from shared.engine.sequence import SamplingParams
+from pdserve.shared.engine.architectures import ARCHITECTURES
+from pdserve.shared.engine.config import EngineConfig
+from pdserve.shared.engine.engine import Engine
+from pdserve.shared.engine.loader import load
+from pdserve.shared.engine.sequence import SamplingParams
 
 RESULTS = Path(__file__).parents[1] / "results" / "architectures.json"
 BEGIN, END = "<!-- bench:archs:begin -->", "<!-- bench:archs:end -->"

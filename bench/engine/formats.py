@@ -33,10 +33,10 @@ from bench.engine import quality as engine_quality
 from bench.engine import readme as engine_readme
 from bench.engine.llamacpp_arm import LlamaCpp
 from bench.engine.timing import PREFILLS, engine_arm, greedy, llamacpp_arm, ratio, speed
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
-from shared.engine.kernels import cc
-from shared.engine.loader import gemma3_path, load, smollm2_path
+from pdserve.shared.engine.config import EngineConfig
+from pdserve.shared.engine.engine import Engine
+from pdserve.shared.engine.kernels import cc
+from pdserve.shared.engine.loader import gemma3_path, load, smollm2_path
 
 RESULTS = Path(__file__).parents[1] / "results"
 CACHE = Path.home() / ".cache" / "pdserve" / "models"

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from shared.engine.grammar import token_table
-from shared.engine.loader import load
+from pdserve.shared.engine.grammar import token_table
+from pdserve.shared.engine.loader import load
 
 RESULTS = Path(__file__).parents[1] / "results"
 

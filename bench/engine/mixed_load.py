@@ -18,7 +18,7 @@ from pathlib import Path
 from bench.engine import readme as engine_readme
 from bench.interference.run import one_arm
 from bench.interference.stacks import arms
-from planner import workloads
+from pdserve.planner import workloads
 
 FORMATS = ("fp32", "native")
 

@@ -2,7 +2,7 @@
 GGUF, an independent implementation): `make bench-engine` reports both.
 
 - Greedy agreement: the reference's greedy continuation of each engine test prompt
-  (shared/tools/held_prompts.py) and of a longer held text; the share of its tokens that the
+  (pdserve/shared/tools/held_prompts.py) and of a longer held text; the share of its tokens that the
   model under test also ranks first given the same prefix (teacher-forced, so one early
   difference does not count every token after it).
 - Perplexity of a few thousand tokens of English prose shipped with Python (the interpreter's
@@ -16,10 +16,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from shared.engine.batch import ForwardBatch
-from shared.engine.kernels import select
-from shared.engine.loader import LoadedModel
-from shared.tools.held_prompts import CONVERSATIONS
+from pdserve.shared.engine.batch import ForwardBatch
+from pdserve.shared.engine.kernels import select
+from pdserve.shared.engine.loader import LoadedModel
+from pdserve.shared.tools.held_prompts import CONVERSATIONS
 
 WINDOW = 512
 HELD_TOPICS = ("assignment", "exceptions", "function", "class", "import", "for", "while", "if", "try", "with")

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
-from shared.engine.grammar import Grammar
-from shared.engine.loader import load
-from shared.engine.sequence import SamplingParams
+from pdserve.shared.engine.config import EngineConfig
+from pdserve.shared.engine.engine import Engine
+from pdserve.shared.engine.grammar import Grammar
+from pdserve.shared.engine.loader import load
+from pdserve.shared.engine.sequence import SamplingParams
 
 RESULTS = Path(__file__).parents[1] / "results"
 BATCH = 8

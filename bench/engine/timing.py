@@ -12,8 +12,8 @@ from functools import partial
 
 from bench.engine import structured as structured_bench
 from bench.engine.llamacpp_arm import LlamaCpp
-from shared.engine.engine import Engine
-from shared.engine.sequence import SamplingParams
+from pdserve.shared.engine.engine import Engine
+from pdserve.shared.engine.sequence import SamplingParams
 
 PROMPT_FOR_DECODE = 128
 PREFILLS = (512, 2048)

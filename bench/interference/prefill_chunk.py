@@ -30,8 +30,8 @@ from pathlib import Path
 
 from bench.interference.run import one_arm
 from bench.interference.stacks import arms
-from deploy.local.stack import StackConfig
-from planner import workloads
+from pdserve.local.stack import StackConfig
+from pdserve.planner import workloads
 
 RESULTS = Path(__file__).parents[1] / "results" / "prefill-chunk.json"
 

@@ -27,7 +27,7 @@ Per arm, on one stack:
 2. Goodput: the Azure conversation trace (bench/data/azure_conv_2023.csv, lengths
    divided by --scale) replayed with Poisson arrivals at each of --rates for --replay-s
    seconds (its first rate x replay-s rows); SLO attainment per rate; goodput = the highest
-   rate with >= 90% of requests meeting both SLOs (planner.metrics.rate_at_attainment).
+   rate with >= 90% of requests meeting both SLOs (pdserve.planner.metrics.rate_at_attainment).
    The SLOs come from this machine's own costs, measured before the arms (TTFT <= 4 x the p90
    prompt's prefill alone, TPOT <= 2 x a decode step at batch 8; `slo_for`), or are absolute
    (--replay-slo-ttft / --replay-slo-tpot); the seconds used are printed and written.
@@ -54,10 +54,10 @@ from bench.interference import report
 from bench.interference.stacks import arms, remote_arm
 from bench.load.client import run
 from bench.planning.profile import reference
-from deploy.local.stack import Stack, StackConfig
-from planner import workloads
-from planner.metrics import Timing, percentiles, rate_at_attainment, summarize
-from planner.slo import Slo, from_reference
+from pdserve.local.stack import Stack, StackConfig
+from pdserve.planner import workloads
+from pdserve.planner.metrics import Timing, percentiles, rate_at_attainment, summarize
+from pdserve.planner.slo import Slo, from_reference
 
 MODEL = "SmolLM2-135M-Instruct"
 AZURE = Path(__file__).parents[1] / "data" / "azure_conv_2023.csv"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from deploy.local.stack import StackConfig
+from pdserve.local.stack import StackConfig
 
 ALL = set(range(os.cpu_count() or 1))
 

@@ -21,8 +21,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bench.load.client import run
-from planner import workloads
-from planner.metrics import summarize
+from pdserve.planner import workloads
+from pdserve.planner.metrics import summarize
 
 
 def build(args) -> list[workloads.Request]:

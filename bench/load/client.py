@@ -15,8 +15,8 @@ import time
 
 import httpx
 
-from planner.metrics import Timing
-from planner.workloads import Request
+from pdserve.planner.metrics import Timing
+from pdserve.planner.workloads import Request
 
 
 async def one(http: httpx.AsyncClient, model: str, req: Request) -> Timing:

@@ -12,7 +12,7 @@ measured: goodput at 90% SLO attainment, the victims' ITL p99 and TTFT p50, the 
 each rate. `make plan-check` measures the
 profile just before, and a probe of each arm's worker shapes either side of it (a few of the
 profile's points again, bench/profile.probe): a machine's speed drifts over minutes, and each
-arm's prediction takes the profile's costs rescaled by its probes (planner/cost.level;
+arm's prediction takes the profile's costs rescaled by its probes (pdserve/planner/cost.level;
 `--no-drift`: as profiled). `--measured` compares
 with a `make bench` result (or an earlier plan_check.json's measurements) instead of running
 the arms. Writes bench/results/plan_check.json
@@ -30,13 +30,13 @@ from typing import Any
 from bench.interference import run as interference
 from bench.interference import stacks
 from bench.planning.profile import probe
-from deploy.local.stack import StackConfig
-from planner import workloads
-from planner.cluster import Layout, as_sim, simulate
-from planner.cost import STACKS, Cost, control_plane, level
-from planner.device import device_name
-from planner.slo import Slo, goodput, score
-from planner.worker import Knobs
+from pdserve.local.stack import StackConfig
+from pdserve.planner import workloads
+from pdserve.planner.cluster import Layout, as_sim, simulate
+from pdserve.planner.cost import STACKS, Cost, control_plane, level
+from pdserve.planner.device import device_name
+from pdserve.planner.slo import Slo, goodput, score
+from pdserve.planner.worker import Knobs
 
 RESULTS = Path(__file__).parents[1] / "results"
 SPLIT = "1P:2D"
@@ -69,7 +69,7 @@ def arm_shapes(cores: int) -> dict[str, dict[str, str]]:
 
 def bench_layouts(profile: dict, cores: int, levels: dict[str, dict[str, dict]] | None = None) -> dict[str, Layout]:
     """`make bench`'s arms (bench/interference/stacks.arms) and `split_arm` as the simulator's layouts;
-    `levels`: each arm's drift from the profile, per shape (planner/cost.level), where measured."""
+    `levels`: each arm's drift from the profile, per shape (pdserve/planner/cost.level), where measured."""
     over = {s: control_plane(profile, s).get("ttft_overhead_s", 0.0) for s in STACKS}
     whole = Knobs(prefill_chunk=2048, max_batched_tokens=4096)
     chunked = Knobs(prefill_chunk=128, max_batched_tokens=256)
@@ -95,7 +95,7 @@ def bench_layouts(profile: dict, cores: int, levels: dict[str, dict[str, dict]] 
 
 def drift(profile: dict, probes: dict[str, list[dict]]) -> dict[str, dict]:
     """An arm's level per shape: the mean of its probes' (one before the arm, one after) against
-    the profile (planner/cost.level)."""
+    the profile (pdserve/planner/cost.level)."""
     out = {}
     for shape, runs in probes.items():
         each = [level(profile["shapes"][shape], r) for r in runs]

@@ -18,7 +18,7 @@ native on CPU) in fresh processes, one per worker shape:
   it (TPOT of B streams at once) minus the step the cost model gives that stack's decode
   worker shape (the simulator adds the difference to that model, so the two sum to what the
   stack measured).
-Fits the cost models of planner/cost.py to the points and writes both to
+Fits the cost models of pdserve/planner/cost.py to the points and writes both to
 bench/results/profile-<device>.json (device: `cpu`, or the CUDA device's name).
 """
 
@@ -36,10 +36,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.children import children, in_process
-from planner import cost
-from planner.device import device_name
-from shared.config import WorkerSettings
-from shared.progress import progress
+from pdserve.planner import cost
+from pdserve.planner.device import device_name
+from pdserve.shared.config import WorkerSettings
+from pdserve.shared.progress import progress
 
 RESULTS = Path(__file__).parents[1] / "results"
 # (new tokens, tokens cached before them): whole prompts, then chunks of a long prompt
@@ -63,7 +63,7 @@ def _ids(n: int, seed: int) -> list[int]:
 def _prefill_pass(engine, prompts: list[list[int]]) -> tuple[float, int]:
     """One prefill pass of these prompts (prefill only, then aborted): its seconds, and the
     tokens the first found cached."""
-    from shared.engine.sequence import SamplingParams
+    from pdserve.shared.engine.sequence import SamplingParams
     one = SamplingParams(max_tokens=1, temperature=0)
     for i, p in enumerate(prompts):
         engine.add_request(f"p{i}", p, one, prefill_only=True)
@@ -80,7 +80,7 @@ def _decode_steps(engine, batch: int, context: int, seed: int, steps: int, reps:
     """Seconds per step of `reps` runs of `steps` decode steps of `batch` sequences of `context`
     tokens, reserved and committed as a KV handoff would (no prefill fills them), after one
     warm-up step; the sequences are aborted after."""
-    from shared.engine.sequence import SamplingParams
+    from pdserve.shared.engine.sequence import SamplingParams
     params = SamplingParams(max_tokens=steps * reps + 4, temperature=0, ignore_eos=True)
     for i in range(batch):
         engine.reserve(f"d{i}", _ids(context, seed + i), params)
@@ -112,9 +112,9 @@ def _measure(threads: int, cpus: list[int], reps: int, prefill=PREFILL, batched=
              device: str = "cpu") -> dict:
     import torch
 
-    from shared.engine.config import EngineConfig
-    from shared.engine.engine import Engine
-    from shared.engine.loader import load
+    from pdserve.shared.engine.config import EngineConfig
+    from pdserve.shared.engine.engine import Engine
+    from pdserve.shared.engine.loader import load
 
     os.sched_setaffinity(0, set(cpus))
     torch.set_num_threads(threads)
@@ -152,9 +152,9 @@ def _measure(threads: int, cpus: list[int], reps: int, prefill=PREFILL, batched=
 def _references(points: list[tuple[int, int, int]], reps: int) -> list[dict]:
     import torch
 
-    from shared.engine.config import EngineConfig
-    from shared.engine.engine import Engine
-    from shared.engine.loader import load
+    from pdserve.shared.engine.config import EngineConfig
+    from pdserve.shared.engine.engine import Engine
+    from pdserve.shared.engine.loader import load
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     loaded, out = load("smollm2", weights=WEIGHTS), []
@@ -167,7 +167,7 @@ def _references(points: list[tuple[int, int, int]], reps: int) -> list[dict]:
 
 
 def reference(prompt: int, batch: int, context: int, reps: int = 3) -> dict:
-    """The isolated costs SLOs are set from (planner/slo.py, `make bench`): a `prompt`-token
+    """The isolated costs SLOs are set from (pdserve/planner/slo.py, `make bench`): a `prompt`-token
     prefill alone and a decode step of `batch` sequences of `context` tokens, on all cores."""
     return references([(prompt, batch, context)], reps)[0]
 
@@ -195,7 +195,7 @@ def shape(threads: int, neighbour: bool, reps: int, points: tuple = (PREFILL, BA
 def probe(name: str, reps: int = 2) -> dict:
     """A few of a profiled shape's points measured again (PROBE: ~10 s and the model's load):
     set beside the profile's, they say how far this machine's speed has drifted since
-    (planner/cost.level)."""
+    (pdserve/planner/cost.level)."""
     threads, neighbour = int(name.split("t")[0]), name.endswith("+busy")
     return shape(threads, neighbour, reps, PROBE)
 
@@ -213,7 +213,7 @@ def control_plane(stack: str, requests: int = 10) -> dict:
     interference.arms: "colocated", one worker on all cores; "disaggregated", 1 prefill + 1
     decode worker pinned to a core each): to the first token (a short prompt, one at a time)
     and to each decode step with B streams at once (their TPOT, from which the simulator takes
-    its own model of the stack's decode worker shape at that batch: planner/cost.
+    its own model of the stack's decode worker shape at that batch: pdserve/planner/cost.
     fit_service_step): publishing, relaying, and the processes beside the engine on the same
     cores."""
     import asyncio
@@ -224,11 +224,11 @@ def control_plane(stack: str, requests: int = 10) -> dict:
     from bench.interference.stacks import arms
     from bench.load.client import run
     from bench.stack_overhead import MESSAGES, engine_ttft, stack_ttft
-    from deploy.local.stack import Stack
-    from planner.workloads import Request
-    from shared.engine.config import EngineConfig
-    from shared.engine.engine import Engine
-    from shared.engine.loader import load
+    from pdserve.local.stack import Stack
+    from pdserve.planner.workloads import Request
+    from pdserve.shared.engine.config import EngineConfig
+    from pdserve.shared.engine.engine import Engine
+    from pdserve.shared.engine.loader import load
 
     cfg = arms()[stack]
     torch.set_num_threads(cfg.threads or 1)
@@ -287,7 +287,7 @@ def main() -> None:
         out["control_plane"] = {}
         for stack in cost.STACKS:
             cp = out["control_plane"][stack] = in_process(control_plane, stack, timeout_s=900)
-            share = cost.fit_service_step(out, stack)  # (the simulator fits it so too: planner/cost.py)
+            share = cost.fit_service_step(out, stack)  # (the simulator fits it so too: pdserve/planner/cost.py)
             print(f"control plane ({stack}): {cp['ttft_overhead_s'] * 1e3:.1f} ms per request; "
                   + (f"{share['step_fixed_s'] * 1e3:.1f} ms + {share['step_per_seq_s'] * 1e3:.2f} ms per sequence "
                      f"on each decode step over the {share['against']} model's" if share else

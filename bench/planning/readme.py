@@ -1,7 +1,7 @@
 """The "Capacity planning" figures of docs/RESULTS.md, from the planner's committed JSON:
 profile-cpu.json (`make profile`), plan_check.json and plan_check-no-drift.json (`make
 plan-check`), plan-<trace>-cpu-<N>w.json (`make plan`) and sim_speed.json (`python -m
-planner.speed`). The make targets run `python -m bench.planning.readme` after the planner."""
+pdserve.planner.speed`). The make targets run `python -m bench.planning.readme` after the planner."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from bench.results_doc import RESULTS_DOC, update_block
-from planner.cost import Cost, fit_service_step
+from pdserve.planner.cost import Cost, fit_service_step
 
 RESULTS = Path(__file__).parents[1] / "results"
 BEGIN, END = "<!-- bench:capacity:begin -->", "<!-- bench:capacity:end -->"
@@ -123,7 +123,7 @@ def prompt_alone(p: dict, shape: str, tokens: int) -> float:
 
 def speed(s: dict) -> str:
     s = s["summary"]
-    return (f"**Simulator speed** (`python -m planner.speed`, `sim_speed.json`): {s['requests']:,} requests "
+    return (f"**Simulator speed** (`python -m pdserve.planner.speed`, `sim_speed.json`): {s['requests']:,} requests "
             f"({s['simulated_s'] / 60:.0f} minutes at {s['rate']:,} req/s) on {s['workers']} workers, with "
             f"{s['costs']} so the fleet carries the load ({s['busy_mean']:.0%} busy), take **{s['wall_s']:.1f} s** "
             f"against a target of < {s['target_wall_s']} s: "

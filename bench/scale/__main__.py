@@ -54,17 +54,17 @@ from bench.scale.pin import pin, under_test
 from bench.scale.plan import TRACE, TRACE_BLOCKS, FleetWorker, Trace, filler_counts, make_plan, read_trace
 from bench.scale.report import percentiles
 from bench.scale.stage import Stage, stage, store_name
-from services.router.recent import REGISTRY_READ_S
-from services.router.registry import RegistryCopy
-from shared.config import Common, RouterSettings
-from shared.state import State
-from shared.tools.otlp_sink import OtlpReceiver
+from pdserve.services.router.recent import REGISTRY_READ_S
+from pdserve.services.router.registry import RegistryCopy
+from pdserve.shared.config import Common, RouterSettings
+from pdserve.shared.state import State
+from pdserve.shared.tools.otlp_sink import OtlpReceiver
 
 RESULTS = Path(__file__).parents[1] / "results"
 FULL = {"workers": [4, 16, 64, 256], "blocks": [100_000, 1_000_000, 10_000_000], "rates": [100, 1000],
         "seconds": 10.0, "max_requests": 3000}
 QUICK = {"workers": [4, 256], "blocks": [100_000], "rates": [100], "seconds": 4.0, "max_requests": 5000}
-IDLE_S = 3.5        # longer than the router's booking horizons (services/router/recent.py): none crosses runs
+IDLE_S = 3.5        # longer than the router's booking horizons (pdserve/services/router/recent.py): none crosses runs
 REPLICAS = 3
 CORES = os.cpu_count() or 1
 
@@ -121,7 +121,7 @@ async def measure(st: Stage, trace: Trace, plan: list[FleetWorker], blocks: int,
 async def registry_reads(state: State, rounds: int = 20) -> dict:
     """A router's registry read, side by side while the fleet heartbeats: the whole registry
     (`state.registry.workers`, as routers read it before) and the changes since the last read
-    (services/router/registry.py), REGISTRY_READ_S apart; median ms of each."""
+    (pdserve/services/router/registry.py), REGISTRY_READ_S apart; median ms of each."""
     whole, changes, registry = [], [], RegistryCopy()
     await registry.read(state)
     for _ in range(rounds):

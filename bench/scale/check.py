@@ -1,9 +1,9 @@
 """Did the router decide as today's policy would? `make bench-scale`'s check of each run.
 
-For every placement the router made, services/router/placement.py (where the router decides)
+For every placement the router made, pdserve/services/router/placement.py (where the router decides)
 is asked the same question with the same inputs: the registry entries the router read (static
 during a run), the true prefix cache of every simulated worker (the plan's trace blocks;
-filler is never asked for) and what that router had booked lately (services/router/recent.py:
+filler is never asked for) and what that router had booked lately (pdserve/services/router/recent.py:
 prompt tokens sent to each prefill worker when it decided, one admit per decode worker when
 the admit was answered, each within its horizon), rebuilt from its own earlier placements in the
 order their admits reached the simulated decode workers (just after each decision).
@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.scale.plan import FleetWorker, Probe
-from services.router import placement
-from services.router.placement import Ask, Books, Fleet, Rules
-from services.router.pools import EMPTY, pools
-from services.router.recent import horizons
-from shared.config import RouterSettings
-from shared.messages import WorkerInfo
+from pdserve.services.router import placement
+from pdserve.services.router.placement import Ask, Books, Fleet, Rules
+from pdserve.services.router.pools import EMPTY, pools
+from pdserve.services.router.recent import horizons
+from pdserve.shared.config import RouterSettings
+from pdserve.shared.messages import WorkerInfo
 
 HIT_RATE_TOLERANCE = 0.005   # the booking order of concurrent placements is not observable exactly
 ADMIT_SEEN_NS = 1_000_000    # an answered admit is booked this long before a decision whose admit arrives
@@ -120,7 +120,7 @@ class Replay:
 
 
 class Window:
-    """What one router booked per worker within a horizon (services/router/recent.py), replayed:
+    """What one router booked per worker within a horizon (pdserve/services/router/recent.py), replayed:
     `events` (when, worker, amount) in time order; `at(t)` the sums seen at time t."""
 
     def __init__(self, events: list[tuple[int, str, int]], horizon_ns: int):

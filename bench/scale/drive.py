@@ -1,7 +1,7 @@
 """Placements asked as the gateway asks them, open loop: `make bench-scale`'s load.
 
 Each request is a RouteRequest on `pd.router.route` through `Bus.request`, the gateway's call
-(services/gateway/relay.py), sent at its Poisson arrival time whether or not earlier ones
+(pdserve/services/gateway/relay.py), sent at its Poisson arrival time whether or not earlier ones
 have been answered; its reply time is the gateway-observed placement time. Afterwards each
 answered placement is joined with the router's `router.route` span (request_id attribute).
 """
@@ -17,11 +17,11 @@ import nats.errors
 from bench.scale.check import Placement
 from bench.scale.plan import MODEL, Probe
 from bench.scale.report import percentiles
-from planner.arrivals import arrival_times
-from shared import subjects
-from shared.bus import Bus
-from shared.messages import RouteReply, RouteRequest, Sampling
-from shared.tools.otlp_sink import OtlpReceiver, Span
+from pdserve.planner.arrivals import arrival_times
+from pdserve.shared import subjects
+from pdserve.shared.bus import Bus
+from pdserve.shared.messages import RouteReply, RouteRequest, Sampling
+from pdserve.shared.tools.otlp_sink import OtlpReceiver, Span
 
 ROUTE_TIMEOUT_S = 10.0   # the gateway's default route_timeout_s
 MAX_TOKENS = 256

@@ -4,16 +4,16 @@ workers that speak the real protocol to the real router, with no model and no KV
     python -m bench.scale.fleet PLAN     (PD_NATS_URL, PD_REDIS_URL, PD_HEARTBEAT_S from the environment)
 
 PLAN is a pickled list of bench/scale/plan.FleetWorker. Each simulated worker:
-1. Registers and heartbeats through `shared.service.heartbeat` (`state.registry.heartbeat`) with its
+1. Registers and heartbeats through `pdserve.shared.service.heartbeat` (`state.registry.heartbeat`) with its
    static load and what the prefix index asks of a registry entry (`worker_info`: the one
    place to change when the registry entry changes).
 2. Publishes its prefix cache as a worker does (PD_PREFIX_INDEX: events on JetStream through its own
    `PrefixEventPublisher`, answering snapshots; or written to Redis through a `PrefixPublisher`):
    the plan's trace blocks at start, filler blocks on `fill N` (N indexed blocks across the fleet).
 3. Decode: answers every admit (ok, with a KV tag), puts a remote one's prefill job on its
-   prefill worker's queue (as services/decode does) and records the request finished soon
+   prefill worker's queue (as pdserve/services/decode does) and records the request finished soon
    after (`state.requests.note`: the routers' supervisor sees it end). Prefill: pulls its jobs from its
-   JetStream durable consumer (as services/prefill does) and acks them.
+   JetStream durable consumer (as pdserve/services/prefill does) and acks them.
 4. Each admit or job churns its cache by the prompt's size: as many new filler blocks stored
    as old ones evicted, published once per simulated engine step (STEP_S) with the rest of
    that step's, as a worker publishes its engine's events. The index carries a serving
@@ -47,17 +47,17 @@ import nats.errors
 from nats.aio.msg import Msg
 
 from bench.scale.plan import BLOCK, MODEL, FleetWorker, filler, filler_counts
-from shared import streams, subjects
-from shared.bus import Bus, context_of
-from shared.config import Common, lease_s
-from shared.engine.block_manager import CacheChange
-from shared.messages import AdmitReply, AdmitRequest, PrefillJob, WorkerInfo
-from shared.prefix_events import PrefixEventPublisher
-from shared.prefix_index import PrefixPublisher
-from shared.service import heartbeat, run, setup_logging
-from shared.state import State
-from shared.tasks import Background
-from shared.urls import async_redis
+from pdserve.shared import streams, subjects
+from pdserve.shared.bus import Bus, context_of
+from pdserve.shared.config import Common, lease_s
+from pdserve.shared.engine.block_manager import CacheChange
+from pdserve.shared.messages import AdmitReply, AdmitRequest, PrefillJob, WorkerInfo
+from pdserve.shared.prefix_events import PrefixEventPublisher
+from pdserve.shared.prefix_index import PrefixPublisher
+from pdserve.shared.service import heartbeat, run, setup_logging
+from pdserve.shared.state import State
+from pdserve.shared.tasks import Background
+from pdserve.shared.urls import async_redis
 
 log = logging.getLogger("fleet")
 FILL_CHUNK = 16_384      # filler blocks handed to a publisher at a time

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from bench.scale.plan import FleetWorker
-from deploy.local.servers import die_with_parent
+from pdserve.local.servers import die_with_parent
 
 
 class FleetProcess:

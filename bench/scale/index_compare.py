@@ -1,5 +1,5 @@
-"""The prefix index side by side: Redis (shared/prefix_index.py, PD_PREFIX_INDEX=redis) and the
-router's memory (services/router/prefix_memory.py through prefix_feeds.py, =events).
+"""The prefix index side by side: Redis (pdserve/shared/prefix_index.py, PD_PREFIX_INDEX=redis) and the
+router's memory (pdserve/services/router/prefix_memory.py through prefix_feeds.py, =events).
 
     python -m bench.scale.index_compare [--workers 4,64,256] [--blocks 1000000,10000000]
                                         [--lookups 2000] [--updates 300]
@@ -40,12 +40,12 @@ import uvloop
 from redis.asyncio.client import Pipeline
 
 from bench.scale import index_readme
-from deploy.local.servers import free_port, valkey_server, wait_for_port
-from services.router.prefix_feeds import Feeds, Snapshot
-from services.router.prefix_memory import MemoryIndex
-from shared import prefix_index
-from shared.messages import PrefixEvents
-from shared.state import State
+from pdserve.local.servers import free_port, valkey_server, wait_for_port
+from pdserve.services.router.prefix_feeds import Feeds, Snapshot
+from pdserve.services.router.prefix_memory import MemoryIndex
+from pdserve.shared import prefix_index
+from pdserve.shared.messages import PrefixEvents
+from pdserve.shared.state import State
 
 RESULT = Path(__file__).parents[1] / "results" / "prefix_index_compare.json"
 SHARED, CHAIN, PROMPT, STEP = 16, 64, 128, 32

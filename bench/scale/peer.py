@@ -33,8 +33,8 @@ from bench.scale.meters import cpu_s
 from bench.scale.pin import pin
 from bench.scale.plan import Probe, read_trace
 from bench.scale.report import percentiles
-from deploy.local.servers import free_port
-from planner.arrivals import arrival_times
+from pdserve.local.servers import free_port
+from pdserve.planner.arrivals import arrival_times
 
 PEERS = Path(os.environ.get("PD_PEERS_DIR", Path.home() / ".cache" / "pdserve" / "peers"))
 BINARY = PEERS / "vllm-router" / "bin" / "vllm-router"

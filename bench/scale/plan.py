@@ -3,7 +3,7 @@
 - Prompts: each Mooncake hash id (one 512-token block of the trace) becomes one engine block
   of BLOCK tokens derived from the id, so a request of n hash ids is n * BLOCK tokens plus one
   last token (the engine always computes the last token: all n blocks can hit), and
-  `shared.hashing.block_hashes` gives the chained hashes the router looks up.
+  `pdserve.shared.hashing.block_hashes` gives the chained hashes the router looks up.
 - Caches: the trace's first part (`history`) is replayed through the prefill choice
   (`choose_soonest`, LRU caches as in bench/router_eval.py, a pool sized to twice the
   trace's load); each prefill worker ends holding the chained hashes of the conversations it
@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from bench.router_eval import BLOCK_TOKENS, TRACE, Request, SimWorker, load_trace
-from services.router.policy import PrefillCandidate, choose_soonest
-from shared.hashing import block_hashes
+from pdserve.services.router.policy import PrefillCandidate, choose_soonest
+from pdserve.shared.hashing import block_hashes
 
 BLOCK = 16                    # engine block size, in tokens
 MODEL = "scale-sim"           # model name and KV fingerprint of the simulated workers

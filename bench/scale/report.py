@@ -220,7 +220,7 @@ def plot(runs: list[dict], path: Path) -> None:
 
 def _script_names() -> dict[str, str]:
     """sha1 -> name of the project's Lua scripts (the slow log names them by sha)."""
-    from shared import prefix_index, state
+    from pdserve.shared import prefix_index, state
     return {hashlib.sha1(src.encode()).hexdigest(): f"script {name.strip('_').lower()}"
             for module in (prefix_index, state) for name, src in vars(module).items()
             if name.startswith("_") and name[1:].isupper() and isinstance(src, str) and "redis.call" in src}

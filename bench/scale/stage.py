@@ -1,6 +1,6 @@
 """The processes under test for one (W, B) of `make bench-scale`, on free ports: nats-server
 (JetStream, with its monitoring port for message counts), redis-server (or a Redis Cluster) and the router
-replicas, started as deploy/local/stack.py starts them and exporting spans to the run's OTLP
+replicas, started as pdserve/local/stack.py starts them and exporting spans to the run's OTLP
 receiver; the simulated fleet (bench/scale/fleet.py) in its own process; this process's clients
 (the gateway's NATS connection, the store, a connection of its own to each Redis server for
 INFO and SLOWLOG) and its counters (bench/scale/meters.py).
@@ -22,18 +22,19 @@ import redis.asyncio as aioredis
 from bench.scale.fleet_process import FleetProcess
 from bench.scale.meters import Meters, cpu_s
 from bench.scale.plan import FleetWorker
-from deploy.local.servers import binary, free_port
-from deploy.local.stack import Stack, StackConfig
-from shared.bus import Bus
-from shared.state import State
-from shared.tools.otlp_sink import OtlpReceiver
-from shared.urls import TIMEOUTS
+from pdserve.local import readiness
+from pdserve.local.servers import binary, free_port
+from pdserve.local.stack import Stack, StackConfig
+from pdserve.shared.bus import Bus
+from pdserve.shared.state import State
+from pdserve.shared.tools.otlp_sink import OtlpReceiver
+from pdserve.shared.urls import TIMEOUTS
 
 
 class Backend:
     """nats-server (JetStream, monitoring port), redis-server (or a Redis Cluster of `cluster`
     primaries) and router replicas on free ports with this run's password, started as
-    deploy/local/stack.py starts them."""
+    pdserve/local/stack.py starts them."""
 
     def __init__(self, log_dir: Path, otlp_url: str, cluster: int = 0):
         self.stack = Stack(StackConfig.on_free_ports(log_dir=log_dir, redis_cluster=cluster, env={
@@ -48,13 +49,14 @@ class Backend:
                          "-p", str(c.nats_port), "-m", str(self.monitor_port)])
         # commands over 1 ms are logged: what holds the single-threaded Redis up, per run
         s.start_redis("slowlog-log-slower-than 1000\nslowlog-max-len 4096\n")
-        s.wait_port(c.nats_port, 20)
-        s.spawn("streams", [sys.executable, "-m", "shared.streams"],  # the operator's keeper, as the local stack's
+        readiness.wait_port("127.0.0.1", c.nats_port, 20, s.log_dir)
+        # the operator's keeper, as the local stack's
+        s.spawn("streams", [sys.executable, "-m", "pdserve.shared.streams"],
                 {**s.service_env(), "PD_NATS_URL": s.nats_url})
         self.add_router("router")
 
     def add_router(self, name: str) -> None:
-        self.stack.service(name, "services.router.main")
+        self.stack.service(name, "pdserve.services.router.main")
 
     def routers(self) -> list[str]:
         return [n for n in self.stack.procs if n.startswith("router")]

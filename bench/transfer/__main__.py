@@ -6,19 +6,19 @@ Payloads from 64 KiB to 256 MiB (`--quick`: to 16 MiB) plus the real per-layer K
 requests (fp32), each sent REPS times after a warm-up, timed until the receiver confirms it
 holds the last byte. The UCX arms send as the services do: up to STREAMED messages under way
 at a time (the sender sends each batch of layers as soon as it is computed), each received
-into a staging buffer from shared/kv/staging.py:
+into a staging buffer from pdserve/shared/kv/staging.py:
   memcpy        numpy copy in one process (the limit)
-  segment       what the services use on one host (shared/kv/segment.py): the payload in the
+  segment       what the services use on one host (pdserve/shared/kv/segment.py): the payload in the
                 sender's shared-memory segment, a NATS notice naming where, the receiver's
                 copy into staging (bench/transfer/segment.py); up to STREAMED copies at a time
   segment_one_by_one  the same, one copy at a time
-  ucx_services  what the services use between hosts (shared/kv/ucx.py's transport, its defaults): endpoints
+  ucx_services  what the services use between hosts (pdserve/shared/kv/ucx.py's transport, its defaults): endpoints
                 with UCX peer-failure handling, shared memory allowed to carry it (sysv for
                 small messages, cma zero-copy reads for payloads), "thread" progress
   ucx_services_one_by_one  the same, one message at a time (each waits for the one before:
                 what a message costs beyond its bytes)
   ucx_services_fresh_buffers  the same, each message received into a fresh buffer (the
-                receiver before shared/kv/staging.py: page faults inside the transfer)
+                receiver before pdserve/shared/kv/staging.py: page faults inside the transfer)
   ucx_peer_tcp  the services' path before: peer-failure handling without those settings, so
                 TCP on loopback even on one host
   ucx_services_polling  ucx_services with "polling" progress (spins a core in each process
@@ -32,7 +32,7 @@ into a staging buffer from shared/kv/staging.py:
                 registered buffer and notifies it, as vLLM's NIXL connector does; one
                 transfer at a time (bench/transfer/nixl_arm.py)
   nixl_shm      the same with the services' shared-memory settings (SHM_DEFAULTS of
-                shared/kv/ucx.py) in its UCX's environment
+                pdserve/shared/kv/ucx.py) in its UCX's environment
   socket        a plain TCP socket on loopback, sendall / recv_into
   ucx_tcp_veth, socket_veth  ucx_tcp and socket between two network namespaces joined by a
                 veth pair (MTU 1500; bench/netns.py): two hosts, as far as TCP can tell
@@ -70,7 +70,7 @@ from bench import netns
 from bench.children import call, children, in_process, outcome
 from bench.transfer.common import ARM_TIMEOUT_S, MIB, NATS_SLOW_CONSUMER, STREAMED, reps_for
 from bench.transfer.peers import PEER_RUNS, bench_peer
-from shared.kv.ucx import SHM_DEFAULTS
+from pdserve.shared.kv.ucx import SHM_DEFAULTS
 
 KIB = 1 << 10
 LAYER_1K = 64 * 2 * 16 * 3 * 64 * 4    # 64 blocks x (K,V) x 16 tokens x 3 heads x 64 dims x fp32
@@ -83,8 +83,8 @@ HOST = "PD_BENCH_NETNS"  # a child's network namespace, in its environment
 # -- receivers (child processes) -------------------------------------------------------------
 def _ucx_receiver(sizes, addr_q, done_q, env, window, progress, error_handling, fresh):
     _enter(env)
-    from shared.kv import create_transport
-    from shared.kv.staging import Staging, size_class
+    from pdserve.shared.kv import create_transport
+    from pdserve.shared.kv.staging import Staging, size_class
 
     async def run():
         transport = create_transport("ucx", progress, ucx_error_handling=error_handling)
@@ -208,9 +208,9 @@ def bench_memcpy(sizes):
 def bench_ucx(sizes, env: dict[str, str], window: int = STREAMED, progress: str = "thread",
               error_handling: bool = True, fresh: bool = False, hosts: tuple[str, str] | None = None):
     """Sender and receiver each in a fresh process with the services' transport
-    (shared/kv/ucx.py) and `env` on top of its defaults (read when UCX starts); up to `window`
+    (pdserve/shared/kv/ucx.py) and `env` on top of its defaults (read when UCX starts); up to `window`
     messages under way at a time; ucxx `progress` mode ("thread": the services' default); the
-    receiver's buffers from the services' staging (shared/kv/staging.py), or `fresh` ones;
+    receiver's buffers from the services' staging (pdserve/shared/kv/staging.py), or `fresh` ones;
     `hosts`: the sender's and the receiver's network namespaces (bench/netns.py)."""
     ctx = mp.get_context("spawn")
     addr_q, done_q, result_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
@@ -223,7 +223,7 @@ def bench_ucx(sizes, env: dict[str, str], window: int = STREAMED, progress: str 
 
 
 async def _ucx_send(sizes, address, done_q, window, progress, error_handling):
-    from shared.kv import create_transport
+    from pdserve.shared.kv import create_transport
 
     transport = create_transport("ucx", progress, ucx_error_handling=error_handling)
     out, tag = {}, 0
@@ -249,7 +249,7 @@ def _ucx_sender(sizes, addr_q, done_q, env, window, progress, error_handling):
 
 def _idle_cpu(seconds):
     """The services' transport, one message sent to itself, then idle: CPU of the process."""
-    from shared.kv import create_transport
+    from pdserve.shared.kv import create_transport
 
     async def run():
         transport = create_transport("ucx")

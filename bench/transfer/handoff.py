@@ -21,7 +21,7 @@ import numpy as np
 @contextlib.contextmanager
 def nats_server(config: str = ""):
     """A nats-server of its own for the duration (`config`: lines of its configuration file)."""
-    from deploy.local.servers import binary, free_port
+    from pdserve.local.servers import binary, free_port
 
     port = free_port()
     with tempfile.TemporaryDirectory() as d:
@@ -40,9 +40,9 @@ def nats_server(config: str = ""):
 def _engine():
     import torch
 
-    from shared.engine.config import EngineConfig
-    from shared.engine.engine import Engine
-    from shared.engine.loader import load
+    from pdserve.shared.engine.config import EngineConfig
+    from pdserve.shared.engine.engine import Engine
+    from pdserve.shared.engine.loader import load
 
     torch.set_num_threads(1)  # as `make run` gives each of two workers on this host
     return Engine(load("smollm2"), EngineConfig(num_blocks=256, enable_prefix_cache=False))
@@ -51,13 +51,13 @@ def _engine():
 def _decode_side(url, cmd_q, reply_q):
     """The decode worker's half of a handoff in its own process: reserve, then receive every
     layer as its notice arrives, verify its blocks, write them into the pool, commit."""
-    from shared import subjects
-    from shared.bus import Bus
-    from shared.kv import TAG_SPAN, create_transport
-    from shared.kv.receiver import KVInbox, KVReceiver
-    from shared.kv.same_host import SameHost
-    from shared.kv.segment import Segments
-    from shared.messages import KVAck
+    from pdserve.shared import subjects
+    from pdserve.shared.bus import Bus
+    from pdserve.shared.kv import TAG_SPAN, create_transport
+    from pdserve.shared.kv.receiver import KVInbox, KVReceiver
+    from pdserve.shared.kv.same_host import SameHost
+    from pdserve.shared.kv.segment import Segments
+    from pdserve.shared.messages import KVAck
 
     engine = _engine()
 
@@ -89,12 +89,12 @@ def _decode_side(url, cmd_q, reply_q):
 
 
 def _params():
-    from shared.engine.sequence import SamplingParams
+    from pdserve.shared.engine.sequence import SamplingParams
 
     return SamplingParams(max_tokens=2, temperature=0)
 
 
-SECRET = "be" * 16  # the placement's secret both sides are told (shared/macs.py)
+SECRET = "be" * 16  # the placement's secret both sides are told (pdserve/shared/macs.py)
 ROUNDS = 9  # the rounds' spread here is about +-0.1 of the prefill: the median of 5 moved by 0.05 from run to run
 
 
@@ -106,13 +106,13 @@ def exposed_fraction(tokens: int = 1024, same_host: bool = True, rounds: int = R
     exposed = (prefill start → KV committed on the decode side) − prefill alone, over prefill alone,
     per round (each streamed prefill against the one alone just before it: the machine's speed
     drifts by more than the transfer costs), median over the rounds."""
-    from shared.bus import Bus
-    from shared.engine_host import EngineHost
-    from shared.kv import create_transport
-    from shared.kv.same_host import SameHost
-    from shared.kv.segment import Segment
-    from shared.kv.sender import KVSender, SenderSettings, WorkerHooks
-    from shared.messages import PrefillJob, Sampling
+    from pdserve.shared.bus import Bus
+    from pdserve.shared.engine_host import EngineHost
+    from pdserve.shared.kv import create_transport
+    from pdserve.shared.kv.same_host import SameHost
+    from pdserve.shared.kv.segment import Segment
+    from pdserve.shared.kv.sender import KVSender, SenderSettings, WorkerHooks
+    from pdserve.shared.messages import PrefillJob, Sampling
 
     engine = _engine()
     prompt = [int(t) for t in np.random.default_rng(0).integers(100, 40000, tokens)]

@@ -15,12 +15,12 @@ def int8_quality(new_tokens: int = 32) -> dict:
     """Each held conversation handed off twice — KV as it is, and through the int8 codec — then
     decoded greedily on the receiving engine: token agreement, and the largest logit difference
     over the steps where both runs had seen the same tokens."""
-    from shared.engine.config import EngineConfig
-    from shared.engine.engine import Engine
-    from shared.engine.loader import load
-    from shared.engine.sequence import SamplingParams
-    from shared.kv import codec
-    from shared.tools.held_prompts import CONVERSATIONS
+    from pdserve.shared.engine.config import EngineConfig
+    from pdserve.shared.engine.engine import Engine
+    from pdserve.shared.engine.loader import load
+    from pdserve.shared.engine.sequence import SamplingParams
+    from pdserve.shared.kv import codec
+    from pdserve.shared.tools.held_prompts import CONVERSATIONS
 
     loaded = load("smollm2")
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)

@@ -24,7 +24,7 @@ NIXL's defaults: a progress thread (--no-prog-thread: polling a transfer or the 
 progresses UCX instead) whose poll() timeout the Python API sets to 0, so it spins (--prog-delay-us
 sets it), and UCX endpoints with peer-failure handling (--err-mode). UCX_* variables in the
 environment reach NIXL's UCX, e.g. UCX_MM_ERROR_HANDLING=y UCX_CMA_MEMORY_INVALIDATE=y (what
-shared/kv/ucx.py sets): the transports UCX picked are in "ucx_tls_used".
+pdserve/shared/kv/ucx.py sets): the transports UCX picked are in "ucx_tls_used".
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The `segment` arm of `make bench-transfer`: KV between two processes on one host the way
-the services move it there (shared/kv/segment.py). The sender's payloads are in its segment
+the services move it there (pdserve/shared/kv/segment.py). The sender's payloads are in its segment
 (the services write each batch of layers there as they encode it, instead of into a buffer of
 its own); each message is a notice over NATS naming where, as the KVLayer notice does; the
 receiver copies each into a staging buffer (off its event loop above 1 MiB, as
-shared/kv/receiver.py does) and confirms the last of each payload size, like the UCX arms'
+pdserve/shared/kv/receiver.py does) and confirms the last of each payload size, like the UCX arms'
 receivers."""
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ OWNER = "bench-segment"   # the sender's worker id: where it hands its segment o
 def _receiver(sizes, url, ready_q, done_q, window):
     import nats
 
-    from shared.kv.same_host import INLINE_COPY
-    from shared.kv.segment import Segments
-    from shared.kv.staging import Staging, size_class
-    from shared.messages import SegmentRef
+    from pdserve.shared.kv.same_host import INLINE_COPY
+    from pdserve.shared.kv.segment import Segments
+    from pdserve.shared.kv.staging import Staging, size_class
+    from pdserve.shared.messages import SegmentRef
 
     async def run():
         segments = Segments()
@@ -66,7 +66,7 @@ def _receiver(sizes, url, ready_q, done_q, window):
 async def _send(sizes, url, done_q, window):
     import nats
 
-    from shared.kv.segment import Segment
+    from pdserve.shared.kv.segment import Segment
 
     nc = await nats.connect(url)
     segment = Segment(window * max(sizes), OWNER)

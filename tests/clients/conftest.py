@@ -16,7 +16,7 @@ import venvs
 from record import Row, outcome, row_of, write
 from steps import MODEL
 
-from deploy.local.stack import Stack, StackConfig
+from pdserve.local.stack import Stack, StackConfig
 
 ROWS: dict[str, Row] = {}
 
@@ -80,7 +80,7 @@ def tokenizer_dir(tmp_path_factory) -> Path:
     from the GGUF: what guidellm and lm-eval load in place of a Hub id."""
     from transformers import AutoTokenizer
 
-    from shared.engine.loader import smollm2_path
+    from pdserve.shared.engine.loader import smollm2_path
 
     path, out = smollm2_path(), tmp_path_factory.mktemp("smollm2-tokenizer")
     AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(out)

@@ -48,7 +48,7 @@ def summary(rows: list[Row]) -> str:
 def write(path: Path, rows: list[Row], model: str, install_s: dict[str, float]) -> None:
     doc = {
         "summary": summary(rows),
-        "config": {"model": model, "stack": "1 prefill + 1 decode worker (deploy.local.stack)",
+        "config": {"model": model, "stack": "1 prefill + 1 decode worker (pdserve.local.stack)",
                    "machine": f"{platform.machine()}, CPU", "date": time.strftime("%Y-%m-%d")},
         "install_s": install_s,
         "clients": [asdict(r) for r in rows],

@@ -7,7 +7,7 @@ import json
 import pytest
 import venvs
 
-MODEL = "SmolLM2-135M-Instruct"  # the stack's (deploy.local.stack serves SmolLM2 under this id)
+MODEL = "SmolLM2-135M-Instruct"  # the stack's (pdserve.local.stack serves SmolLM2 under this id)
 DRIVERS = venvs.ROOT / "tests" / "clients" / "drivers"
 
 

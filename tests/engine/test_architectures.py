@@ -20,12 +20,12 @@ from helpers import generate, pass_logits, run_all, tokens, transfer
 
 from bench.engine import tiny_archs
 from bench.engine.quality import logits_all, reference_greedy
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
-from shared.engine.loader import inspect, load
-from shared.engine.model import DecoderModel
-from shared.engine.rope import Rope
-from shared.engine.sequence import SamplingParams
+from pdserve.shared.engine.config import EngineConfig
+from pdserve.shared.engine.engine import Engine
+from pdserve.shared.engine.loader import inspect, load
+from pdserve.shared.engine.model import DecoderModel
+from pdserve.shared.engine.rope import Rope
+from pdserve.shared.engine.sequence import SamplingParams
 
 NEW = 12
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
@@ -177,7 +177,7 @@ def test_a_q8_0_files_decode_passes_in_one_call_equal_the_layer_by_layer_path(na
     the bit for Llama's layer (the same C steps), to float rounding where the per-layer path
     norms in torch (q/k and output norms: ~1e-7; a window or norm gone wrong moves them
     ~1e-1)."""
-    from shared.engine.kernels import fused
+    from pdserve.shared.engine.kernels import fused
 
     native = load(str(q8_0_files[name]), weights="native")
     assert (native.model.packed_layers is not None) == (name not in ("qwen2", "phi3"))
@@ -217,7 +217,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 def test_structured_output_follows_the_schema_after_a_transfer(name, root, prompts):
     import json
 
-    from shared.engine.grammar import Grammar, Grammars
+    from pdserve.shared.engine.grammar import Grammar, Grammars
 
     _, ours, _ = _model(name, root)
     params = SamplingParams(max_tokens=60, temperature=1.0, seed=3, grammar=Grammar("json_schema", json.dumps(PERSON)))

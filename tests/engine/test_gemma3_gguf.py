@@ -9,11 +9,11 @@ import torch
 from helpers import generate, run_all, tokens, transfer
 
 from bench.engine.quality import reference_greedy
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
-from shared.engine.loader import gemma3_path
-from shared.engine.sequence import SamplingParams
-from shared.tools.held_prompts import DOCUMENT
+from pdserve.shared.engine.config import EngineConfig
+from pdserve.shared.engine.engine import Engine
+from pdserve.shared.engine.loader import gemma3_path
+from pdserve.shared.engine.sequence import SamplingParams
+from pdserve.shared.tools.held_prompts import DOCUMENT
 
 pytestmark = pytest.mark.slow
 NEW = 16
@@ -72,7 +72,7 @@ def test_its_own_blocks_give_its_dequantized_tokens(gemma, prompts):
     dequantization's greedy tokens, it ranks nearly all of them first (the rest is the kernel's
     8-bit rounding of activations, as llama.cpp's)."""
     from bench.engine.quality import agreement
-    from shared.engine.loader import load
+    from pdserve.shared.engine.loader import load
 
     native = load("gemma3-270m", weights="auto")
     assert native.weights == "native" and native.model.packed_formats() == {"Q4_K", "Q5_0", "Q6_K", "Q8_0"}

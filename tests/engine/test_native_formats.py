@@ -13,9 +13,9 @@ import pytest
 import torch
 from helpers import pass_logits, random_blocks
 
-from shared.engine.config import ModelConfig
-from shared.engine.loader import LoadedModel, _build
-from shared.engine.weights import pack
+from pdserve.shared.engine.config import ModelConfig
+from pdserve.shared.engine.loader import LoadedModel, _build
+from pdserve.shared.engine.weights import pack
 
 CFG = replace(ModelConfig.tiny(vocab_size=300), hidden_size=256, intermediate_size=512, num_layers=2,
               num_heads=4, num_kv_heads=2, head_dim=64)

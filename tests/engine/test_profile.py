@@ -9,7 +9,7 @@ import pytest
 
 from bench.interference.run import slo_for
 from bench.planning.profile import references
-from planner.workloads import Request
+from pdserve.planner.workloads import Request
 
 pytestmark = pytest.mark.slow
 

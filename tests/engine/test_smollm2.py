@@ -7,11 +7,11 @@ import torch
 from helpers import generate, pass_logits, run_all, tokens, transfer
 
 from bench.engine.quality import reference_greedy
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
-from shared.engine.loader import load, smollm2_path
-from shared.engine.sequence import SamplingParams
-from shared.tools.held_prompts import CONVERSATIONS
+from pdserve.shared.engine.config import EngineConfig
+from pdserve.shared.engine.engine import Engine
+from pdserve.shared.engine.loader import load, smollm2_path
+from pdserve.shared.engine.sequence import SamplingParams
+from pdserve.shared.tools.held_prompts import CONVERSATIONS
 
 pytestmark = pytest.mark.slow
 
@@ -183,7 +183,7 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 def test_native_decode_passes_in_one_call_equal_the_layer_by_layer_path_to_the_bit(native, prompts, monkeypatch):
     """kernels/fused.c runs a decode pass's layers as the model's per-layer path does, step
     for step: the same logits, bit for bit, for sequences of different lengths in one batch."""
-    from shared.engine.kernels import fused
+    from pdserve.shared.engine.kernels import fused
 
     calls, decode_layers = [], fused.decode_layers
     monkeypatch.setattr(fused, "decode_layers", lambda *a, **k: calls.append(1) or decode_layers(*a, **k))

@@ -1,7 +1,7 @@
 """Real servers for the tests that talk to them: redis-server and nats-server (JetStream),
 from the pip-installed binaries, on free ports, one per test module. A module whose store must
 work on a Redis Cluster too overrides `redis_url` with `redis_or_cluster_url`: its tests run on
-one redis-server, then on a cluster of three primaries (deploy/local/redis_cluster.py)."""
+one redis-server, then on a cluster of three primaries (pdserve/local/redis_cluster.py)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from deploy.local import ha, redis_cluster
-from deploy.local.identities import Identities
-from deploy.local.servers import binary, ended, free_port, running, valkey_server, wait_for_port
-from shared import grants, streams
-from shared.bus import Bus
+from pdserve.local import ha, redis_cluster
+from pdserve.local.identities import Identities
+from pdserve.local.servers import binary, ended, free_port, running, valkey_server, wait_for_port
+from pdserve.shared import grants, streams
+from pdserve.shared.bus import Bus
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def nats_url():
 
 
 async def _streams(url: str) -> None:
-    """The streams, made as the operator's keeper makes them (shared/streams.py)."""
+    """The streams, made as the operator's keeper makes them (pdserve/shared/streams.py)."""
     bus = await Bus.connect(url, "operator")
     await streams.ensure(bus.js)
     await bus.close()
@@ -77,7 +77,7 @@ async def _streams(url: str) -> None:
 @pytest.fixture
 def ha_servers():
     """A fresh 3-node NATS cluster and a Redis primary + replica under 3 Sentinels
-    (deploy/local/ha.py): (ports, password, processes by name)."""
+    (pdserve/local/ha.py): (ports, password, processes by name)."""
     ports, secret = ha.Ports(), "ha-test-password"
     procs: dict[str, subprocess.Popen] = {}
 

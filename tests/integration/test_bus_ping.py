@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from shared.bus import Bus
-from shared.messages import KVSync
+from pdserve.shared.bus import Bus
+from pdserve.shared.messages import KVSync
 
 
 def test_a_ping_is_answered_by_the_bus_and_never_reaches_the_handler(nats_url):

@@ -1,4 +1,4 @@
-"""Per-key concurrency across gateways (services/gateway/concurrency.py) on a real Redis: each
+"""Per-key concurrency across gateways (pdserve/services/gateway/concurrency.py) on a real Redis: each
 caller's choices in flight are counted by every gateway; a request that ends frees its places;
 a dead gateway's places lapse within one lease while a live gateway's are renewed; with Redis
 away, a 503 (fail closed) or unchecked (fail open)."""
@@ -9,10 +9,10 @@ import asyncio
 
 import pytest
 
-from deploy.local.servers import free_port
-from services.gateway.concurrency import Concurrency
-from services.gateway.errors import APIError
-from shared.state import State
+from pdserve.local.servers import free_port
+from pdserve.services.gateway.concurrency import Concurrency
+from pdserve.services.gateway.errors import APIError
+from pdserve.shared.state import State
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,10 @@ from collections import Counter
 import nats
 import pytest
 
-from shared import subjects
-from shared.bus import Bus
-from shared.holders import Holders
-from shared.messages import Cancel, KVAck, KVResend
+from pdserve.shared import subjects
+from pdserve.shared.bus import Bus
+from pdserve.shared.holders import Holders
+from pdserve.shared.messages import Cancel, KVAck, KVResend
 
 DECODE, PREFILL = "decode-1", "prefill-2"   # the workers holding the request
 

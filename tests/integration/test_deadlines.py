@@ -1,4 +1,4 @@
-"""Deadlines are on the store's clock (shared/state/requests.py): a fleet's hosts' clocks differ, and the
+"""Deadlines are on the store's clock (pdserve/shared/state/requests.py): a fleet's hosts' clocks differ, and the
 routers' supervisor compares every request's deadline with one "now". A writer whose clock is
 an hour behind or ahead sets the same deadline as one on time."""
 
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from shared.state import DEADLINES, State
-from shared.state import requests as state_module
+from pdserve.shared.state import DEADLINES, State
+from pdserve.shared.state import requests as state_module
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,9 @@
-"""Each service instance's NATS user (shared/grants.py) on a real nats-server: what the request
+"""Each service instance's NATS user (pdserve/shared/grants.py) on a real nats-server: what the request
 path needs works (a route request answered across roles, a prefill job queued by a decode worker
 and pulled and acked by a prefill worker through its own consumer), and each named operation
 outside an instance's grant — another instance's admits, jobs or acks, the streams' administration
 — is refused by the server and delivers nothing. The stack tests run every service under its
-grant (deploy/local/stack.py fails a run in which NATS refused a service anything)."""
+grant (pdserve/local/stack.py fails a run in which NATS refused a service anything)."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ import subprocess
 import nats
 import pytest
 
-from deploy.local.servers import binary, free_port, running, wait_for_port
-from services.router.prefix_follower import PrefixFollower
-from shared import grants, streams, subjects
-from shared.bus import Bus
-from shared.engine.block_manager import CacheChange
-from shared.messages import PrefillJob, RouteReply, RouteRequest, Sampling, WorkerInfo
-from shared.prefix_events import PrefixEventPublisher
-from shared.urls import nats_inbox
+from pdserve.local.servers import binary, free_port, running, wait_for_port
+from pdserve.services.router.prefix_follower import PrefixFollower
+from pdserve.shared import grants, streams, subjects
+from pdserve.shared.bus import Bus
+from pdserve.shared.engine.block_manager import CacheChange
+from pdserve.shared.messages import PrefillJob, RouteReply, RouteRequest, Sampling, WorkerInfo
+from pdserve.shared.prefix_events import PrefixEventPublisher
+from pdserve.shared.urls import nats_inbox
 
 INSTANCES = {"gateway": "gateway", "router": "router", "prefill-0": "prefill", "prefill-1": "prefill",
              "decode-0": "decode", "decode-1": "decode", grants.OPERATOR: grants.OPERATOR}
@@ -42,7 +42,7 @@ def server(tmp_path_factory):
 
 
 async def _streams(port: int) -> None:
-    """The streams, made by the operator (shared/streams.py)."""
+    """The streams, made by the operator (pdserve/shared/streams.py)."""
     bus = await Bus.connect(url(port, grants.OPERATOR), "operator")
     await streams.ensure(bus.js)
     await bus.close()

@@ -1,5 +1,5 @@
-"""The bus and the store of a fleet (deploy/local/ha.py) under the loss of a node, through the
-services' own clients (shared/bus.py, shared/state/, shared/urls.py): a prefill job queued
+"""The bus and the store of a fleet (pdserve/local/ha.py) under the loss of a node, through the
+services' own clients (pdserve/shared/bus.py, pdserve/shared/state/, pdserve/shared/urls.py): a prefill job queued
 on the 3-replica stream outlives the NATS node it was sent to, the client carries on on
 another node, and the store follows Sentinel's promotion of the replica with what was
 written before it."""
@@ -9,11 +9,11 @@ from __future__ import annotations
 import asyncio
 import time
 
-from deploy.local import ha
-from shared import grants, streams, subjects
-from shared.bus import Bus
-from shared.messages import WorkerInfo
-from shared.state import State
+from pdserve.local import ha
+from pdserve.shared import grants, streams, subjects
+from pdserve.shared.bus import Bus
+from pdserve.shared.messages import WorkerInfo
+from pdserve.shared.state import State
 
 
 def node_of(bus: Bus, ports: ha.Ports) -> int:

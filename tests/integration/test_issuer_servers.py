@@ -1,4 +1,4 @@
-"""The identity issuer (services/issuer) as compose and Kubernetes run it: nats-server with the
+"""The identity issuer (pdserve/services/issuer) as compose and Kubernetes run it: nats-server with the
 authorization block of deploy/nats/authorization.conf (its variables from the environment),
 Valkey with only its operator, and the issuer as a process of its own. An instance enrolled with
 its role's token gets a user named after its key holding its own grant, and a Redis user that
@@ -19,13 +19,13 @@ import nats.errors
 import pytest
 import redis
 
-from deploy.local.servers import binary, free_port, running, valkey_server, wait_for_port
-from services.issuer import keys
-from shared import grants, identity, natsjwt, subjects
-from shared.bus import Bus
-from shared.identity import Enrollment
-from shared.messages import WorkerInfo
-from shared.state import State
+from pdserve.local.servers import binary, free_port, running, valkey_server, wait_for_port
+from pdserve.services.issuer import keys
+from pdserve.shared import grants, identity, natsjwt, subjects
+from pdserve.shared.bus import Bus
+from pdserve.shared.identity import Enrollment
+from pdserve.shared.messages import WorkerInfo
+from pdserve.shared.state import State
 
 ENTRY = "pd:{registry}:worker:"
 
@@ -51,7 +51,7 @@ def deployment(tmp_path_factory):
                                             stdout=subprocess.DEVNULL))
         wait_for_port(nats_port, proc=bus_server)
         wait_for_port(redis_port, proc=store)
-        procs.enter_context(running([sys.executable, "-m", "services.issuer.main"], env={
+        procs.enter_context(running([sys.executable, "-m", "pdserve.services.issuer.main"], env={
             **env, "PD_NATS_URL": nats_url, "PD_REDIS_URL": operator_redis, "PD_ISSUER_KEEP_S": "0.2"}))
         asyncio.run(_until_enrolls(nats_url, secrets["PD_ENROLL_DECODE"]))
         yield secrets, nats_url, redis_url, operator_redis, d

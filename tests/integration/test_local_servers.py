@@ -1,5 +1,5 @@
 """Starting local servers survives a port another process takes in between: the Redis Cluster's
-start draws new ports when a node exits before it listens (deploy/local/redis_cluster.py)."""
+start draws new ports when a node exits before it listens (pdserve/local/redis_cluster.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from deploy.local import redis_cluster
-from deploy.local.servers import valkey_server, wait_for_port
+from pdserve.local import redis_cluster
+from pdserve.local.servers import valkey_server, wait_for_port
 
 
 def test_a_node_whose_port_is_taken_costs_a_try_not_the_cluster(monkeypatch):

@@ -1,4 +1,4 @@
-"""Request events on their way to Redis (shared/notes.py): a burst is written a batch a round
+"""Request events on their way to Redis (pdserve/shared/notes.py): a burst is written a batch a round
 trip, and an event another process acts on (a gateway's ownership of its request) is never
 dropped — not when the queue is long, not while Redis is away — where a history-only one may be."""
 
@@ -8,9 +8,9 @@ import asyncio
 import subprocess
 import tempfile
 
-from deploy.local.servers import ended, free_port, valkey_server, wait_for_port
-from shared.notes import WRITE_BATCH
-from shared.state import State, owned_key, request_key
+from pdserve.local.servers import ended, free_port, valkey_server, wait_for_port
+from pdserve.shared.notes import WRITE_BATCH
+from pdserve.shared.state import State, owned_key, request_key
 
 
 async def written(store: State, ids: list[str]) -> int:

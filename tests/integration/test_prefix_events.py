@@ -1,6 +1,6 @@
 """The prefix index in the routers' memory (PD_PREFIX_INDEX=events) against a real nats-server
-(JetStream) and redis-server: workers' publishers (shared/prefix_events.py) feeding two routers'
-followers (services/router/prefix_follower.py) that answer alike; a lost event, lost last
+(JetStream) and redis-server: workers' publishers (pdserve/shared/prefix_events.py) feeding two routers'
+followers (pdserve/services/router/prefix_follower.py) that answer alike; a lost event, lost last
 events, a worker's restart and a router's restart each end in a snapshot and an index equal to
 the worker's cache; and the memory index answers as the Redis index's script does."""
 
@@ -13,18 +13,18 @@ from collections.abc import Sequence
 import nats.errors
 from opentelemetry import trace
 
-from services.router.indexes import EventsIndex
-from services.router.main import Router
-from services.router.prefix_follower import PrefixFollower
-from services.router.prefix_memory import MemoryIndex
-from shared.bus import Bus
-from shared.config import RouterSettings
-from shared.engine.block_manager import CacheChange
-from shared.hashing import block_hashes
-from shared.messages import RouteRequest, Sampling, WorkerInfo
-from shared.prefix_events import PrefixEventPublisher
-from shared.prefix_index import PrefixPublisher, lookup
-from shared.state import State
+from pdserve.services.router.indexes import EventsIndex
+from pdserve.services.router.main import Router
+from pdserve.services.router.prefix_follower import PrefixFollower
+from pdserve.services.router.prefix_memory import MemoryIndex
+from pdserve.shared.bus import Bus
+from pdserve.shared.config import RouterSettings
+from pdserve.shared.engine.block_manager import CacheChange
+from pdserve.shared.hashing import block_hashes
+from pdserve.shared.messages import RouteRequest, Sampling, WorkerInfo
+from pdserve.shared.prefix_events import PrefixEventPublisher
+from pdserve.shared.prefix_index import PrefixPublisher, lookup
+from pdserve.shared.state import State
 
 
 class Cache:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
-from shared import prefix_index
-from shared.engine.block_manager import CacheChange
-from shared.messages import WorkerInfo
-from shared.prefix_index import PrefixPublisher, cached_blocks, lookup, sweep
-from shared.state import State
+from pdserve.shared import prefix_index
+from pdserve.shared.engine.block_manager import CacheChange
+from pdserve.shared.messages import WorkerInfo
+from pdserve.shared.prefix_index import PrefixPublisher, cached_blocks, lookup, sweep
+from pdserve.shared.state import State
 
 
 def _info(wid: str, pub: PrefixPublisher | None) -> WorkerInfo:

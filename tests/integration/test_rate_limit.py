@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from services.gateway.errors import APIError
-from services.gateway.ratelimit import RateLimit
-from shared.state import State
+from pdserve.services.gateway.errors import APIError
+from pdserve.services.gateway.ratelimit import RateLimit
+from pdserve.shared.state import State
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,9 @@
-"""Each service instance's Redis ACL user (shared/grants.py) on a real server (Valkey 9): its
+"""Each service instance's Redis ACL user (pdserve/shared/grants.py) on a real server (Valkey 9): its
 role's part of the store works through the code that uses it (the registry, request state,
 the gateway's limits), and each named operation outside its grant is refused (NOPERM): admin
 commands, keys of another part, a key touched from inside a script, and another instance's
 registry entry (written, renewed, deleted, or heartbeated through the registry's own script).
-The stack tests run every service as its own Redis user (deploy/local/stack.py)."""
+The stack tests run every service as its own Redis user (pdserve/local/stack.py)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import subprocess
 import pytest
 import redis
 
-from deploy.local.servers import free_port, running, valkey_server, wait_for_port
-from services.gateway.concurrency import Concurrency
-from shared import grants
-from shared.messages import WorkerInfo
-from shared.state import State
+from pdserve.local.servers import free_port, running, valkey_server, wait_for_port
+from pdserve.services.gateway.concurrency import Concurrency
+from pdserve.shared import grants
+from pdserve.shared.messages import WorkerInfo
+from pdserve.shared.state import State
 
 USERS = {role: grants.User(f"{role}-0", role, f"pw-{role}", instance=f"{role}-0") for role in grants.ROLES}
 OPERATOR = "operator-pw"

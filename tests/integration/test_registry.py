@@ -1,4 +1,4 @@
-"""The routers' registry copy (services/router/registry.py) over a real redis-server: reads
+"""The routers' registry copy (pdserve/services/router/registry.py) over a real redis-server: reads
 carry only what changed, departures and lapsed leases leave it, a Redis that restarted empty
 is read whole again, and two replicas see the same workers."""
 
@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
-from services.router.registry import RegistryCopy
-from shared.messages import WorkerInfo
-from shared.state import State
+from pdserve.services.router.registry import RegistryCopy
+from pdserve.shared.messages import WorkerInfo
+from pdserve.shared.state import State
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +76,8 @@ def test_a_bad_entry_costs_its_worker_its_place_never_the_read_of_the_others(red
     """An entry another version wrote (`v: 2`), one that is not JSON, one that names another
     worker than its key's, and capacity past the router's bounds: the others are read as
     written, the three are skipped and counted, the claim is taken as the bound."""
-    from services.router.registry import Bounds
-    from shared import metrics
+    from pdserve.services.router.registry import Bounds
+    from pdserve.shared import metrics
 
     async def scenario():
         state = State.connect(redis_url)

@@ -16,16 +16,16 @@ import pytest
 from opentelemetry import trace
 from redis.asyncio.connection import Connection
 
-from deploy.local.servers import binary, free_port, running, wait_for_port
-from services.router.main import Router
-from shared import streams, subjects
-from shared.bus import Bus
-from shared.config import RouterSettings
-from shared.engine.block_manager import CacheChange
-from shared.hashing import block_hashes
-from shared.messages import AdmitReply, AdmitRequest, RouteRequest, Sampling, WorkerInfo
-from shared.prefix_index import PrefixPublisher
-from shared.state import State
+from pdserve.local.servers import binary, free_port, running, wait_for_port
+from pdserve.services.router.main import Router
+from pdserve.shared import streams, subjects
+from pdserve.shared.bus import Bus
+from pdserve.shared.config import RouterSettings
+from pdserve.shared.engine.block_manager import CacheChange
+from pdserve.shared.hashing import block_hashes
+from pdserve.shared.messages import AdmitReply, AdmitRequest, RouteRequest, Sampling, WorkerInfo
+from pdserve.shared.prefix_index import PrefixPublisher
+from pdserve.shared.state import State
 
 PROMPT = list(range(1000, 1000 + 64 * 16))  # 64 blocks of 16 tokens
 COMMAND = re.compile(rb"\*\d+\r\n\$\d+\r\n([A-Za-z]+)\r\n")

@@ -1,7 +1,7 @@
 """Two router replicas against real NATS (JetStream) and Redis: a request is placed once,
 however many times and wherever it is asked; a replica that dies mid-decision is taken over
 on the decode worker it had chosen. Decode workers are stand-ins that answer admits and
-queue the prefill job, as services/decode does."""
+queue the prefill job, as pdserve/services/decode does."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import time
 import pytest
 from opentelemetry import trace
 
-from services.router.main import Router
-from shared import streams, subjects
-from shared.bus import Bus
-from shared.config import RouterSettings
-from shared.messages import AdmitReply, AdmitRequest, PrefillJob, RouteReply, RouteRequest, Sampling, WorkerInfo
-from shared.state import State, claim_key, route_key
+from pdserve.services.router.main import Router
+from pdserve.shared import streams, subjects
+from pdserve.shared.bus import Bus
+from pdserve.shared.config import RouterSettings
+from pdserve.shared.messages import AdmitReply, AdmitRequest, PrefillJob, RouteReply, RouteRequest, Sampling, WorkerInfo
+from pdserve.shared.state import State, claim_key, route_key
 
 
 @pytest.fixture(scope="module")

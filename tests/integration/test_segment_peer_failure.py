@@ -1,5 +1,5 @@
 """A prefill worker killed while a decode worker copies KV out of its segment costs that copy
-nothing but the handoff (shared/kv/segment.py, two real processes): a mapping outlives its
+nothing but the handoff (pdserve/shared/kv/segment.py, two real processes): a mapping outlives its
 owner, so a copy under way or made after the kill reads the bytes that were written, and a
 segment never mapped before its owner died is refused with an error, not a crash."""
 
@@ -19,7 +19,7 @@ OWNER = f"prefill-{os.getpid()}"
 
 
 def _owner(ref_q, hold_q, name):
-    from shared.kv.segment import Segment
+    from pdserve.shared.kv.segment import Segment
 
     seg = Segment(2 * SIZE, name)
     refs = []
@@ -40,7 +40,7 @@ def _killed_owner() -> tuple[mp.Process, list]:
 
 
 def test_copies_during_and_after_the_owners_death_read_what_it_wrote():
-    from shared.kv.segment import Segments
+    from pdserve.shared.kv.segment import Segments
 
     reader = Segments()
     owner, (first, second) = _killed_owner()
@@ -73,7 +73,7 @@ def test_copies_during_and_after_the_owners_death_read_what_it_wrote():
 
 
 def test_a_segment_whose_owner_died_before_it_was_mapped_is_refused():
-    from shared.kv.segment import Segments
+    from pdserve.shared.kv.segment import Segments
 
     owner, (first, _) = _killed_owner()
     os.kill(owner.pid, signal.SIGKILL)
@@ -83,7 +83,7 @@ def test_a_segment_whose_owner_died_before_it_was_mapped_is_refused():
 
 
 def _stranger(ref, name, out_q):
-    from shared.kv.segment import Segments
+    from pdserve.shared.kv.segment import Segments
 
     os.setuid(65534)   # (nobody)
     try:
@@ -95,7 +95,7 @@ def _stranger(ref, name, out_q):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to start a process as another user")
 def test_a_process_of_another_user_is_handed_no_segment():
-    from shared.kv.segment import Segment
+    from pdserve.shared.kv.segment import Segment
 
     name = f"prefill-own-{os.getpid()}"
     seg = Segment(1 << 20, name)

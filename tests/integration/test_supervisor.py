@@ -9,10 +9,10 @@ import asyncio
 
 import pytest
 
-from services.router.supervisor import Supervisor
-from shared.bus import Bus
-from shared.messages import Cancel, Stalled, WorkerInfo
-from shared.state import DEADLINES, GATEWAYS, State, owned_key
+from pdserve.services.router.supervisor import Supervisor
+from pdserve.shared.bus import Bus
+from pdserve.shared.messages import Cancel, Stalled, WorkerInfo
+from pdserve.shared.state import DEADLINES, GATEWAYS, State, owned_key
 
 
 @pytest.fixture(scope="module")

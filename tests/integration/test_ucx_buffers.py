@@ -42,7 +42,7 @@ def _buffers_outlive_their_callers(out):
 
     import numpy as np
 
-    from shared.kv import create_transport
+    from pdserve.shared.kv import create_transport
 
     async def run():
         t = create_transport("ucx")
@@ -84,7 +84,7 @@ def _receive_and_leave(out):
 
     import numpy as np
 
-    from shared.kv.ucx import UcxTransport
+    from pdserve.shared.kv.ucx import UcxTransport
 
     async def run():
         t = UcxTransport(orphan_grace_s=1.0)  # far longer than a local send takes, even on a busy machine
@@ -135,7 +135,7 @@ def _wait_idle(out):
 
     import numpy as np
 
-    from shared.kv import create_transport
+    from pdserve.shared.kv import create_transport
 
     async def run():
         t = create_transport("ucx")

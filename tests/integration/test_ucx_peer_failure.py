@@ -30,7 +30,7 @@ SIZE, WINDOW, KILLS = 2_000_000, 16, 8
 
 
 def _receiver(addr_q, note_q, dead_q, stats_q):
-    from shared.kv import create_transport
+    from pdserve.shared.kv import create_transport
 
     async def run():
         transport = create_transport("ucx")
@@ -65,7 +65,7 @@ def _receiver(addr_q, note_q, dead_q, stats_q):
 
 
 def _sender(address, note_q, name, first_tag):
-    from shared.kv import create_transport
+    from pdserve.shared.kv import create_transport
 
     async def run():
         transport = create_transport("ucx")
@@ -119,7 +119,7 @@ import asyncio, multiprocessing as mp
 import numpy as np
 
 def receive(q, done):
-    from shared.kv import create_transport
+    from pdserve.shared.kv import create_transport
     async def run():
         t = create_transport("ucx")
         q.put(t.address)
@@ -129,7 +129,7 @@ def receive(q, done):
     asyncio.run(run())
 
 async def send(address):
-    from shared.kv import create_transport
+    from pdserve.shared.kv import create_transport
     await create_transport("ucx").send(address, 1, np.full(4 << 20, 7, dtype=np.uint8))
 
 if __name__ == "__main__":

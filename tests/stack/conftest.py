@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from deploy.local.stack import Stack, StackConfig
-from shared.tools.otlp_sink import OtlpReceiver
+from pdserve.local.stack import Stack, StackConfig
+from pdserve.shared.tools.otlp_sink import OtlpReceiver
 
 MODEL = "SmolLM2-135M-Instruct"
-# the fake model (shared/engine/fake.py), for the tests of routing, failover, cancellation and the
+# the fake model (pdserve/shared/engine/fake.py), for the tests of routing, failover, cancellation and the
 # bus: the real engine around it, tokens no model's; served under MODEL's name (fake_env)
 FAKE = "fake:smollm2"
 

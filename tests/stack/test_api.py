@@ -14,10 +14,10 @@ import pytest
 from conftest import MODEL
 from helpers import generate, run_all
 
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
-from shared.engine.sequence import SamplingParams
-from shared.state import worker_key
+from pdserve.shared.engine.config import EngineConfig
+from pdserve.shared.engine.engine import Engine
+from pdserve.shared.engine.sequence import SamplingParams
+from pdserve.shared.state import worker_key
 
 pytestmark = pytest.mark.slow
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]

@@ -1,4 +1,4 @@
-"""`make chaos`'s faults of the bus and the store in CI, on the HA stack (deploy/local/ha.py:
+"""`make chaos`'s faults of the bus and the store in CI, on the HA stack (pdserve/local/ha.py:
 3 NATS nodes with the prefill job stream on all of them, a Redis primary and replica under 3
 Sentinels): 100 concurrent greedy requests through kill -9 of the NATS node the gateway is on
 and of the Redis primary. Every request completes equal to its run without faults, no KV block

@@ -13,10 +13,10 @@ import pytest
 from conftest import FAKE, MODEL, fake_env
 from helpers import generate
 
-from deploy.local.stack import Stack, StackConfig
-from shared.engine.sequence import SamplingParams
-from shared.state import worker_key
-from shared.urls import sync_redis
+from pdserve.local.stack import Stack, StackConfig
+from pdserve.shared.engine.sequence import SamplingParams
+from pdserve.shared.state import worker_key
+from pdserve.shared.urls import sync_redis
 
 pytestmark = pytest.mark.slow
 QUESTIONS = ["Name three rivers of Europe.", "What is rain?", "Write a haiku about snow.", "Count to ten.",

@@ -18,11 +18,11 @@ import pytest
 import redis
 from conftest import FAKE, MODEL, fake_env
 
-from deploy.local.stack import Stack, StackConfig
-from shared import identity, subjects
-from shared.bus import Bus
-from shared.identity import Enrollment
-from shared.state import State
+from pdserve.local.stack import Stack, StackConfig
+from pdserve.shared import identity, subjects
+from pdserve.shared.bus import Bus
+from pdserve.shared.identity import Enrollment
+from pdserve.shared.state import State
 
 pytestmark = pytest.mark.slow
 

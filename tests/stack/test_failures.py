@@ -15,10 +15,10 @@ import pytest
 from conftest import FAKE, MODEL, fake_env
 from helpers import generate
 
-from deploy.local.stack import Stack, StackConfig
-from shared.engine.sequence import SamplingParams
-from shared.state import log_key, request_key, route_key, worker_key
-from shared.urls import sync_redis
+from pdserve.local.stack import Stack, StackConfig
+from pdserve.shared.engine.sequence import SamplingParams
+from pdserve.shared.state import log_key, request_key, route_key, worker_key
+from pdserve.shared.urls import sync_redis
 
 pytestmark = pytest.mark.slow
 DOCUMENT = " ".join(f"Entry {i}: the {c} gate was opened {i * 7} times in season {i % 4}." for i, c in
@@ -166,7 +166,7 @@ def test_a_prefill_job_the_queue_refuses_is_prefilled_on_the_decode_worker_at_on
     import nats
     from nats.js.api import DiscardPolicy
 
-    from shared import subjects
+    from pdserve.shared import subjects
 
     async def fill_queue(url: str) -> None:
         nc = await nats.connect(url)

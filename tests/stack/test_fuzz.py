@@ -11,7 +11,7 @@ import pytest
 from conftest import FAKE, fake_env
 
 from bench.fuzz import CAPS, answered_after, run_both
-from deploy.local.stack import Stack, StackConfig
+from pdserve.local.stack import Stack, StackConfig
 
 pytestmark = pytest.mark.slow
 EXAMPLES = 10  # per operation: the fuzzing phase's share (the coverage phase's requests come regardless)

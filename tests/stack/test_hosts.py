@@ -22,10 +22,10 @@ from helpers import generate
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench import netns
-from deploy.local.stack import Stack, StackConfig
-from shared.engine.sequence import SamplingParams
-from shared.state import log_key, request_key, worker_key
-from shared.urls import sync_redis
+from pdserve.local.stack import Stack, StackConfig
+from pdserve.shared.engine.sequence import SamplingParams
+from pdserve.shared.state import log_key, request_key, worker_key
+from pdserve.shared.urls import sync_redis
 
 pytestmark = pytest.mark.slow
 HOSTS = ["hub", "prefill", "decode-a", "decode-b"]

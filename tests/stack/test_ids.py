@@ -14,8 +14,8 @@ import httpx
 import pytest
 from conftest import MODEL
 
-from shared.state import log_key
-from shared.urls import sync_redis
+from pdserve.shared.state import log_key
+from pdserve.shared.urls import sync_redis
 
 pytestmark = pytest.mark.slow
 HELLO = [{"role": "user", "content": "Name a fruit."}]  # (not another test's prompt: theirs stay uncached)

@@ -3,9 +3,9 @@ compromised pod holds: its NATS user, its Redis user) on the live stack, 2 prefi
 decode workers. Each attack is refused, or does nothing to anyone else's request:
 
     forge a client's output         any worker publishes chunks on pd.tokens.<id>: unsigned,
-                                    they never reach the client (shared/macs.py)
+                                    they never reach the client (pdserve/shared/macs.py)
     make the job stream store       STREAM.UPDATE with pd.tokens.> added: refused, the stream is
-    every output                    the operator's (shared/streams.py)
+    every output                    the operator's (pdserve/shared/streams.py)
     read prompts not placed for     a decode worker subscribes to another's admits: refused
     steal another's jobs            a prefill worker pulls from another's consumer: refused
     fail another's handoff          a forged KVEnd / KVAck: dropped and counted
@@ -40,11 +40,11 @@ import pytest
 from conftest import FAKE, MODEL, fake_env
 from nats.js.api import StreamConfig
 
-from deploy.local.stack import Stack, StackConfig
-from shared import subjects
-from shared.messages import Cancel, KVAck, KVEnd, RouteRequest, TokenChunk, WorkerInfo
-from shared.state import State
-from shared.urls import nats_inbox
+from pdserve.local.stack import Stack, StackConfig
+from pdserve.shared import subjects
+from pdserve.shared.messages import Cancel, KVAck, KVEnd, RouteRequest, TokenChunk, WorkerInfo
+from pdserve.shared.state import State
+from pdserve.shared.urls import nats_inbox
 
 pytestmark = pytest.mark.slow
 PROMPT = "Explain in one sentence why the sky is blue. " * 12   # a prefill long enough to attack its handoff

@@ -16,9 +16,9 @@ from conftest import MODEL
 from helpers import generate
 
 from bench.engine import tiny_archs
-from deploy.local.servers import free_port
-from shared.engine.loader import load
-from shared.engine.sequence import SamplingParams
+from pdserve.local.servers import free_port
+from pdserve.shared.engine.loader import load
+from pdserve.shared.engine.sequence import SamplingParams
 
 pytestmark = pytest.mark.slow
 # this checkout's code (run from another directory, it would otherwise be the installed one's), children too;
@@ -36,15 +36,15 @@ def test_launcher_starts_everything_and_ctrl_c_stops_everything(tmp_path):
     ids = native.tokenizer.encode(native.tokenizer.apply_chat_template(PARIS))
     want = native.tokenizer.decode(generate(native, {"q": ids}, SamplingParams(max_tokens=16, temperature=0))["q"])
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.local.stack", "--port", str(port), "--nats-port",
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.local.stack", "--port", str(port), "--nats-port",
                              str(free_port()), "--redis-port", str(free_port())], cwd=tmp_path, env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         until_ready(proc)
         children = psutil.Process(proc.pid).children(recursive=True)
         names = " ".join(" ".join(c.cmdline()) for c in children)
-        for part in ("nats-server", "valkey-server", "services.router", "services.gateway",
-                     "services.prefill", "services.decode"):
+        for part in ("nats-server", "valkey-server", "pdserve.services.router", "pdserve.services.gateway",
+                     "pdserve.services.prefill", "pdserve.services.decode"):
             assert part in names, part
         r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60, json={
             "model": MODEL, "messages": PARIS, "max_tokens": 16, "temperature": 0})
@@ -60,8 +60,8 @@ def test_launcher_starts_everything_and_ctrl_c_stops_everything(tmp_path):
 def test_pdserve_serve_a_model_directory(tmp_path):
     """`pdserve serve --model DIR`: a tiny random checkpoint, colocated, answers under the directory's name."""
     model, port = tiny_archs.save("qwen2", tmp_path, tokenizer=True), free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--model", str(model), "--colocated",
-                             "--threads", "1", "--kv-blocks", "128", "--port", str(port), "--nats-port",
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.services.cli", "serve", "--model", str(model),
+                             "--colocated", "--threads", "1", "--kv-blocks", "128", "--port", str(port), "--nats-port",
                              str(free_port()), "--redis-port", str(free_port())], cwd=tmp_path, env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

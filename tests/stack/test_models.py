@@ -11,9 +11,9 @@ from helpers import generate
 
 from bench.engine import tiny_archs
 from bench.engine.quality import reference_greedy
-from deploy.local.stack import Stack, StackConfig
-from shared.engine.loader import load
-from shared.engine.sequence import SamplingParams
+from pdserve.local.stack import Stack, StackConfig
+from pdserve.shared.engine.loader import load
+from pdserve.shared.engine.sequence import SamplingParams
 
 pytestmark = pytest.mark.slow
 QUESTIONS = ["What is the capital of France?", "Write a haiku about rain. " * 6, "What is 17 times 3?"]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from helpers import run_all, tokens
 
-from deploy.local.servers import binary
+from pdserve.local.servers import binary
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,8 +66,8 @@ def _rx_bytes(ns: str, dev: str) -> int:
 def test_kv_crosses_a_veth_pair_over_ucx_tcp(netns_pair, tiny, tmp_path):
     from netns_peer import CONFIG, PARAMS, PROMPT
 
-    from shared.engine.config import EngineConfig
-    from shared.engine.engine import Engine
+    from pdserve.shared.engine.config import EngineConfig
+    from pdserve.shared.engine.engine import Engine
 
     a, b, va, vb = netns_pair
     nats = subprocess.Popen(["ip", "netns", "exec", a, binary("nats-server"), "-a", A_IP, "-p", "4222"],

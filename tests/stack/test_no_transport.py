@@ -12,8 +12,8 @@ from conftest import FAKE, MODEL, fake_env
 from helpers import generate
 from prometheus_client.parser import text_string_to_metric_families
 
-from deploy.local.stack import Stack, StackConfig
-from shared.engine.sequence import SamplingParams
+from pdserve.local.stack import Stack, StackConfig
+from pdserve.shared.engine.sequence import SamplingParams
 
 pytestmark = pytest.mark.slow
 QUESTION = "Describe a lighthouse on a stormy night, and the keeper who tends its lamp."

@@ -12,9 +12,9 @@ import pytest
 from conftest import FAKE, MODEL, fake_env
 from helpers import generate
 
-from deploy.local.stack import Stack, StackConfig
-from shared.engine.sequence import SamplingParams
-from shared.state import worker_key
+from pdserve.local.stack import Stack, StackConfig
+from pdserve.shared.engine.sequence import SamplingParams
+from pdserve.shared.state import worker_key
 
 pytestmark = pytest.mark.slow
 QUESTIONS = [f"What is the capital of {c}?" for c in

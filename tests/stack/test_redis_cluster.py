@@ -2,7 +2,7 @@
 instance its own ACL user on every node): concurrent requests get the tokens the in-process
 engine gives them, every request's record and placement are written, a batch's parts are
 served, and the state is spread over every primary (each script's keys share a hash tag:
-shared/state/keys.py). On the fake model (tests/stack/conftest.py): what is tested is the state
+pdserve/shared/state/keys.py). On the fake model (tests/stack/conftest.py): what is tested is the state
 on the cluster, the answers compared with the in-process fake engine's."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import redis
 from conftest import FAKE, MODEL, fake_env
 from test_pools import QUESTIONS, _ask_all, _expected
 
-from deploy.local.stack import Stack, StackConfig
-from shared.state import request_key, route_key
-from shared.urls import sync_redis
+from pdserve.local.stack import Stack, StackConfig
+from pdserve.shared.state import request_key, route_key
+from pdserve.shared.urls import sync_redis
 
 MAX_TOKENS = 8
 

@@ -14,8 +14,8 @@ import pytest
 import redis
 from conftest import FAKE, MODEL, fake_env
 
-from deploy.local.stack import Stack, StackConfig
-from shared.state import request_key, worker_key
+from pdserve.local.stack import Stack, StackConfig
+from pdserve.shared.state import request_key, worker_key
 
 pytestmark = pytest.mark.slow
 SYSTEM = "You are the archive assistant of the river town of Alder. " + " ".join(
@@ -108,7 +108,7 @@ def test_turns_of_a_conversation_follow_their_kv_across_a_router_restart(otlp, t
         router = stack.procs["router"]
         router.terminate()
         router.wait(30)
-        stack.service("router", "services.router.main")
+        stack.service("router", "pdserve.services.router.main")
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             ready = httpx.get(stack.url + "/ready").json()

@@ -12,8 +12,8 @@ import httpx
 import pytest
 from conftest import FAKE, MODEL, fake_env
 
-from deploy.local.stack import Stack, StackConfig
-from services.gateway.auth import hash_key
+from pdserve.local.stack import Stack, StackConfig
+from pdserve.services.gateway.auth import hash_key
 
 pytestmark = pytest.mark.slow
 KEY = "pd-" + "k3y" * 12

@@ -1,12 +1,12 @@
 """A stack whose start fails part-way leaves no process behind: whatever it had started is
-ended before the error reaches the caller (deploy/local/stack.py, Stack.start)."""
+ended before the error reaches the caller (pdserve/local/stack.py, Stack.start)."""
 
 from __future__ import annotations
 
 import psutil
 import pytest
 
-from deploy.local.stack import Stack, StackConfig
+from pdserve.local.stack import Stack, StackConfig
 
 
 def alive_children() -> set[int]:

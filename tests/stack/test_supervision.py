@@ -19,9 +19,9 @@ import redis
 from conftest import FAKE, MODEL, fake_env
 from helpers import generate
 
-from deploy.local.stack import Stack, StackConfig
-from shared.engine.sequence import SamplingParams
-from shared.state import log_key, request_key, worker_key
+from pdserve.local.stack import Stack, StackConfig
+from pdserve.shared.engine.sequence import SamplingParams
+from pdserve.shared.state import log_key, request_key, worker_key
 
 pytestmark = pytest.mark.slow
 HANG_AFTER = 24   # engine steps of decode-0: it hangs after ~25 tokens
@@ -66,7 +66,8 @@ def test_a_hung_decode_step_is_moved_by_the_supervisor_and_the_stream_stays_exac
                     gaps.append(time.monotonic() - last)
                 last = time.monotonic() if new else last
                 ids += new
-    timeline = subprocess.run([sys.executable, "-m", "shared.tools.timeline", rid, "--redis-url", stack.redis_url],
+    timeline = subprocess.run([sys.executable, "-m", "pdserve.shared.tools.timeline", rid,
+                               "--redis-url", stack.redis_url],
                               capture_output=True, text=True, timeout=30).stdout
     events = [line.split()[2] for line in timeline.splitlines()[1:]]
     hung, survivor = "decode-0", "decode-1"

@@ -15,10 +15,10 @@ import pytest
 import redis
 from conftest import FAKE, MODEL, fake_env
 
-from deploy.local.certificates import Authority
-from deploy.local.stack import Stack, StackConfig
-from shared import grants, subjects
-from shared.tls import TLSSettings, client_context
+from pdserve.local.certificates import Authority
+from pdserve.local.stack import Stack, StackConfig
+from pdserve.shared import grants, subjects
+from pdserve.shared.tls import TLSSettings, client_context
 
 pytestmark = pytest.mark.slow
 

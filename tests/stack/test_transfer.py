@@ -15,9 +15,9 @@ import redis
 from conftest import FAKE, MODEL, fake_env
 from helpers import generate
 
-from deploy.local.stack import Stack, StackConfig
-from shared.engine.sequence import SamplingParams
-from shared.state import worker_key
+from pdserve.local.stack import Stack, StackConfig
+from pdserve.shared.engine.sequence import SamplingParams
+from pdserve.shared.state import worker_key
 
 pytestmark = pytest.mark.slow
 LAYERS, BLOCK_NBYTES = 30, 2 * 16 * 3 * 64 * 4       # SmolLM2, fp32 KV, 16-token blocks
@@ -103,7 +103,7 @@ def test_a_restarted_decode_peer_is_reached_through_a_new_endpoint(plain, otlp, 
     proc = plain.procs["decode-0"]
     proc.terminate()
     proc.wait(30)
-    plain.service("decode-0", "services.decode.main")
+    plain.service("decode-0", "pdserve.services.decode.main")
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         new = [w["ucx_address"] for w in _workers(plain) if w["role"] == "decode"]

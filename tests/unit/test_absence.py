@@ -1,6 +1,6 @@
 """A process counts as gone once missing from the registry for a while, not at one look."""
 
-from shared.absence import Absence
+from pdserve.shared.absence import Absence
 
 
 def test_gone_only_after_missing_for_the_confirmation_time():

@@ -3,7 +3,7 @@ it for a few periods (the other side may reconnect later)."""
 
 import asyncio
 
-from shared.bus import after_reconnects
+from pdserve.shared.bus import after_reconnects
 
 
 def test_after_reconnects_acts_in_the_rounds_after_each_reconnect_only():

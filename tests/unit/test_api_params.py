@@ -8,8 +8,8 @@ import pytest
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from services.gateway.errors import describe
-from services.gateway.schemas import NOT_SUPPORTED, ChatCompletionRequest, CompletionRequest
+from pdserve.services.gateway.errors import describe
+from pdserve.services.gateway.schemas import NOT_SUPPORTED, ChatCompletionRequest, CompletionRequest
 
 MSGS = [{"role": "user", "content": "hi"}]
 # OpenAI's chat/completions request body, each with a value a client would send

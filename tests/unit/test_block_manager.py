@@ -1,7 +1,7 @@
 import pytest
 
-from shared.engine.block_manager import BlockManager, OutOfBlocks
-from shared.hashing import block_hashes
+from pdserve.shared.engine.block_manager import BlockManager, OutOfBlocks
+from pdserve.shared.hashing import block_hashes
 
 
 def make(n=8):

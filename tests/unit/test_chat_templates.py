@@ -11,9 +11,9 @@ import pytest
 from jinja2.exceptions import TemplateError
 
 from bench.engine import tiny_archs
-from services.gateway import tools
-from shared.engine.loader import load
-from shared.engine.tokenizer import template_text
+from pdserve.services.gateway import tools
+from pdserve.shared.engine.loader import load
+from pdserve.shared.engine.tokenizer import template_text
 
 # the shape of Qwen2.5's template: tools listed in the system turn, calls written with tojson
 WITH_TOOLS = """{%- if messages[0].role == 'assistant' %}{{ raise_exception('the first turn is the user') }}{% endif -%}

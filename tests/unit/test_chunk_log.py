@@ -1,8 +1,8 @@
 """A decode worker's published chunks, kept for a gateway that lost some on the bus."""
 
-from services.decode.chunk_log import ChunkLog
-from shared import macs
-from shared.messages import TokenChunk
+from pdserve.services.decode.chunk_log import ChunkLog
+from pdserve.shared import macs
+from pdserve.shared.messages import TokenChunk
 
 SECRET = macs.new_secret()
 

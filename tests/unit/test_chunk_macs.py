@@ -1,13 +1,13 @@
-"""The gateway takes a request's chunks only signed with its placement's secret (shared/macs.py):
+"""The gateway takes a request's chunks only signed with its placement's secret (pdserve/shared/macs.py):
 a chunk made up by a process with publish rights on `pd.tokens.<id>`, or moved from another
 request or placement, never reaches the client."""
 
 import asyncio
 from types import SimpleNamespace
 
-from services.gateway.relay import Relay, RelayTimings
-from shared import macs, metrics
-from shared.messages import RouteReply, RouteRequest, Sampling, TokenChunk
+from pdserve.services.gateway.relay import Relay, RelayTimings
+from pdserve.shared import macs, metrics
+from pdserve.shared.messages import RouteReply, RouteRequest, Sampling, TokenChunk
 
 REQ = RouteRequest(request_id="r", prompt_token_ids=[1, 2, 3], sampling=Sampling(max_tokens=8), model="m")
 PLACED = RouteReply(request_id="r", ok=True, mode="remote", decode_worker="d0", prefill_worker="p0")

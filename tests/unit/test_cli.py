@@ -1,4 +1,4 @@
-"""`pdserve` (services/cli.py): its help, each setting a flag over its PD_* variable, its errors."""
+"""`pdserve` (pdserve/services/cli.py): its help, each setting a flag over its PD_* variable, its errors."""
 
 from __future__ import annotations
 
@@ -13,17 +13,17 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from services import cli
-from shared import service
-from shared.config import RouterSettings
+from pdserve.services import cli
+from pdserve.shared import service
+from pdserve.shared.config import RouterSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMANDS = ["serve", "gateway", "router", "prefill", "decode", "plan", "timeline", "version"]
 
 
 def pdserve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run([sys.executable, "-m", "pdserve.services.cli", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
 
 
 @pytest.fixture
@@ -78,7 +78,7 @@ def test_serve_is_the_stack_make_run_starts(clean_env):
 
 
 def test_the_stack_module_takes_the_same_flags():
-    r = subprocess.run([sys.executable, "-m", "deploy.local.stack", "--help"], cwd=ROOT, capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "pdserve.local.stack", "--help"], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0 and "usage: pdserve serve" in r.stdout and "--nats-port int" in r.stdout, r.stderr
 
@@ -91,7 +91,7 @@ def test_version_prints_pdserves_and_its_engines():
 
 def test_the_console_script_is_this_command():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    assert project["scripts"]["pdserve"] == "services.cli:main"
+    assert project["scripts"]["pdserve"] == "pdserve.services.cli:main"
 
 
 def test_a_bad_flag_exits_non_zero_naming_it():

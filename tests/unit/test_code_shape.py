@@ -1,7 +1,7 @@
 """The product's size conventions (docs/ARCHITECTURE.md, "Code — conventions"), checked: no
-function in services/ or shared/ over 50 lines, no file over 400 and no class over 300.
+function in pdserve/ over 50 lines, no file over 400 and no class over 300.
 (ruff's C901, PLR0913 and PLR0915 hold the rest.) And Redis
-is reached through shared/state/ alone: no module outside it uses the raw client (`state.r`)."""
+is reached through pdserve/shared/state/ alone: no module outside it uses the raw client (`state.r`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PRODUCT = ("services", "shared")
+PRODUCT = ("pdserve",)
 MAX_FUNCTION_LINES = 50
 MAX_FILE_LINES = 400
 MAX_CLASS_LINES = 300
@@ -73,6 +73,6 @@ def test_the_raw_redis_client_stays_inside_shared_state():
     """The subjects' methods, or the core's `script` / `pipelined` / `call` for keys a module
     owns (the prefix index, the gateway's limits): never the client itself."""
     raw = re.compile(r"\bstate\.r\b")
-    found = [name(p) for top in (*PRODUCT, "bench", "planner", "deploy", "scripts") for p in (ROOT / top).rglob("*.py")
-             if not name(p).startswith("shared/state/") and raw.search(p.read_text())]
-    assert not found, f"the raw Redis client used outside shared/state/: {', '.join(found)}"
+    found = [name(p) for top in (*PRODUCT, "bench", "scripts") for p in (ROOT / top).rglob("*.py")
+             if not name(p).startswith("pdserve/shared/state/") and raw.search(p.read_text())]
+    assert not found, f"the raw Redis client used outside pdserve/shared/state/: {', '.join(found)}"

@@ -1,6 +1,6 @@
 """The compose stack names real modules and real settings, lets each instance in through the
 identity issuer as a NATS and Redis user of its own (its role's token, no user in its URLs:
-shared/identity.py), runs it as the image's non-root user, with no secret on a command line
+pdserve/shared/identity.py), runs it as the image's non-root user, with no secret on a command line
 (and `docker compose config` passes where the compose plugin exists)."""
 
 import importlib.util
@@ -14,9 +14,9 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from services.issuer import keys
-from shared import grants
-from shared.config import DecodeSettings, GatewaySettings, IssuerSettings, PrefillSettings, RouterSettings
+from pdserve.services.issuer import keys
+from pdserve.shared import grants
+from pdserve.shared.config import DecodeSettings, GatewaySettings, IssuerSettings, PrefillSettings, RouterSettings
 
 COMPOSE = Path(__file__).parents[2] / "deploy" / "compose" / "compose.yaml"
 DOCKERFILE = (COMPOSE.parent / "Dockerfile").read_text()
@@ -103,7 +103,7 @@ def test_the_check_overrides_the_same_stack_and_says_what_stands_in():
             assert (COMPOSE.parent / service["build"]["context"] / service["build"]["dockerfile"]).is_file(), name
     for name in (n for n, s in spec.items() if "build" not in s):   # Docker Hub's: built, stood in, or left out
         assert check[name].get("build") or check[name].get("profiles") or name == "jaeger", name
-    assert check["jaeger"]["command"][-1] == "shared.tools.otlp_sink"   # the stand-in, read by the check
+    assert check["jaeger"]["command"][-1] == "pdserve.shared.tools.otlp_sink"   # the stand-in, read by the check
     ignored = [line for line in (COMPOSE.parents[2] / ".dockerignore").read_text().splitlines()
                if line and not line.startswith("#")]
     assert ignored[0] == "*"   # the build context holds what the Dockerfile copies, never a venv

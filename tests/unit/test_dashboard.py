@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 from prometheus_client import REGISTRY
 
-import shared.metrics  # noqa: F401 - registers every metric
+import pdserve.shared.metrics  # noqa: F401 - registers every metric
 
 COMPOSE = Path(__file__).resolve().parents[2] / "deploy" / "compose"
 SUFFIXES = ("_bucket", "_sum", "_count", "_total", "_created")

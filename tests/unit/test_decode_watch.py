@@ -1,11 +1,11 @@
-"""services/prefill/watch.py's DecodeWatch: a decode worker is gone only when missing from
+"""pdserve/services/prefill/watch.py's DecodeWatch: a decode worker is gone only when missing from
 the registry and the bus alike, for `absent_s`; Redis away is no verdict."""
 
 from __future__ import annotations
 
 import asyncio
 
-from services.prefill.watch import DecodeWatch
+from pdserve.services.prefill.watch import DecodeWatch
 
 
 class Registry:

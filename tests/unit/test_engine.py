@@ -5,10 +5,10 @@ import random
 import pytest
 from helpers import GREEDY, generate, run_all, tokens, transfer
 
-from shared.engine.block_manager import OutOfBlocks
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
-from shared.engine.sequence import SamplingParams
+from pdserve.shared.engine.block_manager import OutOfBlocks
+from pdserve.shared.engine.config import EngineConfig
+from pdserve.shared.engine.engine import Engine
+from pdserve.shared.engine.sequence import SamplingParams
 
 
 def prompts(n, lo=5, hi=70, seed=0):
@@ -194,9 +194,9 @@ def test_resume_with_generated_tokens_continues_the_same_stream(tiny, temperatur
 
 
 def test_a_lower_priority_value_is_prefilled_first_then_first_come(tiny):
-    from shared.engine.config import EngineConfig
-    from shared.engine.engine import Engine
-    from shared.engine.sequence import SamplingParams
+    from pdserve.shared.engine.config import EngineConfig
+    from pdserve.shared.engine.engine import Engine
+    from pdserve.shared.engine.sequence import SamplingParams
 
     eng = Engine(tiny, EngineConfig(num_blocks=64, prefill_chunk=16, max_batched_tokens=16))
     for rid, prio in (("a", 0), ("b", 5), ("c", -1), ("d", 0)):
@@ -209,10 +209,10 @@ def test_a_short_prompt_is_not_stuck_behind_long_ones_and_the_oldest_long_one_ke
     """Four long prompts would fill every pass's budget for three passes; a short one that
     comes after them is done in the first pass. Short prompts that fill the budget do not
     stop the oldest long prompt: it advances a chunk per pass."""
-    from shared.engine.config import EngineConfig
-    from shared.engine.engine import Engine
-    from shared.engine.scheduler import prefill_order
-    from shared.engine.sequence import SamplingParams
+    from pdserve.shared.engine.config import EngineConfig
+    from pdserve.shared.engine.engine import Engine
+    from pdserve.shared.engine.scheduler import prefill_order
+    from pdserve.shared.engine.sequence import SamplingParams
 
     params = SamplingParams(max_tokens=2)
     eng = Engine(tiny, EngineConfig(num_blocks=256, prefill_chunk=16, max_batched_tokens=64, enable_prefix_cache=False))
@@ -234,9 +234,9 @@ def test_a_short_prompt_is_not_stuck_behind_long_ones_and_the_oldest_long_one_ke
 def test_prompts_are_taken_round_robin_across_tenants(tiny):
     """Tenant a has eight prompts waiting when b's one comes: b's is in the first pass (four
     prompts fit one), not after all of a's; a's keep their order."""
-    from shared.engine.config import EngineConfig
-    from shared.engine.engine import Engine
-    from shared.engine.sequence import SamplingParams
+    from pdserve.shared.engine.config import EngineConfig
+    from pdserve.shared.engine.engine import Engine
+    from pdserve.shared.engine.sequence import SamplingParams
 
     eng = Engine(tiny, EngineConfig(num_blocks=256, prefill_chunk=16, max_batched_tokens=64, enable_prefix_cache=False))
     for i in range(8):
@@ -247,9 +247,9 @@ def test_prompts_are_taken_round_robin_across_tenants(tiny):
 
 
 def test_growth_blocks_count_what_unfinished_sequences_may_still_take(tiny):
-    from shared.engine.config import EngineConfig
-    from shared.engine.engine import Engine
-    from shared.engine.sequence import SamplingParams
+    from pdserve.shared.engine.config import EngineConfig
+    from pdserve.shared.engine.engine import Engine
+    from pdserve.shared.engine.sequence import SamplingParams
 
     eng = Engine(tiny, EngineConfig(num_blocks=64, block_size=16, prefill_chunk=16, max_batched_tokens=64))
     eng.add_request("a", [3] * 20, SamplingParams(max_tokens=30, ignore_eos=True))
@@ -272,8 +272,8 @@ def test_degenerate_sampling_parameters_neither_crash_nor_stall_the_batch(tiny):
         assert generate(tiny, {"x": prompt}, params)["x"] == greedy
     import torch
 
-    from shared.engine.sampler import sample
-    from shared.engine.sequence import Sequence
+    from pdserve.shared.engine.sampler import sample
+    from pdserve.shared.engine.sequence import Sequence
     seq = Sequence("n", prompt, len(prompt), SamplingParams(max_tokens=4, temperature=1.0))
     seq.seed = 1
     logits = torch.full((1, 512), float("nan"))

@@ -1,4 +1,4 @@
-"""The fake model (shared/engine/fake.py) behind the real Engine: fast to load, no weights, the
+"""The fake model (pdserve/shared/engine/fake.py) behind the real Engine: fast to load, no weights, the
 real KV shape, tokens a function of the whole sequence (through the KV in the pool), and never
 the default model anywhere."""
 
@@ -9,13 +9,13 @@ import time
 import pytest
 from helpers import generate, run_all, tokens
 
-from deploy.local.stack import StackConfig
-from shared.config import DecodeSettings, GatewaySettings, PrefillSettings, WorkerSettings, model_id
-from shared.engine import fake
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
-from shared.engine.loader import inspect, load
-from shared.engine.sequence import SamplingParams
+from pdserve.local.stack import StackConfig
+from pdserve.shared.config import DecodeSettings, GatewaySettings, PrefillSettings, WorkerSettings, model_id
+from pdserve.shared.engine import fake
+from pdserve.shared.engine.config import EngineConfig
+from pdserve.shared.engine.engine import Engine
+from pdserve.shared.engine.loader import inspect, load
+from pdserve.shared.engine.sequence import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway import auth
-from services.gateway.errors import APIError
+from pdserve.services.gateway import auth
+from pdserve.services.gateway.errors import APIError
 
 
 def test_keys_are_configured_hashed_and_checked(capsys):

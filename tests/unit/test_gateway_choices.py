@@ -5,9 +5,9 @@ import asyncio
 
 import pytest
 
-from services.gateway import choices
-from services.gateway.errors import APIError
-from shared.messages import RouteReply, RouteRequest, Sampling, TokenChunk
+from pdserve.services.gateway import choices
+from pdserve.services.gateway.errors import APIError
+from pdserve.shared.messages import RouteReply, RouteRequest, Sampling, TokenChunk
 
 REQ = RouteRequest(request_id="r", prompt_token_ids=[1, 2, 3], sampling=Sampling(max_tokens=3, seed=5), model="m",
                    session_id="n-r")

@@ -1,4 +1,4 @@
-"""The gateway's connections (services/gateway/connections.py) on a real uvicorn server: a
+"""The gateway's connections (pdserve/services/gateway/connections.py) on a real uvicorn server: a
 connection that sends nothing, or trickles its request's headers, is closed after the head
 deadline; a request whose head arrives in time is served however long its body and answer
 take, and an idle keep-alive connection outlives the head deadline."""
@@ -12,8 +12,8 @@ import time
 import pytest
 import uvicorn
 
-from deploy.local.servers import free_port, wait_for_port
-from services.gateway import connections
+from pdserve.local.servers import free_port, wait_for_port
+from pdserve.services.gateway import connections
 
 HEAD_TIMEOUT_S = 0.6
 

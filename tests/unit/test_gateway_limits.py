@@ -11,12 +11,12 @@ import httpx
 import pytest
 from opentelemetry import trace
 
-from services.gateway.checks import BUS_HEADROOM, check_size
-from services.gateway.errors import APIError
-from services.gateway.middleware import RequestContext
-from services.gateway.schemas import ChatCompletionRequest
-from services.gateway.tools import HERMES
-from shared.messages import RouteRequest
+from pdserve.services.gateway.checks import BUS_HEADROOM, check_size
+from pdserve.services.gateway.errors import APIError
+from pdserve.services.gateway.middleware import RequestContext
+from pdserve.services.gateway.schemas import ChatCompletionRequest
+from pdserve.services.gateway.tools import HERMES
+from pdserve.shared.messages import RouteRequest
 
 
 async def _failing(scope, receive, send):

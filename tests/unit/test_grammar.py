@@ -7,10 +7,10 @@ import re
 import pytest
 from helpers import run_all, tokens, transfer
 
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
-from shared.engine.grammar import Grammar, GrammarError, Grammars, check
-from shared.engine.sequence import SamplingParams
+from pdserve.shared.engine.config import EngineConfig
+from pdserve.shared.engine.engine import Engine
+from pdserve.shared.engine.grammar import Grammar, GrammarError, Grammars, check
+from pdserve.shared.engine.sequence import SamplingParams
 
 PROMPT = list(range(40, 90))
 EOS = 2
@@ -116,7 +116,7 @@ def test_the_cpu_mask_equals_xgrammars_kernel_on_all_rows_or_some():
     import torch
     import xgrammar as xgr
 
-    from shared.engine.grammar import mask_rows
+    from pdserve.shared.engine.grammar import mask_rows
 
     grammars = Grammars(VOCAB, (EOS,))
     ms = {row: grammars.matcher(Grammar("json_schema", json.dumps(PERSON))) for row in range(4)}

@@ -1,11 +1,11 @@
-"""deploy/nats/authorization.conf is what shared/grants.py renders (`python -m shared.grants`):
+"""deploy/nats/authorization.conf is what pdserve/shared/grants.py renders (`python -m pdserve.shared.grants`):
 a deployment's NATS users and grants never drift from the services' subjects."""
 
 import contextlib
 import io
 from pathlib import Path
 
-from shared import grants
+from pdserve.shared import grants
 
 FILE = Path(__file__).parents[2] / "deploy" / "nats" / "authorization.conf"
 
@@ -14,7 +14,7 @@ def test_the_deployed_authorization_is_the_rendered_one():
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         grants.main()
-    assert FILE.read_text() == out.getvalue(), "run: python -m shared.grants > deploy/nats/authorization.conf"
+    assert FILE.read_text() == out.getvalue(), "run: python -m pdserve.shared.grants > deploy/nats/authorization.conf"
     text = out.getvalue()
     assert "auth_callout { issuer: $PD_ISSUER_ACCOUNT" in text and "$PD_ISSUER_NKEY" in text
     assert not any(f'user: "{role}"' in text for role in grants.ROLES)   # every instance is the issuer's to let in
@@ -22,8 +22,8 @@ def test_the_deployed_authorization_is_the_rendered_one():
 
 def test_an_instances_grant_names_its_own_subjects_and_a_roles_any_instances():
     """decode-0 reads its own admits, KV and cancels; prefill-0 makes and pulls its own consumer;
-    no grant makes, changes, purges or deletes a stream (shared/streams.py is the operator's)."""
-    from shared import subjects
+    no grant makes, changes, purges or deletes a stream (pdserve/shared/streams.py is the operator's)."""
+    from pdserve.shared import subjects
 
     decode, prefill = grants.grant("decode", "decode-0"), grants.grant("prefill", "prefill-0")
     assert subjects.decode_admit("decode-0") in decode.subscribe and "pd.decode.*.admit" not in decode.subscribe

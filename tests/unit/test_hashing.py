@@ -1,6 +1,6 @@
 import hashlib
 
-from shared.hashing import ROOT_HASH, block_hash, block_hashes
+from pdserve.shared.hashing import ROOT_HASH, block_hash, block_hashes
 
 
 def test_chained_hash_depends_on_the_whole_prefix():

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from shared.holders import Holders
-from shared.lifecycle import Event
+from pdserve.shared.holders import Holders
+from pdserve.shared.lifecycle import Event
 
 
 def test_a_requests_holders_are_every_placements_workers_from_its_events():
@@ -21,12 +21,12 @@ def test_a_requests_holders_are_every_placements_workers_from_its_events():
 
 
 def test_the_gateways_cancel_goes_signed_once_per_placement_held_and_the_supervisors_on_its_own_subjects():
-    """A worker takes a cancel only with the MAC of a placement it holds (shared/macs.py): the
+    """A worker takes a cancel only with the MAC of a placement it holds (pdserve/shared/macs.py): the
     gateway signs one for each of a worker's placements; the supervisor's goes on the subjects
     only routers may publish to."""
     import asyncio
 
-    from shared.messages import Cancel
+    from pdserve.shared.messages import Cancel
 
     sent = []
 

@@ -1,6 +1,6 @@
 """Which part of the repository imports which, read from the source (ast): the product
-(services/, shared/, deploy/) imports neither the planner nor the benchmarks; the planner
-imports the product, never the benchmarks; bench/ may import everything."""
+(pdserve/services/, pdserve/shared/, pdserve/local/) imports neither the planner nor the benchmarks;
+the planner imports the product, never the benchmarks; bench/ may import everything."""
 
 from __future__ import annotations
 
@@ -10,23 +10,34 @@ from pathlib import Path
 
 import pytest
 
-from services import cli
+from pdserve.services import cli
 
 ROOT = Path(__file__).resolve().parents[2]
-# each folder, and the top-level packages none of its modules imports
-FORBIDDEN = {"services": {"bench", "planner"}, "shared": {"bench", "planner"}, "deploy": {"bench", "planner"},
-             "planner": {"bench"}}
+# each folder, and the packages none of its modules imports
+FORBIDDEN = {"pdserve/services": {"bench", "pdserve.planner"}, "pdserve/shared": {"bench", "pdserve.planner"},
+             "pdserve/local": {"bench", "pdserve.planner"}, "pdserve/planner": {"bench"}}
+
+
+def package(module: str) -> str:
+    """A module's package as FORBIDDEN names it: pdserve's parts by their second name, others by their first."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "pdserve" else parts[0]
 
 
 def imported(path: Path) -> set[str]:
-    """The top-level packages `path` imports (absolute imports, at any depth in the module)."""
+    """The packages `path` imports (absolute imports, at any depth in the module)."""
     tops = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            tops |= {alias.name.split(".")[0] for alias in node.names}
+            tops |= {package(alias.name) for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            tops.add(node.module.split(".")[0])
+            tops.add(package(node.module))
     return tops
+
+
+def test_every_part_of_the_package_is_held():
+    parts = {p.relative_to(ROOT).as_posix() for p in (ROOT / "pdserve").iterdir() if (p / "__init__.py").exists()}
+    assert parts == set(FORBIDDEN)
 
 
 @pytest.mark.parametrize("folder", sorted(FORBIDDEN))
@@ -38,9 +49,9 @@ def test_no_module_imports_what_its_folder_may_not(folder):
 
 
 def test_the_command_reaches_the_planner_by_name_only():
-    """`pdserve plan` hands its arguments to planner.plan, imported when the command runs (the
-    module named in services/cli.FORWARDED), not by an import statement of services/."""
-    assert cli.FORWARDED["plan"] == "planner.plan"
+    """`pdserve plan` hands its arguments to pdserve.planner.plan, imported when the command runs (the
+    module named in pdserve/services/cli.FORWARDED), not by an import statement of pdserve/services/."""
+    assert cli.FORWARDED["plan"] == "pdserve.planner.plan"
     assert importlib.util.find_spec(cli.FORWARDED["plan"]) is not None
 
 
@@ -83,10 +94,10 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-@pytest.mark.parametrize("service", sorted(p.name for p in (ROOT / "services").iterdir()
+@pytest.mark.parametrize("service", sorted(p.name for p in (ROOT / "pdserve" / "services").iterdir()
                                            if p.is_dir() and (p / "__init__.py").exists()))
 def test_no_import_circle_within_a_service(service):
-    assert circles(module_imports(ROOT / "services" / service)) == []
+    assert circles(module_imports(ROOT / "pdserve" / "services" / service)) == []
 
 
 def test_the_circle_finder_finds_one():

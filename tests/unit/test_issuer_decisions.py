@@ -1,4 +1,4 @@
-"""The identity issuer's decisions (services/issuer/main.py), without servers: a connection is let
+"""The identity issuer's decisions (pdserve/services/issuer/main.py), without servers: a connection is let
 in only with a role's token and its key's signature of the server's nonce, as the user named
 after that key with that instance's grant; a request not signed by a server, a Redis request
 expired or tampered with, are turned away. tests/integration/test_issuer_servers.py runs them for real."""
@@ -11,9 +11,9 @@ import time
 import nkeys
 import pytest
 
-from services.issuer.main import REQUEST_AUDIENCE, Refused, answer, redis_rule
-from shared import grants, identity, natsjwt, subjects
-from shared.identity import Enrollment
+from pdserve.services.issuer.main import REQUEST_AUDIENCE, Refused, answer, redis_rule
+from pdserve.shared import grants, identity, natsjwt, subjects
+from pdserve.shared.identity import Enrollment
 
 TOKENS = {role: f"token-{role}" for role in grants.ROLES}
 ISSUER = natsjwt.new_key(nkeys.PREFIX_BYTE_ACCOUNT)

@@ -3,7 +3,7 @@ the official client, generated from its OpenAPI spec: every field known, typed a
 ones present, at every depth — and against the code: real modules, real settings, probe paths
 the services serve on the ports they listen on, Services, budgets and autoscalers that select
 real Deployments, autoscaler metrics the adapter rules make from metrics the workers export,
-each service on NATS and Redis as its own role (shared/grants.py), every container non-root on
+each service on NATS and Redis as its own role (pdserve/shared/grants.py), every container non-root on
 a read-only root with limits, NetworkPolicies around every workload. The GPU overlay's patch is
 applied and the result checked the same way; the image's user and kernel cache too. (Not run on
 a cluster here: no `kubectl`, no cluster, no docker.)"""
@@ -22,11 +22,11 @@ import yaml
 from kubernetes.client import ApiClient
 from prometheus_client import REGISTRY
 
-import shared.metrics  # noqa: F401 - registers the metrics the adapter rules read
-from services.gateway.api import ops as gateway_routes
-from shared import grants, probes
-from shared.config import DecodeSettings, GatewaySettings, IssuerSettings, PrefillSettings, RouterSettings
-from shared.engine.kernels import cc
+import pdserve.shared.metrics  # noqa: F401 - registers the metrics the adapter rules read
+from pdserve.services.gateway.api import ops as gateway_routes
+from pdserve.shared import grants, probes
+from pdserve.shared.config import DecodeSettings, GatewaySettings, IssuerSettings, PrefillSettings, RouterSettings
+from pdserve.shared.engine.kernels import cc
 
 DEPLOY = Path(__file__).parents[2] / "deploy"
 K8S = DEPLOY / "k8s"
@@ -134,7 +134,7 @@ def test_the_gpu_overlay_gives_each_worker_a_gpu_and_stays_valid():
 
 def test_the_tls_overlay_gives_every_pod_a_certificate_of_its_own_and_stays_valid():
     """cert-manager's CSI driver makes each pod's certificate when it starts (nothing a person
-    edits); shared/tls.py reads it where it is mounted; NATS's URL is tls://."""
+    edits); pdserve/shared/tls.py reads it where it is mounted; NATS's URL is tls://."""
     overlay = K8S / "overlays" / "tls"
     spec = yaml.safe_load((overlay / "kustomization.yaml").read_text())
     assert spec["resources"] == ["../../base"]
@@ -273,11 +273,11 @@ def test_every_container_runs_non_root_on_a_read_only_root_with_limits(name):
 
 
 def test_the_streams_are_made_by_a_job_as_the_operator_and_no_service_holds_its_url():
-    """shared/streams.py, once, with the operator's URL from a Secret of its own."""
+    """pdserve/shared/streams.py, once, with the operator's URL from a Secret of its own."""
     (job,) = [d for d in BASE if d["kind"] == "Job"]
     hardened(job, "streams job")
     (c,) = job["spec"]["template"]["spec"]["containers"]
-    assert importlib.util.find_spec(c["command"][-1]) is not None and c["command"][-1] == "shared.streams"
+    assert importlib.util.find_spec(c["command"][-1]) is not None and c["command"][-1] == "pdserve.shared.streams"
     env = {e["name"]: e for e in c["env"]}
     assert env["PD_NATS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "pdserve-operator", "key": "nats-url"}
     assert env["PD_KEEP_S"]["value"] == "0"
@@ -292,7 +292,7 @@ def test_the_streams_are_made_by_a_job_as_the_operator_and_no_service_holds_its_
 @pytest.mark.parametrize("name", sorted(grants.ROLES))
 def test_each_pod_is_let_in_by_the_issuer_as_its_own_user(name):
     """A pod holds its role's enrollment token and no user: not in PD_NATS_URL, not in
-    PD_REDIS_URL, no id of its own (the issuer names it after its key, shared/identity.py)."""
+    PD_REDIS_URL, no id of its own (the issuer names it after its key, pdserve/shared/identity.py)."""
     env = {e["name"]: e for e in container(name)["env"]}
     assert env["PD_ENROLL_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "pdserve-identity", "key": f"enroll-{name}"}
     assert env["PD_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "pdserve-bus", "key": "redis-url"}

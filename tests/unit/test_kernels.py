@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from shared.engine.kernels import cpu_attention, torch_ref
+from pdserve.shared.engine.kernels import cpu_attention, torch_ref
 
-triton_kernels = pytest.importorskip("shared.engine.kernels.triton_kernels")
+triton_kernels = pytest.importorskip("pdserve.shared.engine.kernels.triton_kernels")
 
 
 def _pool(num_blocks=12, bs=4, kvh=2, hd=8, seed=0):
@@ -113,7 +113,7 @@ def test_write_kv_and_prefill_attention_with_cached_prefix():
 def test_c_decode_attention_is_rope_kv_write_and_attention_in_one_call():
     """The C decode step (attention.c) against torch's ops one after another: same pool, same
     output."""
-    from shared.engine.attention import Rotary
+    from pdserve.shared.engine.attention import Rotary
 
     bs, kvh, hd, h, width = 4, 2, 8, 6, 4
     g = torch.Generator().manual_seed(2)

@@ -1,4 +1,4 @@
-"""Redis keys (shared/state/keys.py) on a Redis Cluster: the keys one script touches share a hash
+"""Redis keys (pdserve/shared/state/keys.py) on a Redis Cluster: the keys one script touches share a hash
 slot (a script's keys on two nodes fail with CROSSSLOT), whatever the ids hold, and requests'
 own keys spread over the slots."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from redis.crc import key_slot
 
-from shared.state.keys import (
+from pdserve.shared.state.keys import (
     DEADLINES,
     GATEWAYS,
     REGISTRY_CHANGES,

@@ -1,4 +1,4 @@
-"""The KV handoff protocol (shared/kv/sender.py → receiver.py) between two tiny engines in one
+"""The KV handoff protocol (pdserve/shared/kv/sender.py → receiver.py) between two tiny engines in one
 process: fake transport, in-process bus. The same code runs over UCX and NATS in the stack."""
 
 from __future__ import annotations
@@ -12,21 +12,21 @@ import torch
 from helpers import run_all, tokens
 from localbus import LocalBus
 
-from shared import subjects
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
-from shared.engine.sequence import SamplingParams
-from shared.kv import Faults, create_transport, receiver
-from shared.kv.receiver import KVBrokeOff, KVFailed, KVInbox, KVReceiver
-from shared.kv.same_host import SameHost
-from shared.kv.segment import Segment, Segments
-from shared.kv.sender import KVSender, SenderSettings, WorkerHooks
-from shared.kv.staging import Staging
-from shared.messages import KVAck, KVEnd, KVLayer, KVResend, KVSync, PrefillJob, Sampling
+from pdserve.shared import subjects
+from pdserve.shared.engine.config import EngineConfig
+from pdserve.shared.engine.engine import Engine
+from pdserve.shared.engine.sequence import SamplingParams
+from pdserve.shared.kv import Faults, create_transport, receiver
+from pdserve.shared.kv.receiver import KVBrokeOff, KVFailed, KVInbox, KVReceiver
+from pdserve.shared.kv.same_host import SameHost
+from pdserve.shared.kv.segment import Segment, Segments
+from pdserve.shared.kv.sender import KVSender, SenderSettings, WorkerHooks
+from pdserve.shared.kv.staging import Staging
+from pdserve.shared.messages import KVAck, KVEnd, KVLayer, KVResend, KVSync, PrefillJob, Sampling
 
 PARAMS = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 PROMPT = list(range(3, 90))   # 87 tokens: 6 blocks of 16
-SECRET = "5e" * 16             # the placement's secret both sides are told (shared/macs.py)
+SECRET = "5e" * 16             # the placement's secret both sides are told (pdserve/shared/macs.py)
 CHUNKED = dict(num_blocks=64, prefill_chunk=32, max_batched_tokens=32)   # 3 passes
 
 
@@ -52,7 +52,7 @@ async def handoff(src: Engine, dst: Engine, prompt=PROMPT, rid="r", faults: Faul
     """Prefill on src streaming to dst (through `segment` when given: the same host); returns
     (tokens, sender handoff, receiver, bus)."""
     bus = bus or LocalBus()
-    # the same host's segment in front of the transport, as the workers have it (shared/kv/same_host.py)
+    # the same host's segment in front of the transport, as the workers have it (pdserve/shared/kv/same_host.py)
     tx = SameHost(create_transport(transport, faults=faults), segment)
     rx_transport = SameHost(create_transport("fake"), segments=Segments())
 
@@ -219,7 +219,7 @@ def test_a_corrupted_int8_block_is_caught_too(tiny):
 
 
 def test_codec_round_trips():
-    from shared.kv import codec
+    from pdserve.shared.kv import codec
 
     blocks = torch.randn(5, 2, 16, 3, 8) * torch.tensor([1.0, 10.0]).reshape(1, 2, 1, 1, 1)
     native = codec.encode("native", blocks)
@@ -493,7 +493,7 @@ def test_handoff_messages_without_the_placements_mac_are_dropped_and_counted_bot
     to fail the handoff, end it with its own first token, or stop the sender: with no MAC,
     or another placement's, nothing changes on either side; the wildcard sender and tag of
     old ("" and 0) name no handoff."""
-    from shared import metrics
+    from pdserve.shared import metrics
 
     other = "0f" * 16
 

@@ -4,7 +4,7 @@ import asyncio
 
 import numpy as np
 
-from shared.kv import Faults, block_checksums, checksum, create_transport
+from pdserve.shared.kv import Faults, block_checksums, checksum, create_transport
 
 
 def test_a_payload_arrives_whole_on_its_tag():

@@ -1,8 +1,8 @@
 """A request's status from its events, phase deadlines, the supervisor's verdicts, and the
 timeline an operator reads."""
 
-from shared.lifecycle import Event, deadline_s, summarize, verdict
-from shared.tools.timeline import render
+from pdserve.shared.lifecycle import Event, deadline_s, summarize, verdict
+from pdserve.shared.tools.timeline import render
 
 
 def ev(t, event, attempt=0, by="", **fields):
@@ -64,7 +64,7 @@ def test_the_timeline_lists_every_event_from_the_first_and_the_outcome():
 
 
 def test_the_kv_deadline_follows_the_predicted_prefill_within_its_floor_and_ceiling():
-    from shared.lifecycle import kv_deadline_s
+    from pdserve.shared.lifecycle import kv_deadline_s
 
     assert kv_deadline_s(4.0, factor=3, floor_s=5, ceiling_s=30) == 12.0
     assert kv_deadline_s(0.1, factor=3, floor_s=5, ceiling_s=30) == 5.0      # a short prompt: the floor

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from planner import workloads
-from planner.arrivals import arrival_times
-from planner.metrics import Timing, percentiles, rate_at_attainment, summarize
+from pdserve.planner import workloads
+from pdserve.planner.arrivals import arrival_times
+from pdserve.planner.metrics import Timing, percentiles, rate_at_attainment, summarize
 
 TRACES = __import__("pathlib").Path(__file__).resolve().parents[2] / "bench" / "data"
 

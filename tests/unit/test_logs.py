@@ -8,7 +8,7 @@ import logging
 
 from opentelemetry.sdk.trace import TracerProvider
 
-from shared.logs import JsonFormatter, TextFormatter, TraceContext
+from pdserve.shared.logs import JsonFormatter, TextFormatter, TraceContext
 
 
 def _record(msg: str) -> logging.LogRecord:

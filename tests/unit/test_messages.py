@@ -3,7 +3,7 @@
 import pytest
 from pydantic import ValidationError
 
-from shared import messages as m
+from pdserve.shared import messages as m
 
 SAMPLING = m.Sampling(max_tokens=5, temperature=0.5, stop=("x",), seed=3)
 EXAMPLES = [

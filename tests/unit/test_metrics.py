@@ -8,9 +8,9 @@ import asyncio
 import pytest
 from prometheus_client import REGISTRY
 
-from services.gateway import timing
-from shared import metrics
-from shared.messages import TokenChunk, WorkerInfo
+from pdserve.services.gateway import timing
+from pdserve.shared import metrics
+from pdserve.shared.messages import TokenChunk, WorkerInfo
 
 
 def value(name: str, **labels) -> float:

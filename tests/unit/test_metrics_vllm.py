@@ -1,4 +1,4 @@
-"""The metrics under vLLM's names (shared/metrics_vllm.py): what a vLLM dashboard or an llm-d
+"""The metrics under vLLM's names (pdserve/shared/metrics_vllm.py): what a vLLM dashboard or an llm-d
 scorer queries is exported, with `model_name`, and equals the pd_* metric it views."""
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
@@ -6,8 +6,8 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared import metrics
-from shared.metrics_vllm import VllmNames
+from pdserve.shared import metrics
+from pdserve.shared.metrics_vllm import VllmNames
 
 # the series vLLM's Grafana dashboard, llm-d's scorers and KEDA recipes query
 QUERIED = ["vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",

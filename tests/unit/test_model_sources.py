@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from bench.engine import tiny_archs
-from shared.config import SMOLLM2_ID, GatewaySettings, model_id
-from shared.engine.loader import load
+from pdserve.shared.config import SMOLLM2_ID, GatewaySettings, model_id
+from pdserve.shared.engine.loader import load
 
 
 def test_the_served_id_is_the_models_own_name(tmp_path):
@@ -39,7 +39,7 @@ def _cache(home, repo_id: str, src) -> None:
 
 def _load_in(home, source: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1"}
-    code = f"from shared.engine.loader import load; m = load({source!r}); print(m.config.arch, m.name)"
+    code = f"from pdserve.shared.engine.loader import load; m = load({source!r}); print(m.config.arch, m.name)"
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
 
 

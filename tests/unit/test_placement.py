@@ -1,4 +1,4 @@
-"""Placement is decided in one place (services/router/placement.py): the router, the capacity
+"""Placement is decided in one place (pdserve/services/router/placement.py): the router, the capacity
 planner's simulator and the scale check's replay, fed the same fleet, decide alike; and the
 pure module's own rules."""
 
@@ -13,14 +13,14 @@ import pytest
 from bench.scale.check import Placement as Placed
 from bench.scale.check import Replay
 from bench.scale.plan import Probe
-from planner.cluster import Cluster, Layout
-from planner.cost import DECODE_BATCHES, DECODE_CONTEXTS, Cost
-from planner.worker import Knobs, Req
-from services.router import placement
-from services.router.main import Router
-from services.router.placement import Ask, Books, Fleet, Placement, Refusal, Rules
-from shared.config import RouterSettings
-from shared.messages import AdmitReply, KVOutcome, RouteRequest, Sampling, WorkerInfo
+from pdserve.planner.cluster import Cluster, Layout
+from pdserve.planner.cost import DECODE_BATCHES, DECODE_CONTEXTS, Cost
+from pdserve.planner.worker import Knobs, Req
+from pdserve.services.router import placement
+from pdserve.services.router.main import Router
+from pdserve.services.router.placement import Ask, Books, Fleet, Placement, Refusal, Rules
+from pdserve.shared.config import RouterSettings
+from pdserve.shared.messages import AdmitReply, KVOutcome, RouteRequest, Sampling, WorkerInfo
 
 BS = 16
 COST = Cost(prefill=(0.01, 0.001, 0.0, 0.0, 0.0), decode_batches=DECODE_BATCHES, decode_contexts=DECODE_CONTEXTS,

@@ -1,6 +1,6 @@
-from services.router import policy
-from services.router.breakers import Breaker
-from shared.messages import WorkerInfo
+from pdserve.services.router import policy
+from pdserve.services.router.breakers import Breaker
+from pdserve.shared.messages import WorkerInfo
 
 
 def w(wid, role="decode", free=100, running=0, waiting=0, fp="f", growth=0):
@@ -61,7 +61,7 @@ def test_prefill_candidates_require_the_same_model_fingerprint_and_count_recent_
 
 
 def test_prefill_cost_prefers_the_worker_holding_the_prefix_unless_it_is_swamped():
-    from services.router.policy import PrefillCandidate, choose_soonest, predicted_prefill_s
+    from pdserve.services.router.policy import PrefillCandidate, choose_soonest, predicted_prefill_s
 
     warm = PrefillCandidate("warm", cached_tokens=3000, queued_tokens=2000, tokens_per_s=1000)
     idle = PrefillCandidate("idle", cached_tokens=0, queued_tokens=0, tokens_per_s=1000)
@@ -157,8 +157,8 @@ def test_old_failures_leave_the_window_and_successes_outweigh_failures():
 
 
 def test_pools_split_the_registry_per_model_and_the_redis_index_names_each_slots_worker():
-    from services.router.indexes import RedisIndex
-    from services.router.pools import EMPTY, pools
+    from pdserve.services.router.indexes import RedisIndex
+    from pdserve.services.router.pools import EMPTY, pools
 
     def w(wid, role, model, slot):
         return WorkerInfo(worker_id=wid, role=role, model=model, block_size=32, prefix_slot=slot, cached_blocks=slot)
@@ -171,7 +171,7 @@ def test_pools_split_the_registry_per_model_and_the_redis_index_names_each_slots
     assert a.block_size == 32 and EMPTY.block_size == 16 and not EMPTY.workers
     assert [x.worker_id for x in b.workers] == ["p2"] and set(got) == {"a", "b"}
     # a lookup's answer by slot, turned into the holders alone (a slot nobody names is dropped)
-    from shared import prefix_index
+    from pdserve.shared import prefix_index
     assert prefix_index.by_worker(slots, {3: 4, 9: 2}) == {"p1": (4, 3)}
 
 

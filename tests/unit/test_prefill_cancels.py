@@ -1,11 +1,11 @@
-"""A prefill worker's cancels kept for jobs taken later (services/prefill/cancels.py): one stops
+"""A prefill worker's cancels kept for jobs taken later (pdserve/services/prefill/cancels.py): one stops
 a job only from its placement's holder (its MAC) or the supervisor (its subject)."""
 
 from types import SimpleNamespace
 
-from services.prefill.cancels import Cancels
-from shared import macs
-from shared.messages import Cancel, PrefillJob, Sampling
+from pdserve.services.prefill.cancels import Cancels
+from pdserve.shared import macs
+from pdserve.shared.messages import Cancel, PrefillJob, Sampling
 
 SECRET = macs.new_secret()
 

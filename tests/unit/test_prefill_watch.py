@@ -1,4 +1,4 @@
-"""services/decode/watch.py's PrefillWatch: one look for all the KV waits, absence confirmed,
+"""pdserve/services/decode/watch.py's PrefillWatch: one look for all the KV waits, absence confirmed,
 and gone only when missing from the registry and the bus alike."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from services.decode.watch import PrefillWatch
-from shared.messages import WorkerInfo
+from pdserve.services.decode.watch import PrefillWatch
+from pdserve.shared.messages import WorkerInfo
 
 
 class Registry:

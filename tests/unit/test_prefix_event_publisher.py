@@ -1,4 +1,4 @@
-"""A worker's side of PD_PREFIX_INDEX=events (shared/prefix_events.py, EngineHost's count): its
+"""A worker's side of PD_PREFIX_INDEX=events (pdserve/shared/prefix_events.py, EngineHost's count): its
 changes counted as drained and numbered in messages, a lost message moving the count on, and a
 snapshot answered page by page from one copy taken with its count."""
 
@@ -7,12 +7,12 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from shared import prefix_events
-from shared.engine.block_manager import CacheChange
-from shared.engine.engine import Pass
-from shared.engine_host import EngineHost
-from shared.messages import PrefixEvents, PrefixSnapshot, PrefixSnapshotAsk
-from shared.prefix_events import PrefixEventPublisher
+from pdserve.shared import prefix_events
+from pdserve.shared.engine.block_manager import CacheChange
+from pdserve.shared.engine.engine import Pass
+from pdserve.shared.engine_host import EngineHost
+from pdserve.shared.messages import PrefixEvents, PrefixSnapshot, PrefixSnapshotAsk
+from pdserve.shared.prefix_events import PrefixEventPublisher
 
 
 class Engine:
@@ -40,7 +40,7 @@ class Engine:
 
 
 class Bus:
-    """What the publisher uses of shared.bus.Bus: JetStream publish (which may fail) and respond."""
+    """What the publisher uses of pdserve.shared.bus.Bus: JetStream publish (which may fail) and respond."""
 
     def __init__(self) -> None:
         self.published: list[PrefixEvents] = []

@@ -1,5 +1,5 @@
-"""Each worker's feed into the memory index (services/router/prefix_feeds.py) and the messages
-a worker sends (shared/prefix_events.py): applied in order, a gap or a new life answered by a
+"""Each worker's feed into the memory index (pdserve/services/router/prefix_feeds.py) and the messages
+a worker sends (pdserve/shared/prefix_events.py): applied in order, a gap or a new life answered by a
 snapshot with the events since on top, and the index equal to the worker's cache whatever the
 point the snapshot is taken at."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import random
 
-from services.router.prefix_feeds import MAX_BUFFERED, Feeds, Snapshot
-from services.router.prefix_memory import MemoryIndex
-from shared import prefix_events
-from shared.engine.block_manager import CacheChange
-from shared.messages import PrefixEvents, WorkerInfo
+from pdserve.services.router.prefix_feeds import MAX_BUFFERED, Feeds, Snapshot
+from pdserve.services.router.prefix_memory import MemoryIndex
+from pdserve.shared import prefix_events
+from pdserve.shared.engine.block_manager import CacheChange
+from pdserve.shared.messages import PrefixEvents, WorkerInfo
 
 
 def ev(first: int, last: int, added=(), removed=(), epoch: str = "e1", worker: str = "w") -> PrefixEvents:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from shared.engine.block_manager import CacheChange
-from shared.prefix_index import field, net_changes
+from pdserve.shared.engine.block_manager import CacheChange
+from pdserve.shared.prefix_index import field, net_changes
 
 
 def test_the_last_event_per_block_wins():

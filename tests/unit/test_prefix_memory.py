@@ -1,11 +1,11 @@
-"""The router's memory index (services/router/prefix_memory.py): the Redis lookup's answer
+"""The router's memory index (pdserve/services/router/prefix_memory.py): the Redis lookup's answer
 (leading blocks per holder) for random fleets, holders retired at once and swept in steps."""
 
 from __future__ import annotations
 
 import random
 
-from services.router.prefix_memory import MemoryIndex, bits
+from pdserve.services.router.prefix_memory import MemoryIndex, bits
 
 
 def leading(caches: dict[str, set[int]], hashes: list[int]) -> dict[str, int]:

@@ -1,4 +1,4 @@
-"""/health and /ready beside /metrics on a router's or worker's metrics port (shared/probes.py):
+"""/health and /ready beside /metrics on a router's or worker's metrics port (pdserve/shared/probes.py):
 ready only between serving and draining, live while the event loop stamps, metrics unchanged."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import time
 import urllib.error
 import urllib.request
 
-from deploy.local.servers import free_port
-from shared import metrics
-from shared.probes import PROBES, STUCK_S, Probes
+from pdserve.local.servers import free_port
+from pdserve.shared import metrics
+from pdserve.shared.probes import PROBES, STUCK_S, Probes
 
 
 def get(port: int, path: str) -> tuple[int, str]:
@@ -23,7 +23,7 @@ def get(port: int, path: str) -> tuple[int, str]:
 
 
 def test_ready_between_serving_and_draining_live_while_the_loop_turns(monkeypatch):
-    monkeypatch.setattr("shared.probes.PROBES", probe := Probes())
+    monkeypatch.setattr("pdserve.shared.probes.PROBES", probe := Probes())
     port = metrics.serve(free_port(), host="127.0.0.1")
     assert get(port, "/ready")[0] == 503
     probe.serving = True

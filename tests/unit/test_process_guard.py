@@ -18,11 +18,12 @@ ME = 100
 def test_descendants_and_marked_processes_survive_the_rest_do_not():
     procs = [Proc(1, 0, "init", None), Proc(ME, 1, "pytest", "99"),
              Proc(101, ME, "nats-server -p 4222", str(ME)),
-             Proc(102, 101, "python -m services.decode.main", None),       # a grandchild, mark or none
+             Proc(102, 101, "python -m pdserve.services.decode.main", None),       # a grandchild, mark or none
              Proc(200, 1, "valkey-server --port 6379", str(ME)),           # double-forked away, marked
-             Proc(300, 1, "bash", None), Proc(301, 1, "python -m services.router.main", "4242"),  # another run's
+             Proc(300, 1, "bash", None),
+             Proc(301, 1, "python -m pdserve.services.router.main", "4242"),  # another run's
              Proc(103, ME, "python -c from multiprocessing.resource_tracker import main;main(5)", str(ME)),
-             Proc(104, ME, "python -m services.prefill.main", str(ME), alive=False)]      # a zombie: dead
+             Proc(104, ME, "python -m pdserve.services.prefill.main", str(ME), alive=False)]      # a zombie: dead
     assert [p.pid for p in survivors(procs, str(ME), ME)] == [101, 102, 200]
 
 

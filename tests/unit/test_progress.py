@@ -1,4 +1,4 @@
-"""shared/progress.py: a bar on a terminal, nothing in a log or a pipe."""
+"""pdserve/shared/progress.py: a bar on a terminal, nothing in a log or a pipe."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import subprocess
 import sys
 import termios
 
-from shared.progress import progress
+from pdserve.shared.progress import progress
 
-SCRIPT = "from shared.progress import progress\nfor _ in progress(range(3), 'loading weights'): pass"
+SCRIPT = "from pdserve.shared.progress import progress\nfor _ in progress(range(3), 'loading weights'): pass"
 
 
 def run_with_stderr(stderr) -> subprocess.CompletedProcess:

@@ -1,4 +1,4 @@
-from services.router.recent import Recent
+from pdserve.services.router.recent import Recent
 
 
 def test_work_counts_until_the_horizon_and_a_cancelled_entry_not_at_all():

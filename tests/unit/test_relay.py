@@ -3,8 +3,8 @@ early, and a lost decode worker's request continued elsewhere after the tokens s
 
 import asyncio
 
-from services.gateway.relay import Records, Relay, RelayTimings
-from shared.messages import Cancel, Ping, RouteReply, RouteRequest, Sampling, TokenChunk
+from pdserve.services.gateway.relay import Records, Relay, RelayTimings
+from pdserve.shared.messages import Cancel, Ping, RouteReply, RouteRequest, Sampling, TokenChunk
 
 REQ = RouteRequest(request_id="r", prompt_token_ids=[1, 2, 3], sampling=Sampling(max_tokens=8), model="m")
 PLACED = RouteReply(request_id="r", ok=True, mode="remote", decode_worker="d0", prefill_worker="p0")
@@ -18,7 +18,7 @@ class FakeBus:
     async def publish(self, subject, msg, ctx=None, secret=""):
         self.published.append((subject, msg))
 
-    async def heard(self, subject, timeout):  # as shared.bus.Bus's, over this bus's request
+    async def heard(self, subject, timeout):  # as pdserve.shared.bus.Bus's, over this bus's request
         import nats.errors
         try:
             await self.request(subject, Ping(), None, timeout)
@@ -107,7 +107,7 @@ def test_a_lost_decode_worker_is_replaced_and_the_stream_goes_on_without_gaps_or
 def test_chunks_of_a_placement_the_request_left_are_dropped_and_counted():
     """d0 is lost after token 1 but still publishes (a worker cut off from its lease, not
     dead): its token 2 arrives before d1's. The stream takes d1's (attempt 1) and counts d0's."""
-    from shared import metrics
+    from pdserve.shared import metrics
 
     before = metrics.STALE_CHUNKS._value.get()
     got, _ = _d0_lost_after_token_1([chunk(2, token=900), chunk(2, attempt=1), chunk(3, finished=True, attempt=1)])
@@ -154,7 +154,7 @@ def test_the_supervisors_word_moves_a_stalled_placement_once_and_a_stale_word_is
     """d0 heartbeats but its step hangs after token 1: the supervisor's Stalled (attempt 0)
     moves the request like a lost worker, the old placement is cancelled first; a second word
     about attempt 0 arriving after the move changes nothing. Its events say so."""
-    from shared.messages import Stalled
+    from pdserve.shared.messages import Stalled
 
     async def run():
         queue, routed, notes = asyncio.Queue(), [], []
@@ -192,7 +192,7 @@ def _gap_stream(replay_answer, away=0):
     `away`: replay requests that find no responder first (d0 not reconnected yet)."""
     import nats.errors
 
-    from shared.messages import ReplayReply
+    from pdserve.shared.messages import ReplayReply
 
     async def run():
         queue, asked, notes = asyncio.Queue(), [], []
@@ -256,7 +256,7 @@ def test_a_placement_given_up_is_cancelled_where_a_router_admitted_it():
     noted (the decode worker asked; the placement's workers once its reply is recorded)."""
     import nats.errors
 
-    from services.gateway.errors import APIError
+    from pdserve.services.gateway.errors import APIError
 
     async def run(client_leaves: bool):
         notes = []
@@ -300,7 +300,7 @@ def _silent_d0(settled: bool):
 
     import nats.errors
 
-    from shared.messages import ReplayReply
+    from pdserve.shared.messages import ReplayReply
 
     async def run():
         queue, routed = asyncio.Queue(), []

@@ -1,7 +1,7 @@
 """The relay's reorder buffer: chunks in seq order, once each, nothing after the end."""
 
-from services.gateway.reorder import Reorder
-from shared.messages import TokenChunk
+from pdserve.services.gateway.reorder import Reorder
+from pdserve.shared.messages import TokenChunk
 
 
 def chunk(seq: int, *tokens: int, finished: bool = False) -> TokenChunk:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from services.gateway.errors import APIError
-from services.gateway.responses_request import ResponsesRequest, param_of
+from pdserve.services.gateway.errors import APIError
+from pdserve.services.gateway.responses_request import ResponsesRequest, param_of
 
 
 def test_items_become_the_conversation_with_calls_joined_to_their_turn():

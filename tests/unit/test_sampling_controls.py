@@ -5,11 +5,11 @@ import math
 import torch
 from helpers import run_all, tokens
 
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
-from shared.engine.logprobs import logprobs_of
-from shared.engine.sampler import adjust
-from shared.engine.sequence import SamplingParams, Sequence
+from pdserve.shared.engine.config import EngineConfig
+from pdserve.shared.engine.engine import Engine
+from pdserve.shared.engine.logprobs import logprobs_of
+from pdserve.shared.engine.sampler import adjust
+from pdserve.shared.engine.sequence import SamplingParams, Sequence
 
 PROMPT = list(range(5, 75))
 

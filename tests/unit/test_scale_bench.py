@@ -8,9 +8,9 @@ from bench.scale.check import Placement, Replay, Window, check, holders, leading
 from bench.scale.meters import Usage
 from bench.scale.plan import BLOCK, FleetWorker, Probe, Trace, filler, filler_counts, make_plan, prompt
 from bench.scale.report import bottleneck, summary
-from shared.config import RouterSettings
-from shared.hashing import block_hashes
-from shared.messages import WorkerInfo
+from pdserve.shared.config import RouterSettings
+from pdserve.shared.hashing import block_hashes
+from pdserve.shared.messages import WorkerInfo
 
 
 def _trace() -> Trace:

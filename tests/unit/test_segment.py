@@ -1,4 +1,4 @@
-"""Same-host KV segments (shared/kv/segment.py): the region allocator, and a payload written
+"""Same-host KV segments (pdserve/shared/kv/segment.py): the region allocator, and a payload written
 by one side read by the other, the segment handed over on its owner's socket (here both in
 one process; a killed owner in tests/integration/test_segment_peer_failure.py)."""
 
@@ -11,7 +11,7 @@ import secrets
 import numpy as np
 import pytest
 
-from shared.kv.segment import ALIGN, Extents, Segment, Segments, host_identity, make_segment
+from pdserve.shared.kv.segment import ALIGN, Extents, Segment, Segments, host_identity, make_segment
 
 
 def owner() -> str:
@@ -89,7 +89,7 @@ def test_another_file_an_absent_owner_or_past_the_end_is_refused():
 
 
 def test_no_segment_without_bytes_or_a_host(monkeypatch):
-    from shared.kv import segment
+    from pdserve.shared.kv import segment
 
     assert make_segment(0, owner()) is None
     made = make_segment(1 << 16, owner())
@@ -131,7 +131,7 @@ def test_the_segment_handed_over_cannot_be_mapped_for_writing():
     import mmap
     import socket
 
-    from shared.kv.segment import address
+    from pdserve.shared.kv.segment import address
 
     me = owner()
     seg = Segment(1 << 16, me)

@@ -1,9 +1,9 @@
 """A conversation (`session_id`, x-session-id) is its API key's own: tenant B naming tenant A's
-session steers nothing of A's (services/gateway/checks.py)."""
+session steers nothing of A's (pdserve/services/gateway/checks.py)."""
 
 from types import SimpleNamespace
 
-from services.gateway import checks
+from pdserve.services.gateway import checks
 
 
 def request(key: str | None, header: str | None = None) -> SimpleNamespace:

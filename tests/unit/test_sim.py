@@ -8,13 +8,13 @@ import random
 
 import pytest
 
-from planner import workloads
-from planner.cluster import Layout, simulate
-from planner.cost import DECODE_BATCHES, DECODE_CONTEXTS, Cost, fit, level
-from planner.plan import search
-from planner.slo import Slo, relative, score, weighted_percentile
-from planner.worker import PARAMS, Knobs
-from shared.engine.scheduler import prefill_chunks, prefill_next, prefill_order
+from pdserve.planner import workloads
+from pdserve.planner.cluster import Layout, simulate
+from pdserve.planner.cost import DECODE_BATCHES, DECODE_CONTEXTS, Cost, fit, level
+from pdserve.planner.plan import search
+from pdserve.planner.slo import Slo, relative, score, weighted_percentile
+from pdserve.planner.worker import PARAMS, Knobs
+from pdserve.shared.engine.scheduler import prefill_chunks, prefill_next, prefill_order
 
 STEP = 0.02
 COST = Cost(prefill=(0.01, 0.001, 0.0, 0.0, 0.0), decode_batches=DECODE_BATCHES, decode_contexts=DECODE_CONTEXTS,

@@ -3,7 +3,7 @@ buffer: tests/unit/test_kv_handoff.py)."""
 
 import numpy as np
 
-from shared.kv.staging import MIN_CLASS, Staging, size_class
+from pdserve.shared.kv.staging import MIN_CLASS, Staging, size_class
 
 
 def test_size_classes_are_powers_of_two_from_the_minimum():

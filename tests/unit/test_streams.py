@@ -1,9 +1,9 @@
-"""The operator's streams (shared/streams.py): what the keeper sets again on a stream that drifted
+"""The operator's streams (pdserve/shared/streams.py): what the keeper sets again on a stream that drifted
 (a release's new limits, fewer copies), and what it leaves (more copies than asked)."""
 
 from nats.js.api import DiscardPolicy, StreamConfig
 
-from shared import streams, subjects
+from pdserve.shared import streams, subjects
 
 
 def test_a_stream_as_configured_is_left_alone():

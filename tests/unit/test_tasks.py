@@ -4,7 +4,7 @@ import asyncio
 import gc
 import logging
 
-from shared.tasks import Background
+from pdserve.shared.tasks import Background
 
 
 def test_a_task_outlives_its_cancelled_awaiter_and_its_failure_is_logged(caplog):

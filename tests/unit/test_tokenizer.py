@@ -1,6 +1,6 @@
 """Tokenizer, chat template and incremental detokenization on the real SmolLM2 vocabulary."""
 
-from shared.engine.detokenizer import TextStream
+from pdserve.shared.engine.detokenizer import TextStream
 
 
 def test_chat_template_has_default_system_prompt(tokenizer):
@@ -84,7 +84,7 @@ def test_the_specials_trie_matches_as_a_longest_first_alternation():
     import random
     import re
 
-    from shared.engine.tokenizer import _trie_pattern
+    from pdserve.shared.engine.tokenizer import _trie_pattern
 
     words = ["<s>", "<s>x", "</s>", "<|im_start|>", "<|im_end|>", *(f"<unused{i}>" for i in range(300))]
     alternation = re.compile("|".join(re.escape(w) for w in sorted(words, key=len, reverse=True)))

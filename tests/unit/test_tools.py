@@ -7,11 +7,11 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from services.gateway import tools
-from services.gateway.checks import check_grammars
-from services.gateway.errors import APIError, describe
-from services.gateway.schemas import ChatCompletionRequest
-from shared.engine.grammar import Grammars, check
+from pdserve.services.gateway import tools
+from pdserve.services.gateway.checks import check_grammars
+from pdserve.services.gateway.errors import APIError, describe
+from pdserve.services.gateway.schemas import ChatCompletionRequest
+from pdserve.shared.engine.grammar import Grammars, check
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.",
                                             "parameters": {"type": "object", "properties": {

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared import tracing
+from pdserve.shared import tracing
 
 SAMPLED = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 NOT_SAMPLED = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"

@@ -1,4 +1,4 @@
-"""PD_NATS_URL and PD_REDIS_URL (shared/urls.py): a cluster's servers, a Sentinel-watched
+"""PD_NATS_URL and PD_REDIS_URL (pdserve/shared/urls.py): a cluster's servers, a Sentinel-watched
 primary, a Redis Cluster's nodes, and a malformed URL refused at start naming what is wrong."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from shared.config import Common, GatewaySettings
-from shared.urls import ClusterTarget, SentinelTarget, cluster_target, nats_servers, sentinel_target
+from pdserve.shared.config import Common, GatewaySettings
+from pdserve.shared.urls import ClusterTarget, SentinelTarget, cluster_target, nats_servers, sentinel_target
 
 
 def test_a_cluster_is_its_servers_separated_by_commas():
@@ -57,7 +57,7 @@ def test_a_malformed_url_fails_the_settings_naming_what_is_wrong(field, url, say
 
 
 def test_a_nats_users_replies_come_to_inboxes_under_its_name():
-    from shared.urls import nats_inbox
+    from pdserve.shared.urls import nats_inbox
 
     assert nats_inbox("nats://gateway:pw@a:4222,nats://gateway:pw@b:4222") == "_INBOX.gateway"
     assert nats_inbox("nats://a:4222") == "_INBOX"          # no user: nats-py's default

@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import pytest
 from test_api_params import refusal
 
-from services.gateway import tools
-from services.gateway.checks import check_grammars
-from services.gateway.errors import APIError
-from services.gateway.generate import chat_ids
-from services.gateway.schemas import ChatCompletionRequest
+from pdserve.services.gateway import tools
+from pdserve.services.gateway.checks import check_grammars
+from pdserve.services.gateway.errors import APIError
+from pdserve.services.gateway.generate import chat_ids
+from pdserve.services.gateway.schemas import ChatCompletionRequest
 
 BASE = {"model": "m", "messages": [{"role": "user", "content": "Weather in Paris?"}]}
 

@@ -1,4 +1,4 @@
-"""The file's own 4-bit blocks computed with as they are (shared/engine/weights.py): the same
+"""The file's own 4-bit blocks computed with as they are (pdserve/shared/engine/weights.py): the same
 products as the dequantized matrices, to the kernel's 8-bit rounding of its input."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from shared.engine.gguf_file import _unpermute
-from shared.engine.kernels import blocks, cc
-from shared.engine.loader import LoadedModel, load
-from shared.engine.weights import Packed, choose, pack
+from pdserve.shared.engine.gguf_file import _unpermute
+from pdserve.shared.engine.kernels import blocks, cc
+from pdserve.shared.engine.loader import LoadedModel, load
+from pdserve.shared.engine.weights import Packed, choose, pack
 
 RNG = np.random.default_rng(0)
 FORMATS = list(blocks.BLOCKS)

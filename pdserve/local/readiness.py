@@ -1,0 +1,46 @@
+"""Waiting for the local stack's processes: a server's port, then the whole stack's readiness."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+from pdserve.services.router.recent import REGISTRY_READ_S
+
+
+def wait_port(host: str, port: int, timeout_s: float, logs: Path) -> None:
+    """Until something listens on host:port."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex((host, port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on port {port} after {timeout_s} s; logs in {logs}")
+
+
+def wait_ready(url: str, want: dict[str, int], procs: dict[str, subprocess.Popen], timeout_s: float,
+               logs: Path) -> None:
+    """Until the gateway at `url` is ready and has as many workers of each role registered as `want` says
+    (the gateway is ready with one of each; placement tests and benchmarks need them all) and the routers,
+    which re-read the registry every REGISTRY_READ_S, have seen them. A process of `procs` that exits
+    ends the wait."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        dead = [n for n, p in procs.items() if p.poll() is not None]
+        if dead:
+            raise RuntimeError(f"{', '.join(dead)} exited during start; logs in {logs}")
+        try:
+            with urllib.request.urlopen(url + "/ready", timeout=2) as r:
+                workers = json.loads(r.read()).get("workers", {})
+                if r.status == 200 and all(workers.get(k, 0) >= n for k, n in want.items()):
+                    time.sleep(REGISTRY_READ_S + 0.3)  # and the routers' background view has them too
+                    return
+        except (OSError, ValueError):   # not up yet (or not the gateway on that port)
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"stack not ready after {timeout_s} s; logs in {logs}")

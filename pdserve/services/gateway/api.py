@@ -1,0 +1,116 @@
+"""Routes: OpenAI-compatible generation (chat, completions, responses), the model list, and
+vLLM's /tokenize and /detokenize (API key and rate limit checked first); the version, liveness,
+readiness and Prometheus metrics (open)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import REGISTRY
+from prometheus_client.exposition import choose_encoder
+
+from pdserve.services.gateway.checks import check_model
+from pdserve.services.gateway.deps import GatewayDep, authorize
+from pdserve.services.gateway.errors import APIError
+from pdserve.services.gateway.generate import chat_ids, generate
+from pdserve.services.gateway.responses import respond
+from pdserve.services.gateway.responses_request import ResponsesRequest
+from pdserve.services.gateway.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from pdserve.shared.metrics import openmetrics_names_kept
+
+ops = APIRouter()  # version, metrics, health, ready: no key
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
+tokens = APIRouter(dependencies=[Depends(authorize)])  # vLLM's, beside /v1
+# response_model=None: a route's `-> dict` is for mypy, not a response schema of its OpenAPI document
+
+
+@v1.post("/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request, gw: GatewayDep) -> Response:
+    return await generate(gw, request, body, "chat")
+
+
+@v1.post("/completions")
+async def completions(body: CompletionRequest, request: Request, gw: GatewayDep) -> Response:
+    return await generate(gw, request, body, "text")
+
+
+@v1.post("/responses")
+async def responses(body: ResponsesRequest, request: Request, gw: GatewayDep) -> Response:
+    return await respond(gw, request, body)
+
+
+def _model(gw: GatewayDep) -> dict:
+    return {"id": gw.settings.model_name, "object": "model", "created": 0, "owned_by": "pdserve",
+            "max_model_len": gw.model_config.max_position}
+
+
+@v1.get("/models", response_model=None)
+async def models(gw: GatewayDep) -> dict:
+    return {"object": "list", "data": [_model(gw)]}
+
+
+@v1.get("/models/{model_id:path}", response_model=None)
+async def model(model_id: str, gw: GatewayDep) -> dict:
+    check_model(gw, model_id)
+    return _model(gw)
+
+
+@tokens.post("/tokenize", response_model=None)
+async def tokenize(body: TokenizeRequest, gw: GatewayDep) -> dict:
+    """A text's tokens, or a conversation's through the chat template (as a chat request's)."""
+    check_model(gw, body.model)
+    if body.messages is not None:
+        ids = chat_ids(gw, ChatCompletionRequest(model=gw.settings.model_name, messages=body.messages))
+    elif body.add_special_tokens:
+        ids = gw.tokenizer.encode(body.prompt or "")
+    else:
+        ids = gw.tokenizer.tok.encode(body.prompt or "", add_special_tokens=False).ids
+    return {"count": len(ids), "max_model_len": gw.model_config.max_position, "tokens": ids, "token_strs": None}
+
+
+@tokens.post("/detokenize", response_model=None)
+async def detokenize(body: DetokenizeRequest, gw: GatewayDep) -> dict:
+    check_model(gw, body.model)
+    if any(not 0 <= t < gw.model_config.vocab_size for t in body.tokens):
+        raise APIError(400, "tokens has ids outside the vocabulary.", param="tokens")
+    return {"prompt": gw.tokenizer.decode(body.tokens)}
+
+
+@ops.get("/version", response_model=None)
+async def version() -> dict:
+    return {"version": importlib.metadata.version("pdserve")}
+
+
+@ops.get("/metrics", include_in_schema=False)
+async def metrics(request: Request) -> Response:
+    """Prometheus text, or OpenMetrics (with trace-id exemplars) when the scraper asks for it."""
+    encode, content_type = choose_encoder(openmetrics_names_kept(request.headers.get("accept", "")))
+    return Response(encode(REGISTRY), media_type=content_type)
+
+
+@ops.get("/health", response_model=None)
+async def health() -> dict:
+    return {"status": "ok"}
+
+
+@ops.get("/ready")
+async def ready(gw: GatewayDep) -> JSONResponse:
+    """Ready when NATS is connected and a router and the worker pools are registered."""
+    try:
+        workers = await gw.state.registry.workers()
+    except Exception as e:  # noqa: BLE001 - Redis unreachable
+        return JSONResponse({"ready": False, "reason": f"state store: {e}"}, status_code=503)
+    count = {role: sum(w.role == role for w in workers) for role in ("router", "prefill", "decode")}
+    missing = [role for role, n in count.items()
+               if n == 0 and (role != "prefill" or gw.settings.require_prefill)]
+    if not gw.bus.nc.is_connected:
+        missing.append("nats")
+    body = {"ready": not missing, "workers": count, "missing": missing}
+    return JSONResponse(body, status_code=503 if missing else 200)

@@ -1,0 +1,70 @@
+"""The same-host segment as a KV transport: `SameHost` puts this process's segment (a prefill
+worker's, pdserve/shared/kv/segment.py `Segment`) or its mappings of other processes' segments (a decode
+worker's, `Segments`) in front of a transport between hosts. A payload for a peer on this host
+is written into a region of the segment (`place`) and read out of it (`read`); every other
+payload goes through the inner transport on its tag. The KVLayer notice says which (`segment`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from pdserve.shared.kv.base import KVTransport
+from pdserve.shared.kv.segment import Segment, Segments
+from pdserve.shared.messages import SegmentRef
+
+INLINE_COPY = 1 << 20  # larger copies out of a segment (and a first mapping) run off the event loop
+
+
+class SameHost(KVTransport):
+    def __init__(self, inner: KVTransport, segment: Segment | None = None, segments: Segments | None = None):
+        super().__init__(inner.faults)
+        self.inner, self.segment, self.segments = inner, segment, segments
+        self.name = inner.name
+
+    @property
+    def address(self) -> str:
+        return self.inner.address
+
+    @property
+    def host(self) -> str:
+        if self.segment is not None:
+            return self.segment.host
+        return self.segments.host if self.segments is not None else ""
+
+    def place(self, peer_host: str, nbytes: int) -> tuple[SegmentRef, np.ndarray] | None:
+        if self.segment is None or not peer_host or peer_host != self.segment.host:
+            return None
+        return self.segment.take(nbytes)
+
+    def release(self, ref: SegmentRef) -> None:
+        if self.segment is not None:
+            self.segment.give(ref)
+
+    async def read(self, owner: str, ref: SegmentRef, out: np.ndarray) -> None:
+        if self.segments is None:
+            raise OSError("this process reads no segment")
+        if out.nbytes <= INLINE_COPY and self.segments.mapped(owner, ref):
+            self.segments.read(owner, ref, out)   # (the placed prefill worker's: no other)
+        else:
+            await asyncio.to_thread(self.segments.read, owner, ref, out)
+
+    async def _send(self, peer: str, tag: int, payload: np.ndarray) -> None:
+        await self.inner._send(peer, tag, payload)
+
+    async def recv(self, tag: int, out: np.ndarray) -> None:
+        await self.inner.recv(tag, out)
+
+    def has_endpoint(self, peer: str) -> bool:
+        return self.inner.has_endpoint(peer)
+
+    async def forget(self, peer: str) -> None:
+        await self.inner.forget(peer)
+
+    async def close(self) -> None:
+        if self.segment is not None:
+            self.segment.close()
+        await self.inner.close()
+
