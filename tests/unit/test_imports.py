@@ -103,3 +103,33 @@ def test_no_import_circle_within_a_service(service):
 def test_the_circle_finder_finds_one():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"], ["b", "c", "a"],
                                                                          ["c", "a", "b"]]
+
+
+def loaded_at_import(module: str) -> set[str]:
+    """The modules importing `module` loads: its top-level imports (not those inside functions or under
+    `if TYPE_CHECKING`), followed through pdserve's own modules."""
+    seen, todo = set(), [module]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        path = ROOT / Path(*name.split(".")).with_suffix(".py")
+        if not path.exists():
+            path = path.with_suffix("") / "__init__.py"
+        if not name.startswith("pdserve.") or not path.exists():
+            continue
+        for node in ast.parse(path.read_text()).body:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module, *(f"{node.module}.{a.name}" for a in node.names)] \
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+            parents = {".".join(n.split(".")[:i]) for n in names for i in range(1, n.count(".") + 1)}
+            todo += [n for n in (*names, *parents) if n not in seen]
+    return seen
+
+
+def test_the_router_starts_without_torch():
+    """The router places requests from numbers: its process loads neither torch nor transformers
+    (each costs seconds and hundreds of MB at start)."""
+    loaded = {m.split(".")[0] for m in loaded_at_import("pdserve.services.router.main")}
+    assert not loaded & {"torch", "transformers", "xgrammar"}

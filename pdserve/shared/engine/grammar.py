@@ -26,10 +26,10 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-import torch
 
-if TYPE_CHECKING:  # imported where first used: the library costs a second at import, and most
-    import xgrammar as xgr  # processes importing this module (the router, a gateway's messages) never match
+if TYPE_CHECKING:  # imported where first used: each costs a second or two at import, and most
+    import torch  # processes importing this module (the router, a gateway's messages) never match
+    import xgrammar as xgr
 
     from pdserve.shared.engine.tokenizer import Tokenizer
 
@@ -161,6 +161,7 @@ def mask_rows(logits: torch.Tensor, matchers: dict[int, Matcher]) -> None:
     On the CPU the bitmask is unpacked with numpy and the rows written with one masked copy:
     about 4x faster than xgrammar's CPU kernel on mostly-masked rows of this vocabulary (0.3
     against 1.1-1.6 ms at batch 8 on this machine); elsewhere, xgrammar's kernel."""
+    import torch
     import xgrammar as xgr
     rows, vocab = list(matchers), logits.shape[1]
     bitmask = xgr.allocate_token_bitmask(logits.shape[0], vocab)

@@ -8,9 +8,10 @@ figure on a prefill worker or a decode worker.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-import torch
+if TYPE_CHECKING:  # (imported where used: the messages, and so the router, take Logprob without torch)
+    import torch
 
 MAX_TOP = 20  # alternatives per token at most (OpenAI's top_logprobs limit)
 
@@ -24,14 +25,15 @@ class Logprob(NamedTuple):
     top: list[tuple[int, float]]
 
 
-@torch.inference_mode()
 def logprobs_of(logits: torch.Tensor, tokens: list[int], top: int) -> list[Logprob]:
     """logits (n, vocab), one row scoring each of `tokens`; `top` alternatives each."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, torch.tensor(tokens, dtype=torch.long, device=lp.device)[:, None])[:, 0].tolist()
-    if top > 0:
-        values, ids = torch.topk(lp, min(top, lp.shape[-1]), dim=-1)
-        alts = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-    else:
-        alts = [[] for _ in tokens]
+    import torch
+    with torch.inference_mode():
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        chosen = lp.gather(1, torch.tensor(tokens, dtype=torch.long, device=lp.device)[:, None])[:, 0].tolist()
+        if top > 0:
+            values, ids = torch.topk(lp, min(top, lp.shape[-1]), dim=-1)
+            alts = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+        else:
+            alts = [[] for _ in tokens]
     return [Logprob(t, c, a) for t, c, a in zip(tokens, chosen, alts)]
