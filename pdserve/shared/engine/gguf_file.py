@@ -27,7 +27,7 @@ import torch
 from pdserve.shared.engine import gguf_tensors
 from pdserve.shared.engine.architectures import ARCHITECTURES, model_config
 from pdserve.shared.engine.config import ModelConfig
-from pdserve.shared.engine.gguf_tensors import FileTensor
+from pdserve.shared.engine.gguf_tensors import FileTensor, metadata
 from pdserve.shared.engine.model import pack_plan
 from pdserve.shared.engine.rope import Rope
 from pdserve.shared.engine.weights import Packed, pack
@@ -43,15 +43,6 @@ _LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_laye
 _MODEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}  # 27B: queries scaled by hidden/heads, not head_dim
 _MODEL_TYPES = {"gemma3": "gemma3_text"}  # GGUF architecture -> transformers model_type, where they differ
-
-
-def metadata(path: Path, string_arrays: tuple[str, ...] = ()) -> tuple[dict, tuple[str, ...]]:
-    """The file's metadata (its arrays of strings as their lengths, but `string_arrays`'s) and
-    tensor names, read without the tensors (transformers' GGUF reader: well under a second where
-    gguf-py's reader parses every vocabulary entry first)."""
-    from transformers.integrations.gguf.reader import read_gguf_metadata
-
-    return read_gguf_metadata(str(path), string_arrays)
 
 
 def model_type(meta: dict) -> str:

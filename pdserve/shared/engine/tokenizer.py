@@ -151,7 +151,7 @@ class Tokenizer:
         other kind (SentencePiece `llama`, as Gemma, Llama 2 and Mistral files carry) by
         transformers' GGUF converter, which gives each architecture's normalizer, pre-tokenizer
         and decoder."""
-        from pdserve.shared.engine.gguf_file import metadata
+        from pdserve.shared.engine.gguf_tensors import metadata
 
         meta, _ = metadata(path, ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"))
         if meta.get("tokenizer.ggml.model") != "gpt2":
