@@ -1,7 +1,7 @@
 """Failures on the live stack: a prefill worker killed mid-job costs its lease, not the KV
-deadline, and not the request: its job moves to another prefill worker. The tests of the
-breaker, the refused queue and the decode workers' failover and drain run the fake model
-(tests/stack/conftest.py): the path is what they test, not the model's numbers."""
+deadline, and not the request: its job moves to another prefill worker. They run the fake model
+(tests/stack/conftest.py): the path is what they test, not the model's numbers; each answer
+equals the in-process engine's on the same model."""
 
 from __future__ import annotations
 
@@ -20,12 +20,11 @@ from pdserve.shared.engine.sequence import SamplingParams
 from pdserve.shared.state import log_key, request_key, route_key, worker_key
 from pdserve.shared.urls import sync_redis
 
-pytestmark = pytest.mark.slow
 DOCUMENT = " ".join(f"Entry {i}: the {c} gate was opened {i * 7} times in season {i % 4}." for i, c in
                     enumerate(["red", "blue", "green", "grey", "white", "black"] * 12))
 
 
-def test_a_prefill_worker_killed_mid_prompt_costs_its_lease_not_the_request(smollm2, tmp_path):
+def test_a_prefill_worker_killed_mid_prompt_costs_its_lease_not_the_request(fake, tmp_path):
     """kill -9 of the prefill worker computing a long prompt: the decode worker sees its lease
     lapse (~3 heartbeats, not the 30 s KV deadline) and a router puts the job on the other
     prefill worker's queue; kill -9 of that one too (on a second request): with no prefill
@@ -33,11 +32,13 @@ def test_a_prefill_worker_killed_mid_prompt_costs_its_lease_not_the_request(smol
     engine's, and no KV block stays taken."""
     # two documents (the second is not in a prefix cache when asked)
     asks = [[{"role": "user", "content": f"Report {n}. " + DOCUMENT + " Which gate was opened most?"}] for n in "AB"]
-    tok = smollm2.tokenizer
+    tok = fake.tokenizer
     prompts = {i: tok.encode(tok.apply_chat_template(m)) for i, m in enumerate(asks)}
-    expected = generate(smollm2, prompts, SamplingParams(max_tokens=8, temperature=0))
-    cfg = StackConfig.on_free_ports(prefill=2, decode=1, kv_blocks=512, log_dir=tmp_path,
-                                    env={"PD_HEARTBEAT_S": "0.3", "PD_KV_TIMEOUT_S": "30"})
+    expected = generate(fake, prompts, SamplingParams(max_tokens=8, temperature=0))
+    slow = {"PD_FAKE_STEP_S": "1"}   # a prompt of 2 chunks takes the prefill worker 2 s: caught computing it
+    cfg = StackConfig.on_free_ports(prefill=2, decode=1, kv_blocks=512, log_dir=tmp_path, model=FAKE,
+                                    env=fake_env(PD_HEARTBEAT_S="0.3", PD_KV_TIMEOUT_S="30", PD_PLACEMENT="remote"),
+                                    worker_env={"prefill-0": slow, "prefill-1": slow})
     with Stack(cfg) as stack, ThreadPoolExecutor(1) as pool:
         store = sync_redis(stack.redis_url)
 
@@ -80,6 +81,7 @@ def test_a_prefill_worker_killed_mid_prompt_costs_its_lease_not_the_request(smol
           f"{local_s:.1f} s later on the decode worker with none left ({len(prompts[0])}-token prompts)")
 
 
+@pytest.mark.slow   # (the session's stack: the real model)
 def test_200_streams_cancelled_at_random_points_leave_no_block_taken(stack):
     """Clients hang up at random moments — before the placement, during prefill or the KV
     handoff, after some tokens — 25 at a time; afterwards every process is up and every
@@ -197,18 +199,19 @@ def test_a_prefill_job_the_queue_refuses_is_prefilled_on_the_decode_worker_at_on
     assert took < 20, took
 
 
-def test_a_frozen_prefill_worker_loses_the_job_to_another_in_about_its_predicted_time(smollm2, tmp_path):
+def test_a_frozen_prefill_worker_loses_the_job_to_another_in_about_its_predicted_time(fake, tmp_path):
     """prefill-0's engine step hangs while it heartbeats on (its lease holds): the decode
     worker counts it frozen once the step has run past the prefill's predicted time and 3x
     the worker's longest recent step or full pass (256 tokens here; at least the 2 s floor)
     instead of the 30 s ceiling, then a router puts the job on prefill-1's queue. The answer
     equals the in-process engine's; nothing is prefilled on the decode worker."""
     messages = [{"role": "user", "content": "Name three rivers of Europe."}]
-    tok = smollm2.tokenizer
-    expected = generate(smollm2, {"q": tok.encode(tok.apply_chat_template(messages))},
+    tok = fake.tokenizer
+    expected = generate(fake, {"q": tok.encode(tok.apply_chat_template(messages))},
                         SamplingParams(max_tokens=8, temperature=0))["q"]
-    cfg = StackConfig.on_free_ports(prefill=2, decode=1, kv_blocks=512, log_dir=tmp_path,
-                                    env={"PD_HEARTBEAT_S": "0.3", "PD_KV_TIMEOUT_S": "30", "PD_KV_MIN_TIMEOUT_S": "2",
+    cfg = StackConfig.on_free_ports(prefill=2, decode=1, kv_blocks=512, log_dir=tmp_path, model=FAKE,
+                                    env={**fake_env(), "PD_HEARTBEAT_S": "0.3", "PD_KV_TIMEOUT_S": "30",
+                                         "PD_KV_MIN_TIMEOUT_S": "2",
                                          "PD_MAX_BATCHED_TOKENS": "256", "PD_PREFILL_CHUNK": "256",
                                          # by soonest, the faster-measured worker takes the first request and,
                                          # its prefix cached, every later one: prefill-0 might never get one
