@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import generate, run_all, tokens, transfer
+from helpers import generate, gguf_parsed_once, run_all, tokens, transfer
 
 from bench.engine.quality import reference_greedy
 from pdserve.shared.engine.config import EngineConfig
@@ -29,7 +29,14 @@ def gemma(gemma3):
 
 
 @pytest.fixture(scope="module")
-def hf_gemma():
+def parsed_once():
+    """transformers' three reads of the file (config, weights, tokenizer) share one parse (tests/helpers.py)."""
+    with gguf_parsed_once():
+        yield
+
+
+@pytest.fixture(scope="module")
+def hf_gemma(parsed_once):
     from transformers import AutoModelForCausalLM
 
     path = gemma3_path()
@@ -41,7 +48,7 @@ def prompts(gemma):
     return {name: gemma.tokenizer.encode(text) for name, text in TEXTS.items()}
 
 
-def test_the_sentencepiece_tokenizer_equals_transformers(gemma, prompts):
+def test_the_sentencepiece_tokenizer_equals_transformers(gemma, prompts, parsed_once):
     from transformers import AutoTokenizer
 
     path = gemma3_path()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import generate, pass_logits, run_all, tokens, transfer
+from helpers import generate, gguf_parsed_once, pass_logits, run_all, tokens, transfer
 
 from bench.engine.quality import reference_greedy
 from pdserve.shared.engine.config import EngineConfig
@@ -26,7 +26,14 @@ def prompts(smollm2):
 
 
 @pytest.fixture(scope="module")
-def hf_model():
+def parsed_once():
+    """transformers' three reads of the file (config, weights, tokenizer) share one parse (tests/helpers.py)."""
+    with gguf_parsed_once():
+        yield
+
+
+@pytest.fixture(scope="module")
+def hf_model(parsed_once):
     from transformers import AutoModelForCausalLM
 
     path = smollm2_path()
