@@ -1,5 +1,6 @@
 """Shared fixtures. The real models (SmolLM2, its native-weights load, Gemma 3) and the
-transformers reference load once per session. The run's guard against processes left behind
+transformers reference load once per session, and the real stack starts once (the clients'
+tests and the stack tests on the real model share it). The run's guard against processes left behind
 (tests/process_guard.py) hooks in here."""
 
 from __future__ import annotations
@@ -70,7 +71,36 @@ def gemma3():
 @pytest.fixture(scope="session")
 def tokenizer():
 
-    from pdserve.shared.engine.loader import smollm2_path
+    from pdserve.shared.engine.sources import smollm2_path
     from pdserve.shared.engine.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(smollm2_path())
+
+
+@pytest.fixture(scope="session")
+def otlp():
+    from pdserve.shared.tools.otlp_sink import OtlpReceiver
+
+    receiver = OtlpReceiver()
+    yield receiver
+    receiver.close()
+
+
+@pytest.fixture(scope="session")
+def stack(otlp, tmp_path_factory):
+    """The real stack, 1 prefill + 1 decode worker on SmolLM2, exporting traces to the in-process receiver."""
+    from pdserve.local.stack import Stack, StackConfig
+
+    cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=1024,
+                                    log_dir=tmp_path_factory.mktemp("stack-logs"),
+                                    env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.url,
+                                         "PD_TRACE_BAGGAGE_KEYS": "app.tenant"})  # (tests/stack/test_ids.py)
+    with Stack(cfg) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def client(stack):
+    from openai import OpenAI
+
+    return OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120)

@@ -52,7 +52,8 @@ from bench.engine.timing import (
 )
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.engine import Engine
-from pdserve.shared.engine.loader import load, smollm2_path
+from pdserve.shared.engine.loader import load
+from pdserve.shared.engine.sources import smollm2_path
 
 RESULTS = Path(__file__).parents[1] / "results"
 

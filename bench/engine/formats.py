@@ -36,7 +36,8 @@ from bench.engine.timing import PREFILLS, engine_arm, greedy, llamacpp_arm, rati
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.engine import Engine
 from pdserve.shared.engine.kernels import cc
-from pdserve.shared.engine.loader import gemma3_path, load, smollm2_path
+from pdserve.shared.engine.loader import load
+from pdserve.shared.engine.sources import gemma3_path, smollm2_path
 
 RESULTS = Path(__file__).parents[1] / "results"
 CACHE = Path.home() / ".cache" / "pdserve" / "models"

@@ -3,20 +3,17 @@ what it runs)`, a row of bench/results/clients.json. A test whose client is inst
 a venv of its own (.venv-clients/<name>) nor in the project's is deselected (`make test`: the
 openai SDK and LangChain run, the others need `make test-clients`), unless PD_CLIENTS_REQUIRED is
 set (`make test-clients`: a client that did not install fails). PD_CLIENTS_RESULTS names the file
-the rows go to."""
+the rows go to. The stack is the session's real one (tests/conftest.py)."""
 
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
 import venvs
 from record import Row, outcome, row_of, write
 from steps import MODEL
-
-from pdserve.local.stack import Stack, StackConfig
 
 ROWS: dict[str, Row] = {}
 
@@ -65,22 +62,12 @@ def record(request):
 
 
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory):
-    cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=1024,
-                                    log_dir=tmp_path_factory.mktemp("client-stack-logs"))
-    start = time.monotonic()
-    with Stack(cfg) as s:
-        s.start_s = round(time.monotonic() - start, 1)  # type: ignore[attr-defined]
-        yield s
-
-
-@pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> Path:
     """SmolLM2's tokenizer as a Hugging Face directory (tokenizer.json, chat template), converted
     from the GGUF: what guidellm and lm-eval load in place of a Hub id."""
     from transformers import AutoTokenizer
 
-    from pdserve.shared.engine.loader import smollm2_path
+    from pdserve.shared.engine.sources import smollm2_path
 
     path, out = smollm2_path(), tmp_path_factory.mktemp("smollm2-tokenizer")
     AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(out)

@@ -22,10 +22,11 @@ from bench.engine import tiny_archs
 from bench.engine.quality import logits_all, reference_greedy
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.engine import Engine
-from pdserve.shared.engine.loader import inspect, load
+from pdserve.shared.engine.loader import load
 from pdserve.shared.engine.model import DecoderModel
 from pdserve.shared.engine.rope import Rope
 from pdserve.shared.engine.sequence import SamplingParams
+from pdserve.shared.engine.sources import inspect
 
 NEW = 12
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)

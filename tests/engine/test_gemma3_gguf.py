@@ -11,8 +11,8 @@ from helpers import generate, gguf_parsed_once, run_all, tokens, transfer
 from bench.engine.quality import reference_greedy
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.engine import Engine
-from pdserve.shared.engine.loader import gemma3_path
 from pdserve.shared.engine.sequence import SamplingParams
+from pdserve.shared.engine.sources import gemma3_path
 from pdserve.shared.tools.held_prompts import DOCUMENT
 
 pytestmark = pytest.mark.slow

@@ -9,8 +9,9 @@ from helpers import generate, gguf_parsed_once, pass_logits, run_all, tokens, tr
 from bench.engine.quality import reference_greedy
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.engine import Engine
-from pdserve.shared.engine.loader import load, smollm2_path
+from pdserve.shared.engine.loader import load
 from pdserve.shared.engine.sequence import SamplingParams
+from pdserve.shared.engine.sources import smollm2_path
 from pdserve.shared.tools.held_prompts import CONVERSATIONS
 
 pytestmark = pytest.mark.slow

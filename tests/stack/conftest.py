@@ -1,12 +1,12 @@
 """The real stack as processes on free ports: nats-server, redis-server, router, gateway, workers;
-with the real model, or the fake one where the model is not what is tested (FAKE, fake_env)."""
+with the real model (tests/conftest.py's session `stack`, the clients' too), or the fake one where
+the model is not what is tested (FAKE, fake_env, the session's `fake_stack`)."""
 
 from __future__ import annotations
 
 import pytest
 
 from pdserve.local.stack import Stack, StackConfig
-from pdserve.shared.tools.otlp_sink import OtlpReceiver
 
 MODEL = "SmolLM2-135M-Instruct"
 # the fake model (pdserve/shared/engine/fake.py), for the tests of routing, failover, cancellation and the
@@ -17,31 +17,6 @@ FAKE = "fake:smollm2"
 def fake_env(step_s: float = 0.0, **env: str) -> dict[str, str]:
     """A fake-model stack's environment (`env` on top): MODEL's name, `step_s` slept per forward pass."""
     return {"PD_MODEL_NAME": MODEL, "PD_FAKE_STEP_S": str(step_s), **env}
-
-
-@pytest.fixture(scope="session")
-def otlp():
-    receiver = OtlpReceiver()
-    yield receiver
-    receiver.close()
-
-
-@pytest.fixture(scope="session")
-def stack(otlp, tmp_path_factory):
-    """1 prefill + 1 decode worker, exporting traces to the in-process receiver."""
-    cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=1024,
-                                    log_dir=tmp_path_factory.mktemp("stack-logs"),
-                                    env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.url,
-                                         "PD_TRACE_BAGGAGE_KEYS": "app.tenant"})  # (tests/stack/test_ids.py)
-    with Stack(cfg) as s:
-        yield s
-
-
-@pytest.fixture(scope="session")
-def client(stack):
-    from openai import OpenAI
-
-    return OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="session")

@@ -11,11 +11,12 @@ from helpers import generate, run_all, tokens
 
 from pdserve.local.stack import StackConfig
 from pdserve.shared.config import DecodeSettings, GatewaySettings, PrefillSettings, WorkerSettings, model_id
-from pdserve.shared.engine import fake
+from pdserve.shared.engine import fake, sources
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.engine import Engine
-from pdserve.shared.engine.loader import inspect, load
+from pdserve.shared.engine.loader import load
 from pdserve.shared.engine.sequence import SamplingParams
+from pdserve.shared.engine.sources import inspect
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 
@@ -124,7 +125,7 @@ def test_a_step_time_is_slept_per_pass(prompts):
 
 def test_it_is_never_the_default():
     for settings in (WorkerSettings, PrefillSettings, DecodeSettings, GatewaySettings):
-        assert not fake.is_fake(settings.model_fields["model"].default)
+        assert not sources.is_fake(settings.model_fields["model"].default)
         assert settings.model_fields["model"].default == "smollm2"
     assert StackConfig().model == "smollm2"
     assert WorkerSettings.model_fields["fake_step_s"].default == 0

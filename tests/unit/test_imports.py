@@ -128,8 +128,11 @@ def loaded_at_import(module: str) -> set[str]:
     return seen
 
 
-def test_the_router_starts_without_torch():
-    """The router places requests from numbers: its process loads neither torch nor transformers
-    (each costs seconds and hundreds of MB at start)."""
-    loaded = {m.split(".")[0] for m in loaded_at_import("pdserve.services.router.main")}
+@pytest.mark.parametrize("service", ["router", "gateway"])
+def test_the_router_and_the_gateway_import_without_torch(service):
+    """The router places requests from numbers, the gateway reads a model's architecture and
+    tokenizer (pdserve/shared/engine/sources.py): neither imports torch, transformers or xgrammar at
+    start (each costs seconds and hundreds of MB; a gateway's GGUF architecture is read through
+    transformers' mapping when it starts, a grammar compiled when one is asked for)."""
+    loaded = {m.split(".")[0] for m in loaded_at_import(f"pdserve.services.{service}.main")}
     assert not loaded & {"torch", "transformers", "xgrammar"}

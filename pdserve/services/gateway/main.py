@@ -42,7 +42,7 @@ from pdserve.shared.bus import Bus
 from pdserve.shared.config import GatewaySettings
 from pdserve.shared.engine import grammar
 from pdserve.shared.engine.config import ModelConfig
-from pdserve.shared.engine.loader import inspect
+from pdserve.shared.engine.sources import inspect
 from pdserve.shared.engine.tokenizer import Tokenizer, template_text
 from pdserve.shared.messages import WorkerInfo
 from pdserve.shared.service import heartbeat, setup_logging, started

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # (imported where a dtype is made: a gateway reads a ModelConfig without it)
+    import torch
 
 from pdserve.shared.engine.rope import Rope
 
@@ -115,6 +117,8 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype is not None:
             return self.dtype
         return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
@@ -124,6 +128,6 @@ class EngineConfig:
         if self.num_blocks is not None:
             return self.num_blocks
         assert self.kv_cache_gib is not None  # one of the two is set (checked when made)
-        elem = torch.empty((), dtype=self.torch_dtype).element_size()
+        elem = self.torch_dtype.itemsize
         per_block = 2 * model.num_layers * self.block_size * model.num_kv_heads * model.head_dim * elem
         return max(1, int(self.kv_cache_gib * 2**30) // per_block)

@@ -26,35 +26,13 @@ import torch
 from pdserve.shared.engine.batch import ForwardBatch, LayerHook
 from pdserve.shared.engine.config import ModelConfig
 from pdserve.shared.engine.kernels.torch_ref import kv_rows, write_kv
-from pdserve.shared.engine.rope import Rope
 from pdserve.shared.engine.tokenizer import Tokenizer
 
-PREFIX = "fake:"
 MODULUS = 16_777_213           # digests are below 2**24: three bytes
 START = 7                      # the digest before a sequence's first token
 SPREAD = 8                     # the words a digest gives a score to (sampling picks among them)
 FLOOR = -20.0                  # every other token's logit
 WORD = re.compile(r"^Ġ[a-z]{3,}$")   # a byte-level piece: a space, then a lowercase word
-
-# the KV shape and vocabulary of each base the fake stands in for (those of the real files,
-# tests/unit/test_fake_model.py compares them), without reading the file's tensors
-BASES = {"smollm2": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-                                num_heads=9, num_kv_heads=3, head_dim=64, rope=Rope(theta=100000.0),
-                                rms_norm_eps=1e-5, max_position=8192, tie_embeddings=True, bos_token_id=1,
-                                eos_token_ids=(2,), rotary_dim=64)}
-
-
-def is_fake(source: str) -> bool:
-    return source.startswith(PREFIX)
-
-
-def base_of(source: str) -> str:
-    """`fake:<base>`'s base, one of BASES."""
-    base = source.removeprefix(PREFIX)
-    if base not in BASES:
-        raise ValueError(f"unknown fake model {source!r}: expected {', '.join(PREFIX + b for b in BASES)}")
-    return base
-
 
 def digest(before: int, token: int) -> int:
     return (before * 31 + token + 1) % MODULUS

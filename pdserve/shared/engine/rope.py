@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # (imported where the frequencies are computed: a config is read without it)
+    import torch
 
 SCALINGS = ("default", "linear", "dynamic", "llama3", "yarn", "factors")
 
@@ -41,6 +43,8 @@ class Rope:
 
     def frequencies(self, dim: int, max_position: int) -> tuple[torch.Tensor, float]:
         """(inverse frequencies (dim/2,) fp32, attention factor) for `dim` rotated dimensions."""
+        import torch
+
         p: dict = dict(self.params)
         inv = 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         if self.kind == "linear":
@@ -57,6 +61,8 @@ class Rope:
 
 
 def _llama3(inv: torch.Tensor, p: dict) -> torch.Tensor:
+    import torch
+
     factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
     old = p["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv
@@ -68,6 +74,8 @@ def _llama3(inv: torch.Tensor, p: dict) -> torch.Tensor:
 
 
 def _yarn(base: float, dim: int, p: dict, max_position: int) -> tuple[torch.Tensor, float]:
+    import torch
+
     original = p["original_max_position_embeddings"]
     factor = p.get("factor") or max_position / original
 
