@@ -179,8 +179,9 @@ def test_a_prefill_job_the_queue_refuses_is_prefilled_on_the_decode_worker_at_on
         await js.publish(subjects.prefill_jobs("nobody"), b"{}")  # never taken: the queue stays full
         await nc.close()
 
+    # (the streams' keeper would set the stream's limits back within its 5 s: not within this test)
     cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=512, log_dir=tmp_path, model=FAKE,
-                                    env=fake_env(PD_KV_TIMEOUT_S="60"))
+                                    env=fake_env(PD_KV_TIMEOUT_S="60", PD_KEEP_S="3600"))
     with Stack(cfg) as stack:
         asyncio.run(fill_queue(stack.nats_url))
         start = time.monotonic()
