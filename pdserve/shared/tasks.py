@@ -1,5 +1,4 @@
-"""Tasks that run to their end whoever awaits them (or nobody does), steps run every period, and
-warm-ups on a thread of their own at the lowest priority.
+"""Tasks that run to their end whoever awaits them (or nobody does), and steps run every period.
 
 asyncio keeps only weak references to tasks, so a task nobody holds may be collected
 mid-flight, and a failure nobody retrieves is reported as "never retrieved" at exit. A
@@ -9,10 +8,7 @@ mid-flight, and a failure nobody retrieves is reported as "never retrieved" at e
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
-import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 
 
@@ -51,17 +47,3 @@ async def every(period_s: float, step: Callable[[], Awaitable[object]], stop: as
             await asyncio.wait_for(stop.wait(), period_s)
         except TimeoutError:
             pass
-
-
-def warm_up(work: Callable[[], object], name: str) -> threading.Thread:
-    """`work` (a library's import, a table: seconds of CPU) on a daemon thread of its own at the
-    lowest priority (Linux's nice is per thread): beside its process's start and its neighbours',
-    never in front of them."""
-    def run() -> None:
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        work()
-
-    thread = threading.Thread(target=run, name=name, daemon=True)
-    thread.start()
-    return thread

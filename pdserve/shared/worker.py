@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import uuid
 from collections.abc import Callable, Mapping
 from contextlib import AsyncExitStack
@@ -27,7 +28,6 @@ from pdserve.shared.prefix_events import PrefixEventPublisher
 from pdserve.shared.prefix_index import PrefixPublisher
 from pdserve.shared.service import connect, stop_event
 from pdserve.shared.state import State
-from pdserve.shared.tasks import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def build_engine(settings: WorkerSettings) -> Engine:
     engine = Engine(loaded, cfg)
     if engine.tokenizer is not None:  # structured output's tables, built beside the start (a few seconds,
         # mostly the library's import), not on a structured request's first token
-        warm_up(lambda: engine.grammars, "grammars")
+        threading.Thread(target=lambda: engine.grammars, name="grammars", daemon=True).start()
     return engine
 
 

@@ -19,7 +19,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import threading
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -46,7 +49,7 @@ from pdserve.shared.engine.tokenizer import Tokenizer, template_text
 from pdserve.shared.messages import WorkerInfo
 from pdserve.shared.service import heartbeat, setup_logging, started
 from pdserve.shared.state import State
-from pdserve.shared.tasks import every, warm_up
+from pdserve.shared.tasks import every
 
 log = logging.getLogger("gateway")
 
@@ -110,8 +113,17 @@ async def load_model(settings: GatewaySettings) -> tuple[ModelConfig, Tokenizer]
         raise RuntimeError(f"model {settings.model!r} has no tokenizer; the gateway needs one")
     if settings.chat_template:
         tokenizer.chat_template = template_text(settings.chat_template)
-    warm_up(lambda: grammar.check(grammar.Grammar("json_object")), "grammars")
+    threading.Thread(target=warm_grammars, name="grammars", daemon=True).start()
     return model_config, tokenizer
+
+
+def warm_grammars() -> None:
+    """The grammar library loaded (seconds of CPU: it imports torch) at the lowest priority, on
+    this thread alone (Linux's nice is per thread): beside the start of this process and of its
+    neighbours, never in front of them."""
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    grammar.check(grammar.Grammar("json_object"))
 
 
 def build_gateway(settings: GatewaySettings, keys: KeyCheck, bus: Bus, state: State,
