@@ -19,9 +19,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 import threading
 import uuid
 from collections.abc import AsyncIterator
@@ -113,17 +111,9 @@ async def load_model(settings: GatewaySettings) -> tuple[ModelConfig, Tokenizer]
         raise RuntimeError(f"model {settings.model!r} has no tokenizer; the gateway needs one")
     if settings.chat_template:
         tokenizer.chat_template = template_text(settings.chat_template)
-    threading.Thread(target=warm_grammars, name="grammars", daemon=True).start()
+    threading.Thread(target=grammar.check, args=(grammar.Grammar("json_object"),), name="grammars",
+                     daemon=True).start()
     return model_config, tokenizer
-
-
-def warm_grammars() -> None:
-    """The grammar library loaded (seconds of CPU: it imports torch) at the lowest priority, on
-    this thread alone (Linux's nice is per thread): beside the start of this process and of its
-    neighbours, never in front of them."""
-    with contextlib.suppress(OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    grammar.check(grammar.Grammar("json_object"))
 
 
 def build_gateway(settings: GatewaySettings, keys: KeyCheck, bus: Bus, state: State,
