@@ -22,8 +22,7 @@ import redis.asyncio as aioredis
 from bench.scale.fleet_process import FleetProcess
 from bench.scale.meters import Meters, cpu_s
 from bench.scale.plan import FleetWorker
-from pdserve.local import readiness
-from pdserve.local.servers import binary, free_port
+from pdserve.local.servers import binary, free_port, wait_for_port
 from pdserve.local.stack import Stack, StackConfig
 from pdserve.shared.bus import Bus
 from pdserve.shared.state import State
@@ -49,7 +48,7 @@ class Backend:
                          "-p", str(c.nats_port), "-m", str(self.monitor_port)])
         # commands over 1 ms are logged: what holds the single-threaded Redis up, per run
         s.start_redis("slowlog-log-slower-than 1000\nslowlog-max-len 4096\n")
-        readiness.wait_port("127.0.0.1", c.nats_port, 20, s.log_dir)
+        wait_for_port(c.nats_port, 20, s.procs["nats"], logs=s.log_dir)
         # the operator's keeper, as the local stack's
         s.spawn("streams", [sys.executable, "-m", "pdserve.shared.streams"],
                 {**s.service_env(), "PD_NATS_URL": s.nats_url})

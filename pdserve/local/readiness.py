@@ -1,26 +1,15 @@
-"""Waiting for the local stack's processes: a server's port, then the whole stack's readiness."""
+"""Waiting for the local stack to be ready: the gateway up with every worker registered and seen by the routers
+(a server's port: servers.wait_for_port)."""
 
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import time
 import urllib.request
 from pathlib import Path
 
 from pdserve.services.router.recent import REGISTRY_READ_S
-
-
-def wait_port(host: str, port: int, timeout_s: float, logs: Path) -> None:
-    """Until something listens on host:port."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex((host, port)) == 0:
-                return
-        time.sleep(0.05)
-    raise TimeoutError(f"nothing listening on port {port} after {timeout_s} s; logs in {logs}")
 
 
 def wait_ready(url: str, want: dict[str, int], procs: dict[str, subprocess.Popen], timeout_s: float,

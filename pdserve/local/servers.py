@@ -84,19 +84,21 @@ def claim(port: int) -> None:
     _handed_out.add(port)
 
 
-def wait_for_port(port: int, timeout_s: float = 30, proc: subprocess.Popen | None = None) -> None:
-    """Until something accepts connections on 127.0.0.1:`port` (RuntimeError after `timeout_s`, or
-    as soon as `proc`, the server that was to listen there, has exited)."""
+def wait_for_port(port: int, timeout_s: float = 30, proc: subprocess.Popen | None = None, host: str = "127.0.0.1",
+                  logs: Path | None = None) -> None:
+    """Until something accepts connections on `host`:`port` (RuntimeError after `timeout_s`, or
+    as soon as `proc`, the server that was to listen there, has exited; naming `logs` if given)."""
+    where = f"; logs in {logs}" if logs else ""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"the server for port {port} exited with {proc.returncode}")
+            raise RuntimeError(f"the server for port {port} exited with {proc.returncode}{where}")
         try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            socket.create_connection((host, port), timeout=0.2).close()
             return
         except OSError:
             time.sleep(0.05)
-    raise RuntimeError(f"nothing listens on port {port}")
+    raise RuntimeError(f"nothing listens on {host}:{port} after {timeout_s} s{where}")
 
 
 def die_with_parent() -> None:

@@ -30,7 +30,7 @@ from pdserve.local import ha, readiness, redis_cluster
 from pdserve.local.certificates import Authority, nats_block, redis_conf, redis_query
 from pdserve.local.config import StackConfig
 from pdserve.local.identities import Identities, refused
-from pdserve.local.servers import binary, die_with_parent, free_port, tls_redis_server, valkey_server
+from pdserve.local.servers import binary, die_with_parent, free_port, tls_redis_server, valkey_server, wait_for_port
 from pdserve.shared import grants
 
 
@@ -226,7 +226,7 @@ class Stack:
         self.spawn("nats", [binary("nats-server"), "-c", str(nats_conf), "-a", self.ip("nats"),
                             "-p", str(c.nats_port)])
         self.start_redis()
-        readiness.wait_port(self.ip("nats"), c.nats_port, 20, self.log_dir)
+        wait_for_port(c.nats_port, 20, self.procs["nats"], self.ip("nats"), self.log_dir)
 
     def start_redis(self, conf: str = "") -> None:
         """Redis with this run's passwords (and `conf`, more redis.conf lines): one server, or a
@@ -235,15 +235,15 @@ class Stack:
         self.redis_conf = conf
         redis_conf = self.write_redis_conf()
         if self.cfg.redis_cluster:
-            for i, port in enumerate(self.redis_ports):
-                self.spawn(f"redis-{i}", redis_cluster.node(self.data / "redis", port, redis_conf))
+            servers = [self.spawn(f"redis-{i}", redis_cluster.node(self.data / "redis", port, redis_conf))
+                       for i, port in enumerate(self.redis_ports)]
         else:
             listen = [] if self.redis_tls else ["--port", str(self.cfg.redis_port)]   # (on TLS: its conf's tls-port)
             server = tls_redis_server() if self.redis_tls else valkey_server()
-            self.spawn("redis", [server, str(redis_conf), *listen, "--bind", self.ip("redis"), "--save", "",
-                                 "--appendonly", "no", "--dir", str(self.data)])
-        for port in self.redis_ports:
-            readiness.wait_port(self.ip("redis"), port, 20, self.log_dir)
+            servers = [self.spawn("redis", [server, str(redis_conf), *listen, "--bind", self.ip("redis"), "--save",
+                                            "", "--appendonly", "no", "--dir", str(self.data)])]
+        for port, proc in zip(self.redis_ports, servers):
+            wait_for_port(port, 20, proc, self.ip("redis"), self.log_dir)
         if self.cfg.redis_cluster:
             redis_cluster.form(self.redis_ports, self.secret)
 

@@ -100,13 +100,22 @@ def metadata(path: Path, string_arrays: tuple[str, ...] = ()) -> tuple[dict, tup
     """The file's metadata (its arrays of strings as their lengths, but `string_arrays`'s) and tensor names."""
     blob = np.memmap(path, mode="r", dtype=np.uint8).data
     meta, count, pos = _header(path, blob, string_arrays)
-    names = []
+    table, _ = _table(blob, count, pos)
+    return meta, tuple(name for name, *_ in table)
+
+
+def _table(blob: memoryview, count: int, pos: int) -> tuple[list[tuple[str, tuple[int, ...], int, int]], int]:
+    """The tensor table: (name, shape in numpy's order, ggml type, offset in the data) each, and the
+    offset just past the table."""
+    table = []
     for _ in range(count):
         name, pos = _string(blob, pos)
         (dims,) = struct.unpack_from("<I", blob, pos)
+        shape = tuple(reversed(struct.unpack_from(f"<{dims}Q", blob, pos + 4)))
+        kind, offset = struct.unpack_from("<IQ", blob, pos + 4 + 8 * dims)
         pos += 4 + 8 * dims + 12
-        names.append(name)
-    return meta, tuple(names)
+        table.append((name, shape, kind, offset))
+    return table, pos
 
 
 def tensors(path: Path) -> list[FileTensor]:
@@ -116,21 +125,15 @@ def tensors(path: Path) -> list[FileTensor]:
     blob = mapped.data
     meta, count, pos = _header(path, blob, None)
     alignment = meta.get("general.alignment", _ALIGNMENT)
-    table = []
-    for _ in range(count):
-        name, pos = _string(blob, pos)
-        (dims,) = struct.unpack_from("<I", blob, pos)
-        shape = tuple(reversed(struct.unpack_from(f"<{dims}Q", blob, pos + 4)))  # numpy's order
-        kind, offset = struct.unpack_from("<IQ", blob, pos + 4 + 8 * dims)
-        pos += 4 + 8 * dims + 12
-        table.append((name, shape, gguf.GGMLQuantizationType(kind), offset))
+    table, pos = _table(blob, count, pos)
     start = (pos + alignment - 1) // alignment * alignment
     values = {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F16: np.float16,
               gguf.GGMLQuantizationType.F64: np.float64, gguf.GGMLQuantizationType.I8: np.int8,
               gguf.GGMLQuantizationType.I16: np.int16, gguf.GGMLQuantizationType.I32: np.int32,
               gguf.GGMLQuantizationType.I64: np.int64}
     out = []
-    for name, shape, kind, offset in table:
+    for name, shape, ggml_type, offset in table:
+        kind = gguf.GGMLQuantizationType(ggml_type)
         per, size = gguf.GGML_QUANT_SIZES[kind]
         nbytes = prod(shape) // per * size
         raw = mapped[start + offset:start + offset + nbytes]
