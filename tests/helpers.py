@@ -19,13 +19,22 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 @contextmanager
 def gguf_parsed_once() -> Iterator[None]:
-    """Within the block gguf-py's reader parses each GGUF file once. transformers parses a file
-    whole (every vocabulary entry an object) for a model's config, again for its weights and again
-    for a tokenizer: seconds each for SmolLM2's vocabulary, more for Gemma 3's 262k entries. What
-    transformers computes from the parse is unchanged: the same reader, read-only, is handed back."""
+    """Within the block transformers reads each GGUF file's parts once, with what it computes
+    from them unchanged. It parses a file whole (every vocabulary entry an object) for a model's
+    config, again for its weights and again for a tokenizer, and turns every metadata field into
+    Python values each time: seconds each for SmolLM2's vocabulary, more for Gemma 3's 262k
+    entries; and it builds gguf-py's tensor-name map of the architecture once per submodule (~400
+    times for a model). Here gguf-py's reader is made once per file (handed back read-only), the
+    metadata-only reading (`return_tensors=False`) is kept per file and handed back as a copy, and
+    the name map is made once per (architecture, layers): each a pure function of its arguments."""
+    import copy
+
     import gguf
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
 
     made, readers = gguf.GGUFReader, {}
+    name_map, maps = gguf.get_tensor_name_map, {}
+    checkpoint, metadata = hf_gguf.load_gguf_checkpoint, {}
 
     def reader(path, mode="r"):
         key = (str(path), mode)
@@ -33,11 +42,23 @@ def gguf_parsed_once() -> Iterator[None]:
             readers[key] = made(path, mode)
         return readers[key]
 
-    gguf.GGUFReader = reader
+    def tensor_name_map(arch, n_blocks):
+        if (arch, n_blocks) not in maps:
+            maps[arch, n_blocks] = name_map(arch, n_blocks)
+        return maps[arch, n_blocks]
+
+    def load_checkpoint(path, return_tensors=False, **kwargs):
+        if return_tensors or kwargs:
+            return checkpoint(path, return_tensors, **kwargs)
+        if str(path) not in metadata:
+            metadata[str(path)] = checkpoint(path, False)
+        return copy.deepcopy(metadata[str(path)])
+
+    gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint = reader, tensor_name_map, load_checkpoint
     try:
         yield
     finally:
-        gguf.GGUFReader = made
+        gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint = made, name_map, checkpoint
 
 
 def run_all(engine: Engine, max_steps: int = 10_000) -> dict[str, list[RequestOutput]]:

@@ -90,3 +90,13 @@ def test_sharded_safetensors_load_shard_by_shard_to_the_same_model(tmp_path, mon
     shards[3].unlink()  # a shard missing: its tensors are named
     with pytest.raises(ValueError, match="missing"):
         load(str(sharded))
+
+
+def test_building_a_model_imports_no_compiler():
+    """The loader builds a model on the meta device before filling it; an op run there (a random
+    init, the RoPE tables) goes through torch's Python references, which import its compiler
+    (torch._dynamo): seconds of every worker's start, for nothing the engine uses."""
+    code = ("import sys; from pdserve.shared.engine.loader import load; load('tiny'); "
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]

@@ -103,11 +103,14 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # (no op here runs on the meta device the loader builds on: there the embedding's random init and
+        # the RoPE tables' ops would import torch's compiler, seconds of a worker's start)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one)
         self.lm_head = None if cfg.tie_embeddings else Projection(cfg.hidden_size, cfg.vocab_size)
-        self.make_rotary()
+        self.make_rotary("cpu")  # (made again on the model's device by the loader)
         self.tied_head: Packed | None = None  # the tied embedding matrix packed for the vocabulary projection
         self.packed_layers: fused.Layers | None = None  # every layer packed: decode passes in one C call
         self.fuse = True  # (tests turn it off to compare with the per-layer path)
