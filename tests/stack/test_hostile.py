@@ -21,9 +21,9 @@ def stack(fake_stack):
     return fake_stack
 
 
-def _post(stack, body: dict | bytes, headers: dict | None = None) -> httpx.Response:
+def _post(stack, body: dict | bytes, headers: dict | None = None, path: str = "/v1/chat/completions") -> httpx.Response:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(stack.url + "/v1/chat/completions", content=data, timeout=60,
+    return httpx.post(stack.url + path, content=data, timeout=60,
                       headers={"content-type": "application/json", **(headers or {})})
 
 
@@ -46,6 +46,39 @@ def test_logit_bias_keys_that_are_no_token_id(stack, key):
 ], ids=["content", "stop", "key"])
 def test_lone_surrogates_are_a_400_naming_where(stack, raw, param):
     _refused(_post(stack, raw % MODEL.encode()), 400, param)
+
+
+@pytest.mark.parametrize("path, raw, param", [
+    ("/tokenize", b'{"prompt": "a\\ud800b"}', "prompt"),
+    ("/tokenize", b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages.0.content"),
+    ("/detokenize", b'{"tokens": [1], "model": "\\udfff"}', "model"),
+    ("/v1/completions", b'{"model": "m", "prompt": ["ok", "a\\ud800b"]}', "prompt.1"),
+    ("/v1/responses", b'{"model": "m", "input": "a\\ud800b"}', "input"),
+], ids=["tokenize", "tokenize-messages", "detokenize", "completions-batch", "responses"])
+def test_every_body_with_a_lone_surrogate_is_a_400_naming_where(stack, path, raw, param):
+    _refused(_post(stack, raw, path=path), 400, param)
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/chat/completions", {"messages": HI}, "guided_json"), ("/v1/completions", {"prompt": "hi"}, "guided_json"),
+    ("/v1/responses", {"input": "hi"}, "metadata"), ("/tokenize", {}, "messages")])
+def test_bodies_nested_up_to_the_parsers_limit_and_past_it_are_a_400(stack, path, body, field):
+    """Nesting the JSON parser takes (to about the interpreter's recursion limit, ~970 here) is
+    refused by the checks, which walk a body without recursion, naming the field; past it the
+    parser refuses the body."""
+    for depth in (200, 900, 940, 960, 1000, 5000):
+        raw = json.dumps({"model": MODEL, **body, field: None})
+        raw = raw.replace(f'"{field}": null', f'"{field}": {"[" * depth}1{"]" * depth}')
+        r = _post(stack, raw.encode(), path=path)
+        assert r.status_code == 400 and r.json()["error"]["param"] in (field, None if depth > 900 else field), \
+            (depth, r.text)
+
+
+@pytest.mark.parametrize("seed", [2 ** 63, -2 ** 63 - 1, 10 ** 30])
+def test_a_seed_outside_int64_is_a_400_naming_it(stack, seed):
+    _refused(_post(stack, {"model": MODEL, "messages": HI, "max_tokens": 2, "seed": seed}), 400, "seed")
+    _refused(_post(stack, {"model": MODEL, "prompt": "hi", "max_tokens": 2, "seed": seed}, path="/v1/completions"),
+             400, "seed")
 
 
 def test_caps_on_logit_bias_stop_and_session_header(stack):

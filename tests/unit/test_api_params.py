@@ -2,14 +2,21 @@
 advisory (accepted, documented as doing nothing), or refused with a 400 naming it: none is
 silently ignored."""
 
-import json
 
 import pytest
-from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from pdserve.services.gateway.errors import describe
-from pdserve.services.gateway.schemas import NOT_SUPPORTED, ChatCompletionRequest, CompletionRequest
+from pdserve.services.gateway.errors import describe, plain
+from pdserve.services.gateway.parts import MAX_DEPTH
+from pdserve.services.gateway.responses_request import ResponsesRequest
+from pdserve.services.gateway.schemas import (
+    NOT_SUPPORTED,
+    SEED_RANGE,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 
 MSGS = [{"role": "user", "content": "hi"}]
 # OpenAI's chat/completions request body, each with a value a client would send
@@ -39,7 +46,7 @@ def refusal(model, body) -> tuple[str, str | None, str | None] | None:
     try:
         model.model_validate(body)
     except ValidationError as e:
-        return describe(json.loads(json.dumps(RequestValidationError(e.errors()).errors(), default=str)))
+        return describe(plain(e.errors()))
     return None
 
 
@@ -86,3 +93,42 @@ def test_explicit_defaults_of_refused_fields_are_accepted_and_values_are_checked
     s = chat.sampling(4)
     assert (s.logprobs, s.prompt_logprobs, s.logit_bias, s.stop_token_ids) == (0, None, ((7, -100.0),), (5,))
     assert s.to_engine().repetition_penalty == 1.1 and s.to_engine().min_p == 0.1
+
+
+def nested(depth: int) -> list:
+    """`depth` lists, each in the next (a body's field holding them: nested `depth` levels below the body)."""
+    value: list = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+BODIES = {"chat": (ChatCompletionRequest, {"model": "m", "messages": MSGS}),
+          "completions": (CompletionRequest, {"model": "m", "prompt": ["a", "b"]}),
+          "responses": (ResponsesRequest, {"model": "m", "input": "hi"}),
+          "tokenize": (TokenizeRequest, {"messages": MSGS}), "detokenize": (DetokenizeRequest, {"tokens": [1]})}
+
+
+@pytest.mark.parametrize("model, base", BODIES.values(), ids=BODIES.keys())
+def test_every_body_names_text_utf8_cannot_encode_and_nesting_past_the_cap(model, base):
+    """Checked before any field, without recursion: a body nested as deep as the JSON parser
+    takes (or deeper) is a 400 naming its field, not a RecursionError."""
+    assert refusal(model, {**base, "model": "a\ud800b"})[:2] == (
+        "'model' is not valid unicode (it holds a lone surrogate, half of a UTF-16 pair).", "model")
+    assert refusal(model, {**base, "x": {"y": ["ok", "\udfff"]}})[1] == "x.y.1"
+    assert refusal(model, {**base, "\udfff": 1})[1] == "body"  # (a key)
+    too_deep = (f"'x' is nested deeper than {MAX_DEPTH} levels.", "x")
+    for depth in (MAX_DEPTH + 1, 990, 100_000):
+        assert refusal(model, {**base, "x": nested(depth)})[:2] == too_deep, depth
+    assert refusal(model, {**base, "x": nested(MAX_DEPTH)})[1:] == ("x", "unknown_parameter")  # read, then refused
+
+
+@pytest.mark.parametrize("model, base", [(ChatCompletionRequest, {"model": "m", "messages": MSGS}),
+                                         (CompletionRequest, {"model": "m", "prompt": "hi"})],
+                         ids=["chat", "completions"])
+def test_a_seed_is_an_int64(model, base):
+    """As vLLM's: a seed beyond it would reach the span's attributes, which OTLP cannot carry."""
+    low, high = SEED_RANGE
+    assert refusal(model, {**base, "seed": low}) is None and refusal(model, {**base, "seed": high}) is None
+    for seed in (low - 1, high + 1, 10 ** 40):
+        assert refusal(model, {**base, "seed": seed})[1] == "seed", seed

@@ -1,17 +1,22 @@
 """Chat templates as transformers' apply_chat_template renders them: its globals, `tools` for
 templates that read them (the Hermes listing for those that do not), a template's own refusal,
-and the operator's template instead of the model's (PD_CHAT_TEMPLATE)."""
+a model with none, and the operator's template instead of the model's (PD_CHAT_TEMPLATE)."""
 
 from __future__ import annotations
 
 import datetime
 import json
+from types import SimpleNamespace
 
 import pytest
 from jinja2.exceptions import TemplateError
 
 from bench.engine import tiny_archs
 from pdserve.services.gateway import tools
+from pdserve.services.gateway.errors import APIError
+from pdserve.services.gateway.generate import chat_ids
+from pdserve.services.gateway.responses_request import param_of
+from pdserve.services.gateway.schemas import ChatCompletionRequest
 from pdserve.shared.engine.loader import load
 from pdserve.shared.engine.tokenizer import template_text
 
@@ -63,3 +68,15 @@ def test_the_operators_template_is_a_text_or_a_file(tmp_path):
     assert template_text(str(f)) == WITH_TOOLS == template_text(WITH_TOOLS)
     with pytest.raises(ValueError, match="neither a Jinja template nor a file"):
         template_text(str(tmp_path / "missing.jinja"))
+
+
+def test_a_model_without_a_chat_template_refuses_conversations_with_a_400(tok, monkeypatch):
+    """A base model (gemma3-270m's) has no template: a chat, Responses or /tokenize conversation
+    is a 400 naming the messages (vLLM's answer too), not a 500."""
+    monkeypatch.setattr(tok, "chat_template", None)
+    gw = SimpleNamespace(tokenizer=tok, settings=SimpleNamespace(special_tokens_in_messages=False))
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    with pytest.raises(APIError) as e:
+        chat_ids(gw, body)
+    assert e.value.status == 400 and e.value.param == "messages" and "no chat template" in e.value.message
+    assert param_of(e.value.param) == "input"  # (a Responses request's name for them)

@@ -1,9 +1,13 @@
-"""API errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+"""API errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}; the bus away
+(any NATS error a handler meets) is a 503 with Retry-After."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from typing import Any
 
+import nats.errors
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -11,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
           413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+RETRY_AFTER_S = 1  # the bus away, or no router answering: when to ask again
 
 
 class APIError(Exception):
@@ -27,6 +32,17 @@ def body(status: int, message: str, param: str | None = None, code: str | None =
 def response(err: APIError) -> JSONResponse:
     return JSONResponse(body(err.status, err.message, err.param, err.code), status_code=err.status,
                         headers=err.headers)
+
+
+def bus_away(err: Exception) -> APIError:
+    return APIError(503, f"The service's message bus is unreachable ({type(err).__name__}); retry shortly.",
+                    code="bus_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def plain(errors: Sequence[Any]) -> list[dict]:
+    """Pydantic's errors as JSON values, without the inputs they quote (a client's body, however
+    deeply nested, is not written again)."""
+    return json.loads(json.dumps([{k: v for k, v in e.items() if k != "input"} for e in errors], default=str))
 
 
 def describe(errors: list[dict]) -> tuple[str, str | None, str | None]:
@@ -55,8 +71,12 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, err: RequestValidationError) -> JSONResponse:
-        message, param, code = describe(json.loads(json.dumps(err.errors(), default=str)))
+        message, param, code = describe(plain(err.errors()))
         return JSONResponse(body(400, message, param, code), status_code=400)
+
+    @app.exception_handler(nats.errors.Error)
+    async def _bus(_: Request, err: nats.errors.Error) -> JSONResponse:
+        return response(bus_away(err))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, err: StarletteHTTPException) -> JSONResponse:

@@ -41,10 +41,13 @@ def prompt_ids(gw: Gateway, body: ChatCompletionRequest | CompletionRequest) -> 
 
 def chat_ids(gw: Gateway, body: ChatCompletionRequest) -> list[int]:
     """The conversation through the chat template: the tools given to a template that reads
-    them, else listed in the Hermes format (tools.py); a template's refusal is a 400. A special
-    token spelled in the client's text (its messages, its chat_template_kwargs) stays text
-    (PD_SPECIAL_TOKENS_IN_MESSAGES: read as one)."""
+    them, else listed in the Hermes format (tools.py); a template's refusal, or a model with
+    none (a base model's), is a 400. A special token spelled in the client's text (its messages,
+    its chat_template_kwargs) stays text (PD_SPECIAL_TOKENS_IN_MESSAGES: read as one)."""
     functions, tok = body.functions(), gw.tokenizer
+    if not tok.chat_template:
+        raise APIError(400, "This model has no chat template, so it takes no conversation; send a prompt to "
+                            "/v1/completions.", param="messages", code="no_chat_template")
     listing = tools.listing(functions) if functions else None
 
     def render(parts: dict) -> str:  # (the tools are the application's, not marked as text)

@@ -1,5 +1,6 @@
 """The parts of a request body (pdserve/services/gateway/schemas.py): messages, tools, output formats;
-what every part shares (`Strict`: a field it does not define is refused by name), and the
+what every part shares (`Strict`: a field it does not define is refused by name), what every
+body gets checked for first (`Body`: text UTF-8 can encode, nesting within MAX_DEPTH), and the
 OpenAI parameters this server refuses."""
 
 from __future__ import annotations
@@ -26,12 +27,60 @@ NOT_SUPPORTED = {
 
 
 _RETURNED = ("function_call", "audio", "annotations")  # fields of a returned assistant message, refused unless empty
+MAX_DEPTH = 64  # a request body's nesting (a body's own is under 10; a JSON schema in it, a few dozen at most)
 
 
 class Strict(BaseModel):
     """A request's part: a field it does not define is refused by name."""
 
     model_config = ConfigDict(extra="forbid")
+
+
+class Body(Strict):
+    """A request's body, checked whole before its fields (`unreadable`): a string UTF-8 cannot
+    encode, or nesting past MAX_DEPTH, is a 400 naming where. (A subclass's own before-checks
+    run first: they look at the top level only.)"""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _readable(cls, data: Any) -> Any:
+        if (found := unreadable(data)) is not None:
+            param, why = found
+            raise PydanticCustomError("invalid_value", "'{param}' " + why, {"param": param})
+        return data
+
+
+def unreadable(data: Any) -> tuple[str, str] | None:
+    """(where, why) of the first place in a request body that no check may read: a string (a
+    value or a key) UTF-8 cannot encode — JSON's \\ud800 escapes parse into such strings, and no
+    tokenizer or message takes them — or nesting deeper than MAX_DEPTH, which the interpreter's
+    recursion (a check, an error's JSON, a schema's grammar) would not survive. Walked with a
+    stack of its own, not recursion: a body nested as deep as the JSON parser allows is read."""
+    todo: list[tuple[str, str, Any, int]] = [("", "", data, 0)]  # (path, its top-level field, value, depth)
+    while todo:
+        path, top, value, depth = todo.pop()
+        if isinstance(value, str):
+            if not _utf8(value):
+                return path or "body", "is not valid unicode (it holds a lone surrogate, half of a UTF-16 pair)"
+            continue
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        children = [(k, v) for k, v in items if isinstance(v, (str, dict, list)) or isinstance(k, str)]
+        if depth == MAX_DEPTH and any(isinstance(v, (dict, list)) for _, v in children):
+            return top, f"is nested deeper than {MAX_DEPTH} levels"
+        for key, item in reversed(children):  # (popped in the body's order)
+            if isinstance(key, str) and not _utf8(key):
+                return path or "body", "is not valid unicode (it holds a lone surrogate, half of a UTF-16 pair)"
+            name = f"{path}.{key}" if path else str(key)
+            todo.append((name, top or name, item, depth + 1))
+    return None
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class TextPart(Strict):

@@ -43,7 +43,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from opentelemetry import trace
 
-from pdserve.services.gateway.errors import APIError
+from pdserve.services.gateway.errors import RETRY_AFTER_S, APIError
 from pdserve.services.gateway.reorder import Reorder
 from pdserve.shared import macs, metrics, subjects
 from pdserve.shared.absence import Absence
@@ -181,7 +181,7 @@ class Relay:
             if time.monotonic() + pause > deadline:
                 if reply is None:
                     raise APIError(503, "No router answered; the service is starting or overloaded. Retry shortly.",
-                                   code="router_unavailable")
+                                   code="router_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
                 raise APIError(503, f"The request could not be placed: {reply.reason}.", code="no_capacity")
             await asyncio.sleep(pause)
             pause = min(2 * pause, 1.0)

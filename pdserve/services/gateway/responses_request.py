@@ -8,16 +8,14 @@ pdserve keeps no responses: `previous_response_id`, `conversation`, `background`
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, ValidationError, field_validator, model_validator
-from pydantic_core import PydanticCustomError
 
-from pdserve.services.gateway.errors import APIError, describe
-from pdserve.services.gateway.parts import FunctionDef, JSONSchemaFormat, Strict, refuse
-from pdserve.services.gateway.schemas import MAX_TEMPLATE_KWARGS_CHARS, ChatCompletionRequest, lone_surrogate
+from pdserve.services.gateway.errors import APIError, describe, plain
+from pdserve.services.gateway.parts import Body, FunctionDef, JSONSchemaFormat, Strict, refuse
+from pdserve.services.gateway.schemas import MAX_TEMPLATE_KWARGS_CHARS, ChatCompletionRequest
 
 KEEPS_NOTHING = "this server keeps no responses: send the whole conversation in 'input'"
 REFUSED = {
@@ -126,7 +124,7 @@ class TextOptions(Strict):
     verbosity: Literal["medium"] | None = Field(None, description="this model has one verbosity")
 
 
-class ResponsesRequest(Strict):
+class ResponsesRequest(Body):
     model: str
     input: list[Item] = Field(min_length=1, description="a text (the user's message) or the conversation's items")
     instructions: str | None = Field(None, description="a system message before the input")
@@ -158,9 +156,6 @@ class ResponsesRequest(Strict):
     @model_validator(mode="before")
     @classmethod
     def _refused(cls, data: Any) -> Any:
-        if (path := lone_surrogate(data)) is not None:
-            raise PydanticCustomError("invalid_value", "'{param}' is not valid unicode (it holds a lone surrogate, "
-                                      "half of a UTF-16 pair)", {"param": path})
         if isinstance(data, dict):
             for name, why in REFUSED.items():
                 if data.get(name) not in (None, False, {}):
@@ -191,7 +186,7 @@ class ResponsesRequest(Strict):
         try:
             return ChatCompletionRequest.model_validate(body)
         except ValidationError as e:
-            message, param, code = describe(json.loads(e.json()))
+            message, param, code = describe(plain(e.errors()))
             raise APIError(400, renamed(message), param_of(param), code) from None
 
     def messages(self) -> list[dict[str, Any]]:

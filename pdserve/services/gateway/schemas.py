@@ -14,11 +14,11 @@ from pydantic_core import PydanticCustomError
 from pdserve.services.gateway import tools
 from pdserve.services.gateway.parts import (
     NOT_SUPPORTED,
+    Body,
     ChatMessage,
     NamedToolChoice,
     ResponseFormat,
     StreamOptions,
-    Strict,
     StructuredOutputs,
     Tool,
     refuse,
@@ -34,15 +34,17 @@ MAX_PROMPT_CHOICES = 64  # a batch of completions prompts: prompts x n at most
 TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token",
                                 "raise_exception", "strftime_now", "continue_final_message"})
 MAX_TEMPLATE_KWARGS_CHARS = 4096
+SEED_RANGE = (-(2 ** 63), 2 ** 63 - 1)  # an int64, as vLLM's (and what a span attribute can carry)
 
-class _Common(Strict):
+
+class _Common(Body):
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices from the one prompt (prefilled once)")
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -93,14 +95,6 @@ class _Common(Strict):
         if len(stops) > 4 or any(not s for s in stops):
             raise ValueError("stop takes up to 4 non-empty strings")
         return stops
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        if (path := lone_surrogate(data)) is not None:
-            raise PydanticCustomError("invalid_value", "'{param}' is not valid unicode (it holds a lone surrogate, "
-                                      "half of a UTF-16 pair)", {"param": path})
-        return data
 
     @field_validator("logit_bias")
     @classmethod
@@ -170,23 +164,6 @@ class _Common(Strict):
     def prompt_logprobs_wanted(self) -> int | None:
         """Alternatives per prompt token when the prompt's log probabilities are asked for."""
         return None
-
-
-def lone_surrogate(data: Any, path: str = "") -> str | None:
-    """The place of the first string in a request body (a value or a key) that UTF-8 cannot
-    encode: JSON's \\ud800 escapes parse into such strings, and no tokenizer or message takes them."""
-    if isinstance(data, str):
-        try:
-            data.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "body"
-        return None
-    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
-    for key, value in items:
-        found = lone_surrogate(key, path or "body") if isinstance(key, str) else None
-        if found is not None or (found := lone_surrogate(value, f"{path}.{key}" if path else str(key))) is not None:
-            return found
-    return None
 
 
 def _default_value(name: str, value: Any) -> bool:
@@ -293,7 +270,7 @@ class CompletionRequest(_Common):
         return self.logprobs if self.echo else None
 
 
-class TokenizeRequest(Strict):
+class TokenizeRequest(Body):
     """vLLM's /tokenize: a text, or a conversation through the chat template."""
     model: str | None = None
     prompt: str | None = None
@@ -308,6 +285,6 @@ class TokenizeRequest(Strict):
         return self
 
 
-class DetokenizeRequest(Strict):
+class DetokenizeRequest(Body):
     model: str | None = None
     tokens: list[int] = Field(max_length=1 << 20)
