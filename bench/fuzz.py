@@ -5,11 +5,14 @@ ordinary question afterwards.
     python -m bench.fuzz [--seeds 4] [--examples 100]   (writes bench/results/fuzz.json)
 
 Per seed, two runs on one colocated stack: bodies naming any model (most end at validation),
-then bodies naming the served model, so generated requests reach the worker. Generation is
-capped (max_tokens <= 4, prompts <= 256 tokens) so that those stay cheap. `--examples` is
-schemathesis's examples per operation; its phases (coverage, fuzzing) make more requests than
-that, and stop at about 1,500 a run whatever the number, so more requests come from more seeds.
-tests/stack/test_fuzz.py runs one seed at 10 examples: ~4,000 requests.
+then bodies naming the served model, each operation given valid examples (BODIES: chat,
+completions with a prompt and batches of texts and of token ids, responses, /tokenize,
+/detokenize), which schemathesis sends and varies field by field, so generated requests reach
+the handlers and the worker. Generation is capped (max_tokens <= 4, prompts <= 256 tokens) so
+that those stay cheap. `--examples` is schemathesis's examples per operation; its phases
+(examples, coverage, fuzzing) make more requests than that, and stop at about 1,500 a run
+whatever the number, so more requests come from more seeds. tests/stack/test_fuzz.py runs one
+seed at 10 examples: ~4,000 requests.
 """
 
 from __future__ import annotations
@@ -36,26 +39,51 @@ CAPS = {"PD_MAX_TOKENS_LIMIT": "4", "PD_DEFAULT_MAX_TOKENS": "2", "PD_MAX_PROMPT
 OUT = Path("bench/results/fuzz.json")
 
 
+HI = [{"role": "user", "content": "Hi"}]
+# valid bodies of each operation (the served model's name added): the starts that reach the handlers
+BODIES = {
+    "/v1/chat/completions": [{"messages": HI, "max_tokens": 2},
+                             {"messages": HI, "max_tokens": 2, "n": 2, "seed": 3, "logprobs": True, "top_logprobs": 2}],
+    "/v1/completions": [{"prompt": "Hi", "max_tokens": 2}, {"prompt": ["Hi", "Bye"], "max_tokens": 2},
+                        {"prompt": [[1, 2], [3]], "max_tokens": 1, "echo": True, "logprobs": 1}],
+    "/v1/responses": [{"input": "Hi", "max_output_tokens": 2}],
+    "/tokenize": [{"prompt": "Hi"}, {"messages": HI}],
+    "/detokenize": [{"tokens": [1, 2]}],
+}
+
+
 @dataclass
 class Run:
     rc: int                # schemathesis's exit status: 0 when every check passed
     generated: int         # requests it made, as it counts them
     statuses: Counter      # every response's status (from its HAR record)
+    answered: Counter      # 2xx answers per operation (a completions batch apart)
     tail: str              # the end of its report
 
 
-def pin_model(node, model: str) -> None:
-    """Request bodies name the served model, so generated requests reach the workers (the
-    unpinned run covers unknown models)."""
-    if isinstance(node, dict):
-        props = node.get("properties")
-        if isinstance(props, dict) and "model" in props and ("messages" in props or "prompt" in props):
-            props["model"] = {"type": "string", "enum": [model]}
-        for v in node.values():
-            pin_model(v, model)
-    elif isinstance(node, list):
-        for v in node:
-            pin_model(v, model)
+def pin_model(spec: dict, model: str) -> None:
+    """Every request body names the served model and has BODIES, so generated requests reach
+    the handlers and the workers (the unpinned run covers unknown models)."""
+    schemas = spec["components"]["schemas"]
+    for path, ops in spec["paths"].items():
+        media = ops.get("post", {}).get("requestBody", {}).get("content", {}).get("application/json")
+        if media is None:
+            continue
+        props = schemas[media["schema"]["$ref"].rsplit("/", 1)[1]]["properties"]
+        props["model"] = {"type": "string", "enum": [model]}
+        media["examples"] = {f"{path}-{i}": {"value": {"model": model, **body}}
+                             for i, body in enumerate(BODIES.get(path, []))}
+
+
+def operation(entry: dict) -> str:
+    """A HAR entry's operation: its path, and `(batch)` for a completions batch."""
+    path = "/" + entry["request"]["url"].split("/", 3)[3].split("?")[0]
+    try:
+        prompt = json.loads(entry["request"].get("postData", {}).get("text", "")).get("prompt")
+    except (ValueError, AttributeError):
+        prompt = None
+    batch = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
+    return path + (" (batch)" if path == "/v1/completions" and batch else "")
 
 
 def fuzz(schema: Path, url: str, examples: int, seed: int, timeout_s: float = 900) -> Run:
@@ -70,7 +98,8 @@ def fuzz(schema: Path, url: str, examples: int, seed: int, timeout_s: float = 90
     found = re.search(r"(\d+) generated", r.stdout)
     entries = json.loads(har.read_text())["log"]["entries"] if har.exists() else []
     return Run(r.returncode, int(found.group(1)) if found else 0,
-               Counter(str(e["response"]["status"]) for e in entries), r.stdout[-3000:])
+               Counter(str(e["response"]["status"]) for e in entries),
+               Counter(operation(e) for e in entries if 200 <= e["response"]["status"] < 300), r.stdout[-3000:])
 
 
 def run_both(stack: Stack, work: Path, examples: int, seed: int = 7) -> tuple[Run, Run]:
@@ -111,7 +140,8 @@ def main() -> None:
     out = {"machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
            "examples_per_operation": args.examples,
            "runs": [{"bodies": kind, "seed": seed, "generated": r.generated, "passed": r.rc == 0,
-                     "statuses": dict(sorted(r.statuses.items())), "report_tail": r.tail[-600:]}
+                     "statuses": dict(sorted(r.statuses.items())), "answered": dict(sorted(r.answered.items())),
+                     "report_tail": r.tail[-600:]}
                     for (kind, seed), r in runs.items()],
            "summary": {"requests": sum(statuses.values()), "server_errors": server_errors,
                        "checks_passed": passed, "statuses": dict(sorted(statuses.items())),
