@@ -12,13 +12,14 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+import torch
 from conftest import MODEL
 from helpers import generate
 
 from bench.engine import tiny_archs
 from pdserve.local.servers import free_port
-from pdserve.shared.engine.loader import load
 from pdserve.shared.engine.sequence import SamplingParams
+from pdserve.shared.engine.weights import choose
 
 pytestmark = pytest.mark.slow
 # this checkout's code (run from another directory, it would otherwise be the installed one's), children too;
@@ -28,11 +29,11 @@ ENV = {**{k: v for k, v in os.environ.items() if k != "PD_WEIGHTS"},
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def test_launcher_starts_everything_and_ctrl_c_stops_everything(tmp_path):
+def test_launcher_starts_everything_and_ctrl_c_stops_everything(smollm2_native, tmp_path):
     """With no settings, the workers compute with the GGUF's own blocks (PD_WEIGHTS=auto): the
     answer is the in-process native engine's greedy tokens."""
-    native = load("smollm2", weights="auto")
-    assert native.weights == "native" and native.tokenizer is not None
+    native = smollm2_native
+    assert choose("auto", True, "cpu", torch.float32) == "native" and native.tokenizer is not None
     ids = native.tokenizer.encode(native.tokenizer.apply_chat_template(PARIS))
     want = native.tokenizer.decode(generate(native, {"q": ids}, SamplingParams(max_tokens=16, temperature=0))["q"])
     port = free_port()
