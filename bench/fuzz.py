@@ -41,7 +41,7 @@ OUT = Path("bench/results/fuzz.json")
 
 HI = [{"role": "user", "content": "Hi"}]
 # valid bodies of each operation (the served model's name added): the starts that reach the handlers
-BODIES = {
+BODIES: dict[str, list[dict]] = {
     "/v1/chat/completions": [{"messages": HI, "max_tokens": 2},
                              {"messages": HI, "max_tokens": 2, "n": 2, "seed": 3, "logprobs": True, "top_logprobs": 2}],
     "/v1/completions": [{"prompt": "Hi", "max_tokens": 2}, {"prompt": ["Hi", "Bye"], "max_tokens": 2},
