@@ -24,7 +24,7 @@ from pathlib import Path
 import redis
 
 from pdserve.local.identities import Identities
-from pdserve.local.servers import binary, free_port, valkey_server, wait_for_port
+from pdserve.local.servers import STORE_ARGS, binary, free_port, valkey_server, wait_for_port
 
 NODES = 3
 SENTINELS = 3
@@ -82,7 +82,7 @@ def redis_node(data: Path, ports: Ports, secret: str, ids: Identities, i: int) -
     conf = store / "redis.conf"
     conf.write_text(f"requirepass {secret}\nmasterauth {secret}\n{ids.redis_users()}")
     argv = [valkey_server(), str(conf), "--port", str(ports.redis[i]), "--bind", "127.0.0.1",
-            "--save", "", "--appendonly", "no", "--dir", str(store),
+            *STORE_ARGS, "--dir", str(store),
             "--repl-diskless-sync", "yes", "--repl-diskless-sync-delay", "0"]
     return argv + (["--replicaof", "127.0.0.1", str(ports.redis[0])] if i else [])
 

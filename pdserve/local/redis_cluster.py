@@ -16,7 +16,7 @@ from pathlib import Path
 
 import redis
 
-from pdserve.local.servers import claim, free_port, valkey_server, wait_for_port
+from pdserve.local.servers import STORE_ARGS, claim, free_port, valkey_server, wait_for_port
 
 SLOTS = 16384
 BUS = 10000  # a node's cluster bus: its port + BUS
@@ -36,13 +36,13 @@ def free_node_port() -> int:
 
 
 def node(data: Path, port: int, conf: Path | None = None) -> list[str]:
-    """A cluster-mode redis-server's command line (its node file and nothing persisted under `data`;
+    """A cluster-mode redis-server's command line (its node file and append-only file under `data`;
     its users and passwords from `conf`, a redis.conf)."""
     (data / str(port)).mkdir(parents=True, exist_ok=True)
     return [valkey_server(), *([str(conf)] if conf else []), "--port", str(port), "--bind", "127.0.0.1",
             "--cluster-enabled", "yes",
-            "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000", "--save", "",
-            "--appendonly", "no", "--dir", str(data / str(port))]
+            "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000", *STORE_ARGS,
+            "--dir", str(data / str(port))]
 
 
 def form(ports: list[int], password: str | None = None, timeout_s: float = 20) -> None:

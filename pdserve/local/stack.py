@@ -30,7 +30,15 @@ from pdserve.local import ha, readiness, redis_cluster
 from pdserve.local.certificates import Authority, nats_block, redis_conf, redis_query
 from pdserve.local.config import StackConfig
 from pdserve.local.identities import Identities, refused
-from pdserve.local.servers import binary, die_with_parent, free_port, tls_redis_server, valkey_server, wait_for_port
+from pdserve.local.servers import (
+    STORE_ARGS,
+    binary,
+    die_with_parent,
+    free_port,
+    tls_redis_server,
+    valkey_server,
+    wait_for_port,
+)
 from pdserve.shared import grants
 
 
@@ -240,8 +248,8 @@ class Stack:
         else:
             listen = [] if self.redis_tls else ["--port", str(self.cfg.redis_port)]   # (on TLS: its conf's tls-port)
             server = tls_redis_server() if self.redis_tls else valkey_server()
-            servers = [self.spawn("redis", [server, str(redis_conf), *listen, "--bind", self.ip("redis"), "--save",
-                                            "", "--appendonly", "no", "--dir", str(self.data)])]
+            servers = [self.spawn("redis", [server, str(redis_conf), *listen, "--bind", self.ip("redis"),
+                                            *STORE_ARGS, "--dir", str(self.data)])]
         for port, proc in zip(self.redis_ports, servers):
             wait_for_port(port, 20, proc, self.ip("redis"), self.log_dir)
         if self.cfg.redis_cluster:

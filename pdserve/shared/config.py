@@ -79,6 +79,8 @@ class Common(BaseSettings):
                                                    "to another worker (the router's supervisor)")
     stall_min_prefill_tokens_per_s: float = Field(50.0, gt=0, description="before the first token a request is "
                                                   "allowed stall_s + its prompt at this rate")
+    history_s: float = Field(600.0, ge=0, description="a finished request's events and summary stay in Redis this "
+                             "long (its timeline; 0: removed when it ends); a request in flight keeps them")
 
     # a renamed setting: old name -> (new name, {old value: new value}); the old name keeps a field of its
     # own (hidden from --help), read for one release and copied onto the new one unless that is set too

@@ -61,6 +61,21 @@ def test_a_callers_requests_in_flight_are_limited_across_gateways(redis_url):
         "n=3, never": 400, "b's places lapsed": 0, "r6 renewed, two more": 429, "r6 renewed, one more": 0}
 
 
+def test_a_redis_that_restarted_empty_has_the_leases_again_at_the_next_renewal(redis_url):
+    async def scenario():
+        store = State.connect(redis_url)
+        gw = Concurrency(store, 2, LEASE_S, fail_open=False)
+        await gw.join("dave", "r1", 1)
+        await gw.join("dave", "r2", 1)
+        await store.r.delete("pd:inflight:dave")   # (what a restart without persistence leaves of it)
+        await gw.renew()
+        out = await refused(gw, "dave", "r3")
+        await store.close()
+        return out
+
+    assert asyncio.run(scenario()) == 429
+
+
 @pytest.mark.parametrize("fail_open, status", [(False, 503), (True, 0)])
 def test_with_redis_away_the_limit_fails_closed_or_open(fail_open, status):
     async def scenario():

@@ -123,3 +123,16 @@ def test_the_gpu_profile_puts_each_worker_on_an_nvidia_gpu_with_a_cuda_torch():
         if service.get("image", "").startswith("pdserve") and name not in ("streams", "issuer"):
             assert service["depends_on"]["issuer"] == {"condition": "service_healthy"}, name
             assert "/ready" in " ".join(service["healthcheck"]["test"]), name
+
+
+def test_the_store_keeps_its_control_state_and_a_bounded_memory_as_the_local_stacks_does():
+    """Redis runs with the append-only file (leases, deadlines and filings outlive a restart) and a memory
+    cap that evicts only keys that expire, least recently used first (pdserve/local/servers.py STORE_ARGS)."""
+    from pdserve.local.servers import STORE_ARGS
+
+    command = " ".join(yaml.safe_load(COMPOSE.read_text())["services"]["redis"]["command"])
+    local = dict(zip(STORE_ARGS[::2], STORE_ARGS[1::2]))
+    assert local["--appendonly"] == "yes" and local["--maxmemory-policy"] == "volatile-lru"
+    for option in ("--appendonly", "--appendfsync", "--maxmemory-policy"):
+        assert f"{option} {local[option]}" in command, option
+    assert re.search(r"--maxmemory \d+[mg]b", command)

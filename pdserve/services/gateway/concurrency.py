@@ -5,7 +5,8 @@ scored by when each lease ends, on Redis's clock. A request joins when its choic
 under the limit (one Lua script: lapsed leases removed, the rest counted, the request added),
 leaves when its answer ends (however it ends: done, an error, the client gone), and its gateway
 renews the leases of the requests it serves every heartbeat, so the places of a gateway that
-died are free again within one lease. Over the limit → 429. Redis away: requests pass
+died are free again within one lease (a renewal adds a lease a restarted Redis lost: the count is
+whole again within a heartbeat). Over the limit → 429. Redis away: requests pass
 unchecked when `fail_open` (logged), else a 503, as for the rate limits.
 """
 
@@ -27,7 +28,7 @@ redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]))
 return 1
 """
 RENEW = _NOW + """
-for i = 2, #ARGV do redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[1]), ARGV[i]) end
+for i = 2, #ARGV do redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), ARGV[i]) end
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[1]))
 """
 

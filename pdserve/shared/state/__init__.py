@@ -42,24 +42,27 @@ MAX_CONNECTIONS = 64  # per process
 class State(Store):
     """One connection (the core, `Store`) and the subjects that share it."""
 
-    def __init__(self, r: aioredis.Redis, stall_s: float = 30.0, min_prefill_tokens_per_s: float = 50.0):
+    def __init__(self, r: aioredis.Redis, stall_s: float = 30.0, min_prefill_tokens_per_s: float = 50.0,
+                 history_s: float = 600.0):
         super().__init__(r)
         self.registry = Registry(self)
-        self.requests = Requests(self, stall_s, min_prefill_tokens_per_s)
+        self.requests = Requests(self, stall_s, min_prefill_tokens_per_s, history_s)
         self.placements = Placements(self)
         self.sessions = Sessions(self)
 
     @classmethod
-    def connect(cls, url: str, stall_s: float = 30.0, min_prefill_tokens_per_s: float = 50.0) -> State:
+    def connect(cls, url: str, stall_s: float = 30.0, min_prefill_tokens_per_s: float = 50.0,
+                history_s: float = 600.0) -> State:
         """One Redis or a Sentinel-watched primary (pdserve/shared/urls.py); a blocking pool: a burst of
         concurrent calls waits for a connection instead of failing."""
-        return cls(async_redis(url, MAX_CONNECTIONS), stall_s, min_prefill_tokens_per_s)
+        return cls(async_redis(url, MAX_CONNECTIONS), stall_s, min_prefill_tokens_per_s, history_s)
 
     @classmethod
     def for_service(cls, settings: Common, url: str = "") -> State:
         """The store for a service: its URL (`url`, its own user's; default PD_REDIS_URL) and its
-        phase-deadline settings (pdserve/shared/config.Common)."""
-        return cls.connect(url or settings.redis_url, settings.stall_s, settings.stall_min_prefill_tokens_per_s)
+        phase-deadline and history settings (pdserve/shared/config.Common)."""
+        return cls.connect(url or settings.redis_url, settings.stall_s, settings.stall_min_prefill_tokens_per_s,
+                           settings.history_s)
 
     async def close(self) -> None:
         """The events noted still on their way written (for up to 2 s), then the connection closed."""

@@ -7,8 +7,10 @@ share a tag, so they share a slot (and a node).
                                keyspace scan)
     pd:{registry}:seq|changes|epoch  the registry's change log (pdserve/shared/state/registry.py)
     pd:req:{<id>}              hash: the latest event recorded (`phase`), the fields (mode, reason,
-                               workers) and a timestamp per phase (expires after a day)
-    pd:req:{<id>}:log          list: the request's events in order of arrival (pdserve/shared/lifecycle.py)
+                               workers) and a timestamp per phase (expires PD_HISTORY_S after the request
+                               ends; while in flight, a day after its latest event)
+    pd:req:{<id>}:log          list: the request's events in order of arrival (pdserve/shared/lifecycle.py;
+                               expires with the hash)
     pd:req:{<id>}:supervisor   the supervisor judging the request now (a lease)
     pd:{flight}:deadlines      sorted set: requests in flight, scored by when their phase is overdue
     pd:{flight}:owned:<gw>     set: requests whose client is connected to gateway <gw>
@@ -26,7 +28,7 @@ bulk of the writes) fall wherever its id hashes.
 
 from __future__ import annotations
 
-REQUEST_TTL_S = 24 * 3600
+REQUEST_TTL_S = 24 * 3600  # a request in flight: its own keys outlive its latest event this long
 WORKER_PREFIX = "pd:{registry}:worker:"
 WORKERS = "pd:{registry}:workers"
 REGISTRY_SEQ = "pd:{registry}:seq"          # counts registry changes (heartbeats, departures)

@@ -3,6 +3,7 @@ supervisor's lease on judging it, and the gateway that owns it (its client's con
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -34,13 +35,21 @@ for i = 3, #ARGV do
 end
 """
 # One event (Requests.record) in two scripts, one per hash tag (pdserve/shared/state/keys.py), queued on one
-# round trip. NOTE, the request's own keys: its log, its summary; ARGV: the event (JSON), the TTL, then
-# the summary's fields and values.
+# round trip. NOTE, the request's own keys: its log, its summary; ARGV: the event (JSON), the TTL in flight, the
+# TTL once ended (history), whether this event ends it, then the summary's fields and values. An event after the
+# end (a late mark) keeps the history's TTL.
 NOTE = """
+local ttl = ARGV[2]
+if ARGV[4] == '1' or """ + " or ".join(f"redis.call('HEXISTS', KEYS[2], 't_{p}') == 1" for p in sorted(TERMINAL)) + """
+then ttl = ARGV[3] end
 redis.call('RPUSH', KEYS[1], ARGV[1])
-redis.call('EXPIRE', KEYS[1], ARGV[2])
-redis.call('HSET', KEYS[2], unpack(ARGV, 3))
-redis.call('EXPIRE', KEYS[2], ARGV[2])
+redis.call('HSET', KEYS[2], unpack(ARGV, 5))
+if tonumber(ttl) > 0 then
+  redis.call('EXPIRE', KEYS[1], ttl)
+  redis.call('EXPIRE', KEYS[2], ttl)
+else
+  redis.call('DEL', KEYS[1], KEYS[2])
+end
 """
 # FLIGHT, the requests in flight: the deadlines, its gateway's requests, the gateways; ARGV: the request
 # id, 'end' | 'deadline' | '', the deadline's seconds from now, 'file' | 'unfile' | '' (under its
@@ -66,9 +75,11 @@ return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', tonumber(t[1]) + tonumber(t[
 
 
 class Requests:
-    def __init__(self, store: Store, stall_s: float = 30.0, min_prefill_tokens_per_s: float = 50.0):
+    def __init__(self, store: Store, stall_s: float = 30.0, min_prefill_tokens_per_s: float = 50.0,
+                 history_s: float = 600.0):
         self.store = store
         self.stall_s, self.min_prefill_tokens_per_s = stall_s, min_prefill_tokens_per_s  # phase deadlines
+        self.history_s = history_s  # how long a finished request's own keys stay
         self.notes = Notes(self._send)
 
     def note(self, request_id: str, phase: str, by: str = "", attempt: int = 0, prompt_tokens: int = 0,
@@ -103,7 +114,7 @@ class Requests:
 
         def build(p: Pipeline) -> None:
             for n in notes:
-                _queue_note(p, shas, n)
+                _queue_note(p, shas, n, self.history_s)
         await self.store.pipelined(build)
 
     async def summary(self, request_id: str) -> dict[str, str]:
@@ -148,9 +159,10 @@ class Requests:
         return taken
 
 
-def _queue_note(p: Pipeline, shas: tuple[str, str], n: Note) -> None:
+def _queue_note(p: Pipeline, shas: tuple[str, str], n: Note, history_s: float) -> None:
     """The writes of one event (Requests.record) on pipeline `p`: the NOTE script, FLIGHT's where the
-    event moves a deadline or a filing (`shas`: theirs), and `also`."""
+    event moves a deadline or a filing (`shas`: theirs), and `also`; the request's own keys kept
+    `history_s` once it has ended."""
     event = Event(t=n.at, event=n.phase, attempt=n.attempt, by=n.by, **n.fields)
     owner = str(n.fields.get("owner") or "")
     summary = {"phase": n.phase, f"t_{n.phase}": f"{n.at:.6f}", "attempt": str(n.attempt),
@@ -158,7 +170,7 @@ def _queue_note(p: Pipeline, shas: tuple[str, str], n: Note) -> None:
     deadline = "end" if n.phase in TERMINAL else "deadline" if n.deadline_s is not None else ""
     filing = "unfile" if owner and n.phase in TERMINAL else "file" if owner and n.phase == "received" else ""
     p.evalsha(shas[0], 2, log_key(n.request_id), request_key(n.request_id), event.model_dump_json(), REQUEST_TTL_S,
-              *(x for kv in summary.items() for x in kv))
+              math.ceil(history_s), int(n.phase in TERMINAL), *(x for kv in summary.items() for x in kv))
     if deadline or filing:
         p.evalsha(shas[1], 3, DEADLINES, owned_key(owner or "-"), GATEWAYS, n.request_id, deadline,
                   n.deadline_s if n.deadline_s is not None else 0, filing, owner)
