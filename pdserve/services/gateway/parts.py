@@ -66,7 +66,7 @@ def unreadable(data: Any) -> tuple[str, str] | None:
         items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
         children = [(k, v) for k, v in items if isinstance(v, (str, dict, list)) or isinstance(k, str)]
         if depth == MAX_DEPTH and any(isinstance(v, (dict, list)) for _, v in children):
-            return top, f"is nested deeper than {MAX_DEPTH} levels"
+            return top or "body", f"is nested deeper than {MAX_DEPTH} levels"
         for key, item in reversed(children):  # (popped in the body's order)
             if isinstance(key, str) and not _utf8(key):
                 return path or "body", "is not valid unicode (it holds a lone surrogate, half of a UTF-16 pair)"
