@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+import nats.errors
+
 from pdserve.shared import macs
 
 
@@ -22,11 +24,16 @@ class LocalBus:
         self.sent: list[tuple[str, object]] = []   # (subject, message) in publish order
         self.tasks: set[asyncio.Task] = set()
         self.lose = lambda subject: False          # the bus away for these subjects: recorded, not delivered
+        self.refuse = lambda subject: False        # away with its buffer full: publish raises, as nats-py's
+        self.refused: list[str] = []               # (the subjects whose publish raised)
 
     async def subscribe(self, subject: str, handler, queue: str = ""):
         self.subs.append((subject, handler))
 
     async def publish(self, subject: str, msg, ctx=None, secret: str = "") -> None:
+        if self.refuse(subject):
+            self.refused.append(subject)
+            raise nats.errors.OutboundBufferLimitError
         self.sent.append((subject, msg))
         if self.lose(subject):
             return
@@ -37,6 +44,14 @@ class LocalBus:
                 task = asyncio.create_task(handler(LocalMsg(subject, data, headers)))
                 self.tasks.add(task)
                 task.add_done_callback(self.tasks.discard)
+
+    async def tried(self, what: str, publishing) -> bool:
+        """As Bus.tried: a bus error is returned as False."""
+        try:
+            await publishing
+        except nats.errors.Error:
+            return False
+        return True
 
     def of_type(self, cls) -> list:
         return [m for _, m in self.sent if isinstance(m, cls)]

@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import logging
 import ssl
+import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -16,7 +17,8 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from opentelemetry import context
 
-from pdserve.shared import macs, subjects, tracing
+from pdserve.shared import macs, metrics, subjects, tracing
+from pdserve.shared.config import NATS_PENDING_BYTES
 from pdserve.shared.grants import inbox
 from pdserve.shared.identity import Enrollment
 from pdserve.shared.macs import Signed
@@ -27,12 +29,15 @@ from pdserve.shared.urls import nats_inbox, nats_servers
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
 PING_HEADER = "Pd-Ping"  # a Ping: answered here, not by the subscription's handler
+ERRORS_LOGGED_EVERY_S = 10.0  # publishes that fail while the bus is away: one warning per period, not per token
 
 
 class Bus:
-    def __init__(self, nc: nats.NATS):
+    def __init__(self, nc: nats.NATS, clock: Callable[[], float] = time.monotonic):
         self.nc = nc
         self.js = nc.jetstream()
+        self.clock = clock
+        self.failed, self.warned_at = 0, -ERRORS_LOGGED_EVERY_S  # publishes failed since the last warning
 
     @property
     def reconnects(self) -> int:
@@ -41,10 +46,11 @@ class Bus:
 
     @classmethod
     async def connect(cls, url: str, name: str, tls: ssl.SSLContext | None = None,
-                      me: Enrollment | None = None) -> Bus:
+                      me: Enrollment | None = None, pending_bytes: int = NATS_PENDING_BYTES) -> Bus:
         """`tls`: this client's (default: from PD_TLS_*, pdserve/shared/tls.py; none there: plain). `me`:
         this instance's enrollment (pdserve/shared/identity.py): it connects with its key and its role's
-        token, as the user the identity issuer names after the key; none: PD_NATS_URL's user."""
+        token, as the user the identity issuer names after the key; none: PD_NATS_URL's user.
+        `pending_bytes`: what is buffered while the connection is away (PD_NATS_PENDING_BYTES)."""
         auth = {"nkeys_seed_str": me.key.seed.decode(), "token": me.token} if me else {}
         async def on_error(e: Exception) -> None:
             log.warning("nats: %s", e)
@@ -53,7 +59,7 @@ class Bus:
             log.warning("nats: reconnected")
 
         nc = await nats.connect(nats_servers(url), name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                                error_cb=on_error, reconnected_cb=on_reconnect,
+                                error_cb=on_error, reconnected_cb=on_reconnect, pending_size=pending_bytes,
                                 inbox_prefix=inbox(me.name) if me else nats_inbox(url), tls=tls or client_context(),
                                 **auth)
         return cls(nc)
@@ -75,6 +81,24 @@ class Bus:
     async def publish_signed(self, subject: str, signed: Signed, ctx: context.Context | None = None) -> None:
         """A token chunk with its MAC (pdserve/shared/macs.py)."""
         await self.nc.publish(subject, signed.data, headers={**tracing.inject(ctx), macs.HEADER: signed.mac})
+
+    async def tried(self, what: str, publishing: Awaitable[None]) -> bool:
+        """Await a publish (a JetStream ack is one too) of a worker's step path, which a bus
+        error never ends: the connection away with its buffer full, or closed, is logged (once
+        per ERRORS_LOGGED_EVERY_S, with a count), counted in pd_bus_publish_errors_total{what}
+        and returned as False. For what the caller keeps and publishes again when asked (token
+        chunks: the chunk log; KV notices: a KVSync) or what has a deadline behind it."""
+        try:
+            await publishing
+        except nats.errors.Error as e:
+            metrics.BUS_PUBLISH_ERRORS.labels(what).inc()
+            self.failed += 1
+            if (now := self.clock()) - self.warned_at >= ERRORS_LOGGED_EVERY_S:
+                log.warning("nats: %s not published (%r); %d publishes failed since the last such warning; "
+                            "going on without them", what, e, self.failed)
+                self.failed, self.warned_at = 0, now
+            return False
+        return True
 
     async def request(self, subject: str, msg: Message, reply_type: type[M], timeout: float) -> M:
         reply = await self.nc.request(subject, msg.encode(), timeout=timeout, headers=tracing.inject())

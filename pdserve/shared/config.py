@@ -33,6 +33,12 @@ def model_id(source: str) -> str:
     return source
 
 
+# What nats-py buffers while its connection is away (its pending_size), flushed on reconnect; past
+# it a publish raises, which a worker's step path counts and lets go (pdserve/shared/bus.py `tried`).
+# nats-py's 2 MiB holds under a second of a busy decode worker's chunks (~300 bytes each); 8 MiB
+# carries a NATS restart (reconnect in ~0.5-2 s) without a replay, and stays small beside a model.
+NATS_PENDING_BYTES = 8 << 20
+
 LEASE_BEATS = 3  # a registry entry (and a worker's prefix-index slot) lives this many heartbeats unrenewed
 
 
@@ -49,6 +55,9 @@ class Common(BaseSettings):
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="redis://host:port/db, or the primary Sentinels "
                            "watch: redis+sentinel://[:password@]host:port,host:port/<service>[/db], or a Redis "
                            "Cluster's nodes: redis+cluster://[:password@]host:port,host:port (pdserve/shared/urls.py)")
+    nats_pending_bytes: int = Field(NATS_PENDING_BYTES, ge=0, description="bytes of publishes kept while the NATS "
+                                    "connection is away (flushed on reconnect); past them a publish fails: a "
+                                    "worker's token chunk then waits in its chunk log for a replay (0: none kept)")
     enroll_token: str = Field("", description="this role's token with the deployment's identity issuer "
                               "(pdserve/services/issuer): the instance makes a key, is named after it and gets its "
                               "own NATS and Redis users (pdserve/shared/identity.py); empty: the users PD_NATS_URL and "

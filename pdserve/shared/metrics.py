@@ -75,6 +75,8 @@ BAD_REGISTRY_ENTRIES = Counter("pd_bad_registry_entries", "Registry entries skip
                                "worker than their key's (pdserve/shared/state/registry.py)")
 CLAMPED_REGISTRY_ENTRIES = Counter("pd_clamped_registry_entries", "Registry entries whose capacity was over the "
                                    "router's bounds and taken as the bound (pdserve/services/router/registry.py)")
+BUS_PUBLISH_ERRORS = Counter("pd_bus_publish_errors", "Publishes on a worker's step path NATS did not take (its "
+                             "connection away with its buffer full, or closed): the worker goes on", ["what"])
 REPLAYED_CHUNKS = Counter("pd_replayed_chunks", "Token chunks published again for a gateway that lost them")
 PROMPT_TOKENS = Counter("pd_prompt_tokens", "Prompt tokens prefilled (cached ones included)", ["role"])
 CACHED_TOKENS = Counter("pd_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache", ["role"])

@@ -28,7 +28,7 @@ async def connect(stack: AsyncExitStack, settings: Common, name: str, role: str)
     """NATS and Redis for an instance of `role`, closed (NATS drained) when `stack` unwinds: as
     its own users, from the identity issuer when it has an enrollment token (pdserve/shared/identity.py)."""
     me = identity.mine(role, settings.enroll_token)
-    bus = await Bus.connect(settings.nats_url, name=name, me=me)
+    bus = await Bus.connect(settings.nats_url, name=name, me=me, pending_bytes=settings.nats_pending_bytes)
     stack.push_async_callback(bus.close)
     state = State.for_service(settings, await bus.enroll_redis(me, settings.redis_url) if me else "")
     stack.push_async_callback(state.close)

@@ -261,6 +261,25 @@ def test_notices_lost_with_the_bus_come_again_on_a_sync_and_no_payload_is_receiv
     assert src.num_free_blocks == src.num_blocks and dst.num_free_blocks == dst.num_blocks
 
 
+def test_notices_the_bus_refuses_end_nothing_and_go_out_again_on_a_sync(tiny):
+    """The bus raises on every notice and the KVEnd (away with its buffer full): the sender
+    keeps them and its payloads go on; the decode side's KVSync has them published again."""
+    src, dst = Engine(tiny, EngineConfig(**CHUNKED)), Engine(tiny, EngineConfig(num_blocks=64))
+    bus = LocalBus()
+    bus.refuse = lambda subject: subject.startswith("pd.decode.d.kv")
+
+    async def reconnect(bus, sender):
+        while subjects.decode_kv_end("d") not in bus.refused:
+            await asyncio.sleep(0.01)
+        bus.refuse = lambda subject: False
+        await bus.publish(subjects.prefill_kv_sync("p"), KVSync(request_id="r"), secret=SECRET)
+
+    out, h, rx, bus = asyncio.run(handoff(src, dst, bus=bus, before_wait=reconnect))
+    assert out == expected(tiny)
+    assert len(bus.refused) == 3 + 1 and len(bus.of_type(KVLayer)) == 3 and len(bus.of_type(KVEnd)) == 1
+    assert rx.pieces == h.pieces == 3 and not h.error   # each payload sent once, the handoff not failed
+
+
 def test_an_ack_lost_with_the_bus_is_given_again_when_the_prefill_side_publishes_its_handoff_again(tiny):
     """The decode side's ack is lost (a NATS restart); the prefill worker, reconnected,
     publishes its open handoff again and the decode side, which has no receiver for it any

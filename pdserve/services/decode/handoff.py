@@ -167,6 +167,6 @@ class Handoffs:
 
     async def report(self, rx: KVReceiver, ok: bool, reason: str = "") -> None:
         """How the handoff over this prefill → decode path went, for the routers' breakers."""
-        await self.bus.publish(subjects.KV_OUTCOMES, KVOutcome(request_id=rx.rid, ok=ok, reason=reason,
-                                                               prefill_worker=rx.prefill_worker,
-                                                               decode_worker=self.id))
+        outcome = KVOutcome(request_id=rx.rid, ok=ok, reason=reason, prefill_worker=rx.prefill_worker,
+                            decode_worker=self.id)
+        await self.bus.tried("kv_outcome", self.bus.publish(subjects.KV_OUTCOMES, outcome))

@@ -286,8 +286,8 @@ class DecodeWorker:
                 continue
             chunk = TokenChunk.from_output(out, record.attempt, self.id)
             signed = macs.sign(chunk, record.secret)
-            self.chunks.record(chunk, signed)
-            await self.bus.publish_signed(subjects.tokens(rid), signed)
+            self.chunks.record(chunk, signed)  # (the bus away: kept there for the gateway's replay)
+            await self.bus.tried("tokens", self.bus.publish_signed(subjects.tokens(rid), signed))
             if not out.finished and rid not in self.engine.seqs:  # cancelled while it was published
                 continue
             self.advanced.add(rid)

@@ -55,12 +55,16 @@ class Handoffs:
         if isinstance(span, ReadableSpan) and span.start_time and span.end_time:
             metrics.PREFILL_SECONDS.observe((span.end_time - span.start_time) / 1e9)
         signed = macs.sign(TokenChunk.from_output(out, job.attempt, self.id), job.secret)
-        await self.bus.publish_signed(subjects.tokens(out.request_id), signed, ctx=trace.set_span_in_context(span))
+        # (the bus away: the decode worker keeps the first token in its chunk log for the gateway's replay; one
+        # that finished here is lost with its cancel, and the gateway moves the request)
+        await self.bus.tried("tokens", self.bus.publish_signed(subjects.tokens(out.request_id), signed,
+                                                               ctx=trace.set_span_in_context(span)))
         if out.finished:  # done on its first token: nothing to hand off
             self.sender.drop(out.request_id)
             record.end_kv(acked=False, error="finished in prefill")
-            await self.bus.publish(subjects.decode_cancel(job.decode_worker),
-                                   Cancel(request_id=out.request_id, reason=FINISHED_IN_PREFILL), secret=job.secret)
+            cancel = Cancel(request_id=out.request_id, reason=FINISHED_IN_PREFILL)
+            await self.bus.tried("cancel", self.bus.publish(subjects.decode_cancel(job.decode_worker), cancel,
+                                                            secret=job.secret))
             await self.jobs.ack(record)
             return
         self.state.requests.note(out.request_id, "transferring", by=self.id, attempt=job.attempt,

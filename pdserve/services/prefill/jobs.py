@@ -11,6 +11,7 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 from opentelemetry.util.types import AttributeValue
 
+from pdserve.shared.bus import Bus
 from pdserve.shared.messages import PrefillJob
 
 
@@ -35,7 +36,8 @@ class Job:
 
 
 class Jobs:
-    def __init__(self) -> None:
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus  # (a job's ack is a publish)
         self.records: dict[str, Job] = {}
 
     def open(self, job: PrefillJob, msg: Msg, compute_span: trace.Span, kv_span: trace.Span) -> None:
@@ -46,10 +48,12 @@ class Jobs:
 
     async def ack(self, record: Job) -> None:
         """The job is over (handed off, refused or cancelled): dropped, and its delivery acked (it
-        leaves the queue) unless it was dropped before."""
+        leaves the queue) unless it was dropped before. An ack the bus loses lets JetStream
+        deliver the job again after its ack_wait: a prefill spent, which its decode worker answers
+        with the ack it gave."""
         if self.records.get(record.job.request_id) is record:
             del self.records[record.job.request_id]
-            await record.msg.ack()
+            await self.bus.tried("job_ack", record.msg.ack())
 
     def computing(self) -> int:
         """Jobs whose prompt is being computed (the handoffs under way not counted)."""

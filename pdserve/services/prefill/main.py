@@ -99,7 +99,7 @@ class PrefillWorker:
         # KV to a decode worker on this host goes into this worker's segment (when it has one and it fits)
         segment = make_segment(settings.kv_segment_bytes, self.id, settings.kv_segment_scope)
         self.transport = SameHost(transport, segment)
-        self.jobs = Jobs()  # one record per job taken, until its ack
+        self.jobs = Jobs(bus)  # one record per job taken, until its ack
         self.sender = KVSender(SenderSettings.for_prefill(settings, self.id, engine.fingerprint), self.transport, bus,
                                WorkerHooks(self.read_blocks, self.given_up))
         self.cancels = Cancels()  # kept for the jobs taken later (cancels.py)
@@ -213,7 +213,7 @@ class PrefillWorker:
             job = PrefillJob.decode(msg.data)
         except ValueError as e:  # (pydantic's ValidationError is one) no sender could mean it: dropped
             log.error("a prefill job that does not decode, terminated: %s", e)
-            await msg.term()
+            await self.bus.tried("job_ack", msg.term())
             return
         if not await self.passed_over(job, msg):
             await self.start_job(job, msg)
@@ -225,11 +225,11 @@ class PrefillWorker:
         record = self.sender.handoffs.get(job.request_id)
         if (self.cancels.stops(job) or (record and record.job.attempt >= job.attempt)
                 or (not fresh and not job.attempt and await self.taken_over(job.request_id))):
-            await msg.ack()  # cancelled before it started, a redelivery of a job in hand, or the
-            return True      # decode worker gave up waiting and prefilled it (this worker's last life?)
+            await self.bus.tried("job_ack", msg.ack())  # cancelled before it started, a redelivery of a job
+            return True  # in hand, or the decode worker gave up waiting and prefilled it (this worker's last life?)
         if record or job.request_id in self.engine.seqs:  # an older placement's work still here (a
             await self.cancel_older(job.request_id, job.attempt)  # failover came first): end it,
-            await msg.nak(delay=0.2)                              # take this job once it is gone
+            await self.bus.tried("job_ack", msg.nak(delay=0.2))  # take this job once it is gone
             return True
         return False
 
@@ -258,7 +258,7 @@ class PrefillWorker:
             for s in (span, kv_span):
                 s.record_exception(e)
                 s.end()
-            await msg.term()
+            await self.bus.tried("job_ack", msg.term())
             return
         self.jobs.open(job, msg, span, kv_span)
         self.host.wake.set()

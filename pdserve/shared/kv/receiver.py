@@ -249,15 +249,16 @@ class KVInbox:
         self.answers.move_to_end(ack.request_id)
         while len(self.answers) > self.answers_kept:
             self.answers.popitem(last=False)
-        await self.bus.publish(subjects.prefill_kv_ack(prefill_worker), ack, secret=secret)
+        # (the bus away: the sender publishes its end again after a reconnect and gets this answer again)
+        await self.bus.tried("kv_ack", self.bus.publish(subjects.prefill_kv_ack(prefill_worker), ack, secret=secret))
 
     async def sync(self) -> None:
         """After this worker's bus reconnected: each waiting receiver asks its sender for the
         notices and end again (KVSync)."""
         for rx in list(self.receivers.values()):
             if rx.prefill_worker and not rx.outcome.done():
-                await self.bus.publish(subjects.prefill_kv_sync(rx.prefill_worker), KVSync(request_id=rx.rid),
-                                       secret=rx.secret)
+                await self.bus.tried("kv_sync", self.bus.publish(subjects.prefill_kv_sync(rx.prefill_worker),
+                                                                 KVSync(request_id=rx.rid), secret=rx.secret))
 
     async def on_layer(self, msg: Msg) -> None:
         notice = KVLayer.decode(msg.data)

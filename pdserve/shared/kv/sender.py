@@ -197,8 +197,9 @@ class KVSender:
             if h.closed:  # its region may be another handoff's by now: nothing more of it goes out
                 return
             self.transport.corrupted += self.transport.faults.apply_in_place(payload, notice.resend)
-        h.notices.append(notice)
-        await self.bus.publish(subjects.decode_kv(h.job.decode_worker), notice, ctx=h.ctx, secret=h.job.secret)
+        h.notices.append(notice)  # (the bus away: published again on the decode side's KVSync, or `resync`)
+        await self.bus.tried("kv", self.bus.publish(subjects.decode_kv(h.job.decode_worker), notice, ctx=h.ctx,
+                                                    secret=h.job.secret))
         if notice.segment is None:
             await self.transport.send(h.job.decode_address, notice.tag, payload, notice.resend)
 
@@ -236,9 +237,11 @@ class KVSender:
         if h.acked.done():
             return
         for notice in list(h.notices):
-            await self.bus.publish(subjects.decode_kv(h.job.decode_worker), notice, ctx=h.ctx, secret=h.job.secret)
+            await self.bus.tried("kv", self.bus.publish(subjects.decode_kv(h.job.decode_worker), notice, ctx=h.ctx,
+                                                        secret=h.job.secret))
         if h.end is not None:
-            await self.bus.publish(subjects.decode_kv_end(h.job.decode_worker), h.end, ctx=h.ctx, secret=h.job.secret)
+            await self.bus.tried("kv_end", self.bus.publish(subjects.decode_kv_end(h.job.decode_worker), h.end,
+                                                            ctx=h.ctx, secret=h.job.secret))
 
     # -- 3. finish: the lease ------------------------------------------------------------------
     async def finish(self, rid: str, first_token: int, lease_s: float, logprob: Logprob | None = None,
@@ -304,7 +307,8 @@ class KVSender:
         h.end = KVEnd(request_id=h.job.request_id, ok=ok, first_token=first_token, first_logprob=logprob,
                       prompt_logprobs=prompt_logprobs, error=error,
                       prefill_worker=self.settings.worker_id, kv_tag=h.job.kv_tag)
-        await self.bus.publish(subjects.decode_kv_end(h.job.decode_worker), h.end, ctx=h.ctx, secret=h.job.secret)
+        await self.bus.tried("kv_end", self.bus.publish(subjects.decode_kv_end(h.job.decode_worker), h.end,
+                                                        ctx=h.ctx, secret=h.job.secret))  # (kept, as the notices)
 
 
 def batch_ready(batch_bytes: int, last_layer: bool, piece_bytes: int) -> bool:
