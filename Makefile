@@ -10,7 +10,7 @@ LLAMA_CPP_VERSION ?= 0.3.36
 # its AVX2 kernels on every x86 machine (its AVX-512/AMX build crashed on multi-token batches on such a machine)
 LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF -DGGML_AMX_INT8=OFF
 
-.PHONY: help setup lint fmt run test test-fast test-clients bench-path bench-engine bench-archs bench-grammar bench-stack bench-transfer eval-router bench-router chaos fuzz chaos-busy chaos-tls bench-security bench-tls bench-tracing bench-scale bench-scale-stores bench-index bench bench-full bench-prefill-chunk profile plan plan-check compose-up compose-down compose-check gpu-check clean
+.PHONY: help setup lint fmt run test test-fast test-clients bench-path bench-engine bench-archs bench-grammar bench-stack bench-transfer eval-router bench-router chaos fuzz chaos-busy chaos-tls bench-security bench-store bench-tls bench-tracing bench-scale bench-scale-stores bench-index bench bench-full bench-prefill-chunk profile plan plan-check compose-up compose-down compose-check gpu-check clean
 
 .DEFAULT_GOAL := help
 
@@ -146,6 +146,11 @@ bench-tls: setup
 ## bench-tracing: throughput with tracing on vs off, two stacks side by side; writes bench/results/tracing.json
 bench-tracing: setup
 	$(BIN)/python -m bench.tracing_overhead
+
+## bench-store: what a request costs Redis on the live stack: a finished request's bytes while its history is kept, what is
+##   left once PD_HISTORY_S has passed, the steady-state memory at 1,000 req/s; writes bench/results/store.json (~1 minute)
+bench-store: setup
+	$(BIN)/python -m bench.store_memory
 
 ## bench-scale: router placement at fleet scale (real NATS, Redis and router; simulated fleets of 4-256 workers,
 ##   prefix index of 100k-10M blocks, 100 and 1000 req/s; then vllm-router before as many mock workers, the same
