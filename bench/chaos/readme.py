@@ -14,7 +14,7 @@ from bench.results_doc import RESULTS_DOC
 RESULTS = Path("bench/results")
 BEGIN = "<!-- chaos figures: bench/chaos/readme.py writes this block from bench/results/chaos*.json -->"
 END = "<!-- end of chaos figures -->"
-STACKS = {"single": "single", "ha": "HA", "hosts": "hosts"}
+STACKS = {"single": "single", "ha": "HA", "hosts": "hosts", "outage": "fake model, small NATS buffer"}
 COLUMNS = ("stack", "fault", "lost / mismatched / leaked", "recovery (s)", "extra load time (s)", "streams moved",
            "moved streams recovered (s)", "prompts recomputed on a decode worker",
            "survivors' ITL p99 during / before", "during / same window without the fault")

@@ -30,6 +30,11 @@ root and `ip netns` (otherwise reported skipped):
                       sequences goes down for CUT_S (longer than its lease), then up again:
                       its streams move, and back on the network it must end what it held
 
+and on a fourth, made for pressure (the fake model at full pace, a small NATS buffer):
+
+  nats-outage         nats-server killed while every stream decodes, started again OUTAGE_S
+                      later: the workers step on, chunks replayed (bench/chaos/outage.py)
+
 A request is *lost* if it does not complete (an error status or an error in the stream),
 *mismatched* if its tokens differ from its reference in any way (a repeated or missing token
 included). Afterwards every worker still up must return to an empty KV pool (*leaked
@@ -63,130 +68,39 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import functools
 import json
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import redis
 
 from bench import netns
-from bench.chaos import readme
+from bench.chaos import outage, readme
+from bench.chaos.fleet import client_of, moves, pools, request_events, settle
+from bench.chaos.load import Outcome, prompts, run_all
 from bench.chaos.measure import Stream, cost
 from pdserve.local import ha
 from pdserve.local.config import Host
 from pdserve.local.stack import Stack, StackConfig
+from pdserve.shared.config import model_id
 from pdserve.shared.progress import progress
-from pdserve.shared.state import WORKERS, log_key, worker_key
 from pdserve.shared.subjects import PREFILL_STREAM
-from pdserve.shared.urls import sync_redis
 
-MODEL = "SmolLM2-135M-Instruct"
 RESULTS = Path(__file__).parents[1] / "results" / "chaos.json"
 SCENARIOS = ("kill-prefill", "kill-decode", "kill-prefill-pool", "restart-nats", "restart-redis")
 HA_SCENARIOS = ("kill-nats-node", "kill-redis-primary")   # on the HA stack
 HOST_SCENARIOS = ("cut-decode-host",)                      # with a host per process
+ALL = SCENARIOS + HA_SCENARIOS + HOST_SCENARIOS + outage.OUTAGE_SCENARIOS
 CUT_S = 5.0   # how long a host is cut off: over three leases (ENV's heartbeat 0.5 s)
 WORKERS_UP = {"prefill-0", "prefill-1", "decode-0", "decode-1"}
 # Every prompt goes through the prefill pool (the cheapest placement would keep some on their
 # decode worker and leave the pool's faults fewer prompts, or none, to strike).
 ENV = {"PD_HEARTBEAT_S": "0.5", "PD_FAILOVER_CHECK_S": "0.5", "PD_KV_TIMEOUT_S": "30",
        "PD_PLACEMENT": "remote"}
-
-
-@dataclass
-class Outcome:
-    status: int = 0
-    ids: list[int] = field(default_factory=list)
-    times: list[float] = field(default_factory=list)   # arrival of each frame with tokens (from the run's start)
-    error: str = ""
-    request_id: str = ""
-
-
-def prompts(n: int) -> list[list[dict]]:
-    topics = ["rivers", "mountains", "bridges", "comets", "forests", "harbours", "deserts", "glaciers"]
-    return [[{"role": "user", "content": f"Question {i}: name three facts about {topics[i % len(topics)]} "
-                                         f"and the number {i * 7}."}] for i in range(n)]
-
-
-async def run_all(url: str, requests: list[list[dict]], max_tokens: int,
-                  started: asyncio.Event | None = None, trigger_after: int = 0) -> list[Outcome]:
-    """Every request at once; `started` is set once `trigger_after` of them have a token."""
-    outcomes = [Outcome() for _ in requests]
-    with_tokens = 0
-    start = time.monotonic()
-    async with httpx.AsyncClient(base_url=url, timeout=300) as http:
-        async def one(i: int, messages) -> None:
-            nonlocal with_tokens
-            out = outcomes[i]
-            try:
-                async with http.stream("POST", "/v1/chat/completions", json={
-                        "model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                        "ignore_eos": True, "stream": True, "return_token_ids": True}) as r:
-                    out.status, out.request_id = r.status_code, r.headers.get("x-request-id", "")
-                    if r.status_code != 200:
-                        out.error = (await r.aread()).decode(errors="replace")[:200]
-                        return
-                    async for line in r.aiter_lines():
-                        if not line.startswith("data: {"):
-                            continue
-                        frame = json.loads(line[6:])
-                        if "error" in frame:
-                            out.error = frame["error"]["message"]
-                            return
-                        ids = frame["choices"][0].get("token_ids") or []
-                        if ids:
-                            if not out.ids:
-                                with_tokens += 1
-                                if started is not None and with_tokens >= trigger_after:
-                                    started.set()
-                            out.ids += ids
-                            out.times.append(time.monotonic() - start)
-            except httpx.HTTPError as e:
-                out.error = f"{type(e).__name__}: {e}"
-        await asyncio.gather(*(one(i, m) for i, m in enumerate(requests)))
-    return outcomes
-
-
-@functools.cache
-def client_of(url: str):
-    """One client per store for the whole run (through the Sentinels on the HA stack)."""
-    return sync_redis(url)
-
-
-def request_events(stack: Stack, request_ids: list[str]) -> list[list[dict]]:
-    """Each request's events (pdserve/shared/lifecycle.py), as recorded in Redis."""
-    store = client_of(stack.redis_url)
-    with store.pipeline(transaction=False) as p:
-        for rid in request_ids:
-            p.lrange(log_key(rid), 0, -1)
-        return [[json.loads(e) for e in events] for events in p.execute()]
-
-
-def pools(stack: Stack) -> dict[str, dict]:
-    store = client_of(stack.redis_url)
-    ids = [i.decode() for i in store.smembers(WORKERS)]
-    infos = [json.loads(v) for v in store.mget([worker_key(i) for i in ids]) if v] if ids else []
-    return {w["worker_id"]: w for w in infos if w["role"] in ("prefill", "decode")}
-
-
-def settle(stack: Stack, expect: set[str], timeout_s: float = 45) -> dict[str, int]:
-    """Blocks still taken per worker once idle (waits until every expected worker is back and empty)."""
-    deadline = time.monotonic() + timeout_s
-    taken: dict[str, int] = {}
-    while time.monotonic() < deadline:
-        now = pools(stack)
-        taken = {w: now[w]["total_blocks"] - now[w]["free_blocks"] if w in now else -1 for w in expect}
-        busy = any(now.get(w, {}).get("running") or now.get(w, {}).get("waiting") for w in expect)
-        if not busy and all(n == 0 for n in taken.values()):
-            break
-        time.sleep(0.3)
-    return taken
 
 
 def strike(stack: Stack, scenario: str, links: dict[str, netns.Link]) -> list[str]:
@@ -208,14 +122,17 @@ def strike(stack: Stack, scenario: str, links: dict[str, netns.Link]) -> list[st
         victims = [gateway_node(stack)]
     elif scenario == "kill-redis-primary":
         victims = [redis_primary(stack)]
+    elif scenario in outage.OUTAGE_SCENARIOS:   # (started again by outage.through)
+        victims = ["nats"]
     else:
         victims = [scenario.removeprefix("restart-")]
     for victim in victims:
         stack.procs[victim].kill()
     for victim in victims:
         stack.procs[victim].wait(10)
-        if victim in ("nats", "redis") and not stack.ha_ports:   # the single servers come back at once;
-            stack.restart(victim)                                  # workers and HA servers after the load
+        # the single servers come back at once (NATS after the outage); workers and HA servers after the load
+        if victim in ("nats", "redis") and not stack.ha_ports and scenario not in outage.OUTAGE_SCENARIOS:
+            stack.restart(victim)
     return victims
 
 
@@ -263,35 +180,15 @@ def rejoin(stack: Stack, server: str, timeout_s: float = 60) -> None:
     raise RuntimeError(f"{server} did not rejoin within {timeout_s} s")
 
 
-def moves(stack: Stack) -> dict[str, float]:
-    """Counts from /metrics: the gateway's streams moved (failovers by why) and replayed, and
-    the router's placements refused for want of room on a decode worker (a failover waits
-    for a slot there)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, float] = {}
-    for name, families in (("gateway", ("pd_failovers", "pd_replays")), ("router", ("pd_placements",))):
-        text = httpx.get(stack.metrics_url(name), timeout=10).text
-        for family in text_string_to_metric_families(text):
-            if family.name not in families:
-                continue
-            for sample in family.samples:
-                labels = sample.labels
-                if not sample.name.endswith("_total") or labels.get("mode", "refused") != "refused":
-                    continue
-                why = labels.get("why") or labels.get("outcome") or labels.get("reason")
-                key = f"{family.name.removeprefix('pd_')}:{why}"
-                out[key] = out.get(key, 0) + sample.value
-    return out
-
-
 async def scenario_run(stack: Stack, scenario: str, requests, reference: list[Outcome], max_tokens: int,
                        reference_s: float, links: dict[str, netns.Link]) -> dict:
     before = await asyncio.to_thread(moves, stack)
     started = asyncio.Event()
     trigger = max(1, len(requests) // (10 if scenario.startswith("kill-prefill") else 3))
+    if scenario in outage.OUTAGE_SCENARIOS:   # every stream decoding (none is placed with the bus away)
+        trigger = len(requests)
     started_at = time.monotonic()
-    load = asyncio.create_task(run_all(stack.url, requests, max_tokens, started, trigger))
+    load = asyncio.create_task(run_all(stack.url, requests, max_tokens, started, trigger, model_id(stack.cfg.model)))
     await asyncio.wait({asyncio.create_task(started.wait()), load}, return_when=asyncio.FIRST_COMPLETED)
     fault_at = time.monotonic()
     hit = await asyncio.to_thread(strike, stack, scenario, links)
@@ -299,6 +196,7 @@ async def scenario_run(stack: Stack, scenario: str, requests, reference: list[Ou
     if scenario in HOST_SCENARIOS:
         await asyncio.sleep(CUT_S)
         netns.set_link(links[hit[0]], up=True)
+    figures = await outage.through(stack, reference) if scenario in outage.OUTAGE_SCENARIOS else {}
     outcomes = await load
     took = time.monotonic() - started_at
     after = await asyncio.to_thread(moves, stack)
@@ -330,7 +228,7 @@ async def scenario_run(stack: Stack, scenario: str, requests, reference: list[Ou
             "recovery_s": round(max(waits, default=0.0), 2), "extra_s": round(took - reference_s, 2),
             "streams_in_flight": len(waits), **paid, "moved": moved,
             "lost_errors": [outcomes[i].error for i in lost][:5],
-            "mismatched_ids": mismatched[:10], "blocks_taken_after": taken}
+            "mismatched_ids": mismatched[:10], "blocks_taken_after": taken, **figures}
 
 
 @contextlib.contextmanager
@@ -352,7 +250,8 @@ async def main_async(args) -> list[dict]:
     """Each scenario of args.scenarios on its stack: the single-server one, the HA one, then the
     one with a host per process."""
     results = []
-    for kind, theirs in (("single", SCENARIOS), ("ha", HA_SCENARIOS), ("hosts", HOST_SCENARIOS)):
+    for kind, theirs in (("single", SCENARIOS), ("ha", HA_SCENARIOS), ("hosts", HOST_SCENARIOS),
+                         ("outage", outage.OUTAGE_SCENARIOS)):
         scenarios = [s for s in args.scenarios if s in theirs]
         if not scenarios:
             continue
@@ -381,27 +280,29 @@ def placed(kind: str):
 
 async def on_stack(args, scenarios: list[str], kind: str, hosts: dict[str, Host],
                    worker_env: dict[str, dict[str, str]], links: dict[str, netns.Link]) -> list[dict]:
-    requests = prompts(args.requests)
+    shape = {"kv_blocks": args.kv_blocks, **(outage.stack_shape() if kind == "outage" else {})}
+    requests, max_tokens = prompts(shape.pop("requests", args.requests)), shape.pop("max_tokens", args.max_tokens)
     log_dir = Path(tempfile.mkdtemp(prefix="pdserve-chaos-"))
-    cfg = StackConfig.on_free_ports(prefill=2, decode=2, kv_blocks=args.kv_blocks, log_dir=log_dir, env=ENV,
-                                    ha=kind == "ha", hosts=hosts, worker_env=worker_env,
-                                    tls=getattr(args, "tls", False))
+    cfg = StackConfig.on_free_ports(prefill=2, decode=2, log_dir=log_dir, ha=kind == "ha", hosts=hosts,
+                                    worker_env=worker_env, tls=getattr(args, "tls", False),
+                                    **{**shape, "env": {**ENV, **shape.get("env", {})}})
     results = []
     busy = getattr(args, "busy", False)
     with neighbour(busy), Stack(cfg) as stack:
-        where = {"single": "", "ha": " on the HA bus and store", "hosts": " each on a host of its own"}[kind]
+        where = {"single": "", "ha": " on the HA bus and store", "hosts": " each on a host of its own",
+                 "outage": f" on the fake model with a NATS buffer of {outage.PENDING_BYTES} bytes"}[kind]
         print(f"stack up: 2 prefill + 2 decode{where}{' beside a busy neighbour' if busy else ''}"
               f"{' on mutual TLS' if cfg.tls else ''}; "
               f"logs in {log_dir}", flush=True)
         t0 = time.monotonic()
-        reference = await run_all(stack.url, requests, args.max_tokens)
+        reference = await run_all(stack.url, requests, max_tokens, model=model_id(cfg.model))
         reference_s = time.monotonic() - t0
-        bad = [i for i, o in enumerate(reference) if o.status != 200 or o.error or len(o.ids) != args.max_tokens]
+        bad = [i for i, o in enumerate(reference) if o.status != 200 or o.error or len(o.ids) != max_tokens]
         if bad:
             sys.exit(f"the run without faults failed for {len(bad)} requests: {reference[bad[0]].error}")
         await asyncio.to_thread(settle, stack, WORKERS_UP)
         for scenario in progress(scenarios, f"chaos ({kind})", unit="scenario"):
-            r = await scenario_run(stack, scenario, requests, reference, args.max_tokens, reference_s, links)
+            r = await scenario_run(stack, scenario, requests, reference, max_tokens, reference_s, links)
             r["stack"] = kind
             results.append(r)
             print(f"chaos: requests={r['requests']} lost={r['lost']} mismatched={r['mismatched']} "
@@ -412,6 +313,8 @@ async def on_stack(args, scenarios: list[str], kind: str, hosts: dict[str, Host]
                   f"local_recomputes={r['local_recomputes']} "
                   f"itl_p99_during_over_before={r['itl_p99_during_over_before']} "
                   f"itl_p99_during_over_reference={r['itl_p99_during_over_reference']}", flush=True)
+            if scenario in outage.OUTAGE_SCENARIOS:
+                print(outage.summary(r), flush=True)
             if r["collateral"] or r["lost"]:
                 print(f"  also died (exit status): {r['collateral'] or 'none'}; errors: {r['lost_errors']}", flush=True)
     return results
@@ -422,13 +325,13 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=100)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--kv-blocks", type=int, default=1024)
-    ap.add_argument("--scenarios", type=lambda s: s.split(","), default=list(SCENARIOS + HA_SCENARIOS + HOST_SCENARIOS))
+    ap.add_argument("--scenarios", type=lambda s: s.split(","), default=list(ALL))
     ap.add_argument("--busy", action="store_true", help="beside a process spinning on a core for the whole run; "
                     "writes bench/results/chaos-busy.json")
     ap.add_argument("--tls", action="store_true", help="NATS and Redis on mutual TLS (StackConfig.tls); writes "
                     "bench/results/chaos-tls.json")
     args = ap.parse_args()
-    unknown = set(args.scenarios) - set(SCENARIOS + HA_SCENARIOS + HOST_SCENARIOS)
+    unknown = set(args.scenarios) - set(ALL)
     if unknown:
         sys.exit(f"unknown scenarios: {', '.join(sorted(unknown))}")
     results = asyncio.run(main_async(args))
@@ -442,6 +345,8 @@ def main() -> None:
 
 def failed(r: dict) -> bool:
     """A scenario that lost, mismatched, leaked, took another process with it, left a worker
-    missing, or (kill-redis-primary) saw no replica promoted; a skipped one did not fail."""
+    missing, (kill-redis-primary) saw no replica promoted, or (nats-outage) no publish refused; a
+    skipped one did not fail."""
     return bool(r.get("lost") or r.get("mismatched") or r.get("leaked_blocks") or r.get("collateral")
-                or r.get("missing_after") or (r["scenario"] == "kill-redis-primary" and r["promoted"] == r["victim"]))
+                or r.get("missing_after") or (r["scenario"] == "kill-redis-primary" and r["promoted"] == r["victim"])
+                or (r["scenario"] in outage.OUTAGE_SCENARIOS and not r.get("publish_errors")))
