@@ -16,16 +16,20 @@ from pathlib import Path
 
 import redis
 
-from pdserve.local.servers import STORE_ARGS, claim, free_port, valkey_server, wait_for_port
+from pdserve.local.servers import STORE_ARGS, claim, ephemeral_floor, free_port, valkey_server, wait_for_port
 
 SLOTS = 16384
 BUS = 10000  # a node's cluster bus: its port + BUS
 
 
 def free_node_port() -> int:
-    """A free port whose cluster-bus port is free too (and held back from free_port from now on)."""
+    """A free port whose cluster-bus port is free too (and held back from free_port from now on), both
+    below the kernel's ephemeral range (an outbound connection could take a bus port from there
+    before the node binds it)."""
     while True:
         port = free_port()
+        if port + BUS >= ephemeral_floor():
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port + BUS))

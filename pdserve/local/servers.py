@@ -22,7 +22,7 @@ BIN = Path(sys.executable).parent
 _handed_out: set[int] = set()
 
 
-def _ephemeral_floor() -> int:
+def ephemeral_floor() -> int:
     """The lowest port the kernel gives outbound connections (Linux's default range 32768-60999)."""
     try:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
@@ -36,7 +36,7 @@ def free_port() -> int:
     binding port 0 gives) can be taken as the local port of any outbound connection before the
     server that was to listen on it binds it."""
     rng = random.Random()
-    top = min(_ephemeral_floor(), 65536)
+    top = min(ephemeral_floor(), 65536)
     while True:
         port = rng.randrange(10000, top) if top > 11000 else rng.randrange(10000, 65536)
         if port in _handed_out:
