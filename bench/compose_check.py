@@ -125,7 +125,8 @@ def compose(*args: str, env: dict[str, str], quiet: bool = True, check: bool = T
 def environment() -> tuple[dict[str, str], str]:
     """compose's environment for the run (its secrets made now, ports free) and the API key."""
     key = KEY_PREFIX + os.urandom(16).hex()
-    ports = {"GATEWAY_PORT": free_port(), "OTLP_PORT": free_port(), "PROMETHEUS_PORT": free_port()}
+    ports = {"GATEWAY_PORT": free_port(), "GATEWAY_METRICS_PORT": free_port(), "OTLP_PORT": free_port(),
+             "PROMETHEUS_PORT": free_port()}
     env = {**os.environ, **keys.made(), **{k: str(v) for k, v in ports.items()}, "DECODE_REPLICAS": "2",
            "PD_API_KEYS": f"check:{hash_key(key)}", "GRAFANA_PORT": str(free_port())}
     return env, key

@@ -1,7 +1,7 @@
 """What make compose-check proves of the running compose stack (bench/compose_check.py), through
 the gateway's published port: each check a dict with `ok` and what it saw, named in the JSON.
 
-  ready                       the gateway's /ready, with the pools registered
+  ready                       the gateway's /ready (on its metrics port), with the pools registered
   no_restarts                 no container restarted on the way (each waited for what it needs)
   openai_sdk                  the official client: a chat answer, a stream, a tool call
   trace_spans_every_service   one request's trace at the OTLP receiver holds spans of the gateway,
@@ -46,12 +46,12 @@ def _get(url: str, timeout: float = 10) -> tuple[int, bytes]:
         return e.code, e.read()
 
 
-def ready(gw: str, timeout_s: float = 900) -> dict:
+def ready(probes: str, timeout_s: float = 900) -> dict:
     t0 = time.monotonic()
     body: Any = None
     while time.monotonic() - t0 < timeout_s:
         try:
-            status, raw = _get(gw + "/ready", 5)
+            status, raw = _get(probes + "/ready", 5)
             body = json.loads(raw)
             if status == 200:
                 return {"ok": True, "after_s": round(time.monotonic() - t0, 1), "ready": body}
@@ -193,7 +193,7 @@ def kill_decode(gw: str, key: str, compose: Callable[..., str], streams: int = 8
 def run_all(env: dict[str, str], key: str, compose: Callable[..., str]) -> dict[str, dict]:
     gw = f"http://127.0.0.1:{env['GATEWAY_PORT']}"
     checks: dict[str, Callable[[], dict]] = {
-        "ready": lambda: ready(gw),
+        "ready": lambda: ready(f"http://127.0.0.1:{env['GATEWAY_METRICS_PORT']}"),
         "no_restarts": lambda: no_restarts(compose),
         "openai_sdk": lambda: openai_sdk(gw, key),
         "trace_spans_every_service": lambda: trace(gw, key, env["OTLP_PORT"]),

@@ -1,5 +1,5 @@
-"""Waiting for the local stack to be ready: the gateway up with every worker registered and seen by the routers
-(a server's port: servers.wait_for_port)."""
+"""Waiting for the local stack to be ready: the gateway up (its /ready, on its metrics port) with every worker
+registered and seen by the routers (a server's port: servers.wait_for_port)."""
 
 from __future__ import annotations
 
@@ -12,19 +12,19 @@ from pathlib import Path
 from pdserve.services.router.recent import REGISTRY_READ_S
 
 
-def wait_ready(url: str, want: dict[str, int], procs: dict[str, subprocess.Popen], timeout_s: float,
+def wait_ready(ready_url: str, want: dict[str, int], procs: dict[str, subprocess.Popen], timeout_s: float,
                logs: Path) -> None:
-    """Until the gateway at `url` is ready and has as many workers of each role registered as `want` says
-    (the gateway is ready with one of each; placement tests and benchmarks need them all) and the routers,
-    which re-read the registry every REGISTRY_READ_S, have seen them. A process of `procs` that exits
-    ends the wait."""
+    """Until the gateway's /ready at `ready_url` (on its metrics port) says ready with as many workers of each
+    role registered as `want` says (the gateway is ready with one of each; placement tests and benchmarks need
+    them all) and the routers, which re-read the registry every REGISTRY_READ_S, have seen them. A process of
+    `procs` that exits ends the wait."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         dead = [n for n, p in procs.items() if p.poll() is not None]
         if dead:
             raise RuntimeError(f"{', '.join(dead)} exited during start; logs in {logs}")
         try:
-            with urllib.request.urlopen(url + "/ready", timeout=2) as r:
+            with urllib.request.urlopen(ready_url, timeout=2) as r:
                 workers = json.loads(r.read()).get("workers", {})
                 if r.status == 200 and all(workers.get(k, 0) >= n for k, n in want.items()):
                     time.sleep(REGISTRY_READ_S + 0.3)  # and the routers' background view has them too

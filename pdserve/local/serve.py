@@ -66,7 +66,7 @@ def main(args: ServeSettings) -> None:
         env_file.touch(mode=0o600)
         tls = "".join(f"{k}={v}\n" for k, v in stack.tls_env(grants.OPERATOR).items())
         env_file.write_text(f"PD_NATS_URL={stack.nats_url}\nPD_REDIS_URL={stack.redis_url}\n{tls}")
-        scraped = [n for n in stack.procs if n in (*stack.metrics_ports, "gateway")]   # (not the servers, the keeper)
+        scraped = [n for n in stack.procs if n in stack.metrics_ports]   # (not the servers, the keeper)
         metrics = ", ".join(f"{n} {stack.metrics_url(n)}" for n in scraped)
         served = args.model_name or model_id(args.model)
         print(f"ready in {time.monotonic() - start:.1f} s at {stack.url}\n\n"

@@ -50,7 +50,7 @@ class Stack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
         self.started: list[subprocess.Popen] = []   # every process ever spawned (a restart replaces one in procs)
-        self.metrics_ports: dict[str, int] = {}  # router and workers (the gateway serves /metrics itself)
+        self.metrics_ports: dict[str, int] = {}  # every service's: /metrics, /health, /ready
         self.argv: dict[str, tuple[list[str], dict[str, str] | None]] = {}
         # NATS and Redis take passwords made for this run (config files in the private data
         # directory, not on a command line), so nothing else on the host can join the bus; on
@@ -163,9 +163,8 @@ class Stack:
     def service(self, name: str, module: str, **env: str) -> subprocess.Popen:
         """Process `name` running `module` (services.<role>.main), on NATS and Redis as its own
         user (made now if it is new: the servers are given it)."""
-        if name != "gateway":
-            self.metrics_ports[name] = free_port()
-            env = {**env, "PD_METRICS_PORT": str(self.metrics_ports[name])}
+        self.metrics_ports[name] = free_port()
+        env = {**env, "PD_METRICS_PORT": str(self.metrics_ports[name]), "PD_METRICS_HOST": self.ip(name)}
         role = module.split(".")[-2]   # pdserve.services.<role>.main
         if self.ids.add(name, role):
             self.reload_users()
@@ -178,10 +177,9 @@ class Stack:
         return self.spawn(name, [sys.executable, "-m", module],
                           {**self.service_env(), **env, **self.cfg.worker_env.get(name, {})})
 
-    def metrics_url(self, name: str) -> str:
-        if name == "gateway":
-            return self.url + "/metrics"
-        return f"http://{self.ip(name)}:{self.metrics_ports[name]}/metrics"
+    def metrics_url(self, name: str, path: str = "/metrics") -> str:
+        """`path` on process `name`'s metrics port: its /metrics, /health or /ready (never on the gateway's API)."""
+        return f"http://{self.ip(name)}:{self.metrics_ports[name]}{path}"
 
     def metric_total(self, name: str, metric: str) -> float:
         """The sum of every sample of `metric` (all its labels) on process `name`'s /metrics."""
@@ -298,7 +296,7 @@ class Stack:
         """Until the gateway is ready with every worker started here (pdserve/local/readiness.py)."""
         c = self.cfg
         want = {"router": c.routers, "decode": c.decode, "prefill": 0 if c.colocated else c.prefill}
-        readiness.wait_ready(self.url, want, self.procs, timeout_s, self.log_dir)
+        readiness.wait_ready(self.metrics_url("gateway", "/ready"), want, self.procs, timeout_s, self.log_dir)
 
     def stop(self, timeout_s: float = 30) -> None:
         """Services first (they drain), then the bus and the store; one still running after

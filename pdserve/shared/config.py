@@ -81,8 +81,10 @@ class Common(BaseSettings):
                                       description="OTLP/HTTP collector (Jaeger: http://host:4318)")
     trace_baggage_keys: str = Field("", description="W3C baggage entries (a client's, carried with the trace) "
                                     "copied onto every span as attributes: their keys, separated by commas")
-    metrics_port: int = Field(9400, ge=0, description="router and workers: /metrics on this port (0: off); the "
-                              "gateway serves /metrics on its own port")
+    metrics_port: int = Field(9400, ge=0, description="/metrics, /health and /ready on this port, apart from the "
+                              "gateway's API (0: off)")
+    metrics_host: str = Field("0.0.0.0", description="address the metrics port listens on (its probes and "
+                              "metrics are for the orchestrator and Prometheus: keep it off the public network)")
     stall_s: float = Field(30.0, gt=0, description="a request that does not advance this long (no token while "
                                                    "decoding; past its allowance before the first token) is moved "
                                                    "to another worker (the router's supervisor)")

@@ -1,7 +1,7 @@
 """Prometheus metrics of every service, in one place: names, labels, buckets.
 
-Each process exports the metrics of its role on `/metrics` (the gateway on its HTTP port;
-router and workers on `PD_METRICS_PORT`, default 9400). Latency histograms carry the
+Each process exports the metrics of its role on `/metrics` on `PD_METRICS_PORT` (default 9400;
+the gateway's too, apart from its API). Latency histograms carry the
 request's trace id as an exemplar (shown in the OpenMetrics format, which Prometheus asks
 for), so a slow bucket leads to its trace in Jaeger.
 
@@ -67,6 +67,8 @@ QUEUED_TOKENS = Gauge("pd_queued_prompt_tokens", "Prompt tokens waiting to be co
 STEP_SECONDS = Histogram("pd_engine_step_seconds", "Engine steps", ["role", "kind"], buckets=LATENCY)
 STALE_CHUNKS = Counter("pd_stale_chunks", "Token chunks the gateway dropped: from a placement the request has "
                        "left (a worker still publishing after its request moved)")
+SEND_DEADLINE_CLOSES = Counter("pd_send_deadline_closes", "Client connections the gateway closed because the client "
+                               "took nothing it was sent for PD_SEND_DEADLINE_S (their requests cancelled)")
 FORGED_CHUNKS = Counter("pd_forged_chunks", "Token chunks the gateway dropped: no secret of the request's placements "
                         "verifies them (made up, or moved from another request: pdserve/shared/macs.py)")
 FORGED_MESSAGES = Counter("pd_forged_messages", "A placement's messages dropped (its KV handoff's, its cancels): its "
@@ -131,7 +133,7 @@ def openmetrics_names_kept(accept: str) -> str:
 
 
 def serve(port: int, host: str = "0.0.0.0") -> int:
-    """`/metrics` on its own port (router and workers; the gateway mounts it on its app), with
+    """`/metrics` on its own port (every service's; the gateway's API port serves none), with
     `/health` and `/ready` beside it (pdserve/shared/probes.py). Returns the port, 0 when off or taken
     (logged: metrics are not worth a failed start)."""
     if not port:

@@ -136,7 +136,7 @@ async def serve_worker(role: str, settings: WorkerSettings, worker_cls: Callable
     """Build the engine, connect NATS, Redis and the UCX transport, run `worker_cls(...).serve`
     until SIGTERM/SIGINT, then unwind in reverse (transport closed, Redis closed, NATS drained)."""
     tracer = tracing.setup(role, settings.otlp_endpoint, settings.trace_baggage_keys)
-    metrics.serve(settings.metrics_port)
+    metrics.serve(settings.metrics_port, settings.metrics_host)
     metrics_vllm.register(settings.model_name)
     engine = build_engine(settings)
     async with AsyncExitStack() as stack:

@@ -115,8 +115,8 @@ def test_seeded_sampling_is_reproducible_through_the_stack(fake_client):
 
 
 def test_models_health_ready(stack):
-    assert httpx.get(stack.url + "/health").json() == {"status": "ok"}
-    ready = httpx.get(stack.url + "/ready").json()
+    assert httpx.get(stack.metrics_url("gateway", "/health")).json()["live"]
+    ready = httpx.get(stack.metrics_url("gateway", "/ready")).json()
     assert ready["ready"] and ready["workers"] == {"router": 1, "prefill": 1, "decode": 1}
     models = httpx.get(stack.url + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]

@@ -271,7 +271,7 @@ def _both_decode_workers_up(stack: Stack) -> Stack:
     for name in gone:
         stack.restart(name)
     for name in gone:
-        ready, deadline = stack.metrics_url(name).removesuffix("/metrics") + "/ready", time.monotonic() + 120
+        ready, deadline = stack.metrics_url(name, "/ready"), time.monotonic() + 120
         while not _answers_200(ready):
             assert time.monotonic() < deadline, f"{name} not ready again; logs in {stack.log_dir}"
             time.sleep(0.1)

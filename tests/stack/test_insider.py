@@ -318,7 +318,7 @@ def test_an_instance_writes_only_its_own_registry_entry_and_a_bad_one_takes_noth
     refused = asyncio.run(write())
     assert len(refused) == 5 and all("permission" in r.lower() for r in refused), refused
     time.sleep(1.5)   # (a registry read or two)
-    ready = httpx.get(stack.url + "/ready", timeout=10)
+    ready = httpx.get(stack.metrics_url("gateway", "/ready"), timeout=10)
     assert ready.status_code == 200
     assert ask(stack).status_code == 200
     assert stack.metric_total("router", "pd_bad_registry_entries_total") >= before + 3

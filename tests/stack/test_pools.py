@@ -44,7 +44,7 @@ def test_two_prefill_two_decode_serve_20_concurrent_requests(fake, tmp_path):
                                     env=fake_env())
     with Stack(cfg) as stack:
         answers = asyncio.run(_ask_all(stack.url, 12))
-        ready = httpx.get(stack.url + "/ready").json()
+        ready = httpx.get(stack.metrics_url("gateway", "/ready")).json()
     expected = _expected(fake, 12)
     for q in QUESTIONS:
         assert answers[q]["choices"][0]["token_ids"] == expected[q], q
@@ -80,7 +80,7 @@ def test_colocated_mode_serves_without_a_prefill_pool(fake, tmp_path, otlp):
     with Stack(cfg) as stack:
         r = httpx.post(stack.url + "/v1/chat/completions", timeout=120, json={
             "model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 16, "return_token_ids": True})
-        ready = httpx.get(stack.url + "/ready").json()
+        ready = httpx.get(stack.metrics_url("gateway", "/ready")).json()
         spans = otlp.wait_for(r.headers["x-trace-id"], {"gateway.request", "router.route", "decode.admit",
                                                         "decode.generate"})
     assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == expected

@@ -111,7 +111,7 @@ def test_turns_of_a_conversation_follow_their_kv_across_a_router_restart(otlp, t
         stack.service("router", "pdserve.services.router.main")
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            ready = httpx.get(stack.url + "/ready").json()
+            ready = httpx.get(stack.metrics_url("gateway", "/ready")).json()
             if ready.get("ready") and ready["workers"].get("router") == 1:
                 break
             time.sleep(0.3)

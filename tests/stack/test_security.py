@@ -34,7 +34,7 @@ def test_keys_rate_limit_and_length_limits_on_the_live_gateway(tmp_path):
 
         missing, wrong = post(body, key=None), post(body, key="pd-wrong")
         models = httpx.get(stack.url + "/v1/models", timeout=10)
-        health = httpx.get(stack.url + "/health", timeout=10)
+        health = httpx.get(stack.metrics_url("gateway", "/health"), timeout=10)
         good = post(body)                                                       # 1 of the burst of 4
         long = post({**body, "messages": [{"role": "user", "content": "word " * 100}]})      # 2
         big = post({**body, "max_tokens": 100})                                  # 3

@@ -23,7 +23,6 @@ from kubernetes.client import ApiClient
 from prometheus_client import REGISTRY
 
 import pdserve.shared.metrics  # noqa: F401 - registers the metrics the adapter rules read
-from pdserve.services.gateway.api import ops as gateway_routes
 from pdserve.shared import grants, probes
 from pdserve.shared.config import DecodeSettings, GatewaySettings, IssuerSettings, PrefillSettings, RouterSettings
 from pdserve.shared.engine.kernels import cc
@@ -172,12 +171,11 @@ def test_each_deployment_runs_a_real_module_with_real_settings_and_probes(name):
         ref = e.get("valueFrom", {}).get("secretKeyRef")
         assert ref is None or ref["key"] in SECRETS[ref["name"]], e
     values = {e["name"]: e.get("value") for e in c["env"]} | CONFIG
-    port = int(values["PD_GATEWAY_PORT"] if name == "gateway" else values["PD_METRICS_PORT"])
+    port = int(values["PD_METRICS_PORT"])   # every service's probes and metrics, the gateway's apart from its API
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     annotations = DEPLOYMENTS[name]["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true" and int(annotations["prometheus.io/port"]) == port
-    served = {r.path for r in gateway_routes.routes} if name == "gateway" else \
-        {p for p in ("/health", "/ready", "/metrics") if p == "/metrics" or probes.answer(p) is not None}
+    served = {p for p in ("/health", "/ready", "/metrics") if p == "/metrics" or probes.answer(p) is not None}
     assert annotations["prometheus.io/path"] in served
     for kind in ("readinessProbe", "livenessProbe", "startupProbe"):
         if kind in c:

@@ -1,15 +1,13 @@
 """Routes: OpenAI-compatible generation (chat, completions, responses), the model list, and
-vLLM's /tokenize and /detokenize (API key and rate limit checked first); the version, liveness,
-readiness and Prometheus metrics (open)."""
+vLLM's /tokenize and /detokenize (API key and rate limit checked first); the version (open). The
+probes and the metrics are on the metrics port, not here (pdserve/shared/probes.py)."""
 
 from __future__ import annotations
 
 import importlib.metadata
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import REGISTRY
-from prometheus_client.exposition import choose_encoder
+from fastapi.responses import Response
 
 from pdserve.services.gateway.checks import check_model
 from pdserve.services.gateway.deps import GatewayDep, authorize
@@ -23,9 +21,8 @@ from pdserve.services.gateway.schemas import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from pdserve.shared.metrics import openmetrics_names_kept
 
-ops = APIRouter()  # version, metrics, health, ready: no key
+ops = APIRouter()  # version: no key
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
 tokens = APIRouter(dependencies=[Depends(authorize)])  # vLLM's, beside /v1
 # response_model=None: a route's `-> dict` is for mypy, not a response schema of its OpenAPI document
@@ -86,31 +83,3 @@ async def detokenize(body: DetokenizeRequest, gw: GatewayDep) -> dict:
 @ops.get("/version", response_model=None)
 async def version() -> dict:
     return {"version": importlib.metadata.version("pdserve")}
-
-
-@ops.get("/metrics", include_in_schema=False)
-async def metrics(request: Request) -> Response:
-    """Prometheus text, or OpenMetrics (with trace-id exemplars) when the scraper asks for it."""
-    encode, content_type = choose_encoder(openmetrics_names_kept(request.headers.get("accept", "")))
-    return Response(encode(REGISTRY), media_type=content_type)
-
-
-@ops.get("/health", response_model=None)
-async def health() -> dict:
-    return {"status": "ok"}
-
-
-@ops.get("/ready")
-async def ready(gw: GatewayDep) -> JSONResponse:
-    """Ready when NATS is connected and a router and the worker pools are registered."""
-    try:
-        workers = await gw.state.registry.workers()
-    except Exception as e:  # noqa: BLE001 - Redis unreachable
-        return JSONResponse({"ready": False, "reason": f"state store: {e}"}, status_code=503)
-    count = {role: sum(w.role == role for w in workers) for role in ("router", "prefill", "decode")}
-    missing = [role for role, n in count.items()
-               if n == 0 and (role != "prefill" or gw.settings.require_prefill)]
-    if not gw.bus.nc.is_connected:
-        missing.append("nats")
-    body = {"ready": not missing, "workers": count, "missing": missing}
-    return JSONResponse(body, status_code=503 if missing else 200)

@@ -1,7 +1,8 @@
 """Gateway: the OpenAI-compatible HTTP front door.
 
-1. Start: load the tokenizer and chat template (no weights), connect to NATS and Redis,
-   serve HTTP on `gateway_host:gateway_port`.
+1. Start: serve /health, /ready and /metrics on `metrics_host:metrics_port` (pdserve/shared/probes.py),
+   load the tokenizer and chat template (no weights), connect to NATS and Redis, judge readiness
+   in the background (readiness.py), serve the API on `gateway_host:gateway_port`.
 2. Request: open the root span; on /v1 check the API key (401) and the caller's rate limit
    (429 + Retry-After, a token bucket in Redis); validate (4xx in OpenAI's error shape,
    nothing reaches a worker), render the chat template, tokenize, check the length limits.
@@ -24,12 +25,14 @@ import threading
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
 from opentelemetry import trace
+from uvicorn.config import STARTUP_FAILURE
 
-from pdserve.services.gateway import connections, errors, tools
+from pdserve.services.gateway import connections, errors, readiness, tools
 from pdserve.services.gateway.api import ops, tokens, v1
 from pdserve.services.gateway.auth import KeyCheck
 from pdserve.services.gateway.concurrency import Concurrency
@@ -37,7 +40,7 @@ from pdserve.services.gateway.deps import Gateway
 from pdserve.services.gateway.middleware import RequestContext
 from pdserve.services.gateway.ratelimit import RateLimit
 from pdserve.services.gateway.relay import Relay
-from pdserve.shared import identity, metrics_vllm, tracing
+from pdserve.shared import identity, metrics, metrics_vllm, tracing
 from pdserve.shared.bus import Bus
 from pdserve.shared.config import GatewaySettings
 from pdserve.shared.engine import grammar
@@ -45,7 +48,8 @@ from pdserve.shared.engine.config import ModelConfig
 from pdserve.shared.engine.sources import inspect
 from pdserve.shared.engine.tokenizer import Tokenizer, template_text
 from pdserve.shared.messages import WorkerInfo
-from pdserve.shared.service import heartbeat, setup_logging, started
+from pdserve.shared.probes import PROBES
+from pdserve.shared.service import heartbeat, serving, setup_logging
 from pdserve.shared.state import State
 from pdserve.shared.tasks import every
 
@@ -58,6 +62,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        tick = asyncio.create_task(PROBES.tick())   # /health's stamp, from the start (loading the model)
+        metrics.serve(settings.metrics_port, settings.metrics_host)
         tracing.setup("gateway", settings.otlp_endpoint, settings.trace_baggage_keys)
         model_config, tokenizer = await load_model(settings)
         enrolled = identity.mine("gateway", settings.enroll_token)  # (pdserve/shared/identity.py)
@@ -67,19 +73,16 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         name = identity.instance_id("gateway", settings.enroll_token, settings.gateway_id, "gateway")
         me = WorkerInfo(worker_id=f"{name}_{uuid.uuid4().hex[:8]}", role="gateway")
         app.state.gateway = build_gateway(settings, keys, bus, state, model_config, tokenizer, me.worker_id)
-        # the lease tells the routers' supervisors that someone still reads these requests' tokens
         stop = asyncio.Event()
-        beat = asyncio.create_task(heartbeat(state, lambda: me, settings.heartbeat_s, stop))
-        renew = asyncio.create_task(every(settings.heartbeat_s, app.state.gateway.in_flight.renew, stop, log,
-                                          "renewing the in-flight leases"))
-        started()  # (out of the collector's reach: pdserve/shared/service.py)
+        tasks = background(app.state.gateway, me, stop)
+        serving()  # /ready may answer 200 (and what start built is out of the collector's reach)
         if keys.open:
             log.warning("no API keys configured (PD_API_KEYS): the API is open to anyone who can reach it")
         else:
             log.info("%d API keys configured", len(keys.keys))
         yield
         stop.set()
-        await asyncio.gather(beat, renew)
+        await asyncio.gather(*tasks)
         try:
             await state.registry.deregister(me.worker_id)
         except Exception as e:  # noqa: BLE001 - Redis away: the lease lapses by itself
@@ -87,6 +90,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         await bus.close()
         await state.close()
         tracing.shutdown()
+        tick.cancel()
 
     # FastAPI's own telemetry off: the request's span is RequestContext's (its trace continues the
     # client's and goes on through every service); FastAPI's would be a trace more per request,
@@ -101,6 +105,16 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.add_middleware(RequestContext, tracer=trace.get_tracer("pdserve.gateway"),
                        max_bytes=settings.max_request_bytes)
     return app
+
+
+def background(gw: Gateway, me: WorkerInfo, stop: asyncio.Event) -> list[asyncio.Task]:
+    """Until `stop`: the gateway's registry lease (it tells the routers' supervisors that someone still
+    reads these requests' tokens), its requests' in-flight leases, and the readiness its /ready answers."""
+    period_s = gw.settings.heartbeat_s
+    return [asyncio.create_task(heartbeat(gw.state, lambda: me, period_s, stop)),
+            asyncio.create_task(every(period_s, gw.in_flight.renew, stop, log, "renewing the in-flight leases")),
+            asyncio.create_task(readiness.keep_judging(gw.state, gw.settings.require_prefill,
+                                                       lambda: gw.bus.nc.is_connected, stop))]
 
 
 async def load_model(settings: GatewaySettings) -> tuple[ModelConfig, Tokenizer]:
@@ -131,14 +145,31 @@ def build_gateway(settings: GatewaySettings, keys: KeyCheck, bus: Bus, state: St
                    Concurrency(state, settings.max_concurrent_per_key, settings.lease_s, fail_open))
 
 
+class Draining(uvicorn.Server):
+    """uvicorn's server, whose SIGTERM / SIGINT also turns /ready to 503 (the probes' port stays open
+    while the API's closes): an orchestrator takes the gateway out while its streams finish."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        PROBES.draining = True
+        super().handle_exit(sig, frame)
+
+
 def main(settings: GatewaySettings | None = None) -> None:
     """The gateway with `settings` (`pdserve gateway`: its flags), else from the environment."""
     settings = settings or GatewaySettings()
     setup_logging(settings, "gateway")
-    uvicorn.run(create_app(settings), host=settings.gateway_host, port=settings.gateway_port,
-                log_level=settings.log_level.lower(), timeout_graceful_shutdown=settings.drain_s,
-                timeout_keep_alive=settings.keep_alive_s, http=connections.protocol(settings.head_timeout_s),
-                log_config=None)  # uvicorn's loggers go through ours (trace ids, JSON when asked)
+    config = uvicorn.Config(create_app(settings), host=settings.gateway_host, port=settings.gateway_port,
+                            log_level=settings.log_level.lower(), timeout_graceful_shutdown=settings.drain_s,
+                            timeout_keep_alive=settings.keep_alive_s,
+                            http=connections.protocol(settings.head_timeout_s),
+                            log_config=None)  # uvicorn's loggers go through ours (trace ids, JSON when asked)
+    server = Draining(config)
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    if not server.started:
+        raise SystemExit(STARTUP_FAILURE)
 
 
 if __name__ == "__main__":

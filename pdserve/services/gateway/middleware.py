@@ -36,7 +36,7 @@ class RequestContext:
         self.app, self.tracer, self.max_bytes = app, tracer, max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] == "/metrics":  # scrapes: no trace each few seconds
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         client, request_id = ids.client_id(headers), ids.new()

@@ -161,7 +161,7 @@ class Issuer:
 async def main() -> None:
     settings = IssuerSettings()
     setup_logging(settings, "issuer")
-    metrics.serve(settings.metrics_port)
+    metrics.serve(settings.metrics_port, settings.metrics_host)
     stop = stop_event()
     issuer = Issuer(settings, async_redis(settings.redis_url, 4))
     me = natsjwt.derived_key(settings.issuer_seed, identity.ISSUER_KEY)

@@ -179,7 +179,7 @@ class Router:
 
 async def serve(settings: RouterSettings) -> None:
     tracer = tracing.setup("router", settings.otlp_endpoint, settings.trace_baggage_keys)
-    metrics.serve(settings.metrics_port)
+    metrics.serve(settings.metrics_port, settings.metrics_host)
     metrics_vllm.register(settings.model_name)
     async with AsyncExitStack() as stack:
         stop = stop_event()
