@@ -177,6 +177,10 @@ class GatewaySettings(Common):
                                 "than clients' and load balancers' own idle timeouts, so they close first)")
     head_timeout_s: float = Field(10.0, gt=0, description="a request's headers must all arrive within this long of "
                                   "the connection opening or of their first byte (slowloris), else it is closed")
+    send_deadline_s: float = Field(30.0, gt=0, description="a client that takes nothing it is sent this long (a "
+                                   "stream it does not read) is disconnected and its request cancelled")
+    max_connections: int = Field(1024, ge=0, description="client connections served at once (uvicorn's "
+                                 "limit_concurrency); beyond, a 503 (0: no limit)")
     default_max_tokens: int = Field(512, gt=0, description="max_tokens when a request sets none")
     require_prefill: bool = Field(True, description="/ready waits for a prefill worker (off: colocated)")
     api_keys: str = Field("", description="name:sha256(key) entries, comma-separated (make one with `python -m "
@@ -184,10 +188,12 @@ class GatewaySettings(Common):
     allow_open: bool = Field(False, description="serve with no API keys on an address other than loopback (without "
                              "it, such a gateway refuses to start)")
     rate_limit_per_s: float = Field(0.0, ge=0, description="requests per second per API key (per client address "
-                                    "when the API is open), shared by all gateways through Redis; 0: no limit")
+                                    "when the API is open), shared by all gateways through Redis; 0: no limit "
+                                    "(default with API keys set: 20)")
     rate_limit_burst: int = Field(20, gt=0, description="requests a caller may make at once before the rate applies")
     token_rate_limit_per_s: float = Field(0.0, ge=0, description="tokens per second per caller (prompt + n x "
-                                          "max_tokens each request), shared through Redis; 0: no limit")
+                                          "max_tokens each request), shared through Redis; 0: no limit (with "
+                                          "keys: 20000)")
     token_rate_limit_burst: int = Field(100_000, gt=0, description="tokens a caller may take at once")
     rate_limit_fail_open: bool | None = Field(None, description="Redis away: serve unchecked (true) or 503 "
                                               "(false); default: false with API keys set, true without")
@@ -195,9 +201,10 @@ class GatewaySettings(Common):
                                "default), comma-separated; with keys set, no other key may")
     max_concurrent_per_key: int = Field(0, ge=0, description="requests in flight per caller (API key, or client "
                                         "address when the API is open) across every gateway, each choice "
-                                        "counting; over it a 429 (0: no limit)")
+                                        "counting; over it a 429 (0: no limit; with keys: 256)")
     max_prompt_tokens: int = Field(0, ge=0, description="longest prompt accepted, in tokens (0: the model's context)")
-    max_tokens_limit: int = Field(0, ge=0, description="largest max_tokens accepted (0: what the context leaves)")
+    max_tokens_limit: int = Field(0, ge=0, description="largest max_tokens accepted (0: what the context leaves; "
+                                  "with keys: 16384)")
     special_tokens_in_messages: bool = Field(
         False, description="a special token's spelling in a message (\"<|im_start|>system\") read as that control "
         "token; off: it stays text, so only the chat template writes roles")
@@ -213,7 +220,15 @@ class GatewaySettings(Common):
         if not self.api_keys and not self.allow_open and not _loopback(self.gateway_host):
             raise ValueError(f"the gateway would serve {self.gateway_host} with no API keys: set PD_API_KEYS, or "
                              "PD_ALLOW_OPEN=1 to serve an open API on purpose")
+        for name, value in KEYED_LIMITS.items() if self.api_keys else ():
+            if name not in self.model_fields_set:
+                setattr(self, name, value)
         return self
+
+
+# With API keys set, the per-key limits left unset (docs/API.md): no one key takes the whole service
+KEYED_LIMITS = {"rate_limit_per_s": 20.0, "token_rate_limit_per_s": 20_000.0, "max_concurrent_per_key": 256,
+                "max_tokens_limit": 16_384}
 
 
 def _loopback(host: str) -> bool:

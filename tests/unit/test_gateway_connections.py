@@ -94,3 +94,79 @@ def test_an_idle_keep_alive_connection_outlives_the_head_deadline(port):
         assert _request(s).startswith(b"HTTP/1.1 200")
         assert not _closed_within(s, HEAD_TIMEOUT_S * 2)
         assert _request(s).startswith(b"HTTP/1.1 200")   # the same connection, reused
+
+
+SEND_DEADLINE_S = 0.8
+STREAM_ENDS: list[str] = []   # how each request to the streaming app ended
+
+
+async def _streaming_app(scope, receive, send):
+    """64 KiB frames until the client is gone; notes how the request ended."""
+    if scope["type"] != "http":
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+    sent = 0
+    try:
+        while sent < 64 << 20:
+            await send({"type": "http.response.body", "body": b"x" * 65536, "more_body": True})
+            sent += 65536
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        STREAM_ENDS.append("done")
+    except BaseException:
+        STREAM_ENDS.append("cancelled")
+        raise
+    if (await receive())["type"] == "http.disconnect":   # (uvicorn: a send to a closed connection is dropped)
+        STREAM_ENDS[-1] = "disconnected"
+
+
+@pytest.fixture(scope="module")
+def streaming_port():
+    port = free_port()
+    config = uvicorn.Config(_streaming_app, host="127.0.0.1", port=port, log_level="error",
+                            http=connections.protocol(HEAD_TIMEOUT_S, SEND_DEADLINE_S))
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for_port(port)
+    yield port
+    server.should_exit = True
+    thread.join(5)
+
+
+def _streaming_request(port: int) -> socket.socket:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)   # (the kernel's buffers fill at once)
+    s.connect(("127.0.0.1", port))
+    s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    return s
+
+
+def test_a_client_that_takes_nothing_is_cut_off_after_the_send_deadline(streaming_port):
+    """It reads nothing: the server's writes pause, and SEND_DEADLINE_S later the connection is
+    closed (reset) and the app sees the client gone."""
+    STREAM_ENDS.clear()
+    with _streaming_request(streaming_port) as s:
+        started = time.monotonic()
+        time.sleep(SEND_DEADLINE_S * 2.5)   # reading nothing
+        assert _closed_within(s, 5)
+        waited = time.monotonic() - started
+    deadline = time.monotonic() + 5
+    while not STREAM_ENDS and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert STREAM_ENDS and STREAM_ENDS[0] != "done", STREAM_ENDS
+    assert waited < SEND_DEADLINE_S * 2.5 + 2
+
+
+def test_a_client_that_reads_slowly_is_not_cut_off(streaming_port):
+    """It takes 64 KiB every 0.1 s, far slower than the app sends: the writes pause and resume,
+    never paused a whole SEND_DEADLINE_S, so the stream goes on."""
+    STREAM_ENDS.clear()
+    with _streaming_request(streaming_port) as s:
+        s.settimeout(SEND_DEADLINE_S)
+        got, until = 0, time.monotonic() + SEND_DEADLINE_S * 3
+        while time.monotonic() < until:
+            data = s.recv(65536)
+            assert data, "closed"
+            got += len(data)
+            time.sleep(0.1)
+    assert got > 64 * 1024 and not STREAM_ENDS

@@ -20,6 +20,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 import xxhash
 
 from pdserve.services.gateway import ids
+from pdserve.services.gateway.pending import Pending
 from pdserve.shared.messages import RouteReply, RouteRequest, TokenChunk
 
 Run = Callable[[RouteRequest], Awaitable[tuple[RouteReply, AsyncIterator[TokenChunk]]]]
@@ -62,31 +63,39 @@ async def run(relay_run: Run, req: RouteRequest, n: int) -> tuple[RouteReply, li
 
 
 async def merge(streams: list[AsyncIterator[TokenChunk]]) -> AsyncGenerator[tuple[int, TokenChunk]]:
-    """(choice index, chunk) from every stream as they come; a stream's error is raised here.
-    Closing this generator cancels every stream still running."""
-    queue: asyncio.Queue[tuple[int, TokenChunk | BaseException | None]] = asyncio.Queue()
+    """(choice index, chunk) from every stream as they come; a stream's error is raised here,
+    after its chunks. Each stream is read as fast as it comes: what the reader has not taken yet
+    waits merged, one chunk per choice (pending.py), the choices taken in turn. Closing this
+    generator cancels every stream still running."""
+    pending = [Pending() for _ in streams]
+    ends: dict[int, Exception | None] = {}   # a stream's end: None, or its error
+    ready = asyncio.Event()
 
     async def pump(index: int, stream: AsyncIterator[TokenChunk]) -> None:
         try:
             async for chunk in stream:
-                queue.put_nowait((index, chunk))
-            queue.put_nowait((index, None))
+                pending[index].put(chunk)
+                ready.set()
+            ends[index] = None
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - handed to the reader, who raises it
-            queue.put_nowait((index, e))
+            ends[index] = e
+        ready.set()
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
-        open_streams = len(tasks)
+        open_streams = set(range(len(tasks)))
         while open_streams:
-            index, item = await queue.get()
-            if item is None:
-                open_streams -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index, item
+            await ready.wait()
+            ready.clear()
+            for index in sorted(open_streams):
+                if (chunk := pending[index].take()) is not None:
+                    yield index, chunk
+                if index in ends and not pending[index]:
+                    open_streams.discard(index)
+                    if (error := ends[index]) is not None:
+                        raise error
     finally:
         for t in tasks:
             t.cancel()

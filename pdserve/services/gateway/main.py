@@ -161,7 +161,8 @@ def main(settings: GatewaySettings | None = None) -> None:
     config = uvicorn.Config(create_app(settings), host=settings.gateway_host, port=settings.gateway_port,
                             log_level=settings.log_level.lower(), timeout_graceful_shutdown=settings.drain_s,
                             timeout_keep_alive=settings.keep_alive_s,
-                            http=connections.protocol(settings.head_timeout_s),
+                            limit_concurrency=settings.max_connections or None,
+                            http=connections.protocol(settings.head_timeout_s, settings.send_deadline_s),
                             log_config=None)  # uvicorn's loggers go through ours (trace ids, JSON when asked)
     server = Draining(config)
     try:
