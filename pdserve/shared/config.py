@@ -363,6 +363,12 @@ class WorkerSettings(Common):
                                                "this many never returns (heartbeats go on)")
     fault_engine_raise_after_steps: int = Field(0, ge=0, description="fault injection: the engine step after "
                                                 "this many raises (the worker leaves and exits)")
+    grammar_compile_threads: int = Field(2, gt=0, description="grammars compiled at once, beside the engine "
+                                         "thread (the others queue)")
+    grammar_compile_timeout_s: float = Field(30.0, gt=0, description="a request whose grammar is not compiled "
+                                             "this long after it arrived fails (its error says so)")
+    grammar_compiles_per_tenant: int = Field(2, gt=0, description="grammars of one tenant (API key) compiled "
+                                             "at once; its others wait for them, not in front of other keys'")
     fake_step_s: float = Field(0.0, ge=0, description="tests: the fake model's (PD_MODEL=fake:smollm2, "
                                "pdserve/shared/engine/fake.py) sleep per forward pass, a step time")
 

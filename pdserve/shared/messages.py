@@ -136,7 +136,8 @@ class TokenChunk(Message):
                    token_ids=out.new_token_ids, text=out.text, finished=out.finished,
                    finish_reason=out.finish_reason, prompt_tokens=out.num_prompt_tokens,
                    completion_tokens=out.num_generated_tokens, cached_tokens=out.num_cached_tokens,
-                   logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs, attempt=attempt, worker=worker)
+                   error=out.error, logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs, attempt=attempt,
+                   worker=worker)
 
 
 # -- to a decode worker -------------------------------------------------------------------

@@ -55,7 +55,10 @@ def build_engine(settings: WorkerSettings) -> Engine:
                        max_batched_tokens=settings.max_batched_tokens,
                        prefill_chunk=settings.prefill_chunk, mixed_batches=settings.mixed_batches,
                        device=settings.device,
-                       pair_any_weights=settings.pair_any_weights)
+                       pair_any_weights=settings.pair_any_weights,
+                       grammar_compile_threads=settings.grammar_compile_threads,
+                       grammar_compile_timeout_s=settings.grammar_compile_timeout_s,
+                       grammar_compiles_per_tenant=settings.grammar_compiles_per_tenant)
     engine = Engine(loaded, cfg)
     if engine.tokenizer is not None:  # structured output's tables, built beside the start (a few seconds,
         # mostly the library's import), not on a structured request's first token
@@ -107,7 +110,7 @@ class WorkerCore:
                           block_size=engine.cfg.block_size, total_blocks=engine.num_blocks,
                           free_blocks=engine.num_free_blocks, growth_blocks=engine.growth_blocks,
                           running=len(engine.scheduler.running),
-                          waiting=len(engine.scheduler.waiting) + engine.num_importing,
+                          waiting=len(engine.scheduler.waiting) + len(engine.scheduler.held) + engine.num_importing,
                           queued_tokens=engine.queued_tokens, prefill_tokens_per_s=host.prefill_tokens_per_s,
                           draining=self.draining, step_s=host.step_s, slowest_step_s=round(host.slowest_step_s, 3),
                           cached_blocks=engine.num_cached_blocks,

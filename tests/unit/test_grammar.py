@@ -91,19 +91,18 @@ def test_a_failover_resumes_inside_the_grammar(tiny):
     resumed = engine(tiny)
     resumed.add_request("a", PROMPT, params, generated_token_ids=expected[:7])
     assert expected[:7] + tokens(run_all(resumed)["a"]) == expected
-    with pytest.raises(GrammarError, match="leave the grammar"):  # tokens no grammar state explains
-        engine(tiny).add_request("b", PROMPT, params, generated_token_ids=[ord("x")])
+    wrong = engine(tiny)  # tokens no grammar state explains: the request ends with the error
+    wrong.add_request("b", PROMPT, params, generated_token_ids=[ord("x")])
+    (out,) = run_all(wrong)["b"]
+    assert out.finish_reason == "error" and "leave the grammar" in out.error and not wrong.seqs
 
 
-def test_a_grammar_that_does_not_compile_is_refused_and_nothing_is_held(tiny):
-    e = engine(tiny)
+def test_a_grammar_that_does_not_parse_is_refused_by_the_check():
+    """The gateway's check; the engine's failed compiles: tests/unit/test_grammar_compiles.py."""
     for bad in (Grammar("json_schema", "{not json"), Grammar("regex", "[a-"), Grammar("choice", "[]"),
                 Grammar("ebnf", "root ::= missing_rule")):
         with pytest.raises(GrammarError):
             check(bad)
-        with pytest.raises(ValueError):
-            e.add_request("a", PROMPT, SamplingParams(grammar=bad))
-        assert not e.seqs and e.num_free_blocks == e.num_blocks
 
 
 def test_a_model_without_a_tokenizer_refuses_structured_output(tiny):

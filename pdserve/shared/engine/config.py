@@ -106,6 +106,9 @@ class EngineConfig:
     kernels: str = "auto"  # auto | torch | triton | c
     seed: int = 0  # for requests without a seed of their own
     pair_any_weights: bool = False  # the KV fingerprint leaves out the weights' format (loader.LoadedModel)
+    grammar_compile_threads: int = 2  # grammars compiled at once, off the engine thread (grammar.py)
+    grammar_compile_timeout_s: float = 30.0  # a request whose grammar is not compiled by then fails
+    grammar_compiles_per_tenant: int = 2  # a tenant's compiles at once (its others wait for them)
 
     def __post_init__(self) -> None:
         if (self.num_blocks is None) == (self.kv_cache_gib is None):

@@ -1,4 +1,5 @@
-"""The engine: the only interface the services call. No I/O, no threads, no clocks.
+"""The engine: the only interface the services call. No I/O; the only threads it starts are
+grammar.py's, compiling requests' grammars while the engine steps the others.
 
     engine = Engine(loader.load("smollm2"), EngineConfig(num_blocks=512))
 
@@ -23,7 +24,9 @@ Decode side:
     engine.commit_import(rid, first_token)                  # joins the decode batch
     engine.step() ...                                       # streams the rest
 
-`layer_hook(layer)` is called during each forward pass once that layer's KV is in the pool
+A request with a grammar is held out of the passes until its grammar compiles; one whose
+grammar fails (or misses PD_GRAMMAR_COMPILE_TIMEOUT_S) ends with an output that carries the
+error. `layer_hook(layer)` is called during each forward pass once that layer's KV is in the pool
 (the seam for layer-by-layer transfer). `drain_cache_changes()` returns prefix-cache "stored" /
 "evicted" changes for the router's prefix index. The KV read out of the pool and written into
 it for a handoff is kv_handoff.py's (`Engine.handoff`).
@@ -43,7 +46,7 @@ import torch
 from pdserve.shared.engine.block_manager import BlockManager, CacheChange, OutOfBlocks
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.detokenizer import TextStream
-from pdserve.shared.engine.grammar import GrammarError, Grammars, token_table
+from pdserve.shared.engine.grammar import GrammarError, Grammars, token_table, wait_any
 from pdserve.shared.engine.kv_handoff import KVHandoff
 from pdserve.shared.engine.kv_io import KVExport, KVPiece, Reservation
 from pdserve.shared.engine.loader import LoadedModel
@@ -54,6 +57,7 @@ from pdserve.shared.engine.scheduler import Scheduler
 from pdserve.shared.engine.sequence import SamplingParams, Sequence, Status, finish_reason
 
 log = logging.getLogger(__name__)
+HELD_WAIT_S = 0.01  # a step with only held sequences waits this long at most for a grammar
 
 
 class Pass(NamedTuple):
@@ -83,6 +87,7 @@ class RequestOutput:
     logprobs: list[Logprob] | None = None      # each new token's, when its request asks
     prompt_logprobs: list[Logprob | None] | None = None  # with a request's first token, when asked:
                                                # one per prompt token (None for the first)
+    error: str | None = None  # why the request ended without its tokens (finish_reason "error")
 
 
 class Engine:
@@ -110,7 +115,9 @@ class Engine:
         """Structured output's compiler over this model's vocabulary (built on first use)."""
         if self.tokenizer is None:
             raise GrammarError("this model has no tokenizer: structured output needs one")
-        return Grammars(token_table(self.tokenizer, self.model_config.vocab_size), self.eos_token_ids)
+        return Grammars(token_table(self.tokenizer, self.model_config.vocab_size), self.eos_token_ids,
+                        self.cfg.grammar_compile_threads, self.cfg.grammar_compile_timeout_s,
+                        self.cfg.grammar_compiles_per_tenant)
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -146,7 +153,8 @@ class Engine:
     @property
     def queued_tokens(self) -> int:
         """Prompt tokens queued and not yet computed (a snapshot: safe from another thread)."""
-        return sum(len(s.token_ids) - s.num_computed for s in list(self.scheduler.waiting))
+        queued = [*list(self.scheduler.waiting), *list(self.scheduler.held)]
+        return sum(len(s.token_ids) - s.num_computed for s in queued if s.status is Status.WAITING)
 
     # -- colocated / prefill -------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -157,13 +165,16 @@ class Engine:
         seq = self._new_sequence(request_id, prompt_token_ids, params, prefill_only, generated_token_ids)
         if params.prompt_logprobs is not None and not generated_token_ids:  # (a failover's were streamed)
             seq.prompt_logprobs = [None]  # the first prompt token has no context to be scored in
-        self.scheduler.add(seq)
+        self.scheduler.add(seq, held=seq.pending is not None)
 
     def step(self) -> list[RequestOutput]:
+        ended = self._settle_grammars()
         sched = self.scheduler.schedule()
         if sched is None or not sched.chunks:
             self.last_pass = Pass(0, 0)
-            return []
+            if not ended and self.scheduler.held:  # nothing to compute: until a grammar compiles, briefly
+                wait_any([s.pending for s in self.scheduler.held if s.pending is not None], HELD_WAIT_S)
+            return ended
         self.last_pass = Pass(sched.num_decode, sched.prefill_tokens)
         logits = self.runner.run(sched, self.handoff.layer_hook(sched, self.layer_hook))
         due: list[Sequence] = []
@@ -183,7 +194,7 @@ class Engine:
                 else:
                     self.scheduler.join_running(seq)
             outputs.append(self._append_token(seq, token, lp))
-        return outputs
+        return ended + outputs
 
     def abort(self, request_id: str) -> None:
         """Forget a request in any state and free its blocks (no-op if unknown)."""
@@ -228,6 +239,8 @@ class Engine:
                                                                    seq.params.cache_salt)
         except OutOfBlocks:
             del self.seqs[request_id]
+            if seq.pending is not None:
+                seq.pending.abandon()
             raise
         seq.num_computed = seq.num_cached
         seq.status = Status.IMPORTING
@@ -255,7 +268,7 @@ class Engine:
         self.handoff.join()  # its blocks' writes (on the KV stream) before its first step
         seq.num_computed = seq.num_prefill
         self._commit_blocks(seq)
-        self.scheduler.join_running(seq)
+        self.scheduler.join_running(seq, held=seq.pending is not None)  # (the matcher takes the token once made)
         seq.prompt_logprobs = prompt_logprobs
         return self._append_token(seq, first_token, logprob)  # (the prefill side published it already)
 
@@ -280,9 +293,7 @@ class Engine:
                        num_prefill=total)
         seq.seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         if params.grammar is not None:
-            seq.matcher = self.grammars.matcher(params.grammar)
-            if not all(seq.matcher.accept(t) for t in generated):
-                raise GrammarError("the tokens generated before leave the grammar")
+            seq.pending = self.grammars.submit(params.grammar, params.tenant)  # held until ready (_settle_grammars)
         if self.tokenizer is not None:
             seq.text = TextStream(self.tokenizer, len(prompt), params.stop, params.include_stop_str_in_output,
                                   params.skip_special_tokens)
@@ -290,6 +301,26 @@ class Engine:
                 seq.text.push(seq.token_ids[:end])
         self.seqs[request_id] = seq
         return seq
+
+    def _settle_grammars(self) -> list[RequestOutput]:
+        """Held sequences whose grammar compiled join the passes, its matcher past the tokens
+        generated before; those whose grammar failed or is past its deadline end with the error."""
+        ended = []
+        for seq in list(self.scheduler.held):
+            pending = seq.pending
+            if pending is None or not (pending.ready() or pending.overdue()):
+                continue
+            try:
+                seq.matcher, seq.pending = pending.matcher(seq.token_ids[seq.num_prompt:]), None
+            except GrammarError as e:
+                log.warning("%s: %s", seq.request_id, e)
+                seq.finish_reason = "error"
+                self._finish(seq)
+                ended.append(RequestOutput(seq.request_id, [], "", True, "error", seq.num_prompt,
+                                           seq.num_generated, seq.num_cached, error=str(e)))
+                continue
+            self.scheduler.release(seq)
+        return ended
 
     def _commit_blocks(self, seq: Sequence) -> None:
         """Index blocks that became full since the last call (their KV is final)."""
@@ -317,6 +348,8 @@ class Engine:
                              None if logprob is None else [logprob], prompt_logprobs)
 
     def _finish(self, seq: Sequence) -> None:
+        if seq.pending is not None:
+            seq.pending.abandon()
         self.handoff.forget(seq.request_id)
         self.scheduler.remove(seq)
         self.blocks.free(seq.block_table)

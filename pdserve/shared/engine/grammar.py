@@ -4,7 +4,9 @@ choice, every token that would leave the grammar — with xgrammar, measured the
 three libraries on this vocabulary (`python -m bench.engine.grammar_libs`).
 
     grammars = Grammars(token_table(tokenizer, vocab_size), eos_ids)   # one per engine
-    matcher = grammars.matcher(Grammar("json_schema", schema_text))   # one per sequence
+    pending = grammars.submit(Grammar("json_schema", schema_text))    # one per sequence: compiles on
+    if pending.ready() or pending.overdue():                          # the pool, off the engine thread
+        matcher = pending.matcher(generated_before)                   # GrammarError: failed or overdue
     mask_rows(logits, {row: matcher})     # before the choice: tokens that leave it set to -inf
     matcher.accept(token)                 # after it
 
@@ -21,8 +23,11 @@ from __future__ import annotations
 import json
 import re
 import sys
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -125,16 +130,25 @@ class Matcher:
 
 
 class Grammars:
-    """Compiles grammars against one vocabulary (the last 256 kept) and makes matchers."""
+    """Compiles grammars against one vocabulary on a pool of `threads` (the bound on compiles
+    at once; xgrammar releases the GIL while it compiles), the last KEPT kept, and makes matchers.
+    A tenant starts at most `per_tenant` compiles at once: its others wait for them, out of the
+    pool's queue, so a flood of distinct grammars from one key delays another's by that many."""
 
-    def __init__(self, token_bytes: list[bytes], eos_ids: tuple[int, ...]):
-        """`token_bytes`: each token's bytes, empty for control tokens (never text)."""
+    KEPT = 256
+
+    def __init__(self, token_bytes: list[bytes], eos_ids: tuple[int, ...], threads: int = 2,
+                 timeout_s: float = 30.0, per_tenant: int = 2):
+        """`token_bytes`: each token's bytes, empty for control tokens (never text). `timeout_s`:
+        a grammar not compiled this long after it was asked for fails its request."""
         import xgrammar as xgr
-        self.vocab_size = len(token_bytes)
+        self.vocab_size, self.timeout_s, self.per_tenant = len(token_bytes), timeout_s, per_tenant
         info = xgr.TokenizerInfo(token_bytes, xgr.VocabType.RAW, vocab_size=len(token_bytes),
                                  stop_token_ids=list(eos_ids))
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        self.compile = lru_cache(maxsize=256)(self._compile)
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
+        self._futures: OrderedDict[Grammar, Future] = OrderedDict()  # the last KEPT asked for (one thread's)
+        self._started: dict[str, list[Future]] = {}  # each tenant's compiles started and not done
 
     def _compile(self, grammar: Grammar) -> xgr.CompiledGrammar:
         try:
@@ -142,9 +156,84 @@ class Grammars:
         except (RuntimeError, ValueError, TypeError) as e:
             raise GrammarError(f"{grammar.kind}: {_reason(e)}") from e
 
-    def matcher(self, grammar: Grammar) -> Matcher:
-        return Matcher(self.compile(grammar))
+    def future(self, grammar: Grammar, tenant: str | None = None) -> Future | None:
+        """`grammar`'s compile: the one asked for before (done, running or queued), else a new one,
+        unless `tenant` has `per_tenant` compiles going already (None: ask again later)."""
+        fut = self._futures.pop(grammar, None)
+        if fut is None or fut.cancelled():
+            if tenant is not None and not self._room(tenant):
+                return None
+            fut = self._pool.submit(self._compile, grammar)
+            if tenant is not None:
+                self._started.setdefault(tenant, []).append(fut)
+        self._futures[grammar] = fut
+        while len(self._futures) > self.KEPT:
+            self._futures.popitem(last=False)
+        return fut
 
+    def _room(self, tenant: str) -> bool:
+        self._started = {t: going for t, fs in self._started.items() if (going := [f for f in fs if not f.done()])}
+        return len(self._started.get(tenant, ())) < self.per_tenant
+
+    def submit(self, grammar: Grammar, tenant: str = "") -> Pending:
+        """`grammar` compiling on the pool (or once `tenant` has room), due within `timeout_s` from now."""
+        return Pending(self, grammar, tenant, time.monotonic() + self.timeout_s)
+
+    def matcher(self, grammar: Grammar) -> Matcher:
+        """A matcher at the start of `grammar`, waiting for its compile (tests, tools)."""
+        fut = self.future(grammar)
+        assert fut is not None  # (no tenant: never deferred)
+        return Matcher(fut.result())
+
+
+class Pending:
+    """One sequence's grammar while it compiles: ready, failed, or past its deadline."""
+
+    def __init__(self, grammars: Grammars, grammar: Grammar, tenant: str, deadline: float):
+        self.grammars, self.grammar, self.tenant, self.deadline = grammars, grammar, tenant, deadline
+        self.fut = grammars.future(grammar, tenant)  # None: waiting for the tenant's room
+
+    def ready(self) -> bool:
+        """Compiled, or failed to (a compile another sequence abandoned is asked for again)."""
+        if self.fut is None or self.fut.cancelled():
+            self.fut = self.grammars.future(self.grammar, self.tenant)
+        return self.fut is not None and self.fut.done()
+
+    def overdue(self) -> bool:
+        return not self.ready() and time.monotonic() > self.deadline
+
+    def matcher(self, generated: Iterable[int] = ()) -> Matcher:
+        """A matcher that has accepted `generated` (the tokens generated before: a failover's, an
+        import's first token). Raises GrammarError: the compile failed, is not done (past its
+        deadline: it is abandoned), or a token leaves the grammar."""
+        if not self.ready():
+            self.abandon()
+            raise GrammarError(f"{self.grammar.kind}: not compiled within {self.grammars.timeout_s:g} s")
+        assert self.fut is not None  # (ready)
+        try:
+            matcher = Matcher(self.fut.result())
+        except GrammarError:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever the compiler raised ends this request only
+            raise GrammarError(f"{self.grammar.kind}: {_reason(e)}") from e
+        if not all(matcher.accept(t) for t in generated):
+            raise GrammarError("the tokens generated before leave the grammar")
+        return matcher
+
+    def abandon(self) -> None:
+        """Nobody here waits for it any more: dropped if it has not started (a sequence that
+        shares it asks for it again)."""
+        if self.fut is not None:
+            self.fut.cancel()
+
+
+def wait_any(pending: Iterable[Pending], timeout_s: float) -> None:
+    """Until one of `pending` is done, at most `timeout_s` (the engine with nothing else to compute)."""
+    futures = [p.fut for p in pending if p.fut is not None]
+    if futures:
+        wait(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
+    else:  # (each waits for its tenant's room: compiles none of them holds)
+        time.sleep(timeout_s)
 
 
 def token_table(tokenizer: Tokenizer, vocab_size: int) -> list[bytes]:

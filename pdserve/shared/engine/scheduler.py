@@ -9,7 +9,9 @@ running streams by the cost of one chunk in their own step. Without it, a pass i
 prefill or decode and the two alternate when both are pending (a stream then waits a whole
 prefill pass and its own step). When a decode step has no block for a sequence, the newest
 running sequence is preempted: its blocks are freed and it goes back to the front of the
-queue, to be recomputed (mostly from the prefix cache) later.
+queue, to be recomputed (mostly from the prefix cache) later. A sequence whose grammar is still
+compiling is held (`held`: in no pass; a prompt takes no blocks) until `release`, as vLLM's
+WAITING_FOR_FSM: the others keep stepping meanwhile.
 """
 
 from __future__ import annotations
@@ -129,25 +131,33 @@ class Scheduler:
         self.blocks = blocks
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.held: list[Sequence] = []  # waiting or running, their grammar compiling: in no pass
         self._last_was_decode = True
         self.num_preemptions = 0
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, held: bool = False) -> None:
         seq.status = Status.WAITING
-        self.waiting.append(seq)
+        (self.held if held else self.waiting).append(seq)
 
-    def join_running(self, seq: Sequence) -> None:
+    def join_running(self, seq: Sequence, held: bool = False) -> None:
         seq.status = Status.RUNNING
-        self.running.append(seq)
+        (self.held if held else self.running).append(seq)
+
+    def release(self, seq: Sequence) -> None:
+        """A held sequence joins the queue it was added to (its grammar is ready)."""
+        self.held.remove(seq)
+        if seq.status is Status.RUNNING:
+            self.running.append(seq)
+        else:
+            self.waiting.append(seq)
 
     def remove(self, seq: Sequence) -> None:
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-        if seq in self.running:
-            self.running.remove(seq)
+        for queue in (self.waiting, self.running, self.held):
+            if seq in queue:
+                queue.remove(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.held)
 
     def schedule(self) -> Schedule | None:
         if self.cfg.mixed_batches:

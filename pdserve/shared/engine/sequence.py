@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from pdserve.shared.engine.detokenizer import TextStream
-from pdserve.shared.engine.grammar import Grammar, Matcher
+from pdserve.shared.engine.grammar import Grammar, Matcher, Pending
 from pdserve.shared.hashing import block_hash, root_hash
 
 
@@ -100,6 +100,7 @@ class Sequence:
     # pass and handed out with the first generated token
     prompt_logprobs: list | None = None
     matcher: Matcher | None = None  # params.grammar's state: advanced by every token generated
+    pending: Pending | None = None  # params.grammar while it compiles (no matcher yet: the sequence is held)
 
     def full_block_hashes(self, block_size: int, num_tokens: int) -> list[int]:
         """Hashes of the full blocks among the first `num_tokens` (each computed once)."""
