@@ -96,7 +96,7 @@ def test_an_idle_keep_alive_connection_outlives_the_head_deadline(port):
         assert _request(s).startswith(b"HTTP/1.1 200")   # the same connection, reused
 
 
-SEND_DEADLINE_S = 0.8
+SEND_DEADLINE_S = 2.0  # (longer than a pause of this process: a collection of the suite's heap, a busy machine)
 STREAM_ENDS: list[str] = []   # how each request to the streaming app ended
 
 
@@ -147,14 +147,14 @@ def test_a_client_that_takes_nothing_is_cut_off_after_the_send_deadline(streamin
     STREAM_ENDS.clear()
     with _streaming_request(streaming_port) as s:
         started = time.monotonic()
-        time.sleep(SEND_DEADLINE_S * 2.5)   # reading nothing
+        time.sleep(SEND_DEADLINE_S * 1.5)   # reading nothing
         assert _closed_within(s, 5)
         waited = time.monotonic() - started
     deadline = time.monotonic() + 5
     while not STREAM_ENDS and time.monotonic() < deadline:
         time.sleep(0.05)
     assert STREAM_ENDS and STREAM_ENDS[0] != "done", STREAM_ENDS
-    assert waited < SEND_DEADLINE_S * 2.5 + 2
+    assert waited < SEND_DEADLINE_S * 1.5 + 2
 
 
 def test_a_client_that_reads_slowly_is_not_cut_off(streaming_port):
@@ -163,7 +163,7 @@ def test_a_client_that_reads_slowly_is_not_cut_off(streaming_port):
     STREAM_ENDS.clear()
     with _streaming_request(streaming_port) as s:
         s.settimeout(SEND_DEADLINE_S)
-        got, until = 0, time.monotonic() + SEND_DEADLINE_S * 3
+        got, until = 0, time.monotonic() + SEND_DEADLINE_S * 2
         while time.monotonic() < until:
             data = s.recv(65536)
             assert data, "closed"
