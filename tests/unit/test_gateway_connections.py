@@ -8,6 +8,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import uvicorn
@@ -27,18 +28,22 @@ async def _slow_app(scope, receive, send):
     await send({"type": "http.response.body", "body": b"ok"})
 
 
-@pytest.fixture(scope="module")
-def port():
+def _serving(app, **config) -> Iterator[int]:
+    """`app` served by uvicorn on a thread (`config`: uvicorn.Config's), its port yielded until the end."""
     port = free_port()
-    config = uvicorn.Config(_slow_app, host="127.0.0.1", port=port, log_level="warning", timeout_keep_alive=30,
-                            http=connections.protocol(HEAD_TIMEOUT_S))
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, **config))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     wait_for_port(port)
     yield port
     server.should_exit = True
     thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def port():
+    yield from _serving(_slow_app, log_level="warning", timeout_keep_alive=30,
+                        http=connections.protocol(HEAD_TIMEOUT_S))
 
 
 def _closed_within(sock: socket.socket, seconds: float) -> bool:
@@ -121,16 +126,7 @@ async def _streaming_app(scope, receive, send):
 
 @pytest.fixture(scope="module")
 def streaming_port():
-    port = free_port()
-    config = uvicorn.Config(_streaming_app, host="127.0.0.1", port=port, log_level="error",
-                            http=connections.protocol(HEAD_TIMEOUT_S, SEND_DEADLINE_S))
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    wait_for_port(port)
-    yield port
-    server.should_exit = True
-    thread.join(5)
+    yield from _serving(_streaming_app, log_level="error", http=connections.protocol(HEAD_TIMEOUT_S, SEND_DEADLINE_S))
 
 
 def _streaming_request(port: int) -> socket.socket:
