@@ -363,6 +363,8 @@ class WorkerSettings(Common):
                                                "this many never returns (heartbeats go on)")
     fault_engine_raise_after_steps: int = Field(0, ge=0, description="fault injection: the engine step after "
                                                 "this many raises (the worker leaves and exits)")
+    fault_crash_on_prompt: str = Field("", description="fault injection: the process dies (os._exit) as a prompt "
+                                       "with this text joins an engine pass")
     grammar_compile_threads: int = Field(2, gt=0, description="grammars compiled at once, beside the engine "
                                          "thread (the others queue)")
     grammar_compile_timeout_s: float = Field(30.0, gt=0, description="a request whose grammar is not compiled "

@@ -5,7 +5,8 @@ id), allowed to publish and subscribe on exactly the subjects of its part of the
     role      publishes                                       subscribes
     gateway   route requests; replays; cancels                 its requests' tokens and events
     router    admits; events; the supervisor's cancels          route requests, requeues, KV outcomes
-              prefix snapshots asked; its prefix-event consumer  (and the prefix events, on its inbox)
+              prefix snapshots asked; its prefix-event consumer  (and the prefix events, on its inbox);
+              dead letters (a job read by its sequence)          jobs' max-deliveries advisories
     prefill   tokens (its first token); KV to decode workers   its own cancels and KV acks; its own
               its own prefix events                              consumer of its own job subject
     decode    tokens; prefill jobs; KV acks; requeues          its own admits, cancels, replays, KV
@@ -97,14 +98,16 @@ def grant(role: str, me: str = ANY) -> Grant:
     if role == "router":
         return Grant(publish=(subjects.decode_admit(ANY), subjects.stalled(ANY),
                               subjects.decode_supervisor_cancel(ANY), subjects.prefill_supervisor_cancel(ANY),
-                              f"$JS.API.STREAM.INFO.{_STREAM}", *_PREFIX_READER),
-                     subscribe=(subjects.ROUTE, subjects.REQUEUE, subjects.KV_OUTCOMES))
+                              f"$JS.API.STREAM.INFO.{_STREAM}", *_PREFIX_READER,
+                              f"$JS.API.STREAM.MSG.GET.{_STREAM}", subjects.PREFILL_DEAD),  # (the dead letters)
+                     subscribe=(subjects.ROUTE, subjects.REQUEUE, subjects.KV_OUTCOMES, subjects.JOB_MAX_DELIVERIES))
     if role == "prefill":
         return Grant(publish=(subjects.tokens(ANY), subjects.decode_cancel(ANY), subjects.decode_kv(ANY),
                               subjects.decode_kv_end(ANY), subjects.decode_replay(ANY),
                               # its consumer of the job stream: found by subject, made, pulled, acked
                               "$JS.API.STREAM.NAMES", f"$JS.API.STREAM.INFO.{_STREAM}",
                               f"$JS.API.CONSUMER.INFO.{_STREAM}.{me}", consumer_create(me),
+                              f"$JS.API.CONSUMER.DELETE.{_STREAM}.{me}",
                               f"$JS.API.CONSUMER.MSG.NEXT.{_STREAM}.{me}", f"$JS.ACK.{_STREAM}.{me}.>",
                               *_prefix_publisher(me)),
                      subscribe=(*subjects.prefill_control(me).values(), subjects.prefix_snapshot(me)))
@@ -121,6 +124,7 @@ def grant(role: str, me: str = ANY) -> Grant:
 # Redis keys by role (pdserve/shared/state/keys.py, prefix_index.py, the gateway's limits); the registry's
 # entries apart (redis_keys): each instance writes its own
 _ENTRIES = "pd:{registry}:worker:"
+_BATCHES = "pd:batch:"
 _REGISTRY = ("pd:{registry}:workers", "pd:{registry}:seq", "pd:{registry}:changes", "pd:{registry}:epoch")
 _REQUESTS = ("pd:req:*", "pd:{flight}:*")
 REDIS_KEYS: dict[str, tuple[str, ...]] = {
@@ -135,10 +139,13 @@ REDIS_COMMANDS = "+@all -@dangerous +cluster|slots"  # (a Redis Cluster's client
 def redis_keys(role: str, me: str = ANY) -> str:
     """The key patterns of instance `me` of `role`: its role's, and the registry's entries, read
     only but its own (a gateway's: `me_<start>`, each start registered apart) (`me` ANY: every
-    instance of the role, so every entry)."""
+    instance of the role, so every entry); the workers' pass records (keys.batch_key) read by
+    the gateway and the routers, written by each worker, its own only."""
     own = f"{_ENTRIES}{me}_*" if role == "gateway" else f"{_ENTRIES}{me}"
     entries = f"~{_ENTRIES}*" if me == ANY else f"%R~{_ENTRIES}* ~{own}"
-    return " ".join((entries, *("~" + k for k in REDIS_KEYS[role])))
+    batches = f"~{_BATCHES}*" if role in ("prefill", "decode") and me == ANY else \
+        f"~{_BATCHES}{{{me}}}" if role in ("prefill", "decode") else f"%R~{_BATCHES}*"
+    return " ".join((entries, batches, *("~" + k for k in REDIS_KEYS[role])))
 
 
 def redis_user(u: User) -> str:

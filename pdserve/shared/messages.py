@@ -98,6 +98,7 @@ class Requeued(Message):
     prefill_worker: str | None = None     # None: prefill on the decode worker (no other fits)
     reason: str = ""
     expected_prefill_s: float = 0.0       # as AdmitRequest's
+    quarantined: bool = False             # it crashed workers (pdserve/shared/quarantine.py): fail it, `reason`
 
 
 # -- to the gateway -----------------------------------------------------------------------
@@ -129,6 +130,7 @@ class TokenChunk(Message):
     prompt_logprobs: list[Logprob | None] | None = None  # with seq 0, when asked (None: the first token's)
     attempt: int = 0      # the placement it was generated for: the gateway takes only its current one's
     worker: str = ""      # who published it
+    quarantined: bool = False  # `error`: the request crashed workers and is not placed again (a 422)
 
     @classmethod
     def from_output(cls, out: RequestOutput, attempt: int, worker: str) -> TokenChunk:
@@ -344,7 +346,27 @@ class Stalled(Message):
     worker: str = ""
 
 
+# -- to whoever watches the dead letters (the operator) -------------------------------------------
+class DeadJob(Message):
+    """A prefill job JetStream delivered `deliveries` times without an ack (pdserve/shared/quarantine.py)."""
+
+    request_id: str
+    prefill_worker: str   # the consumer that held it
+    stream_seq: int
+    deliveries: int
+    job: str = ""         # the job as queued (PrefillJob JSON), when still in the stream
+
+
 # -- in the state store ---------------------------------------------------------------------
+class WorkerBatch(Message):
+    """The requests of a worker's engine pass, recorded before it runs: a crash names them."""
+
+    worker: str
+    incarnation: str      # this life of the worker (its start): a crash is counted once per life
+    requests: list[str]
+    new: list[str] = []   # those on their first pass in this life
+
+
 class WorkerInfo(Message):
     """A worker's registry entry (Redis, with a heartbeat lease)."""
 

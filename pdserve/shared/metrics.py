@@ -51,6 +51,8 @@ REQUEST_OUTPUT_TOKENS = Histogram("pd_request_output_tokens", "Output tokens of 
                                   buckets=SIZE)
 OUTPUT_TOKENS = Counter("pd_output_tokens", "Tokens streamed to clients")
 FAILOVERS = Counter("pd_failovers", "Requests moved to another decode worker", ["why"])
+QUARANTINED = Counter("pd_quarantined_requests", "Requests failed, not placed again, after crashing workers "
+                      "(pdserve/shared/quarantine.py)", ["lost"])   # the role of the worker lost last: decode, prefill
 REPLAYS = Counter("pd_replays", "Token streams with chunks lost on the bus, asked again of their decode worker",
                   ["outcome"])   # replayed, refused (then moved)
 
@@ -59,6 +61,8 @@ PLACEMENTS = Counter("pd_placements", "Placement decisions", ["mode", "reason"])
 ROUTE_SECONDS = Histogram("pd_route_seconds", "Time to place a request (admit included)", buckets=LATENCY)
 SUPERVISOR_ACTIONS = Counter("pd_supervisor_actions", "Requests the supervisor acted on",
                              ["action"])  # stalled, abandoned (gateway lost), unheeded (stalled, not moved)
+DEAD_JOBS = Counter("pd_dead_prefill_jobs", "Prefill jobs delivered JOB_MAX_DELIVERIES times without an ack "
+                    "(put on pd.prefill.dead)")
 
 # -- workers (role: prefill or decode) ------------------------------------------------------------
 KV_BLOCKS = Gauge("pd_kv_blocks", "KV cache blocks", ["role", "state"])              # free, used

@@ -10,6 +10,11 @@ stream's subjects (say, to store every output), purge it or delete it.
     PD_PREFIX   the workers' prefix-cache changes (pdserve/shared/prefix_events.py): each worker's last
                 PREFIX_HISTORY messages, at most PREFIX_MAX_BYTES
 
+Each prefill worker makes its own durable pull consumer of PD_PREFILL (`job_consumer`): a job
+delivered JOB_MAX_DELIVERIES times without an ack is not delivered again (the server's
+max-deliveries advisory names it: pdserve/services/router/dead_letters.py), and a consumer nobody
+pulls from for PREFILL_MAX_AGE_S (its worker gone for good) is removed by the server.
+
 Both are file streams with `num_replicas` copies on a NATS cluster. The keeper checks them every
 `keep_s` and makes again a stream it finds missing (a server's store lost), or sets again a
 configuration that drifted from this one (a new release's limits, a stream made with fewer
@@ -26,7 +31,7 @@ import nats
 import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
-from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import AckPolicy, ConsumerConfig, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 
 from pdserve.shared import logs, subjects
 from pdserve.shared.config import StreamsSettings
@@ -40,6 +45,8 @@ PREFILL_MAX_BYTES = 1 << 30   # and their bytes (a job carries its prompt's toke
 PREFIX_HISTORY = 1024         # prefix events kept per worker: a router away for fewer catches up from the stream
 PREFIX_MAX_AGE_S = 600.0
 PREFIX_MAX_BYTES = 1 << 28
+JOB_ACK_WAIT_S = 30.0       # a job taken and not acked (nor kept in progress) this long is delivered again
+JOB_MAX_DELIVERIES = 3      # then no more: a job that took its worker down this often is a poison
 _KEPT = ("subjects", "retention", "max_age", "max_msgs", "max_bytes", "max_msgs_per_subject", "discard", "storage")
 
 
@@ -48,6 +55,14 @@ def prefill_config(replicas: int = 1) -> StreamConfig:
                         retention=RetentionPolicy.WORK_QUEUE, max_age=PREFILL_MAX_AGE_S, max_msgs=PREFILL_MAX_MSGS,
                         max_bytes=PREFILL_MAX_BYTES, discard=DiscardPolicy.NEW, storage=StorageType.FILE,
                         num_replicas=replicas)
+
+
+def job_consumer(worker: str) -> ConsumerConfig:
+    """Prefill worker `worker`'s durable consumer of its own jobs (pdserve/shared/grants.py pins the name
+    and the filter)."""
+    return ConsumerConfig(durable_name=worker, name=worker, filter_subject=subjects.prefill_jobs(worker),
+                          ack_policy=AckPolicy.EXPLICIT, ack_wait=JOB_ACK_WAIT_S, max_deliver=JOB_MAX_DELIVERIES,
+                          inactive_threshold=PREFILL_MAX_AGE_S)
 
 
 def prefix_config(replicas: int = 1) -> StreamConfig:

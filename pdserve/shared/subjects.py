@@ -10,6 +10,9 @@ AUTH_CALLOUT = "$SYS.REQ.USER.AUTH"             # nats-server -> identity issuer
 
 PREFILL_STREAM = "PD_PREFILL"                   # JetStream work queue of prefill jobs
 PREFILL_JOBS = "pd.prefill.jobs.>"
+PREFILL_DEAD = "pd.prefill.dead"                # router -> whoever watches (the operator): DeadJob
+# the server -> the routers: a job of a prefill worker's consumer delivered max_deliver times, unacked
+JOB_MAX_DELIVERIES = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{PREFILL_STREAM}.*"
 
 
 def prefill_jobs(worker: str) -> str:

@@ -14,6 +14,7 @@ from typing import Literal, Protocol
 import torch
 
 from pdserve.shared import identity, metrics, metrics_vllm, tracing
+from pdserve.shared.batches import Batches
 from pdserve.shared.bus import Bus
 from pdserve.shared.config import WorkerSettings
 from pdserve.shared.engine.block_manager import CacheChange
@@ -89,6 +90,13 @@ class WorkerCore:
         self.publisher = PUBLISHERS[settings.prefix_index](self)
         self.host = EngineHost(engine, self.on_cache_changes, settings.fault_engine_hang_after_steps, role,
                                settings.fault_engine_raise_after_steps)
+        self.batches = Batches(self.id, state.crashes.record_batch, settings.fault_crash_on_prompt,
+                               engine.tokenizer.decode if engine.tokenizer is not None else None)
+        engine.before_pass = lambda seqs: self.batches.before_pass(seqs, engine.seqs.keys())
+        try:
+            self.batches.loop = asyncio.get_running_loop()
+        except RuntimeError:  # (made outside a loop: a test's; no pass recorded)
+            pass
         self.draining = False
 
     def on_cache_changes(self, changes: list[CacheChange]) -> None:
@@ -115,6 +123,14 @@ class WorkerCore:
                           draining=self.draining, step_s=host.step_s, slowest_step_s=round(host.slowest_step_s, 3),
                           cached_blocks=engine.num_cached_blocks,
                           **self.publisher.registry_fields())
+
+    async def leave(self) -> None:
+        """Out of the registry after draining: its last pass ended in order, no crash to charge."""
+        await self.state.registry.deregister(self.id)
+        try:
+            await self.state.crashes.forget_batch(self.id)
+        except Exception as e:  # noqa: BLE001 - Redis away: the record expires
+            log.debug("pass record kept: %s", e)
 
     async def drain(self) -> None:
         """Take no new work: the registry entry says `draining` at once, not at the next heartbeat."""

@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+from dataclasses import replace
 
 import nats
 import pytest
 
 from pdserve.local.servers import binary, free_port, running, wait_for_port
+from pdserve.services.router.dead_letters import DeadLetters
 from pdserve.services.router.prefix_follower import PrefixFollower
 from pdserve.shared import grants, streams, subjects
 from pdserve.shared.bus import Bus
 from pdserve.shared.engine.block_manager import CacheChange
-from pdserve.shared.messages import PrefillJob, RouteReply, RouteRequest, Sampling, WorkerInfo
+from pdserve.shared.lifecycle import Event
+from pdserve.shared.messages import DeadJob, PrefillJob, RouteReply, RouteRequest, Sampling, Stalled, WorkerInfo
 from pdserve.shared.prefix_events import PrefixEventPublisher
 from pdserve.shared.urls import nats_inbox
 
@@ -88,6 +91,7 @@ DENIED_SUBSCRIPTIONS = [
     ("decode-0", grants.inbox("gateway") + ".>"),         # read the replies to another's requests
     ("decode-0", grants.inbox("decode-1") + ".>"),
     ("router", subjects.PREFILL_JOBS),                    # read the job stream's prompts
+    ("decode-0", subjects.JOB_MAX_DELIVERIES),            # (the routers' alone)
 ]
 
 DENIED_PUBLISHES = [
@@ -116,6 +120,8 @@ DENIED_PUBLISHES = [
     ("prefill-0", f"{_JS}.CONSUMER.CREATE.{_STREAM}.prefill-1.pd.prefill.jobs.prefill-1"),
     ("prefill-0", f"{_JS}.CONSUMER.DURABLE.CREATE.{_STREAM}.prefill-0"),      # (the filter in the body)
     ("prefill-0", f"{_JS}.CONSUMER.DELETE.{_STREAM}.prefill-1"),
+    ("prefill-0", f"{_JS}.STREAM.MSG.GET.{_STREAM}"),                            # read any worker's jobs
+    ("decode-0", subjects.PREFILL_DEAD),                                          # a forged dead letter
     ("prefill-0", f"$JS.ACK.{_STREAM}.prefill-1.x"),                           # ack another's job away
 ]
 
@@ -206,6 +212,62 @@ def test_the_request_path_works_across_roles(server):
                 await bus.close()
 
     asyncio.run(scenario())
+
+
+class _Waiting:
+    """A state whose request `r2` waits on its job at prefill-1 (its events: routed there)."""
+
+    class requests:  # noqa: N801 - (State.requests' shape)
+        @staticmethod
+        async def events(rid: str) -> list[Event]:
+            return [Event(t=1.0, event="routed", by="router", prefill="prefill-1", decode="decode-0")]
+
+        @staticmethod
+        def note(*args, **kwargs) -> None:
+            pass
+
+
+def test_a_job_delivered_too_often_goes_to_the_dead_letters(server):
+    """A prefill worker's consumer as it makes it (max_deliver; its ack_wait cut short here) and a
+    job it takes JOB_MAX_DELIVERIES times, acking none: it is delivered no more, a router hears the
+    server's advisory, reads the job by its sequence, puts it on pd.prefill.dead (the placement's
+    secret left out) and moves its request, still waiting on it (a Stalled word); the worker then
+    deletes its consumer, as on SIGTERM."""
+    async def scenario() -> tuple[list[int], DeadJob, Stalled]:
+        router = await Bus.connect(url(server, "router"), "router")
+        decode = await Bus.connect(url(server, "decode-0"), "decode")
+        prefill = await Bus.connect(url(server, "prefill-1"), "prefill")
+        operator = await Bus.connect(url(server, grants.OPERATOR), "operator")
+        heard: asyncio.Queue = asyncio.Queue()
+        try:
+            await operator.subscribe(subjects.PREFILL_DEAD, lambda m: heard.put(DeadJob.decode(m.data)))
+            await operator.subscribe(subjects.stalled("*"), lambda m: heard.put(Stalled.decode(m.data)))
+            await DeadLetters(router, _Waiting(), "router").start()  # (a State in the services)
+            await operator.nc.flush()
+            await router.nc.flush()
+            await decode.queue_prefill("prefill-1", PrefillJob(
+                request_id="r2", prompt_token_ids=[1, 2, 3], sampling=Sampling(), decode_worker="decode-0",
+                decode_address="", decode_fingerprint="", first_block=0, kv_tag=1, secret="s3cret"))
+            config = replace(streams.job_consumer("prefill-1"), ack_wait=0.3)
+            await prefill.js.add_consumer(subjects.PREFILL_STREAM, config)
+            pull = await prefill.js.pull_subscribe_bind("prefill-1", stream=subjects.PREFILL_STREAM)
+            delivered = [(await pull.fetch(1, timeout=5))[0].metadata.num_delivered
+                         for _ in range(streams.JOB_MAX_DELIVERIES)]
+            with pytest.raises(nats.errors.TimeoutError):
+                await pull.fetch(1, timeout=1)
+            got = sorted([await asyncio.wait_for(heard.get(), 10) for _ in range(2)], key=lambda m: type(m).__name__)
+            await pull.unsubscribe()
+            assert await prefill.js.delete_consumer(subjects.PREFILL_STREAM, "prefill-1")
+            return delivered, got[0], got[1]
+        finally:
+            for bus in (router, decode, prefill, operator):
+                await bus.close()
+
+    delivered, dead, stalled = asyncio.run(scenario())
+    assert delivered == [1, 2, 3]
+    assert (dead.request_id, dead.prefill_worker, dead.deliveries) == ("r2", "prefill-1", 3)
+    assert PrefillJob.decode(dead.job.encode()).kv_tag == 1 and "s3cret" not in dead.job
+    assert (stalled.request_id, stalled.attempt, stalled.phase) == ("r2", 0, "routed")
 
 
 def test_prefix_events_work_across_roles(server):

@@ -16,8 +16,9 @@ import redis
 from pdserve.local.servers import free_port, running, valkey_server, wait_for_port
 from pdserve.services.gateway.concurrency import Concurrency
 from pdserve.shared import grants
-from pdserve.shared.messages import WorkerInfo
+from pdserve.shared.messages import WorkerBatch, WorkerInfo
 from pdserve.shared.state import State
+from pdserve.shared.state.keys import batch_key
 
 USERS = {role: grants.User(f"{role}-0", role, f"pw-{role}", instance=f"{role}-0") for role in grants.ROLES}
 OPERATOR = "operator-pw"
@@ -38,6 +39,9 @@ DENIED = [(role, what, command) for role in grants.ROLES for what, command in [
     ("router", "renew another's lease", ("PEXPIRE", ENTRY + "decode-0", "99999")),
     ("gateway", "another's entry from a script", ("EVAL", "return redis.call('SET', KEYS[1], 'x')", "1",
                                                     ENTRY + "router-0")),
+    ("decode", "another's pass record", ("SET", batch_key("decode-1"), "{}")),
+    ("gateway", "a worker's pass record", ("SET", batch_key("decode-0"), "{}")),
+    ("router", "a worker's pass record gone", ("DEL", batch_key("prefill-0"))),
 ]
 
 
@@ -82,12 +86,17 @@ def test_each_roles_part_of_the_store_works_as_that_role(port):
         limit = Concurrency(stores["gateway"], 2, 5.0, fail_open=False)
         await limit.join("alice", "r1", 2)
         await stores["router"].sessions.set_worker("s1", "decode-0", 10)
+        for role in ("prefill", "decode"):  # each worker records its passes; gateways and routers charge crashes
+            await stores[role].crashes.record_batch(WorkerBatch(worker=f"{role}-0", incarnation="1", requests=["q"]))
+        await stores["gateway"].crashes.charge("q", "decode-0")
+        charged = await stores["router"].crashes.charge("q", "prefill-0")
         phases = {role: (await stores["router"].requests.summary(f"r-{role}"))["phase"] for role in grants.ROLES}
         for store in stores.values():
             await store.close()
-        return [w.worker_id for w in workers], phases
+        return [w.worker_id for w in workers], phases, charged
 
-    workers, phases = asyncio.run(scenario())
+    workers, phases, charged = asyncio.run(scenario())
+    assert charged == ["decode-0@1", "prefill-0@1"]
     assert workers == sorted(registered(role) for role in grants.ROLES)
     assert phases == {"gateway": "received", "router": "decoding", "prefill": "decoding", "decode": "decoding"}
 

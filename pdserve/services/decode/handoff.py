@@ -42,6 +42,10 @@ from pdserve.shared.state import State
 log = logging.getLogger("decode.handoff")
 
 
+
+class Quarantined(RuntimeError):
+    """The request crashed workers (pdserve/shared/quarantine.py): a router placed it no more."""
+
 class Handoffs:
     """One decode worker's KV handoffs: receivers (in `inbox`), queued jobs, waits, requeues."""
 
@@ -148,6 +152,8 @@ class Handoffs:
             answer = await self.bus.request(subjects.REQUEUE, ask, Requeued, timeout=self.settings.heartbeat_s * 2)
         except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as e:
             raise why from e
+        if answer.quarantined:
+            raise Quarantined(answer.reason)
         if not answer.prefill_worker:
             raise type(why)(f"{why}; {answer.reason}")
         log.info("%s: prefill worker %s is %s; its job goes to %s", req.request_id, rx.prefill_worker, kind,

@@ -42,7 +42,7 @@ from opentelemetry import trace
 
 from pdserve.services.decode.admits import AdmitReplies
 from pdserve.services.decode.chunk_log import ChunkLog
-from pdserve.services.decode.handoff import Handoffs
+from pdserve.services.decode.handoff import Handoffs, Quarantined
 from pdserve.services.decode.requests import DecodeRequest, DecodeRequests
 from pdserve.services.decode.watch import PrefillWorkerLate, PrefillWorkerLost
 from pdserve.shared import macs, metrics, subjects, tracing
@@ -127,7 +127,7 @@ class DecodeWorker:
         resync.cancel()
         watch.cancel()
         await beat
-        await self.state.registry.deregister(self.id)
+        await self.core.leave()
         await self.core.close_prefix()
         self.host.close()
 
@@ -250,8 +250,14 @@ class DecodeWorker:
         rid, reason = req.request_id, str(e) or type(e).__name__
         await self.handoffs.ack(rx, KVAck(request_id=rid, ok=False, error=reason))
         ended, _ = await self.host.call(self.abort_older, rid, req.attempt + 1)
-        if not ended or isinstance(e, KVCancelled):
+        if not ended or isinstance(e, (KVCancelled, Quarantined)):
             log.info("%s: KV handoff of attempt %d ended (%s); its placement is over", rid, req.attempt, reason)
+            if ended and isinstance(e, Quarantined):  # its client reads why (a 422), nothing runs it again
+                chunk = TokenChunk(request_id=rid, seq=len(req.generated_token_ids), token_ids=[], text="",
+                                   finished=True, finish_reason="error", error=reason, quarantined=True,
+                                   attempt=req.attempt, worker=self.id)
+                await self.bus.tried("tokens", self.bus.publish_signed(subjects.tokens(rid),
+                                                                       macs.sign(chunk, record.secret)))
             self.requests.close(rid, record)
             return
         record.first_token = None

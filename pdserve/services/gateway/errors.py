@@ -14,7 +14,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-          413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+          413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+          503: "service_unavailable", 504: "timeout"}
 RETRY_AFTER_S = 1  # the bus away, or no router answering: when to ask again
 
 

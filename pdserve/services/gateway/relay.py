@@ -35,7 +35,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import nats.errors
@@ -44,8 +44,9 @@ from nats.aio.subscription import Subscription
 from opentelemetry import trace
 
 from pdserve.services.gateway.errors import RETRY_AFTER_S, APIError
+from pdserve.services.gateway.records import Records
 from pdserve.services.gateway.reorder import Reorder
-from pdserve.shared import macs, metrics, subjects
+from pdserve.shared import macs, metrics, quarantine, subjects
 from pdserve.shared.absence import Absence
 from pdserve.shared.bus import Bus
 from pdserve.shared.config import GatewaySettings
@@ -75,25 +76,6 @@ class RelayTimings:
     def for_gateway(cls, settings: GatewaySettings) -> RelayTimings:
         return cls(settings.route_timeout_s, settings.token_timeout_s, check_s=settings.failover_check_s,
                    confirm_s=settings.absent_s, placement_retry_s=settings.placement_retry_s, probe=True)
-
-
-def _not_noted(*args: object, **kwargs: object) -> None:
-    pass
-
-
-@dataclass(frozen=True)
-class Records:
-    """Where the relay reads worker leases and notes each request's events (a State's, `of`;
-    none by default: every worker counts as alive, nothing is noted)."""
-
-    alive: Callable[[str], Awaitable[bool]] | None = None        # state.registry.alive: a worker's lease
-    note: Callable[..., None] = _not_noted                       # state.requests.note: the request's events
-    placed: Callable[[str], Awaitable[dict[str, str]]] | None = None  # state.placements.read: what routers noted
-    owner: str = ""                                              # this gateway's registry id
-
-    @classmethod
-    def of(cls, state: State, owner: str) -> Records:
-        return cls(alive=state.registry.alive, note=state.requests.note, placed=state.placements.read, owner=owner)
 
 
 class Relay:
@@ -215,7 +197,8 @@ class Relay:
                 if isinstance(item, TokenChunk):
                     stream.liveness.silent_since = time.monotonic()
                     if item.error:
-                        raise APIError(503, f"The request failed: {item.error}", code="worker_error")
+                        raise APIError(quarantine.STATUS, item.error, code=quarantine.CODE) if item.quarantined \
+                            else APIError(503, f"The request failed: {item.error}", code="worker_error")
                     for chunk in stream.order.add(item):
                         yield chunk
         except APIError as e:
@@ -343,7 +326,14 @@ class Relay:
 
     async def failover(self, req: RouteRequest, lost: RouteReply, generated: list[int], attempt: int,
                        why: str, secret: str = "") -> RouteReply:
-        """Place the request again, to continue after `generated` (attempt > 0), under `secret`."""
+        """Place the request again, to continue after `generated` (attempt > 0), under `secret`;
+        unless it crashed its workers: a lost worker whose last pass held it charges it a crash,
+        and at the second it fails (pdserve/shared/quarantine.py)."""
+        if why == "worker lost" and quarantine.quarantined(crashes := await self.records.charge(
+                req.request_id, lost.decode_worker or "")):
+            log.error("%s: quarantined: %s", req.request_id, ", ".join(crashes))
+            metrics.QUARANTINED.labels("decode").inc()
+            raise APIError(quarantine.STATUS, quarantine.message(crashes), code=quarantine.CODE)
         trace.get_current_span().add_event("failover", {"why": why, "decode_worker": lost.decode_worker or "",
                                                         "resumed_after_tokens": len(generated), "attempt": attempt})
         metrics.FAILOVERS.labels(why.split(" in ")[0]).inc()   # worker lost, stream interrupted, stalled

@@ -55,7 +55,7 @@ from pdserve.services.prefill.handoff import Handoffs
 from pdserve.services.prefill.intake import JobIntake, queued_at
 from pdserve.services.prefill.jobs import Jobs
 from pdserve.services.prefill.watch import DecodeWatch
-from pdserve.shared import macs, metrics, subjects
+from pdserve.shared import macs, metrics, streams, subjects
 from pdserve.shared.bus import Bus, after_reconnects, context_of
 from pdserve.shared.config import PrefillSettings
 from pdserve.shared.engine.engine import Engine
@@ -78,14 +78,13 @@ from pdserve.shared.tasks import Background
 from pdserve.shared.worker import WorkerCore, serve_worker
 
 log = logging.getLogger("prefill")
-JOB_KEEPALIVE_S = 10.0  # JetStream redelivers a job unacked for 30 s (its ack_wait)
+JOB_KEEPALIVE_S = 10.0  # JetStream redelivers a job unacked for its ack_wait (streams.JOB_ACK_WAIT_S, 30 s)
 # A job delivered for the first time and younger than this starts without asking Redis whether
 # its request moved on (prefilled by its decode worker, or requeued on another prefill worker):
 # a decode worker gives up on a live prefill worker after PD_KV_MIN_TIMEOUT_S (5 s) at the
 # soonest, and one that gave up refuses the KV and tells this worker to stop (only compute is
 # lost). Saves a round trip on every first token; redeliveries and old jobs are still checked.
 FRESH_JOB_S = 5.0
-MAX_JOB_DELIVERIES = 3  # a job the engine fails on this often is ended, not taken again
 FETCH_WAIT_S = 0.5      # a fetch of jobs waits this long for one to come
 TAKE_AGAIN_S = 0.005    # no room for another job: look again after this
 
@@ -111,7 +110,8 @@ class PrefillWorker:
 
     async def serve(self, stop: asyncio.Event) -> None:
         await self.bus.wait_stream(subjects.PREFILL_STREAM)  # (its consumer: its subject's, pdserve/shared/grants.py)
-        pull = await self.bus.js.pull_subscribe(subjects.prefill_jobs(self.id), durable=self.id)
+        await self.bus.js.add_consumer(subjects.PREFILL_STREAM, streams.job_consumer(self.id))  # made, or set anew
+        pull = await self.bus.js.pull_subscribe_bind(self.id, stream=subjects.PREFILL_STREAM)
         for name in ("cancel", "supervisor_cancel"):
             await self.bus.subscribe(subjects.prefill_control(self.id)[name], self.on_cancel)
         await self.sender.start()
@@ -140,12 +140,16 @@ class PrefillWorker:
         await engine_loop  # after engine_stop it returns once the prompts taken are computed
         while self.handoffs.leases:  # and handed off
             await asyncio.wait(self.handoffs.leases)
+        try:  # its jobs are done: its durable goes (jobs queued since stay in the stream, for its next life)
+            await self.bus.js.delete_consumer(subjects.PREFILL_STREAM, self.id)
+        except Exception as e:  # noqa: BLE001 - NATS away: the server removes it once idle (inactive_threshold)
+            log.warning("job consumer not deleted: %s", e)
         keepalive.cancel()
         watch.cancel()
         resync.cancel()
         gone.set()
         await beat
-        await self.state.registry.deregister(self.id)
+        await self.core.leave()
         await self.core.close_prefix()
         self.host.close()
 
@@ -250,8 +254,8 @@ class PrefillWorker:
             await self.host.call(self.queue, job, sink)
         except Exception as e:  # noqa: BLE001 - refused (ValueError: the router validated it, so a bug),
             # or the engine failed on it: this worker leaves (the job comes back to it when it
-            # restarts) until the job has failed MAX_JOB_DELIVERIES times, then the job ends here
-            if not isinstance(e, ValueError) and msg.metadata.num_delivered < MAX_JOB_DELIVERIES:
+            # restarts) until the job has failed JOB_MAX_DELIVERIES times, then the job ends here
+            if not isinstance(e, ValueError) and msg.metadata.num_delivered < streams.JOB_MAX_DELIVERIES:
                 raise
             await self.sender.cancel(job.request_id, f"prefill refused the prompt: {e}")
             self.sender.drop(job.request_id)

@@ -20,7 +20,8 @@ A thin shell around one pure decision (placement.decide): it gathers, asks, clai
 6. Beside: breakers (breakers.py: every replica hears how each KV handoff ended, `pd.kv.outcomes`);
    requeues (requeue.py: a prompt's prefill placed again when its prefill worker is gone or late);
    the supervisor (supervisor.py: requests past their phase's deadline are moved, those whose
-   gateway is gone cancelled). SIGTERM: leave the queue groups, finish the routes, drain NATS.
+   gateway is gone cancelled); the dead letters (dead_letters.py: prefill jobs delivered too
+   often). SIGTERM: leave the queue groups, finish the routes, drain NATS.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from pdserve.services.router import placement
 from pdserve.services.router.admits import ROUTE_TTL_S, Admits, Waits
 from pdserve.services.router.bookings import Bookings
 from pdserve.services.router.breakers import Breakers
+from pdserve.services.router.dead_letters import DeadLetters
 from pdserve.services.router.errors import EXPECTED
 from pdserve.services.router.indexes import open_index
 from pdserve.services.router.inputs import Inputs
@@ -86,6 +88,7 @@ class Router:
         sub = await self.bus.subscribe(subjects.ROUTE, self.start_route, queue=subjects.ROUTER_QUEUE)
         requeues = await self.bus.subscribe(subjects.REQUEUE, self.start_requeue, queue=subjects.ROUTER_QUEUE)
         await self.bus.subscribe(subjects.KV_OUTCOMES, self.on_kv_outcome)  # every replica: all outcomes
+        await DeadLetters(self.bus, self.state, self.id).start()
         me = WorkerInfo(worker_id=self.id, role="router")
         beat = asyncio.create_task(heartbeat(self.state, lambda: me, self.settings.heartbeat_s, stop))
         supervisor = Supervisor(self.bus, self.state, self.id, self.settings.stall_s, self.settings.lease_s,

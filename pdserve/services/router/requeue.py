@@ -3,7 +3,9 @@ request's KV is gone or late. The prompt's prefill is placed again (placement.de
 the decode worker that admitted it: prefix index, queues, breakers as for a new request), among
 the other prefill workers — or none fits (short prompt, breakers open, none left) and the decode
 worker prefills it itself. Recorded as the request's `routed` again; the reply carries the
-prefill's predicted time (the decode worker's KV deadline follows it)."""
+prefill's predicted time (the decode worker's KV deadline follows it). A request whose lost
+worker's last pass held it is charged the crash first; at its second it is quarantined
+(pdserve/shared/quarantine.py): the decode worker fails it."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from pdserve.services.router.bookings import Bookings
 from pdserve.services.router.errors import EXPECTED
 from pdserve.services.router.inputs import Inputs
 from pdserve.services.router.placement import Refusal, Rules
-from pdserve.shared import metrics, tracing
+from pdserve.shared import metrics, quarantine, tracing
 from pdserve.shared.bus import Bus, context_of
 from pdserve.shared.messages import Requeue, Requeued
 from pdserve.shared.state import State
@@ -46,6 +48,10 @@ class Requeues:
             await self.bus.respond(msg, reply)
 
     async def requeue(self, req: Requeue) -> Requeued:
+        if req.why == "gone" and req.avoid_workers and quarantine.quarantined(crashes := await self.charge(req)):
+            log.error("%s: quarantined: %s", req.request_id, ", ".join(crashes))
+            metrics.QUARANTINED.labels("prefill").inc()
+            return Requeued(request_id=req.request_id, quarantined=True, reason=quarantine.message(crashes))
         gathered = await self.inputs.of_requeue(req)
         if gathered is None:
             return Requeued(request_id=req.request_id, reason=f"decode worker {req.decode_worker} not registered")
@@ -63,3 +69,12 @@ class Requeues:
                                  prefill=chosen.prefill.worker_id)
         return Requeued(request_id=req.request_id, prefill_worker=chosen.prefill.worker_id, reason=reason,
                         expected_prefill_s=chosen.expected_prefill_s)
+
+    async def charge(self, req: Requeue) -> list[str]:
+        """The crashes charged to the request, its lost prefill worker's included when its last
+        pass held it; none known with Redis away (no verdict: the job moves as before)."""
+        try:
+            return await self.state.crashes.charge(req.request_id, req.avoid_workers[-1])
+        except Exception as e:  # noqa: BLE001
+            log.warning("%s: crashes not read (%s)", req.request_id, e)
+            return []

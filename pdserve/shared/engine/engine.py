@@ -106,6 +106,7 @@ class Engine:
         self.eos_token_ids = tuple(sorted(eos))
         self.seqs: dict[str, Sequence] = {}
         self.layer_hook = None
+        self.before_pass: Callable[[list[Sequence]], None] | None = None  # told each pass's sequences (batches.py)
         self.handoff = KVHandoff(self.runner, self.blocks, self.fingerprint)  # KV out of and into the pool
         self.last_pass = Pass(0, 0)  # what the last step computed
         self._rng = random.Random(cfg.seed)
@@ -176,6 +177,8 @@ class Engine:
                 wait_any([s.pending for s in self.scheduler.held if s.pending is not None], HELD_WAIT_S)
             return ended
         self.last_pass = Pass(sched.num_decode, sched.prefill_tokens)
+        if self.before_pass is not None:
+            self.before_pass([seq for seq, _ in sched.chunks])
         logits = self.runner.run(sched, self.handoff.layer_hook(sched, self.layer_hook))
         due: list[Sequence] = []
         score_prompts(sched, logits)

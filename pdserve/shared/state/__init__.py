@@ -6,6 +6,7 @@
     requests.py    `state.requests`: request events, deadlines, supervision, gateway ownership
     placements.py  `state.placements`: each request's placement, claimed and noted by the routers
     sessions.py    `state.sessions`: the decode worker of a conversation's last turn
+    crashes.py     `state.crashes`: each worker's latest engine pass, the crashes charged to each request
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import redis.asyncio as aioredis
 
 from pdserve.shared.config import Common
+from pdserve.shared.state.crashes import Crashes
 from pdserve.shared.state.keys import (
     DEADLINES,
     GATEWAYS,
@@ -49,6 +51,7 @@ class State(Store):
         self.requests = Requests(self, stall_s, min_prefill_tokens_per_s, history_s)
         self.placements = Placements(self)
         self.sessions = Sessions(self)
+        self.crashes = Crashes(self)
 
     @classmethod
     def connect(cls, url: str, stall_s: float = 30.0, min_prefill_tokens_per_s: float = 50.0,

@@ -12,6 +12,8 @@ share a tag, so they share a slot (and a node).
     pd:req:{<id>}:log          list: the request's events in order of arrival (pdserve/shared/lifecycle.py;
                                expires with the hash)
     pd:req:{<id>}:supervisor   the supervisor judging the request now (a lease)
+    pd:req:{<id>}:crashes      set: the crashes charged to the request, `worker@life` (pdserve/shared/quarantine.py)
+    pd:batch:{<worker>}        WorkerBatch JSON: the requests of the worker's latest engine pass (BATCH_TTL_S)
     pd:{flight}:deadlines      sorted set: requests in flight, scored by when their phase is overdue
     pd:{flight}:owned:<gw>     set: requests whose client is connected to gateway <gw>
     pd:{flight}:gateways       set: gateways with requests filed (what the supervisor checks)
@@ -29,6 +31,7 @@ bulk of the writes) fall wherever its id hashes.
 from __future__ import annotations
 
 REQUEST_TTL_S = 24 * 3600  # a request in flight: its own keys outlive its latest event this long
+BATCH_TTL_S = 3600         # a worker's pass record: a pass holding the same requests longer is not rewritten
 WORKER_PREFIX = "pd:{registry}:worker:"
 WORKERS = "pd:{registry}:workers"
 REGISTRY_SEQ = "pd:{registry}:seq"          # counts registry changes (heartbeats, departures)
@@ -52,6 +55,14 @@ def log_key(request_id: str) -> str:
 
 def supervisor_key(request_id: str) -> str:
     return request_key(request_id) + ":supervisor"
+
+
+def crashes_key(request_id: str) -> str:
+    return request_key(request_id) + ":crashes"
+
+
+def batch_key(worker_id: str) -> str:
+    return f"pd:batch:{{{worker_id}}}"
 
 
 def placement_key(request_id: str, attempt: int) -> str:

@@ -22,7 +22,8 @@ from pdserve.shared.state.keys import (
 )
 from pdserve.shared.state.store import Store
 
-PREFILLED_ELSEWHERE = ("prefill_local",)  # phases after which a request's prefill job has nothing left to do
+# phases after which a request's prefill job has nothing left to do: prefilled on its decode worker, or ended
+PREFILLED_ELSEWHERE = ("prefill_local", *sorted(TERMINAL))
 # Deadlines are scored on Redis's clock, not the writer's: a fleet's hosts' clocks differ, and
 # the supervisor (on another host) compares every deadline with one "now". ARGV: seconds from
 # now, 'set' (any) or 'push' (only later, only those still there), the request ids.
