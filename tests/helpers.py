@@ -26,11 +26,23 @@ def gguf_parsed_once() -> Iterator[None]:
     entries; and it builds gguf-py's tensor-name map of the architecture once per submodule (~400
     times for a model). Here gguf-py's reader is made once per file (handed back read-only), the
     metadata-only reading (`return_tensors=False`) is kept per file and handed back as a copy, and
-    the name map is made once per (architecture, layers): each a pure function of its arguments."""
+    the name map is made once per (architecture, layers): each a pure function of its arguments.
+    The reader parses the file as a plain array over its memory map, not an `np.memmap`: the
+    same bytes, without numpy's memmap bookkeeping on each of the parse's million small slices
+    (Gemma 3's file: 12.5 s to 3.5 s)."""
     import copy
 
     import gguf
     from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
+    class Reader(gguf.GGUFReader):
+        @property  # type: ignore[override]
+        def data(self) -> np.ndarray:
+            return self._data
+
+        @data.setter
+        def data(self, mapped: np.ndarray) -> None:
+            self._data = mapped.view(np.ndarray)
 
     made, readers = gguf.GGUFReader, {}
     name_map, maps = gguf.get_tensor_name_map, {}
@@ -39,7 +51,7 @@ def gguf_parsed_once() -> Iterator[None]:
     def reader(path, mode="r"):
         key = (str(path), mode)
         if key not in readers:
-            readers[key] = made(path, mode)
+            readers[key] = Reader(path, mode)
         return readers[key]
 
     def tensor_name_map(arch, n_blocks):

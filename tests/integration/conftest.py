@@ -1,7 +1,8 @@
 """Real servers for the tests that talk to them: redis-server and nats-server (JetStream),
 from the pip-installed binaries, on free ports, one per test module. A module whose store must
 work on a Redis Cluster too overrides `redis_url` with `redis_or_cluster_url`: its tests run on
-one redis-server, then on a cluster of three primaries (pdserve/local/redis_cluster.py)."""
+one redis-server, then on a cluster of three primaries (pdserve/local/redis_cluster.py: one for the
+run, emptied for each module)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import redis
 
 from pdserve.local import ha, redis_cluster
 from pdserve.local.identities import Identities
@@ -34,8 +36,9 @@ def redis_server_url():
         yield f"redis://127.0.0.1:{port}/0"
 
 
-@pytest.fixture(scope="module")
-def redis_cluster_url():
+@pytest.fixture(scope="session")
+def redis_cluster_nodes():
+    """One cluster of three primaries for the whole run (its start is ~2 s of CPU)."""
     procs: list[subprocess.Popen] = []
 
     def spawn(argv: list[str]) -> subprocess.Popen:
@@ -48,6 +51,16 @@ def redis_cluster_url():
         finally:
             for proc in procs:
                 ended(proc)
+
+
+@pytest.fixture(scope="module")
+def redis_cluster_url(redis_cluster_nodes):
+    """The cluster, emptied for each module as a fresh one would be."""
+    for node in redis_cluster_nodes.removeprefix("redis+cluster://").split(","):
+        host, port = node.rsplit(":", 1)
+        with redis.Redis(host=host, port=int(port)) as primary:
+            primary.flushall()
+    return redis_cluster_nodes
 
 
 @pytest.fixture(scope="module", params=["one", "cluster"])
