@@ -31,5 +31,5 @@ def wait_ready(ready_url: str, want: dict[str, int], procs: dict[str, subprocess
                     return
         except (OSError, ValueError):   # not up yet (or not the gateway on that port)
             pass
-        time.sleep(0.2)
+        time.sleep(0.05)
     raise TimeoutError(f"stack not ready after {timeout_s} s; logs in {logs}")

@@ -1,6 +1,7 @@
 """The gateway's readiness, judged in the background: NATS connected and a router and the
-pools registered. Every JUDGE_S one registry read sets the verdict its /ready answers
-(pdserve/shared/probes.py, on the metrics port), so a probe, however many, never reaches Redis."""
+pools registered. Every JUDGE_S (STARTING_S until it is first ready) one registry read sets the verdict
+its /ready answers (pdserve/shared/probes.py, on the metrics port), so a probe, however many, never
+reaches Redis."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pdserve.shared.probes import PROBES, Probes
 from pdserve.shared.state import State
 
 JUDGE_S = 0.5
+STARTING_S = 0.05      # until the first ready verdict: the pools register while a rollout waits on /ready
 READ_TIMEOUT_S = 2.0   # a registry read that hangs longer is a store away (the verdict's STALE_S is longer)
 ROLES = ("router", "prefill", "decode")
 
@@ -37,10 +39,12 @@ async def judge(state: State, require_prefill: bool, nats_connected: Callable[[]
 
 async def keep_judging(state: State, require_prefill: bool, nats_connected: Callable[[], bool],
                        stop: asyncio.Event) -> None:
-    """A verdict every JUDGE_S until `stop`."""
+    """A verdict every JUDGE_S until `stop` (every STARTING_S until the first ready one)."""
+    started = False
     while not stop.is_set():
         await judge(state, require_prefill, nats_connected)
+        started = started or not PROBES.missing
         try:
-            await asyncio.wait_for(stop.wait(), JUDGE_S)
+            await asyncio.wait_for(stop.wait(), JUDGE_S if started else STARTING_S)
         except TimeoutError:
             pass
