@@ -344,3 +344,64 @@ def test_a_decode_worker_gone_from_the_bus_is_lost_before_its_lease_lapses():
 def test_just_after_this_gateway_reconnected_a_worker_missing_from_the_bus_is_no_verdict():
     got, routed = _silent_d0(settled=False)
     assert got == [0, 1, 2, 3] and routed == []   # it was only late: never moved
+
+
+def _d0_lost_with_crashes(crashes):
+    """d0 streams tokens 0-1 and is lost; the crashes charged to the request then are `crashes`.
+    Returns what the stream gave (its chunks' seqs, or the APIError it ended with) and the route
+    requests made."""
+    from pdserve.services.gateway.errors import APIError
+
+    async def run():
+        queue, routed = asyncio.Queue(), []
+
+        class Bus(FakeBus):
+            async def request(self, subject, msg, reply_type, timeout):
+                routed.append(msg)
+                queue.put_nowait(chunk(2, finished=True, attempt=1))
+                return RouteReply(request_id="r", ok=True, mode="local", decode_worker="d1")
+
+        async def alive(worker):
+            return worker != "d0"
+
+        async def charge(rid, worker):
+            return crashes if worker == "d0" else []
+
+        for c in (chunk(0), chunk(1)):
+            queue.put_nowait(c)
+        relay = Relay(Bus(), RelayTimings(1, 10, check_s=0.05), Records(alive=alive, crashes=charge))
+        try:
+            return [c.seq async for c in relay._ordered(REQ, PLACED, queue, FakeSub())], routed
+        except APIError as e:
+            return e, routed
+
+    return asyncio.run(run())
+
+
+def test_a_request_lost_with_its_second_crash_fails_with_a_422_and_is_not_placed_again():
+    """pdserve/shared/quarantine.py: one crash charged, the request moves on; two, it ends with the
+    error naming the workers."""
+    got, routed = _d0_lost_with_crashes(["d0@a"])
+    assert got == [0, 1, 2] and len(routed) == 1
+    err, routed = _d0_lost_with_crashes(["d0@a", "p0@b"])
+    assert (err.status, err.code) == (422, "request_quarantined") and "(d0, p0)" in err.message, err
+    assert routed == []
+
+
+def test_a_quarantined_chunk_from_the_decode_worker_ends_the_stream_with_a_422():
+    """A router refused the request's requeue (its second crash): the decode worker's error chunk says so."""
+    from pdserve.services.gateway.errors import APIError
+
+    refused = TokenChunk(request_id="r", seq=0, token_ids=[], text="", finished=True, error="crashed 2 workers",
+                         quarantined=True)
+
+    async def run():
+        queue = asyncio.Queue()
+        queue.put_nowait(refused)
+        try:
+            return [c async for c in Relay(FakeBus(), RelayTimings(1, 10))._ordered(REQ, PLACED, queue, FakeSub())]
+        except APIError as e:
+            return e
+
+    err = asyncio.run(run())
+    assert (err.status, err.code, err.message) == (422, "request_quarantined", "crashed 2 workers")
