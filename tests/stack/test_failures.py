@@ -18,6 +18,7 @@ from helpers import generate
 from pdserve.local.stack import Stack, StackConfig
 from pdserve.shared.engine.sequence import SamplingParams
 from pdserve.shared.state import log_key, request_key, route_key, worker_key
+from pdserve.shared.state.keys import batch_key
 from pdserve.shared.urls import sync_redis
 
 DOCUMENT = " ".join(f"Entry {i}: the {c} gate was opened {i * 7} times in season {i % 4}." for i, c in
@@ -336,7 +337,7 @@ def test_a_decode_worker_killed_mid_stream_is_continued_on_another(fake, two_dec
 def test_sigterm_drains_a_decode_worker_its_streams_finish_there_new_ones_go_elsewhere(fake, two_decode):
     """SIGTERM to the decode worker serving a stream after 5 tokens: it stays registered as
     draining, takes no new request (the next one goes to the other worker), finishes the
-    stream itself (no failover: no second placement), and exits once done."""
+    stream itself (no failover: no second placement), and exits once done, its pass record gone."""
     messages = [{"role": "user", "content": "Describe a lighthouse at night."}]
     expected = _greedy_40(fake, messages)
     stack = _both_decode_workers_up(two_decode)
@@ -357,8 +358,9 @@ def test_sigterm_drains_a_decode_worker_its_streams_finish_there_new_ones_go_els
                         "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
         exit_code = stack.procs[victim].wait(60)
         resumed = store.exists(route_key(f"{rid}#1"))
+        recorded = store.exists(batch_key(victim))   # its last pass (pdserve/shared/quarantine.py)
         placed_other = store.hget(request_key(other.headers['x-request-id']), "decode").decode()
     assert draining is True
     assert ids == expected and not resumed
     assert other.status_code == 200 and placed_other != victim
-    assert exit_code == 0
+    assert exit_code == 0 and not recorded   # drained in order: no crash to charge its requests
