@@ -369,7 +369,7 @@ def _d0_lost_with_crashes(crashes):
 
         for c in (chunk(0), chunk(1)):
             queue.put_nowait(c)
-        relay = Relay(Bus(), RelayTimings(1, 10, check_s=0.05), Records(alive=alive, crashes=charge))
+        relay = Relay(Bus(), RelayTimings(1, 10, check_s=0.05, confirm_s=0.1), Records(alive=alive, crashes=charge))
         try:
             return [c.seq async for c in relay._ordered(REQ, PLACED, queue, FakeSub())], routed
         except APIError as e:
