@@ -67,11 +67,10 @@ class Batches:
     def record(self, batch: WorkerBatch, wait: bool = True) -> None:
         if self.loop is None or time.monotonic() < self.away_until:
             return
-        written = asyncio.run_coroutine_threadsafe(self.in_order(batch), self.loop)
-        if not wait:
-            return
         try:
-            written.result(RECORD_TIMEOUT_S)
+            written = asyncio.run_coroutine_threadsafe(self.in_order(batch), self.loop)
+            if wait:
+                written.result(RECORD_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - Redis away or slow: serve on, recording nothing for a while
             log.warning("engine pass not recorded (%s); none recorded for %.0f s", str(e) or type(e).__name__, AWAY_S)
             self.away_until = time.monotonic() + AWAY_S
