@@ -29,7 +29,8 @@ In Redis (Valkey 9 locally; any Redis >= 7) each instance is an ACL user with th
 role's part (`REDIS_KEYS`, the prefixes pdserve/shared/state/keys.py names) and every command but the
 dangerous ones (FLUSHALL, CONFIG, KEYS, DEBUG, SHUTDOWN, ACL, REPLICAOF, MONITOR, ...); the
 operator is Redis's default user. The registry's entries are read-only (`%R~`) but the
-instance's own: no instance can write, renew or delete another's entry. The registry's index
+instance's own: no instance can write, renew or delete another's entry; so are the workers'
+pass records (`pd:batch:{<id>}`, pdserve/shared/batches.py), which gateways and routers only read. The registry's index
 (the set of ids, the change log) and the request state stay writable by every role that uses
 them. A deployment with one identity per role (`instance` ANY) lets each role write any entry.
 """
