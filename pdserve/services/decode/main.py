@@ -21,8 +21,10 @@
    (pdserve/services/decode/handoff.py). KV refused or still bad, or no other prefill worker → drop
    the reservation, mark the request `prefill_local` in Redis, and prefill locally (no gap
    for the client: chunks carry sequence numbers, the gateway drops duplicates); the prefill
-   worker gets KVAck(not ok) and stops computing it.
-4. Loop: step the engine; publish each output as a TokenChunk on `pd.tokens.<rid>`, and keep
+   worker gets KVAck(not ok) and stops computing it. A request a router will not place again
+   (it crashed two workers: pdserve/shared/quarantine.py) ends with an error chunk.
+4. Loop: step the engine (each pass's requests recorded before it runs: pdserve/shared/batches.py);
+   publish each output as a TokenChunk on `pd.tokens.<rid>`, and keep
    it (pdserve/services/decode/chunk_log.py): a gateway that lost chunks on the bus (a NATS restart)
    asks for them again on `pd.decode.<id>.replay` instead of moving the request.
 5. Cancel (`pd.decode.<id>.cancel`, sent only to the workers of the request's placements):

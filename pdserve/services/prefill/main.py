@@ -2,7 +2,9 @@
 
 1. Start: load the model, build the engine, open the UCX transport, make sure the prefill
    work queue exists, register in Redis with a heartbeat lease (queued tokens, measured
-   prefill rate), pull from this worker's durable consumer (`pd.prefill.jobs.<id>`). Each
+   prefill rate), pull from this worker's durable consumer (`pd.prefill.jobs.<id>`; a job delivered
+   JOB_MAX_DELIVERIES times unacked goes to the dead letters). Each engine pass's requests are
+   recorded before it runs (pdserve/shared/batches.py: a crash names them). Each
    step's prefix-cache changes go to its event stream for the routers' index
    (pdserve/shared/prefix_events.py; PD_PREFIX_INDEX=redis: its slot in Redis, pdserve/shared/prefix_index.py).
 2. Take jobs (a task of its own, `max_jobs` computing at once: the engine orders what it holds
@@ -29,7 +31,8 @@
    cancel there, a refusal): abort the request wherever it is; a handoff in progress ends with
    KVEnd(not ok).
 6. SIGTERM: mark the registry entry draining (the router sends nothing more), stop pulling
-   jobs, compute and hand off the ones taken, then leave the registry and drain NATS. Killed
+   jobs, compute and hand off the ones taken, delete its durable consumer (pdserve/shared/streams.py:
+   `job_consumer`), then leave the registry and drain NATS. Killed
    instead: the lease lapses and the decode workers waiting for this worker's KV ask a router
    for another prefill worker (`pd.router.requeue`) and put the job on its queue; with none,
    they prefill it themselves. A job left on this worker's queue whose request moved on is dropped if this
