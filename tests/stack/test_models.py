@@ -1,11 +1,7 @@
 """Other architectures through the disaggregated stack (`make run RUN_ARGS="--model DIR"`): a tiny
-random checkpoint (bench/engine/tiny_archs.py) served under its own name, and the real Gemma 3 270M
-Q4_K_M file; every prompt prefilled in the prefill pool and decoded after the KV handoff, each
-request's greedy tokens equal to transformers' (or the in-process engine's). The checkpoints here are
-the ones whose path through the stack differs: Llama 3's tool-call format, a window on every layer
-(Mistral's), windows beside a global layer (Gemma 3's, with ChatML's tool format). Every
-`model_type`'s tokens across a handoff between two engines, from its saved directory, are
-tests/engine/test_architectures.py's; a stack adds nothing per architecture to that but these."""
+random checkpoint of each `model_type` (bench/engine/tiny_archs.py) served under its own name, and
+the real Gemma 3 270M Q4_K_M file; every prompt prefilled in the prefill pool and decoded after
+the KV handoff, each request's greedy tokens equal to transformers' (or the in-process engine's)."""
 
 from __future__ import annotations
 
@@ -23,7 +19,8 @@ pytestmark = pytest.mark.slow
 QUESTIONS = ["What is the capital of France?", "Write a haiku about rain. " * 6, "What is 17 times 3?"]
 
 
-ARCHS = ["llama3-rope", "mistral", "gemma3"]   # (Llama's with Llama 3.1's RoPE)
+# one checkpoint per model_type (Llama's with Llama 3.1's RoPE)
+ARCHS = ["llama3-rope", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"]
 
 
 @pytest.mark.parametrize("name", ARCHS)
