@@ -42,10 +42,9 @@ $(STAMP): pyproject.toml Makefile
 run: setup
 	$(BIN)/pdserve serve $(RUN_ARGS)
 
-## test: the suite (unit, engine vs transformers, the stack as real processes); the chaos scenarios are make chaos's.
-##   Two pytest runs side by side: the model and stack tests, and beside them unit and integration (scripts/run_tests.sh)
+## test: the suite (unit, engine vs transformers, the stack as real processes); the chaos scenarios are make chaos's
 test: setup
-	scripts/run_tests.sh $(BIN)/python -q -m "not chaos"
+	$(BIN)/python -m pytest -q --durations=25 -m "not chaos" tests
 
 ## test-fast: the suite without the tests that load the real model
 test-fast: setup
