@@ -114,7 +114,8 @@ bench-router: setup
 	$(BIN)/python -m bench.router_live
 
 ## chaos: 100 concurrent requests through kill -9 of a prefill and a decode worker, a NATS and a Redis restart,
-##   then on the HA stack a NATS node's and the Redis primary's loss, and a decode host cut off (as root);
+##   then on the HA stack a NATS node's and the Redis primary's loss, a decode host cut off (as root), and NATS
+##   away for a while mid-stream (nats-outage);
 ##   one summary line each; writes bench/results/chaos.json
 chaos: setup
 	$(BIN)/python -m bench.chaos
