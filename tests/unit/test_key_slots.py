@@ -9,6 +9,7 @@ from redis.crc import key_slot
 
 from pdserve.shared.state.keys import (
     DEADLINES,
+    ENDED,
     GATEWAYS,
     REGISTRY_CHANGES,
     REGISTRY_EPOCH,
@@ -40,7 +41,7 @@ def test_a_requests_keys_share_a_slot_whatever_its_id(rid):
 def test_the_registry_is_one_slot_and_the_requests_in_flight_another():
     assert len(slots(worker_key("decode-0"), worker_key("w{x}"), WORKERS, REGISTRY_SEQ, REGISTRY_CHANGES,
                      REGISTRY_EPOCH)) == 1
-    assert len(slots(DEADLINES, GATEWAYS, owned_key("gateway-1"), owned_key("g{x}"))) == 1
+    assert len(slots(DEADLINES, ENDED, GATEWAYS, owned_key("gateway-1"), owned_key("g{x}"))) == 1
 
 
 def test_requests_spread_over_the_slots():

@@ -15,6 +15,7 @@ share a tag, so they share a slot (and a node).
     pd:req:{<id>}:crashes      set: the crashes charged to the request, `worker@life` (pdserve/shared/quarantine.py)
     pd:batch:{<worker>}        WorkerBatch JSON: the requests of the worker's latest engine pass (BATCH_TTL_S)
     pd:{flight}:deadlines      sorted set: requests in flight, scored by when their phase is overdue
+    pd:{flight}:ended          sorted set: requests that ended in the last ENDED_KEEP_S, by when
     pd:{flight}:owned:<gw>     set: requests whose client is connected to gateway <gw>
     pd:{flight}:gateways       set: gateways with requests filed (what the supervisor checks)
     pd:session:<id>            the decode worker of a conversation's last turn (expires when idle)
@@ -38,6 +39,8 @@ REGISTRY_SEQ = "pd:{registry}:seq"          # counts registry changes (heartbeat
 REGISTRY_CHANGES = "pd:{registry}:changes"  # sorted set: worker id by the number of its latest change
 REGISTRY_EPOCH = "pd:{registry}:epoch"      # set with the first change: a Redis that restarted empty has another
 DEADLINES = "pd:{flight}:deadlines"
+ENDED = "pd:{flight}:ended"         # requests that ended lately, by when: no deadline is set for them again
+ENDED_KEEP_S = 60                   # past a late deadline push (a heartbeat's, a supervisor's round)
 GATEWAYS = "pd:{flight}:gateways"   # gateways that have filed requests (the supervisor's list to check)
 
 

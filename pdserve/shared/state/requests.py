@@ -13,6 +13,8 @@ from pdserve.shared.lifecycle import TERMINAL, Event, deadline_s
 from pdserve.shared.notes import Note, Notes
 from pdserve.shared.state.keys import (
     DEADLINES,
+    ENDED,
+    ENDED_KEEP_S,
     GATEWAYS,
     REQUEST_TTL_S,
     log_key,
@@ -25,14 +27,15 @@ from pdserve.shared.state.store import Store
 # phases after which a request's prefill job has nothing left to do: prefilled on its decode worker, or ended
 PREFILLED_ELSEWHERE = ("prefill_local", *sorted(TERMINAL))
 # Deadlines are scored on Redis's clock, not the writer's: a fleet's hosts' clocks differ, and
-# the supervisor (on another host) compares every deadline with one "now". ARGV: seconds from
-# now, 'set' (any) or 'push' (only later, only those still there), the request ids.
-SET_DEADLINES = """
+# the supervisor (on another host) compares every deadline with one "now". A push (PUSH_DEADLINES) only
+# moves a deadline later, and adds one a restarted Redis lost unless the request is among those that
+# ended lately (ENDED, kept ENDED_KEEP_S: a push that lands after its request's end resurrects nothing).
+# KEYS: the deadlines, the ended; ARGV: seconds from now, the request ids.
+PUSH_DEADLINES = """
 local t = redis.call('TIME')
 local at = tonumber(t[1]) + tonumber(t[2]) / 1000000 + tonumber(ARGV[1])
-for i = 3, #ARGV do
-  if ARGV[2] == 'push' then redis.call('ZADD', KEYS[1], 'XX', 'GT', at, ARGV[i])
-  else redis.call('ZADD', KEYS[1], at, ARGV[i]) end
+for i = 2, #ARGV do
+  if not redis.call('ZSCORE', KEYS[2], ARGV[i]) then redis.call('ZADD', KEYS[1], 'GT', at, ARGV[i]) end
 end
 """
 # One event (Requests.record) in two scripts, one per hash tag (pdserve/shared/state/keys.py), queued on one
@@ -52,15 +55,20 @@ else
   redis.call('DEL', KEYS[1], KEYS[2])
 end
 """
-# FLIGHT, the requests in flight: the deadlines, its gateway's requests, the gateways; ARGV: the request
-# id, 'end' | 'deadline' | '', the deadline's seconds from now, 'file' | 'unfile' | '' (under its
-# gateway), the gateway.
+# FLIGHT, the requests in flight: the deadlines, its gateway's requests, the gateways, the ended; ARGV: the
+# request id, 'end' | 'deadline' | '', the deadline's seconds from now, 'file' | 'unfile' | '' (under its
+# gateway), the gateway, how long an ended request stays among the ended. A deadline for a request that ended
+# (a phase's event landing after the end) is not set.
 FLIGHT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 if ARGV[2] == 'end' then
   redis.call('ZREM', KEYS[1], ARGV[1])
-elseif ARGV[2] == 'deadline' then
-  local t = redis.call('TIME')
-  redis.call('ZADD', KEYS[1], tonumber(t[1]) + tonumber(t[2]) / 1000000 + tonumber(ARGV[3]), ARGV[1])
+  redis.call('ZADD', KEYS[4], now, ARGV[1])
+  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - tonumber(ARGV[6]))
+  redis.call('EXPIRE', KEYS[4], ARGV[6])
+elseif ARGV[2] == 'deadline' and not redis.call('ZSCORE', KEYS[4], ARGV[1]) then
+  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
 end
 if ARGV[4] == 'unfile' then
   redis.call('SREM', KEYS[2], ARGV[1])
@@ -128,15 +136,16 @@ class Requests:
 
     # -- deadlines and supervision ---------------------------------------------------------
     async def progressed(self, request_ids: list[str], deadline_s: float) -> None:
-        """These requests advanced: push their deadlines on (only those still in flight)."""
+        """These requests advanced: push their deadlines on (one a restarted Redis lost is added again;
+        none for a request that ended)."""
         if request_ids:
-            await self.store.script(SET_DEADLINES)(keys=[DEADLINES], args=[deadline_s, "push", *request_ids])
+            await self.store.script(PUSH_DEADLINES)(keys=[DEADLINES, ENDED], args=[deadline_s, *request_ids])
 
     async def overdue(self, limit: int = 100) -> list[str]:
         return [r.decode() for r in await self.store.script(OVERDUE)(keys=[DEADLINES], args=[limit])]
 
     async def postpone(self, request_id: str, deadline_s: float) -> None:
-        await self.store.script(SET_DEADLINES)(keys=[DEADLINES], args=[deadline_s, "push", request_id])
+        await self.progressed([request_id], deadline_s)
 
     async def forget(self, request_id: str) -> None:
         await self.store.r.zrem(DEADLINES, request_id)
@@ -173,7 +182,7 @@ def _queue_note(p: Pipeline, shas: tuple[str, str], n: Note, history_s: float) -
     p.evalsha(shas[0], 2, log_key(n.request_id), request_key(n.request_id), event.model_dump_json(), REQUEST_TTL_S,
               math.ceil(history_s), int(n.phase in TERMINAL), *(x for kv in summary.items() for x in kv))
     if deadline or filing:
-        p.evalsha(shas[1], 3, DEADLINES, owned_key(owner or "-"), GATEWAYS, n.request_id, deadline,
-                  n.deadline_s if n.deadline_s is not None else 0, filing, owner)
+        p.evalsha(shas[1], 4, DEADLINES, owned_key(owner or "-"), GATEWAYS, ENDED, n.request_id, deadline,
+                  n.deadline_s if n.deadline_s is not None else 0, filing, owner, ENDED_KEEP_S)
     if n.also is not None:
         n.also(p)
