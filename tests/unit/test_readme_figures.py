@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from bench import clients_readme, stack_overhead
+from bench import clients_readme, stack_overhead, store_memory
 from bench.chaos import readme as chaos_readme
 from bench.engine import readme as engine_readme
 from bench.interference import report
@@ -70,3 +70,8 @@ def test_the_prefix_index_table_is_the_committed_run():
 def test_the_request_path_figures_are_the_committed_run():
     block = stack_overhead.section(_json("stack.json"))
     assert _between(stack_overhead.BEGIN, stack_overhead.END) == "\n" + block + "\n"
+
+
+def test_the_redis_per_request_figures_are_the_committed_run():
+    block = store_memory.section(_json("store.json"))
+    assert _between(store_memory.BEGIN, store_memory.END) == "\n" + block + "\n"
