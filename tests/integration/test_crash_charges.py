@@ -1,12 +1,13 @@
 """Crashes charged on a real Redis (pdserve/shared/state/crashes.py): a lost worker's last recorded
 pass charges its suspects once however many observers report the crash (the gateway and a
 router may both), a request outside it is not charged, a worker's next life is another crash,
-and a worker that left in order leaves nothing to charge."""
+and a worker that left in order leaves nothing to charge. With Redis away none is known (no verdict)."""
 
 from __future__ import annotations
 
 import asyncio
 
+from pdserve.local.servers import free_port
 from pdserve.shared.messages import WorkerBatch
 from pdserve.shared.state import State
 
@@ -32,3 +33,13 @@ def test_a_crash_is_charged_once_per_worker_life_to_its_passs_suspects(redis_url
     got = asyncio.run(scenario())
     assert got == {"twice observed": ["decode-0@a"], "not new in the pass": [], "another worker's": ["decode-0@a"],
                    "its next life": ["decode-0@a", "decode-0@b"], "left in order": []}
+
+
+def test_with_redis_away_no_crash_is_known():
+    async def scenario() -> list[str]:
+        state = State.connect(f"redis://127.0.0.1:{free_port()}/0")
+        charged = await state.crashes.charge("p", "decode-0")
+        await state.close()
+        return charged
+
+    assert asyncio.run(scenario()) == []

@@ -4,13 +4,10 @@ without a store: every worker counts as alive, nothing is noted, no crash is cha
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from pdserve.shared.state import State
-
-log = logging.getLogger("gateway.relay")
 
 
 def _not_noted(*args: object, **kwargs: object) -> None:
@@ -32,11 +29,7 @@ class Records:
 
     async def charge(self, request_id: str, lost_worker: str) -> list[str]:
         """The crashes charged to the request, `lost_worker`'s included when its last pass held
-        it (pdserve/shared/quarantine.py); none known with Redis away (no verdict)."""
+        it (pdserve/shared/quarantine.py); none without a store or a worker named."""
         if self.crashes is None or not lost_worker:
             return []
-        try:
-            return await self.crashes(request_id, lost_worker)
-        except Exception as e:  # noqa: BLE001
-            log.warning("%s: crashes not read (%s); placing it again", request_id, e)
-            return []
+        return await self.crashes(request_id, lost_worker)

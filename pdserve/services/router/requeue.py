@@ -48,7 +48,8 @@ class Requeues:
             await self.bus.respond(msg, reply)
 
     async def requeue(self, req: Requeue) -> Requeued:
-        if req.why == "gone" and req.avoid_workers and quarantine.quarantined(crashes := await self.charge(req)):
+        if req.why == "gone" and req.avoid_workers and quarantine.quarantined(
+                crashes := await self.state.crashes.charge(req.request_id, req.avoid_workers[-1])):
             log.error("%s: quarantined: %s", req.request_id, ", ".join(crashes))
             metrics.QUARANTINED.labels("prefill").inc()
             return Requeued(request_id=req.request_id, quarantined=True, reason=quarantine.message(crashes))
@@ -69,12 +70,3 @@ class Requeues:
                                  prefill=chosen.prefill.worker_id)
         return Requeued(request_id=req.request_id, prefill_worker=chosen.prefill.worker_id, reason=reason,
                         expected_prefill_s=chosen.expected_prefill_s)
-
-    async def charge(self, req: Requeue) -> list[str]:
-        """The crashes charged to the request, its lost prefill worker's included when its last
-        pass held it; none known with Redis away (no verdict: the job moves as before)."""
-        try:
-            return await self.state.crashes.charge(req.request_id, req.avoid_workers[-1])
-        except Exception as e:  # noqa: BLE001
-            log.warning("%s: crashes not read (%s)", req.request_id, e)
-            return []

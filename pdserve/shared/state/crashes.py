@@ -3,12 +3,16 @@ and the crashes charged to each request, read by whoever moves a request off a l
 
 from __future__ import annotations
 
+import logging
+
 from redis.asyncio.client import Pipeline
 
 from pdserve.shared import quarantine
 from pdserve.shared.messages import WorkerBatch
 from pdserve.shared.state.keys import BATCH_TTL_S, REQUEST_TTL_S, batch_key, crashes_key
 from pdserve.shared.state.store import Store
+
+log = logging.getLogger(__name__)
 
 
 class Crashes:
@@ -28,7 +32,15 @@ class Crashes:
 
     async def charge(self, request_id: str, lost_worker: str) -> list[str]:
         """The crashes charged to the request, its lost worker's charged first when that
-        worker's last recorded pass holds it as a suspect (idempotent: once per worker life)."""
+        worker's last recorded pass holds it as a suspect (idempotent: once per worker life);
+        none known with Redis away (no verdict: the request is moved as before, logged)."""
+        try:
+            return await self._charge(request_id, lost_worker)
+        except Exception as e:  # noqa: BLE001 - Redis away
+            log.warning("%s: crashes not read (%s); placing it again", request_id, e)
+            return []
+
+    async def _charge(self, request_id: str, lost_worker: str) -> list[str]:
         batch = await self.batch(lost_worker)
         key = crashes_key(request_id)
         if batch is None or request_id not in quarantine.suspects(batch):
