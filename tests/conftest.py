@@ -28,6 +28,9 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 # references the tests compare them with (the `smollm2` fixture, transformers) do; the default
 # (`auto`: a GGUF's own blocks) is what tests/stack/test_launcher.py and the native tests run.
 os.environ.setdefault("PD_WEIGHTS", "fp32")
+# and load the grammar library on their first structured request, not at start (2-3 s of CPU per
+# process, most stacks here never ask): the session's real stack and the launcher's load it at start
+os.environ.setdefault("PD_GRAMMAR_PRELOAD", "0")
 
 
 @pytest.fixture(scope="session")
@@ -93,7 +96,7 @@ def stack(otlp, tmp_path_factory):
 
     cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=1024,
                                     log_dir=tmp_path_factory.mktemp("stack-logs"),
-                                    env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.url,
+                                    env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.url, "PD_GRAMMAR_PRELOAD": "1",
                                          "PD_TRACE_BAGGAGE_KEYS": "app.tenant"})  # (tests/stack/test_ids.py)
     with Stack(cfg) as s:
         yield s

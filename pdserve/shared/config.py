@@ -76,6 +76,8 @@ class Common(BaseSettings):
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
     log_format: Literal["text", "json"] = Field("text", description="json: one object per line, with trace_id "
                                                 "and request_id (text lines carry them too, when in a request)")
+    grammar_preload: bool = Field(True, description="gateway and workers: load the structured-output library (with "
+                                  "torch: 2-3 s of CPU) beside the start, not on the first structured request")
     heartbeat_s: float = Field(1.0, gt=0, description=f"worker heartbeat period; the lease is {LEASE_BEATS}x this")
     otlp_endpoint: str | None = Field(None, validation_alias="OTEL_EXPORTER_OTLP_ENDPOINT",
                                       description="OTLP/HTTP collector (Jaeger: http://host:4318)")
@@ -213,7 +215,6 @@ class GatewaySettings(Common):
                                        "another's prompts); off: all keys share the cache")
     max_logit_bias: int = Field(1024, ge=0, description="logit_bias entries one request may set")
     max_stop_chars: int = Field(1024, gt=0, description="longest stop string (each is rescanned as tokens come)")
-
 
     @model_validator(mode="after")
     def _open_on_purpose(self) -> Self:

@@ -61,8 +61,8 @@ def build_engine(settings: WorkerSettings) -> Engine:
                        grammar_compile_timeout_s=settings.grammar_compile_timeout_s,
                        grammar_compiles_per_tenant=settings.grammar_compiles_per_tenant)
     engine = Engine(loaded, cfg)
-    if engine.tokenizer is not None:  # structured output's tables, built beside the start (a few seconds,
-        # mostly the library's import), not on a structured request's first token
+    if engine.tokenizer is not None and settings.grammar_preload:  # structured output's tables, built beside
+        # the start (a few seconds, mostly the library's import), not on a structured request's first token
         threading.Thread(target=lambda: engine.grammars, name="grammars", daemon=True).start()
     return engine
 

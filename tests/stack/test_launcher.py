@@ -24,7 +24,7 @@ from pdserve.shared.engine.weights import choose
 pytestmark = pytest.mark.slow
 # this checkout's code (run from another directory, it would otherwise be the installed one's), children too;
 # the settings' defaults, as `make run` has them
-ENV = {**{k: v for k, v in os.environ.items() if k != "PD_WEIGHTS"},
+ENV = {**{k: v for k, v in os.environ.items() if k not in ("PD_WEIGHTS", "PD_GRAMMAR_PRELOAD")},
        "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -14,7 +14,7 @@ from pdserve.services.gateway.deps import Gateway
 from pdserve.services.gateway.errors import APIError
 from pdserve.services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from pdserve.services.gateway.tools import CallFormat
-from pdserve.shared.engine.grammar import Grammar, GrammarError
+from pdserve.shared.engine.grammar import Grammar, GrammarError, library
 from pdserve.shared.engine.grammar import check as grammar_check
 from pdserve.shared.messages import RouteRequest
 
@@ -40,8 +40,12 @@ def _grammar_error(grammar: Grammar) -> str | None:
 
 async def check_grammars(body: Body, calls: CallFormat) -> None:
     """Each structured-output grammar compiles: off the event loop (a large schema takes
-    seconds), within GRAMMAR_CHECK_S, each distinct grammar checked once (a cache keyed by it)."""
-    for param, grammar in body._grammars(calls):
+    seconds), within GRAMMAR_CHECK_S once the library is loaded (PD_GRAMMAR_PRELOAD off: on the
+    first such request), each distinct grammar checked once (a cache keyed by it)."""
+    grammars = body._grammars(calls)
+    if grammars:
+        await asyncio.to_thread(library)
+    for param, grammar in grammars:
         try:
             error = await asyncio.wait_for(asyncio.to_thread(_grammar_error, grammar), GRAMMAR_CHECK_S)
         except TimeoutError:

@@ -119,14 +119,15 @@ def background(gw: Gateway, me: WorkerInfo, stop: asyncio.Event) -> list[asyncio
 
 async def load_model(settings: GatewaySettings) -> tuple[ModelConfig, Tokenizer]:
     """The model's architecture and tokenizer (with PD_CHAT_TEMPLATE when set), no weights; the
-    grammar library loaded beside the start, not on a request."""
+    grammar library loaded beside the start (PD_GRAMMAR_PRELOAD), not on a request."""
     model_config, tokenizer = await asyncio.to_thread(inspect, settings.model)
     if tokenizer is None:
         raise RuntimeError(f"model {settings.model!r} has no tokenizer; the gateway needs one")
     if settings.chat_template:
         tokenizer.chat_template = template_text(settings.chat_template)
-    threading.Thread(target=grammar.check, args=(grammar.Grammar("json_object"),), name="grammars",
-                     daemon=True).start()
+    if settings.grammar_preload:
+        threading.Thread(target=grammar.check, args=(grammar.Grammar("json_object"),), name="grammars",
+                         daemon=True).start()
     return model_config, tokenizer
 
 

@@ -50,6 +50,11 @@ class Grammar:
     spec: str = ""
 
 
+def library() -> None:
+    """Load the grammar library: seconds of CPU the first time (xgrammar imports torch), nothing after."""
+    import xgrammar  # noqa: F401
+
+
 def check(grammar: Grammar) -> None:
     """Raise GrammarError if `grammar` does not parse (no vocabulary needed: a gateway's check)."""
     try:
