@@ -42,9 +42,10 @@ $(STAMP): pyproject.toml Makefile
 run: setup
 	$(BIN)/pdserve serve $(RUN_ARGS)
 
-## test: the suite (unit, engine vs transformers, the stack as real processes); the chaos scenarios are make chaos's
+## test: the suite (unit, engine vs transformers, the stack as real processes); the chaos scenarios are make chaos's.
+##   Two pytest runs side by side: the real models' tests, and beside them the rest (scripts/run_tests.sh)
 test: setup
-	$(BIN)/python -m pytest -q --durations=25 -m "not chaos" tests
+	scripts/run_tests.sh $(BIN)/python -q -m "not chaos"
 
 ## test-fast: the suite without the tests that load the real model
 test-fast: setup
