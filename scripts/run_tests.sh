@@ -22,6 +22,8 @@ rest=()
 for path in tests/clients tests/engine tests/stack/test_*.py; do
     [[ " ${BESIDE[*]} " == *" $path "* ]] || rest+=("$path")
 done
+# each run's in-process torch on its share of the cores (tests/conftest.py)
+export PD_TEST_THREADS=$(( $(nproc) > 3 ? $(nproc) / 2 : 1 ))
 log=$(mktemp -t pdserve-tests.XXXXXX)
 "$python" -m pytest "$@" tests "${rest[@]/#/--ignore=}" >"$log" 2>&1 &
 beside=$!

@@ -22,7 +22,9 @@ from process_guard import (  # noqa: F401
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# two threads; one where two runs share the cores (scripts/run_tests.sh sets PD_TEST_THREADS): torch's
+# threads on a core the other run takes wait on each other, and its passes took 3x as long
+torch.set_num_threads(int(os.environ.get("PD_TEST_THREADS", 0)) or min(2, os.cpu_count() or 1))
 
 # The stack's workers (children inherit this) compute with fp32 weights, as the in-process
 # references the tests compare them with (the `smollm2` fixture, transformers) do; the default
@@ -94,7 +96,7 @@ def stack(otlp, tmp_path_factory):
     """The real stack, 1 prefill + 1 decode worker on SmolLM2, exporting traces to the in-process receiver."""
     from pdserve.local.stack import Stack, StackConfig
 
-    cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=1024,
+    cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=512,
                                     log_dir=tmp_path_factory.mktemp("stack-logs"),
                                     env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.url, "PD_GRAMMAR_PRELOAD": "1",
                                          "PD_TRACE_BAGGAGE_KEYS": "app.tenant"})  # (tests/stack/test_ids.py)

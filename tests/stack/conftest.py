@@ -26,7 +26,7 @@ def fake_stack(otlp, tmp_path_factory):
     pointed at it). Every prompt through the prefill worker's handoff (PD_PLACEMENT=remote), as
     the real stack places them: the fake's passes take microseconds, so once the decode worker's
     rate is measured the default `cheapest` would prefill short prompts there."""
-    cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=1024, model=FAKE,
+    cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=512, model=FAKE,
                                     log_dir=tmp_path_factory.mktemp("fake-stack-logs"),
                                     env=fake_env(OTEL_EXPORTER_OTLP_ENDPOINT=otlp.url,
                                                  PD_TRACE_BAGGAGE_KEYS="app.tenant", PD_PLACEMENT="remote"))
