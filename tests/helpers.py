@@ -100,11 +100,12 @@ def generate(loaded, prompts: dict[str, list[int]], params: SamplingParams = GRE
 
 
 def transfer(src: Engine, dst: Engine, rid: str, prompt: list[int], params: SamplingParams,
-             generated: list[int] | tuple[()] = ()) -> RequestOutput:
+             generated: list[int] | tuple[()] = (), crashes: int = 0) -> RequestOutput:
     """Disaggregated path in one process: prefill on src, KV moved layer by layer to dst
-    (`generated`: a failover's tokens streamed before it, prefilled with the prompt)."""
+    (`generated`: a failover's tokens streamed before it, prefilled with the prompt; `crashes`:
+    charged to the request, on both sides)."""
     reservation = dst.reserve(rid, prompt, params, generated)
-    src.add_request(rid, prompt, params, prefill_only=True, generated_token_ids=generated)
+    src.add_request(rid, prompt, params, prefill_only=True, generated_token_ids=generated, crashes=crashes)
     first = None
     while first is None:
         first = next((o for o in src.step() if o.request_id == rid), None)
@@ -114,7 +115,7 @@ def transfer(src: Engine, dst: Engine, rid: str, prompt: list[int], params: Samp
     for layer in range(export.num_layers):
         dst.import_layer(rid, layer, export.layer_bytes(layer), reservation.first_block)
     src.free(rid)
-    out = dst.commit_import(rid, first.new_token_ids[0])
+    out = dst.commit_import(rid, first.new_token_ids[0], crashes=crashes)
     out.text = first.text
     return out
 

@@ -10,6 +10,10 @@ request, so two observers of one crash count it once. At MAX_CRASHES the request
 again: it fails with STATUS, not a 5xx, which clients and SDKs retry, each retry crashing another
 worker; not a 400 either, which names a field the client got wrong.
 
+A request charged a crash carries the count to its next workers (RouteRequest, AdmitRequest,
+PrefillJob, Requeued `crashes`), whose schedulers run its first passes alone (`runs_alone`): a
+request that shared the poison's pass, and was charged with it, never meets it in a pass again.
+
 A prefill job JetStream delivers JOB_MAX_DELIVERIES times unacked (its worker died with it
 each time, and no requeue dropped it) goes to the dead letters (pdserve/services/router/dead_letters.py).
 """
@@ -24,6 +28,7 @@ from pdserve.shared.messages import WorkerBatch
 MAX_CRASHES = 2          # crashes charged to one request: then it is failed, not placed again
 STATUS = 422             # the client's request is well formed, and cannot be served
 CODE = "request_quarantined"
+ALONE_STEPS = 4          # decode steps a request charged a crash runs alone on a worker, after its prompt
 
 
 def suspects(batch: WorkerBatch) -> set[str]:
@@ -38,6 +43,16 @@ def crash_of(batch: WorkerBatch) -> str:
 
 def quarantined(crashes: Collection[str]) -> bool:
     return len(crashes) >= MAX_CRASHES
+
+
+def runs_alone(crashes: int, generated_here: int) -> bool:
+    """Whether a request's next engine pass holds it alone, with `generated_here` tokens made on this
+    worker: once charged a crash, its prompt and its first ALONE_STEPS decode steps run in passes of
+    their own, taking turns with the others' passes. A poison crashes as it joins a pass (the charge
+    rule's premise), so its next crash is charged to it alone, never to a request that shared the
+    first one. Not to its end: a crash in a pass with none new charges every request in it, and each
+    of those taking a pass per token to its end would cost its next worker most of its throughput."""
+    return crashes > 0 and generated_here <= ALONE_STEPS
 
 
 def message(crashes: Collection[str]) -> str:

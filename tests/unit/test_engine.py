@@ -9,6 +9,7 @@ from pdserve.shared.engine.block_manager import OutOfBlocks
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.engine import Engine
 from pdserve.shared.engine.sequence import SamplingParams
+from pdserve.shared.quarantine import ALONE_STEPS
 
 
 def prompts(n, lo=5, hi=70, seed=0):
@@ -333,3 +334,62 @@ def test_a_cache_salt_partitions_the_prefix_cache(tiny):
     params = SamplingParams(max_tokens=4, temperature=0, cache_salt="tenant-a")
     first = transfer(src, dst, "t", prompt, params)
     assert first.new_token_ids + tokens(run_all(dst)["t"]) == generate(tiny, {"t": prompt}, params)["t"]
+
+
+def _passes_of(eng: Engine) -> list[set[str]]:
+    """Each pass's requests, as the engine tells its recorder (pdserve/shared/batches.py)."""
+    passes: list[set[str]] = []
+    eng.before_pass = lambda seqs: passes.append({s.request_id for s in seqs})
+    return passes
+
+
+def _step_until_idle(eng: Engine, outs: dict[str, list[int]]) -> None:
+    while eng.has_work():
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+
+
+@pytest.mark.parametrize("mixed", [True, False])
+def test_requests_charged_a_crash_run_their_first_passes_alone_while_the_others_are_served(tiny, mixed):
+    """pdserve/shared/quarantine.py: the poison ("p") and a request charged with it ("i", which shared
+    its pass) each run their prompt's chunks and first ALONE_STEPS decode steps in passes of their
+    own — beside neither each other nor anyone — taking turns with the others' passes (running
+    streams and new prompts, served every other pass); then they join the batch. No token changes."""
+    ps = prompts(5, lo=20, hi=30)
+    ps["p"] = prompts(1, lo=70, hi=70, seed=4)["r0"]  # three chunks of 32
+    ps["i"] = prompts(1, lo=20, hi=20, seed=6)["r0"]
+    cfg = {"max_batched_tokens": 64, "prefill_chunk": 32, "mixed_batches": mixed}
+    expected = generate(tiny, ps, GREEDY, **cfg)
+    eng = Engine(tiny, EngineConfig(num_blocks=512, **cfg))
+    passes, outs = _passes_of(eng), {}
+    for rid in ("r0", "r1"):
+        eng.add_request(rid, ps[rid], GREEDY)
+    while len(eng.scheduler.running) < 2:  # two streams running
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    for rid in ("p", "i", "r2", "r3", "r4"):
+        eng.add_request(rid, ps[rid], GREEDY, crashes=int(rid in ("p", "i")))
+    _step_until_idle(eng, outs)
+    assert outs == expected and eng.num_free_blocks == eng.num_blocks
+    held = {rid: [n for n, ids in enumerate(passes) if rid in ids] for rid in "pi"}
+    alone = {rid: held[rid][:chunks + ALONE_STEPS] for rid, chunks in (("p", 3), ("i", 1))}
+    assert all(passes[n] == {rid} for rid, ns in alone.items() for n in ns)
+    assert all(len(passes[n]) > 1 for rid in "pi" for n in held[rid][len(alone[rid]):][:1])  # then it joins
+    suspects = sorted(alone["p"] + alone["i"])
+    assert all(b - a > 1 for a, b in zip(suspects, suspects[1:]))  # another pass between any two of theirs
+
+
+def test_an_imported_request_charged_a_crash_decodes_its_first_steps_alone(tiny):
+    """The decode side of a handoff (commit_import's `crashes`): its first ALONE_STEPS decode steps
+    run alone, taking turns with the running stream's; then it joins the batch."""
+    src, dst = Engine(tiny, EngineConfig(num_blocks=64)), Engine(tiny, EngineConfig(num_blocks=64))
+    ps = prompts(2, lo=20, hi=30, seed=2)
+    dst.add_request("r0", ps["r0"], GREEDY)
+    dst.step()
+    passes = _passes_of(dst)
+    first = transfer(src, dst, "x", ps["r1"], GREEDY, crashes=1)
+    outs = {"x": first.new_token_ids}
+    _step_until_idle(dst, outs)
+    assert outs["x"] == generate(tiny, {"x": ps["r1"]}, GREEDY)["x"]
+    held = [n for n, ids in enumerate(passes) if "x" in ids]
+    assert [passes[n] for n in held[:ALONE_STEPS + 1]] == [{"x"}] * ALONE_STEPS + [{"r0", "x"}]

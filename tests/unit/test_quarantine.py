@@ -33,6 +33,13 @@ def test_the_second_crash_quarantines_and_the_client_reads_which_workers():
     assert 400 <= quarantine.STATUS < 500 and quarantine.STATUS != 400   # no retry, no field to blame
 
 
+def test_a_request_charged_a_crash_runs_its_prompt_and_first_steps_alone():
+    assert not quarantine.runs_alone(0, 0)                                   # never charged
+    assert quarantine.runs_alone(1, 0)                                       # its prompt
+    assert quarantine.runs_alone(1, quarantine.ALONE_STEPS)                  # its first decode steps here
+    assert not quarantine.runs_alone(1, quarantine.ALONE_STEPS + 1)          # then it joins the batch
+
+
 def test_a_dead_letter_moves_only_a_request_still_waiting_on_that_job():
     waiting = Summary(phase="prefilling", attempt=1, prefill="prefill-0")
     assert quarantine.waits_on(waiting, "prefill-0", 1)

@@ -159,11 +159,14 @@ class Engine:
 
     # -- colocated / prefill -------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prefill_only: bool = False, generated_token_ids: list[int] | tuple[()] = ()) -> None:
+                    prefill_only: bool = False, generated_token_ids: list[int] | tuple[()] = (),
+                    crashes: int = 0) -> None:
         """Queue a request. `generated_token_ids` resumes one that another engine had started
         (failover): they are prefilled with the prompt and count as already generated, so
-        max_tokens, seeded sampling and the text stream continue where they stopped."""
+        max_tokens, seeded sampling and the text stream continue where they stopped. `crashes`:
+        those charged to the request so far (its first passes run alone: scheduler.runs_alone)."""
         seq = self._new_sequence(request_id, prompt_token_ids, params, prefill_only, generated_token_ids)
+        seq.crashes = crashes
         if params.prompt_logprobs is not None and not generated_token_ids:  # (a failover's were streamed)
             seq.prompt_logprobs = [None]  # the first prompt token has no context to be scored in
         self.scheduler.add(seq, held=seq.pending is not None)
@@ -262,12 +265,13 @@ class Engine:
         self.handoff.write_layer(self.seqs[request_id], layer, buffer, first_block)
 
     def commit_import(self, request_id: str, first_token: int, logprob: Logprob | None = None,
-                      prompt_logprobs: list[Logprob | None] | None = None) -> RequestOutput:
+                      prompt_logprobs: list[Logprob | None] | None = None, crashes: int = 0) -> RequestOutput:
         """All layers are in: the sequence joins the decode batch with its first token (and the
-        log probabilities the prefill side computed with it, for its output)."""
+        log probabilities the prefill side computed with it, for its output); `crashes` as add_request's."""
         seq = self.seqs[request_id]
         if seq.status is not Status.IMPORTING:
             raise ValueError(f"{request_id}: not reserved for import ({seq.status})")
+        seq.crashes = crashes
         self.handoff.join()  # its blocks' writes (on the KV stream) before its first step
         seq.num_computed = seq.num_prefill
         self._commit_blocks(seq)

@@ -11,17 +11,20 @@ prefill pass and its own step). When a decode step has no block for a sequence, 
 running sequence is preempted: its blocks are freed and it goes back to the front of the
 queue, to be recomputed (mostly from the prefix cache) later. A sequence whose grammar is still
 compiling is held (`held`: in no pass; a prompt takes no blocks) until `release`, as vLLM's
-WAITING_FOR_FSM: the others keep stepping meanwhile.
+WAITING_FOR_FSM: the others keep stepping meanwhile. A sequence whose request was charged a crash
+runs its first passes alone (`runs_alone`: pdserve/shared/quarantine.py): one such sequence's pass and
+one of the others take turns, so neither kind waits more than a pass for the other.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Sized
+from collections.abc import Callable, Collection, Iterable, Sized
 from dataclasses import dataclass, field
 from itertools import groupby
 from typing import Protocol, TypeVar
 
+from pdserve.shared import quarantine
 from pdserve.shared.engine.block_manager import BlockManager, OutOfBlocks
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.sequence import Sequence, Status
@@ -97,6 +100,12 @@ def _priority(q: Prompt) -> int:
     return q.params.priority
 
 
+def runs_alone(seq: Sequence) -> bool:
+    """Its next pass holds it alone (quarantine.runs_alone, with the tokens generated here: those
+    past the ones it came with)."""
+    return quarantine.runs_alone(seq.crashes, len(seq.token_ids) - seq.num_prefill)
+
+
 def prefill_next(waiting: bool, running: bool, last_was_decode: bool) -> bool:
     """Without mixed batches: is the next pass a prefill pass? When prompts wait and sequences
     run, the two kinds alternate; a prompt alone is prefilled at once."""
@@ -133,6 +142,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.held: list[Sequence] = []  # waiting or running, their grammar compiling: in no pass
         self._last_was_decode = True
+        self._alone_last = False  # the last pass was a sequence's alone
         self.num_preemptions = 0
 
     def add(self, seq: Sequence, held: bool = False) -> None:
@@ -160,25 +170,46 @@ class Scheduler:
         return bool(self.waiting or self.running or self.held)
 
     def schedule(self) -> Schedule | None:
+        """The next pass: a pass of the others (decode tokens, prompt chunks), or one sequence that
+        runs alone; the two take turns while both can run."""
+        alone = [s for s in (*self.running, *self.waiting) if runs_alone(s)]
+        for alone_turn in (False, True) if self._alone_last else (True, False):
+            sched = self._schedule_alone(alone) if alone_turn else self._schedule_shared(
+                [s for s in self.waiting if not runs_alone(s)] if alone else self.waiting,
+                [s for s in self.running if not runs_alone(s)] if alone else self.running)
+            if sched is not None:
+                self._alone_last = alone_turn
+                return sched
+        return None
+
+    def _schedule_shared(self, waiting: Collection[Sequence], running: list[Sequence]) -> Schedule | None:
         if self.cfg.mixed_batches:
-            return self._schedule_mixed()
-        if prefill_next(bool(self.waiting), bool(self.running), self._last_was_decode):
-            prefill = self._schedule_prefill(self.cfg.max_batched_tokens)
+            sched = self._schedule_decode(running) if running else Schedule([])
+            if waiting:
+                sched.chunks += self._schedule_prefill(mixed_budget(self.cfg.max_batched_tokens, sched.num_decode),
+                                                       waiting).chunks
+            return sched if sched.chunks or sched.preempted else None
+        if prefill_next(bool(waiting), bool(running), self._last_was_decode):
+            prefill = self._schedule_prefill(self.cfg.max_batched_tokens, waiting)
             if prefill.chunks:
                 self._last_was_decode = False
                 return prefill
-        if self.running:
+        if running:
             self._last_was_decode = True
-            return self._schedule_decode()
+            return self._schedule_decode(running)
         return None
 
-    def _schedule_mixed(self) -> Schedule | None:
-        sched = self._schedule_decode() if self.running else Schedule([])
-        if self.waiting:
-            sched.chunks += self._schedule_prefill(mixed_budget(self.cfg.max_batched_tokens, sched.num_decode)).chunks
-        return sched if sched.chunks or sched.preempted else None
+    def _schedule_alone(self, alone: list[Sequence]) -> Schedule | None:
+        """A pass of the first of `alone` that can run now (running ones first: its decode token,
+        or its prompt's next chunk)."""
+        for seq in alone:
+            sched = self._schedule_decode([seq]) if seq.status is Status.RUNNING else \
+                self._schedule_prefill(self.cfg.max_batched_tokens, [seq])
+            if sched.chunks or sched.preempted:
+                return sched
+        return None
 
-    def _schedule_prefill(self, budget: int) -> Schedule:
+    def _schedule_prefill(self, budget: int, waiting: Iterable[Sequence]) -> Schedule:
         def admit(seq: Sequence) -> bool:
             if not seq.block_table:
                 # a prompt to be scored is computed whole: its cached blocks would have no logits
@@ -191,13 +222,14 @@ class Scheduler:
                 seq.num_computed = seq.num_cached
             return True
         cfg = self.cfg
-        return Schedule(prefill_chunks(prefill_order(self.waiting, cfg.prefill_chunk), len(self.running),
+        return Schedule(prefill_chunks(prefill_order(waiting, cfg.prefill_chunk), len(self.running),
                                        cfg.max_num_seqs, budget, cfg.prefill_chunk, admit))
 
-    def _schedule_decode(self) -> Schedule:
+    def _schedule_decode(self, running: list[Sequence]) -> Schedule:
+        """Each of `running`'s decode token; one without a block preempts the newest running sequence."""
         preempted: list[Sequence] = []
         batch: list[Sequence] = []
-        for seq in list(self.running):
+        for seq in list(running):
             if seq in preempted:
                 continue
             while True:

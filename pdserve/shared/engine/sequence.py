@@ -101,6 +101,8 @@ class Sequence:
     prompt_logprobs: list | None = None
     matcher: Matcher | None = None  # params.grammar's state: advanced by every token generated
     pending: Pending | None = None  # params.grammar while it compiles (no matcher yet: the sequence is held)
+    crashes: int = 0                # crashes charged to its request before it came here: its first passes
+                                    # run alone (pdserve/shared/quarantine.py)
 
     def full_block_hashes(self, block_size: int, num_tokens: int) -> list[int]:
         """Hashes of the full blocks among the first `num_tokens` (each computed once)."""
