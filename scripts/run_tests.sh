@@ -22,6 +22,8 @@ rest=()
 for path in tests/clients tests/engine tests/stack/test_*.py; do
     [[ " ${BESIDE[*]} " == *" $path "* ]] || rest+=("$path")
 done
+# the package's bytecode cached once, not compiled again in each of the ~300 processes the runs start
+unset PYTHONDONTWRITEBYTECODE
 # each run's in-process torch on its share of the cores (tests/conftest.py)
 export PD_TEST_THREADS=$(( $(nproc) > 3 ? $(nproc) / 2 : 1 ))
 log=$(mktemp -t pdserve-tests.XXXXXX)
