@@ -4,7 +4,8 @@ in Redis the requests it held, for whoever moves them to charge the crash to.
 
 Called on the engine thread before each pass (Engine.before_pass). A pass whose requests are
 those last recorded writes nothing (but once, unwaited, after their first pass: none is new any
-more): a write per change of membership, never one per token. The write is waited for,
+more): a write per change of membership, never one per token (but each of the passes a request
+charged a crash runs alone, quarantine.runs_alone, changes it). The write is waited for,
 RECORD_TIMEOUT_S at most, since a process that dies a moment later must have it in the store;
 after a write that fails or times out (Redis away) none is made for AWAY_S: a slow store
 costs crash records, never serving.

@@ -75,6 +75,7 @@ class RouteRequest(Message):
     generated_token_ids: list[int] = []  # tokens already generated and streamed: continue after them
     avoid_workers: list[str] = []   # decode workers to try last (the one this request stalled on)
     secret: str = ""                # this placement's: its chunks' MACs (pdserve/shared/macs.py); its workers' only
+    crashes: int = 0                # charged to it so far: its first passes run alone (pdserve/shared/quarantine.py)
 
 
 class Requeue(Message):
@@ -99,6 +100,7 @@ class Requeued(Message):
     reason: str = ""
     expected_prefill_s: float = 0.0       # as AdmitRequest's
     quarantined: bool = False             # it crashed workers (pdserve/shared/quarantine.py): fail it, `reason`
+    crashes: int = 0                      # crashes charged to it now (the one left included): as RouteRequest's
 
 
 # -- to the gateway -----------------------------------------------------------------------
@@ -153,6 +155,7 @@ class AdmitRequest(Message):
     attempt: int = 0                      # the request's placement number (a failover is a new admit)
     expected_prefill_s: float = 0.0       # remote: the prefill worker's queue + this prompt, predicted (0: unknown)
     secret: str = ""                      # the placement's (RouteRequest.secret): its chunks are signed with it
+    crashes: int = 0                      # as RouteRequest's
 
 
 class AdmitReply(Message):
@@ -243,6 +246,7 @@ class PrefillJob(Message):
     decode_host: str = ""                # the decode worker's host identity when it reads same-host KV
                                          # from the prefill worker's segment (pdserve/shared/kv/segment.py)
     secret: str = ""                     # the placement's (RouteRequest.secret): its first token's chunk is signed
+    crashes: int = 0                     # as RouteRequest's (or Requeued's, moved)
 
 
 class KVAck(Message):

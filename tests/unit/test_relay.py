@@ -382,7 +382,7 @@ def test_a_request_lost_with_its_second_crash_fails_with_a_422_and_is_not_placed
     """pdserve/shared/quarantine.py: one crash charged, the request moves on; two, it ends with the
     error naming the workers."""
     got, routed = _d0_lost_with_crashes(["d0@a"])
-    assert got == [0, 1, 2] and len(routed) == 1
+    assert got == [0, 1, 2] and len(routed) == 1 and routed[0].crashes == 1   # its next passes run alone
     err, routed = _d0_lost_with_crashes(["d0@a", "p0@b"])
     assert (err.status, err.code) == (422, "request_quarantined") and "(d0, p0)" in err.message, err
     assert routed == []

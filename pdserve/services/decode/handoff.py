@@ -27,6 +27,7 @@ import time
 import nats.errors
 from opentelemetry import context, trace
 
+from pdserve.services.decode.requests import DecodeRequest
 from pdserve.services.decode.watch import PrefillWatch, PrefillWorkerLate, PrefillWorkerLost
 from pdserve.shared import metrics, subjects
 from pdserve.shared.bus import Bus
@@ -85,7 +86,7 @@ class Handoffs:
                          decode_worker=self.id, decode_address=self.transport.address,
                          decode_fingerprint=self.engine.fingerprint, first_block=rx.res.first_block,
                          kv_tag=rx.kv_tag, generated_token_ids=req.generated_token_ids, attempt=req.attempt,
-                         requeued=requeued, decode_host=self.host, secret=req.secret)
+                         requeued=requeued, decode_host=self.host, secret=req.secret, crashes=req.crashes)
         try:
             await self.bus.queue_prefill(rx.prefill_worker, job, ctx)
         except Exception as e:  # noqa: BLE001 - NATS or the stream away: prefill here
@@ -132,13 +133,14 @@ class Handoffs:
             waiting.cancel()
 
     async def requeue(self, req: AdmitRequest, rx: KVReceiver, why: PrefillWorkerLost | PrefillWorkerLate,
-                      left: list[str], span: trace.Span) -> tuple[KVReceiver, float]:
+                      left: list[str], span: trace.Span, record: DecodeRequest) -> tuple[KVReceiver, float]:
         """The prefill worker computing this request's KV is gone or late: a router picks
         another one (`Requeue`; none of those the job `left`), which computes the prompt for
         the same reservation under a new tag range (what the one left sent, if anything, is
         overwritten; a notice from it now is refused, and a late one is told to stop). Returns
         the new receiver and the new prediction; raises `why` when no other prefill worker
-        takes it: prefilled here then."""
+        takes it: prefilled here then. The crashes the router charged it go on `record` (and in
+        the new job): its next passes, there and here, run alone."""
         kind = "gone" if isinstance(why, PrefillWorkerLost) else "late"
         span.add_event(f"prefill worker {kind}", {"prefill_worker": rx.prefill_worker, "reason": str(why)})
         broke_off = isinstance(why.__cause__, KVBrokeOff) and rx.prefill_worker not in self.watch.gone
@@ -154,6 +156,7 @@ class Handoffs:
             raise why from e
         if answer.quarantined:
             raise Quarantined(answer.reason)
+        record.crashes = max(record.crashes, answer.crashes)
         if not answer.prefill_worker:
             raise type(why)(f"{why}; {answer.reason}")
         log.info("%s: prefill worker %s is %s; its job goes to %s", req.request_id, rx.prefill_worker, kind,
@@ -161,7 +164,7 @@ class Handoffs:
         rx.close()
         await self.ack(rx, KVAck(request_id=req.request_id, ok=False, error=f"moved to {answer.prefill_worker}: {why}"))
         moved = self.receiver(rx.res, answer.prefill_worker, rx.secret)
-        await self.queue_prefill(req, moved, None, requeued=True)
+        await self.queue_prefill(req.model_copy(update={"crashes": record.crashes}), moved, None, requeued=True)
         metrics.REQUEUED_JOBS.inc()
         return moved, answer.expected_prefill_s
 

@@ -183,7 +183,7 @@ class DecodeWorker:
         max_num_seqs (`failover_seqs`): its client is mid-stream, a new request can wait."""
         limit = self.engine.cfg.max_num_seqs + (self.settings.failover_seqs if req.attempt else 0)
         res = self.engine.reserve(req.request_id, req.prompt_token_ids, params, req.generated_token_ids, limit)
-        return res, self.requests.open(req.request_id, req.attempt, req.secret)
+        return res, self.requests.open(req.request_id, req.attempt, req.secret, req.crashes)
 
     async def prefill_locally(self, req: AdmitRequest, why: str) -> None:
         """The whole prompt runs here: placed here (colocated mode, a short prompt), a failover
@@ -192,7 +192,7 @@ class DecodeWorker:
         metrics.DECODE_PREFILLS.labels(why).inc()
         def add() -> None:  # on the engine thread, in order with cancels (abort_older)
             self.engine.add_request(req.request_id, req.prompt_token_ids, req.sampling.to_engine(),
-                                    generated_token_ids=req.generated_token_ids)
+                                    generated_token_ids=req.generated_token_ids, crashes=req.crashes)
             self.requests.open(req.request_id, req.attempt, req.secret).prefilled_here = True
         await self.host.call(add)
         self.host.wake.set()
@@ -210,11 +210,11 @@ class DecodeWorker:
                         break
                     except (PrefillWorkerLost, PrefillWorkerLate) as e:  # the job follows to another one
                         left.append(rx.prefill_worker)
-                        rx, expected_s = await self.handoffs.requeue(req, rx, e, left, span)
+                        rx, expected_s = await self.handoffs.requeue(req, rx, e, left, span, record)
                 end = rx.end
                 assert end is not None  # (wait_kv returned: KVEnd(ok) is in)
                 out = await self.host.call(self.engine.commit_import, rid, first_token, end.first_logprob,
-                                           end.prompt_logprobs)
+                                           end.prompt_logprobs, record.crashes)
                 if not out.finished:  # published by the prefill side; kept here (before any later
                     # token) for a gateway that lost it
                     chunk = TokenChunk.from_output(out, req.attempt, self.id)
@@ -264,7 +264,7 @@ class DecodeWorker:
             return
         record.first_token = None
         log.warning("%s: KV handoff failed (%s); prefilling locally", rid, reason)
-        await self.prefill_locally(req, "fallback")
+        await self.prefill_locally(req.model_copy(update={"crashes": record.crashes}), "fallback")
         if not isinstance(e, (PrefillWorkerLost, PrefillWorkerLate)):  # the path's fault
             await self.handoffs.report(rx, ok=False, reason=reason)
         # a prefill worker that gets this job later (it was down, or queued deep) drops it

@@ -26,6 +26,8 @@ class DecodeRequest:
     receiving: asyncio.Task | None = None         # its KV wait, while the KV is on its way
     first_token: tuple[float, int] | None = None  # (when, tokens generated) at its first token here
     closed: bool = False                          # over here (`DecodeRequests.close`)
+    crashes: int = 0                              # charged to it so far (the admit's, a requeue's): its
+                                                  # first passes run alone (pdserve/shared/quarantine.py)
 
     def decoding(self, tokens: int) -> None:
         """Its first token here: it is decoding."""
@@ -43,12 +45,12 @@ class DecodeRequests:
     def __init__(self) -> None:
         self.records: dict[str, DecodeRequest] = {}
 
-    def open(self, rid: str, attempt: int, secret: str) -> DecodeRequest:
+    def open(self, rid: str, attempt: int, secret: str, crashes: int = 0) -> DecodeRequest:
         """On the engine thread, as the engine takes the request: the record of this placement
         already kept (a failed handoff's, its prompt now prefilled here), else a new one."""
         record = self.records.get(rid)
         if record is None or record.attempt != attempt or record.closed:
-            record = self.records[rid] = DecodeRequest(attempt, secret)
+            record = self.records[rid] = DecodeRequest(attempt, secret, crashes=crashes)
         return record
 
     def get(self, rid: str) -> DecodeRequest | None:

@@ -29,7 +29,7 @@ class Records:
 
     async def charge(self, request_id: str, lost_worker: str) -> list[str]:
         """The crashes charged to the request, `lost_worker`'s included when its last pass held
-        it (pdserve/shared/quarantine.py); none without a store or a worker named."""
-        if self.crashes is None or not lost_worker:
+        it (pdserve/shared/quarantine.py; "": none lost, those charged so far); none without a store."""
+        if self.crashes is None:
             return []
         return await self.crashes(request_id, lost_worker)

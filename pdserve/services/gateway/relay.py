@@ -328,9 +328,10 @@ class Relay:
                        why: str, secret: str = "") -> RouteReply:
         """Place the request again, to continue after `generated` (attempt > 0), under `secret`;
         unless it crashed its workers: a lost worker whose last pass held it charges it a crash,
-        and at the second it fails (pdserve/shared/quarantine.py)."""
-        if why == "worker lost" and quarantine.quarantined(crashes := await self.records.charge(
-                req.request_id, lost.decode_worker or "")):
+        and at the second it fails (pdserve/shared/quarantine.py). Placed again, it carries the
+        crashes charged so far (its next workers run its first passes alone)."""
+        crashes = await self.records.charge(req.request_id, (lost.decode_worker or "") if why == "worker lost" else "")
+        if quarantine.quarantined(crashes):
             log.error("%s: quarantined: %s", req.request_id, ", ".join(crashes))
             metrics.QUARANTINED.labels("decode").inc()
             raise APIError(quarantine.STATUS, quarantine.message(crashes), code=quarantine.CODE)
@@ -348,7 +349,8 @@ class Relay:
         # a stalled worker still heartbeats: the router tries the others first
         avoid = [lost.decode_worker] if why.startswith("stalled") and lost.decode_worker else []
         return await self.place(req.model_copy(update={"attempt": attempt, "generated_token_ids": list(generated),
-                                                       "avoid_workers": avoid, "secret": secret}),
+                                                       "avoid_workers": avoid, "secret": secret,
+                                                       "crashes": len(crashes)}),
                                 retry_s=max(self.timings.placement_retry_s, self.timings.token_timeout_s))
 
 

@@ -282,7 +282,7 @@ class PrefillWorker:
         if job.attempt or job.requeued:
             params = replace(params, priority=params.priority - 1)
         self.engine.add_request(job.request_id, job.prompt_token_ids, params, prefill_only=True,
-                                generated_token_ids=job.generated_token_ids)
+                                generated_token_ids=job.generated_token_ids, crashes=job.crashes)
         if sink is not None:
             self.engine.stream_kv(job.request_id, job.first_block, sink)
 

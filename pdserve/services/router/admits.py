@@ -96,7 +96,7 @@ class Admits:
         msg = AdmitRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
                            mode=chosen.mode, prefill_worker=chosen.prefill.worker_id if chosen.prefill else None,
                            generated_token_ids=req.generated_token_ids, attempt=req.attempt,
-                           expected_prefill_s=chosen.expected_prefill_s, secret=req.secret)
+                           expected_prefill_s=chosen.expected_prefill_s, secret=req.secret, crashes=req.crashes)
         try:
             return await self.bus.request(subjects.decode_admit(chosen.decode.worker_id), msg, AdmitReply,
                                           timeout=self.settings.admit_timeout_s)

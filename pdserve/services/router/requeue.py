@@ -5,7 +5,8 @@ the other prefill workers — or none fits (short prompt, breakers open, none le
 worker prefills it itself. Recorded as the request's `routed` again; the reply carries the
 prefill's predicted time (the decode worker's KV deadline follows it). A request whose lost
 worker's last pass held it is charged the crash first; at its second it is quarantined
-(pdserve/shared/quarantine.py): the decode worker fails it."""
+(pdserve/shared/quarantine.py): the decode worker fails it. The reply carries the crashes charged so
+far: the next prefill (here or on the decode worker) runs it alone."""
 
 from __future__ import annotations
 
@@ -48,11 +49,19 @@ class Requeues:
             await self.bus.respond(msg, reply)
 
     async def requeue(self, req: Requeue) -> Requeued:
-        if req.why == "gone" and req.avoid_workers and quarantine.quarantined(
-                crashes := await self.state.crashes.charge(req.request_id, req.avoid_workers[-1])):
+        """Placed again with the crashes charged to it so far (its lost worker's included), or
+        quarantined at the second; a late worker is charged none (only read)."""
+        lost = req.avoid_workers[-1] if req.why == "gone" and req.avoid_workers else ""
+        crashes = await self.state.crashes.charge(req.request_id, lost)
+        if quarantine.quarantined(crashes):
             log.error("%s: quarantined: %s", req.request_id, ", ".join(crashes))
             metrics.QUARANTINED.labels("prefill").inc()
-            return Requeued(request_id=req.request_id, quarantined=True, reason=quarantine.message(crashes))
+            return Requeued(request_id=req.request_id, quarantined=True, reason=quarantine.message(crashes),
+                            crashes=len(crashes))
+        return (await self.place(req)).model_copy(update={"crashes": len(crashes)})
+
+    async def place(self, req: Requeue) -> Requeued:
+        """Another prefill worker for the job, or none (the decode worker prefills it)."""
         gathered = await self.inputs.of_requeue(req)
         if gathered is None:
             return Requeued(request_id=req.request_id, reason=f"decode worker {req.decode_worker} not registered")

@@ -32,8 +32,9 @@ class Crashes:
 
     async def charge(self, request_id: str, lost_worker: str) -> list[str]:
         """The crashes charged to the request, its lost worker's charged first when that
-        worker's last recorded pass holds it as a suspect (idempotent: once per worker life);
-        none known with Redis away (no verdict: the request is moved as before, logged)."""
+        worker's last recorded pass holds it as a suspect (idempotent: once per worker life; "":
+        none lost, only read); none known with Redis away (no verdict: the request is moved as
+        before, logged)."""
         try:
             return await self._charge(request_id, lost_worker)
         except Exception as e:  # noqa: BLE001 - Redis away
@@ -41,7 +42,7 @@ class Crashes:
             return []
 
     async def _charge(self, request_id: str, lost_worker: str) -> list[str]:
-        batch = await self.batch(lost_worker)
+        batch = await self.batch(lost_worker) if lost_worker else None
         key = crashes_key(request_id)
         if batch is None or request_id not in quarantine.suspects(batch):
             return sorted(m.decode() for m in await self.store.call(lambda p: p.smembers(key)))
