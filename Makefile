@@ -150,7 +150,7 @@ bench-tracing: setup
 	$(BIN)/python -m bench.tracing_overhead
 
 ## bench-store: what a request costs Redis on the live stack: a finished request's bytes while its history is kept, what is
-##   left once PD_HISTORY_S has passed, the steady-state memory at 1,000 req/s; writes bench/results/store.json (~1 minute)
+##   left once PD_HISTORY_S has passed, the steady-state memory at 1,000 req/s; writes bench/results/store.json and its RESULTS block (~2 minutes)
 bench-store: setup
 	$(BIN)/python -m bench.store_memory
 
