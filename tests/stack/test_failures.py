@@ -21,6 +21,14 @@ from pdserve.shared.state import log_key, request_key, route_key, worker_key
 from pdserve.shared.state.keys import batch_key
 from pdserve.shared.urls import sync_redis
 
+
+def logged(store, request_id: str) -> list[dict]:
+    """The request's events, each once: its log is written at least once (a batch of events whose
+    write is tried again can land twice: the same event, to its timestamp)."""
+    events = [json.loads(e) for e in store.lrange(log_key(request_id), 0, -1)]
+    return [e for i, e in enumerate(events) if e not in events[:i]]
+
+
 DOCUMENT = " ".join(f"Entry {i}: the {c} gate was opened {i * 7} times in season {i % 4}." for i, c in
                     enumerate(["red", "blue", "green", "grey", "white", "black"] * 12))
 
@@ -57,7 +65,7 @@ def test_a_prefill_worker_killed_mid_prompt_costs_its_lease_not_the_request(fake
             return reply.result(), time.monotonic() - killed, victim
 
         moved, moved_s, first = kill_the_one_computing_it(asks[0])
-        moved_events = [json.loads(e) for e in store.lrange(log_key(moved.headers["x-request-id"]), 0, -1)]
+        moved_events = logged(store, moved.headers["x-request-id"])
         local, local_s, second = kill_the_one_computing_it(asks[1])
         record = {k.decode(): v.decode() for k, v in store.hgetall(request_key(local.headers["x-request-id"])).items()}
         deadline = time.monotonic() + 10
@@ -174,7 +182,7 @@ def test_a_frozen_prefill_worker_loses_the_job_to_another_in_about_its_predicted
             r = httpx.post(stack.url + "/v1/chat/completions", timeout=120, json={
                 "model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 8, "return_token_ids": True})
             took = time.monotonic() - start
-            events = [json.loads(e) for e in store.lrange(log_key(r.headers["x-request-id"]), 0, -1)]
+            events = logged(store, r.headers["x-request-id"])
             if any("requeued" in e.get("reason", "") for e in events):
                 break
         stack.procs["prefill-0"].send_signal(signal.SIGKILL)   # its drain would wait on the hung step forever
