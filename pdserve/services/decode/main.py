@@ -193,7 +193,7 @@ class DecodeWorker:
         def add() -> None:  # on the engine thread, in order with cancels (abort_older)
             self.engine.add_request(req.request_id, req.prompt_token_ids, req.sampling.to_engine(),
                                     generated_token_ids=req.generated_token_ids, crashes=req.crashes)
-            self.requests.open(req.request_id, req.attempt, req.secret).prefilled_here = True
+            self.requests.open(req.request_id, req.attempt, req.secret, req.crashes).prefilled_here = True
         await self.host.call(add)
         self.host.wake.set()
 
