@@ -14,7 +14,7 @@ from pdserve.services.gateway.deps import Gateway
 from pdserve.services.gateway.errors import APIError
 from pdserve.services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from pdserve.services.gateway.tools import CallFormat
-from pdserve.shared.engine.grammar import Grammar, GrammarError, library
+from pdserve.shared.engine.grammar import Grammar, GrammarError, library, library_loaded
 from pdserve.shared.engine.grammar import check as grammar_check
 from pdserve.shared.messages import RouteRequest
 
@@ -43,7 +43,7 @@ async def check_grammars(body: Body, calls: CallFormat) -> None:
     seconds), within GRAMMAR_CHECK_S once the library is loaded (PD_GRAMMAR_PRELOAD off: on the
     first such request), each distinct grammar checked once (a cache keyed by it)."""
     grammars = body._grammars(calls)
-    if grammars:
+    if grammars and not library_loaded():
         await asyncio.to_thread(library)
     for param, grammar in grammars:
         try:

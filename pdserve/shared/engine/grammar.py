@@ -55,6 +55,10 @@ def library() -> None:
     import xgrammar  # noqa: F401
 
 
+def library_loaded() -> bool:
+    return "xgrammar" in sys.modules
+
+
 def check(grammar: Grammar) -> None:
     """Raise GrammarError if `grammar` does not parse (no vocabulary needed: a gateway's check)."""
     try:
