@@ -35,6 +35,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence],
            eos_ids: tuple[int, ...]) -> tuple[list[int], list[Logprob | None]]:
     """logits (B, vocab) fp32, one row per sequence in `seqs` order (changed in place).
     Returns B token ids, and each one's Logprob where its sequence asks for them."""
+    if all(plain_greedy(seq) for seq in seqs):  # one argmax, one copy to the host
+        return logits.argmax(dim=-1).tolist(), [None] * len(seqs)
     raw = {row: logits[row].clone() for row, seq in enumerate(seqs) if seq.params.logprobs is not None}
     for row, seq in enumerate(seqs):
         adjust(logits[row], seq, eos_ids)
@@ -54,24 +56,34 @@ def sample(logits: torch.Tensor, seqs: list[Sequence],
     return out, lps
 
 
-def adjust(logits: torch.Tensor, seq: Sequence, eos_ids: tuple[int, ...]) -> None:
-    """The logit changes a sequence's settings ask for, in place on its row (vocab,)."""
+def plain_greedy(seq: Sequence) -> bool:
+    """Whether the sequence's token is its row's argmax as the model gave it: greedy, no logit
+    change, no grammar, no log probabilities, no min_tokens ban."""
     p = seq.params
+    return (p.greedy and not p.penalized and seq.matcher is None and p.logprobs is None
+            and seq.num_generated >= p.min_tokens)
+
+
+def adjust(logits: torch.Tensor, seq: Sequence, eos_ids: tuple[int, ...]) -> None:
+    """The logit changes a sequence's settings ask for, in place on its row (vocab,). Every
+    tensor made here is made on the row's device, in its dtype (a CPU tensor added to CUDA
+    logits raises)."""
+    p, dev = seq.params, logits.device
     if p.logit_bias:
         ids, bias = zip(*p.logit_bias)
-        logits[list(ids)] += torch.tensor(bias, dtype=logits.dtype)
+        logits[torch.tensor(ids, dtype=torch.long, device=dev)] += torch.tensor(bias, dtype=logits.dtype, device=dev)
     if seq.num_generated < p.min_tokens:  # not allowed to stop yet
         banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))
         if banned:
-            logits[banned] = float("-inf")
+            logits[torch.tensor(banned, dtype=torch.long, device=dev)] = float("-inf")
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(seq.token_ids, dtype=torch.long).unique()
+        seen = torch.tensor(seq.token_ids, dtype=torch.long, device=dev)  # (repeats rewrite the same value)
         scores = logits[seen]
         logits[seen] = torch.where(scores > 0, scores / p.repetition_penalty, scores * p.repetition_penalty)
     if (p.presence_penalty or p.frequency_penalty) and seq.num_generated:
-        counts = torch.bincount(torch.tensor(seq.token_ids[seq.num_prompt:], dtype=torch.long),
-                                minlength=logits.numel()).to(logits.dtype)
-        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        out = torch.tensor(seq.token_ids[seq.num_prompt:], dtype=torch.long, device=dev)
+        counts = torch.zeros(logits.numel(), dtype=torch.long, device=dev).index_add_(0, out, torch.ones_like(out))
+        logits -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
 def _sample_row(logits: torch.Tensor, seq: Sequence) -> int:
