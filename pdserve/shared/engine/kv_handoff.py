@@ -90,8 +90,8 @@ class KVHandoff:
             for rid, first, ids, sink in pieces:
                 data = self.view(layer, ids)
                 ready = torch.cuda.Event() if cuda else None
-                if ready is not None:
-                    ready.record()
+                if ready is not None:  # (on the pool's device's stream, whichever device is the thread's)
+                    ready.record(torch.cuda.current_stream(self.runner.device))
                     data, ready = self.copies.to_host(data, ready)  # on the KV stream, into pinned memory
                 sink(KVPiece(rid, layer, first, data, ready, layer == last))
         return with_pieces

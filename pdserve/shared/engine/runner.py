@@ -21,7 +21,11 @@ class ModelRunner:
     def __init__(self, model: DecoderModel | FakeModel, mcfg: ModelConfig, cfg: EngineConfig, num_blocks: int):
         self.model, self.mcfg, self.cfg = model, mcfg, cfg
         self.device = torch.device(cfg.device)
+        use_device(self.device)
         self.ops = select(cfg.kernels, cfg.device)
+        if self.ops.name == "triton" and cfg.block_size & (cfg.block_size - 1):
+            raise ValueError(f"block_size {cfg.block_size}: the Triton kernels (kernels={cfg.kernels!r} on "
+                             f"{cfg.device}) need a KV block size that is a power of two")
         # (layers, num_blocks, 2, block_size, kv_heads, head_dim): one block of one layer is
         # contiguous, K then V
         self.kv = torch.zeros((mcfg.num_layers, num_blocks, 2, cfg.block_size, mcfg.num_kv_heads,
@@ -66,6 +70,13 @@ class ModelRunner:
             lens = self._tensor([p + 1 for p in pos[:len(decode)]])
         return ForwardBatch(self._tensor(ids), self._tensor(pos), self._tensor(slots), self._tensor(out_rows),
                             num_decode=len(decode), block_tables=tables, context_lens=lens, chunks=meta)
+
+
+def use_device(device: torch.device) -> None:
+    """cuda:N becomes the calling thread's current CUDA device (CUDA's is per thread, 0 unless set):
+    what Triton launches on and where streams and events are made without a device named."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
 
 
 def scored_positions(seq: Sequence, n: int) -> range:

@@ -6,6 +6,8 @@ inputs). Pool layout (one layer): (num_blocks, 2, block_size, kv_heads, head_dim
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+
 import torch
 import triton
 import triton.language as tl
@@ -38,7 +40,14 @@ def _launch_copy(src: torch.Tensor, dst: torch.Tensor, block_ids: torch.Tensor, 
     if n == 0:
         return
     grid = (n, triton.cdiv(block_elems, _COPY_CHUNK))
-    _copy_blocks_kernel[grid](src, dst, block_ids, block_elems, GATHER=gather, CHUNK=_COPY_CHUNK)
+    with on_device(src):
+        _copy_blocks_kernel[grid](src, dst, block_ids, block_elems, GATHER=gather, CHUNK=_COPY_CHUNK)
+
+
+def on_device(t: torch.Tensor) -> AbstractContextManager[object]:
+    """A Triton launch goes to the current CUDA device of the calling thread: make it `t`'s (cuda:N
+    from a thread where device 0 is current, as the engine's is)."""
+    return torch.cuda.device(t.device) if t.is_cuda else nullcontext()
 
 
 def gather_blocks(pool: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -101,7 +110,10 @@ def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, block_tables: to
     q = q.contiguous()
     tables = block_tables.to(torch.int32).contiguous()
     out = torch.empty_like(q)
-    _paged_decode_kernel[(b, h)](q, pool, tables, context_lens.to(torch.int32), out, scale, window, float(softcap),
-                                 tables.shape[1], H=h, KVH=kvh, HD=hd,
-                                 HD_P=triton.next_power_of_2(hd), BS=bs)
+    if bs & (bs - 1):
+        raise ValueError(f"KV block size {bs}: the Triton decode kernel needs a power of two (tl.arange)")
+    with on_device(q):
+        _paged_decode_kernel[(b, h)](q, pool, tables, context_lens.to(torch.int32), out, scale, window,
+                                     float(softcap), tables.shape[1], H=h, KVH=kvh, HD=hd,
+                                     HD_P=triton.next_power_of_2(hd), BS=bs)
     return out
