@@ -10,7 +10,7 @@ LLAMA_CPP_VERSION ?= 0.3.36
 # its AVX2 kernels on every x86 machine (its AVX-512/AMX build crashed on multi-token batches on such a machine)
 LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF -DGGML_AMX_INT8=OFF
 
-.PHONY: help setup lint fmt run test test-fast test-clients bench-path bench-engine bench-archs bench-grammar bench-stack bench-transfer eval-router bench-router chaos fuzz chaos-busy chaos-tls bench-security bench-store bench-tls bench-tracing bench-scale bench-scale-stores bench-index bench bench-full bench-prefill-chunk profile plan plan-check compose-up compose-down compose-check gpu-check clean
+.PHONY: help setup lint fmt run test test-fast test-clients bench-path bench-engine bench-archs bench-grammar bench-stack bench-transfer eval-router bench-router chaos fuzz chaos-busy chaos-tls bench-security bench-store bench-tls bench-tracing bench-scale bench-scale-stores bench-index bench bench-gemma bench-full bench-prefill-chunk profile plan plan-check compose-up compose-down compose-check gpu-check clean
 
 .DEFAULT_GOAL := help
 
@@ -172,13 +172,22 @@ bench-scale-stores: setup
 bench-index: setup
 	$(BIN)/python -m bench.scale.index_compare $(INDEX_ARGS)
 
-## bench: victims and aggressors + goodput on the Azure trace, colocated / chunked / disaggregated on the same cores
-##   (quick, ~15 minutes; bench-full ~65); writes bench/results/interference.json, the plots and docs/RESULTS.md's results section
+## bench: victims and aggressors + goodput on the Azure trace, colocated / chunked / disaggregated and llama.cpp's
+##   llama-server (same GGUF, same cores; built once from source into ~/.cache/pdserve/peers: ~11 minutes on 2 cores)
+##   (quick, ~20 minutes; bench-full ~80); writes bench/results/interference.json, the plots and docs/RESULTS.md's results section
 bench: setup
+	scripts/peer_venvs.sh llama-server
 	$(BIN)/python -m bench.interference
+
+## bench-gemma: the disaggregated arm and llama-server on Gemma 3 270M (Q4_K_M), TTFT <= 1 s and TPOT <= 100 ms for
+##   goodput (~12 minutes); writes bench/results/interference-gemma3-270m.json and its section of docs/RESULTS.md
+bench-gemma: setup
+	scripts/peer_venvs.sh llama-server
+	$(BIN)/python -m bench.interference --model gemma3-270m --arms disaggregated,llama-server
 
 ## bench-full: the same, longer (180 s of mix, 6 rates x 60 s of arrivals)
 bench-full: setup
+	scripts/peer_venvs.sh llama-server
 	$(BIN)/python -m bench.interference --full
 
 ## bench-prefill-chunk: short prompts behind long ones on the disaggregated arm, placement (cheapest, remote) x the

@@ -2,8 +2,10 @@
 # The peers the benchmarks measure beside the services, each in a virtualenv of its own outside
 # the repository: the transfer libraries `make bench-transfer` runs (NIXL bundles its own UCX,
 # which must not meet ucxx's in the project's venv), $PD_PEERS_DIR/nixl and $PD_PEERS_DIR/mooncake;
-# vLLM's Rust router `make bench-scale` runs, $PD_PEERS_DIR/vllm-router.
-#   scripts/peer_venvs.sh [transfer] [router]     (default: both)
+# vLLM's Rust router `make bench-scale` runs, $PD_PEERS_DIR/vllm-router; llama.cpp's server
+# `make bench` runs beside the stack, $PD_PEERS_DIR/llama-server (built from the source the
+# llama-cpp-python sdist vendors: ~11 minutes on 2 cores, once).
+#   scripts/peer_venvs.sh [transfer] [router] [llama-server]     (default: transfer and router)
 # Idempotent; a peer that does not install is left out (its arm is reported failed or absent).
 set -u
 PEERS=${PD_PEERS_DIR:-$HOME/.cache/pdserve/peers}
@@ -15,6 +17,22 @@ if [[ " $WANT " == *" router "* ]] && ! "$PEERS/vllm-router/bin/vllm-router" --h
   echo "peers: installing vLLM's router (vllm-router, Rust) into $PEERS/vllm-router"
   ( $PY -m venv "$PEERS/vllm-router" && "$PEERS/vllm-router/bin/pip" -q install vllm-router==0.1.17 ) \
     || echo "peers: vllm-router did not install"
+fi
+LLAMA_CPP_VERSION=${LLAMA_CPP_VERSION:-0.3.36}
+LLAMA_SERVER="$PEERS/llama-server/$LLAMA_CPP_VERSION/llama-server"
+if [[ " $WANT " == *" llama-server "* ]] && ! "$LLAMA_SERVER" --version >/dev/null 2>&1; then
+  echo "peers: building llama-server from llama-cpp-python==$LLAMA_CPP_VERSION's sources (~11 minutes on 2 cores)"
+  work=$(mktemp -d)
+  # AVX2 kernels on every x86 machine, as make bench-engine's llama.cpp (its AVX-512/AMX build crashed on
+  # multi-token batches on such a machine); no curl: it serves a local file
+  ( cd "$work" && $PY -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_VERSION" \
+      && tar xzf llama_cpp_python-*.tar.gz && cd llama_cpp_python-*/vendor/llama.cpp \
+      && cmake -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_SERVER=ON -DGGML_NATIVE=OFF -DGGML_AVX2=ON \
+           -DGGML_AVX512=OFF -DGGML_AMX_INT8=OFF -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF >/dev/null \
+      && cmake --build build --target llama-server -j"$(nproc)" >/dev/null \
+      && mkdir -p "$(dirname "$LLAMA_SERVER")" && cp build/bin/llama-server "$LLAMA_SERVER" ) \
+    || echo "peers: llama-server did not build"
+  rm -rf "$work"
 fi
 [[ " $WANT " == *" transfer "* ]] || exit 0
 

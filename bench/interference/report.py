@@ -23,13 +23,28 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 RESULTS = Path(__file__).parents[1] / "results"
-BEGIN, END = "<!-- bench:results:begin -->", "<!-- bench:results:end -->"
-ARMS = ("colocated", "chunked", "disaggregated")
+ARMS = ("colocated", "chunked", "disaggregated", "llama-server")   # plotted and in the goodput table, where run
+
+
+def shown(data: dict, replay: bool = False) -> list[str]:
+    """The arms of ARMS that ran (with a replay, if asked)."""
+    return [a for a in ARMS if a in data["arms"] and (not replay or "replay" in data["arms"][a])]
+
+
+def suffix(data: dict) -> str:
+    """"" for SmolLM2 (make bench's model), "-<model>" for another: its plots' and block's names."""
+    source = data.get("model", {}).get("source", "smollm2")
+    return "" if source == "smollm2" else f"-{source}"
+
+
+def markers(data: dict) -> tuple[str, str]:
+    name = "results" + suffix(data)
+    return f"<!-- bench:{name}:begin -->", f"<!-- bench:{name}:end -->"
 
 
 def plot_itl_cdf(data: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
-    for arm in ARMS:
+    for arm in shown(data):
         xs = np.sort(np.asarray(data["arms"][arm]["victim_itls_s"]) * 1e3)
         if len(xs):
             ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=arm)
@@ -45,8 +60,10 @@ def plot_itl_cdf(data: dict, path: Path) -> None:
 
 
 def plot_timeline(data: dict, path: Path) -> None:
-    fig, axes = plt.subplots(len(ARMS), 1, figsize=(9, 7), sharex=True)
-    for ax, arm in zip(axes, ARMS):
+    arms = shown(data)
+    fig, axes = plt.subplots(len(arms), 1, figsize=(9, 2 + 1.7 * len(arms)), sharex=True, squeeze=False)
+    axes = axes[:, 0]
+    for ax, arm in zip(axes, arms):
         tl = data["arms"][arm]["timeline"]
         for i, times in enumerate(tl["victims"]):
             ax.plot(times, [i] * len(times), "|", markersize=4, color="tab:blue")
@@ -64,7 +81,7 @@ def plot_timeline(data: dict, path: Path) -> None:
 
 def plot_goodput(data: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
-    for arm in ARMS:
+    for arm in shown(data, replay=True):
         pts = data["arms"][arm]["replay"]["points"]
         ax.plot([p["rate"] for p in pts], [p["slo_attainment"] for p in pts], "o-", label=arm)
     ax.axhline(0.9, color="grey", ls="--", lw=1)
@@ -91,7 +108,7 @@ def section(data: dict) -> str:
              "prefill: each pass holds every running stream's decode token and at most 128 tokens of each prompt, "
              "256 tokens in all), disaggregated (1 prefill + 1 decode worker, one core each; a short prompt that "
              "would queue behind a long one is prefilled beside the decode worker's streams: PD_PLACEMENT=cheapest)."
-             " Every worker runs mixed passes (decode tokens and prompt chunks together).", "",
+             " Every worker runs mixed passes (decode tokens and prompt chunks together)." + peer_text(data), "",
              f"**Victims and aggressors** ({va['duration_s']:.0f} s of arrivals, {va['requests']} requests): "
              f"{va['victim']} at {va['victim_rate']}/s while {va['aggressor']} arrive at {va['aggressor_rate']}/s; "
              "TTFT alone: the same victims at the same times with no aggressor, just before; "
@@ -113,7 +130,7 @@ def section(data: dict) -> str:
               f"{ms(rp['slo']['tpot_s'])} ms" + (f" ({rp['slo']['how']})" if rp["slo"].get("how") else "") + ".", "",
               "| arm | " + " | ".join(f"attainment at {r:g}/s" for r in rp["rates"]) + " | goodput (req/s) |",
               "|---|" + "---|" * (len(rp["rates"]) + 1)]
-    for arm in ARMS:
+    for arm in shown(data, replay=True):
         rep = data["arms"][arm]["replay"]
         lines.append(f"| {arm} | " + " | ".join(f"{p['slo_attainment']:.2f}" for p in rep["points"]) +
                      f" | {rep['goodput_rate']:.2f} |")
@@ -123,22 +140,46 @@ def section(data: dict) -> str:
                "itl_p99_colocated_over_disagg": "≥ 10", "itl_p99_chunked_over_disagg": "≥ 2",
                "itl_p999_colocated_over_disagg": "reported", "itl_p999_chunked_over_disagg": "reported",
                "max_gap_disagg_s": "≤ 1 s", "ttft_p50_disagg_over_colocated": "reported",
-               "goodput_disagg_over_colocated": "≥ 1.5", "goodput_disagg_over_chunked": "reported"}
+               "goodput_disagg_over_colocated": "≥ 1.5", "goodput_disagg_over_chunked": "reported",
+               "itl_p50_disagg_over_llama_server": "≤ 1.0", "itl_p99_disagg_over_llama_server": "reported",
+               "ttft_p99_disagg_over_llama_server": "≤ 0.5", "max_gap_disagg_over_llama_server": "≤ 0.5",
+               "goodput_disagg_over_llama_server": "≥ 1.5"}
     for key, target in targets.items():
+        if key not in s or any(a not in data["arms"] for a in key_arms(key)):
+            continue
         lines.append(f"| `{key}` ({target}) | {s[key] if s.get(key) is not None else 'n/a'} |")
-    lines += ["", "![victims' ITL CDF](../bench/results/itl_cdf.png)",
-              "![token timeline](../bench/results/timeline.png)",
-              "![SLO attainment against rate](../bench/results/goodput.png)"]
+    x = suffix(data)
+    lines += ["", f"![victims' ITL CDF](../bench/results/itl_cdf{x}.png)",
+              f"![token timeline](../bench/results/timeline{x}.png)",
+              f"![SLO attainment against rate](../bench/results/goodput{x}.png)"]
     return "\n".join(lines)
 
 
+def key_arms(key: str) -> list[str]:
+    """The arms a summary key compares (both must have run for it to be shown)."""
+    names = {"colocated": "colocated", "chunked": "chunked", "disagg": "disaggregated", "llama_server": "llama-server"}
+    return [arm for word, arm in names.items() if word in key]
+
+
+def peer_text(data: dict) -> str:
+    if "llama-server" not in data["arms"]:
+        return ""
+    return (f" llama-server: llama.cpp's server ({data.get('peer') or 'its build'}) on the same GGUF "
+            f"({data['model']['file']}) and all {data['machine']['cpus']} cores, 8 slots, continuous batching, "
+            "prompts in 512-token micro-batches beside the other slots' decode tokens (its defaults).")
+
+
 def write_all(data: dict) -> None:
-    plot_itl_cdf(data, RESULTS / "itl_cdf.png")
-    plot_timeline(data, RESULTS / "timeline.png")
-    plot_goodput(data, RESULTS / "goodput.png")
-    update_block(RESULTS_DOC, BEGIN, END, section(data))
-    print(f"wrote {RESULTS}/itl_cdf.png, timeline.png, goodput.png and the results section of {RESULTS_DOC.name}")
+    x = suffix(data)
+    plot_itl_cdf(data, RESULTS / f"itl_cdf{x}.png")
+    plot_timeline(data, RESULTS / f"timeline{x}.png")
+    plot_goodput(data, RESULTS / f"goodput{x}.png")
+    update_block(RESULTS_DOC, *markers(data), section(data))
+    print(f"wrote {RESULTS}/itl_cdf{x}.png, timeline{x}.png, goodput{x}.png and a results section of "
+          f"{RESULTS_DOC.name}")
 
 
 if __name__ == "__main__":
-    write_all(json.loads((RESULTS / "interference.json").read_text()))
+    import sys
+
+    write_all(json.loads((RESULTS / (sys.argv[1] if len(sys.argv) > 1 else "interference.json")).read_text()))

@@ -16,6 +16,10 @@ Three arms on the same cores, one after the other in one run, the same seeded wo
 Every worker runs mixed passes (the engine's default), so the colocated arm differs from the
 chunked one only in its chunk and budget.
 
+And the peer a user who serves on CPUs would pick instead: llama.cpp's `llama-server` on the
+same GGUF and all cores, 8 slots (bench/interference/peer.py), "llama-server"; the stack's figures
+divided by its in `summary` (`*_over_llama_server`).
+
 And the victims and aggressors once more on the disaggregated arm with PD_PLACEMENT=remote
 (every prompt to the prefill pool), "disaggregated-remote".
 
@@ -36,21 +40,27 @@ Writes bench/results/interference.json (`summary` holds the ratios), then the pl
 results section of docs/RESULTS.md (bench/interference/report.py).
 
     python -m bench.interference [--full] [--duration S] [--rates 1,2,4] [--replay-s S]
+                                 [--model smollm2|gemma3-270m] [--arms disaggregated,llama-server]
+
+With --model other than smollm2 the JSON is bench/results/interference-<model>.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
 import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import numpy as np
 
-from bench.interference import report
+from bench.interference import peer, report
 from bench.interference.stacks import arms, remote_arm
 from bench.load.client import run
 from bench.planning.profile import reference
@@ -58,10 +68,11 @@ from pdserve.local.stack import Stack, StackConfig
 from pdserve.planner import workloads
 from pdserve.planner.metrics import Timing, percentiles, rate_at_attainment, summarize
 from pdserve.planner.slo import Slo, from_reference
+from pdserve.shared.config import model_id
+from pdserve.shared.engine.sources import NAMED
 
-MODEL = "SmolLM2-135M-Instruct"
 AZURE = Path(__file__).parents[1] / "data" / "azure_conv_2023.csv"
-RESULTS = Path(__file__).parents[1] / "results" / "interference.json"
+RESULTS = Path(__file__).parents[1] / "results"
 QUICK = {"duration": 30.0, "rates": [1.0, 2.0, 4.0], "replay_s": 20.0}
 FULL = {"duration": 180.0, "rates": [0.5, 1.0, 2.0, 3.0, 4.0, 6.0], "replay_s": 60.0}
 
@@ -77,7 +88,7 @@ def timeline(reqs: list[workloads.Request], timings: list[Timing]) -> dict:
 
 
 async def interference_phase(url: str, reqs: list[workloads.Request], args) -> dict:
-    timings, duration = await run(url, MODEL, reqs)
+    timings, duration = await run(url, args.served, reqs)
     victims = [t for r, t in zip(reqs, timings) if r.kind == "victim"]
     aggressors = [t for r, t in zip(reqs, timings) if r.kind == "aggressor"]
     return {"victims": summarize(victims, duration, args.slo_ttft, args.slo_tpot),
@@ -91,7 +102,7 @@ async def alone_phase(url: str, reqs: list[workloads.Request], args) -> dict:
     """The same victims at the same times with no aggressor: what their first token costs
     on this arm by itself."""
     victims = [r for r in reqs if r.kind == "victim"]
-    timings, duration = await run(url, MODEL, victims)
+    timings, duration = await run(url, args.served, victims)
     return {"victims": summarize(timings, duration, args.slo_ttft, args.slo_tpot),
             "victim_ttfts_s": ttfts(timings)}
 
@@ -100,7 +111,7 @@ async def goodput_phase(url: str, trace: list[workloads.Request], args) -> dict:
     points = []
     for rate in args.rates:
         reqs = workloads.retimed(trace[:max(8, round(rate * args.replay_s))], rate, seed=args.seed)
-        timings, duration = await run(url, MODEL, reqs)
+        timings, duration = await run(url, args.served, reqs)
         s = summarize(timings, duration, args.replay_slo_ttft, args.replay_slo_tpot)
         points.append({"rate": rate, "requests": len(reqs), "slo_attainment": s["slo_attainment"],
                        "goodput": s["goodput"],
@@ -112,14 +123,27 @@ async def goodput_phase(url: str, trace: list[workloads.Request], args) -> dict:
 
 
 REMOTE = "disaggregated-remote"
+PEER = "llama-server"
+ALL_ARMS = ("colocated", "chunked", "disaggregated", REMOTE, PEER)
 
 
-def one_arm(name: str, cfg: StackConfig, reqs, trace, args, replay: bool = True) -> dict:
-    start = time.monotonic()
+@contextlib.contextmanager
+def stack_url(cfg: StackConfig) -> Iterator[str]:
     with Stack(cfg) as stack:
-        asyncio.run(run(stack.url, MODEL, workloads.shared_prefix(2, 1, 32, 8, 4)))  # warm-up
-        alone = asyncio.run(alone_phase(stack.url, reqs, args))
-        out = asyncio.run(interference_phase(stack.url, reqs, args))
+        yield stack.url
+
+
+def one_arm(name: str, serving: StackConfig | AbstractContextManager[str], reqs, trace, args,
+            replay: bool = True) -> dict:
+    """One arm's phases on a stack (its config) or any server (a block that serves at its URL)."""
+    start = time.monotonic()
+    if isinstance(serving, StackConfig):
+        args.served = getattr(args, "served", None) or model_id(serving.model)
+        serving = stack_url(serving)
+    with serving as url:
+        asyncio.run(run(url, args.served, workloads.shared_prefix(2, 1, 32, 8, 4)))  # warm-up
+        alone = asyncio.run(alone_phase(url, reqs, args))
+        out = asyncio.run(interference_phase(url, reqs, args))
         out["alone"] = alone
         v, a = out["victims"], alone["victims"]
         print(f"{name:14} victims {v['completed']}/{v['requests']}: ITL p50 {v['itl_s']['p50'] * 1e3:6.1f} ms "
@@ -129,38 +153,50 @@ def one_arm(name: str, cfg: StackConfig, reqs, trace, args, replay: bool = True)
         if not replay:
             out["wall_s"] = round(time.monotonic() - start, 1)
             return out
-        out["replay"] = asyncio.run(goodput_phase(stack.url, trace, args))
+        out["replay"] = asyncio.run(goodput_phase(url, trace, args))
         print(f"{name:14} goodput at 90% SLO attainment: {out['replay']['goodput_rate']:.2f} req/s", flush=True)
     out["wall_s"] = round(time.monotonic() - start, 1)
     return out
 
 
 def summary_of(results: dict) -> dict:
-    co, ch, dis = (results[a]["victims"] for a in report.ARMS)
-    div = lambda a, b: round(a / b, 3) if b else None  # noqa: E731
-    rate = {a: results[a]["replay"]["goodput_rate"] for a in report.ARMS}
+    """The ratios between the arms that ran (a ratio with an arm that did not run is None)."""
+    div = lambda a, b: round(a / b, 3) if a is not None and b else None  # noqa: E731
+    v = {a: r["victims"] for a, r in results.items()}
+    get = lambda arm, f: f(v[arm]) if arm in v else None  # noqa: E731
+    rate = {a: r["replay"]["goodput_rate"] for a, r in results.items() if "replay" in r}
     # stalls are rare gaps (a few per aggressor among thousands): the tail past p99 shows them
-    p999 = {a: percentiles(results[a]["victim_itls_s"], (99.9,))["p99.9"] for a in results}
+    p999 = {a: percentiles(r["victim_itls_s"], (99.9,))["p99.9"] for a, r in results.items()}
     ttft = {a: {"victims": ttft_tail(r["victim_ttfts_s"]), "alone": ttft_tail(r["alone"]["victim_ttfts_s"])}
             for a, r in results.items()}
     over_alone = {a: div(t["victims"]["p99"], t["alone"]["p99"]) for a, t in ttft.items()}
+    itl = lambda q: lambda x: x["itl_s"][q]  # noqa: E731
+    gap = lambda x: round(x["max_gap_s"], 3)  # noqa: E731
+    ttft99 = {a: t["victims"]["p99"] for a, t in ttft.items()}
     return {
-        "ttft_p99_victims_over_alone_disagg": over_alone["disaggregated"],
+        "ttft_p99_victims_over_alone_disagg": over_alone.get("disaggregated"),
         "ttft_p99_victims_over_alone_disagg_remote": over_alone.get(REMOTE),
         "ttft_p99_victims_over_alone": over_alone,
         "ttft_victims_s": ttft,
-        "itl_p99_colocated_over_disagg": div(co["itl_s"]["p99"], dis["itl_s"]["p99"]),
-        "itl_p99_chunked_over_disagg": div(ch["itl_s"]["p99"], dis["itl_s"]["p99"]),
-        "itl_p999_colocated_over_disagg": div(p999["colocated"], p999["disaggregated"]),
-        "itl_p999_chunked_over_disagg": div(p999["chunked"], p999["disaggregated"]),
+        "itl_p99_colocated_over_disagg": div(get("colocated", itl("p99")), get("disaggregated", itl("p99"))),
+        "itl_p99_chunked_over_disagg": div(get("chunked", itl("p99")), get("disaggregated", itl("p99"))),
+        "itl_p999_colocated_over_disagg": div(p999.get("colocated"), p999.get("disaggregated")),
+        "itl_p999_chunked_over_disagg": div(p999.get("chunked"), p999.get("disaggregated")),
         "itl_p999_s": p999,
-        "max_gap_disagg_s": round(dis["max_gap_s"], 3),
-        "max_gap_colocated_s": round(co["max_gap_s"], 3),
-        "max_gap_chunked_s": round(ch["max_gap_s"], 3),
-        "ttft_p50_disagg_over_colocated": div(dis["ttft_s"]["p50"], co["ttft_s"]["p50"]),
-        "goodput_disagg_over_colocated": div(rate["disaggregated"], rate["colocated"]),
-        "goodput_disagg_over_chunked": div(rate["disaggregated"], rate["chunked"]),
+        "max_gap_disagg_s": get("disaggregated", gap),
+        "max_gap_colocated_s": get("colocated", gap),
+        "max_gap_chunked_s": get("chunked", gap),
+        "ttft_p50_disagg_over_colocated": div(get("disaggregated", lambda x: x["ttft_s"]["p50"]),
+                                              get("colocated", lambda x: x["ttft_s"]["p50"])),
+        "goodput_disagg_over_colocated": div(rate.get("disaggregated"), rate.get("colocated")),
+        "goodput_disagg_over_chunked": div(rate.get("disaggregated"), rate.get("chunked")),
         "goodput_rate": rate,
+        # against llama.cpp's server (issue targets: ITL p50 <= 1.0, TTFT p99 and longest gap <= 0.5, goodput >= 1.5)
+        "itl_p50_disagg_over_llama_server": div(get("disaggregated", itl("p50")), get(PEER, itl("p50"))),
+        "itl_p99_disagg_over_llama_server": div(get("disaggregated", itl("p99")), get(PEER, itl("p99"))),
+        "ttft_p99_disagg_over_llama_server": div(ttft99.get("disaggregated"), ttft99.get(PEER)),
+        "max_gap_disagg_over_llama_server": div(get("disaggregated", gap), get(PEER, gap)),
+        "goodput_disagg_over_llama_server": div(rate.get("disaggregated"), rate.get(PEER)),
     }
 
 
@@ -209,7 +245,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tpot-x", type=float, default=2.0, help="replay's TPOT bound: this x a decode step at "
                     "batch 8, measured here")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default="smollm2", choices=sorted(NAMED), help="the stacks' and the peer's GGUF")
+    ap.add_argument("--arms", type=lambda s: s.split(","), default=list(ALL_ARMS),
+                    help=f"which arms, comma-separated (default: {','.join(ALL_ARMS)})")
     args = ap.parse_args(argv)
+    if unknown := set(args.arms) - set(ALL_ARMS):
+        ap.error(f"unknown arms {sorted(unknown)}: expected {', '.join(ALL_ARMS)}")
+    if args.model != "smollm2" and args.replay_slo_ttft is None and args.replay_slo_tpot is None:
+        args.replay_slo_ttft, args.replay_slo_tpot = 1.0, 0.1   # (the machine's reference costs are SmolLM2's)
+    args.served = model_id(args.model)
     if (args.replay_slo_ttft is None) != (args.replay_slo_tpot is None):
         ap.error("--replay-slo-ttft and --replay-slo-tpot go together (neither: SLOs from this machine's costs)")
     for k, v in (FULL if args.full else QUICK).items():
@@ -226,12 +270,14 @@ def main() -> None:
                             seed=args.seed)
     replay_slo = slo_for(trace, args)
     print(f"replay SLO: {replay_slo}", flush=True)
-    results = {name: one_arm(name, cfg, reqs, trace, args) for name, cfg in arms().items()}
-    results[REMOTE] = one_arm(REMOTE, remote_arm(), reqs, trace, args, replay=False)
+    results = {name: one_arm(name, serving, reqs, trace, args) for name, serving in servings(args).items()}
+    if REMOTE in args.arms:
+        results[REMOTE] = one_arm(REMOTE, stack_url(remote_arm(args.model)), reqs, trace, args, replay=False)
     summary = summary_of(results)
     print(json.dumps(summary, indent=2))
-    out = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor()},
-           "mode": "full" if args.full else "quick",
+    out = {"machine": machine(), "mode": "full" if args.full else "quick",
+           "model": {"source": args.model, "file": NAMED[args.model]().name},
+           "peer": peer.version(peer.BINARY) if PEER in results else None,
            "workload": {"seed": args.seed,
                         "victims_and_aggressors": {"duration_s": args.duration, "victim_rate": args.victim_rate,
                                                    "aggressor_rate": args.aggressor_rate, "requests": len(reqs),
@@ -245,7 +291,26 @@ def main() -> None:
                                    "slo": {"ttft_s": args.replay_slo_ttft, "tpot_s": args.replay_slo_tpot,
                                            "how": replay_slo.how}}},
            "arms": results, "summary": summary}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {RESULTS}")
+    path = RESULTS / ("interference.json" if args.model == "smollm2" else f"interference-{args.model}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {path}")
     report.write_all(out)
+
+
+def servings(args) -> dict[str, AbstractContextManager[str]]:
+    """The arms asked for, each a block that serves while it runs (opened one after the other)."""
+    stacks: dict[str, AbstractContextManager[str]] = {
+        name: stack_url(cfg) for name, cfg in arms(args.model).items() if name in args.arms}
+    if PEER in args.arms:
+        log = Path(__file__).parents[2] / ".run" / "llama-server.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        stacks[PEER] = peer.serving(NAMED[args.model](), log=log)
+    return stacks
+
+
+def machine() -> dict:
+    """The cores and the CPU's model (lscpu's name: the figures differ between machines)."""
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "processor": cpu}

@@ -11,23 +11,25 @@ from pdserve.local.stack import StackConfig
 ALL = set(range(os.cpu_count() or 1))
 
 
-def arms() -> dict[str, StackConfig]:
+def arms(model: str = "smollm2") -> dict[str, StackConfig]:
     cores = sorted(ALL)
     split = ({cores[0]}, set(cores[1:]) or {cores[0]})
     whole = {"PD_PREFILL_CHUNK": "2048", "PD_MAX_BATCHED_TOKENS": "4096"}
     return {
         "colocated": StackConfig.on_free_ports(decode=1, colocated=True, kv_blocks=2048, threads=len(cores),
-                                               env=whole),
+                                               env=whole, model=model),
         "chunked": StackConfig.on_free_ports(decode=1, colocated=True, kv_blocks=2048, threads=len(cores),
-                                             env={"PD_PREFILL_CHUNK": "128", "PD_MAX_BATCHED_TOKENS": "256"}),
+                                             env={"PD_PREFILL_CHUNK": "128", "PD_MAX_BATCHED_TOKENS": "256"},
+                                             model=model),
         "disaggregated": StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=2048, threads=len(split[1]),
-                                                   env=whole, cpus={"prefill-0": split[0], "decode-0": split[1]}),
+                                                   env=whole, cpus={"prefill-0": split[0], "decode-0": split[1]},
+                                                   model=model),
     }
 
 
-def remote_arm() -> StackConfig:
+def remote_arm(model: str = "smollm2") -> StackConfig:
     """The disaggregated arm with every prompt sent to the prefill pool (PD_PLACEMENT=remote),
     for the victims only."""
-    cfg = arms()["disaggregated"]
+    cfg = arms(model)["disaggregated"]
     cfg.env = {**cfg.env, "PD_PLACEMENT": "remote"}
     return cfg
