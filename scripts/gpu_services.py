@@ -74,7 +74,8 @@ def services(device: str, check: Callable[..., None]) -> dict:
     assert tok is not None
     prompts = {q: tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS}
     want = expected(device, dtype, prompts)
-    env = {"PD_DEVICE": device, "PD_DTYPE": str(dtype).removeprefix("torch."), "PD_PLACEMENT": "remote"}
+    env = {"PD_DEVICE": device, "PD_DTYPE": str(dtype).removeprefix("torch."), "PD_PLACEMENT": "remote",
+           "PD_WEIGHTS": "fp32"}  # (as the in-process engine's: on a CPU `auto` is the GGUF's own blocks)
     with tempfile.TemporaryDirectory() as logs:
         cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=1024, log_dir=Path(logs), env=env)
         with Stack(cfg) as stack:

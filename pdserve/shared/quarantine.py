@@ -21,9 +21,11 @@ each time, and no requeue dropped it) goes to the dead letters (pdserve/services
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import TYPE_CHECKING
 
-from pdserve.shared.lifecycle import Summary
-from pdserve.shared.messages import WorkerBatch
+if TYPE_CHECKING:  # (annotations only: the engine's scheduler imports this module, without pydantic)
+    from pdserve.shared.lifecycle import Summary
+    from pdserve.shared.messages import WorkerBatch
 
 MAX_CRASHES = 2          # crashes charged to one request: then it is failed, not placed again
 STATUS = 422             # the client's request is well formed, and cannot be served
