@@ -101,6 +101,14 @@ bench-path: setup
 	$(BIN)/pip install -q py-spy==0.4.3
 	$(BIN)/python -m bench.path_profile
 
+## bench-decode-step: where a decode step's time goes between the engine's forward pass and the client's ITL, at
+##   batch 1, 8 and 32 (py-spy on the decode worker's threads; OLD=<checkout>: that commit's stack side by side);
+##   writes bench/results/decode_step.json (~2.5 minutes, twice that with OLD)
+.PHONY: bench-decode-step
+bench-decode-step: setup
+	$(BIN)/pip install -q py-spy==0.4.3
+	$(BIN)/python -m bench.decode_step $(if $(OLD),--old $(OLD))
+
 ## bench-transfer: KV bytes over memcpy, UCX (shared memory, TCP), NIXL, Mooncake, a socket and NATS; writes bench/results/transfer.json
 bench-transfer: setup
 	scripts/peer_venvs.sh transfer
