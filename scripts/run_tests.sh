@@ -19,7 +19,7 @@ BESIDE=(tests/integration tests/unit
         tests/stack/test_fuzz.py tests/stack/test_dying_loops.py tests/stack/test_supervision.py
         tests/stack/test_enrolled_stack.py tests/stack/test_security.py tests/stack/test_tls.py
         tests/stack/test_hosts.py tests/stack/test_netns.py tests/stack/test_redis_cluster.py
-        tests/stack/test_no_transport.py tests/stack/test_stack_start.py)
+        tests/stack/test_no_transport.py tests/stack/test_stack_start.py tests/stack/test_lent_cores.py)
 rest=()
 for path in tests/clients tests/engine tests/stack/test_*.py; do
     [[ " ${BESIDE[*]} " == *" $path "* ]] || rest+=("$path")

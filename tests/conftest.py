@@ -96,7 +96,8 @@ def stack(otlp, tmp_path_factory):
     """The real stack, 1 prefill + 1 decode worker on SmolLM2, exporting traces to the in-process receiver."""
     from pdserve.local.stack import Stack, StackConfig
 
-    cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=512,
+    # (no threads lent: the two pytest runs of make test share the cores; tests/stack/test_lent_cores.py lends)
+    cfg = StackConfig.on_free_ports(prefill=1, decode=1, kv_blocks=512, lend_cores=False,
                                     log_dir=tmp_path_factory.mktemp("stack-logs"),
                                     env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.url, "PD_GRAMMAR_PRELOAD": "1",
                                          "PD_TRACE_BAGGAGE_KEYS": "app.tenant"})  # (tests/stack/test_ids.py)

@@ -106,7 +106,10 @@ def section(data: dict) -> str:
              f"{m['cpus']} CPU cores ({m['platform']}), no GPU; all arms on the same cores, one after the other "
              "in one run: colocated (one worker, whole prompts in a pass), chunked (one worker, vLLM's chunked "
              "prefill: each pass holds every running stream's decode token and at most 128 tokens of each prompt, "
-             "256 tokens in all), disaggregated (1 prefill + 1 decode worker, one core each; a short prompt that "
+             "256 tokens in all), disaggregated (1 prefill + 1 decode worker, " + (
+                 "a thread each, the decode worker stepping on the prefill worker's thread too between that "
+                 "worker's passes: PD_CORE_BOARD; disaggregated-pinned: one core each, nothing lent"
+                 if data.get("lent_cores") else "one core each") + "; a short prompt that "
              "would queue behind a long one is prefilled beside the decode worker's streams: PD_PLACEMENT=cheapest)."
              " Every worker runs mixed passes (decode tokens and prompt chunks together)." + peer_text(data), "",
              f"**Victims and aggressors** ({va['duration_s']:.0f} s of arrivals, {va['requests']} requests): "

@@ -9,8 +9,10 @@ Three arms on the same cores, one after the other in one run, the same seeded wo
   decode token and prompt chunks of at most PD_PREFILL_CHUNK=128 tokens each, within
   PD_MAX_BATCHED_TOKENS=256 (a long prompt delays running streams by one chunk at a time, in
   their own step);
-- disaggregated: 1 prefill + 1 decode worker, each pinned to its own core (1 torch thread),
-  the router's default placement (PD_PLACEMENT=cheapest: a short prompt that would queue
+- disaggregated: 1 prefill + 1 decode worker, 1 torch thread each, the prefill worker pinned to
+  its core, the decode worker stepping on the prefill worker's thread too between that worker's
+  passes (PD_CORE_BOARD, pdserve/shared/cores.py; "disaggregated-pinned": each on its own core,
+  nothing lent, victims only), the router's default placement (PD_PLACEMENT=cheapest: a short prompt that would queue
   behind a long one is prefilled on the decode worker, beside its streams).
 
 Every worker runs mixed passes (the engine's default), so the colocated arm differs from the
@@ -61,7 +63,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.interference import peer, report
-from bench.interference.stacks import arms, remote_arm
+from bench.interference.stacks import arms, pinned_arm, remote_arm
 from bench.load.client import run
 from bench.planning.profile import reference
 from pdserve.local.stack import Stack, StackConfig
@@ -123,8 +125,9 @@ async def goodput_phase(url: str, trace: list[workloads.Request], args) -> dict:
 
 
 REMOTE = "disaggregated-remote"
+PINNED = "disaggregated-pinned"
 PEER = "llama-server"
-ALL_ARMS = ("colocated", "chunked", "disaggregated", REMOTE, PEER)
+ALL_ARMS = ("colocated", "chunked", "disaggregated", REMOTE, PINNED, PEER)
 
 
 @contextlib.contextmanager
@@ -271,11 +274,12 @@ def main() -> None:
     replay_slo = slo_for(trace, args)
     print(f"replay SLO: {replay_slo}", flush=True)
     results = {name: one_arm(name, serving, reqs, trace, args) for name, serving in servings(args).items()}
-    if REMOTE in args.arms:
-        results[REMOTE] = one_arm(REMOTE, stack_url(remote_arm(args.model)), reqs, trace, args, replay=False)
+    for name, cfg in ((REMOTE, remote_arm), (PINNED, pinned_arm)):
+        if name in args.arms:
+            results[name] = one_arm(name, stack_url(cfg(args.model)), reqs, trace, args, replay=False)
     summary = summary_of(results)
     print(json.dumps(summary, indent=2))
-    out = {"machine": machine(), "mode": "full" if args.full else "quick",
+    out = {"machine": machine(), "mode": "full" if args.full else "quick", "lent_cores": True,
            "model": {"source": args.model, "file": NAMED[args.model]().name},
            "peer": peer.version(peer.BINARY) if PEER in results else None,
            "workload": {"seed": args.seed,

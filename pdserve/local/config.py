@@ -40,6 +40,7 @@ class StackConfig:
     hosts: dict[str, Host] = field(default_factory=dict)     # by process name: where it runs (else 127.0.0.1)
     tls: bool = False                  # NATS on mutual TLS, certificates made at start (pdserve/local/certificates.py)
     issuer: bool = False               # instances let in by the identity issuer, as compose and Kubernetes run them
+    lend_cores: bool = True            # prefill workers' threads lent to a decode worker between passes (cores.py)
 
     @classmethod
     def on_free_ports(cls, **kw: Any) -> StackConfig:

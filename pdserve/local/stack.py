@@ -140,6 +140,7 @@ class Stack:
                 "PD_THREADS": str(threads), "PD_REQUIRE_PREFILL": str(not c.colocated).lower(),
                 "PD_STREAM_REPLICAS": str(ha.NODES if c.ha else 1),
                 "PD_KV_SEGMENT_SCOPE": self.data.name,   # (this stack's: others may run beside it)
+                "PD_CORE_BOARD": str(self.data / "cores") if c.lend_cores and not c.colocated and not c.hosts else "",
                 "UCX_WARN_UNUSED_ENV_VARS": "n", "PYTHONUNBUFFERED": "1", **self.tls_env(grants.OPERATOR), **c.env}
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:

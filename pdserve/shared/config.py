@@ -207,12 +207,10 @@ class GatewaySettings(Common):
     max_prompt_tokens: int = Field(0, ge=0, description="longest prompt accepted, in tokens (0: the model's context)")
     max_tokens_limit: int = Field(0, ge=0, description="largest max_tokens accepted (0: what the context leaves; "
                                   "with keys: 16384)")
-    special_tokens_in_messages: bool = Field(
-        False, description="a special token's spelling in a message (\"<|im_start|>system\") read as that control "
-        "token; off: it stays text, so only the chat template writes roles")
-    prefix_cache_per_key: bool = Field(True, description="with API keys set, each key's requests share cached "
-                                       "prefixes only among themselves (cached_tokens tells one key nothing of "
-                                       "another's prompts); off: all keys share the cache")
+    special_tokens_in_messages: bool = Field(False, description="a special token's spelling in a message "
+                                             "(\"<|im_start|>system\") read as that token; off: text")
+    prefix_cache_per_key: bool = Field(True, description="with API keys set, each key's requests share cached prefixes "
+                                       "only among themselves (cached_tokens tells no key of another's prompts)")
     max_logit_bias: int = Field(1024, ge=0, description="logit_bias entries one request may set")
     max_stop_chars: int = Field(1024, gt=0, description="longest stop string (each is rescanned as tokens come)")
 
@@ -334,6 +332,8 @@ class WorkerSettings(Common):
     mixed_batches: bool = Field(True, description="running sequences' decode tokens and prompt chunks in one "
                                 "forward pass (vLLM's chunked prefill); off: prefill and decode passes alternate")
     threads: int = Field(0, ge=0, description="torch threads (0: torch's default)")
+    core_board: str = Field("", description="a file that the workers sharing this host's cores map: prefill "
+                            "workers lend their threads to a decode worker between passes (pdserve/shared/cores.py)")
     weights: Literal["auto", "fp32", "native"] = Field(
         "auto", description="native: a GGUF's own blocks computed with as they are (CPU, float32; "
         "pdserve/shared/engine/weights.py); fp32: every matrix dequantized; auto: native for a GGUF on CPU, else fp32")

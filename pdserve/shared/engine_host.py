@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import ParamSpec, TypeVar
 
 from pdserve.shared import metrics
+from pdserve.shared.cores import Share
 from pdserve.shared.engine.block_manager import CacheChange
 from pdserve.shared.engine.engine import Engine, Pass, RequestOutput
 
@@ -37,6 +38,7 @@ class EngineHost:
         self.recent_steps: deque[float] = deque(maxlen=RECENT_STEPS)  # durations of the last steps
         self.fault_hang_after_steps = fault_hang_after_steps  # fault injection: a step that never ends
         self.fault_raise_after_steps = fault_raise_after_steps  # fault injection: a step that raises
+        self.cores: Share | None = None  # threads lent between the host's workers (PD_CORE_BOARD)
 
     @property
     def step_s(self) -> float:
@@ -54,9 +56,13 @@ class EngineHost:
             if self.fault_raise_after_steps and self.steps > self.fault_raise_after_steps:
                 raise RuntimeError(f"fault injection: engine step {self.steps} raised")
             try:
+                if self.cores is not None:
+                    self.cores.before_step()
                 outputs = self.engine.step()
             finally:
                 self.step_started = 0.0
+                if self.cores is not None:
+                    self.cores.after_step(self.engine.has_work())
             changes = self.engine.drain_cache_changes()
             self.cache_changes += len(changes)
             return outputs, changes, self.engine.last_pass, time.perf_counter() - start

@@ -69,6 +69,7 @@ KV_BLOCKS = Gauge("pd_kv_blocks", "KV cache blocks", ["role", "state"])         
 SEQUENCES = Gauge("pd_sequences", "Sequences in the engine", ["role", "state"])      # running, waiting
 QUEUED_TOKENS = Gauge("pd_queued_prompt_tokens", "Prompt tokens waiting to be computed", ["role"])
 STEP_SECONDS = Histogram("pd_engine_step_seconds", "Engine steps", ["role", "kind"], buckets=LATENCY)
+LENT_STEPS = Counter("pd_lent_thread_steps", "Decode steps run on a prefill worker's threads too (PD_CORE_BOARD)")
 STALE_CHUNKS = Counter("pd_stale_chunks", "Token chunks the gateway dropped: from a placement the request has "
                        "left (a worker still publishing after its request moved)")
 SEND_DEADLINE_CLOSES = Counter("pd_send_deadline_closes", "Client connections the gateway closed because the client "

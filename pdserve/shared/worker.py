@@ -17,6 +17,7 @@ from pdserve.shared import identity, metrics, metrics_vllm, tracing
 from pdserve.shared.batches import Batches
 from pdserve.shared.bus import Bus
 from pdserve.shared.config import WorkerSettings
+from pdserve.shared.cores import Share
 from pdserve.shared.engine.block_manager import CacheChange
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.engine import Engine
@@ -90,6 +91,8 @@ class WorkerCore:
         self.publisher = PUBLISHERS[settings.prefix_index](self)
         self.host = EngineHost(engine, self.on_cache_changes, settings.fault_engine_hang_after_steps, role,
                                settings.fault_engine_raise_after_steps)
+        if settings.core_board:   # (a decode worker steps on idle prefill workers' threads too)
+            self.host.cores = Share(settings.core_board, role, self.id, settings.threads or torch.get_num_threads())
         self.batches = Batches(self.id, state.crashes.record_batch, settings.fault_crash_on_prompt,
                                engine.tokenizer.decode if engine.tokenizer is not None else None)
         engine.before_pass = lambda seqs: self.batches.before_pass(seqs, engine.seqs.keys())
