@@ -182,7 +182,7 @@ bench-index: setup
 
 ## bench: victims and aggressors + goodput on the Azure trace, colocated / chunked / disaggregated and llama.cpp's
 ##   llama-server (same GGUF, same cores; built once from source into ~/.cache/pdserve/peers: ~11 minutes on 2 cores)
-##   (quick, ~20 minutes; bench-full ~80); writes bench/results/interference.json, the plots and docs/RESULTS.md's results section
+##   (quick, ~25 minutes; bench-full ~80); writes bench/results/interference.json, the plots and docs/RESULTS.md's results section
 bench: setup
 	scripts/peer_venvs.sh llama-server
 	$(BIN)/python -m bench.interference

@@ -75,7 +75,7 @@ from pdserve.shared.engine.sources import NAMED
 
 AZURE = Path(__file__).parents[1] / "data" / "azure_conv_2023.csv"
 RESULTS = Path(__file__).parents[1] / "results"
-QUICK = {"duration": 30.0, "rates": [1.0, 2.0, 4.0], "replay_s": 20.0}
+QUICK = {"duration": 60.0, "rates": [0.5, 1.0, 2.0, 4.0], "replay_s": 20.0}
 FULL = {"duration": 180.0, "rates": [0.5, 1.0, 2.0, 3.0, 4.0, 6.0], "replay_s": 60.0}
 
 
