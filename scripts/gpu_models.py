@@ -127,10 +127,12 @@ def drain(engine: Engine) -> dict[str, list]:
 
 
 def engine_greedy(loaded: LoadedModel, prompt: list[int], cfg: EngineConfig) -> tuple[list[int], list, list[int]]:
-    """(the engine's greedy tokens with log probabilities, their Logprobs, its tokens without them)."""
+    """(the engine's greedy tokens with log probabilities, their Logprobs, its tokens without them: from another
+    engine, the same passes)."""
     engine = Engine(loaded, cfg)
     engine.add_request("lp", prompt, SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=TOP))
     outs = drain(engine)["lp"]
+    engine = Engine(loaded, cfg)
     engine.add_request("plain", prompt, SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True))
     plain = [t for o in drain(engine)["plain"] for t in o.new_token_ids]
     return [t for o in outs for t in o.new_token_ids], [lp for o in outs for lp in o.logprobs or []], plain

@@ -324,11 +324,12 @@ class WorkerSettings(Common):
     device: str = Field("cpu", description="torch device: cpu, cuda, cuda:1…")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="weights, activations and the KV pool (auto: bfloat16 on CUDA, float32 on CPU)")
-    kv_blocks: int = Field(2048, gt=0, description="KV pool size in blocks of 16 tokens")
-    max_num_seqs: int = Field(64, gt=0, description="sequences running at once")
-    max_batched_tokens: int = Field(2048, gt=0, description="tokens in one forward pass")
-    prefill_chunk: int = Field(512, gt=0, description="prompt tokens of one sequence in one pass (longer "
-                               "prompts are prefilled in chunks)")
+    kv_blocks: int | None = Field(None, gt=0, description="KV pool size in blocks of 16 tokens (CPU: 2048)")
+    kv_memory_fraction: float = Field(0.9, gt=0, le=1, description="CUDA, no kv_blocks: the share of the device's "
+                                      "memory the worker keeps within, its KV pool taking what the weights leave")
+    max_num_seqs: int | None = Field(None, gt=0, description="sequences running at once (CPU: 64, CUDA: 256)")
+    max_batched_tokens: int | None = Field(None, gt=0, description="tokens in one pass (CPU: 2048, CUDA: 8192)")
+    prefill_chunk: int | None = Field(None, gt=0, description="a prompt's tokens in one pass (CPU: 512, CUDA: 2048)")
     mixed_batches: bool = Field(True, description="running sequences' decode tokens and prompt chunks in one "
                                 "forward pass (vLLM's chunked prefill); off: prefill and decode passes alternate")
     threads: int = Field(0, ge=0, description="torch threads (0: torch's default)")
@@ -339,10 +340,9 @@ class WorkerSettings(Common):
         "pdserve/shared/engine/weights.py); fp32: every matrix dequantized; auto: native for a GGUF on CPU, else fp32")
     pair_any_weights: bool = Field(False, description="exchange KV with workers computing with the other weights' "
                                    "format (their KV differs in its last bits); set on both pools")
-    kv_transport: Literal["ucx", "none"] = Field("ucx", description="KV between hosts (and on one host when it "
-                                                 "does not fit the segment): ucx; none: the same-host segment "
-                                                 "only, no UCX loaded (KV it cannot carry is prefilled on the "
-                                                 "decode worker)")
+    kv_transport: Literal["ucx", "none"] = Field("ucx", description=(
+        "KV between hosts (and on one host when it does not fit the segment): ucx; none: the same-host segment only, "
+        "no UCX loaded (KV it cannot carry is prefilled on the decode worker)"))
     ucx_progress_mode: Literal["blocking", "polling", "thread", "thread-polling"] = Field(
         "thread", description="ucxx progress; blocking/polling are faster per transfer but spin a core after one")
     ucx_error_handling: bool = Field(True, description="UCX peer-failure handling on KV endpoints (off: shared "

@@ -9,6 +9,7 @@ import threading
 import uuid
 from collections.abc import Callable, Mapping
 from contextlib import AsyncExitStack
+from dataclasses import replace
 from typing import Literal, Protocol
 
 import torch
@@ -19,10 +20,11 @@ from pdserve.shared.bus import Bus
 from pdserve.shared.config import WorkerSettings
 from pdserve.shared.cores import Share
 from pdserve.shared.engine.block_manager import CacheChange
-from pdserve.shared.engine.config import EngineConfig
+from pdserve.shared.engine.config import DEVICE_DEFAULTS, EngineConfig, ModelConfig
 from pdserve.shared.engine.engine import Engine
 from pdserve.shared.engine.fake import FakeModel
 from pdserve.shared.engine.loader import load
+from pdserve.shared.engine.runner import blocks_in_memory
 from pdserve.shared.engine_host import EngineHost
 from pdserve.shared.kv import Faults, KVTransport, create_transport
 from pdserve.shared.messages import WorkerInfo
@@ -53,19 +55,30 @@ def build_engine(settings: WorkerSettings) -> Engine:
     if isinstance(loaded.model, FakeModel):
         log.warning("the fake model (%s): no weights, its tokens are no model's (tests only)", settings.model)
         loaded.model.step_s = settings.fake_step_s
-    cfg = EngineConfig(num_blocks=settings.kv_blocks, dtype=dtype, max_num_seqs=settings.max_num_seqs,
-                       max_batched_tokens=settings.max_batched_tokens,
-                       prefill_chunk=settings.prefill_chunk, mixed_batches=settings.mixed_batches,
-                       device=settings.device,
-                       pair_any_weights=settings.pair_any_weights,
-                       grammar_compile_threads=settings.grammar_compile_threads,
-                       grammar_compile_timeout_s=settings.grammar_compile_timeout_s,
-                       grammar_compiles_per_tenant=settings.grammar_compiles_per_tenant)
-    engine = Engine(loaded, cfg)
+    engine = Engine(loaded, engine_config(settings, loaded.config, dtype))
     if engine.tokenizer is not None and settings.grammar_preload:  # structured output's tables, built beside
         # the start (a few seconds, mostly the library's import), not on a structured request's first token
         threading.Thread(target=lambda: engine.grammars, name="grammars", daemon=True).start()
     return engine
+
+
+def engine_config(settings: WorkerSettings, model: ModelConfig, dtype: torch.dtype) -> EngineConfig:
+    """The worker's settings, and for those it leaves unset its device kind's (DEVICE_DEFAULTS); on CUDA the KV
+    pool from the device's memory, the weights loaded (runner.blocks_in_memory)."""
+    kind = "cuda" if settings.device.startswith("cuda") else "cpu"
+    unset = DEVICE_DEFAULTS[kind]
+    cfg = EngineConfig(num_blocks=settings.kv_blocks or DEVICE_DEFAULTS["cpu"]["kv_blocks"], dtype=dtype,
+                       max_num_seqs=settings.max_num_seqs or unset["max_num_seqs"],
+                       max_batched_tokens=settings.max_batched_tokens or unset["max_batched_tokens"],
+                       prefill_chunk=settings.prefill_chunk or unset["prefill_chunk"],
+                       mixed_batches=settings.mixed_batches, device=settings.device,
+                       pair_any_weights=settings.pair_any_weights,
+                       grammar_compile_threads=settings.grammar_compile_threads,
+                       grammar_compile_timeout_s=settings.grammar_compile_timeout_s,
+                       grammar_compiles_per_tenant=settings.grammar_compiles_per_tenant)
+    if kind == "cuda" and settings.kv_blocks is None:
+        cfg = replace(cfg, num_blocks=blocks_in_memory(model, cfg, settings.kv_memory_fraction))
+    return cfg
 
 
 class CachePublisher(Protocol):

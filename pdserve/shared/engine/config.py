@@ -126,11 +126,21 @@ class EngineConfig:
             return self.dtype
         return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
 
+    def block_bytes(self, model: ModelConfig) -> int:
+        """One block of the pool: K and V for every layer of one block of tokens."""
+        return 2 * model.num_layers * self.block_size * model.num_kv_heads * model.head_dim * self.torch_dtype.itemsize
+
     def blocks_for(self, model: ModelConfig) -> int:
-        """Pool size in blocks: K and V for every layer of one block of tokens."""
+        """Pool size in blocks."""
         if self.num_blocks is not None:
             return self.num_blocks
         assert self.kv_cache_gib is not None  # one of the two is set (checked when made)
-        elem = self.torch_dtype.itemsize
-        per_block = 2 * model.num_layers * self.block_size * model.num_kv_heads * model.head_dim * elem
-        return max(1, int(self.kv_cache_gib * 2**30) // per_block)
+        return max(1, int(self.kv_cache_gib * 2**30) // self.block_bytes(model))
+
+
+# A worker's batching and KV pool where its settings name none, per device kind (a GPU's pool: the
+# device's memory, `runner.blocks_in_memory`)
+DEVICE_DEFAULTS: dict[str, dict[str, int]] = {
+    "cpu": {"kv_blocks": 2048, "max_num_seqs": 64, "max_batched_tokens": 2048, "prefill_chunk": 512},
+    "cuda": {"max_num_seqs": 256, "max_batched_tokens": 8192, "prefill_chunk": 2048},
+}

@@ -79,6 +79,20 @@ def use_device(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
+def blocks_in_memory(mcfg: ModelConfig, cfg: EngineConfig, fraction: float) -> int:
+    """KV blocks for a pool on `cfg.device` (CUDA) made now, its weights loaded: this process keeps within
+    `fraction` of the device's memory (the pool gets that less what torch holds for it already; the rest is
+    left for a pass's activations, CUDA's own and other processes), and the pool within what is free."""
+    device = torch.device(cfg.device)
+    free, total = torch.cuda.mem_get_info(device)
+    room = min(free, int(fraction * total) - torch.cuda.memory_reserved(device))
+    blocks = room // cfg.block_bytes(mcfg)
+    if blocks < 1:
+        raise ValueError(f"no room for a KV pool on {device}: {free / 2**30:.1f} GiB free of {total / 2**30:.1f}, "
+                         f"kv_memory_fraction {fraction}; raise it, or set kv_blocks")
+    return int(blocks)
+
+
 def scored_positions(seq: Sequence, n: int) -> range:
     """Positions of a prompt chunk of `n` tokens whose logits score the next prompt token, for a
     sequence gathering prompt log probabilities (the prompt's last position scores the first
