@@ -109,6 +109,7 @@ class EngineConfig:
     grammar_compile_threads: int = 2  # grammars compiled at once, off the engine thread (grammar.py)
     grammar_compile_timeout_s: float = 30.0  # a request whose grammar is not compiled by then fails
     grammar_compiles_per_tenant: int = 2  # a tenant's compiles at once (its others wait for them)
+    speculative_tokens: int = 0  # draft tokens per step for requests that name none (speculative.py; 0: off)
 
     def __post_init__(self) -> None:
         if (self.num_blocks is None) == (self.kv_cache_gib is None):
@@ -117,6 +118,8 @@ class EngineConfig:
             raise ValueError("need block_size <= prefill_chunk <= max_batched_tokens")
         if self.kernels not in ("auto", "torch", "triton", "c"):
             raise ValueError(f"unknown kernels backend {self.kernels!r}")
+        if self.speculative_tokens < 0:
+            raise ValueError("speculative_tokens must be >= 0")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -43,6 +43,7 @@ from typing import NamedTuple
 
 import torch
 
+from pdserve.shared.engine import speculative
 from pdserve.shared.engine.block_manager import BlockManager, CacheChange, OutOfBlocks
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.detokenizer import TextStream
@@ -99,6 +100,8 @@ class Engine:
         self.num_blocks = cfg.blocks_for(loaded.config)
         self.blocks = BlockManager(self.num_blocks, cfg.block_size, cfg.enable_prefix_cache)
         self.scheduler = Scheduler(cfg, self.blocks)
+        self.speculator = self.scheduler.speculator = speculative.Speculator(
+            speculative.PromptLookup(), cfg.speculative_tokens, loaded.config.max_position)
         self.runner = ModelRunner(loaded.model, loaded.config, cfg, self.num_blocks)
         eos = set(loaded.config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -183,23 +186,28 @@ class Engine:
         if self.before_pass is not None:
             self.before_pass([seq for seq, _ in sched.chunks])
         logits = self.runner.run(sched, self.handoff.layer_hook(sched, self.layer_hook))
-        due: list[Sequence] = []
         score_prompts(sched, logits)
-        for seq, n in sched.chunks:
+        due = [seq for seq, _ in sched.chunks[:sched.num_decode]]  # (their KV counted as their tokens are kept)
+        for seq, n in sched.chunks[sched.num_decode:]:
             seq.num_computed += n
             self._commit_blocks(seq)
             if seq.num_computed == len(seq.token_ids):
                 due.append(seq)
+        drafts = sched.drafts + [[]] * (len(due) - len(sched.drafts))
+        rows, ahead = speculative.rows(due, drafts)
+        tokens, lps = sample(logits[:len(rows)], rows, self.eos_token_ids, ahead)
         outputs = []
-        tokens, lps = sample(logits[:len(due)], due, self.eos_token_ids)
-        for seq, token, lp in zip(due, tokens, lps):
+        for seq, draft, run in zip(due, drafts, speculative.runs(list(zip(tokens, lps)), drafts, tokens)):
             if seq.status is Status.WAITING:  # prompt done: leave the prefill queue
                 self.scheduler.waiting.remove(seq)
                 if seq.prefill_only:
                     seq.status = Status.PARKED
                 else:
                     self.scheduler.join_running(seq)
-            outputs.append(self._append_token(seq, token, lp))
+                outputs.append(self._append_token(seq, *run[0]))
+            else:
+                outputs.append(self._append_run(seq, run))
+                self.speculator.settle(seq, draft, [token for token, _ in run])
         return ended + outputs
 
     def abort(self, request_id: str) -> None:
@@ -337,6 +345,23 @@ class Engine:
             done = seq.num_committed_blocks
             self.blocks.commit_full_blocks(seq.block_table[done:full], hashes[done:full])
             seq.num_committed_blocks = full
+
+    def _append_run(self, seq: Sequence, run: list[tuple[int, Logprob | None]]) -> RequestOutput:
+        """A decode sequence's tokens of one pass (one, or a draft's kept tokens and one more), each as one decode
+        step would take it (its KV before it counted and committed), up to the first that ends the sequence."""
+        outs = []
+        for token, lp in run:
+            seq.num_computed += 1
+            self._commit_blocks(seq)
+            outs.append(self._append_token(seq, token, lp))
+            if outs[-1].finished:
+                break
+        if len(outs) == 1:
+            return outs[0]
+        last, lps = outs[-1], [lp for o in outs for lp in o.logprobs or ()]
+        return RequestOutput(seq.request_id, [t for o in outs for t in o.new_token_ids], "".join(o.text for o in outs),
+                             last.finished, last.finish_reason, last.num_prompt_tokens, last.num_generated_tokens,
+                             last.num_cached_tokens, lps or None)
 
     def _append_token(self, seq: Sequence, token: int, logprob: Logprob | None = None) -> RequestOutput:
         prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None  # handed out once

@@ -73,10 +73,11 @@ class FakeModel:
         starts = {batch.num_decode + start: table.tolist() for start, _, _, table in batch.chunks}
         out: list[int] = []
         for i, (token, pos) in enumerate(zip(ids, positions, strict=True)):
-            if i < batch.num_decode or i in starts:
+            draft = 0 < i < batch.num_decode and positions[i - 1] == pos - 1 and tables[i - 1] == tables[i]
+            if (i < batch.num_decode or i in starts) and not draft:  # (a draft's row follows its sequence's)
                 table = tables[i] if i < batch.num_decode else starts[i]
                 before = START if pos == 0 else self.stored(kv_pools, table, pos - 1, bs)
-            else:   # the previous row is the previous token of the same prompt chunk
+            else:   # the previous row is the previous token of the same prompt chunk or draft
                 before = out[-1]
             out.append(digest(before, token))
         return out

@@ -15,6 +15,7 @@ from pdserve.shared.engine.logprobs import logprobs_of
 from pdserve.shared.engine.model import DecoderModel
 from pdserve.shared.engine.scheduler import Schedule
 from pdserve.shared.engine.sequence import Sequence
+from pdserve.shared.engine.speculative import rows
 
 
 class ModelRunner:
@@ -45,11 +46,13 @@ class ModelRunner:
         return torch.tensor(data, dtype=torch.long, device=self.device)
 
     def _batch(self, sched: Schedule) -> ForwardBatch:
-        """Decode tokens first (one per sequence: its last token at its last position), then
-        the prompt chunks."""
-        decode = [seq for seq, _ in sched.chunks[:sched.num_decode]]
-        pos: list[int] = [len(s.token_ids) - 1 for s in decode]
-        ids: list[int] = [s.last_token for s in decode]
+        """Decode rows first (a sequence's last token at its last position, then its draft's tokens after it:
+        speculative.py), then the prompt chunks."""
+        seqs = [seq for seq, _ in sched.chunks[:sched.num_decode]]
+        drafts = sched.drafts or [[]] * len(seqs)
+        decode, ahead = rows(seqs, drafts)  # each row's sequence
+        pos: list[int] = [len(s.token_ids) - 1 + j for s, j in zip(decode, ahead)]
+        ids: list[int] = [t for s, draft in zip(seqs, drafts) for t in (s.last_token, *draft)]
         slots = [self._slot(s, p) for s, p in zip(decode, pos)]
         out_rows, meta, scored = list(range(len(decode))), [], []
         for seq, n in sched.chunks[sched.num_decode:]:
@@ -106,7 +109,7 @@ def score_prompts(sched: Schedule, logits: torch.Tensor) -> None:
     """Prompt log probabilities from a pass's extra rows (`ModelRunner.run`), before the
     chunks' num_computed moves on."""
     prompts = sched.chunks[sched.num_decode:]
-    row = sched.num_decode + sum(seq.num_computed + n == len(seq.token_ids) for seq, n in prompts)
+    row = sched.decode_rows + sum(seq.num_computed + n == len(seq.token_ids) for seq, n in prompts)
     for seq, n in prompts:
         scored = scored_positions(seq, n)
         if len(scored) and seq.prompt_logprobs is not None:

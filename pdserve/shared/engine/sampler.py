@@ -31,9 +31,10 @@ def step_seed(seed: int, index: int) -> int:
 
 
 @torch.inference_mode()
-def sample(logits: torch.Tensor, seqs: list[Sequence],
-           eos_ids: tuple[int, ...]) -> tuple[list[int], list[Logprob | None]]:
-    """logits (B, vocab) fp32, one row per sequence in `seqs` order (changed in place).
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...],
+           ahead: list[int] | None = None) -> tuple[list[int], list[Logprob | None]]:
+    """logits (B, vocab) fp32, one row per sequence in `seqs` order (changed in place); `ahead`: per row,
+    how many tokens past its sequence's next one it chooses (a draft's rows, speculative.py: its seed index).
     Returns B token ids, and each one's Logprob where its sequence asks for them."""
     if all(plain_greedy(seq) for seq in seqs):  # one argmax, one copy to the host
         return logits.argmax(dim=-1).tolist(), [None] * len(seqs)
@@ -47,7 +48,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence],
     for row, seq in enumerate(seqs):
         if not seq.params.greedy:
             try:
-                out[row] = _sample_row(logits[row], seq)
+                out[row] = _sample_row(logits[row], seq, ahead[row] if ahead else 0)
             except RuntimeError as e:  # numerically degenerate parameters: this row, not the batch
                 log.warning("%s: sampling failed (%s); took the most likely token", seq.request_id, e)
     lps: list[Logprob | None] = [None] * len(seqs)
@@ -86,7 +87,7 @@ def adjust(logits: torch.Tensor, seq: Sequence, eos_ids: tuple[int, ...]) -> Non
         logits -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
-def _sample_row(logits: torch.Tensor, seq: Sequence) -> int:
+def _sample_row(logits: torch.Tensor, seq: Sequence, ahead: int = 0) -> int:
     p = seq.params
     logits = logits / p.temperature
     if p.min_p > 0:
@@ -101,5 +102,5 @@ def _sample_row(logits: torch.Tensor, seq: Sequence) -> int:
         drop = cum - sorted_logits.softmax(-1) >= p.top_p  # keep the smallest set reaching top_p
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     gen = torch.Generator(device=logits.device)
-    gen.manual_seed(step_seed(seq.seed, seq.num_generated))
+    gen.manual_seed(step_seed(seq.seed, seq.num_generated + ahead))
     return int(torch.multinomial(logits.softmax(-1), 1, generator=gen).item())

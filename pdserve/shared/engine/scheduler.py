@@ -28,6 +28,7 @@ from pdserve.shared import quarantine
 from pdserve.shared.engine.block_manager import BlockManager, OutOfBlocks
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.sequence import Sequence, Status
+from pdserve.shared.engine.speculative import Speculator
 
 
 @dataclass
@@ -35,10 +36,16 @@ class Schedule:
     chunks: list[tuple[Sequence, int]]  # (sequence, number of new tokens this pass): decode ones first
     num_decode: int = 0                 # the first num_decode chunks are decode tokens (one each)
     preempted: list[Sequence] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)  # each decode chunk's draft (speculative.py), or none
 
     @property
     def prefill_tokens(self) -> int:
         return sum(n for _, n in self.chunks[self.num_decode:])
+
+    @property
+    def decode_rows(self) -> int:
+        """The pass's decode rows: one a decode sequence, and one a draft token."""
+        return self.num_decode + sum(map(len, self.drafts))
 
 
 class _Params(Protocol):
@@ -144,6 +151,7 @@ class Scheduler:
         self._last_was_decode = True
         self._alone_last = False  # the last pass was a sequence's alone
         self.num_preemptions = 0
+        self.speculator: Speculator | None = None  # drafts for the decode sequences (set by the engine)
 
     def add(self, seq: Sequence, held: bool = False) -> None:
         seq.status = Status.WAITING
@@ -186,7 +194,7 @@ class Scheduler:
         if self.cfg.mixed_batches:
             sched = self._schedule_decode(running) if running else Schedule([])
             if waiting:
-                sched.chunks += self._schedule_prefill(mixed_budget(self.cfg.max_batched_tokens, sched.num_decode),
+                sched.chunks += self._schedule_prefill(mixed_budget(self.cfg.max_batched_tokens, sched.decode_rows),
                                                        waiting).chunks
             return sched if sched.chunks or sched.preempted else None
         if prefill_next(bool(waiting), bool(running), self._last_was_decode):
@@ -226,7 +234,8 @@ class Scheduler:
                                        cfg.max_num_seqs, budget, cfg.prefill_chunk, admit))
 
     def _schedule_decode(self, running: list[Sequence]) -> Schedule:
-        """Each of `running`'s decode token; one without a block preempts the newest running sequence."""
+        """Each of `running`'s decode token; one without a block preempts the newest running sequence. Then
+        their drafts (speculative.py), which preempt nothing."""
         preempted: list[Sequence] = []
         batch: list[Sequence] = []
         for seq in list(running):
@@ -243,7 +252,10 @@ class Scheduler:
                     preempted.append(victim)
                     if victim is seq:
                         break
-        return Schedule([(s, 1) for s in batch], len(batch), preempted)
+        sched = Schedule([(s, 1) for s in batch], len(batch), preempted)
+        if self.speculator is not None and batch:  # drafts in what the decode tokens leave of the pass
+            sched.drafts = self.speculator.drafts(batch, self.cfg.max_batched_tokens - len(batch), self.blocks)
+        return sched
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1

@@ -34,6 +34,7 @@ class SamplingParams:
     tenant: str = ""              # who asked: a priority level's prompts are taken round-robin across tenants
     include_stop_str_in_output: bool = False  # the stop string that ended the text kept at its end
     skip_special_tokens: bool = True          # special tokens left out of the text (their ids are kept)
+    speculative_tokens: int | None = None     # draft tokens checked per step (speculative.py); 0 off, None the engine's
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -52,6 +53,8 @@ class SamplingParams:
             raise ValueError("repetition_penalty must be > 0")
         if any(k is not None and k < 0 for k in (self.logprobs, self.prompt_logprobs)):
             raise ValueError("logprobs and prompt_logprobs must be >= 0")
+        if self.speculative_tokens is not None and not 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_tokens must be between 0 and {MAX_SPECULATIVE_TOKENS}")
 
     @property
     def penalized(self) -> bool:
@@ -67,6 +70,15 @@ class SamplingParams:
 
 
 MIN_TEMPERATURE = 1e-5
+MAX_SPECULATIVE_TOKENS = 16  # a request's draft length at most
+
+
+@dataclass
+class Drafting:
+    """A sequence's record under speculative decoding (speculative.py)."""
+
+    hit_rate: float = 1.0    # the share of its recent draft tokens (or guesses) that were right, a moving average
+    guess: int | None = None  # its next token as guessed while it drafts nothing (scored, never computed)
 
 
 class Status(enum.Enum):
@@ -103,6 +115,7 @@ class Sequence:
     pending: Pending | None = None  # params.grammar while it compiles (no matcher yet: the sequence is held)
     crashes: int = 0                # crashes charged to its request before it came here: its first passes
                                     # run alone (pdserve/shared/quarantine.py)
+    drafting: Drafting = field(default_factory=Drafting)
 
     def full_block_hashes(self, block_size: int, num_tokens: int) -> list[int]:
         """Hashes of the full blocks among the first `num_tokens` (each computed once)."""
