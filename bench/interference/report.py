@@ -102,21 +102,15 @@ def section(data: dict) -> str:
     m, w, s = data["machine"], data["workload"], data["summary"]
     va, rp = w["victims_and_aggressors"], w["replay"]
     ms = lambda x: f"{x * 1e3:.0f}"  # noqa: E731
-    lines = [f"Measured by `make bench{'-full' if data['mode'] == 'full' else ''}` ({data['mode']} mode) on "
-             f"{m['cpus']} CPU cores ({m['platform']}), no GPU; all arms on the same cores, one after the other "
-             "in one run: colocated (one worker, whole prompts in a pass), chunked (one worker, vLLM's chunked "
-             "prefill: each pass holds every running stream's decode token and at most 128 tokens of each prompt, "
-             "256 tokens in all), disaggregated (1 prefill + 1 decode worker, " + (
-                 "a thread each, the decode worker stepping on the prefill worker's thread too between that "
-                 "worker's passes: PD_CORE_BOARD; disaggregated-pinned: one core each, nothing lent"
-                 if data.get("lent_cores") else "one core each") + "; a short prompt that "
-             "would queue behind a long one is prefilled beside the decode worker's streams: PD_PLACEMENT=cheapest)."
+    lines = [f"Measured by `{command(data)}` ({data['mode']} mode) on "
+             f"{m['cpus']} CPU cores ({m['processor'] + ', ' if m.get('processor') else ''}{m['platform']}), no GPU; all arms on the same cores, one after the other "
+             "in one run: " + ", ".join(text for arm, text in arm_texts(data).items() if arm in data["arms"]) + "."
              " Every worker runs mixed passes (decode tokens and prompt chunks together)." + peer_text(data), "",
              f"**Victims and aggressors** ({va['duration_s']:.0f} s of arrivals, {va['requests']} requests): "
              f"{va['victim']} at {va['victim_rate']}/s while {va['aggressor']} arrive at {va['aggressor_rate']}/s; "
-             "TTFT alone: the same victims at the same times with no aggressor, just before; "
-             "disaggregated-remote: the disaggregated arm with every prompt sent to the prefill pool "
-             "(PD_PLACEMENT=remote).", "",
+             "TTFT alone: the same victims at the same times with no aggressor, just before" + (
+                 "; disaggregated-remote: the disaggregated arm with every prompt sent to the prefill pool "
+                 "(PD_PLACEMENT=remote)" if "disaggregated-remote" in data["arms"] else "") + ".", "",
              "| arm | victim ITL p50 (ms) | ITL p99 (ms) | ITL p99.9 (ms) | longest gap (s) | TTFT p50 (s) | "
              "TTFT p99 (s) | TTFT p99.9 (s) | TTFT p99 alone (s) | TPOT p50 (ms) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -156,6 +150,28 @@ def section(data: dict) -> str:
               f"![token timeline](../bench/results/timeline{x}.png)",
               f"![SLO attainment against rate](../bench/results/goodput{x}.png)"]
     return "\n".join(lines)
+
+
+def command(data: dict) -> str:
+    """The make target (or command) that measured `data`."""
+    argv = data.get("argv")
+    if argv is None:   # (a run before the command was recorded)
+        return f"make bench{'-full' if data['mode'] == 'full' else ''}"
+    return {"": "make bench", "--full": "make bench-full",
+            "--model gemma3-270m --arms disaggregated,llama-server": "make bench-gemma"}.get(
+        " ".join(argv), "python -m bench.interference " + " ".join(argv))
+
+
+def arm_texts(data: dict) -> dict[str, str]:
+    lent = ("a thread each, the decode worker stepping on the prefill worker's thread too between that worker's "
+            "passes: PD_CORE_BOARD" + ("; disaggregated-pinned: one core each, nothing lent"
+                                       if "disaggregated-pinned" in data["arms"] else ""))
+    return {"colocated": "colocated (one worker, whole prompts in a pass)",
+            "chunked": "chunked (one worker, vLLM's chunked prefill: each pass holds every running stream's decode "
+                       "token and at most 128 tokens of each prompt, 256 tokens in all)",
+            "disaggregated": "disaggregated (1 prefill + 1 decode worker, " + (
+                lent if data.get("lent_cores") else "one core each") + "; a short prompt that would queue behind a "
+                "long one is prefilled beside the decode worker's streams: PD_PLACEMENT=cheapest)"}
 
 
 def key_arms(key: str) -> list[str]:

@@ -55,6 +55,7 @@ import contextlib
 import json
 import os
 import platform
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
@@ -279,7 +280,7 @@ def main() -> None:
             results[name] = one_arm(name, stack_url(cfg(args.model)), reqs, trace, args, replay=False)
     summary = summary_of(results)
     print(json.dumps(summary, indent=2))
-    out = {"machine": machine(), "mode": "full" if args.full else "quick", "lent_cores": True,
+    out = {"machine": machine(), "mode": "full" if args.full else "quick", "lent_cores": True, "argv": sys.argv[1:],
            "model": {"source": args.model, "file": NAMED[args.model]().name},
            "peer": peer.version(peer.BINARY) if PEER in results else None,
            "workload": {"seed": args.seed,
