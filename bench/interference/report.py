@@ -102,8 +102,9 @@ def section(data: dict) -> str:
     m, w, s = data["machine"], data["workload"], data["summary"]
     va, rp = w["victims_and_aggressors"], w["replay"]
     ms = lambda x: f"{x * 1e3:.0f}"  # noqa: E731
+    cpu = m["processor"] + ", " if m.get("processor") else ""
     lines = [f"Measured by `{command(data)}` ({data['mode']} mode) on "
-             f"{m['cpus']} CPU cores ({m['processor'] + ', ' if m.get('processor') else ''}{m['platform']}), no GPU; all arms on the same cores, one after the other "
+             f"{m['cpus']} CPU cores ({cpu}{m['platform']}), no GPU; all arms on the same cores, one after the other "
              "in one run: " + ", ".join(text for arm, text in arm_texts(data).items() if arm in data["arms"]) + "."
              " Every worker runs mixed passes (decode tokens and prompt chunks together)." + peer_text(data), "",
              f"**Victims and aggressors** ({va['duration_s']:.0f} s of arrivals, {va['requests']} requests): "
