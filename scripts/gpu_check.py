@@ -39,7 +39,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]  # (the image's python3 has no
 
 import gpu_models  # noqa: E402 - beside this script
 
-from pdserve.shared.engine.config import EngineConfig  # noqa: E402
+from pdserve.shared.engine.config import DEVICE_DEFAULTS, EngineConfig  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "gpu.json"
 FAILURES: list[str] = []
@@ -186,7 +186,9 @@ def main() -> None:
     if cpu:
         torch.set_num_threads(1)  # (tiny shapes: more threads only wait on each other, and on busy cores)
     batches = [int(b) for b in args.batches.split(",")]
+    unset = DEVICE_DEFAULTS["cpu" if cpu else "cuda"]  # (a worker's batching where its settings name none)
     base = EngineConfig(num_blocks=1024, device=device, max_num_seqs=max(batches),
+                        max_batched_tokens=unset["max_batched_tokens"], prefill_chunk=unset["prefill_chunk"],
                         dtype=getattr(torch, args.dtype) if args.dtype else None)
     timing = {"batches": batches, "context": args.context or (64 if cpu else 2048), "steps": args.steps or
               (4 if cpu else 16), "kernels": (args.kernels or ("auto" if cpu else "triton,torch")).split(","),
