@@ -4,8 +4,7 @@ streamed layers and host→device of received blocks through the engine's KV str
 prefill's KV reaching the host (SmolLM2 takes at most 2,047 tokens: 2k stands for the long
 prompt).
 
-Not run by the session that wrote it (no GPU was lent): the first run on a CUDA machine is
-its test."""
+Not yet run on a GPU: the first run on a CUDA machine (`make gpu-check`) is its test."""
 
 from __future__ import annotations
 
