@@ -50,9 +50,10 @@ def test_the_section_carries_the_machine_the_scale_each_arm_and_each_ratio():
 
 def test_only_the_text_between_the_markers_is_replaced(tmp_path):
     readme = tmp_path / "README.md"
-    readme.write_text(f"# title\nbefore\n{report.BEGIN}\nold figures\n{report.END}\nafter\n")
-    update_block(readme, report.BEGIN, report.END, "new figures")
-    assert readme.read_text() == f"# title\nbefore\n{report.BEGIN}\nnew figures\n{report.END}\nafter\n"
+    begin, end = report.markers(DATA)
+    readme.write_text(f"# title\nbefore\n{begin}\nold figures\n{end}\nafter\n")
+    update_block(readme, begin, end, "new figures")
+    assert readme.read_text() == f"# title\nbefore\n{begin}\nnew figures\n{end}\nafter\n"
 
 
 def test_the_plots_are_written(tmp_path):
