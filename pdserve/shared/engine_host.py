@@ -12,13 +12,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import ParamSpec, TypeVar
 
 from pdserve.shared import metrics
 from pdserve.shared.cores import Share
 from pdserve.shared.engine.block_manager import CacheChange
 from pdserve.shared.engine.engine import Engine, Pass, RequestOutput
+from pdserve.shared.engine_ahead import Ahead
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -39,6 +40,7 @@ class EngineHost:
         self.fault_hang_after_steps = fault_hang_after_steps  # fault injection: a step that never ends
         self.fault_raise_after_steps = fault_raise_after_steps  # fault injection: a step that raises
         self.cores: Share | None = None  # threads lent between the host's workers (PD_CORE_BOARD)
+        self.calls_queued, self._calls_lock = 0, threading.Lock()  # calls made and not begun yet
 
     @property
     def step_s(self) -> float:
@@ -48,26 +50,32 @@ class EngineHost:
 
     async def step(self) -> list[RequestOutput]:
         """One engine step on the engine thread; measures prefill passes, hands on prefix-cache changes."""
-        def run() -> tuple[list[RequestOutput], list[CacheChange], Pass, float]:
-            start = time.perf_counter()
-            self.step_started, self.steps = time.monotonic(), self.steps + 1
-            if self.fault_hang_after_steps and self.steps > self.fault_hang_after_steps:
-                threading.Event().wait()
-            if self.fault_raise_after_steps and self.steps > self.fault_raise_after_steps:
-                raise RuntimeError(f"fault injection: engine step {self.steps} raised")
-            try:
-                if self.cores is not None:
-                    self.cores.before_step()
-                outputs = self.engine.step()
-            finally:
-                self.step_started = 0.0
-                if self.cores is not None:
-                    self.cores.after_step(self.engine.has_work())
-            changes = self.engine.drain_cache_changes()
-            self.cache_changes += len(changes)
-            return outputs, changes, self.engine.last_pass, time.perf_counter() - start
+        outputs, changes, done, elapsed = await self.call(self.step_here)
+        self.stepped(changes, done, elapsed)
+        return outputs
 
-        outputs, changes, done, elapsed = await self.call(run)
+    def step_here(self) -> tuple[list[RequestOutput], list[CacheChange], Pass, float]:
+        """On the engine thread: one step, the prefix-cache changes it made, what it computed, its seconds."""
+        start = time.perf_counter()
+        self.step_started, self.steps = time.monotonic(), self.steps + 1
+        if self.fault_hang_after_steps and self.steps > self.fault_hang_after_steps:
+            threading.Event().wait()
+        if self.fault_raise_after_steps and self.steps > self.fault_raise_after_steps:
+            raise RuntimeError(f"fault injection: engine step {self.steps} raised")
+        try:
+            if self.cores is not None:
+                self.cores.before_step()
+            outputs = self.engine.step()
+        finally:
+            self.step_started = 0.0
+            if self.cores is not None:
+                self.cores.after_step(self.engine.has_work())
+        changes = self.engine.drain_cache_changes()
+        self.cache_changes += len(changes)
+        return outputs, changes, self.engine.last_pass, time.perf_counter() - start
+
+    def stepped(self, changes: list[CacheChange], done: Pass, elapsed: float) -> None:
+        """On the loop, after each step: its measures, its prefix-cache changes handed on."""
         self.recent_steps.append(elapsed)
         if done.kind != "idle":  # (a step with nothing schedulable computed nothing)
             metrics.STEP_SECONDS.labels(self.role, done.kind).observe(elapsed)
@@ -77,7 +85,6 @@ class EngineHost:
                 0.8 * self.prefill_tokens_per_s + 0.2 * rate
         if changes and self.on_cache_changes is not None:
             self.on_cache_changes(changes)
-        return outputs
 
     async def cache_snapshot(self) -> tuple[list[int], int]:
         """Every hash in the prefix cache now, and how many changes were drained before it: it
@@ -94,26 +101,58 @@ class EngineHost:
 
     async def call(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run `fn(*args, **kwargs)` on the engine thread, after every call queued before it."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._thread, functools.partial(fn, *args, **kwargs))
+        self._queued(1)
+        work = self._thread.submit(self._begin, functools.partial(fn, *args, **kwargs))
+        work.add_done_callback(self._dropped)
+        return await asyncio.wrap_future(work)
+
+    def _begin(self, fn: Callable[[], T]) -> T:
+        self._queued(-1)
+        return fn()
+
+    def _dropped(self, work: Future) -> None:
+        if work.cancelled():  # (its caller gave up before it began: it never will)
+            self._queued(-1)
+
+    def _queued(self, n: int) -> None:
+        with self._calls_lock:
+            self.calls_queued += n
+
+    @property
+    def calls_wait(self) -> bool:
+        """A call is queued behind the one the engine thread runs (read there: steps run ahead until one is)."""
+        return self.calls_queued > 0
 
     async def run(self, on_outputs: Callable[[list[RequestOutput]], Awaitable[None]],
-                  stop: asyncio.Event) -> None:
+                  stop: asyncio.Event, overlap: bool = False) -> None:
         """Step while there is work; sleep until `wake` is set otherwise. After `stop`, finish
-        the sequences already in the engine, then return."""
+        the sequences already in the engine, then return.
+
+        `overlap` (engine_ahead.py): the engine thread steps on by itself while there is work
+        and no call waits for it, and each step's outputs are handed on while the next step
+        computes, in order; `on_outputs(outputs)` is then called on the engine thread as its
+        step ends (what it does before it returns its awaitable is in order with the engine's
+        calls) and what it returns is awaited on the loop."""
+        if overlap:
+            await Ahead(self, on_outputs).run(stop)
+            return
         while True:
             self.wake.clear()  # before the check: work added after it sets wake again
             if not self.engine.has_work():
                 if stop.is_set():
                     return
-                waiters = [asyncio.ensure_future(self.wake.wait()), asyncio.ensure_future(stop.wait())]
-                _, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-                for w in pending:
-                    w.cancel()
+                await self.idle(stop)
                 continue
             outputs = await self.step()
             if outputs:
                 await on_outputs(outputs)
+
+    async def idle(self, stop: asyncio.Event) -> None:
+        """Until `wake` or `stop` is set."""
+        waiters = [asyncio.ensure_future(self.wake.wait()), asyncio.ensure_future(stop.wait())]
+        _, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        for w in pending:
+            w.cancel()
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)

@@ -23,8 +23,9 @@
    for the client: chunks carry sequence numbers, the gateway drops duplicates); the prefill
    worker gets KVAck(not ok) and stops computing it. A request a router will not place again
    (it crashed two workers: pdserve/shared/quarantine.py) ends with an error chunk.
-4. Loop: step the engine (each pass's requests recorded before it runs: pdserve/shared/batches.py);
-   publish each output as a TokenChunk on `pd.tokens.<rid>`, and keep
+4. Loop: the engine steps ahead of the event loop (pdserve/shared/engine_ahead.py; each pass's
+   requests recorded before it runs: pdserve/shared/batches.py); while the next step computes,
+   publish each output of a step as a TokenChunk on `pd.tokens.<rid>`, and keep
    it (pdserve/services/decode/chunk_log.py): a gateway that lost chunks on the bus (a NATS restart)
    asks for them again on `pd.decode.<id>.replay` instead of moving the request.
 5. Cancel (`pd.decode.<id>.cancel`, sent only to the workers of the request's placements):
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable
 
 from nats.aio.msg import Msg
 from opentelemetry import trace
@@ -108,7 +110,7 @@ class DecodeWorker:
         # tells a draining worker from a dead one, and does not move its streams
         gone, engine_stop = asyncio.Event(), asyncio.Event()
         beat = asyncio.create_task(heartbeat(self.state, self.info, self.settings.heartbeat_s, gone))
-        engine_loop = asyncio.create_task(self.host.run(self.publish, engine_stop))
+        engine_loop = asyncio.create_task(self.host.run(self.publish, engine_stop, overlap=True))
         deadlines = asyncio.create_task(self.keep_deadlines())
         resync = asyncio.create_task(after_reconnects(self.bus, self.settings.heartbeat_s, self.inbox.sync))
         watch = asyncio.create_task(self.handoffs.watch.watch(self.handoffs.waited_on))
@@ -284,19 +286,22 @@ class DecodeWorker:
                 log.debug("deadlines not moved: %s", e)
 
     # -- output and cancellation -----------------------------------------------------------
-    async def publish(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
+    def publish(self, outputs: list[RequestOutput]) -> Awaitable[None]:
+        """Each output as a TokenChunk on `pd.tokens.<rid>`, signed for the placement that made it: its record taken
+        now, on the engine thread as the step ends (engine_ahead.py), in order with admits and cancels; the chunks
+        go out on the loop while the next steps compute (which may end the request, or place it here anew)."""
+        return self._publish([(out, self.requests.get(out.request_id)) for out in outputs])
+
+    async def _publish(self, outputs: list[tuple[RequestOutput, DecodeRequest | None]]) -> None:
+        for out, record in outputs:
+            if record is None or record.closed:  # cancelled since its step: no placement to sign it for
+                continue
             rid = out.request_id
-            if not out.finished and rid not in self.engine.seqs:  # cancelled since its step ran
-                continue
-            record = self.requests.get(rid)
-            if record is None:  # its record closed by a cancel meanwhile: no placement to sign it for
-                continue
             chunk = TokenChunk.from_output(out, record.attempt, self.id)
             signed = macs.sign(chunk, record.secret)
             self.chunks.record(chunk, signed)  # (the bus away: kept there for the gateway's replay)
             await self.bus.tried("tokens", self.bus.publish_signed(subjects.tokens(rid), signed))
-            if not out.finished and rid not in self.engine.seqs:  # cancelled while it was published
+            if record.closed:  # cancelled while it was published
                 continue
             self.advanced.add(rid)
             if out.finished:
