@@ -109,6 +109,13 @@ bench-decode-step: setup
 	$(BIN)/pip install -q py-spy==0.4.3
 	$(BIN)/python -m bench.decode_step $(if $(OLD),--old $(OLD))
 
+## bench-speculative: speculative decoding (prompt lookup) off vs k=3 and 5 on SmolLM2 in-process, batch 1: decode
+##   tokens/s on code editing, summary with quotes and free chat side by side, accept rate, greedy tokens asserted
+##   equal; writes bench/results/speculative.json (~4 minutes)
+.PHONY: bench-speculative
+bench-speculative: setup
+	$(BIN)/python -m bench.speculative
+
 ## bench-transfer: KV bytes over memcpy, UCX (shared memory, TCP), NIXL, Mooncake, a socket and NATS; writes bench/results/transfer.json
 bench-transfer: setup
 	scripts/peer_venvs.sh transfer

@@ -330,8 +330,8 @@ class WorkerSettings(Common):
     max_num_seqs: int | None = Field(None, gt=0, description="sequences running at once (CPU: 64, CUDA: 256)")
     max_batched_tokens: int | None = Field(None, gt=0, description="tokens in one pass (CPU: 2048, CUDA: 8192)")
     prefill_chunk: int | None = Field(None, gt=0, description="a prompt's tokens in one pass (CPU: 512, CUDA: 2048)")
-    mixed_batches: bool = Field(True, description="running sequences' decode tokens and prompt chunks in one "
-                                "forward pass (vLLM's chunked prefill); off: prefill and decode passes alternate")
+    mixed_batches: bool = Field(True, description="decode tokens and prompt chunks share a pass; off: they alternate")
+    speculative_tokens: int = Field(0, ge=0, le=16, description="draft tokens a decode step (speculative.py); 0: off")
     threads: int = Field(0, ge=0, description="torch threads (0: torch's default)")
     core_board: str = Field("", description="a file that the workers sharing this host's cores map: prefill "
                             "workers lend their threads to a decode worker between passes (pdserve/shared/cores.py)")

@@ -59,6 +59,7 @@ class Sampling(Message):
     tenant: str = ""      # who asked (an API key's name, or a client address): the prefill queue's fairness
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    speculative_tokens: int | None = None  # draft tokens per decode step (None: the worker's setting)
 
     def to_engine(self) -> SamplingParams:
         return SamplingParams(**self.model_dump(exclude={"v", "grammar"}), grammar=self.grammar)

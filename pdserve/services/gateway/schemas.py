@@ -26,6 +26,7 @@ from pdserve.services.gateway.parts import (
 from pdserve.services.gateway.tools import HERMES, CallFormat
 from pdserve.shared.engine.grammar import Grammar
 from pdserve.shared.engine.logprobs import MAX_TOP
+from pdserve.shared.engine.sequence import MAX_SPECULATIVE_TOKENS
 from pdserve.shared.messages import Sampling
 
 MAX_CHOICES = 16  # n at most
@@ -69,6 +70,9 @@ class _Common(Body):
     include_stop_str_in_output: bool = Field(False, description="extension, vLLM's: the stop string that ended the "
                                              "text kept at its end")
     skip_special_tokens: bool = Field(True, description="extension, vLLM's: false writes special tokens in the text")
+    speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS, description=(
+        "extension: draft tokens checked per decode step (prompt lookup: speculative decoding; the same tokens); "
+        "0 off, absent the worker's PD_SPECULATIVE_TOKENS"))
     spaces_between_special_tokens: Literal[True] = Field(True, description="extension, vLLM's: only its default")
     # structured output: OpenAI's response_format, or one of vLLM's guided_* extensions
     response_format: ResponseFormat | None = None
@@ -159,7 +163,7 @@ class _Common(Body):
                         logprobs=self.top_logprobs_wanted(), prompt_logprobs=self.prompt_logprobs_wanted(),
                         grammar=self.grammar(calls), cache_salt=cache_salt, tenant=tenant,
                         include_stop_str_in_output=self.include_stop_str_in_output,
-                        skip_special_tokens=self.skip_special_tokens)
+                        skip_special_tokens=self.skip_special_tokens, speculative_tokens=self.speculative_tokens)
 
     def prompt_logprobs_wanted(self) -> int | None:
         """Alternatives per prompt token when the prompt's log probabilities are asked for."""

@@ -27,8 +27,9 @@ and never enters the prefix cache (a block is hashed once its tokens are all com
 Per request: `SamplingParams.speculative_tokens` (None: `EngineConfig.speculative_tokens`; 0: off). Off for a
 request with a grammar (its mask would have to follow the draft), penalties or a logit bias (they read the tokens
 before each row), and while `min_tokens` holds its end back; log probabilities are each row's own, so they stay on.
-A sequence whose drafts have mostly been wrong lately (`MIN_HIT_RATE`) drafts nothing and keeps guessing
-without computing its guesses; it drafts again once they come right (free chat pays little).
+A draft's length follows the sequence's recent hit rate (`best_length`: the most tokens per pass time, a draft row
+costing `ROW_COST` of a pass); where no length pays, the sequence drafts nothing and keeps guessing without computing
+its guesses, and drafts again once they come right (free chat pays little).
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ from typing import Protocol, TypeVar
 from pdserve.shared.engine.block_manager import BlockManager, OutOfBlocks
 from pdserve.shared.engine.sequence import Sequence
 
-MIN_HIT_RATE = 0.4           # a sequence drafts while at least this share of its recent guesses were right
-HIT_WEIGHT = 0.15            # each guess's weight in that share (an average over the last ~7 or so)
+HIT_WEIGHT = 0.15  # a guess's weight in a sequence's hit rate (a moving average over its last ~7)
+ROW_COST = 0.1     # a draft row's cost, a share of a one-sequence decode pass's (SmolLM2 native on CPU)
+MIN_GAIN = 1.1     # a draft is worth its rows where it is expected to give this many tokens per pass time, or more
 
 T = TypeVar("T")
 
@@ -116,9 +118,10 @@ class Speculator:
         drafts: list[list[int]] = []
         for seq, proposal in zip(seqs, proposals):
             seq.drafting.guess = None
-            if proposal and seq.drafting.hit_rate < MIN_HIT_RATE:
-                seq.drafting.guess, proposal = proposal[0], []
-            draft = proposal[:max(0, budget)]
+            length = best_length(seq.drafting.hit_rate, len(proposal))
+            if proposal and not length:
+                seq.drafting.guess = proposal[0]
+            draft = proposal[:max(0, min(length, budget))]
             if draft:
                 draft = draft[:_room(seq, len(draft), blocks)]
             budget -= len(draft)
@@ -141,6 +144,18 @@ class Speculator:
             state.guess = None
         for hit in hits:
             state.hit_rate += HIT_WEIGHT * (hit - state.hit_rate)
+
+
+def best_length(hit_rate: float, limit: int) -> int:
+    """The draft length up to `limit` expected to give the most tokens per unit of pass time, each draft token kept
+    with probability `hit_rate` where the one before it was: (1 + a + ... + a^j) / (1 + ROW_COST·j); 0 where none
+    reaches MIN_GAIN."""
+    best, best_gain, expected = 0, MIN_GAIN, 1.0
+    for j in range(1, limit + 1):
+        expected += hit_rate ** j
+        if expected / (1 + ROW_COST * j) > best_gain:
+            best, best_gain = j, expected / (1 + ROW_COST * j)
+    return best
 
 
 def _room(seq: Sequence, n: int, blocks: BlockManager) -> int:
