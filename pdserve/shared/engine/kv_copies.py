@@ -18,7 +18,8 @@ over. `KVCopies` gives the KV path a stream of its own:
 - Pinned host memory comes from PyTorch's caching host allocator, which keeps what it
   allocated: about the KV of the handoffs under way at once.
 
-Not yet run on a GPU: `make gpu-check` exercises both directions and measures them against pinned cudaMemcpy (scripts/gpu_check.py).
+Not yet run on a GPU: `make gpu-check` exercises both directions and measures them against
+pinned cudaMemcpy (scripts/gpu_check.py).
 """
 
 from __future__ import annotations
