@@ -69,6 +69,11 @@ class Board:
     def set_busy(self, i: int, busy: bool) -> None:
         self._map[i * SLOT.size + 34] = int(busy)   # (one byte: no lock, a borrower reads it each step)
 
+    def set_borrower(self, i: int, pid: int) -> None:
+        """Under the lock; the busy byte beside it is the lender's alone (a slot rewritten whole could undo a
+        pass's start written between its read and its write)."""
+        struct.pack_into("=I", self._map, i * SLOT.size + 36, pid)
+
     def close(self) -> None:
         self._map.close()
 
@@ -116,9 +121,8 @@ class Borrower:
         if self.held is None:
             return
         with self.board._locked():
-            name, threads, busy, borrower = self.board.read(self.held)
-            if borrower == self.pid:
-                self.board.write(self.held, name, threads, busy, 0)
+            if self.board.read(self.held)[3] == self.pid:
+                self.board.set_borrower(self.held, 0)
         self.held, self.lent = None, 0
 
     def _take(self) -> None:
@@ -129,9 +133,8 @@ class Borrower:
             for i in free:
                 slot = self.board.read(i)
                 if self._free(slot):
-                    name, threads, _, _ = slot
-                    self.board.write(i, name, threads, False, self.pid)
-                    self.held, self.lent = i, threads
+                    self.board.set_borrower(i, self.pid)
+                    self.held, self.lent = i, slot[1]
                     return
 
     @staticmethod

@@ -74,3 +74,21 @@ def test_a_decode_share_sets_the_steps_threads_and_a_prefill_share_marks_its_pas
         assert decode.borrower is not None and decode.borrower.held is None, "an idle decode worker gives back"
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_borrow_and_its_return_never_rewrite_the_lenders_busy_byte(tmp_path):
+    board = Board(tmp_path / "cores")
+    lender, borrower = Lender(board, "prefill-0", 1), Borrower(board, 1)
+    lender.working(False)
+    assert borrower.threads() == 2
+    read = board.read
+
+    def read_then_pass_starts(i: int) -> tuple[str, int, bool, int]:
+        slot = read(i)
+        board.set_busy(lender.slot, True)   # (the lender's pass starts between the borrower's read and write)
+        return slot
+
+    board.read = read_then_pass_starts  # type: ignore[method-assign]
+    borrower.give_back()
+    board.read = read  # type: ignore[method-assign]
+    assert board.read(lender.slot) == ("prefill-0", 1, True, 0)
