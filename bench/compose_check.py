@@ -37,6 +37,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 from bench import compose_checks
+from bench.machine import cpu_model
 from bench.results_doc import RESULTS_DOC, update_block
 from pdserve.local.servers import free_port
 from pdserve.services.gateway.auth import KEY_PREFIX, hash_key
@@ -196,7 +197,7 @@ def main() -> None:
     summary = {"passed": len(checks) - len(failed), "failed": failed, "seconds": round(time.monotonic() - started),
                "steps_s": TIMES, "image_mb": sizes}
     result = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                          "cpu_model": compose_checks.cpu_model()}, "checks": checks, "summary": summary}
+                          "cpu_model": cpu_model()}, "checks": checks, "summary": summary}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     write_doc(result)

@@ -31,13 +31,6 @@ SERVICES = ("gateway", "router", "prefill", "decode", "issuer", "streams")
 LONG = "Explain in one sentence why the sky is blue. " * 12   # long enough for the prefill pool
 
 
-def cpu_model() -> str:
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return ""
-
-
 def _get(url: str, timeout: float = 10) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:

@@ -52,6 +52,8 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.machine import cpu_model
+
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT_TOKENS = 16
 OUT = Path(__file__).parent / "results" / "decode_step.json"
@@ -293,14 +295,6 @@ def row(arm: dict) -> dict:
             "cpu_ms_per_step": arm["cpu_ms_per_step"]}
 
 
-def machine() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    except OSError:
-        return ""
-    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
@@ -322,7 +316,7 @@ def main() -> None:
             print(f"{arm:6} batch {b:>2}: ITL p50 {r['itl_p50_ms']:6.2f} ms, period {r['period_ms']:6.2f}, "
                   f"step {r['step_ms']:6.2f}, engine {r['engine_ms']:6.2f}, gap {r['gap_ms']:6.2f}  "
                   f"{json.dumps(r['parts_ms'])}  loop {json.dumps(r['loop_ms'])}")
-    OUT.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "model_name": machine()},
+    OUT.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "model_name": cpu_model()},
                                "model": MODEL, "tokens": args.tokens, "prompt_tokens": PROMPT_TOKENS,
                                "reps": args.reps, "summary": summary, "runs": arms}, indent=1) + "\n")
     print(f"wrote {OUT}")

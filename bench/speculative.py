@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from bench.decode_step import machine
+from bench.machine import cpu_model
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.engine import Engine
 from pdserve.shared.engine.loader import LoadedModel, load
@@ -172,7 +172,7 @@ def main() -> None:
             row[f"k{k}_accept_rate"] = arm["accept_rate"]
         row["identical"] = all(a["identical"] for a in r["arms"].values())
         summary[name] = row
-    OUT.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "model_name": machine(), "threads": args.threads},
+    OUT.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "model_name": cpu_model(), "threads": args.threads},
                                "model": MODEL, "weights": "native", "max_tokens": args.tokens, "rounds": args.rounds,
                                "summary": summary, "workloads": results}, indent=1) + "\n")
     print(json.dumps(summary, indent=1))

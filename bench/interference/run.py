@@ -66,6 +66,7 @@ import numpy as np
 from bench.interference import peer, report
 from bench.interference.stacks import arms, pinned_arm, remote_arm
 from bench.load.client import run
+from bench.machine import cpu_model
 from bench.planning.profile import reference
 from pdserve.local.stack import Stack, StackConfig
 from pdserve.planner import workloads
@@ -316,6 +317,4 @@ def servings(args) -> dict[str, AbstractContextManager[str]]:
 
 def machine() -> dict:
     """The cores and the CPU's model (lscpu's name: the figures differ between machines)."""
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    return {"cpus": os.cpu_count(), "platform": platform.platform(), "processor": cpu}
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "processor": cpu_model() or platform.processor()}

@@ -45,6 +45,7 @@ import numpy as np
 import uvloop
 
 from bench import warmth
+from bench.machine import cpu_model
 from bench.scale import peer, readme, report
 from bench.scale.check import Replay, check, holders
 from bench.scale.drive import admit_split, drive, placements, route_spans
@@ -230,9 +231,7 @@ def line(r: dict) -> str:
 
 
 def machine() -> dict:
-    model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                  if ln.startswith("model name")), "")
-    return {"cpus": os.cpu_count(), "cpu_model": model, "platform": platform.platform(),
+    return {"cpus": os.cpu_count(), "cpu_model": cpu_model(), "platform": platform.platform(),
             "python": platform.python_version()}
 
 

@@ -39,6 +39,7 @@ import numpy as np
 import uvloop
 from redis.asyncio.client import Pipeline
 
+from bench.machine import cpu_model
 from bench.scale import index_readme
 from pdserve.local.servers import free_port, valkey_server, wait_for_port
 from pdserve.services.router.prefix_feeds import Feeds, Snapshot
@@ -270,9 +271,7 @@ def summary(runs: list[dict]) -> dict:
 
 
 def machine() -> dict:
-    model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                  if ln.startswith("model name")), "")
-    return {"cpus": os.cpu_count(), "cpu_model": model, "platform": platform.platform(),
+    return {"cpus": os.cpu_count(), "cpu_model": cpu_model(), "platform": platform.platform(),
             "python": platform.python_version()}
 
 
