@@ -43,7 +43,8 @@ def argv(binary: Path, gguf: Path, port: int, threads: int) -> list[str]:
 
 def version(binary: Path) -> str:
     out = subprocess.run([str(binary), "--version"], capture_output=True, text=True, check=False)
-    return (out.stdout + out.stderr).strip().splitlines()[0] if (out.stdout + out.stderr).strip() else "unknown"
+    text = (out.stdout + out.stderr).strip()
+    return text.splitlines()[0] if text else "unknown"
 
 
 @contextlib.contextmanager
@@ -54,9 +55,9 @@ def serving(gguf: Path, threads: int | None = None, log: Path | None = None,
     if binary is None:
         raise RuntimeError(f"llama-server did not build: run `bash {BUILD} llama-server` and read its output")
     port = free_port()
-    out = log.open("w") if log else subprocess.DEVNULL
-    with running(argv(binary, gguf, port, threads or os.cpu_count() or 1), stdout=out, stderr=subprocess.STDOUT,
-                 preexec_fn=die_with_parent) as proc:
+    with (log.open("w") if log else contextlib.nullcontext(subprocess.DEVNULL)) as out, \
+            running(argv(binary, gguf, port, threads or os.cpu_count() or 1), stdout=out, stderr=subprocess.STDOUT,
+                    preexec_fn=die_with_parent) as proc:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + timeout_s
         while not _healthy(url):

@@ -278,7 +278,7 @@ def main() -> None:
     results = {name: one_arm(name, serving, reqs, trace, args) for name, serving in servings(args).items()}
     for name, cfg in ((REMOTE, remote_arm), (PINNED, pinned_arm)):
         if name in args.arms:
-            results[name] = one_arm(name, stack_url(cfg(args.model)), reqs, trace, args, replay=False)
+            results[name] = one_arm(name, cfg(args.model), reqs, trace, args, replay=False)
     summary = summary_of(results)
     print(json.dumps(summary, indent=2))
     out = {"machine": machine(), "mode": "full" if args.full else "quick", "lent_cores": True, "argv": sys.argv[1:],
