@@ -75,15 +75,17 @@ def test_the_weights_format_is_in_the_kv_fingerprint_unless_any_is_allowed():
 
 @pytest.mark.parametrize("kind", FORMATS)
 def test_a_row_gets_the_same_product_to_the_bit_whatever_else_is_in_the_batch(kind):
-    """Each row of x is summed alike alone (the two-output-rows path) and in a batch of any size
-    (tiles of 4 rows, and what is left): a sequence's logits do not depend on its batch."""
+    """Each row of x is summed alike alone and beside one or two others (the two-output-rows
+    path) and in a batch of any size (tiles of 8 rows, the last padded): a sequence's logits do
+    not depend on its batch."""
     packed = pack(random_blocks(kind, 64, 256), kind)
     assert packed is not None
     x, residual, norm = torch.randn(9, 256), torch.randn(9, 64), (torch.rand(256) + 0.5, 1e-5)
     batch = packed.matmul(x, residual, norm)
     for i in range(9):
         assert torch.equal(packed.matmul(x[i:i + 1], residual[i:i + 1], norm), batch[i:i + 1]), i
-    assert torch.equal(packed.matmul(x[2:5], residual[2:5], norm), batch[2:5])
+    for rows in (slice(2, 4), slice(2, 5), slice(2, 6)):
+        assert torch.equal(packed.matmul(x[rows], residual[rows], norm), batch[rows]), rows
 
 
 def test_the_kernel_does_the_layers_steps_before_and_after_the_product():

@@ -57,6 +57,7 @@ static void quantize_row(const float *x, int64_t K, struct prologue p, float *a,
    chunk the tile's rows side by side (xi: 256 bytes a group), and its dx and sx the rows' side by
    side (dxi, sxi: ROWS floats a group). */
 #define ROWS 8
+#define FEW 3 /* rows of x up to which the pair path beats a tile padded to ROWS (measured) */
 struct acts {
     const int8_t *xq, *xi;
     const float *dx, *sx, *dxi, *sxi;
@@ -139,13 +140,14 @@ static inline __attribute__((always_inline)) void row_all(const int kind, const 
     }
 }
 
-/* Two output rows (w8 and w8 + row_bytes) against one row of x, the decode step's shape: each
-   group of x is loaded once for both. (Prefetching past the matrix's end is harmless: a
-   prefetch never faults.) */
+/* Two output rows (w8 and w8 + row_bytes) against M rows of x (1 to FEW, a constant where
+   inlined), the decode step's shape: each group of the two rows is unpacked once for the M rows
+   and each row of x loaded once for both, and every product summed as the pair path sums it
+   alone. (Prefetching past the matrix's end is harmless: a prefetch never faults.) */
 static inline __attribute__((always_inline)) void row_pair(const int kind, const uint8_t *w8, int64_t row_bytes,
-                                                           struct acts a, float *out) {
+                                                           struct acts a, const int M, int64_t ldy, float *out) {
     const int64_t nb = a.K / QK;
-    float acc0 = 0.0f, acc1 = 0.0f, off0 = 0.0f, off1 = 0.0f;
+    float acc0[FEW] = {0}, acc1[FEW] = {0}, off0[FEW] = {0}, off1[FEW] = {0};
     const uint8_t *w1 = w8 + row_bytes, *next = w8 + 2 * row_bytes;
     const int64_t step = 2 * (row_bytes / nb);  /* the next pair's bytes a group, near enough */
     const int per = (int)(BLOCK_WEIGHTS[kind] / QK);  /* groups a block */
@@ -158,31 +160,43 @@ static inline __attribute__((always_inline)) void row_pair(const int kind, const
                a step, and the hardware's prefetcher alone leaves the product waiting on it */
             _mm_prefetch((const char *)(next + g * step), _MM_HINT_T0);
             _mm_prefetch((const char *)(next + g * step + 64), _MM_HINT_T0);
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(a.xq + g * QK));
             int s0, s1, r0, r1;
             float d0, m0, d1, m1;
             group_scales(kind, b0, sub, &d0, &m0, &s0, &s1);
             group_scales(kind, b1, sub, &d1, &m1, &r0, &r1);
-            const __m128i sums = hsum_pair(group_dot(kind, group_vector(kind, b0, sub), x, s0, s1),
-                                           group_dot(kind, group_vector(kind, b1, sub), x, r0, r1));
-            group_add(kind, &acc0, &off0, d0, m0, a.dx[g], a.sx[g], _mm_cvtsi128_si32(sums));
-            group_add(kind, &acc1, &off1, d1, m1, a.dx[g], a.sx[g], _mm_extract_epi32(sums, 1));
+            const __m256i v0 = group_vector(kind, b0, sub), v1 = group_vector(kind, b1, sub);
+            for (int t = 0; t < M; t++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(a.xq + t * a.K + g * QK));
+                const __m128i sums = hsum_pair(group_dot(kind, v0, x, s0, s1), group_dot(kind, v1, x, r0, r1));
+                const float dx = a.dx[t * nb + g], sx = a.sx[t * nb + g];
+                group_add(kind, &acc0[t], &off0[t], d0, m0, dx, sx, _mm_cvtsi128_si32(sums));
+                group_add(kind, &acc1[t], &off1[t], d1, m1, dx, sx, _mm_extract_epi32(sums, 1));
+            }
         }
     }
-    out[0] = acc0 + off0;
-    out[1] = acc1 + off1;
+    for (int t = 0; t < M; t++) {
+        out[t * ldy] = acc0[t] + off0[t];
+        out[t * ldy + 1] = acc1[t] + off1[t];
+    }
 }
 
-static void pair(int kind, const uint8_t *w8, int64_t row_bytes, struct acts a, float *out) {
-    switch (kind) {  /* one inlined copy a format */
-        case Q4_0: row_pair(Q4_0, w8, row_bytes, a, out); break;
-        case Q4_1: row_pair(Q4_1, w8, row_bytes, a, out); break;
-        case Q5_0: row_pair(Q5_0, w8, row_bytes, a, out); break;
-        case Q5_1: row_pair(Q5_1, w8, row_bytes, a, out); break;
-        case Q8_0: row_pair(Q8_0, w8, row_bytes, a, out); break;
-        case Q4_K: row_pair(Q4_K, w8, row_bytes, a, out); break;
-        case Q5_K: row_pair(Q5_K, w8, row_bytes, a, out); break;
-        default: row_pair(Q6_K, w8, row_bytes, a, out); break;
+#define PAIR_FORMATS(M)                                                   \
+    switch (kind) { /* one inlined copy a format */                       \
+        case Q4_0: row_pair(Q4_0, w8, row_bytes, a, M, ldy, out); break;  \
+        case Q4_1: row_pair(Q4_1, w8, row_bytes, a, M, ldy, out); break;  \
+        case Q5_0: row_pair(Q5_0, w8, row_bytes, a, M, ldy, out); break;  \
+        case Q5_1: row_pair(Q5_1, w8, row_bytes, a, M, ldy, out); break;  \
+        case Q8_0: row_pair(Q8_0, w8, row_bytes, a, M, ldy, out); break;  \
+        case Q4_K: row_pair(Q4_K, w8, row_bytes, a, M, ldy, out); break;  \
+        case Q5_K: row_pair(Q5_K, w8, row_bytes, a, M, ldy, out); break;  \
+        default: row_pair(Q6_K, w8, row_bytes, a, M, ldy, out); break;    \
+    }
+
+static void pair(int kind, const uint8_t *w8, int64_t row_bytes, struct acts a, int64_t M, int64_t ldy, float *out) {
+    switch (M) {  /* one copy a count of rows, each unrolled */
+        case 1: PAIR_FORMATS(1) break;
+        case 2: PAIR_FORMATS(2) break;
+        default: PAIR_FORMATS(3) break;
     }
 }
 #else
@@ -310,22 +324,22 @@ static void team_matmul(const struct matrix *w, const float *x, int64_t M, int64
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < M; t++)
         quantize_row(x + t * width, K, p, s.a + t * K, s.xq + t * K, s.dx + t * nb, s.sx + t * nb);
+    int even = 1;
+    for (int64_t q = 0; q < w->parts; q++) even &= w->rows[q] % 2 == 0;
 #ifdef __AVX2__
-    if (M > 1) {
+    if (M > FEW || !even) {
 #pragma omp for schedule(static)
         for (int64_t tile = 0; tile < (M + ROWS - 1) / ROWS; tile++) interleave(s, M, K, tile);
     }
 #endif
-    int even = 1;
-    for (int64_t q = 0; q < w->parts; q++) even &= w->rows[q] % 2 == 0;
 #ifdef __AVX2__
-    if (M == 1 && even) {
+    if (M <= FEW && even) {
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < N; n += 2) {
             const uint8_t *w8;
             int64_t row_bytes;
             const int kind = (int)w->kind[part_of(w, K, n, &w8, &row_bytes)];
-            pair(kind, w8, row_bytes, a, y + n);
+            pair(kind, w8, row_bytes, a, M, N, y + n);
         }
     } else
 #endif
