@@ -86,6 +86,7 @@ def test_a_row_gets_the_same_product_to_the_bit_whatever_else_is_in_the_batch(ki
         assert torch.equal(packed.matmul(x[i:i + 1], residual[i:i + 1], norm), batch[i:i + 1]), i
     for rows in (slice(2, 4), slice(2, 5), slice(2, 6)):
         assert torch.equal(packed.matmul(x[rows], residual[rows], norm), batch[rows]), rows
+    assert packed.matmul(x[:0]).shape == (0, 64)  # a pass with no row to project (a prompt's middle chunk)
 
 
 def test_the_kernel_does_the_layers_steps_before_and_after_the_product():

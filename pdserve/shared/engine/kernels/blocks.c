@@ -196,7 +196,8 @@ static void pair(int kind, const uint8_t *w8, int64_t row_bytes, struct acts a, 
     switch (M) {  /* one copy a count of rows, each unrolled */
         case 1: PAIR_FORMATS(1) break;
         case 2: PAIR_FORMATS(2) break;
-        default: PAIR_FORMATS(3) break;
+        case 3: PAIR_FORMATS(3) break;
+        default: break;
     }
 }
 #else
@@ -327,13 +328,13 @@ static void team_matmul(const struct matrix *w, const float *x, int64_t M, int64
     int even = 1;
     for (int64_t q = 0; q < w->parts; q++) even &= w->rows[q] % 2 == 0;
 #ifdef __AVX2__
-    if (M > FEW || !even) {
+    if (M > FEW || !even) {  /* (M = 0: no row of x, nothing to do) */
 #pragma omp for schedule(static)
         for (int64_t tile = 0; tile < (M + ROWS - 1) / ROWS; tile++) interleave(s, M, K, tile);
     }
 #endif
 #ifdef __AVX2__
-    if (M <= FEW && even) {
+    if (M >= 1 && M <= FEW && even) {
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < N; n += 2) {
             const uint8_t *w8;
