@@ -1,9 +1,12 @@
 """Speculative decoding (pdserve/shared/engine/speculative.py) behind the real Engine on the fake model, whose
 logits are a function of each row alone: drafts kept or refused change no token (greedy or seeded sampling), a
 stop inside a kept draft ends the sequence there, the prefix cache holds only kept tokens, a handoff continues
-the same stream; the prompt-lookup drafter; the accept rule keeps the sampler's distribution."""
+the same stream, a grammar cuts the drafts it refuses; the prompt-lookup drafter; the accept rule keeps the
+sampler's distribution."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ from helpers import run_all, tokens, transfer
 
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.engine import Engine
+from pdserve.shared.engine.grammar import Grammar, Grammars
 from pdserve.shared.engine.sampler import sample
 from pdserve.shared.engine.sequence import SamplingParams, Sequence
 from pdserve.shared.engine.speculative import PromptLookup, best_length, lookup, rows, runs
@@ -64,6 +68,42 @@ def test_drafts_kept_or_refused_change_no_token(fake, reference, name, wrong_eve
     assert stats.accepted > 0 and (stats.accepted < stats.drafted) == bool(wrong_every)
     if not wrong_every:  # 4 drafts kept a pass: about 30 / 5 passes a request, not 30
         assert stats.passes <= 12
+
+
+class Refused(Oracle):
+    """The oracle's drafts with their second token one the grammar refuses."""
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        return [d[:1] + [ord("z")] + d[2:] if len(d) > 1 else d for d in super().propose(seqs, limits)]
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_drafts_under_a_grammar_follow_its_mask_and_are_cut_where_it_refuses(fake, params):
+    """Each draft row is masked as the grammar stands after the draft before it, so the tokens are those without
+    speculation; a draft token the grammar refuses is cut before the pass (never computed, never scored)."""
+    params = dataclasses.replace(params, grammar=Grammar("regex", r"[0-9a-f]{24}"), ignore_eos=False)
+
+    def run(k: int, drafter=None) -> tuple[Engine, dict[str, list[int]]]:
+        eng = Engine(fake, EngineConfig(num_blocks=256, speculative_tokens=k))
+        vocab = [bytes([i]) if i < 128 else b"" for i in range(eng.model_config.vocab_size)]
+        eng.grammars = Grammars(vocab, eng.eos_token_ids)
+        if drafter is not None:
+            eng.speculator.drafter = drafter
+        for rid, ids in PROMPTS.items():
+            eng.add_request(rid, ids, params)
+        outs = run_all(eng)
+        assert eng.num_free_blocks == eng.num_blocks
+        return eng, {rid: tokens(outs[rid]) for rid in PROMPTS}
+
+    want = run(0)[1]
+    assert all(bytes(t for t in out if t < 128).decode()[:24].isalnum() for out in want.values()), want
+    for drafter, cut in ((Oracle(want), False), (Oracle(want, wrong_every=3), False), (Refused(want), True)):
+        eng, got = run(4, drafter)
+        assert got == want
+        stats = eng.speculator.stats
+        assert stats.accepted > 0
+        if cut:  # only each draft's first token reached the pass, and it was right
+            assert stats.drafted == stats.accepted
 
 
 @pytest.mark.parametrize("name", ["greedy", "seeded"])
@@ -221,6 +261,7 @@ def test_the_api_field_and_the_worker_setting_reach_the_engine():
     from pydantic import ValidationError
 
     from pdserve.services.gateway.errors import describe, plain
+    from pdserve.services.gateway.responses_request import ResponsesRequest
     from pdserve.services.gateway.schemas import ChatCompletionRequest, CompletionRequest
     from pdserve.shared.config import WorkerSettings
     from pdserve.shared.engine.config import ModelConfig
@@ -236,6 +277,11 @@ def test_the_api_field_and_the_worker_setting_reach_the_engine():
             with pytest.raises(ValidationError) as e:
                 model.model_validate({**body, "speculative_tokens": bad})
             assert describe(plain(e.value.errors()))[1] == "speculative_tokens"
+    responses = ResponsesRequest.model_validate({"model": "m", "input": "hi", "speculative_tokens": 4})
+    assert responses.as_chat().sampling(8).to_engine().speculative_tokens == 4
+    with pytest.raises(ValidationError) as e:
+        ResponsesRequest.model_validate({"model": "m", "input": "hi", "speculative_tokens": 17})
+    assert describe(plain(e.value.errors()))[1] == "speculative_tokens"
     cfg = engine_config(WorkerSettings(speculative_tokens=3), ModelConfig.tiny(), torch.float32)
     assert cfg.speculative_tokens == 3 and engine_config(WorkerSettings(), ModelConfig.tiny(),
                                                          torch.float32).speculative_tokens == 0

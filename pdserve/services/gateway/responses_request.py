@@ -16,6 +16,7 @@ from pydantic import Discriminator, Field, Tag, ValidationError, field_validator
 from pdserve.services.gateway.errors import APIError, describe, plain
 from pdserve.services.gateway.parts import Body, FunctionDef, JSONSchemaFormat, Strict, refuse
 from pdserve.services.gateway.schemas import MAX_TEMPLATE_KWARGS_CHARS, ChatCompletionRequest
+from pdserve.shared.engine.sequence import MAX_SPECULATIVE_TOKENS
 
 KEEPS_NOTHING = "this server keeps no responses: send the whole conversation in 'input'"
 REFUSED = {
@@ -147,6 +148,8 @@ class ResponsesRequest(Body):
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, max_length=32, description=f"extension, vLLM's: as a chat request's (at most "
         f"{MAX_TEMPLATE_KWARGS_CHARS} characters)")
+    speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS,
+                                           description="extension: as a chat request's (speculative decoding)")
 
     @field_validator("input", mode="before")
     @classmethod
@@ -170,7 +173,8 @@ class ResponsesRequest(Body):
         body: dict[str, Any] = {
             "model": self.model, "messages": self.messages(), "max_tokens": self.max_output_tokens,
             "temperature": self.temperature, "top_p": self.top_p, "stream": self.stream,
-            "parallel_tool_calls": self.parallel_tool_calls, "chat_template_kwargs": self.chat_template_kwargs}
+            "parallel_tool_calls": self.parallel_tool_calls, "chat_template_kwargs": self.chat_template_kwargs,
+            "speculative_tokens": self.speculative_tokens}
         if self.tools:
             body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                              for t in self.tools]

@@ -123,15 +123,44 @@ def choice_ebnf(choices: list[str]) -> str:
 
 
 class Matcher:
-    """Where one sequence is in its grammar."""
+    """Where one sequence is in its grammar; `draft`: the tokens its pass's rows after the first
+    assume (speculative.py), each row masked as the grammar stands after the draft before it."""
 
     def __init__(self, compiled: xgr.CompiledGrammar):
         import xgrammar as xgr
         self._m = xgr.GrammarMatcher(compiled)
+        self.draft: list[int] = []
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Row `row` of `bitmask` (B, ceil(vocab/32)) int32: bit t set where token t may come next."""
         self._m.fill_next_token_bitmask(bitmask, row)
+
+    def fill_rows(self, bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Rows `rows` (the sequence's row, then its draft's) as `fill` sets them, row j after the
+        draft's first j tokens; the state is the same after as before."""
+        taken = 0
+        for j, row in enumerate(rows):
+            self.fill(bitmask, row)
+            if j + 1 < len(rows):
+                if not self._m.accept_token(self.draft[j]):
+                    raise ValueError(f"draft token {self.draft[j]} leaves the grammar (cut it first: allows)")
+                taken += 1
+        if taken:
+            self._m.rollback(taken)
+
+    def allows(self, tokens: list[int]) -> int:
+        """How many of `tokens`, in order, the grammar takes from here short of its end (a draft
+        stops before the stop token: no row is masked past it); the state is unchanged."""
+        n = 0
+        while n < len(tokens) and self._m.accept_token(tokens[n]):
+            n += 1
+            if self._m.is_terminated():
+                n -= 1
+                self._m.rollback(1)
+                break
+        if n:
+            self._m.rollback(n)
+        return n
 
     def accept(self, token: int) -> bool:
         """Advance by `token`; False (state unchanged) where the grammar does not allow it."""
@@ -254,7 +283,7 @@ def token_table(tokenizer: Tokenizer, vocab_size: int) -> list[bytes]:
 
 def mask_rows(logits: torch.Tensor, matchers: dict[int, Matcher]) -> None:
     """Set to -inf, in place, each logit of row r (of logits (B, vocab)) that would leave
-    matchers[r]'s grammar.
+    matchers[r]'s grammar (consecutive rows of one matcher: its token's, then its draft's).
 
     On the CPU the bitmask is unpacked with numpy and the rows written with one masked copy:
     about 4x faster than xgrammar's CPU kernel on mostly-masked rows of this vocabulary (0.3
@@ -263,8 +292,14 @@ def mask_rows(logits: torch.Tensor, matchers: dict[int, Matcher]) -> None:
     import xgrammar as xgr
     rows, vocab = list(matchers), logits.shape[1]
     bitmask = xgr.allocate_token_bitmask(logits.shape[0], vocab)
-    for row, m in matchers.items():
-        m.fill(bitmask, row)
+    runs: list[list[int]] = []  # a sequence's rows are one run: its token's row, then its draft's (one matcher)
+    for row in rows:
+        if runs and row == runs[-1][-1] + 1 and matchers[row] is matchers[runs[-1][0]]:
+            runs[-1].append(row)
+        else:
+            runs.append([row])
+    for run in runs:
+        matchers[run[0]].fill_rows(bitmask, run)
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or sys.byteorder != "little":
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
         return

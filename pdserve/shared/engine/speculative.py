@@ -24,9 +24,10 @@ KV: the draft's blocks are taken within the pass's token budget (max_batched_tok
 preempting; a rejected position's KV lies past the sequence's end, is overwritten when a real token gets there,
 and never enters the prefix cache (a block is hashed once its tokens are all computed and kept: engine.py).
 
-Per request: `SamplingParams.speculative_tokens` (None: `EngineConfig.speculative_tokens`; 0: off). Off for a
-request with a grammar (its mask would have to follow the draft), penalties or a logit bias (they read the tokens
-before each row), and while `min_tokens` holds its end back; log probabilities are each row's own, so they stay on.
+Per request: `SamplingParams.speculative_tokens` (None: `EngineConfig.speculative_tokens`; 0: off). With a grammar,
+a draft is cut at the first token the grammar refuses, and each row is masked as the grammar stands after the draft
+before it (grammar.py: `Matcher.fill_rows`). Off for penalties or a logit bias (they read the tokens before each
+row), and while `min_tokens` holds its end back; log probabilities are each row's own, so they stay on.
 A draft's length follows the sequence's recent hit rate (`best_length`: the most tokens per pass time, a draft row
 costing `ROW_COST` of a pass); where no length pays, the sequence drafts nothing and keeps guessing without computing
 its guesses, and drafts again once they come right (free chat pays little).
@@ -105,8 +106,7 @@ class Speculator:
         still generate (the bonus token is one) and the context; 0 where speculation is off for it."""
         p = seq.params
         k = self.default_tokens if p.speculative_tokens is None else p.speculative_tokens
-        if k <= 0 or seq.matcher is not None or seq.pending is not None or p.penalized \
-                or seq.num_generated < p.min_tokens:
+        if k <= 0 or seq.pending is not None or p.penalized or seq.num_generated < p.min_tokens:
             return 0
         return max(0, min(k, p.max_tokens - seq.num_generated - 1, self.max_position - len(seq.token_ids)))
 
@@ -122,8 +122,12 @@ class Speculator:
             if proposal and not length:
                 seq.drafting.guess = proposal[0]
             draft = proposal[:max(0, min(length, budget))]
+            if draft and seq.matcher is not None:  # up to the first token its grammar refuses
+                draft = draft[:seq.matcher.allows(draft)]
             if draft:
                 draft = draft[:_room(seq, len(draft), blocks)]
+            if seq.matcher is not None:
+                seq.matcher.draft = draft
             budget -= len(draft)
             drafts.append(draft)
         if any(drafts):
