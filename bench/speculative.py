@@ -158,7 +158,7 @@ def main() -> None:
     ap.add_argument("--ks", type=int, nargs="+", default=[3, 5], help="draft lengths measured beside off")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    loaded = load(MODEL)
+    loaded = load(MODEL, weights="auto")  # as a worker loads it (PD_WEIGHTS auto: the file's own blocks on CPU)
     results = measure(loaded, args.ks, args.tokens, args.rounds)
     summary = {}
     for name, r in results.items():
@@ -173,7 +173,8 @@ def main() -> None:
         row["identical"] = all(a["identical"] for a in r["arms"].values())
         summary[name] = row
     OUT.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "model_name": cpu_model(), "threads": args.threads},
-                               "model": MODEL, "weights": "native", "max_tokens": args.tokens, "rounds": args.rounds,
+                               "model": MODEL, "weights": loaded.weights, "max_tokens": args.tokens,
+                               "rounds": args.rounds,
                                "summary": summary, "workloads": results}, indent=1) + "\n")
     print(json.dumps(summary, indent=1))
     print(f"wrote {OUT}")

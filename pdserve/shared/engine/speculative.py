@@ -28,8 +28,8 @@ Per request: `SamplingParams.speculative_tokens` (None: `EngineConfig.speculativ
 a draft is cut at the first token the grammar refuses, and each row is masked as the grammar stands after the draft
 before it (grammar.py: `Matcher.fill_rows`). Off for penalties or a logit bias (they read the tokens before each
 row), and while `min_tokens` holds its end back; log probabilities are each row's own, so they stay on.
-A draft's length follows the sequence's recent hit rate (`best_length`: the most tokens per pass time, a draft row
-costing `ROW_COST` of a pass); where no length pays, the sequence drafts nothing and keeps guessing without computing
+A draft's length follows the sequence's recent hit rate (`best_length`: the most tokens per pass time, a pass of n
+rows costing `pass_cost(n)`); where no length pays, the sequence drafts nothing and keeps guessing without computing
 its guesses, and drafts again once they come right (free chat pays little).
 """
 
@@ -43,7 +43,10 @@ from pdserve.shared.engine.block_manager import BlockManager, OutOfBlocks
 from pdserve.shared.engine.sequence import Sequence
 
 HIT_WEIGHT = 0.15  # a guess's weight in a sequence's hit rate (a moving average over its last ~7)
-ROW_COST = 0.1     # a draft row's cost, a share of a one-sequence decode pass's (SmolLM2 native on CPU)
+# a pass of n rows' time, a share of a one-row pass's (index n - 1): SmolLM2 native on CPU, 2 threads (AMD EPYC),
+# the file's blocks taken two output rows at a time against 1-3 rows, then a tile of 8 rows (kernels/blocks.c)
+PASS_COST = (1.0, 1.42, 1.95, 2.25, 2.35, 2.44, 2.55, 2.69)
+TILE_ROW_COST = 0.15  # each row past 8 (a second tile costs less than the first)
 MIN_GAIN = 1.1     # a draft is worth its rows where it is expected to give this many tokens per pass time, or more
 
 T = TypeVar("T")
@@ -150,15 +153,20 @@ class Speculator:
             state.hit_rate += HIT_WEIGHT * (hit - state.hit_rate)
 
 
+def pass_cost(rows: int) -> float:
+    """A pass of `rows` decode rows' time, a share of a one-row pass's."""
+    return PASS_COST[rows - 1] if rows <= len(PASS_COST) else PASS_COST[-1] + TILE_ROW_COST * (rows - len(PASS_COST))
+
+
 def best_length(hit_rate: float, limit: int) -> int:
     """The draft length up to `limit` expected to give the most tokens per unit of pass time, each draft token kept
-    with probability `hit_rate` where the one before it was: (1 + a + ... + a^j) / (1 + ROW_COST·j); 0 where none
+    with probability `hit_rate` where the one before it was: (1 + a + ... + a^j) / pass_cost(1 + j); 0 where none
     reaches MIN_GAIN."""
     best, best_gain, expected = 0, MIN_GAIN, 1.0
     for j in range(1, limit + 1):
         expected += hit_rate ** j
-        if expected / (1 + ROW_COST * j) > best_gain:
-            best, best_gain = j, expected / (1 + ROW_COST * j)
+        if expected / pass_cost(1 + j) > best_gain:
+            best, best_gain = j, expected / pass_cost(1 + j)
     return best
 
 
