@@ -2,8 +2,9 @@
 needs torch, transformers, numpy and Triton (and xxhash, tqdm, tokenizers, safetensors, which transformers'
 images carry), no pydantic, no gguf, nothing of deploy/ and no model file. Each step's time is printed.
 
-1. Triton gather / scatter equal torch's bit for bit, and Triton paged decode attention matches torch's
-   (CUDA only; the tests run them interpreted on a CPU).
+1. Triton gather / scatter equal torch's bit for bit, and both Triton paged decode attention kernels match
+   torch's and are timed at batch 1, 8, 32 and 2k context (scripts/gpu_attention.py; CUDA only; the tests
+   run them interpreted on a CPU).
 2. Random-weight Qwen2.5-1.5B, Llama-3.2-1B and Gemma-3-1B shapes (scripts/gpu_models.py), each built by
    transformers on the device: greedy tokens and log probabilities against transformers' forward, a KV
    export and a streamed handoff between two engines, the decode step at batch 1, 8, 32, 64 with a 2k-token
@@ -71,7 +72,12 @@ def kernels(device: str) -> dict:
         ref = torch_ref.paged_decode_attention(q.float(), pool.float(), tables, lens, 0.125)
         err = (out.float() - ref).abs().max().item()
         check(f"triton paged decode attention, batch {batch}", err < 2e-2, f"max abs err {err:.2e}")
-    return {}
+    del pool
+    torch.cuda.empty_cache()
+    import gpu_attention
+
+    attention = gpu_attention.decode_attention(device, check)
+    return {"decode_attention": attention, "unsplit_over_split": gpu_attention.speedups(attention)}
 
 
 def kv_path(root: Path, base: EngineConfig) -> dict:
@@ -149,6 +155,7 @@ def summary(out: dict) -> dict:
             models[name]["batch1_over_hbm_bound"] = round(first["over_bound"], 2)
     return {"device": out["device"], "dtype": out["dtype"], "shapes": out["shapes"], "passed": not FAILURES,
             "failed": len(FAILURES), "models": models, "services": out["services"].get("skipped", "ran"),
+            "decode_attention_unsplit_over_split": out["kernels"].get("unsplit_over_split", "not run"),
             "runtime_s": out["runtime_s"]}
 
 

@@ -315,8 +315,7 @@ class RouterSettings(Common):
     RENAMED = {"prefill_mode": ("placement", {"cost": "cheapest"}),
                "prefill_policy": ("prefill_choice", {"cost": "soonest"})}
     prefill_mode: CliSuppress[Literal["remote", "cost"] | None] = Field(None, description="placement's old name")
-    prefill_policy: CliSuppress[Literal["cost", "round_robin"] | None] = Field(
-        None, description="prefill_choice's old name")
+    prefill_policy: CliSuppress[Literal["cost", "round_robin"] | None] = Field(None, description="old prefill_choice")
 
 
 class WorkerSettings(Common):
@@ -333,6 +332,7 @@ class WorkerSettings(Common):
     mixed_batches: bool = Field(True, description="decode tokens and prompt chunks share a pass; off: they alternate")
     speculative_tokens: int = Field(0, ge=0, le=16, description="draft tokens a decode step (speculative.py); 0: off")
     threads: int = Field(0, ge=0, description="torch threads (0: torch's default)")
+    kernels: str = Field("auto", description="auto, torch, triton, triton-unsplit or c (engine/kernels/__init__.py)")
     core_board: str = Field("", description="a file that the workers sharing this host's cores map: prefill "
                             "workers lend their threads to a decode worker between passes (pdserve/shared/cores.py)")
     weights: Literal["auto", "fp32", "native"] = Field(

@@ -71,7 +71,7 @@ def engine_config(settings: WorkerSettings, model: ModelConfig, dtype: torch.dty
                        max_num_seqs=settings.max_num_seqs or unset["max_num_seqs"],
                        max_batched_tokens=settings.max_batched_tokens or unset["max_batched_tokens"],
                        prefill_chunk=settings.prefill_chunk or unset["prefill_chunk"],
-                       mixed_batches=settings.mixed_batches, device=settings.device,
+                       mixed_batches=settings.mixed_batches, device=settings.device, kernels=settings.kernels,
                        pair_any_weights=settings.pair_any_weights, speculative_tokens=settings.speculative_tokens,
                        grammar_compile_threads=settings.grammar_compile_threads,
                        grammar_compile_timeout_s=settings.grammar_compile_timeout_s,

@@ -103,7 +103,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     device: str = "cpu"
     dtype: torch.dtype | None = None  # default: float32 on CPU, bfloat16 on CUDA
-    kernels: str = "auto"  # auto | torch | triton | c
+    kernels: str = "auto"  # auto | torch | triton | triton-unsplit | c (kernels/__init__.py)
     seed: int = 0  # for requests without a seed of their own
     pair_any_weights: bool = False  # the KV fingerprint leaves out the weights' format (loader.LoadedModel)
     grammar_compile_threads: int = 2  # grammars compiled at once, off the engine thread (grammar.py)
@@ -116,7 +116,7 @@ class EngineConfig:
             raise ValueError("set exactly one of num_blocks and kv_cache_gib")
         if self.prefill_chunk < self.block_size or self.prefill_chunk > self.max_batched_tokens:
             raise ValueError("need block_size <= prefill_chunk <= max_batched_tokens")
-        if self.kernels not in ("auto", "torch", "triton", "c"):
+        if self.kernels not in ("auto", "torch", "triton", "triton-unsplit", "c"):
             raise ValueError(f"unknown kernels backend {self.kernels!r}")
         if self.speculative_tokens < 0:
             raise ValueError("speculative_tokens must be >= 0")
