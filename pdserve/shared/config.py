@@ -286,8 +286,7 @@ class RouterSettings(Common):
                                 "causes each running stream")
     prefill_choice: Literal["soonest", "round_robin"] = Field(
         "soonest", description="which prefill worker takes a prompt; soonest: the one predicted to have its "
-        "first token soonest (its queue, its cached prefix, its rate; recompute_weight); round_robin: in turn "
-        "(baseline)")
+        "first token soonest (its queue, its cached prefix, its rate; recompute_weight); round_robin: in turn")
     recompute_weight: float = Field(8.0, ge=0, description="prefill_choice=soonest: weight of recomputing tokens "
                                     "another worker already caches (0: fastest first token per request; "
                                     "`make eval-router` sweeps it)")
@@ -340,6 +339,7 @@ class WorkerSettings(Common):
         "pdserve/shared/engine/weights.py); fp32: every matrix dequantized; auto: native for a GGUF on CPU, else fp32")
     pair_any_weights: bool = Field(False, description="exchange KV with workers computing with the other weights' "
                                    "format (their KV differs in its last bits); set on both pools")
+    pass_target_ms: float = Field(0.0, ge=0, description="a mixed pass's step-time objective (pass_time.py); 0: off")
     kv_transport: Literal["ucx", "none"] = Field("ucx", description=(
         "KV between hosts (and on one host when it does not fit the segment): ucx; none: the same-host segment only, "
         "no UCX loaded (KV it cannot carry is prefilled on the decode worker)"))

@@ -75,7 +75,8 @@ def engine_config(settings: WorkerSettings, model: ModelConfig, dtype: torch.dty
                        pair_any_weights=settings.pair_any_weights, speculative_tokens=settings.speculative_tokens,
                        grammar_compile_threads=settings.grammar_compile_threads,
                        grammar_compile_timeout_s=settings.grammar_compile_timeout_s,
-                       grammar_compiles_per_tenant=settings.grammar_compiles_per_tenant)
+                       grammar_compiles_per_tenant=settings.grammar_compiles_per_tenant,
+                       pass_target_ms=settings.pass_target_ms)
     if kind == "cuda" and settings.kv_blocks is None:
         cfg = replace(cfg, num_blocks=blocks_in_memory(model, cfg, settings.kv_memory_fraction))
     return cfg

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -52,6 +53,7 @@ from pdserve.shared.engine.kv_handoff import KVHandoff
 from pdserve.shared.engine.kv_io import KVExport, KVPiece, Reservation
 from pdserve.shared.engine.loader import LoadedModel
 from pdserve.shared.engine.logprobs import Logprob
+from pdserve.shared.engine.pass_time import PassTimes
 from pdserve.shared.engine.runner import ModelRunner, score_prompts
 from pdserve.shared.engine.sampler import sample
 from pdserve.shared.engine.scheduler import Scheduler
@@ -103,6 +105,8 @@ class Engine:
         self.speculator = self.scheduler.speculator = speculative.Speculator(
             speculative.PromptLookup(), cfg.speculative_tokens, loaded.config.max_position)
         self.runner = ModelRunner(loaded.model, loaded.config, cfg, self.num_blocks)
+        self.pass_times = PassTimes(cfg.pass_target_ms / 1000, cfg.block_size)
+        self.scheduler.prompt_budget = self.pass_times.prompt_budget if cfg.pass_target_ms else None
         eos = set(loaded.config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -185,6 +189,7 @@ class Engine:
         self.last_pass = Pass(sched.num_decode, sched.prefill_tokens)
         if self.before_pass is not None:
             self.before_pass([seq for seq, _ in sched.chunks])
+        started = time.perf_counter()
         logits = self.runner.run(sched, self.handoff.layer_hook(sched, self.layer_hook))
         score_prompts(sched, logits)
         due = [seq for seq, _ in sched.chunks[:sched.num_decode]]  # (their KV counted as their tokens are kept)
@@ -196,6 +201,7 @@ class Engine:
         drafts = sched.drafts + [[]] * (len(due) - len(sched.drafts))
         rows, ahead = speculative.rows(due, drafts)
         tokens, lps = sample(logits[:len(rows)], rows, self.eos_token_ids, ahead)
+        self.pass_times.observe(sched.decode_rows, sched.prefill_tokens, time.perf_counter() - started)
         outputs = []
         for seq, draft, run in zip(due, drafts, speculative.runs(list(zip(tokens, lps)), drafts, tokens)):
             if seq.status is Status.WAITING:  # prompt done: leave the prefill queue

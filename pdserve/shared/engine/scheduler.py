@@ -152,6 +152,7 @@ class Scheduler:
         self._alone_last = False  # the last pass was a sequence's alone
         self.num_preemptions = 0
         self.speculator: Speculator | None = None  # drafts for the decode sequences (set by the engine)
+        self.prompt_budget: Callable[[int], int | None] | None = None  # pass_time.py (set by the engine)
 
     def add(self, seq: Sequence, held: bool = False) -> None:
         seq.status = Status.WAITING
@@ -194,8 +195,9 @@ class Scheduler:
         if self.cfg.mixed_batches:
             sched = self._schedule_decode(running) if running else Schedule([])
             if waiting:
-                sched.chunks += self._schedule_prefill(mixed_budget(self.cfg.max_batched_tokens, sched.decode_rows),
-                                                       waiting).chunks
+                budget = mixed_budget(self.cfg.max_batched_tokens, sched.decode_rows)
+                bound = self.prompt_budget(sched.decode_rows) if self.prompt_budget is not None else None
+                sched.chunks += self._schedule_prefill(budget if bound is None else min(budget, bound), waiting).chunks
             return sched if sched.chunks or sched.preempted else None
         if prefill_next(bool(waiting), bool(running), self._last_was_decode):
             prefill = self._schedule_prefill(self.cfg.max_batched_tokens, waiting)
