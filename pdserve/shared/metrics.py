@@ -97,7 +97,8 @@ PREFILL_SECONDS = Histogram("pd_prefill_seconds", "A prefill job's compute: take
 
 # -- KV transfer (prefill side: sent; decode side: received) -------------------------------------
 KV_BYTES = Counter("pd_kv_transfer_bytes", "KV bytes sent to decode workers (transport "
-                   "'segment': placed in shared memory for one on the same host)", ["transport"])
+                   "'segment': placed in shared memory for one on the same host; 'device': read from the pool "
+                   "by one on the same host with its pool on a GPU too)", ["transport"])
 KV_SECONDS = Histogram("pd_kv_transfer_seconds", "A handoff's exposed part: from the prefill's last layer to the "
                        "decode side's ack (earlier layers stream while later ones compute)", buckets=LATENCY)
 KV_FAILURES = Counter("pd_kv_transfer_failures", "Handoffs that ended without the decode side's ack")

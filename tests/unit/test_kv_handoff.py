@@ -13,6 +13,7 @@ from helpers import run_all, tokens
 from localbus import LocalBus
 
 from pdserve.shared import subjects
+from pdserve.shared.engine import kv_device
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.engine import Engine
 from pdserve.shared.engine.sequence import SamplingParams
@@ -48,13 +49,14 @@ def expected(tiny, prompt=PROMPT):
 async def handoff(src: Engine, dst: Engine, prompt=PROMPT, rid="r", faults: Faults | None = None,
                   fingerprint: str | None = None, max_sends: int = 3, encoding="native", piece_bytes=8 << 20,
                   bus: LocalBus | None = None, before_wait=None, segment: Segment | None = None,
-                  decode_host: str | None = None, transport: str = "fake"):
-    """Prefill on src streaming to dst (through `segment` when given: the same host); returns
-    (tokens, sender handoff, receiver, bus)."""
+                  decode_host: str | None = None, transport: str = "fake", pool: kv_device.PoolHandle | None = None):
+    """Prefill on src streaming to dst (through `segment` when given, or src's shared `pool`: the same
+    host); returns (tokens, sender handoff, receiver, bus)."""
     bus = bus or LocalBus()
-    # the same host's segment in front of the transport, as the workers have it (pdserve/shared/kv/same_host.py)
-    tx = SameHost(create_transport(transport, faults=faults), segment)
-    rx_transport = SameHost(create_transport("fake"), segments=Segments())
+    # the same host's paths in front of the transport, as the workers have them (pdserve/shared/kv/same_host.py)
+    tx = SameHost(create_transport(transport, faults=faults), segment, pool=pool)
+    rx_transport = SameHost(create_transport("fake"), segments=Segments(),
+                            pools=kv_device.Pools(pool.kind) if pool is not None else None)
 
     async def read_blocks(r, layer, first, n):
         return src.kv_blocks(r, layer, first, n)
@@ -67,10 +69,11 @@ async def handoff(src: Engine, dst: Engine, prompt=PROMPT, rid="r", faults: Faul
     rx = inbox.add(KVReceiver.for_engine(dst, res, 1 << 20, rx_transport, bus, "p", max_sends, SECRET))
     await inbox.start()
     if decode_host is None:
-        decode_host = segment.host if segment else ""
+        decode_host = segment.host if segment else tx.host
     job = PrefillJob(request_id=rid, prompt_token_ids=prompt, sampling=Sampling(), decode_worker="d",
                      decode_address=rx_transport.address, decode_fingerprint=fingerprint or dst.fingerprint,
-                     first_block=res.first_block, kv_tag=1 << 20, decode_host=decode_host, secret=SECRET)
+                     first_block=res.first_block, kv_tag=1 << 20, decode_host=decode_host,
+                     decode_device=rx_transport.device, secret=SECRET)
     sink = await sender.open(job)
     h = sender.handoffs[rid]
     src.add_request(rid, prompt, PARAMS, prefill_only=True)
@@ -544,3 +547,48 @@ def test_handoff_messages_without_the_placements_mac_are_dropped_and_counted_bot
     assert not rx.outcome.done() and rx.end is None and rx.first_token is None
     assert not h.acked.done() and h.resent_blocks == 0
     assert metrics.FORGED_MESSAGES._value.get() == before + 8
+
+
+@pytest.mark.parametrize("piece_bytes", [0, 8 << 20], ids=["per-layer", "per-pass"])
+def test_kv_on_the_device_is_read_from_the_senders_pool_and_lands_as_the_host_paths_does(tiny, piece_bytes):
+    """Device-direct KV on one host (pdserve/shared/engine/kv_device.py) with the CPU stand-in of the IPC
+    handle, the prefill pool in shared memory: each notice names blocks of that pool and their sums, no
+    payload moves, and the decode pool ends exactly as the host path leaves it."""
+    src, dst = Engine(tiny, EngineConfig(**CHUNKED)), Engine(tiny, EngineConfig(num_blocks=64))
+    out, h, rx, bus = asyncio.run(handoff(src, dst, piece_bytes=piece_bytes, pool=kv_device.share(src.runner.kv)))
+    assert out == expected(tiny)
+    notices = bus.of_type(KVLayer)
+    assert notices and all(n.device is not None and n.segment is None for n in notices)
+    assert all(len(n.device.block_ids) == n.num_blocks for n in notices if n.device is not None)
+    assert h.device_bytes == h.bytes_sent == rx.bytes_received > 0 and rx.bad_blocks == 0
+    host_src, host_dst = Engine(tiny, EngineConfig(**CHUNKED)), Engine(tiny, EngineConfig(num_blocks=64))
+    host_out, host_h, _, _ = asyncio.run(handoff(host_src, host_dst, piece_bytes=piece_bytes))
+    assert host_out == out and host_h.device_bytes == 0
+    assert torch.equal(dst.runner.kv, host_dst.runner.kv)
+
+
+def test_a_wrong_sum_on_the_device_path_is_refused_and_its_block_comes_over_the_host_path(tiny):
+    src, dst = Engine(tiny, EngineConfig(**CHUNKED)), Engine(tiny, EngineConfig(num_blocks=64))
+    out, h, rx, bus = asyncio.run(handoff(src, dst, faults=Faults(corrupt_rate=1.0, corrupt_sends=1),
+                                          pool=kv_device.share(src.runner.kv)))
+    assert out == expected(tiny)
+    first = [n for n in bus.of_type(KVLayer) if n.resend == 0]
+    again = [n for n in bus.of_type(KVLayer) if n.resend > 0]
+    assert len(first) == 3 and all(n.device is not None for n in first)   # (one per pass)
+    assert rx.bad_blocks == rx.resends == h.resent_blocks == len(again) == 3
+    assert all(n.device is None and n.num_blocks == 1 for n in again)
+
+
+def test_kv_that_stays_wrong_on_the_device_path_fails_after_bounded_tries(tiny):
+    src, dst = Engine(tiny, EngineConfig(**CHUNKED)), Engine(tiny, EngineConfig(num_blocks=64))
+    with pytest.raises(KVFailed, match="still corrupt after 2 sends"):
+        asyncio.run(handoff(src, dst, faults=Faults(corrupt_rate=1.0, corrupt_sends=99), max_sends=2,
+                            pool=kv_device.share(src.runner.kv)))
+
+
+def test_the_device_path_is_taken_only_for_a_decode_worker_on_this_host_that_reads_pools(tiny):
+    src, dst = Engine(tiny, EngineConfig(**CHUNKED)), Engine(tiny, EngineConfig(num_blocks=64))
+    pool = kv_device.share(src.runner.kv)
+    out, h, _, bus = asyncio.run(handoff(src, dst, pool=pool, decode_host="elsewhere"))
+    assert out == expected(tiny) and h.device_bytes == 0
+    assert all(n.device is None for n in bus.of_type(KVLayer))

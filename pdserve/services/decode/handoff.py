@@ -62,6 +62,12 @@ class Handoffs:
         then place KV in their segments for it (pdserve/shared/kv/segment.py); "" when it reads none."""
         return self.transport.host if self.settings.kv_segment_bytes else ""
 
+    @property
+    def device(self) -> str:
+        """Its pool's kind for PrefillJob.decode_device where it reads a prefill worker's pool in place
+        (pdserve/shared/engine/kv_device.py); "": never."""
+        return self.transport.device if self.host else ""
+
     async def off_bus(self, worker: str) -> bool:
         """No connection of `worker` on the bus: the server says no responders to a Ping on its
         KVSync subject (a live worker subscribes to it)."""
@@ -86,7 +92,8 @@ class Handoffs:
                          decode_worker=self.id, decode_address=self.transport.address,
                          decode_fingerprint=self.engine.fingerprint, first_block=rx.res.first_block,
                          kv_tag=rx.kv_tag, generated_token_ids=req.generated_token_ids, attempt=req.attempt,
-                         requeued=requeued, decode_host=self.host, secret=req.secret, crashes=req.crashes)
+                         requeued=requeued, decode_host=self.host, decode_device=self.device, secret=req.secret,
+                         crashes=req.crashes)
         try:
             await self.bus.queue_prefill(rx.prefill_worker, job, ctx)
         except Exception as e:  # noqa: BLE001 - NATS or the stream away: prefill here

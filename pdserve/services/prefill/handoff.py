@@ -88,14 +88,16 @@ class Handoffs:
                 log.warning("%s: KV handoff ended without the decode side's ack: %s", rid, ack.error)
             exposed_s = time.monotonic() - record.computed_at
             record.end_kv(acked=ack.ok, error=ack.error, bytes=h.bytes_sent, segment_bytes=h.segment_bytes,
-                        pieces=h.pieces, resent_blocks=h.resent_blocks, skipped_blocks=job.first_block,
-                        exposed_ms=round(1e3 * exposed_s, 3))  # last layer computed -> decode side's ack
+                          device_bytes=h.device_bytes, pieces=h.pieces, resent_blocks=h.resent_blocks,
+                          skipped_blocks=job.first_block,
+                          exposed_ms=round(1e3 * exposed_s, 3))  # last layer computed -> decode side's ack
         except Exception as e:  # noqa: BLE001 - the decode side falls back to a local prefill on its deadline
             log.warning("%s: KV handoff failed: %s", rid, e)
             record.end_kv(acked=False, error=str(e))
         finally:
-            metrics.KV_BYTES.labels(self.sender.transport.name).inc(h.bytes_sent - h.segment_bytes)
+            metrics.KV_BYTES.labels(self.sender.transport.name).inc(h.bytes_sent - h.segment_bytes - h.device_bytes)
             metrics.KV_BYTES.labels("segment").inc(h.segment_bytes)
+            metrics.KV_BYTES.labels("device").inc(h.device_bytes)
             metrics.KV_RESENT.inc(h.resent_blocks)
             metrics.KV_SECONDS.observe(time.monotonic() - record.computed_at)
             if not acked:

@@ -61,6 +61,7 @@ from pdserve.services.prefill.watch import DecodeWatch
 from pdserve.shared import macs, metrics, streams, subjects
 from pdserve.shared.bus import Bus, after_reconnects, context_of
 from pdserve.shared.config import PrefillSettings
+from pdserve.shared.engine import kv_device
 from pdserve.shared.engine.engine import Engine
 from pdserve.shared.engine.kv_io import KVPiece
 from pdserve.shared.engine.sequence import Status
@@ -100,7 +101,8 @@ class PrefillWorker:
         self.id, self.host, self.tracer = self.core.id, self.core.host, tracer
         # KV to a decode worker on this host goes into this worker's segment (when it has one and it fits)
         segment = make_segment(settings.kv_segment_bytes, self.id, settings.kv_segment_scope)
-        self.transport = SameHost(transport, segment)
+        # and to one whose pool is on a device too, it stays in this worker's pool, read from there
+        self.transport = SameHost(transport, segment, pool=kv_device.share_on_device(engine.runner.kv))
         self.jobs = Jobs(bus)  # one record per job taken, until its ack
         self.sender = KVSender(SenderSettings.for_prefill(settings, self.id, engine.fingerprint), self.transport, bus,
                                WorkerHooks(self.read_blocks, self.given_up))
@@ -252,7 +254,8 @@ class PrefillWorker:
         sink = await self.sender.open(job, trace.set_span_in_context(kv_span))
         record = self.sender.handoffs[job.request_id]
         kv_span.set_attributes({"new_endpoint": record.new_endpoint,  # (the segment: where the payloads fit)
-                                "transport": "segment" if record.same_host else self.transport.name})
+                                "transport": "device" if record.device else "segment" if record.same_host
+                                else self.transport.name})
         try:
             await self.host.call(self.queue, job, sink)
         except Exception as e:  # noqa: BLE001 - refused (ValueError: the router validated it, so a bug),

@@ -14,7 +14,7 @@ import torch
 from pdserve.shared.engine.batch import LayerHook
 from pdserve.shared.engine.block_manager import BlockManager
 from pdserve.shared.engine.kv_copies import KVCopies
-from pdserve.shared.engine.kv_io import KVExport, KVPiece
+from pdserve.shared.engine.kv_io import KVExport, KVPiece, OnDevice
 from pdserve.shared.engine.runner import ModelRunner
 from pdserve.shared.engine.scheduler import Schedule
 from pdserve.shared.engine.sequence import Sequence, Status
@@ -92,8 +92,9 @@ class KVHandoff:
                 ready = torch.cuda.Event() if cuda else None
                 if ready is not None:  # (on the pool's device's stream, whichever device is the thread's)
                     ready.record(torch.cuda.current_stream(self.runner.device))
-                    data, ready = self.copies.to_host(data, ready)  # on the KV stream, into pinned memory
-                sink(KVPiece(rid, layer, first, data, ready, layer == last))
+                    if not isinstance(sink, OnDevice):
+                        data, ready = self.copies.to_host(data, ready)  # on the KV stream, into pinned memory
+                sink(KVPiece(rid, layer, first, data, ready, layer == last, tuple(ids)))
         return with_pieces
 
     # -- decode side -----------------------------------------------------------------------

@@ -6,7 +6,8 @@ pool, the engine hands `sink` a KVPiece: layer i of the blocks that pass complet
 receiver's `first_block` on). Its `data` is (n_blocks, 2, block_size, kv_heads, head_dim): a
 view of the pool when the blocks are adjacent (no copy), else one gather; on CUDA, a copy of
 that in pinned host memory made on the engine's KV stream (kv_copies.py), there once `ready`
-has passed.
+has passed — unless the sink is `OnDevice` (a device-direct handoff, kv_device.py: the receiver
+reads the pool itself, by the piece's `block_ids`): then `data` stays on the device.
 
 Whole (tests, tools): `export_kv` gathers every layer after the prefill (KVExport).
 
@@ -42,10 +43,21 @@ class KVPiece:
     data: torch.Tensor       # (n_blocks, 2, block_size, kv_heads, head_dim)
     ready: torch.cuda.Event | None = None  # to wait on before reading `data` (None on CPU): its copy to the host
     last: bool = False       # the pass's last layer: nothing more of this pass follows
+    block_ids: tuple[int, ...] = ()  # the pool's blocks `data` holds (streamed pieces; a re-read names none)
 
     @property
     def num_blocks(self) -> int:
         return self.data.shape[0]
+
+
+@dataclass(frozen=True)
+class OnDevice:
+    """A sink that takes its pieces where the pool is: `data` a view or gather of the pool, never copied to the host."""
+
+    sink: Callable[[KVPiece], None]
+
+    def __call__(self, piece: KVPiece) -> None:
+        self.sink(piece)
 
 
 @dataclass

@@ -18,11 +18,15 @@ import abc
 import asyncio
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import xxhash
 
-from pdserve.shared.messages import SegmentRef
+from pdserve.shared.messages import DeviceRef, SegmentRef
+
+if TYPE_CHECKING:
+    import torch
 
 TAG_SPAN = 1 << 20  # tags of one handoff: kv_tag .. kv_tag + TAG_SPAN - 1
 
@@ -110,6 +114,23 @@ class KVTransport(abc.ABC):
     async def read(self, owner: str, ref: SegmentRef, out: np.ndarray) -> None:
         """Copy the payload `owner` placed at `ref` into `out` (OSError: it cannot be had)."""
         raise OSError("this transport carries no placed payloads")
+
+    @property
+    def device(self) -> str:
+        """The kind of pool ("cuda") this process shares, or reads from a peer on its host, in place
+        (device-direct KV: pdserve/shared/engine/kv_device.py); "": none."""
+        return ""
+
+    @property
+    def pool_handle(self) -> str:
+        """This process's shared pool as a DeviceRef names it ("": none)."""
+        return ""
+
+    def read_device(self, owner: str, ref: DeviceRef, layers: tuple[int, int], block_shape: tuple[int, ...],
+                    dtype: torch.dtype) -> torch.Tensor:
+        """Layers [first, first + count) of the blocks at `ref` of `owner`'s pool, gathered on its device
+        (OSError: the pool cannot be had; ValueError: not laid out so). Blocking: run it off the event loop."""
+        raise OSError("this transport reads no pool")
 
     def has_endpoint(self, peer: str) -> bool:
         return False

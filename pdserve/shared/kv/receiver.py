@@ -7,7 +7,9 @@
    receive the payload (posted only now, when it is on its way) into a staging
    buffer (reused: pdserve/shared/kv/staging.py) — or copy it there from the sender's shared-memory
    segment when the notice says where (same host: pdserve/shared/kv/segment.py) — and check every
-   block against its checksum. Good blocks are decoded (native or
+   block against its checksum; or, for a notice that names blocks of the sender's pool on its
+   device (device-direct: pdserve/shared/engine/kv_device.py), gather them from that pool into a
+   buffer on the device and check their sums there. Good blocks are decoded (native or
    int8, pdserve/shared/kv/codec.py) and written into the reservation; bad ones are asked for again
    (KVResend to the notice's sender, fresh tag) up to `max_sends` sends in all, then the
    handoff fails.
@@ -35,12 +37,13 @@ from nats.aio.msg import Msg
 
 from pdserve.shared import macs, subjects
 from pdserve.shared.bus import Bus
+from pdserve.shared.engine import kv_device
 from pdserve.shared.engine.engine import Engine
 from pdserve.shared.engine.kv_io import Reservation
 from pdserve.shared.kv import codec
 from pdserve.shared.kv.base import TAG_SPAN, KVTransport, block_checksums
 from pdserve.shared.kv.staging import Staging
-from pdserve.shared.messages import CANCELLED, KVAck, KVEnd, KVLayer, KVResend, KVSync
+from pdserve.shared.messages import CANCELLED, DeviceRef, KVAck, KVEnd, KVLayer, KVResend, KVSync
 
 log = logging.getLogger("kv.receiver")
 WriteBlocks = Callable[[int, list[int], torch.Tensor], None]  # layer, block ids, data
@@ -141,20 +144,10 @@ class KVReceiver:
     async def _receive(self, n: KVLayer) -> None:
         try:
             start = self._check(n)
-            nb = n.num_blocks
-            row_bytes = codec.block_nbytes(n.encoding, self.pool.block_shape, self.pool.dtype)
-            staged = STAGING.take(n.num_layers * nb * row_bytes)
-            try:
-                if n.segment is None:
-                    await self.transport.recv(n.tag, staged)
-                else:   # (from the placed prefill worker's segment: no other)
-                    await self.transport.read(self.prefill_worker, n.segment, staged)
-            except Exception as e:  # noqa: BLE001 - UCX's error types, or the segment gone: the peer failed
-                raise KVBrokeOff(f"KV from {n.prefill_worker} broke off: {e or type(e).__name__}") from e
-            try:
-                await self._store(n, start, staged.reshape(n.num_layers * nb, row_bytes))
-            finally:
-                STAGING.give(staged)  # received in full: nothing writes it any more
+            if n.device is not None:
+                await self._pull(n, n.device, start)
+            else:
+                await self._take(n, start)
             self._check_done()
         except asyncio.CancelledError:
             raise
@@ -163,12 +156,49 @@ class KVReceiver:
         except Exception as e:  # noqa: BLE001 - whatever broke, the handoff fails (the decode side prefills locally)
             self.fail(str(e) or type(e).__name__)
 
-    async def _store(self, n: KVLayer, start: int, buf: np.ndarray) -> None:
-        """Verified blocks of a received payload into the reservation; bad ones asked for again."""
+    async def _take(self, n: KVLayer, start: int) -> None:
+        """A payload on the host path: received on its tag, or copied from the sender's segment."""
+        nb = n.num_blocks
+        row_bytes = codec.block_nbytes(n.encoding, self.pool.block_shape, self.pool.dtype)
+        staged = STAGING.take(n.num_layers * nb * row_bytes)
+        try:
+            if n.segment is None:
+                await self.transport.recv(n.tag, staged)
+            else:   # (from the placed prefill worker's segment: no other)
+                await self.transport.read(self.prefill_worker, n.segment, staged)
+        except Exception as e:  # noqa: BLE001 - UCX's error types, or the segment gone: the peer failed
+            raise KVBrokeOff(f"KV from {n.prefill_worker} broke off: {e or type(e).__name__}") from e
+        try:
+            buf = staged.reshape(n.num_layers * nb, row_bytes)
+            self.bytes_received += buf.nbytes
+            await self._store(n, start, block_checksums(buf), lambda a, b: codec.decode(
+                n.encoding, buf[a:b], self.pool.block_shape, self.pool.dtype))
+        finally:
+            STAGING.give(staged)  # received in full: nothing writes it any more
+
+    async def _pull(self, n: KVLayer, ref: DeviceRef, start: int) -> None:
+        """A device notice's blocks, read from the sender's pool into a buffer on the device (off the event
+        loop: the gather and the sums wait for the device), then stored as a received payload's."""
+        layers, shape, dtype = (n.layer, n.num_layers), self.pool.block_shape, self.pool.dtype
+        if len(ref.block_ids) != n.num_blocks:
+            raise KVFailed(f"{len(ref.block_ids)} pool blocks named for {n.num_blocks}")
+
+        def read() -> tuple[torch.Tensor, list[int]]:
+            rows = self.transport.read_device(self.prefill_worker, ref, layers, shape, dtype)
+            return rows, kv_device.block_sums(rows)
+        try:
+            rows, sums = await asyncio.to_thread(read)
+        except OSError as e:   # (the pool cannot be opened here: its owner gone, or another kind)
+            raise KVBrokeOff(f"KV from {n.prefill_worker}'s pool broke off: {e}") from e
+        self.bytes_received += rows.nbytes
+        await self._store(n, start, sums, lambda a, b: rows[a:b])
+
+    async def _store(self, n: KVLayer, start: int, sums: list[int], blocks: Callable[[int, int], torch.Tensor]) -> None:
+        """Verified blocks of a received payload into the reservation; bad ones asked for again.
+        `sums`: each block's checksum as received (layer-major); `blocks(a, b)`: blocks [a, b) of it."""
         nb = n.num_blocks
         self.pieces += 1
-        self.bytes_received += buf.nbytes
-        good = np.array([a == b for a, b in zip(block_checksums(buf), n.checksums)]).reshape(n.num_layers, nb)
+        good = np.array([a == b for a, b in zip(sums, n.checksums)]).reshape(n.num_layers, nb)
         if not good.all():
             self.bad_blocks += int((~good).sum())
             if n.resend + 1 >= self.max_sends:
@@ -177,10 +207,9 @@ class KVReceiver:
             log.warning("%s: layers %d+%d: %d corrupt blocks; asking for them again", self.rid, n.layer,
                         n.num_layers, (~good).sum())
         for i, layer in enumerate(range(n.layer, n.layer + n.num_layers)):
-            rows = buf[i * nb:(i + 1) * nb]
             for a, b in _runs(good[i], True):  # verified blocks go into the reservation
                 ids = list(self.res.block_ids[start + a:start + b])
-                self.pool.write(layer, ids, codec.decode(n.encoding, rows[a:b], self.pool.block_shape, self.pool.dtype))
+                self.pool.write(layer, ids, blocks(i * nb + a, i * nb + b))
                 self.have[layer, start + a:start + b] = True
             for a, b in _runs(good[i], False):  # asked for again, one layer at a time
                 self.resends += 1

@@ -11,7 +11,10 @@ One Handoff per request:
    per block, announced by one KVLayer notice on NATS and sent over the transport on a fresh
    tag — or, to a decode worker on this host, written into this worker's shared-memory
    segment (pdserve/shared/kv/segment.py) where the notice says, and not sent at all; its region is
-   held until the handoff ends. A short prompt costs one message, not one per layer: each
+   held until the handoff ends. Where both pools are on a device (device-direct: the decode worker
+   says `decode_device`, pdserve/shared/engine/kv_device.py), the layers stay in the pool: the
+   notice names their blocks and carries sums computed on the device, and the decode worker reads
+   them itself; re-sent blocks take the host path. A short prompt costs one message, not one per layer: each
    message takes event-loop time (and the GIL) from the pass it overlaps.
    A KVAck(not ok) at any time — the decode side gave up (its deadline, a cancel, a refusal)
    — ends the handoff and is passed to `given_up`: the prefill worker stops computing.
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,11 +49,12 @@ from opentelemetry import context, trace
 from pdserve.shared import macs, subjects
 from pdserve.shared.bus import Bus
 from pdserve.shared.config import PrefillSettings
-from pdserve.shared.engine.kv_io import KVPiece
+from pdserve.shared.engine import kv_device
+from pdserve.shared.engine.kv_io import KVPiece, OnDevice
 from pdserve.shared.engine.logprobs import Logprob
 from pdserve.shared.kv import codec
 from pdserve.shared.kv.base import TAG_SPAN, KVTransport, block_checksums
-from pdserve.shared.messages import KVAck, KVEnd, KVLayer, KVResend, KVSync, PrefillJob, SegmentRef
+from pdserve.shared.messages import DeviceRef, KVAck, KVEnd, KVLayer, KVResend, KVSync, PrefillJob, SegmentRef
 from pdserve.shared.tasks import Background
 
 log = logging.getLogger("kv.sender")
@@ -64,11 +69,13 @@ class Handoff:
     acked: asyncio.Future                        # the decode side's KVAck
     new_endpoint: bool                           # no endpoint to this peer existed before
     same_host: bool = False                      # payloads go into this worker's segment when they fit
+    device: bool = False                         # streamed layers stay in the pool: the decode side reads them
     next_tag: int = 0
     sends: set[asyncio.Task] = field(default_factory=set)
     pieces: int = 0
     bytes_sent: int = 0
     segment_bytes: int = 0                       # of those, placed in the segment
+    device_bytes: int = 0                        # of those, read by the decode side from the pool
     resent_blocks: int = 0
     error: str = ""                              # why the prefill side gave it up
     batch: list[KVPiece] = field(default_factory=list)  # layers not handed over yet (engine thread only)
@@ -123,8 +130,10 @@ class KVSender:
         loop = asyncio.get_running_loop()
         if (older := self.handoffs.get(job.request_id)) is not None:  # (the worker ends one before taking
             self._close(older)                                         # the next; never two at once)
-        h = Handoff(job, ctx, loop.create_future(), not self.transport.has_endpoint(job.decode_address),
-                    same_host=job.decode_host == self.transport.host != "")
+        same_host = job.decode_host == self.transport.host != ""
+        h = Handoff(job, ctx, loop.create_future(), not self.transport.has_endpoint(job.decode_address), same_host,
+                    device=same_host and job.decode_device == self.transport.device != "" and
+                    self.transport.pool_handle != "")
         self.handoffs[job.request_id] = h
         if job.decode_fingerprint != self.settings.fingerprint:
             await self.cancel(job.request_id, f"fingerprint mismatch: decode {job.decode_fingerprint}, "
@@ -136,7 +145,7 @@ class KVSender:
             if batch_ready(h.batch_bytes, piece.last, self.settings.piece_bytes):
                 batch, h.batch, h.batch_bytes = h.batch, [], 0
                 loop.call_soon_threadsafe(self._start_send, h, batch, 0)
-        return sink
+        return OnDevice(sink) if h.device else sink
 
     # -- 2. pieces -----------------------------------------------------------------------------
     def _start_send(self, h: Handoff, pieces: list[KVPiece], resend: int) -> None:
@@ -151,32 +160,62 @@ class KVSender:
         try:
             if pieces[-1].ready is not None:  # the gathers or the layers' kernels may still be running
                 await asyncio.to_thread(pieces[-1].ready.synchronize)  # (recorded in order on one stream)
-            # (layers x n_blocks, bytes) on the host: for "native" on CPU a view of the pool when
-            # it is one layer; a device tensor is staged to the host (checksums are of host bytes)
-            rows = [codec.encode(self.settings.encoding, p.data) for p in pieces]
-            if h.closed:
+            made: tuple[KVLayer, np.ndarray | None] | None
+            if h.device and pieces[0].block_ids:   # (a re-read names no blocks: it takes the host path)
+                made = await self._on_device(h, pieces, resend)
+            else:
+                made = self._on_host(h, pieces, resend)
+            if made is None or h.closed:
                 return
-            ref, host = self._place(h, rows)
-            if h.next_tag >= TAG_SPAN:
-                raise RuntimeError("handoff used up its tag range")
-            tag, h.next_tag = h.job.kv_tag + h.next_tag, h.next_tag + 1
-            first = pieces[0]
-            notice = KVLayer(request_id=h.job.request_id, prefill_worker=self.settings.worker_id,
-                             fingerprint=self.settings.fingerprint, tag=tag, layer=first.layer, num_layers=len(pieces),
-                             first_block=first.first_block, num_blocks=first.num_blocks,
-                             checksums=block_checksums(host), resend=resend, encoding=self.settings.encoding,
-                             segment=ref)
+            notice, payload = made
             h.pieces += 1
-            h.bytes_sent += host.nbytes  # counted when handed over: the ack may beat the send's completion
-            h.segment_bytes += host.nbytes if ref else 0
             # notice and payload go together: a cancellation between them would leave the decode
             # side a posted receive that nothing answers
-            await asyncio.shield(self.posts.start(self._post(h, notice, np.ascontiguousarray(host).reshape(-1))))
+            await asyncio.shield(self.posts.start(self._post(h, notice, payload)))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - whatever broke, the send is cancelled (the decode side prefills locally)
             log.warning("%s: KV send failed: %s", h.job.request_id, e)
             await self.cancel(h.job.request_id, f"send failed: {e}")
+
+    def _on_host(self, h: Handoff, pieces: list[KVPiece], resend: int) -> tuple[KVLayer, np.ndarray] | None:
+        """The notice and payload of pieces encoded on the host, checksummed with xxh3 (None: the
+        handoff closed meanwhile)."""
+        # (layers x n_blocks, bytes) on the host: for "native" on CPU a view of the pool when
+        # it is one layer; a device tensor is staged to the host (checksums are of host bytes)
+        rows = [codec.encode(self.settings.encoding, p.data) for p in pieces]
+        if h.closed:
+            return None
+        ref, host = self._place(h, rows)
+        h.bytes_sent += host.nbytes  # counted when handed over: the ack may beat the send's completion
+        h.segment_bytes += host.nbytes if ref else 0
+        notice = self._notice(h, pieces, resend, block_checksums(host), segment=ref)
+        return notice, np.ascontiguousarray(host).reshape(-1)
+
+    async def _on_device(self, h: Handoff, pieces: list[KVPiece], resend: int) -> tuple[KVLayer, None]:
+        """The notice of pieces left in the pool for the decode side to read (device-direct): their
+        blocks, and sums of their bytes computed on the device; no payload. Fault injection makes
+        one sum wrong, as a changed byte would."""
+        sums = await asyncio.to_thread(lambda: [s for p in pieces for s in kv_device.block_sums(p.data)])
+        if self.transport.faults.strikes(resend):
+            sums[random.randrange(len(sums))] ^= 1
+            self.transport.corrupted += 1
+        nbytes = sum(p.data.nbytes for p in pieces)
+        h.bytes_sent += nbytes
+        h.device_bytes += nbytes
+        ref = DeviceRef(pool=self.transport.pool_handle, block_ids=list(pieces[0].block_ids))
+        return self._notice(h, pieces, resend, sums, device=ref), None
+
+    def _notice(self, h: Handoff, pieces: list[KVPiece], resend: int, checksums: list[int],
+                segment: SegmentRef | None = None, device: DeviceRef | None = None) -> KVLayer:
+        if h.next_tag >= TAG_SPAN:
+            raise RuntimeError("handoff used up its tag range")
+        tag, h.next_tag = h.job.kv_tag + h.next_tag, h.next_tag + 1
+        first = pieces[0]
+        return KVLayer(request_id=h.job.request_id, prefill_worker=self.settings.worker_id,
+                       fingerprint=self.settings.fingerprint, tag=tag, layer=first.layer, num_layers=len(pieces),
+                       first_block=first.first_block, num_blocks=first.num_blocks, checksums=checksums,
+                       resend=resend, encoding=self.settings.encoding, segment=segment, device=device)
 
     def _place(self, h: Handoff, rows: list[np.ndarray]) -> tuple[SegmentRef | None, np.ndarray]:
         """The payload's bytes: where the transport places it for the decode worker to read in
@@ -191,16 +230,17 @@ class KVSender:
         np.concatenate(rows, out=host)
         return ref, host
 
-    async def _post(self, h: Handoff, notice: KVLayer, payload: np.ndarray) -> None:
-        if notice.segment is not None:  # the transport's fault injection, on the segment's bytes
+    async def _post(self, h: Handoff, notice: KVLayer, payload: np.ndarray | None) -> None:
+        if notice.segment is not None or notice.device is not None:  # read in place: the transport's faults here
             await self.transport.faults.delay()
-            if h.closed:  # its region may be another handoff's by now: nothing more of it goes out
+            if h.closed:  # its region (its blocks) may be another handoff's by now: nothing more of it goes out
                 return
-            self.transport.corrupted += self.transport.faults.apply_in_place(payload, notice.resend)
+            if payload is not None:  # (the segment's bytes; a device notice's sums took their fault already)
+                self.transport.corrupted += self.transport.faults.apply_in_place(payload, notice.resend)
         h.notices.append(notice)  # (the bus away: published again on the decode side's KVSync, or `resync`)
         await self.bus.tried("kv", self.bus.publish(subjects.decode_kv(h.job.decode_worker), notice, ctx=h.ctx,
                                                     secret=h.job.secret))
-        if notice.segment is None:
+        if notice.segment is None and payload is not None:   # (a device notice has none: its blocks are read)
             await self.transport.send(h.job.decode_address, notice.tag, payload, notice.resend)
 
     async def on_resend(self, msg: Msg) -> None:
