@@ -10,7 +10,7 @@ LLAMA_CPP_VERSION ?= 0.3.36
 # its AVX2 kernels on every x86 machine (its AVX-512/AMX build crashed on multi-token batches on such a machine)
 LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF -DGGML_AMX_INT8=OFF
 
-.PHONY: help setup lint fmt run test test-fast test-clients bench-path bench-engine bench-archs bench-grammar bench-stack bench-transfer eval-router bench-router chaos fuzz chaos-busy chaos-tls bench-security bench-store bench-tls bench-tracing bench-scale bench-scale-stores bench-index bench bench-gemma bench-full bench-prefill-chunk profile plan plan-check compose-up compose-down compose-check gpu-check clean
+.PHONY: help setup lint fmt run test test-fast test-clients bench-path bench-engine bench-archs bench-grammar bench-stack bench-transfer eval-router bench-router chaos fuzz chaos-busy chaos-tls bench-security bench-store bench-tls bench-tracing bench-scale bench-scale-stores bench-index bench bench-gemma bench-full bench-prefill-chunk profile plan plan-check compose-up compose-down compose-check gpu-check gpu-wheels clean
 
 .DEFAULT_GOAL := help
 
@@ -260,6 +260,13 @@ gpu-check:
 	$(GPU_PYTHON) scripts/gpu_check.py $(GPU_CHECK_ARGS)
 	if [ -x $(BIN)/python ]; then $(BIN)/python -m bench.planning.profile && \
 		$(BIN)/python -m pdserve.planner.plan --workers 8; else echo "no $(BIN): the planner's steps skipped"; fi
+
+## gpu-wheels: the wheels gpu-check's services step needs on a GPU image without them (pydantic, NATS's server, ...:
+##   scripts/gpu_wheels.py), binary for Python $(GPU_WHEELS_PYTHON), into .gpu-wheels/ (ignored), checked under the
+##   64 MiB a device run carries; there: pip install --no-index --find-links .gpu-wheels -r .gpu-wheels/requirements.txt
+GPU_WHEELS_PYTHON ?= 3.12
+gpu-wheels: setup
+	$(BIN)/python scripts/gpu_wheels.py --python-version $(GPU_WHEELS_PYTHON)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
