@@ -52,7 +52,6 @@ from pdserve.services.decode.watch import PrefillWorkerLate, PrefillWorkerLost
 from pdserve.shared import macs, metrics, subjects, tracing
 from pdserve.shared.bus import Bus, after_reconnects, context_of
 from pdserve.shared.config import DecodeSettings
-from pdserve.shared.engine import kv_device
 from pdserve.shared.engine.block_manager import OutOfBlocks
 from pdserve.shared.engine.engine import Engine, RequestOutput
 from pdserve.shared.engine.kv_io import Reservation
@@ -60,7 +59,6 @@ from pdserve.shared.engine.sequence import SamplingParams
 from pdserve.shared.kv import KVTransport
 from pdserve.shared.kv.receiver import KVCancelled, KVReceiver
 from pdserve.shared.kv.same_host import SameHost
-from pdserve.shared.kv.segment import Segments
 from pdserve.shared.messages import (
     AdmitReply,
     AdmitRequest,
@@ -84,10 +82,8 @@ class DecodeWorker:
                  transport: KVTransport, tracer: trace.Tracer):
         self.core = WorkerCore("decode", settings, engine, state, transport, bus)
         self.settings, self.engine, self.bus, self.state = settings, engine, bus, state
-        # KV from a prefill worker on this host is read out of that worker's segment
-        # (or, its pool on a device too, out of that worker's pool: pdserve/shared/engine/kv_device.py)
-        self.transport = SameHost(transport, segments=Segments(settings.kv_segment_scope), pools=kv_device.Pools(
-            engine.runner.device.type) if engine.runner.device.type == "cuda" else None)
+        # KV from a prefill worker on this host is read out of that worker's segment (or pool, both on CUDA)
+        self.transport = SameHost.reader(transport, settings.kv_segment_scope, engine.runner.device)
         self.id, self.host, self.tracer = self.core.id, self.core.host, tracer
         self.requests = DecodeRequests()  # one record per request placed here
         self.handoffs = Handoffs(self.id, settings, engine, bus, state, self.transport)

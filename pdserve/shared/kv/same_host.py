@@ -32,6 +32,12 @@ class SameHost(KVTransport):
         self._pool_handle = pool.encode() if pool is not None else ""
         self.name = inner.name
 
+    @classmethod
+    def reader(cls, inner: KVTransport, scope: str, device: torch.device) -> SameHost:
+        """A decode worker's: other processes' segments (of deployment `scope`), and their pools where
+        this worker's pool is on `device` of kind CUDA (pdserve/shared/engine/kv_device.py)."""
+        return cls(inner, segments=Segments(scope), pools=kv_device.Pools("cuda") if device.type == "cuda" else None)
+
     @property
     def address(self) -> str:
         return self.inner.address
