@@ -61,9 +61,10 @@ Parts = tuple[tuple[str, tuple[str, ...]], ...]
 ENGINE_PARTS: Parts = (  # (part, markers of the innermost frame of ours), first match wins
     ("forward", ("engine/model.py", "engine/attention.py", "engine/kernels/", "engine/projection.py",
                  "engine/rope.py", "engine/weights.py", "engine/fake.py")),
-    ("inputs", ("engine/runner.py", "engine/batch.py")),
+    ("inputs", ("engine/runner.py", "engine/batch.py", "engine/step_buffers.py", "engine/cuda_graphs.py")),
     ("scheduler", ("engine/scheduler.py", "engine/block_manager.py", "shared/hashing.py")),
-    ("sampler", ("engine/sampler.py", "engine/logprobs.py", "engine/grammar.py")),
+    ("sampler", ("engine/sampler.py", "engine/device_sampler.py", "engine/seeded_draw.py", "engine/logprobs.py",
+                 "engine/grammar.py")),
     ("detokenizer", ("engine/detokenizer.py", "engine/tokenizer.py", "engine/sequence.py")),
     ("engine other", ("engine/engine.py",)),
     ("host", ("shared/engine_host.py", "shared/engine_ahead.py", "shared/batches.py", "shared/metrics")),

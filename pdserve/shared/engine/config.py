@@ -110,6 +110,7 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 30.0  # a request whose grammar is not compiled by then fails
     grammar_compiles_per_tenant: int = 2  # a tenant's compiles at once (its others wait for them)
     speculative_tokens: int = 0  # draft tokens per step for requests that name none (speculative.py; 0: off)
+    cuda_graphs: bool | None = None  # decode passes replayed as CUDA graphs (cuda_graphs.py; None: PD_CUDA_GRAPHS, on)
     pass_target_ms: float = 0.0  # a pass with prompt tokens beside running streams aims at this (pass_time.py)
 
     def __post_init__(self) -> None:

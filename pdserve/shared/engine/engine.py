@@ -55,7 +55,6 @@ from pdserve.shared.engine.loader import LoadedModel
 from pdserve.shared.engine.logprobs import Logprob
 from pdserve.shared.engine.pass_time import PassTimes
 from pdserve.shared.engine.runner import ModelRunner, score_prompts
-from pdserve.shared.engine.sampler import sample
 from pdserve.shared.engine.scheduler import Scheduler
 from pdserve.shared.engine.sequence import SamplingParams, Sequence, Status, finish_reason
 
@@ -200,7 +199,7 @@ class Engine:
                 due.append(seq)
         drafts = sched.drafts + [[]] * (len(due) - len(sched.drafts))
         rows, ahead = speculative.rows(due, drafts)
-        tokens, lps = sample(logits[:len(rows)], rows, self.eos_token_ids, ahead)
+        tokens, lps = self.runner.sample(logits[:len(rows)], rows, self.eos_token_ids, ahead)
         self.pass_times.observe(sched.decode_rows, sched.prefill_tokens, time.perf_counter() - started)
         outputs = []
         for seq, draft, run in zip(due, drafts, speculative.runs(list(zip(tokens, lps)), drafts, tokens)):

@@ -9,7 +9,8 @@ on a decode engine, all in one place, or after a failover resumed the request el
 Order, as vLLM's: logit_bias and the min_tokens ban, then the penalties (repetition over
 prompt and output, frequency and presence over the output), then the grammar's mask
 (structured output: tokens that would leave it are never chosen), then greedy or
-temperature, min-p, top-k, top-p and the draw.
+temperature, min-p, top-k, top-p and the draw. On CUDA the draw is seeded_draw.py's (keyed noise, no
+generator); device_sampler.py chooses a plain batch's tokens there without leaving the device.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import xxhash
 
 from pdserve.shared.engine.grammar import mask_rows
 from pdserve.shared.engine.logprobs import Logprob, logprobs_of
+from pdserve.shared.engine.seeded_draw import Rows
+from pdserve.shared.engine.seeded_draw import sample as draw
 from pdserve.shared.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -89,6 +92,10 @@ def adjust(logits: torch.Tensor, seq: Sequence, eos_ids: tuple[int, ...]) -> Non
 
 def _sample_row(logits: torch.Tensor, seq: Sequence, ahead: int = 0) -> int:
     p = seq.params
+    if logits.is_cuda:  # the batched path's filters and keyed draw (device_sampler.py): a seed's tokens on CUDA
+        rows = Rows.of([p.temperature], [p.top_k], [p.top_p], [p.min_p],  # whichever path a step takes
+                       [step_seed(seq.seed, seq.num_generated + ahead)], logits.device)
+        return int(draw(logits[None], rows)[0])
     logits = logits / p.temperature
     if p.min_p > 0:
         probs = logits.softmax(-1)
