@@ -42,8 +42,14 @@ class Oracle:
         return drafts
 
 
-def _run(loaded, params: SamplingParams, k: int = 0, drafter=None, **cfg) -> tuple[Engine, dict[str, list[int]]]:
+def _run(loaded, params: SamplingParams, k: int = 0, drafter=None, ascii_grammars: bool = False,
+         **cfg) -> tuple[Engine, dict[str, list[int]]]:
+    """PROMPTS through an engine drafting k tokens (with `drafter`); `ascii_grammars`: grammars read tokens 0-127
+    as their byte, the others as nothing."""
     eng = Engine(loaded, EngineConfig(**{"num_blocks": 256, "speculative_tokens": k, **cfg}))
+    if ascii_grammars:
+        eng.grammars = Grammars([bytes([i]) if i < 128 else b"" for i in range(eng.model_config.vocab_size)],
+                                eng.eos_token_ids)
     if drafter is not None:
         eng.speculator.drafter = drafter
     for rid, ids in PROMPTS.items():
@@ -83,22 +89,10 @@ def test_drafts_under_a_grammar_follow_its_mask_and_are_cut_where_it_refuses(fak
     speculation; a draft token the grammar refuses is cut before the pass (never computed, never scored)."""
     params = dataclasses.replace(params, grammar=Grammar("regex", r"[0-9a-f]{24}"), ignore_eos=False)
 
-    def run(k: int, drafter=None) -> tuple[Engine, dict[str, list[int]]]:
-        eng = Engine(fake, EngineConfig(num_blocks=256, speculative_tokens=k))
-        vocab = [bytes([i]) if i < 128 else b"" for i in range(eng.model_config.vocab_size)]
-        eng.grammars = Grammars(vocab, eng.eos_token_ids)
-        if drafter is not None:
-            eng.speculator.drafter = drafter
-        for rid, ids in PROMPTS.items():
-            eng.add_request(rid, ids, params)
-        outs = run_all(eng)
-        assert eng.num_free_blocks == eng.num_blocks
-        return eng, {rid: tokens(outs[rid]) for rid in PROMPTS}
-
-    want = run(0)[1]
+    want = _run(fake, params, ascii_grammars=True)[1]
     assert all(bytes(t for t in out if t < 128).decode()[:24].isalnum() for out in want.values()), want
     for drafter, cut in ((Oracle(want), False), (Oracle(want, wrong_every=3), False), (Refused(want), True)):
-        eng, got = run(4, drafter)
+        eng, got = _run(fake, params, 4, drafter, ascii_grammars=True)
         assert got == want
         stats = eng.speculator.stats
         assert stats.accepted > 0
