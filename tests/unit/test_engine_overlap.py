@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Awaitable, Callable
 
 from pdserve.shared.engine.engine import Pass, RequestOutput
 from pdserve.shared.engine_host import EngineHost
@@ -39,6 +40,16 @@ class Steps:
         return []
 
 
+async def run_to_the_end(engine: Steps, host: EngineHost, handed: Callable[[list[RequestOutput]], Awaitable[None]],
+                         overlap: bool = True) -> None:
+    """Step 0 released, the host's loop run until the engine has no work and the last outputs are handed on."""
+    engine.release[0].set()
+    stop = asyncio.Event()
+    stop.set()
+    await asyncio.wait_for(host.run(handed, stop, overlap=overlap), (2 if overlap else 1) * WAIT_S)
+    host.close()
+
+
 def test_outputs_are_handed_on_while_the_next_step_computes_in_order() -> None:
     async def run() -> tuple[list[str], int]:
         engine = Steps(3)
@@ -55,11 +66,7 @@ def test_outputs_are_handed_on_while_the_next_step_computes_in_order() -> None:
                 engine.release[k + 1].set()
             log.append(f"handed {k}")
 
-        engine.release[0].set()
-        stop = asyncio.Event()
-        stop.set()  # returns once the engine has no work and the last outputs are handed on
-        await asyncio.wait_for(host.run(handed, stop, overlap=True), 2 * WAIT_S)
-        host.close()
+        await run_to_the_end(engine, host, handed)
         return log, engine.done
 
     log, done = asyncio.run(run())
@@ -86,11 +93,7 @@ def test_a_call_made_while_the_engine_steps_ahead_runs_before_the_next_step() ->
                 engine.release[2].set()
             log.append(f"handed {k}")
 
-        engine.release[0].set()
-        stop = asyncio.Event()
-        stop.set()
-        await asyncio.wait_for(host.run(handed, stop, overlap=True), 2 * WAIT_S)
-        host.close()
+        await run_to_the_end(engine, host, handed)
         return log
 
     assert asyncio.run(run()) == ["call (step 2 began: False)", "handed 0", "handed 1", "handed 2"]
@@ -111,11 +114,7 @@ def test_a_call_given_up_before_it_began_does_not_hold_the_engine_back() -> None
                 engine.release[1].set()
                 engine.release[2].set()
 
-        engine.release[0].set()
-        stop = asyncio.Event()
-        stop.set()
-        await asyncio.wait_for(host.run(handed, stop, overlap=True), 2 * WAIT_S)
-        host.close()
+        await run_to_the_end(engine, host, handed)
         return engine.done
 
     assert asyncio.run(run()) == 3
@@ -133,11 +132,7 @@ def test_without_overlap_a_step_waits_for_the_outputs_before_it() -> None:
             if k + 1 < engine.n:
                 engine.release[k + 1].set()
 
-        engine.release[0].set()
-        stop = asyncio.Event()
-        stop.set()
-        await asyncio.wait_for(host.run(handed, stop), WAIT_S)
-        host.close()
+        await run_to_the_end(engine, host, handed, overlap=False)
         return log
 
     assert asyncio.run(run()) == ["hand 0 (step 1 began: False)", "hand 1 (step 2 began: False)"]
