@@ -16,18 +16,11 @@ import numpy as np
 import torch
 
 from pdserve.shared.engine.logprobs import Logprob
-from pdserve.shared.engine.sampler import sample, step_seed
+from pdserve.shared.engine.sampler import plain, sample, step_seed
 from pdserve.shared.engine.seeded_draw import Rows
 from pdserve.shared.engine.seeded_draw import sample as draw
 from pdserve.shared.engine.sequence import Sequence
 from pdserve.shared.engine.step_buffers import Staging
-
-
-def plain(seq: Sequence) -> bool:
-    """Whether the sequence's token is chosen from its row's logits as the model gave them, with nothing but
-    temperature, min-p, top-k and top-p between (no logit change, no grammar, no log probabilities)."""
-    p = seq.params
-    return (not p.penalized and seq.matcher is None and p.logprobs is None and seq.num_generated >= p.min_tokens)
 
 
 class DeviceSampler:

@@ -60,12 +60,17 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...],
     return out, lps
 
 
-def plain_greedy(seq: Sequence) -> bool:
-    """Whether the sequence's token is its row's argmax as the model gave it: greedy, no logit
-    change, no grammar, no log probabilities, no min_tokens ban."""
+def plain(seq: Sequence) -> bool:
+    """Whether the sequence's token is chosen from its row's logits as the model gave them, with nothing but
+    temperature, min-p, top-k and top-p between (no logit change, no grammar, no log probabilities, no
+    min_tokens ban)."""
     p = seq.params
-    return (p.greedy and not p.penalized and seq.matcher is None and p.logprobs is None
-            and seq.num_generated >= p.min_tokens)
+    return not p.penalized and seq.matcher is None and p.logprobs is None and seq.num_generated >= p.min_tokens
+
+
+def plain_greedy(seq: Sequence) -> bool:
+    """Whether the sequence's token is its row's argmax as the model gave it."""
+    return seq.params.greedy and plain(seq)
 
 
 def adjust(logits: torch.Tensor, seq: Sequence, eos_ids: tuple[int, ...]) -> None:
