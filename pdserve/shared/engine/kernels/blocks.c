@@ -328,13 +328,11 @@ static void team_matmul(const struct matrix *w, const float *x, int64_t M, int64
     int even = 1;
     for (int64_t q = 0; q < w->parts; q++) even &= w->rows[q] % 2 == 0;
 #ifdef __AVX2__
-    if (M > FEW || !even) {  /* (M = 0: no row of x, nothing to do) */
+    if (M > FEW || !even) {
 #pragma omp for schedule(static)
         for (int64_t tile = 0; tile < (M + ROWS - 1) / ROWS; tile++) interleave(s, M, K, tile);
     }
-#endif
-#ifdef __AVX2__
-    if (M >= 1 && M <= FEW && even) {
+    if (M >= 1 && M <= FEW && even) {  /* (M = 0, no row of x: neither path has anything to do) */
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < N; n += 2) {
             const uint8_t *w8;
