@@ -138,15 +138,14 @@ class Matcher:
     def fill_rows(self, bitmask: torch.Tensor, rows: list[int]) -> None:
         """Rows `rows` (the sequence's row, then its draft's) as `fill` sets them, row j after the
         draft's first j tokens; the state is the same after as before."""
-        taken = 0
         for j, row in enumerate(rows):
             self.fill(bitmask, row)
-            if j + 1 < len(rows):
-                if not self._m.accept_token(self.draft[j]):
-                    raise ValueError(f"draft token {self.draft[j]} leaves the grammar (cut it first: allows)")
-                taken += 1
-        if taken:
-            self._m.rollback(taken)
+            if j + 1 < len(rows) and not self._m.accept_token(self.draft[j]):
+                if j:
+                    self._m.rollback(j)  # (the state as before, the error raised)
+                raise ValueError(f"draft token {self.draft[j]} leaves the grammar (cut it first: allows)")
+        if len(rows) > 1:
+            self._m.rollback(len(rows) - 1)
 
     def allows(self, tokens: list[int]) -> int:
         """How many of `tokens`, in order, the grammar takes from here short of its end (a draft
